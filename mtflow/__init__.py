@@ -1,0 +1,22 @@
+"""mtflow: multi-turn LLM rollouts as explicit per-request state machines.
+
+``import mtflow`` is light (pydantic, transitions); engines (torch, transformers, vLLM,
+ms-swift) are imported only by the backends and integrations that need them.
+"""
+from .errors import (IllegalTransition, MtflowError, MultiTurnRolloutError, RequestError, RequestFailure,
+                     RolloutFnError, SchedulerResultError)
+from .executor import Executor, RunResult, identity_gather, run_multi_turn
+from .machine import StateGraph
+from .protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
+                       RolloutInferRequest, RolloutOutput, UsageInfo)
+from .scheduler import Scheduler
+from .trace import Trace, TraceEvent
+
+__version__ = '0.1.0'
+
+__all__ = [
+    'Executor', 'RunResult', 'run_multi_turn', 'identity_gather', 'Scheduler', 'StateGraph', 'Trace', 'TraceEvent',
+    'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
+    'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
+    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', '__version__'
+]

@@ -1,0 +1,1 @@
+"""One module per ``mtflow`` subcommand: ``add_parser(subparsers)`` sets ``func=main``."""

@@ -1,0 +1,83 @@
+"""mtflow's errors. Each one names the request (uuid), the turn and the field it is about, so that
+a failure in a batch of thousands points at the one request that caused it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+class MtflowError(Exception):
+    """Base class of every error mtflow raises on purpose."""
+
+
+class IllegalTransition(MtflowError):
+    """A move that the declared state graph does not allow."""
+
+    def __init__(self, uuid: str, state: str, trigger: str) -> None:
+        self.uuid, self.state, self.trigger = uuid, state, trigger
+        super().__init__(f'request {uuid}: illegal transition {trigger!r} from state {state!r}')
+
+
+class RequestError(MtflowError):
+    """Something wrong with what a hook, a step or ``rollout_fn`` produced for one request."""
+
+    def __init__(self, message: str, *, uuid: Optional[str] = None, turn: Optional[int] = None,
+                 field: Optional[str] = None) -> None:
+        self.uuid, self.turn, self.field, self.detail = uuid, turn, field, message
+        where = [f'request {uuid}' if uuid is not None else None, f'turn {turn}' if turn is not None else None,
+                 f'field {field!r}' if field else None]
+        prefix = ', '.join(w for w in where if w)
+        super().__init__(f'{prefix}: {message}' if prefix else message)
+
+
+class SchedulerResultError(RequestError):
+    """A scheduler hook returned something the contract does not allow."""
+
+
+class RolloutFnError(RequestError):
+    """``rollout_fn`` failed or returned the wrong number or shape of outputs."""
+
+
+@dataclass
+class RequestFailure:
+    """One request that finished with reason ``error``: where, when and why."""
+    index: int
+    uuid: str
+    turn: int
+    phase: str  # 'on_trajectory_start' | 'apply' | 'on_turn_end' | 'check_finished' | 'step' | 'rollout_fn' | ...
+    error: BaseException
+    traceback: str = ''
+
+    def to_dict(self) -> dict:
+        return {
+            'index': self.index,
+            'uuid': self.uuid,
+            'turn': self.turn,
+            'phase': self.phase,
+            'type': type(self.error).__name__,
+            'message': str(self.error)
+        }
+
+    def __str__(self) -> str:
+        return f'request {self.uuid} (index {self.index}), turn {self.turn}, {self.phase}: ' \
+               f'{type(self.error).__name__}: {self.error}'
+
+
+@dataclass
+class MultiTurnRolloutError(MtflowError):
+    """Raised at the end of a run (never mid-run, so other ranks are never left waiting) when one or
+    more requests failed. Carries every failure and every output, the failed requests' partial
+    outputs included, so nothing that was already done is lost."""
+    failures: List[RequestFailure]
+    outputs: List[Any] = field(default_factory=list)
+    result: Any = None  # the native RunResult, when raised by Executor.run
+
+    def __post_init__(self) -> None:
+        lines = [f'{len(self.failures)} of {len(self.outputs)} request(s) failed:']
+        lines += [f'  - {f}' for f in self.failures[:20]]
+        if len(self.failures) > 20:
+            lines.append(f'  ... and {len(self.failures) - 20} more')
+        super().__init__('\n'.join(lines))
+
+    def __str__(self) -> str:
+        return self.args[0]

@@ -1,0 +1,507 @@
+"""The batch executor: advances every request's state machine one turn at a time.
+
+One turn (see ``docs/executor.md``):
+
+1. ask every rank whether any has live requests (``gather_fn``); stop when none has;
+2. apply this turn's outputs to the live requests (messages and, on stop, token segments);
+3. run ``on_turn_end`` for all of them (async ones gathered), then decide for each: finish, or
+   enter ``tool_step``;
+4. run the steps (async ones concurrently, sync ones in request order), then each request moves
+   to ``generating`` or ``continuing``;
+5. call ``rollout_fn`` once with the requests that go on (``[]`` on a rank with nothing live
+   while another rank works), so every rank calls it the same number of times.
+
+The driver loop itself is synchronous, like ms-swift's: ``rollout_fn``, ``step`` and
+``check_finished`` run outside any event loop (engines that start their own loop keep working),
+and only async hooks are driven on a private event loop.
+
+A failure in one request (a hook or step raising, a bad step result, a bad output) finishes that
+request with reason ``error``; the others go on, every rank stays in step, and the failures are
+raised together at the end (``on_error='raise'``, with every output attached) or returned
+(``on_error='return'``).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import traceback as _traceback
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
+
+from . import machine as M
+from . import trace as _trace
+from .errors import MultiTurnRolloutError, RequestFailure, RolloutFnError, SchedulerResultError
+from .machine import RequestRecord, StateGraph
+from .protocol import RolloutOutput
+from .scheduler import HookSet
+from .segments import ContractAccounting, checked_logprobs, is_continuation_of
+from .trace import Trace, TraceRecorder
+
+RolloutFn = Callable[[List[Any], Any], Any]
+GatherFn = Callable[[List[bool]], List[bool]]
+OnError = Literal['raise', 'return']
+
+_EMPTY: Dict[str, Any] = {}
+
+
+def identity_gather(values: List[bool]) -> List[bool]:
+    """The single-process ``gather_fn``: every rank's contribution is this rank's."""
+    return list(values)
+
+
+@dataclass
+class RunResult:
+    """What :meth:`Executor.run` returns: one output per request (input order), each request's
+    finish reason, the failures, and the trace (``None`` when tracing is off)."""
+    outputs: List[Any]
+    finish_reasons: List[str]
+    failures: List[RequestFailure] = field(default_factory=list)
+    trace: Optional[Trace] = None
+    turns: int = 0  # loop iterations in which some rank had live requests
+    rollout_fn_calls: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class Executor:
+    """Runs a scheduler over a batch of requests with ``rollout_fn`` as the model.
+
+    Args:
+        scheduler: an :class:`mtflow.Scheduler`, an ms-swift ``MultiTurnScheduler``, or any object
+            with ``step`` (and optionally ``check_finished``, ``on_turn_end``,
+            ``on_trajectory_start``, ``on_request_finished``), each sync or async.
+        rollout_fn: ``rollout_fn(requests, request_config) -> outputs`` (one per request, same
+            order; may return an awaitable).
+        request_config: passed to every ``rollout_fn`` call.
+        max_turns: stop every request at this turn; ``None`` or ``0``: unlimited.
+        gather_fn: accelerate's ``gather_object`` convention (list in, concatenation out).
+        trace: record every transition (``Executor.run`` returns it); ``False`` turns it off.
+        on_error: ``'raise'`` one :class:`MultiTurnRolloutError` at the end if any request failed
+            (it carries all failures and all outputs), or ``'return'`` them in the result.
+        rank: written into trace events.
+        output_cls: the class of the outputs built; default: the class of the first-turn outputs
+            (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
+        accounting: how ids/masks/logprobs accumulate (default: the contract's rules).
+    """
+
+    def __init__(self,
+                 scheduler: Any,
+                 rollout_fn: RolloutFn,
+                 request_config: Any = None,
+                 *,
+                 max_turns: Optional[int] = None,
+                 gather_fn: Optional[GatherFn] = None,
+                 trace: bool = True,
+                 on_error: OnError = 'raise',
+                 rank: int = 0,
+                 output_cls: Optional[type] = None,
+                 accounting: Any = None) -> None:
+        if on_error not in ('raise', 'return'):
+            raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
+        if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 0):
+            raise ValueError(f'max_turns must be None or an int >= 0, not {max_turns!r}')
+        self.scheduler = scheduler
+        self.hooks = HookSet(scheduler)
+        self.graph = StateGraph(self.hooks.finish_reasons, name=type(scheduler).__name__)
+        self.rollout_fn = rollout_fn
+        self.request_config = request_config
+        self.max_turns = max_turns
+        self.gather_fn = gather_fn or identity_gather
+        self.tracing = trace
+        self.on_error = on_error
+        self.rank = rank
+        self.output_cls = output_cls
+        self.accounting = accounting if accounting is not None else _default_accounting(scheduler)
+
+    # ---- entry points ------------------------------------------------------------------------
+    def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
+        """Roll out ``requests`` to the end. Without ``first_turn_outputs`` the executor calls
+        ``on_trajectory_start`` and generates the first turn itself.
+
+        Like ms-swift's loop, each request's ``messages`` are extended in place and, when
+        ``requests`` is a list, its entries are replaced by the requests that steps return."""
+        loop = asyncio.new_event_loop()
+        try:
+            return _Run(self, loop, requests, first_turn_outputs).drive()
+        finally:
+            loop.close()
+
+    async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
+        """:meth:`run` from inside a running event loop (server mode): the synchronous driver runs
+        in a worker thread so that blocking engines and sync hooks never stall the caller's loop."""
+        return await asyncio.to_thread(self.run, requests, first_turn_outputs)
+
+
+def _default_accounting(scheduler: Any) -> Any:
+    """The contract's rules, or ms-swift 4.6's for schedulers that keep assistant messages as
+    exact token ids (they have ``append_assistant_completion``)."""
+    if callable(getattr(type(scheduler), 'append_assistant_completion', None)):
+        try:
+            from .integrations.swift_accounting import Swift46Accounting
+        except ImportError:  # pragma: no cover - the integration is part of the package
+            return ContractAccounting()
+        return Swift46Accounting(scheduler)
+    return ContractAccounting()
+
+
+class _Run:
+    """The state of one :meth:`Executor.run` call. Kept out of :class:`Executor` so that an
+    executor can be reused and nothing leaks from one batch into the next."""
+
+    def __init__(self, ex: Executor, loop: asyncio.AbstractEventLoop, requests: List[Any],
+                 first_turn_outputs: Optional[Sequence[Any]]) -> None:
+        self.ex = ex
+        self.loop = loop
+        self.requests = requests
+        self.first = first_turn_outputs
+        self.records = [RequestRecord(i, _uuid_of(req, i), req) for i, req in enumerate(requests)]
+        self.failures: List[RequestFailure] = []
+        self.recorder = TraceRecorder(ex.rank) if ex.tracing else None
+        if self.recorder is not None:
+            self.recorder.uuids = [r.uuid for r in self.records]
+        self.raw = self.recorder.raw if self.recorder is not None else None
+        self.table = ex.graph.table
+        self.rollout_calls = 0
+        if ex.output_cls is not None:
+            self.output_cls = ex.output_cls
+        elif first_turn_outputs:
+            self.output_cls = type(first_turn_outputs[0])
+        else:
+            self.output_cls = RolloutOutput
+
+    # ---- transitions -------------------------------------------------------------------------
+    def move(self, rec: RequestRecord, trigger: str, turn: int, tokens: Optional[int] = None,
+             duration: Optional[float] = None, extra: Optional[dict] = None) -> None:
+        src = rec.state
+        dst = self.table[src].get(trigger)
+        if dst is None:
+            raise M.IllegalTransition(rec.uuid, src, trigger)
+        rec.state = dst
+        raw = self.raw
+        if raw is not None:
+            raw.append((rec.index, turn, src, dst, trigger, rec.reason if dst == M.FINISHED else None, tokens,
+                        duration, perf_counter() - self.recorder.t0, extra))
+
+    def enter_wait(self, rec: RequestRecord, turn: int, duration: Optional[float] = None,
+                   extra: Optional[dict] = None) -> None:
+        trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
+        self.move(rec, trigger, turn, duration=duration, extra=extra)
+
+    def fail(self, rec: RequestRecord, turn: int, phase: str, exc: BaseException, tokens: Optional[int] = None) -> None:
+        failure = RequestFailure(rec.index, rec.uuid, turn, phase, exc,
+                                 ''.join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        self.failures.append(failure)
+        rec.error = failure
+        rec.reason = M.ERROR
+        self.move(rec, M.FAIL, turn, tokens=tokens, extra={'error': failure.to_dict()})
+        rec.turns = turn
+        rec.output = self.build_output(rec, turn)
+        self.notify_finished(rec, turn)
+
+    def finish(self, rec: RequestRecord, choice: Any, turn_result: Dict[str, Any], reason: str, turn: int,
+               tokens: int) -> None:
+        self.ex.accounting.finalize(rec, choice, turn_result)
+        rec.reason = reason
+        self.move(rec, M.FINISH, turn, tokens=tokens)
+        rec.turns = turn
+        rec.output = self.build_output(rec, turn)
+        self.notify_finished(rec, turn)
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def build_output(self, rec: RequestRecord, turn: int) -> Any:
+        infos = {**rec.infos, 'num_turns': turn}
+        if rec.error is not None:
+            infos['mtflow_error'] = rec.error.to_dict()
+        fields = dict(
+            response=rec.response,
+            messages=rec.request.messages,
+            response_token_ids=rec.ids,
+            response_loss_mask=rec.mask,
+            rollout_infos=infos,
+            rollout_logprobs=checked_logprobs(rec))
+        try:
+            return self.output_cls(**fields)
+        except Exception as exc:  # e.g. ms-swift's class requires a response the request never got
+            if rec.error is None:
+                rec.output = RolloutOutput.model_construct(**fields)
+                self.fail(rec, turn, 'output', SchedulerResultError(
+                    f'cannot build {self.output_cls.__name__}: {exc}', uuid=rec.uuid, turn=turn, field='output'))
+                return rec.output
+            try:
+                return RolloutOutput(**fields)
+            except Exception:
+                return RolloutOutput.model_construct(**fields)
+
+    def notify_finished(self, rec: RequestRecord, turn: int) -> None:
+        hook = self.ex.hooks.on_request_finished
+        if hook is None:
+            return
+        try:
+            result = hook(rec.request, rec.reason, turn)
+            if inspect.isawaitable(result):
+                self.loop.run_until_complete(result)
+        except Exception as exc:
+            self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'on_request_finished', exc,
+                                                _traceback.format_exc()))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def call_rollout(self, live: List[RequestRecord], turn: int) -> List[Any]:
+        self.rollout_calls += 1
+        try:
+            outputs = self.ex.rollout_fn([r.request for r in live], self.ex.request_config)
+            if inspect.isawaitable(outputs):
+                outputs = self.loop.run_until_complete(outputs)
+            return list(outputs)
+        except Exception as exc:
+            err = RolloutFnError(f'rollout_fn raised {type(exc).__name__}: {exc}', turn=turn, field='rollout_fn')
+            err.__cause__ = exc
+            for rec in live:
+                self.fail(rec, turn, 'rollout_fn', err)
+            return []
+
+    def drive(self) -> RunResult:
+        ex, hooks, loop, records = self.ex, self.ex.hooks, self.loop, self.records
+        accounting = ex.accounting
+        max_turns = ex.max_turns
+        turn = 1
+
+        if self.first is None:
+            if hooks.on_trajectory_start is not None:
+                try:
+                    result = hooks.on_trajectory_start([r.request for r in records])
+                    if inspect.isawaitable(result):
+                        loop.run_until_complete(result)
+                except Exception as exc:
+                    for rec in records:
+                        self.fail(rec, turn, 'on_trajectory_start', exc)
+            live = [r for r in records if r.state == M.PENDING]
+            for rec in live:
+                self.enter_wait(rec, turn)
+            outputs = self.call_rollout(live, turn)
+            live = [r for r in live if r.state != M.FINISHED]
+        else:
+            live = list(records)
+            for rec in live:
+                self.enter_wait(rec, turn)
+            outputs = list(self.first)
+
+        loops = 0
+        step, step_async = hooks.step, hooks.step_is_async
+        on_turn_end, check = hooks.on_turn_end, hooks.check_finished
+        default_max = hooks.default_max_turns
+        while True:
+            has_local = bool(live)
+            if not any(ex.gather_fn([has_local])):
+                break
+            loops += 1
+            if len(outputs) != len(live):
+                err = RolloutFnError(f'rollout_fn returned {len(outputs)} output(s) for {len(live)} request(s)',
+                                     turn=turn, field='outputs')
+                for rec in live:
+                    self.fail(rec, turn, 'rollout_fn', err)
+                live, outputs = [], []
+
+            # 2. apply the outputs
+            applied: List[tuple] = []
+            for rec, out in zip(live, outputs):
+                try:
+                    response = out.response
+                    choice = response.choices[0]
+                    rec.response = response
+                    rec.is_continuation = accounting.append_completion(rec, choice.message.content)
+                except Exception as exc:
+                    self.fail(rec, turn, 'apply', RolloutFnError(
+                        f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid, turn=turn,
+                        field='response'))
+                    continue
+                ids = choice.token_ids
+                applied.append((rec, choice, len(ids) if ids else 0))
+
+            # 3. on_turn_end for all, then the stop decision for each
+            results: Optional[List[Any]] = None
+            if on_turn_end is not None and applied:
+                results = self.run_hooks(on_turn_end, hooks.on_turn_end_is_async, applied, turn)
+            snapshots = accounting.materialize([a[0] for a in applied]) if accounting.materializes else None
+            decided: List[tuple] = []
+            try:
+                for k, (rec, choice, ntok) in enumerate(applied):
+                    tr = _EMPTY if results is None else results[k]
+                    if tr.__class__ is not dict:
+                        if isinstance(tr, BaseException):
+                            self.fail(rec, turn, 'on_turn_end', tr, ntok)
+                            continue
+                        if tr is None:
+                            tr = _EMPTY
+                        elif not isinstance(tr, dict):
+                            self.fail(rec, turn, 'on_turn_end', SchedulerResultError(
+                                f'on_turn_end must return a dict, got {type(tr).__name__}', uuid=rec.uuid, turn=turn,
+                                field='on_turn_end'), ntok)
+                            continue
+                    infos = tr.get('rollout_infos')
+                    if infos:
+                        rec.infos.update(infos)
+                    if check is not None:
+                        try:
+                            checked = check(rec.request, choice, turn)
+                            if hooks.check_is_async:
+                                checked = loop.run_until_complete(checked)
+                        except Exception as exc:
+                            self.fail(rec, turn, 'check_finished', exc, ntok)
+                            continue
+                        reason = M.CHECK_FINISHED
+                    elif choice.finish_reason == 'length':
+                        checked, reason = True, M.LENGTH
+                    elif default_max and turn >= default_max:
+                        checked, reason = True, M.MAX_TURNS
+                    else:
+                        checked, reason = False, M.CHECK_FINISHED
+                    if 'done' in tr:
+                        stop, reason = tr['done'], M.DONE_BY_HOOK
+                    else:
+                        stop = checked
+                    if not stop and max_turns and turn >= max_turns:
+                        stop, reason = True, M.MAX_TURNS
+                    decided.append((rec, choice, ntok, tr, stop, reason))
+            finally:
+                if snapshots is not None:
+                    accounting.restore(snapshots)
+
+            # 4. finish, or step
+            next_live: List[RequestRecord] = []
+            if step_async:
+                going = []
+                for rec, choice, ntok, tr, stop, reason in decided:
+                    if stop:
+                        self.finish(rec, choice, tr, reason, turn, ntok)
+                    else:
+                        self.move(rec, M.RUN_STEP, turn, tokens=ntok)
+                        going.append((rec, choice, ntok))
+                if going:
+                    timed = self.loop.run_until_complete(
+                        asyncio.gather(*[_timed(step(rec.request, choice, turn)) for rec, choice, _ in going]))
+                    for (rec, choice, ntok), (result, dur) in zip(going, timed):
+                        self.after_step(rec, choice, result, dur, turn, next_live)
+            else:
+                for rec, choice, ntok, tr, stop, reason in decided:
+                    if stop:
+                        self.finish(rec, choice, tr, reason, turn, ntok)
+                        continue
+                    self.move(rec, M.RUN_STEP, turn, tokens=ntok)
+                    t = perf_counter()
+                    try:
+                        result = step(rec.request, choice, turn)
+                    except Exception as exc:
+                        result = _Raised(exc)
+                    self.after_step(rec, choice, result, perf_counter() - t, turn, next_live)
+
+            # 5. the next turn's inference, on every rank alike
+            turn += 1
+            outputs = self.call_rollout(next_live if has_local else [], turn)
+            live = [r for r in next_live if r.state != M.FINISHED]
+
+        return self.result(loops)
+
+    def run_hooks(self, hook: Callable[..., Any], is_async: bool, applied: List[tuple], turn: int) -> List[Any]:
+        """Call ``hook(request, choice, turn)`` for every applied request; an exception becomes
+        that request's result (so one failure never stops the others)."""
+        if is_async:
+
+            async def gather() -> List[Any]:
+                return await asyncio.gather(*[hook(rec.request, choice, turn) for rec, choice, _ in applied],
+                                            return_exceptions=True)
+
+            return self.loop.run_until_complete(gather())
+        results = []
+        for rec, choice, _ in applied:
+            try:
+                results.append(hook(rec.request, choice, turn))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def after_step(self, rec: RequestRecord, choice: Any, result: Any, duration: float, turn: int,
+                   next_live: List[RequestRecord]) -> None:
+        if isinstance(result, _Raised):
+            self.fail(rec, turn, 'step', result.exc)
+            return
+        try:
+            next_request = self.ex.accounting.accumulate_step(rec, choice, result, turn)
+        except Exception as exc:
+            self.fail(rec, turn, 'step', exc)
+            return
+        rec.request = next_request
+        if self.requests.__class__ is list:
+            self.requests[rec.index] = next_request
+        self.enter_wait(rec, turn, duration=duration, extra=result.get('trace_info'))
+        next_live.append(rec)
+
+    def result(self, loops: int) -> RunResult:
+        records = self.records
+        unfinished = [r for r in records if r.state != M.FINISHED]
+        for rec in unfinished:  # cannot happen unless a rank's gather_fn lies; never lose them silently
+            self.fail(rec, rec.turns, 'executor', RuntimeError(f'request left in state {rec.state!r}'))
+        trace = self.recorder.trace() if self.recorder is not None else None
+        result = RunResult(
+            outputs=[r.output for r in records],
+            finish_reasons=[r.reason for r in records],
+            failures=self.failures,
+            trace=trace,
+            turns=loops,
+            rollout_fn_calls=self.rollout_calls)
+        if trace is not None and _trace.has_listeners():
+            _trace.publish(trace)
+        if self.failures and self.ex.on_error == 'raise':
+            raise MultiTurnRolloutError(self.failures, result.outputs, result)
+        return result
+
+
+class _Raised:
+    """A step's exception, carried to where results are applied in request order."""
+    __slots__ = ('exc', )
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+async def _timed(coro: Any) -> tuple:
+    t = perf_counter()
+    try:
+        result = await coro
+    except Exception as exc:
+        result = _Raised(exc)
+    return result, perf_counter() - t
+
+
+def _uuid_of(request: Any, index: int) -> str:
+    uuid = getattr(request, 'uuid', None)
+    return str(uuid) if uuid else f'#{index}'
+
+
+def run_multi_turn(requests: List[Any],
+                   first_turn_outputs: List[Any],
+                   scheduler: Any,
+                   rollout_fn: RolloutFn,
+                   request_config: Any,
+                   max_turns: Optional[int] = None,
+                   gather_fn: GatherFn = identity_gather,
+                   *,
+                   trace: bool = True,
+                   on_error: OnError = 'raise') -> List[Any]:
+    """Drop-in for ms-swift's ``run_multi_turn``: same arguments, same outputs, field for field.
+
+    Returns one output per request, in input order, built with the class of
+    ``first_turn_outputs``. A request that fails is finished with reason ``error``; with
+    ``on_error='raise'`` (default) one :class:`MultiTurnRolloutError` is raised after the loop
+    (every rank stays in step) carrying all failures and all outputs."""
+    ex = Executor(
+        scheduler,
+        rollout_fn,
+        request_config,
+        max_turns=max_turns,
+        gather_fn=gather_fn,
+        trace=trace,
+        on_error=on_error)
+    return ex.run(requests, first_turn_outputs).outputs

@@ -1,0 +1,138 @@
+"""The per-request state machine: states, triggers, finish reasons, and the declared graph.
+
+The graph is declared once with the ``transitions`` library (see :class:`StateGraph`) and compiled
+into a plain ``{state: {trigger: dest}}`` table. Requests do not become ``transitions`` models:
+attaching thousands of models to a ``Machine`` is quadratic and costs kilobytes per model. Each
+request is a :class:`RequestRecord` (``__slots__``) whose ``state`` moves only through
+:meth:`StateGraph.fire`, which consults the compiled table and raises
+:class:`IllegalTransition` for any move the declaration does not allow.
+
+The same declaration feeds validation, the executor's legal moves and the diagrams
+(:meth:`StateGraph.mermaid`), so they cannot drift apart.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .errors import IllegalTransition
+
+# States (plain interned strings: cheap to compare and to write into traces).
+PENDING = 'pending'
+GENERATING = 'generating'
+CONTINUING = 'continuing'
+TOOL_STEP = 'tool_step'
+FINISHED = 'finished'
+STATES: Tuple[str, ...] = (PENDING, GENERATING, CONTINUING, TOOL_STEP, FINISHED)
+WAITING_STATES = frozenset((GENERATING, CONTINUING))  # waiting for the model's output
+
+# Triggers.
+GENERATE = 'generate'  # the next request adds a message: a new assistant message follows
+CONTINUE = 'continue_message'  # the next request ends with an assistant message: continue it
+RUN_STEP = 'run_step'  # the output is applied and the request goes on: the scheduler's step runs
+FINISH = 'finish'  # the output is applied and the request stops
+FAIL = 'fail'  # a hook, a step or rollout_fn failed for this request
+
+# Finish reasons (a stop rule of a declarative scheduler adds ``stop_rule:<name>``).
+DONE_BY_HOOK = 'done_by_hook'
+CHECK_FINISHED = 'check_finished'
+MAX_TURNS = 'max_turns'
+LENGTH = 'length'
+ERROR = 'error'
+FINISH_REASONS: Tuple[str, ...] = (DONE_BY_HOOK, CHECK_FINISHED, MAX_TURNS, LENGTH, ERROR)
+STOP_RULE_PREFIX = 'stop_rule:'
+
+#: The core declaration, in ``transitions``' own format.
+CORE_TRANSITIONS: List[Dict[str, Any]] = [
+    {'trigger': GENERATE, 'source': [PENDING, TOOL_STEP], 'dest': GENERATING},
+    {'trigger': CONTINUE, 'source': [PENDING, TOOL_STEP], 'dest': CONTINUING},
+    {'trigger': RUN_STEP, 'source': [GENERATING, CONTINUING], 'dest': TOOL_STEP},
+    {'trigger': FINISH, 'source': [GENERATING, CONTINUING], 'dest': FINISHED},
+    {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
+]
+
+
+class StateGraph:
+    """The declared state graph of one scheduler.
+
+    Built once per executor (per scheduler), never per request. ``finish_reasons`` lists the
+    reasons the scheduler can finish with (a declarative scheduler adds its stop rules); they
+    label the ``finished`` state in diagrams and are checked when a request finishes.
+    """
+
+    def __init__(self, finish_reasons: Sequence[str] = FINISH_REASONS, name: str = 'mtflow') -> None:
+        from transitions import Machine  # the declaration's single source of truth
+
+        self.name = name
+        self.finish_reasons: Tuple[str, ...] = tuple(dict.fromkeys(finish_reasons))
+        self._machine = Machine(
+            model=None, states=list(STATES), transitions=CORE_TRANSITIONS, initial=PENDING, auto_transitions=False)
+        table: Dict[str, Dict[str, str]] = {state: {} for state in STATES}
+        for trigger, event in self._machine.events.items():
+            for source, transitions in event.transitions.items():
+                table[source][trigger] = transitions[0].dest
+        self.table = table
+
+    @property
+    def states(self) -> Tuple[str, ...]:
+        return STATES
+
+    def edges(self) -> List[Tuple[str, str, str]]:
+        """``(source, trigger, dest)`` for every declared move."""
+        return [(src, trig, dst) for src, moves in self.table.items() for trig, dst in moves.items()]
+
+    def fire(self, record: 'RequestRecord', trigger: str) -> str:
+        """Move ``record`` by ``trigger``; raise :class:`IllegalTransition` if undeclared."""
+        dest = self.table[record.state].get(trigger)
+        if dest is None:
+            raise IllegalTransition(record.uuid, record.state, trigger)
+        record.state = dest
+        return dest
+
+    def mermaid(self) -> str:
+        """The graph as mermaid ``stateDiagram-v2`` text, drawn by ``transitions``' own mermaid engine
+        from the same declaration, with the finish reasons noted on ``finished``."""
+        from transitions.extensions.diagrams import GraphMachine
+
+        graph = GraphMachine(
+            states=list(STATES),
+            transitions=CORE_TRANSITIONS,
+            initial=PENDING,
+            auto_transitions=False,
+            graph_engine='mermaid',
+            title=self.name,
+            show_state_attributes=False)
+        text = graph.get_graph().draw(None)
+        # transitions marks the model's current (initial) state as active; a declaration has none.
+        text = text.replace(f'Class {PENDING} s_active', f'Class {PENDING} s_default')
+        note = '\\n'.join(self.finish_reasons)
+        return f'{text.rstrip()}\n  {FINISHED} --> [*]\n  note right of {FINISHED}\n    reasons: {note}\n  end note\n'
+
+
+class RequestRecord:
+    """Everything the executor keeps for one request: small, flat, slotted.
+
+    ``ids``/``mask``/``logprobs`` are the per-turn segments that become ``response_token_ids``,
+    ``response_loss_mask`` and ``rollout_logprobs``; ``infos`` becomes ``rollout_infos``.
+    """
+    __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
+                 'infos', 'response', 'output', 'error')
+
+    def __init__(self, index: int, uuid: str, request: Any) -> None:
+        self.index = index
+        self.uuid = uuid
+        self.request = request
+        self.state = PENDING
+        self.reason: Optional[str] = None
+        self.turns = 0
+        self.is_continuation = False
+        self.ids: List[List[int]] = []
+        self.mask: List[List[int]] = []
+        self.logprobs: List[List[float]] = []
+        self.infos: Dict[str, Any] = {}
+        self.response: Any = None
+        self.output: Any = None
+        self.error: Any = None
+
+    def __repr__(self) -> str:
+        reason = f'({self.reason})' if self.reason else ''
+        return f'<RequestRecord {self.uuid} {self.state}{reason} turns={self.turns}>'

