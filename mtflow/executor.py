@@ -322,11 +322,11 @@ class _Run:
 
             # 3. on_turn_end for all, then the stop decision for each
             results: Optional[List[Any]] = None
-            if on_turn_end is not None and applied:
-                results = self.run_hooks(on_turn_end, hooks.on_turn_end_is_async, applied, turn)
             snapshots = accounting.materialize([a[0] for a in applied]) if accounting.materializes else None
             decided: List[tuple] = []
             try:
+                if on_turn_end is not None and applied:
+                    results = self.run_hooks(on_turn_end, hooks.on_turn_end_is_async, applied, turn)
                 for k, (rec, choice, ntok) in enumerate(applied):
                     tr = _EMPTY if results is None else results[k]
                     if tr.__class__ is not dict:
@@ -359,7 +359,8 @@ class _Run:
                     else:
                         checked, reason = False, M.CHECK_FINISHED
                     if 'done' in tr:
-                        stop, reason = tr['done'], M.DONE_BY_HOOK
+                        # mtflow extension: a hook may name its reason, e.g. 'stop_rule:final_answer'
+                        stop, reason = tr['done'], tr.get('finish_reason') or M.DONE_BY_HOOK
                     else:
                         stop = checked
                     if not stop and max_turns and turn >= max_turns:
