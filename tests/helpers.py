@@ -1,0 +1,73 @@
+"""Small builders for scripted rollouts: requests, outputs, and a ``rollout_fn`` that replays a
+script (or computes outputs from the request), counting its calls."""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+
+
+def req(uuid: str, *messages: Dict[str, Any], **kw: Any) -> RolloutInferRequest:
+    msgs = list(messages) or [{'role': 'user', 'content': f'question {uuid}'}]
+    return RolloutInferRequest(messages=[dict(m) for m in msgs], uuid=uuid, **kw)
+
+
+def out(text: str,
+        ids: Optional[Sequence[int]] = None,
+        logprobs: Optional[Sequence[float]] = None,
+        finish_reason: Optional[str] = 'stop',
+        lp_shape: str = 'content') -> RolloutOutput:
+    """One output. ``lp_shape='none'`` gives ``logprobs=None``, ``'nocontent'`` a dict without ``content``."""
+    choice = make_choice(text, None if ids is None else list(ids), None if logprobs is None else list(logprobs),
+                         finish_reason)
+    if lp_shape == 'nocontent':
+        choice.logprobs = {'other': []}
+    elif lp_shape == 'none':
+        choice.logprobs = None
+    return RolloutOutput(response=make_response(choice))
+
+
+class Scripted:
+    """``rollout_fn`` that answers each request from ``script[uuid]`` (a list of outputs, one per
+    call for that request) and records every call's uuids."""
+
+    def __init__(self, script: Dict[str, List[RolloutOutput]]):
+        self.script = {k: list(v) for k, v in script.items()}
+        self.calls: List[List[str]] = []
+
+    def __call__(self, requests: List[Any], request_config: Any) -> List[RolloutOutput]:
+        self.calls.append([r.uuid for r in requests])
+        return [self.script[r.uuid].pop(0) for r in requests]
+
+
+class Counter:
+    """``rollout_fn`` that builds each output with ``make(request, n)`` (n = this request's call count)."""
+
+    def __init__(self, make: Callable[[Any, int], RolloutOutput]):
+        self.make = make
+        self.counts: Dict[str, int] = {}
+        self.calls: List[List[str]] = []
+
+    def __call__(self, requests: List[Any], request_config: Any) -> List[RolloutOutput]:
+        self.calls.append([r.uuid for r in requests])
+        result = []
+        for r in requests:
+            n = self.counts.get(r.uuid, 0) + 1
+            self.counts[r.uuid] = n
+            result.append(self.make(r, n))
+        return result
+
+
+def dump(outputs: List[Any]) -> List[Dict[str, Any]]:
+    """Outputs as plain dicts (for field-by-field comparison)."""
+    return [o.model_dump(mode='python', exclude={'response': {'id', 'created'}}) if o is not None else None
+            for o in outputs]
+
+
+def clone(objs: Any) -> Any:
+    return copy.deepcopy(objs)
+
+
+_ids = itertools.count(1000)
