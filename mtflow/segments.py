@@ -102,7 +102,10 @@ class ContractAccounting:
         request. Raises :class:`SchedulerResultError` (record untouched) on a bad result."""
         uuid = record.uuid
         if not isinstance(result, dict):
-            hint = ' (declare step as async def, or return a dict)' if hasattr(result, '__await__') else ''
+            hint = ''
+            if hasattr(result, '__await__'):
+                hint = ' (declare step as async def, or return a dict)'
+                getattr(result, 'close', lambda: None)()  # never awaited: close it quietly
             raise SchedulerResultError(
                 f'step() must return a dict, got {type(result).__name__}{hint}', uuid=uuid, turn=turn, field='step')
         if 'infer_request' not in result or result['infer_request'] is None:
