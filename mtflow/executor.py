@@ -203,7 +203,11 @@ class _Run:
 
     def finish(self, rec: RequestRecord, choice: Any, turn_result: Dict[str, Any], reason: str, turn: int,
                tokens: int) -> None:
-        self.ex.accounting.finalize(rec, choice, turn_result)
+        try:
+            self.ex.accounting.finalize(rec, choice, turn_result)
+        except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
+            self.fail(rec, turn, 'finalize', exc, tokens)
+            return
         rec.reason = reason
         self.move(rec, M.FINISH, turn, tokens=tokens)
         rec.turns = turn
@@ -379,7 +383,8 @@ class _Run:
                         self.finish(rec, choice, tr, reason, turn, ntok)
                     else:
                         self.move(rec, M.RUN_STEP, turn, tokens=ntok)
-                        going.append((rec, choice, ntok))
+                        if self.before_step(rec, choice, turn):
+                            going.append((rec, choice, ntok))
                 if going:
                     timed = self.loop.run_until_complete(
                         asyncio.gather(*[_timed(step(rec.request, choice, turn)) for rec, choice, _ in going]))
@@ -391,6 +396,8 @@ class _Run:
                         self.finish(rec, choice, tr, reason, turn, ntok)
                         continue
                     self.move(rec, M.RUN_STEP, turn, tokens=ntok)
+                    if not self.before_step(rec, choice, turn):
+                        continue
                     t = perf_counter()
                     try:
                         result = step(rec.request, choice, turn)
@@ -404,6 +411,19 @@ class _Run:
             live = [r for r in next_live if r.state != M.FINISHED]
 
         return self.result(loops)
+
+    def before_step(self, rec: RequestRecord, choice: Any, turn: int) -> bool:
+        """The accounting's optional ``before_step`` (ms-swift 4.6 computes a turn's ids before
+        the step runs); ``False`` when it failed the request."""
+        before = getattr(self.ex.accounting, 'before_step', None)
+        if before is None:
+            return True
+        try:
+            before(rec, choice, turn)
+        except Exception as exc:
+            self.fail(rec, turn, 'step', exc)
+            return False
+        return True
 
     def run_hooks(self, hook: Callable[..., Any], is_async: bool, applied: List[tuple], turn: int) -> List[Any]:
         """Call ``hook(request, choice, turn)`` for every applied request; an exception becomes
