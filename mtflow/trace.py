@@ -12,6 +12,7 @@ JSONL format (one event per line, see ``docs/trace-format.md``)::
 """
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections import Counter
@@ -50,9 +51,17 @@ class TraceEvent:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> 'TraceEvent':
+        if not isinstance(d, dict):
+            raise ValueError(f'expected a JSON object, got {type(d).__name__}')
         missing = [k for k in ('uuid', 'turn', 'from', 'to', 'trigger') if k not in d]
         if missing:
             raise ValueError(f'trace event is missing {", ".join(missing)}')
+        for key in ('from', 'to', 'trigger'):
+            if not isinstance(d[key], str):
+                raise ValueError(f'field {key!r} must be a string, got {d[key]!r}')
+        extra = d.get('extra')
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"field 'extra' must be an object or null, got {type(extra).__name__}")
         return cls(
             uuid=str(d['uuid']),
             index=int(d.get('index', -1)),
@@ -171,8 +180,10 @@ class Trace:
 
     # ---- JSONL -------------------------------------------------------------------------------
     def write_jsonl(self, dest: Union[str, Path, IO[str]]) -> None:
+        """One JSON object per event (``docs/trace-format.md``); a path ending in ``.gz`` is gzipped.
+        JSON values in ``extra`` round-trip exactly; anything else is written as its ``str``."""
         if isinstance(dest, (str, Path)):
-            with open(dest, 'w', encoding='utf-8') as f:
+            with open_text(dest, 'w') as f:
                 self.write_jsonl(f)
             return
         for e in self.events:
@@ -180,8 +191,10 @@ class Trace:
 
     @classmethod
     def read_jsonl(cls, src: Union[str, Path, IO[str]]) -> 'Trace':
+        """Read what :meth:`write_jsonl` wrote (plain or ``.gz``); a bad line raises
+        ``ValueError('<file>:<line>: ...')``."""
         if isinstance(src, (str, Path)):
-            with open(src, encoding='utf-8') as f:
+            with open_text(src, 'r') as f:
                 return cls._read(f, str(src))
         return cls._read(src, getattr(src, 'name', '<stream>'))
 
@@ -196,6 +209,13 @@ class Trace:
             except (ValueError, TypeError) as exc:
                 raise ValueError(f'{name}:{lineno}: not a trace event: {exc}') from exc
         return cls(events)
+
+
+def open_text(path: Union[str, Path], mode: str) -> IO[str]:
+    """Open a UTF-8 text file, through gzip when the name ends in ``.gz``."""
+    if str(path).endswith('.gz'):
+        return gzip.open(path, mode + 't', encoding='utf-8')  # type: ignore[return-value]
+    return open(path, mode, encoding='utf-8')
 
 
 # ---- listeners (the pytest plugin and the CLI subscribe here) ----------------------------------

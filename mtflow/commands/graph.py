@@ -1,25 +1,55 @@
-"""``mtflow graph [CONFIG]``: the state graph as mermaid text, from the executor's own declaration."""
+"""``mtflow graph [CONFIG] [--format mermaid|svg] [-o FILE]``: a scheduler's state graph, drawn from
+the same declaration the executor uses (:class:`mtflow.machine.StateGraph`)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
+
+from ..cli import CLIError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser('graph', help="print a scheduler's state graph as mermaid text")
+    p = sub.add_parser('graph', help="print a scheduler's state graph (mermaid or SVG)")
     p.add_argument('config', nargs='?', help='a scheduler YAML file (default: the core graph)')
+    p.add_argument('--format', choices=('mermaid', 'svg'), default='mermaid',
+                   help='mermaid stateDiagram text (default) or a standalone SVG image')
+    p.add_argument('-o', '--output', metavar='FILE', help='write to FILE instead of standard output')
     p.set_defaults(func=main)
+
+
+def graph_for_scheduler(scheduler: Any) -> Any:
+    """The graph an :class:`mtflow.Executor` builds for ``scheduler``: core reasons plus its own."""
+    from ..scheduler import HookSet
+    from ..machine import StateGraph
+
+    return StateGraph(HookSet(scheduler).finish_reasons, name=type(scheduler).__name__)
+
+
+def graph_for_config(config: str) -> Any:
+    """The graph of the scheduler a YAML config declares (its stop rules become finish reasons)."""
+    if not Path(config).exists():
+        raise CLIError(f'no such config file: {config}')
+    try:
+        from ..declarative import load_scheduler
+    except ImportError as exc:
+        raise CLIError(f'cannot read scheduler configs in this build: {exc}') from exc
+    return graph_for_scheduler(load_scheduler(config))
 
 
 def main(args: argparse.Namespace) -> int:
     from ..machine import StateGraph
 
-    graph = StateGraph()
-    if args.config:
-        from ..declarative import load_scheduler  # noqa: the declarative package supplies the graph's extras
+    graph = graph_for_config(args.config) if args.config else StateGraph()
+    if args.format == 'svg':
+        from ..viewer.svg import state_graph_svg
 
-        scheduler = load_scheduler(args.config)
-        graph = StateGraph(getattr(scheduler, 'finish_reasons', ()) and
-                           tuple(graph.finish_reasons) + tuple(scheduler.finish_reasons),
-                           name=type(scheduler).__name__)
-    print(graph.mermaid(), end='')
+        text = '<?xml version="1.0" encoding="UTF-8"?>\n' + state_graph_svg(graph, title=graph.name) + '\n'
+    else:
+        text = graph.mermaid()
+    if args.output:
+        Path(args.output).write_text(text, encoding='utf-8')
+        print(f'wrote {args.output}')
+    else:
+        print(text, end='')
     return 0

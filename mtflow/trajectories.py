@@ -1,0 +1,160 @@
+"""Trajectory files: the companion of a trace file, one JSON line per finished request.
+
+A trace (``mtflow/trace.py``) says *which states* each request went through; it deliberately
+carries no messages or tokens (it must stay cheap enough to record always). The viewer's detail
+view needs the conversation and the token-level loss mask, so ``mtflow run`` (and anyone else)
+writes them here, keyed by the same ``uuid`` as the trace. Format: ``docs/trace-format.md``.
+
+Writing::
+
+    result = Executor(scheduler, rollout_fn).run(requests)
+    result.trace.write_jsonl('trace.jsonl')
+    write_trajectories('trajectories.jsonl', trajectories_from_result(result, requests))
+
+Reading: :func:`read_trajectories` returns ``{uuid: Trajectory}``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+
+from .trace import open_text
+
+#: Keys of one line, in the order they are written.
+TRAJECTORY_FIELDS = ('uuid', 'index', 'rank', 'finish_reason', 'num_turns', 'messages', 'response_token_ids',
+                     'response_loss_mask', 'rollout_logprobs', 'rollout_infos')
+
+
+@dataclass
+class Trajectory:
+    """One finished request: its conversation and the token segments a trainer sees."""
+    uuid: str
+    index: int = -1
+    rank: int = 0
+    finish_reason: Optional[str] = None
+    num_turns: Optional[int] = None
+    messages: List[Dict[str, Any]] = field(default_factory=list)
+    response_token_ids: List[List[int]] = field(default_factory=list)
+    response_loss_mask: List[List[int]] = field(default_factory=list)
+    rollout_logprobs: List[List[float]] = field(default_factory=list)
+    rollout_infos: Dict[str, Any] = field(default_factory=dict)
+    #: keys of the line this reader does not know (kept so that nothing is lost on a rewrite)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {k: getattr(self, k) for k in TRAJECTORY_FIELDS}
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> 'Trajectory':
+        if not isinstance(d, dict):
+            raise ValueError(f'expected a JSON object, got {type(d).__name__}')
+        if 'uuid' not in d:
+            raise ValueError('trajectory is missing uuid')
+        for key in ('response_token_ids', 'response_loss_mask', 'rollout_logprobs'):
+            value = d.get(key)
+            if value is not None and not (isinstance(value, list) and all(isinstance(s, list) for s in value)):
+                raise ValueError(f'field {key!r} must be a list of segments (lists), got {value!r:.80}')
+        messages = d.get('messages') or []
+        if not isinstance(messages, list):
+            raise ValueError(f"field 'messages' must be a list, got {type(messages).__name__}")
+        return cls(
+            uuid=str(d['uuid']),
+            index=int(d.get('index', -1) if d.get('index') is not None else -1),
+            rank=int(d.get('rank') or 0),
+            finish_reason=d.get('finish_reason'),
+            num_turns=d.get('num_turns'),
+            messages=messages,
+            response_token_ids=d.get('response_token_ids') or [],
+            response_loss_mask=d.get('response_loss_mask') or [],
+            rollout_logprobs=d.get('rollout_logprobs') or [],
+            rollout_infos=d.get('rollout_infos') or {},
+            extra={k: v for k, v in d.items() if k not in TRAJECTORY_FIELDS})
+
+    def masks(self) -> List[List[int]]:
+        """The loss mask per segment; a missing mask means every token is trained (the contract)."""
+        if self.response_loss_mask:
+            return self.response_loss_mask
+        return [[1] * len(seg) for seg in self.response_token_ids]
+
+
+def trajectory_from_output(output: Any, uuid: str, *, index: int = -1, rank: int = 0,
+                           finish_reason: Optional[str] = None) -> Trajectory:
+    """A :class:`Trajectory` from one ``RolloutOutput`` (mtflow's or ms-swift's: read by attribute)."""
+    infos = dict(getattr(output, 'rollout_infos', None) or {})
+    messages = getattr(output, 'messages', None) or []
+    return Trajectory(
+        uuid=uuid,
+        index=index,
+        rank=rank,
+        finish_reason=finish_reason,
+        num_turns=infos.get('num_turns'),
+        messages=[dict(m) for m in messages],
+        response_token_ids=[list(s) for s in getattr(output, 'response_token_ids', None) or []],
+        response_loss_mask=[list(s) for s in getattr(output, 'response_loss_mask', None) or []],
+        rollout_logprobs=[list(s) for s in getattr(output, 'rollout_logprobs', None) or []],
+        rollout_infos=infos)
+
+
+def trajectories_from_result(result: Any, requests: Optional[Sequence[Any]] = None, *,
+                             rank: Optional[int] = None) -> List[Trajectory]:
+    """One :class:`Trajectory` per request of an :class:`mtflow.RunResult` (input order).
+
+    The uuid of request ``i`` is taken from the run's trace when it has one (so the two files
+    always agree), else from ``requests[i].uuid``, else ``'#i'`` (the executor's own fallback)."""
+    by_index: Dict[int, str] = {}
+    ranks: Dict[int, int] = {}
+    trace = getattr(result, 'trace', None)
+    if trace is not None:
+        for e in trace.events:
+            by_index.setdefault(e.index, e.uuid)
+            ranks.setdefault(e.index, e.rank)
+    out = []
+    for i, (output, reason) in enumerate(zip(result.outputs, result.finish_reasons)):
+        uuid = by_index.get(i)
+        if uuid is None:
+            req_uuid = getattr(requests[i], 'uuid', None) if requests is not None and i < len(requests) else None
+            uuid = str(req_uuid) if req_uuid else f'#{i}'
+        out.append(trajectory_from_output(output, uuid, index=i, rank=ranks.get(i, 0) if rank is None else rank,
+                                          finish_reason=reason))
+    return out
+
+
+def write_trajectories(dest: Union[str, Path, IO[str]], trajectories: Iterable[Trajectory]) -> int:
+    """Write one JSON line per trajectory (a path ending in ``.gz`` is gzipped); return the count.
+    Pass an open file (``open(p, 'a')``) to append batch after batch."""
+    if isinstance(dest, (str, Path)):
+        with open_text(dest, 'w') as f:
+            return write_trajectories(f, trajectories)
+    n = 0
+    for traj in trajectories:
+        dest.write(json.dumps(traj.to_dict(), ensure_ascii=False, default=str) + '\n')
+        n += 1
+    return n
+
+
+def iter_trajectories(src: Union[str, Path, IO[str]]) -> Iterator[Trajectory]:
+    """Read a trajectories file line by line; a bad line raises ``ValueError('<file>:<line>: ...')``."""
+    if isinstance(src, (str, Path)):
+        with open_text(src, 'r') as f:
+            yield from _read(f, str(src))
+        return
+    yield from _read(src, getattr(src, 'name', '<stream>'))
+
+
+def _read(lines: Iterable[str], name: str) -> Iterator[Trajectory]:
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield Trajectory.from_dict(json.loads(line))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f'{name}:{lineno}: not a trajectory: {exc}') from exc
+
+
+def read_trajectories(src: Union[str, Path, IO[str]]) -> Dict[str, Trajectory]:
+    """``{uuid: Trajectory}``, in file order (a later line with the same uuid wins)."""
+    return {t.uuid: t for t in iter_trajectories(src)}

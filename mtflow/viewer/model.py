@@ -1,0 +1,244 @@
+"""What the views show, computed once from a :class:`~mtflow.trace.Trace`.
+
+Both the terminal and the HTML views read these plain objects, so they always agree on what a
+request did in each turn and on the batch figures.
+
+How trace events map onto turns (the executor's recording, ``docs/trace-format.md``): the event
+that enters ``generating``/``continuing`` from ``pending`` opens turn ``e.turn``; the one that
+leaves ``tool_step`` belongs to the step of turn ``e.turn`` (its ``duration_s`` and ``extra``) and
+opens turn ``e.turn + 1``; ``run_step``, ``finish`` and ``fail`` close turn ``e.turn``.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..machine import CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES
+from ..trace import Trace, TraceEvent
+
+#: One-letter marks of the states in a turn cell.
+MARKS = {GENERATING: 'G', CONTINUING: 'C', TOOL_STEP: 'T', PENDING: '.', FINISHED: '#'}
+OK_MARK, ERROR_MARK, TOOL_ERROR_MARK = '✓', '✗', '!'
+
+
+@dataclass
+class ToolError:
+    uuid: str
+    turn: int
+    message: str
+
+
+@dataclass
+class TurnCell:
+    """What one request did in one turn."""
+    turn: int
+    wait: Optional[str] = None  # 'generating' | 'continuing' (None: failed before waiting)
+    stepped: bool = False  # went through tool_step
+    tokens: Optional[int] = None  # completion tokens of this turn's output
+    step_s: Optional[float] = None  # wall time of the step
+    step_extra: Optional[Dict[str, Any]] = None  # the step's trace_info
+    tool_calls: List[str] = field(default_factory=list)
+    tool_errors: List[str] = field(default_factory=list)
+    finished: Optional[str] = None  # the finish reason when the request finished in this turn
+    error: Optional[Dict[str, Any]] = None  # the failure (type, message, phase) when it failed here
+
+    def marks(self) -> str:
+        """The cell as text: ``G``/``C`` waited, ``T`` stepped (``T!`` with tool errors), then
+        ``✓`` finished or ``✗`` failed, e.g. ``GT``, ``CT!``, ``G✓``, ``GT✗``."""
+        s = MARKS.get(self.wait, '') if self.wait else '.'
+        if self.stepped:
+            s += 'T' + (TOOL_ERROR_MARK if self.tool_errors else '')
+        if self.finished is not None:
+            s += ERROR_MARK if self.finished == ERROR else OK_MARK
+        return s
+
+
+@dataclass
+class RequestView:
+    """One request across its turns."""
+    uuid: str
+    index: int
+    rank: int
+    events: List[TraceEvent]
+    cells: List[TurnCell]
+    reason: Optional[str]  # None: the trace ends before the request finished
+    tokens: int
+    path: str
+
+    @property
+    def turns(self) -> int:
+        return len(self.cells)
+
+    @property
+    def states(self) -> List[str]:
+        return [self.events[0].src] + [e.dst for e in self.events] if self.events else []
+
+    @property
+    def tool_errors(self) -> List[ToolError]:
+        return [ToolError(self.uuid, c.turn, m) for c in self.cells for m in c.tool_errors]
+
+    @property
+    def error(self) -> Optional[Dict[str, Any]]:
+        return next((c.error for c in self.cells if c.error), None)
+
+    def timeline(self) -> str:
+        return ' '.join(c.marks() for c in self.cells)
+
+
+@dataclass
+class SlowStep:
+    uuid: str
+    turn: int
+    duration_s: float
+    tools: List[str]
+
+
+@dataclass
+class Summary:
+    """The batch figures."""
+    requests: int
+    events: int
+    ranks: List[int]
+    max_turn: int
+    live_per_turn: Dict[int, int]
+    turns_per_request: Dict[int, int]
+    finish_reasons: Dict[str, int]
+    tool_calls: int
+    tool_errors: List[ToolError]
+    errors: List[Dict[str, Any]]
+    slowest_steps: List[SlowStep]
+    tokens: int
+    unfinished: List[str]
+
+
+def _tool_info(extra: Optional[Dict[str, Any]]) -> tuple:
+    """Tool call names and tool error messages from a step's ``trace_info`` (``docs/trace-format.md``):
+    ``tool_calls`` (list of names or ``{name, error?}``) and ``tool_errors`` (list of strings or
+    ``{message}``/``{error}`` objects); anything else is ignored."""
+    if not isinstance(extra, dict):
+        return [], []
+    names, errors = [], []
+    for call in extra.get('tool_calls') or ():
+        if isinstance(call, dict):
+            fn = call.get('function')
+            name = str(call.get('name') or (fn.get('name') if isinstance(fn, dict) else None) or '?')
+            names.append(name)
+            if call.get('error'):
+                errors.append(f'{name}: {call["error"]}')
+        else:
+            names.append(str(call))
+    for err in extra.get('tool_errors') or ():
+        if isinstance(err, dict):
+            msg = err.get('message') or err.get('error') or err
+            errors.append(f'{err["name"]}: {msg}' if err.get('name') else str(msg))
+        else:
+            errors.append(str(err))
+    return names, list(dict.fromkeys(errors))
+
+
+def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
+    cells: Dict[int, TurnCell] = {}
+
+    def cell(turn: int) -> TurnCell:
+        c = cells.get(turn)
+        if c is None:
+            c = cells[turn] = TurnCell(turn)
+        return c
+
+    reason: Optional[str] = None
+    tokens = 0
+    for e in events:
+        if e.dst in WAITING_STATES:
+            if e.src == TOOL_STEP:
+                step = cell(e.turn)
+                step.step_s = e.duration_s
+                step.step_extra = e.extra
+                step.tool_calls, step.tool_errors = _tool_info(e.extra)
+                cell(e.turn + 1).wait = e.dst
+            else:
+                cell(e.turn).wait = e.dst
+        elif e.dst == TOOL_STEP:
+            c = cell(e.turn)
+            c.stepped = True
+            c.tokens = e.tokens
+        elif e.dst == FINISHED:
+            c = cell(e.turn)
+            c.finished = e.reason or ERROR
+            reason = c.finished
+            if e.tokens is not None:
+                c.tokens = e.tokens
+            if e.src == TOOL_STEP:
+                c.stepped = True
+            if e.extra and isinstance(e.extra.get('error'), dict):
+                c.error = e.extra['error']
+            elif c.finished == ERROR:
+                c.error = {'message': 'no details recorded'}
+        if e.dst in (TOOL_STEP, FINISHED) and e.tokens:
+            tokens += e.tokens
+    first = events[0]
+    ordered = [cells[t] for t in sorted(cells)]
+    states = [first.src] + [e.dst for e in events]
+    if reason:
+        states[-1] = f'{states[-1]}({reason})'
+    return RequestView(uuid, first.index, first.rank, events, ordered, reason, tokens, ' -> '.join(states))
+
+
+def request_views(trace: Trace) -> List[RequestView]:
+    """One view per request, in the order requests first appear in the trace."""
+    grouped: Dict[str, List[TraceEvent]] = {}
+    for e in trace.events:
+        grouped.setdefault(e.uuid, []).append(e)
+    return [request_view(uuid, evs) for uuid, evs in grouped.items()]
+
+
+def summarize(views: Sequence[RequestView], n_events: Optional[int] = None, slowest: int = 5) -> Summary:
+    live: Counter = Counter()
+    for v in views:
+        for c in v.cells:
+            if c.wait is not None:
+                live[c.turn] += 1
+    steps = [
+        SlowStep(v.uuid, c.turn, c.step_s, c.tool_calls) for v in views for c in v.cells if c.step_s is not None
+    ]
+    steps.sort(key=lambda s: -s.duration_s)
+    errors = []
+    for v in views:
+        for c in v.cells:
+            if c.error:
+                errors.append({'uuid': v.uuid, 'turn': c.turn, **c.error})
+    reasons = Counter(v.reason for v in views if v.reason)
+    return Summary(
+        requests=len(views),
+        events=n_events if n_events is not None else sum(len(v.events) for v in views),
+        ranks=sorted({v.rank for v in views}),
+        max_turn=max((c.turn for v in views for c in v.cells), default=0),
+        live_per_turn=dict(sorted(live.items())),
+        turns_per_request=dict(sorted(Counter(v.turns for v in views).items())),
+        finish_reasons=dict(reasons.most_common()),
+        tool_calls=sum(len(c.tool_calls) for v in views for c in v.cells),
+        tool_errors=[te for v in views for te in v.tool_errors],
+        errors=errors,
+        slowest_steps=steps[:slowest],
+        tokens=sum(v.tokens for v in views),
+        unfinished=[v.uuid for v in views if v.reason is None])
+
+
+def select_views(views: Sequence[RequestView], *, uuids: Sequence[str] = (), states: Sequence[str] = (),
+                 reasons: Sequence[str] = (), ranks: Sequence[int] = ()) -> List[RequestView]:
+    """The requests that match every given filter: uuid (shell patterns, e.g. ``r1*``), a state
+    the request went through, a finish reason (patterns: ``stop_rule:*``; ``none`` for
+    unfinished), a rank. Each filter may list several values (any of them matches)."""
+    out = []
+    for v in views:
+        if uuids and not any(fnmatch.fnmatchcase(v.uuid, u) for u in uuids):
+            continue
+        if states and not set(states) & set(v.states):
+            continue
+        if reasons and not any(fnmatch.fnmatchcase(v.reason or 'none', r) for r in reasons):
+            continue
+        if ranks and v.rank not in ranks:
+            continue
+        out.append(v)
+    return out

@@ -1,0 +1,152 @@
+"""SVG drawn by hand (no graphviz, no JS): the declared state graph and the small bar charts.
+
+The state graph comes from :meth:`mtflow.machine.StateGraph.edges` (the same declaration the
+executor fires), laid out in layers by distance from ``pending``: forward moves are gentle curves
+left to right, moves back (``tool_step -> generating``) and within a layer arc around, and
+parallel moves between the same two states share one arrow with their triggers joined.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from html import escape
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..machine import PENDING, StateGraph
+
+STATE_COLORS = {
+    'pending': '#9aa5b1',
+    'generating': '#3b82f6',
+    'continuing': '#06b6d4',
+    'tool_step': '#f59e0b',
+    'finished': '#22c55e',
+}
+NODE_W, NODE_H, LAYER_GAP, ROW_GAP = 118, 40, 120, 40
+
+
+def _layers(states: Sequence[str], edges: Sequence[Tuple[str, str, str]], initial: str) -> Dict[str, int]:
+    """Layer of each state: its shortest distance from ``initial`` (unreachable states go last)."""
+    layer = {initial: 0}
+    queue = deque([initial])
+    while queue:
+        s = queue.popleft()
+        for src, _, dst in edges:
+            if src == s and dst not in layer:
+                layer[dst] = layer[s] + 1
+                queue.append(dst)
+    last = max(layer.values(), default=0) + 1
+    return {s: layer.get(s, last) for s in states}
+
+
+def _clip(cx: float, cy: float, tx: float, ty: float) -> Tuple[float, float]:
+    """Where the ray from a node's center (cx, cy) towards (tx, ty) leaves the node's box."""
+    dx, dy = tx - cx, ty - cy
+    if dx == 0 and dy == 0:
+        return cx, cy
+    sx = (NODE_W / 2) / abs(dx) if dx else math.inf
+    sy = (NODE_H / 2) / abs(dy) if dy else math.inf
+    s = min(sx, sy)
+    return cx + dx * s, cy + dy * s
+
+
+def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str], int]] = None,
+                    title: Optional[str] = None) -> str:
+    """The declared graph as one ``<svg>`` element. ``counts[(src, dst)]``, when given (from a
+    trace), is written on each arrow; finish reasons are listed next to ``finished``."""
+    states = list(graph.states)
+    edges = graph.edges()
+    layer = _layers(states, edges, PENDING)
+    by_layer: Dict[int, List[str]] = {}
+    for s in states:
+        by_layer.setdefault(layer[s], []).append(s)
+    rows = max(len(v) for v in by_layer.values())
+    height_body = rows * NODE_H + (rows - 1) * ROW_GAP
+    top = 46 if title else 20
+    pos: Dict[str, Tuple[float, float]] = {}
+    for k, members in sorted(by_layer.items()):
+        x = 30 + NODE_W / 2 + k * (NODE_W + LAYER_GAP)
+        block = len(members) * NODE_H + (len(members) - 1) * ROW_GAP
+        y0 = top + 60 + (height_body - block) / 2 + NODE_H / 2
+        for j, s in enumerate(members):
+            pos[s] = (x, y0 + j * (NODE_H + ROW_GAP))
+    reasons = list(graph.finish_reasons)
+    width = 30 + len(by_layer) * (NODE_W + LAYER_GAP) - LAYER_GAP + 30 + 200
+    height = top + 60 + height_body + 80 + 16 * max(0, len(reasons) - 4)
+
+    # one arrow per (src, dst): parallel triggers share it
+    merged: Dict[Tuple[str, str], List[str]] = {}
+    for src, trig, dst in edges:
+        merged.setdefault((src, dst), []).append(trig)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="state-graph" viewBox="0 0 {width:.0f} {height:.0f}" '
+           f'width="{width:.0f}" height="{height:.0f}" role="img" aria-label="state graph">',
+           '<defs><marker id="mtf-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+           'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#475569"/></marker></defs>',
+           '<style>.sg-label{font:11px sans-serif;fill:#334155}.sg-node{font:bold 12px sans-serif;fill:#fff}'
+           '.sg-note{font:11px sans-serif;fill:#334155}.sg-title{font:bold 14px sans-serif;fill:#0f172a}</style>']
+    if title:
+        out.append(f'<text class="sg-title" x="20" y="24">{escape(title)}</text>')
+    for (src, dst), triggers in merged.items():
+        (x1, y1), (x2, y2) = pos[src], pos[dst]
+        back = layer[dst] <= layer[src]
+        mx, my = (x1 + x2) / 2, (y1 + y2) / 2
+        dx, dy = x2 - x1, y2 - y1
+        dist = math.hypot(dx, dy) or 1.0
+        nx, ny = -dy / dist, dx / dist  # unit normal
+        bend = 0.18 * dist if not back else 0.35 * dist + 30
+        if layer[dst] - layer[src] > 1:
+            bend = -(0.3 * dist)  # skips a layer: arc over the states between
+        cx, cy = mx + nx * bend, my + ny * bend
+        sx, sy = _clip(x1, y1, cx, cy)
+        ex, ey = _clip(x2, y2, cx, cy)
+        out.append(f'<path d="M{sx:.1f},{sy:.1f} Q{cx:.1f},{cy:.1f} {ex:.1f},{ey:.1f}" fill="none" stroke="#475569" '
+                   f'stroke-width="1.4" marker-end="url(#mtf-arrow)" data-edge="{escape(src)}-&gt;{escape(dst)}"/>')
+        lx, ly = 0.25 * sx + 0.5 * cx + 0.25 * ex, 0.25 * sy + 0.5 * cy + 0.25 * ey
+        label = ' | '.join(triggers)
+        if counts is not None:
+            label += f' ×{counts.get((src, dst), 0)}'
+        out.append(f'<text class="sg-label" x="{lx:.1f}" y="{ly - 4:.1f}" text-anchor="middle">{escape(label)}</text>')
+    for s in states:
+        x, y = pos[s]
+        color = STATE_COLORS.get(s, '#64748b')
+        out.append(f'<g data-state="{escape(s)}"><rect x="{x - NODE_W / 2:.1f}" y="{y - NODE_H / 2:.1f}" '
+                   f'width="{NODE_W}" height="{NODE_H}" rx="9" fill="{color}"/>'
+                   f'<text class="sg-node" x="{x:.1f}" y="{y + 4:.1f}" text-anchor="middle">{escape(s)}</text></g>')
+    fx, fy = pos.get('finished', (width - 200, top + 60))
+    note_x = fx + NODE_W / 2 + 16
+    out.append(f'<text class="sg-note" x="{note_x:.1f}" y="{fy - 10:.1f}" font-weight="bold">finish reasons</text>')
+    for k, r in enumerate(reasons):
+        n = ''
+        if counts is not None:
+            n = f' ×{counts.get(("reason", r), 0)}'
+        out.append(f'<text class="sg-note" x="{note_x:.1f}" y="{fy + 6 + 15 * k:.1f}">{escape(r + n)}</text>')
+    out.append('</svg>')
+    return '\n'.join(out)
+
+
+def bar_chart_svg(data: Mapping[str, int], title: str, colors: Optional[Mapping[str, str]] = None,
+                  css_class: str = 'chart') -> str:
+    """A horizontal bar chart (label, bar, count per row) as one ``<svg>`` element."""
+    items = list(data.items())
+    label_w = max([len(str(k)) for k, _ in items] + [4]) * 7 + 12
+    bar_w, row_h = 220, 20
+    width = label_w + bar_w + 60
+    height = 28 + row_h * max(1, len(items)) + 6
+    top = max([v for _, v in items] + [1])
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="{escape(css_class)}" viewBox="0 0 {width} {height}" '
+           f'width="{width}" height="{height}" role="img" aria-label="{escape(title)}">',
+           f'<text x="4" y="16" style="font:bold 13px sans-serif;fill:#0f172a">{escape(title)}</text>']
+    if not items:
+        out.append('<text x="4" y="40" style="font:12px sans-serif;fill:#64748b">nothing</text>')
+    for k, (label, value) in enumerate(items):
+        y = 28 + k * row_h
+        w = max(2.0 if value else 0.0, bar_w * value / top)
+        color = (colors or {}).get(label, '#3b82f6')
+        out.append(f'<text x="{label_w - 6}" y="{y + 13}" text-anchor="end" style="font:12px sans-serif;'
+                   f'fill:#334155">{escape(str(label))}</text>'
+                   f'<rect x="{label_w}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" rx="3" fill="{color}">'
+                   f'<title>{escape(str(label))}: {value}</title></rect>'
+                   f'<text x="{label_w + w + 6:.1f}" y="{y + 13}" style="font:12px sans-serif;fill:#334155">'
+                   f'{value}</text>')
+    out.append('</svg>')
+    return ''.join(out)

@@ -1,0 +1,274 @@
+"""Terminal views of a trace, drawn with ``rich``: the per-request timeline, the batch summary and
+one request's detail (messages and the loss mask token by token).
+
+The same renderables give colored output on a terminal and plain text (:func:`format_trace`) for
+the pytest plugin and for files; the marks are letters, so nothing depends on color.
+"""
+from __future__ import annotations
+
+import io
+import json
+from typing import Any, Dict, List, Optional, Sequence
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..machine import CONTINUING, ERROR, GENERATING, TOOL_STEP
+from ..trace import Trace
+from ..trajectories import Trajectory
+from .model import ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views, summarize
+from .tokens import token_texts
+
+CELL = 4  # characters per turn in the timeline (the widest cell, 'GT!✗', is 4)
+STYLES = {GENERATING: 'bold blue', CONTINUING: 'bold cyan', TOOL_STEP: 'yellow'}
+LEGEND = (f'G generating  C continuing  T tool_step  {TOOL_ERROR_MARK} tool error  '
+          f'{OK_MARK} finished  {ERROR_MARK} failed (error)')
+
+
+def fmt_s(seconds: Optional[float]) -> str:
+    """A duration for people: ``0.8 ms``, ``12.3 ms``, ``1.50 s``."""
+    if seconds is None:
+        return ''
+    return f'{seconds * 1000:.1f} ms' if seconds < 1 else f'{seconds:.2f} s'
+
+
+def reason_style(reason: Optional[str]) -> str:
+    if reason is None:
+        return 'magenta'
+    if reason == ERROR:
+        return 'bold red'
+    if reason in ('max_turns', 'length'):
+        return 'yellow'
+    return 'green'
+
+
+def cell_text(view: RequestView, turn_index: int) -> Text:
+    c = view.cells[turn_index]
+    t = Text()
+    if c.wait:
+        t.append('G' if c.wait == GENERATING else 'C', STYLES[c.wait])
+    else:
+        t.append('.', 'dim')
+    if c.stepped:
+        t.append('T', STYLES[TOOL_STEP])
+        if c.tool_errors:
+            t.append(TOOL_ERROR_MARK, 'bold red')
+    if c.finished is not None:
+        t.append(ERROR_MARK if c.finished == ERROR else OK_MARK, reason_style(c.finished))
+    return t
+
+
+def timeline_text(view: RequestView) -> Text:
+    t = Text(no_wrap=True, overflow='ellipsis')
+    for k in range(len(view.cells)):
+        cell = cell_text(view, k)
+        t.append_text(cell)
+        t.append(' ' * max(1, CELL - len(cell.plain)))
+    t.rstrip()
+    return t
+
+
+def turn_ruler(max_turn: int) -> str:
+    return ''.join(str(turn).ljust(CELL) for turn in range(1, max_turn + 1)).rstrip()
+
+
+def timeline_table(views: Sequence[RequestView]) -> Table:
+    """One row per request: uuid, (rank,) the turn cells, turns, tokens, finish reason."""
+    max_turn = max((len(v.cells) for v in views), default=0)
+    multi_rank = len({v.rank for v in views}) > 1
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style='bold', padding=(0, 2, 0, 0))
+    table.add_column('request', no_wrap=True, overflow='fold')
+    if multi_rank:
+        table.add_column('rank', justify='right')
+    table.add_column('turn ' + turn_ruler(max_turn), no_wrap=True, overflow='ellipsis')
+    table.add_column('turns', justify='right')
+    table.add_column('tokens', justify='right')
+    table.add_column('finish', no_wrap=True)
+    for v in views:
+        row: List[Any] = [v.uuid]
+        if multi_rank:
+            row.append(str(v.rank))
+        row += [Text('     ') + timeline_text(v), str(v.turns), str(v.tokens),
+                Text(v.reason or 'unfinished', reason_style(v.reason))]
+        table.add_row(*row)
+    return table
+
+
+def _bar(n: int, top: int, width: int = 30) -> str:
+    return '█' * max(1 if n else 0, round(width * n / top)) if top else ''
+
+
+def summary_renderable(s: Summary) -> RenderableType:
+    """The batch summary: counts, live requests per turn, turns per request, finish reasons,
+    tool errors, request errors and the slowest steps."""
+    parts: List[RenderableType] = []
+    ranks = f', ranks {",".join(map(str, s.ranks))}' if len(s.ranks) > 1 else ''
+    parts.append(Text.assemble(('summary: ', 'bold'), f'{s.requests} requests, {s.events} events, '
+                               f'{s.max_turn} turns, {s.tokens} completion tokens, '
+                               f'{s.tool_calls} tool calls, {len(s.tool_errors)} tool errors{ranks}'))
+    if s.unfinished:
+        parts.append(Text(f'unfinished (the trace ends before they finish): {", ".join(s.unfinished)}', 'magenta'))
+
+    def histogram(title: str, label: str, data: Dict[Any, int], styles: Optional[Dict[Any, str]] = None) -> Table:
+        table = Table(title=title, title_justify='left', title_style='bold', box=None, padding=(0, 2, 0, 0),
+                      pad_edge=False, show_header=False)
+        table.add_column(label, no_wrap=True)
+        table.add_column('n', justify='right')
+        table.add_column('bar', no_wrap=True)
+        top = max(data.values(), default=0)
+        for key, n in data.items():
+            style = (styles or {}).get(key, '')
+            table.add_row(Text(str(key), style), str(n), Text(_bar(n, top), style or 'blue'))
+        return table
+
+    parts.append(histogram('live requests per turn', 'turn', {f'turn {t}': n for t, n in s.live_per_turn.items()}))
+    parts.append(histogram('turns per request', 'turns', {f'{t} turn{"s" if t != 1 else ""}': n for t, n in s.turns_per_request.items()}))
+    parts.append(histogram('finish reasons', 'reason', s.finish_reasons, {r: reason_style(r) for r in s.finish_reasons}))
+    if s.errors:
+        table = Table(title='errors', title_justify='left', title_style='bold red', box=None, padding=(0, 2, 0, 0))
+        for col in ('request', 'turn', 'phase', 'error'):
+            table.add_column(col, overflow='fold')
+        for e in s.errors:
+            message = f'{e.get("type", "")}: {e.get("message", "")}'.lstrip(': ')
+            table.add_row(str(e['uuid']), str(e['turn']), str(e.get('phase', '')), message)
+        parts.append(table)
+    if s.tool_errors:
+        table = Table(title='tool errors', title_justify='left', title_style='bold red', box=None,
+                      padding=(0, 2, 0, 0))
+        for col in ('request', 'turn', 'error'):
+            table.add_column(col, overflow='fold')
+        for te in s.tool_errors[:20]:
+            table.add_row(te.uuid, str(te.turn), te.message)
+        if len(s.tool_errors) > 20:
+            table.add_row('…', '', f'{len(s.tool_errors) - 20} more')
+        parts.append(table)
+    if s.slowest_steps:
+        table = Table(title='slowest steps', title_justify='left', title_style='bold', box=None, padding=(0, 2, 0, 0))
+        for col in ('request', 'turn', 'time', 'tools'):
+            table.add_column(col, justify='right' if col == 'time' else 'left')
+        for st in s.slowest_steps:
+            table.add_row(st.uuid, str(st.turn), fmt_s(st.duration_s), ', '.join(st.tools))
+        parts.append(table)
+    return Group(*[p for part in parts for p in (part, Text(''))][:-1])
+
+
+def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = None,
+                     legend: bool = True) -> RenderableType:
+    parts: List[RenderableType] = [timeline_table(views)]
+    if legend:
+        parts.append(Text(LEGEND, 'dim'))
+    if summary is not None:
+        parts += [Text(''), summary_renderable(summary)]
+    return Group(*parts)
+
+
+def needed_width(views: Sequence[RequestView]) -> int:
+    turns = max((len(v.cells) for v in views), default=0)
+    uuid = max((len(v.uuid) for v in views), default=7)
+    return max(100, uuid + 5 + 6 + CELL * turns + 40)
+
+
+def format_trace(trace: Trace, uuids: Optional[Sequence[str]] = None, *, summary: bool = True,
+                 color: bool = False, width: Optional[int] = None) -> str:
+    """The timeline (and summary) as a string: plain text unless ``color``."""
+    views = request_views(trace)
+    all_views = views
+    if uuids is not None:
+        wanted = set(uuids)
+        views = [v for v in views if v.uuid in wanted]
+    buf = io.StringIO()
+    console = Console(file=buf, width=width or needed_width(views), force_terminal=color, no_color=not color,
+                      color_system='standard' if color else None, highlight=False, emoji=False)
+    console.print(trace_renderable(views, summarize(all_views if uuids is None else views) if summary else None))
+    return buf.getvalue()
+
+
+# ---- one request in detail ------------------------------------------------------------------
+def events_table(view: RequestView) -> Table:
+    table = Table(box=None, padding=(0, 2, 0, 0), header_style='bold')
+    for col in ('turn', 'from', 'to', 'trigger', 'reason', 'tokens', 'time', 'extra'):
+        table.add_column(col, overflow='fold', no_wrap=col != 'extra',
+                         justify='right' if col in ('turn', 'tokens', 'time') else 'left')
+    for e in view.events:
+        extra = '' if not e.extra else json.dumps(e.extra, ensure_ascii=False, default=str)
+        table.add_row(str(e.turn), e.src, Text(e.dst, STYLES.get(e.dst, reason_style(e.reason))), e.trigger,
+                      e.reason or '', '' if e.tokens is None else str(e.tokens),
+                      fmt_s(e.duration_s), extra)
+    return table
+
+
+def mask_text(ids: Sequence[int], mask: Sequence[int], tokenizer: Any, color: bool = True) -> Text:
+    """Tokens with the loss mask visible: trained tokens (mask 1) plain/green, masked runs (mask 0)
+    inside ``«…»`` and dim. With a tokenizer, token boundaries are ``|``; without, ids are
+    space-separated."""
+    pieces = token_texts(ids, tokenizer)
+    sep = '|' if tokenizer is not None else ' '
+    t = Text()
+    runs: List[tuple] = []  # (mask value, [pieces]) of equal-mask runs
+    for piece, m in zip(pieces, mask):
+        if runs and runs[-1][0] == bool(m):
+            runs[-1][1].append(piece)
+        else:
+            runs.append((bool(m), [piece]))
+    for k, (trained, run) in enumerate(runs):
+        if k and tokenizer is None:
+            t.append(' ')
+        if not trained:
+            t.append('«', 'bold magenta')
+        for j, piece in enumerate(run):
+            if j:
+                t.append(sep, 'dim')
+            t.append(piece.replace('\n', '⏎'), 'green' if trained else 'dim strike')
+        if not trained:
+            t.append('»', 'bold magenta')
+    if len(mask) != len(pieces):
+        t.append(f'  (mask has {len(mask)} entries for {len(pieces)} tokens)', 'bold red')
+    return t
+
+
+def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], tokenizer: Any = None) -> RenderableType:
+    """One request: its path, its events, its messages, and its token segments with the loss mask."""
+    parts: List[RenderableType] = []
+    uuid = view.uuid if view is not None else traj.uuid if traj is not None else '?'
+    parts.append(Text.assemble(('request ', 'bold'), (uuid, 'bold'),
+                               f'  (index {view.index}, rank {view.rank})' if view is not None else ''))
+    if view is not None:
+        parts.append(Text.assemble(('path: ', 'bold'), view.path))
+        parts.append(Text.assemble(('timeline: ', 'bold'), timeline_text(view)))
+        parts.append(events_table(view))
+    else:
+        parts.append(Text('(no trace events for this request)', 'magenta'))
+    if traj is None:
+        parts.append(Text('(no trajectory: pass --trajectories FILE to see messages and the loss mask)', 'dim'))
+        return Group(*parts)
+    parts.append(Text(''))
+    parts.append(Text(f'messages ({len(traj.messages)})', 'bold'))
+    role_styles = {'system': 'magenta', 'user': 'cyan', 'assistant': 'green', 'tool': 'yellow'}
+    for k, msg in enumerate(traj.messages):
+        role = str(msg.get('role', '?'))
+        content = msg.get('content')
+        body = content if isinstance(content, str) else ('' if content is None else repr(content))
+        line = Text.assemble((f'[{k}] {role}: ', f'bold {role_styles.get(role, "")}'.strip()), body)
+        if msg.get('tool_calls'):
+            line.append(f'  tool_calls={msg["tool_calls"]}', 'yellow')
+        parts.append(line)
+    parts.append(Text(''))
+    masks = traj.masks()
+    n_ids = sum(map(len, traj.response_token_ids))
+    n_trained = sum(map(sum, masks))
+    n_lp = sum(map(len, traj.rollout_logprobs))
+    parts.append(Text.assemble(
+        ('tokens: ', 'bold'), f'{len(traj.response_token_ids)} segment(s), {n_ids} tokens, {n_trained} trained, '
+        f'{n_ids - n_trained} masked, {n_lp} logprobs',
+        ('' if traj.response_loss_mask else '  (no loss mask: every token is trained)', 'dim')))
+    parts.append(Text('«…» loss mask 0 (not trained); the rest is trained', 'dim'))
+    for k, (ids, mask) in enumerate(zip(traj.response_token_ids, masks)):
+        head = Text(f'segment {k + 1}: {len(ids)} tokens, {sum(mask)} trained', 'bold')
+        parts.append(head)
+        parts.append(mask_text(ids, mask, tokenizer))
+    infos = {k: v for k, v in traj.rollout_infos.items()}
+    if infos:
+        parts.append(Text(''))
+        parts.append(Text.assemble(('rollout_infos: ', 'bold'), str(infos)))
+    return Group(*parts)
