@@ -386,8 +386,7 @@ class _Run:
                         if self.before_step(rec, choice, turn):
                             going.append((rec, choice, ntok))
                 if going:
-                    timed = self.loop.run_until_complete(
-                        asyncio.gather(*[_timed(step(rec.request, choice, turn)) for rec, choice, _ in going]))
+                    timed = self.loop.run_until_complete(_gather_timed(step, going, turn))
                     for (rec, choice, ntok), (result, dur) in zip(going, timed):
                         self.after_step(rec, choice, result, dur, turn, next_live)
             else:
@@ -487,13 +486,18 @@ class _Raised:
         self.exc = exc
 
 
-async def _timed(coro: Any) -> tuple:
+async def _timed(step: Callable[..., Any], request: Any, choice: Any, turn: int) -> tuple:
     t = perf_counter()
     try:
-        result = await coro
+        result = await step(request, choice, turn)
     except Exception as exc:
         result = _Raised(exc)
     return result, perf_counter() - t
+
+
+async def _gather_timed(step: Callable[..., Any], going: List[tuple], turn: int) -> List[tuple]:
+    # Built inside the private loop: asyncio.gather outside it would bind to another loop.
+    return await asyncio.gather(*[_timed(step, rec.request, choice, turn) for rec, choice, _ in going])
 
 
 def _uuid_of(request: Any, index: int) -> str:
