@@ -296,6 +296,7 @@ class _Run:
         step, step_async = hooks.step, hooks.step_is_async
         on_turn_end, check = hooks.on_turn_end, hooks.check_finished
         default_max = hooks.default_max_turns
+        before = getattr(accounting, 'before_step', None)  # resolved once, not per request-turn
         while True:
             has_local = bool(live)
             if not any(ex.gather_fn([has_local])):
@@ -383,7 +384,7 @@ class _Run:
                         self.finish(rec, choice, tr, reason, turn, ntok)
                     else:
                         self.move(rec, M.RUN_STEP, turn, tokens=ntok)
-                        if self.before_step(rec, choice, turn):
+                        if before is None or self.before_step(before, rec, choice, turn):
                             going.append((rec, choice, ntok))
                 if going:
                     timed = self.loop.run_until_complete(_gather_timed(step, going, turn))
@@ -395,7 +396,7 @@ class _Run:
                         self.finish(rec, choice, tr, reason, turn, ntok)
                         continue
                     self.move(rec, M.RUN_STEP, turn, tokens=ntok)
-                    if not self.before_step(rec, choice, turn):
+                    if before is not None and not self.before_step(before, rec, choice, turn):
                         continue
                     t = perf_counter()
                     try:
@@ -411,12 +412,9 @@ class _Run:
 
         return self.result(loops)
 
-    def before_step(self, rec: RequestRecord, choice: Any, turn: int) -> bool:
+    def before_step(self, before: Callable[..., Any], rec: RequestRecord, choice: Any, turn: int) -> bool:
         """The accounting's optional ``before_step`` (ms-swift 4.6 computes a turn's ids before
         the step runs); ``False`` when it failed the request."""
-        before = getattr(self.ex.accounting, 'before_step', None)
-        if before is None:
-            return True
         try:
             before(rec, choice, turn)
         except Exception as exc:

@@ -1,0 +1,94 @@
+"""The executor's own cost per request-turn, against a plain loop written from the contract.
+
+N requests x T turns with a trivial scheduler (a step that appends one observation) and a
+``rollout_fn`` that returns prebuilt outputs, so what is measured is the driver itself: state
+moves, hooks dispatch, segment accounting, traces, output building. The reference loop and mtflow
+run in the same process, interleaved (A B A B ...), and the best of the repeats is reported.
+
+    .venv/bin/python benchmarks/overhead.py                 # N = 1000, 4000, 16000; T = 8
+    .venv/bin/python benchmarks/overhead.py --n 4000 --turns 8 --repeats 5
+    .venv/bin/python benchmarks/overhead.py --no-trace      # mtflow with tracing off
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mtflow  # noqa: E402
+from benchmarks.reference_loop import reference_run_multi_turn  # noqa: E402
+from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
+
+
+class Trivial(mtflow.Scheduler):
+    """Appends one observation per step; stops by max_turns."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'ok'})
+        return {'infer_request': infer_request}
+
+
+def prebuilt(n_tokens: int = 8) -> RolloutOutput:
+    ids = list(range(n_tokens))
+    return RolloutOutput(response=make_response(make_choice('x' * n_tokens, ids, [-0.5] * n_tokens)))
+
+
+def make_inputs(n: int) -> tuple:
+    requests = [RolloutInferRequest(messages=[{'role': 'user', 'content': 'q'}], uuid=f'r{i}') for i in range(n)]
+    output = prebuilt()
+    return requests, [output] * n, output
+
+
+def time_one(driver: str, n: int, turns: int, trace: bool) -> float:
+    requests, firsts, output = make_inputs(n)
+
+    def rollout_fn(reqs: List[Any], config: Any) -> List[Any]:
+        return [output] * len(reqs)
+
+    sched = Trivial()
+    gc.collect()
+    gc.disable()
+    try:
+        t = time.perf_counter()
+        if driver == 'reference':
+            reference_run_multi_turn(requests, firsts, sched, rollout_fn, None, max_turns=turns)
+        else:
+            mtflow.Executor(sched, rollout_fn, max_turns=turns, trace=trace).run(requests, firsts)
+        return time.perf_counter() - t
+    finally:
+        gc.enable()
+
+
+def measure(n: int, turns: int, repeats: int, trace: bool) -> Dict[str, float]:
+    best = {'reference': float('inf'), 'mtflow': float('inf')}
+    for _ in range(repeats):
+        for driver in ('reference', 'mtflow'):
+            best[driver] = min(best[driver], time_one(driver, n, turns, trace))
+    return best
+
+
+def main(argv: List[str] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--n', type=int, nargs='*', default=[1000, 4000, 16000])
+    p.add_argument('--turns', type=int, default=8)
+    p.add_argument('--repeats', type=int, default=5)
+    p.add_argument('--no-trace', action='store_true')
+    args = p.parse_args(argv)
+    trace = not args.no_trace
+    print(f'# driver overhead, T={args.turns} turns, best of {args.repeats}, mtflow tracing {"on" if trace else "off"}')
+    print(f'| {"N":>6} | {"reference us/req-turn":>22} | {"mtflow us/req-turn":>19} | {"ratio":>6} |')
+    print(f'|{"-" * 8}|{"-" * 24}|{"-" * 21}|{"-" * 8}|')
+    for n in args.n:
+        best = measure(n, args.turns, args.repeats, trace)
+        per = {k: v / (n * args.turns) * 1e6 for k, v in best.items()}
+        print(f'| {n:>6} | {per["reference"]:>22.2f} | {per["mtflow"]:>19.2f} | {per["mtflow"] / per["reference"]:>6.3f} |',
+              flush=True)
+
+
+if __name__ == '__main__':
+    main()
