@@ -1,0 +1,319 @@
+"""The YAML scheduler's schema (pydantic). Every key is documented here; ``mtflow schema`` prints
+it as JSON Schema for editors, and ``mtflow validate`` reports every violation with its line.
+
+Checks that need the outside world (an importable ``module:function``, a known parser or
+built-in tool, a regex that compiles) are field validators too, so that one validation pass
+reports every problem at once. They read the YAML file's directory from the validation context
+(``{'base_dir': ...}``) to resolve references to Python files next to the YAML.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+
+def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
+    """``module:attribute`` must import (when the context allows resolving)."""
+    if value is None:
+        return value
+    ctx = info.context or {}
+    if ctx.get('resolve', True):
+        from ..tools.registry import resolve_ref
+        try:
+            obj = resolve_ref(value, ctx.get('base_dir'))
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f'cannot resolve {value!r}: {exc}') from None
+        except Exception as exc:  # the module itself failed while importing
+            raise ValueError(f'importing {value!r} failed: {type(exc).__name__}: {exc}') from None
+        if not callable(obj):
+            raise ValueError(f'{value!r} is not callable')
+    elif ':' not in value:
+        raise ValueError(f"{value!r} must look like 'module:attribute'")
+    return value
+
+
+def _check_regex(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return value
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f'regex {value!r} does not compile: {exc}') from None
+    return value
+
+
+class ToolConfig(_Strict):
+    """One tool the model may call."""
+    name: str = Field(description='The name the model uses to call the tool.', min_length=1)
+    builtin: Optional[str] = Field(
+        None, description="A built-in tool: 'calculator' or 'python' (or one added with register_tool). "
+        'Defaults to `name` when neither builtin nor impl is given.')
+    impl: Optional[str] = Field(
+        None, description="A Python callable 'package.module:function' (sync or async); a module next to the "
+        'YAML file may be named too. Its signature and docstring give the default parameters and description.')
+    description: Optional[str] = Field(None, description='What the tool does, shown to the model.')
+    parameters: Optional[Dict[str, Any]] = Field(
+        None, description='JSON Schema of the arguments (an object schema). Default: derived from the callable.')
+    options: Dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options for a built-in (python: timeout_s, memory_mb, cpu_s, max_output_chars, max_file_mb).")
+    timeout_s: Optional[float] = Field(None, gt=0, description='Per-call timeout in seconds; a timeout is a tool error.')
+    max_concurrency: Optional[int] = Field(
+        None, ge=1, description='At most this many calls of this tool run at once, across all requests.')
+    max_observation: Optional[int] = Field(
+        None, ge=1, description='Longest observation kept: tokens when the scheduler has a tokenizer, else characters.')
+    truncate_side: Literal['right', 'left'] = Field(
+        'right', description="Which end of a long observation is cut: 'right' keeps the beginning, 'left' the end.")
+
+    @field_validator('impl')
+    @classmethod
+    def _impl_resolves(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _check_ref(v, info)
+
+    @field_validator('parameters')
+    @classmethod
+    def _object_schema(cls, v: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if v is not None and v.get('type', 'object') != 'object':
+            raise ValueError("parameters must be a JSON Schema of type 'object'")
+        if v is not None and not isinstance(v.get('properties', {}), dict):
+            raise ValueError('parameters.properties must be a mapping')
+        return v
+
+    @model_validator(mode='after')
+    def _one_source(self) -> 'ToolConfig':
+        from ..tools.registry import builtin_names
+        if self.builtin and self.impl:
+            raise ValueError('give either builtin or impl, not both')
+        if not self.impl:
+            name = self.builtin or self.name
+            if name not in builtin_names():
+                raise ValueError(f'unknown built-in tool {name!r} (known: {", ".join(builtin_names())}); '
+                                 "set impl: 'module:function' for your own tool")
+            self.builtin = name
+        elif self.options:
+            raise ValueError('options apply to built-in tools only')
+        return self
+
+
+class ObservationConfig(_Strict):
+    """How tool results reach the model."""
+    mode: Literal['message', 'inline'] = Field(
+        'message', description="'message': a new message (next turn generates a new assistant message); "
+        "'inline': appended to the assistant message (next turn continues it; observation tokens get loss mask 0).")
+    role: Literal['tool', 'user'] = Field('tool', description="Role of observation messages in 'message' mode.")
+    template: str = Field('{result}', description='Text of one result; {name}, {result} and {index} (1-based) are replaced, other braces are kept.')
+    error_template: str = Field('Error: {error}', description='Text of one failed call; {name}, {error} and {index} are replaced.')
+    separator: str = Field('\n', description='Joins several results into one text (inline mode, or role user).')
+    prefix: str = Field('', description="Text before the joined results (e.g. '\\nObservation: ').")
+    suffix: str = Field('', description="Text after the joined results (e.g. '\\nThought:').")
+    one_message_per_call: bool = Field(True, description="With role 'tool': one message per call (else one joined).")
+
+
+class StopConfig(_Strict):
+    """When a request stops. The first rule that matches names the finish reason
+    (``stop_rule:<name>``), checked in this order: env_done, correct_answer, regex rules,
+    stop_tools, length, predicate, no_tool_call. ``max_turns`` (top level) ends with ``max_turns``."""
+    no_tool_call: bool = Field(True, description="Stop ('stop_rule:no_tool_call') when a turn has no tool call and "
+                               'nothing else (tip, environment) continues the request.')
+    stop_tools: List[str] = Field(default_factory=list,
+                                  description="Stop ('stop_rule:stop_tool') when one of these tools is called; the "
+                                  'call is not run.')
+    regex: Dict[str, str] = Field(default_factory=dict,
+                                  description="name -> regex searched in the turn's completion; a match stops with "
+                                  "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:').")
+    on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
+    correct_answer: bool = Field(False, description="Stop ('stop_rule:correct_answer') when the answer (see `answer`) "
+                                 'matches the data_dict field.')
+    predicate: Optional[str] = Field(
+        None, description="'module:function'(infer_request, response_choice, turn) -> bool or a rule name; truthy "
+        "stops with 'stop_rule:predicate' (or 'stop_rule:<returned name>').")
+
+    @field_validator('regex')
+    @classmethod
+    def _regexes(cls, v: Dict[str, str]) -> Dict[str, str]:
+        problems = []
+        for name, pattern in v.items():
+            if not re.fullmatch(r'[A-Za-z_][\w.-]*', name):
+                problems.append(f'rule name {name!r} must be an identifier')
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                problems.append(f'regex {name!r} ({pattern!r}) does not compile: {exc}')
+        if problems:
+            raise ValueError('; '.join(problems))
+        return v
+
+    @field_validator('predicate')
+    @classmethod
+    def _predicate(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _check_ref(v, info)
+
+
+class AnswerConfig(_Strict):
+    """How to read the model's final answer and check it against the request's ``data_dict``."""
+    pattern: str = Field(r'\\boxed\{([^{}]*)\}|<answer>(.*?)</answer>',
+                         description='Regex; the first non-empty group of the LAST match is the answer.')
+    field: str = Field('solution', description='data_dict key holding the reference answer.')
+    compare: str = Field('numeric', description="'exact' (after stripping), 'numeric' (as numbers when both parse, "
+                         "else exact) or 'module:function'(answer, reference) -> bool.")
+
+    @field_validator('pattern')
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        return _check_regex(v)
+
+    @field_validator('compare')
+    @classmethod
+    def _compare(cls, v: str, info: ValidationInfo) -> str:
+        if v in ('exact', 'numeric'):
+            return v
+        if ':' not in v:
+            raise ValueError(f"compare must be 'exact', 'numeric' or 'module:function', not {v!r}")
+        return _check_ref(v, info)
+
+
+class TipConfig(_Strict):
+    """A hint injected when a condition holds (the "tip and re-check" pattern); the request continues."""
+    name: str = Field('tip', description='Recorded in rollout_infos (tips_given).')
+    when: Literal['wrong_answer', 'no_answer', 'no_tool_call', 'regex', 'predicate', 'always'] = Field(
+        'wrong_answer', description="Condition: the answer is missing or wrong ('wrong_answer'), missing "
+        "('no_answer'), the turn called no tool, `regex` matched, `predicate` returned true, or 'always'.")
+    regex: Optional[str] = Field(None, description="Regex for when: regex.")
+    predicate: Optional[str] = Field(None, description="'module:function'(infer_request, response_choice, turn) -> bool.")
+    text: str = Field(description='The tip text.')
+    placement: Literal['inline', 'user'] = Field(
+        'inline', description="'inline': appended to the assistant message (loss mask 0; next turn continues it); "
+        "'user': a new user message.")
+    max_times: int = Field(1, ge=1, description='How often this tip may be given to one request.')
+    truncate_before: List[str] = Field(
+        default_factory=list, description="Inline only: cut the completion at the first of these markers (e.g. "
+        "'<answer>', '</think>') before appending the tip, tokens and logprobs included.")
+
+    @field_validator('regex')
+    @classmethod
+    def _regex(cls, v: Optional[str]) -> Optional[str]:
+        return _check_regex(v)
+
+    @field_validator('predicate')
+    @classmethod
+    def _predicate(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _check_ref(v, info)
+
+    @model_validator(mode='after')
+    def _needs(self) -> 'TipConfig':
+        if self.when == 'regex' and not self.regex:
+            raise ValueError('when: regex needs a regex')
+        if self.when == 'predicate' and not self.predicate:
+            raise ValueError('when: predicate needs a predicate')
+        return self
+
+
+class EnvConfig(_Strict):
+    """A gym-style environment per request (``reset``, ``step -> observation, reward, done, info``, ``close``)."""
+    impl: str = Field(description="A built-in environment ('guess_number') or 'module:Class'.")
+    kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the environment.')
+    observation_role: Literal['user', 'tool'] = Field('user', description='Role of the observation message.')
+
+    @field_validator('impl')
+    @classmethod
+    def _impl(cls, v: str, info: ValidationInfo) -> str:
+        from .gym import builtin_envs
+        if v in builtin_envs():
+            return v
+        if ':' not in v:
+            raise ValueError(f'unknown environment {v!r} (built-in: {", ".join(builtin_envs())}, or module:Class)')
+        return _check_ref(v, info)
+
+
+class SchedulerConfig(_Strict):
+    """A scheduler defined in YAML: tools, how calls are parsed, how results are shown, when to stop."""
+    model_config = ConfigDict(extra='forbid', title='mtflow scheduler')
+    name: str = Field('yaml_scheduler', description='Shown in traces and graphs.')
+    description: str = Field('', description='Free text.')
+    max_turns: Optional[int] = Field(None, ge=1, description="Stop with 'max_turns' at this turn.")
+    parser: str = Field('hermes', description="Tool-call format: 'hermes' (alias 'qwen'), 'react', 'json', a "
+                        "registered name, or 'module:Class'.")
+    parser_options: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the parser.')
+    tools: List[ToolConfig] = Field(default_factory=list, description='The tools.')
+    tool_errors: Literal['feed_back', 'finish'] = Field(
+        'feed_back', description="A malformed call, unknown tool, bad arguments, exception or timeout: 'feed_back' "
+        "(an error observation) or 'finish' (the request ends with reason 'error').")
+    max_tool_calls_per_turn: int = Field(8, ge=1, description='Calls beyond this in one turn get an error observation.')
+    max_threads: int = Field(64, ge=1, description='Thread pool size for sync tools (shared by all requests).')
+    observation: ObservationConfig = Field(default_factory=ObservationConfig, description='How results are shown.')
+    stop: StopConfig = Field(default_factory=StopConfig, description='Stop rules.')
+    answer: Optional[AnswerConfig] = Field(None, description='Answer extraction and checking.')
+    tips: List[TipConfig] = Field(default_factory=list, description='Tips, tried in order; at most one per turn.')
+    env: Optional[EnvConfig] = Field(None, description='A gym environment driven by every completion.')
+    system_prompt: Optional[str] = Field(
+        None, description='System prompt added before the first turn; {tools} renders the tool list in the '
+        "parser's format.")
+    system_prompt_mode: Literal['if_missing', 'prepend', 'replace'] = Field(
+        'if_missing', description='When the request already has a system message: keep it (if_missing), put ours '
+        'before it (prepend), or replace it.')
+    reward: Optional[str] = Field(
+        None, description="'module:function'(infer_request, rollout_infos) -> float, called when the request "
+        "stops; stored as rollout_infos['reward'].")
+    scheduler_class: Optional[str] = Field(
+        None, description="'module:Class', a subclass of mtflow.declarative.YamlScheduler to use instead (drop to "
+        'Python for what YAML cannot say).')
+
+    @field_validator('parser')
+    @classmethod
+    def _parser(cls, v: str, info: ValidationInfo) -> str:
+        from .parsers import parser_names
+        if v in parser_names():
+            return v
+        if ':' not in v:
+            raise ValueError(f'unknown parser {v!r} (known: {", ".join(parser_names())}, or module:Class)')
+        return _check_ref(v, info)
+
+    @field_validator('reward', 'scheduler_class')
+    @classmethod
+    def _refs(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _check_ref(v, info)
+
+    @model_validator(mode='after')
+    def _cross(self, info: ValidationInfo) -> 'SchedulerConfig':
+        if (info.context or {}).get('cross_check', True):
+            problems = cross_problems(self.model_dump())
+            if problems:
+                raise ValueError('; '.join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems))
+        return self
+
+
+def cross_problems(data: Any) -> List[tuple]:
+    """Problems between sections, as ``(loc, message)``; works on the raw YAML mapping too, so
+    ``mtflow validate`` reports them (at their own line) even when other keys are invalid."""
+    if not isinstance(data, dict):
+        return []
+    problems: List[tuple] = []
+    tools = data.get('tools') if isinstance(data.get('tools'), list) else []
+    names = [t.get('name') for t in tools if isinstance(t, dict)]
+    seen = set()
+    for i, t in enumerate(tools):
+        name = t.get('name') if isinstance(t, dict) else None
+        if isinstance(name, str) and name in seen:
+            problems.append((('tools', i, 'name'), f'duplicate tool name {name!r}'))
+        seen.add(name)
+    stop = data.get('stop') if isinstance(data.get('stop'), dict) else {}
+    stop_tools = stop.get('stop_tools') if isinstance(stop.get('stop_tools'), list) else []
+    for i, n in enumerate(stop_tools):
+        if n not in names:
+            problems.append((('stop', 'stop_tools', i), f'unknown tool {n!r} (tools: {", ".join(map(str, names)) or "none"})'))
+    tips = data.get('tips') if isinstance(data.get('tips'), list) else []
+    if data.get('answer') is None:
+        if stop.get('correct_answer'):
+            problems.append((('stop', 'correct_answer'), 'needs an `answer` section (how to read and check the answer)'))
+        for i, tip in enumerate(tips):
+            if isinstance(tip, dict) and tip.get('when', 'wrong_answer') in ('wrong_answer', 'no_answer'):
+                problems.append((('tips', i, 'when'), f"when: {tip.get('when', 'wrong_answer')} needs an `answer` section"))
+    if tools and data.get('env') is not None:
+        problems.append((('env', ), 'use either tools or env, not both'))
+    return problems

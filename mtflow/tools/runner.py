@@ -1,0 +1,194 @@
+"""Running tool calls concurrently, within limits, with every failure turned into a result.
+
+The YAML scheduler's ``step`` is ``async def``, so the executor gathers the steps of all requests
+of a turn; inside a step, the calls of one request are gathered too. :class:`ToolRunner` runs each
+call:
+
+- async tools on the event loop; sync tools in one bounded thread pool (``max_threads``);
+- at most ``tool.max_concurrency`` calls of one tool at a time, across all requests (a semaphore
+  per tool and per event loop: the executor uses a fresh loop per run);
+- with ``tool.timeout_s``: a timed-out async call is cancelled; a timed-out sync call is
+  abandoned (a thread cannot be killed) and its late result ignored, so a sync tool that can hang
+  should enforce its own limit, or be async (like ``python``, whose process is killed);
+- an unknown tool, arguments that do not fit the schema, an exception or a timeout become a
+  :class:`ToolResult` with ``ok=False`` and an ``error`` message for the model, never an exception.
+
+Results come back in call order (``asyncio.gather`` keeps order), so observations are
+deterministic whatever finishes first.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Dict, List, Optional, Sequence
+
+from .registry import Tool
+
+
+@dataclass
+class ToolResult:
+    """One call's outcome. ``error_kind``: ``parse``, ``unknown_tool``, ``bad_arguments``,
+    ``exception`` or ``timeout`` when ``ok`` is false."""
+    name: str
+    arguments: Any
+    ok: bool
+    output: str = ''
+    error: str = ''
+    error_kind: str = ''
+    duration_s: float = 0.0
+
+    def to_info(self) -> Dict[str, Any]:
+        info: Dict[str, Any] = {'name': self.name, 'ok': self.ok, 'duration_s': round(self.duration_s, 6)}
+        if not self.ok:
+            info['error_kind'] = self.error_kind
+            info['error'] = self.error[:500]
+        return info
+
+
+_PY_TYPES = {'string': str, 'integer': int, 'number': (int, float), 'boolean': bool, 'array': list, 'object': dict}
+
+
+def check_arguments(tool: Tool, arguments: Any) -> Dict[str, Any]:
+    """``arguments`` as keyword arguments for ``tool``, or ``ValueError`` saying what is wrong.
+
+    A bare string (ReAct's ``Action Input: 2+2``) is given to the tool's only (or first required)
+    parameter. Checks: an object, required keys present, no unknown keys unless the schema allows
+    them, JSON types of the declared properties."""
+    params = tool.parameters or {}
+    props: Dict[str, Any] = params.get('properties') or {}
+    required: List[str] = list(params.get('required') or [])
+    if isinstance(arguments, str) or (arguments is not None and not isinstance(arguments, dict)
+                                      and len(props) == 1):
+        target = required[0] if required else (next(iter(props)) if len(props) == 1 else None)
+        if target is None:
+            raise ValueError(f'arguments must be a JSON object, got {type(arguments).__name__}')
+        arguments = {target: arguments}
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise ValueError(f'arguments must be a JSON object, got {type(arguments).__name__}')
+    missing = [k for k in required if k not in arguments]
+    if missing:
+        raise ValueError(f'missing required argument(s): {", ".join(missing)}')
+    if props and params.get('additionalProperties', False) is False:
+        unknown = [k for k in arguments if k not in props]
+        if unknown:
+            raise ValueError(f'unknown argument(s): {", ".join(unknown)} (expected: {", ".join(props)})')
+    for key, value in arguments.items():
+        expected = (props.get(key) or {}).get('type')
+        py = _PY_TYPES.get(expected) if isinstance(expected, str) else None
+        if py is not None and (not isinstance(value, py) or (expected in ('integer', 'number')
+                                                             and isinstance(value, bool))):
+            raise ValueError(f'argument {key!r} must be of type {expected}, got {type(value).__name__}')
+    return arguments
+
+
+class ToolRunner:
+    """Runs calls to a fixed set of tools; see the module docstring."""
+
+    def __init__(self, tools: Sequence[Tool], max_threads: int = 64) -> None:
+        self.tools: Dict[str, Tool] = {t.name: t for t in tools}
+        self.max_threads = max_threads
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._semaphores: 'weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[str, asyncio.Semaphore]]' = (
+            weakref.WeakKeyDictionary())
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_threads, thread_name_prefix='mtflow-tool')
+        return self._pool
+
+    def _semaphore(self, tool: Tool) -> Optional[asyncio.Semaphore]:
+        if not tool.max_concurrency:
+            return None
+        loop = asyncio.get_running_loop()
+        per_loop = self._semaphores.setdefault(loop, {})
+        sem = per_loop.get(tool.name)
+        if sem is None:
+            sem = per_loop[tool.name] = asyncio.Semaphore(tool.max_concurrency)
+        return sem
+
+    async def call(self, name: str, arguments: Any) -> ToolResult:
+        """Run one call; never raises (except cancellation)."""
+        tool = self.tools.get(name)
+        if tool is None:
+            known = ', '.join(self.tools) or 'none'
+            return ToolResult(name, arguments, False, error=f'unknown tool {name!r} (available: {known})',
+                              error_kind='unknown_tool')
+        try:
+            kwargs = check_arguments(tool, arguments)
+        except ValueError as exc:
+            return ToolResult(name, arguments, False, error=f'bad arguments for {name}: {exc}',
+                              error_kind='bad_arguments')
+        sem = self._semaphore(tool)
+        if sem is not None:
+            async with sem:
+                return await self._run(tool, kwargs)
+        return await self._run(tool, kwargs)
+
+    async def _run(self, tool: Tool, kwargs: Dict[str, Any]) -> ToolResult:
+        t = perf_counter()
+        try:
+            if tool.is_async:
+                aw = tool.fn(**kwargs)
+            else:
+                loop = asyncio.get_running_loop()
+                aw = loop.run_in_executor(self.pool, functools.partial(tool.fn, **kwargs))
+            value = await (asyncio.wait_for(aw, tool.timeout_s) if tool.timeout_s else aw)
+        except asyncio.TimeoutError:
+            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} timed out after {tool.timeout_s:g} s',
+                              error_kind='timeout', duration_s=perf_counter() - t)
+        except TypeError as exc:
+            kind = 'bad_arguments' if 'argument' in str(exc) else 'exception'
+            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised TypeError: {exc}',
+                              error_kind=kind, duration_s=perf_counter() - t)
+        except Exception as exc:
+            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
+                              error_kind='exception', duration_s=perf_counter() - t)
+        return ToolResult(tool.name, kwargs, True, output=_to_text(value), duration_s=perf_counter() - t)
+
+    async def call_all(self, calls: Sequence[tuple]) -> List[ToolResult]:
+        """Run ``[(name, arguments), ...]`` concurrently; results in call order."""
+        return list(await asyncio.gather(*[self.call(n, a) for n, a in calls]))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ''
+    import json
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def truncate(text: str, limit: Optional[int], side: str = 'right', tokenizer: Any = None) -> str:
+    """``text`` cut to ``limit`` tokens (with a tokenizer) or characters; ``side='right'`` keeps
+    the beginning, ``'left'`` the end. A marker says how much was dropped."""
+    if not limit:
+        return text
+    if tokenizer is not None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= limit:
+            return text
+        kept = ids[:limit] if side == 'right' else ids[-limit:]
+        body = tokenizer.decode(kept)
+        dropped = f'[... {len(ids) - limit} tokens truncated]'
+    else:
+        if len(text) <= limit:
+            return text
+        body = text[:limit] if side == 'right' else text[-limit:]
+        dropped = f'[... {len(text) - limit} characters truncated]'
+    return f'{body}\n{dropped}' if side == 'right' else f'{dropped}\n{body}'
