@@ -64,6 +64,27 @@ def time_one(driver: str, n: int, turns: int, trace: bool) -> float:
         gc.enable()
 
 
+def peak_memory(driver: str, n: int, turns: int, trace: bool) -> float:
+    """Peak traced memory (bytes) of one run, inputs excluded."""
+    import tracemalloc
+
+    requests, firsts, output = make_inputs(n)
+
+    def rollout_fn(reqs: List[Any], config: Any) -> List[Any]:
+        return [output] * len(reqs)
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        if driver == 'reference':
+            reference_run_multi_turn(requests, firsts, Trivial(), rollout_fn, None, max_turns=turns)
+        else:
+            mtflow.Executor(Trivial(), rollout_fn, max_turns=turns, trace=trace).run(requests, firsts)
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
 def measure(n: int, turns: int, repeats: int, trace: bool) -> Dict[str, float]:
     best = {'reference': float('inf'), 'mtflow': float('inf')}
     for _ in range(repeats):
@@ -78,6 +99,7 @@ def main(argv: List[str] = None) -> None:
     p.add_argument('--turns', type=int, default=8)
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--no-trace', action='store_true')
+    p.add_argument('--memory', action='store_true', help='also report peak memory per request (tracemalloc)')
     args = p.parse_args(argv)
     trace = not args.no_trace
     print(f'# driver overhead, T={args.turns} turns, best of {args.repeats}, mtflow tracing {"on" if trace else "off"}')
@@ -88,6 +110,13 @@ def main(argv: List[str] = None) -> None:
         per = {k: v / (n * args.turns) * 1e6 for k, v in best.items()}
         print(f'| {n:>6} | {per["reference"]:>22.2f} | {per["mtflow"]:>19.2f} | {per["mtflow"] / per["reference"]:>6.3f} |',
               flush=True)
+    if args.memory:
+        print(f'\n# peak memory per request (KiB), T={args.turns}, tracemalloc')
+        print(f'| {"N":>6} | {"reference":>10} | {"mtflow":>10} |')
+        print(f'|{"-" * 8}|{"-" * 12}|{"-" * 12}|')
+        for n in args.n:
+            ref, mt = (peak_memory(d, n, args.turns, trace) / n / 1024 for d in ('reference', 'mtflow'))
+            print(f'| {n:>6} | {ref:>10.2f} | {mt:>10.2f} |', flush=True)
 
 
 if __name__ == '__main__':

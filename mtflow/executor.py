@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import traceback as _traceback
-from dataclasses import dataclass, field
+from collections import Counter
 from time import perf_counter
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
@@ -50,20 +50,41 @@ def identity_gather(values: List[bool]) -> List[bool]:
     return list(values)
 
 
-@dataclass
 class RunResult:
     """What :meth:`Executor.run` returns: one output per request (input order), each request's
-    finish reason, the failures, and the trace (``None`` when tracing is off)."""
-    outputs: List[Any]
-    finish_reasons: List[str]
-    failures: List[RequestFailure] = field(default_factory=list)
-    trace: Optional[Trace] = None
-    turns: int = 0  # loop iterations in which some rank had live requests
-    rollout_fn_calls: int = 0
+    finish reason, the failures, and the trace (``None`` when tracing is off).
+
+    The trace is materialised from the recorder's raw tuples on first access, so a run whose
+    trace nobody reads pays only for the tuples."""
+
+    def __init__(self,
+                 outputs: List[Any],
+                 finish_reasons: List[str],
+                 failures: Optional[List[RequestFailure]] = None,
+                 recorder: Optional[TraceRecorder] = None,
+                 turns: int = 0,
+                 rollout_fn_calls: int = 0) -> None:
+        self.outputs = outputs
+        self.finish_reasons = finish_reasons
+        self.failures = failures if failures is not None else []
+        self.turns = turns  # loop iterations in which some rank had live requests
+        self.rollout_fn_calls = rollout_fn_calls
+        self._recorder = recorder
+        self._trace: Optional[Trace] = None
+
+    @property
+    def trace(self) -> Optional[Trace]:
+        if self._trace is None and self._recorder is not None:
+            self._trace = self._recorder.trace()
+        return self._trace
 
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    def __repr__(self) -> str:
+        return (f'RunResult({len(self.outputs)} outputs, finish_reasons={dict(Counter(self.finish_reasons))}, '
+                f'failures={len(self.failures)}, turns={self.turns}, rollout_fn_calls={self.rollout_fn_calls})')
 
 
 class Executor:
@@ -461,16 +482,15 @@ class _Run:
         unfinished = [r for r in records if r.state != M.FINISHED]
         for rec in unfinished:  # cannot happen unless a rank's gather_fn lies; never lose them silently
             self.fail(rec, rec.turns, 'executor', RuntimeError(f'request left in state {rec.state!r}'))
-        trace = self.recorder.trace() if self.recorder is not None else None
         result = RunResult(
             outputs=[r.output for r in records],
             finish_reasons=[r.reason for r in records],
             failures=self.failures,
-            trace=trace,
+            recorder=self.recorder,
             turns=loops,
             rollout_fn_calls=self.rollout_calls)
-        if trace is not None and _trace.has_listeners():
-            _trace.publish(trace)
+        if self.recorder is not None and _trace.has_listeners():
+            _trace.publish(result.trace)
         if self.failures and self.ex.on_error == 'raise':
             raise MultiTurnRolloutError(self.failures, result.outputs, result)
         return result
