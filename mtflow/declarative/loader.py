@@ -126,6 +126,7 @@ def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[s
         problems.extend(_problems_from_validation(exc, file, lines))
     for loc, msg in cross_problems(data):
         problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
+    problems.sort(key=lambda p: p.line or 0)
     return (config if not problems else None), problems
 
 

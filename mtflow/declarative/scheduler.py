@@ -4,7 +4,8 @@ Per turn, for each request:
 
 ``on_turn_end`` (decides): steps the environment, checks the answer, parses tool calls and applies
 the stop rules in order (``env_done``, ``correct_answer``, regex rules, ``stop_tool``, ``length``,
-``predicate``, then ``no_tool_call`` when nothing continues the request, then ``max_turns``). A
+``predicate``, then, when nothing continues the request, ``no_tool_call`` (``tips_exhausted`` or
+``no_action`` for schedulers without tools), then ``max_turns``). A
 rule that fires returns ``{'done': True, 'finish_reason': 'stop_rule:<name>'}`` (``length`` and
 ``max_turns`` use the core reasons). Otherwise it remembers what ``step`` must do: a tip, an
 environment observation, or tool calls.
@@ -136,8 +137,16 @@ class YamlScheduler(Scheduler):
         if stop.predicate:
             reasons.append('stop_rule:predicate')
         if not c.env:
-            reasons.append('stop_rule:no_tool_call')
+            reasons.append(f'stop_rule:{self.idle_rule}')
         return reasons
+
+    @property
+    def idle_rule(self) -> str:
+        """The rule that stops a turn with nothing to continue it: ``no_tool_call`` with tools,
+        ``tips_exhausted`` with tips only, else ``no_action``."""
+        if self.config.tools:
+            return 'no_tool_call'
+        return 'tips_exhausted' if self.config.tips else 'no_action'
 
     @property
     def tool_specs(self) -> List[Dict[str, Any]]:
@@ -300,7 +309,7 @@ class YamlScheduler(Scheduler):
                     st.tip = tip
                     break
         if reason is None and st.env_obs is None and st.tip is None and not calls:
-            reason = 'stop_rule:no_tool_call'
+            reason = f'stop_rule:{self.idle_rule}'
         if reason is None and self.max_turns and current_turn >= self.max_turns:
             reason = 'max_turns'
         st.calls = calls if reason is None and st.tip is None and st.env_obs is None else []
@@ -369,7 +378,7 @@ class YamlScheduler(Scheduler):
             trace_info['env_observation'] = st.env_obs[:200]
         else:
             results = await self._run_calls(st, infer_request, current_turn)
-            trace_info['tool_calls'] = [r.to_info() for r in results]
+            trace_info['calls'] = [r.to_info() for r in results]
             texts = [self._render(r, i + 1) for i, r in enumerate(results)]
             obs = cfg.observation
             if obs.mode == 'inline':
@@ -381,7 +390,7 @@ class YamlScheduler(Scheduler):
             else:
                 messages.append({'role': obs.role, 'content': obs.prefix + obs.separator.join(texts) + obs.suffix})
 
-        counters = st.counters()
+        counters = st.counters() if self.tools else ({'tips_given': dict(st.tips_given)} if st.tips_given else {})
         trace_info.update(counters)
         result: Dict[str, Any] = {'infer_request': infer_request, 'rollout_infos': counters, 'trace_info': trace_info}
         if model_ids is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from typing_extensions import Annotated
 
 
 class _Strict(BaseModel):
@@ -118,13 +119,13 @@ class ObservationConfig(_Strict):
 class StopConfig(_Strict):
     """When a request stops. The first rule that matches names the finish reason
     (``stop_rule:<name>``), checked in this order: env_done, correct_answer, regex rules,
-    stop_tools, length, predicate, no_tool_call. ``max_turns`` (top level) ends with ``max_turns``."""
-    no_tool_call: bool = Field(True, description="Stop ('stop_rule:no_tool_call') when a turn has no tool call and "
-                               'nothing else (tip, environment) continues the request.')
+    stop_tools, length, predicate. A turn that nothing continues (no tool call, no tip, no environment)
+    stops with 'stop_rule:no_tool_call' ('tips_exhausted' or 'no_action' without tools); a nudge
+    instead is a tip with ``when: no_tool_call``. ``max_turns`` (top level) ends with ``max_turns``."""
     stop_tools: List[str] = Field(default_factory=list,
                                   description="Stop ('stop_rule:stop_tool') when one of these tools is called; the "
                                   'call is not run.')
-    regex: Dict[str, str] = Field(default_factory=dict,
+    regex: Dict[str, Annotated[str, AfterValidator(lambda v: _check_regex(v))]] = Field(default_factory=dict,
                                   description="name -> regex searched in the turn's completion; a match stops with "
                                   "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:').")
     on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
@@ -137,16 +138,9 @@ class StopConfig(_Strict):
     @field_validator('regex')
     @classmethod
     def _regexes(cls, v: Dict[str, str]) -> Dict[str, str]:
-        problems = []
-        for name, pattern in v.items():
-            if not re.fullmatch(r'[A-Za-z_][\w.-]*', name):
-                problems.append(f'rule name {name!r} must be an identifier')
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                problems.append(f'regex {name!r} ({pattern!r}) does not compile: {exc}')
-        if problems:
-            raise ValueError('; '.join(problems))
+        bad = [name for name in v if not re.fullmatch(r'[A-Za-z_][\w.-]*', name)]
+        if bad:
+            raise ValueError(f'rule names must be identifiers: {", ".join(map(repr, bad))}')
         return v
 
     @field_validator('predicate')
