@@ -1,1 +1,181 @@
-"""pytest plugin (registered through the ``pytest11`` entry point). Filled in by the trace viewer."""
+"""mtflow's pytest plugin (registered through the ``pytest11`` entry point ``mtflow``).
+
+While a test runs, every :class:`mtflow.Executor` run it makes publishes its trace (see
+:func:`mtflow.trace.add_listener`); the plugin keeps them for that test only, and:
+
+* the ``mtflow_trace`` fixture gives them to the test to assert on::
+
+      def test_agent(mtflow_trace):
+          Executor(MyScheduler(), rollout_fn, max_turns=2).run(requests)
+          mtflow_trace.assert_path('r3', 'generating -> tool_step -> generating -> finished(max_turns)')
+
+* when the test fails, the terminal timeline of the requests involved (those the failure text
+  names, else the ones that errored, else all, at most ``MAX_REQUESTS``) is added to the failure
+  report as a section ``mtflow trace``; a passing test adds nothing;
+* ``--mtflow-trace-dir DIR`` also writes, per failing test, the HTML page and the trace JSONL.
+
+It costs nothing in a session that runs no executor: the listener only appends to a list, and the
+viewer is imported only to format a failure.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator, List, Optional, Sequence
+
+import pytest
+
+from .trace import Trace, add_listener, remove_listener
+
+#: At most this many requests are printed under a failure (the HTML page has them all).
+MAX_REQUESTS = 40
+_STASH = pytest.StashKey['TraceCapture']()
+
+
+class TraceCapture:
+    """The traces of the executor runs made during one test, oldest first."""
+
+    def __init__(self) -> None:
+        self.runs: List[Trace] = []
+
+    def __call__(self, trace: Trace) -> None:  # the listener
+        self.runs.append(trace)
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+    @property
+    def last(self) -> Trace:
+        """The most recent run's trace."""
+        if not self.runs:
+            raise LookupError('no mtflow executor run has finished in this test yet')
+        return self.runs[-1]
+
+    @property
+    def trace(self) -> Trace:
+        """Every run's events in one trace (uuids repeated across runs are then merged: use
+        :attr:`runs` to tell such runs apart)."""
+        return Trace.merge(self.runs)
+
+    def run_of(self, uuid: str) -> Trace:
+        """The latest run that has request ``uuid``."""
+        for run in reversed(self.runs):
+            if any(e.uuid == uuid for e in run.events):
+                return run
+        known = sorted({e.uuid for run in self.runs for e in run.events})
+        raise KeyError(f'no request {uuid!r} in the {len(self.runs)} run(s) of this test; '
+                       f'requests: {", ".join(known[:20])}{" ..." if len(known) > 20 else ""}')
+
+    def path(self, uuid: str) -> str:
+        """``'pending -> generating -> ... -> finished(reason)'`` (latest run with that request)."""
+        return self.run_of(uuid).path(uuid)
+
+    def states(self, uuid: str) -> List[str]:
+        return self.run_of(uuid).states(uuid)
+
+    def finish_reason(self, uuid: str) -> Optional[str]:
+        return self.run_of(uuid).finish_reason(uuid)
+
+    def assert_path(self, uuid: str, expected: str) -> None:
+        """Assert request ``uuid``'s path; ``expected`` may leave out the leading ``pending ->``."""
+        actual = self.path(uuid)
+        shown = actual
+        if not expected.startswith('pending') and actual.startswith('pending -> '):
+            shown = actual[len('pending -> '):]
+        if ' '.join(expected.split()) != shown:
+            raise AssertionError(f'request {uuid} went\n  {shown}\nexpected\n  {expected}')
+
+    def format(self, uuids: Optional[Sequence[str]] = None, color: bool = False) -> str:
+        """The terminal timeline and summary of these requests (all when ``None``)."""
+        from .viewer.terminal import format_trace
+
+        return format_trace(self.trace, uuids, color=color)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup('mtflow')
+    group.addoption('--mtflow-trace-dir', metavar='DIR', default=None,
+                    help='write the HTML trace page (and the trace JSONL) of each failing test that ran mtflow into DIR')
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
+    capture = TraceCapture()
+    item.stash[_STASH] = capture
+    add_listener(capture)
+    try:
+        yield
+    finally:
+        remove_listener(capture)
+
+
+@pytest.fixture
+def mtflow_trace(request: pytest.FixtureRequest) -> TraceCapture:
+    """The traces of the mtflow executor runs this test makes (:class:`TraceCapture`)."""
+    capture = request.node.stash.get(_STASH, None)
+    if capture is None:  # the protocol hook did not run (another plugin drives the test)
+        capture = TraceCapture()
+        add_listener(capture)
+        request.addfinalizer(lambda: remove_listener(capture))
+    return capture
+
+
+def involved_uuids(capture: TraceCapture, failure_text: str) -> List[str]:
+    """The requests a failure is about: those its text names, else those that errored, else all."""
+    trace = capture.trace
+    uuids = trace.uuids()
+    named = [u for u in uuids if re.search(r'(?<![\w#.-])' + re.escape(u) + r'(?![\w-])', failure_text)]
+    if named:
+        return named
+    errored = [u for u in uuids if trace.finish_reason(u) == 'error']
+    return errored or uuids
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    capture = item.stash.get(_STASH, None)
+    if not capture:
+        return
+    try:
+        _report_failure(item, report, capture)
+    except Exception as exc:  # never hide the real failure behind a viewer problem
+        report.sections.append(('mtflow trace', f'(could not render the trace: {type(exc).__name__}: {exc})'))
+
+
+def _report_failure(item: pytest.Item, report: pytest.TestReport, capture: TraceCapture) -> None:
+    from .viewer.terminal import format_trace
+
+    trace = capture.trace
+    uuids = involved_uuids(capture, str(report.longrepr or ''))
+    total = len(trace.uuids())
+    shown = uuids[:MAX_REQUESTS]
+    runs = f'{len(capture.runs)} executor run{"s" if len(capture.runs) != 1 else ""}'
+    head = f'{runs}, {total} request{"s" if total != 1 else ""}'
+    if len(shown) < total:
+        head += f'; showing {len(shown)}'
+        if len(uuids) > len(shown):
+            head += f' of the {len(uuids)} involved'
+    text = head + '\n' + format_trace(trace, shown)
+    out_dir = item.config.getoption('mtflow_trace_dir', None)
+    if out_dir:
+        html_path = _write_page(Path(out_dir), item.nodeid, report.when, trace)
+        text += f'HTML: {html_path}\n'
+    report.sections.append((f'mtflow trace ({report.when})', text))
+
+
+def _write_page(out_dir: Path, nodeid: str, when: str, trace: Trace) -> Path:
+    from .viewer.html import write_html
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r'[^\w.-]+', '_', nodeid).strip('_')[:150]
+    if when != 'call':
+        name += f'.{when}'
+    trace.write_jsonl(out_dir / f'{name}.trace.jsonl')
+    return write_html(out_dir / f'{name}.html', trace, title=nodeid)

@@ -104,7 +104,7 @@ def show(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..viewer.model import summarize
-    from ..viewer.terminal import detail_renderable, needed_width, trace_renderable
+    from ..viewer.terminal import detail_renderable, needed_width, summary_line, trace_renderable
 
     trace, trajectories, tokenizer = _load(args)
     force: Optional[bool] = {'always': True, 'never': False}.get(args.color)
@@ -124,11 +124,12 @@ def show(args: argparse.Namespace) -> int:
     views = _views(trace, args)
     if not views:
         raise CLIError('no request matches the filters')
+    summary = None if args.no_summary else summarize(views)
     width = args.width
-    if width is None and not sys.stdout.isatty():
-        width = needed_width(views)
+    if width is None and not sys.stdout.isatty():  # a file or a pipe: wide enough that nothing wraps
+        width = max(needed_width(views), len(summary_line(summary)) + 1 if summary else 0)
     console = Console(force_terminal=force, no_color=args.color == 'never', width=width, highlight=False)
-    console.print(trace_renderable(views, None if args.no_summary else summarize(views)))
+    console.print(trace_renderable(views, summary))
     return 0
 
 

@@ -8,7 +8,6 @@ parallel moves between the same two states share one arrow with their triggers j
 from __future__ import annotations
 
 import math
-from collections import deque
 from html import escape
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,18 +23,53 @@ STATE_COLORS = {
 NODE_W, NODE_H, LAYER_GAP, ROW_GAP = 118, 40, 120, 40
 
 
+def _back_edges(states: Sequence[str], edges: Sequence[Tuple[str, str, str]], initial: str) -> set:
+    """The moves that go back: ``u -> v`` where ``v`` can reach ``u`` again (a cycle) and ``v`` is
+    no farther from ``initial`` than ``u`` (``tool_step -> generating``, not the other way)."""
+    succ: Dict[str, set] = {s: set() for s in states}
+    for src, _, dst in edges:
+        succ[src].add(dst)
+
+    def reach(start: str) -> set:
+        seen, todo = set(), [start]
+        while todo:
+            for d in succ[todo.pop()]:
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return seen
+
+    dist = {initial: 0}
+    frontier = [initial]
+    while frontier:
+        nxt = []
+        for s in frontier:
+            for d in sorted(succ[s], key=states.index):
+                if d not in dist:
+                    dist[d] = dist[s] + 1
+                    nxt.append(d)
+        frontier = nxt
+    far = len(states)
+    reachable = {s: reach(s) for s in states}
+    return {(u, v) for u, _, v in edges
+            if u in reachable[v] and dist.get(v, far) <= dist.get(u, far)}
+
+
 def _layers(states: Sequence[str], edges: Sequence[Tuple[str, str, str]], initial: str) -> Dict[str, int]:
-    """Layer of each state: its shortest distance from ``initial`` (unreachable states go last)."""
-    layer = {initial: 0}
-    queue = deque([initial])
-    while queue:
-        s = queue.popleft()
-        for src, _, dst in edges:
-            if src == s and dst not in layer:
-                layer[dst] = layer[s] + 1
-                queue.append(dst)
-    last = max(layer.values(), default=0) + 1
-    return {s: layer.get(s, last) for s in states}
+    """Layer of each state: the longest path to it from ``initial`` once the moves back are set
+    aside, so that every forward move goes left to right (``finished`` ends up last)."""
+    back = _back_edges(states, edges, initial)
+    forward = {(src, dst) for src, _, dst in edges if (src, dst) not in back and src != dst}
+    layer = {s: 0 for s in states}
+    for _ in states:  # Bellman-Ford style relaxation: the graph is tiny
+        changed = False
+        for src, dst in forward:
+            if layer[dst] < layer[src] + 1:
+                layer[dst] = layer[src] + 1
+                changed = True
+        if not changed:
+            break
+    return layer
 
 
 def _clip(cx: float, cy: float, tx: float, ty: float) -> Tuple[float, float]:
@@ -69,9 +103,10 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
         y0 = top + 60 + (height_body - block) / 2 + NODE_H / 2
         for j, s in enumerate(members):
             pos[s] = (x, y0 + j * (NODE_H + ROW_GAP))
+    mid_y = top + 60 + height_body / 2
     reasons = list(graph.finish_reasons)
     width = 30 + len(by_layer) * (NODE_W + LAYER_GAP) - LAYER_GAP + 30 + 200
-    height = top + 60 + height_body + 80 + 16 * max(0, len(reasons) - 4)
+    height = top + 60 + height_body + 110 + 16 * max(0, len(reasons) - 4)
 
     # one arrow per (src, dst): parallel triggers share it
     merged: Dict[Tuple[str, str], List[str]] = {}
@@ -93,9 +128,11 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
         dx, dy = x2 - x1, y2 - y1
         dist = math.hypot(dx, dy) or 1.0
         nx, ny = -dy / dist, dx / dist  # unit normal
-        bend = 0.18 * dist if not back else 0.35 * dist + 30
+        bend = 0.12 * dist if not back else 0.3 * dist + 20
         if layer[dst] - layer[src] > 1:
-            bend = -(0.3 * dist)  # skips a layer: arc over the states between
+            # skips a layer: arc around the states in between, away from the middle of the drawing
+            side = -1.0 if my < mid_y - 1 else 1.0
+            nx, ny, bend = 0.0, side, 0.28 * dist + 24
         cx, cy = mx + nx * bend, my + ny * bend
         sx, sy = _clip(x1, y1, cx, cy)
         ex, ey = _clip(x2, y2, cx, cy)

@@ -99,14 +99,16 @@ def _bar(n: int, top: int, width: int = 30) -> str:
     return '█' * max(1 if n else 0, round(width * n / top)) if top else ''
 
 
+def summary_line(s: Summary) -> str:
+    ranks = f', ranks {",".join(map(str, s.ranks))}' if len(s.ranks) > 1 else ''
+    return (f'summary: {s.requests} requests, {s.events} events, {s.max_turn} turns, {s.tokens} completion tokens, '
+            f'{s.tool_calls} tool calls, {len(s.tool_errors)} tool errors{ranks}')
+
+
 def summary_renderable(s: Summary) -> RenderableType:
     """The batch summary: counts, live requests per turn, turns per request, finish reasons,
     tool errors, request errors and the slowest steps."""
-    parts: List[RenderableType] = []
-    ranks = f', ranks {",".join(map(str, s.ranks))}' if len(s.ranks) > 1 else ''
-    parts.append(Text.assemble(('summary: ', 'bold'), f'{s.requests} requests, {s.events} events, '
-                               f'{s.max_turn} turns, {s.tokens} completion tokens, '
-                               f'{s.tool_calls} tool calls, {len(s.tool_errors)} tool errors{ranks}'))
+    parts: List[RenderableType] = [Text.assemble(('summary: ', 'bold'), summary_line(s)[len('summary: '):])]
     if s.unfinished:
         parts.append(Text(f'unfinished (the trace ends before they finish): {", ".join(s.unfinished)}', 'magenta'))
 
@@ -177,10 +179,13 @@ def format_trace(trace: Trace, uuids: Optional[Sequence[str]] = None, *, summary
     if uuids is not None:
         wanted = set(uuids)
         views = [v for v in views if v.uuid in wanted]
+    summary_ = summarize(all_views if uuids is None else views) if summary else None
+    if width is None:
+        width = max(needed_width(views), len(summary_line(summary_)) + 1 if summary_ else 0)
     buf = io.StringIO()
-    console = Console(file=buf, width=width or needed_width(views), force_terminal=color, no_color=not color,
+    console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
                       color_system='standard' if color else None, highlight=False, emoji=False)
-    console.print(trace_renderable(views, summarize(all_views if uuids is None else views) if summary else None))
+    console.print(trace_renderable(views, summary_))
     return buf.getvalue()
 
 

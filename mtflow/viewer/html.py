@@ -1,0 +1,313 @@
+"""``mtflow trace html``: one self-contained HTML page (inline CSS, JS and SVG; no network at all).
+
+The page holds the view model as JSON in a ``<script type="application/json">`` element and draws
+the request swimlanes and the detail view from it with a small inline script; the state graph and
+the charts are SVG rendered here in Python. Everything from the trace or the trajectories reaches
+the page through ``textContent`` (never ``innerHTML``), so message text cannot inject markup.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from html import escape
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from ..machine import ERROR, FINISH_REASONS, FINISHED, StateGraph
+from ..trace import Trace
+from ..trajectories import Trajectory
+from .model import RequestView, request_views, summarize
+from .svg import STATE_COLORS, bar_chart_svg, state_graph_svg
+from .tokens import token_texts
+
+
+def _cell_dict(c: Any) -> Dict[str, Any]:
+    return {
+        'turn': c.turn, 'wait': c.wait, 'stepped': c.stepped, 'tokens': c.tokens, 'step_s': c.step_s,
+        'tools': c.tool_calls, 'tool_errors': c.tool_errors, 'finished': c.finished, 'error': c.error
+    }
+
+
+def _request_dict(v: RequestView) -> Dict[str, Any]:
+    return {
+        'uuid': v.uuid, 'index': v.index, 'rank': v.rank, 'reason': v.reason, 'turns': v.turns, 'tokens': v.tokens,
+        'path': v.path, 'cells': [_cell_dict(c) for c in v.cells], 'events': [e.to_dict() for e in v.events]
+    }
+
+
+def _trajectory_dict(t: Trajectory, tokenizer: Any) -> Dict[str, Any]:
+    segments = []
+    for ids, mask, k in zip(t.response_token_ids, t.masks(), range(len(t.response_token_ids))):
+        lps = t.rollout_logprobs[k] if k < len(t.rollout_logprobs) else []
+        segments.append({'ids': ids, 'mask': mask, 'logprobs': lps,
+                         'text': token_texts(ids, tokenizer) if tokenizer is not None else None})
+    return {
+        'messages': t.messages, 'segments': segments, 'infos': t.rollout_infos, 'finish_reason': t.finish_reason,
+        'num_turns': t.num_turns, 'has_mask': bool(t.response_loss_mask)
+    }
+
+
+def _graph_for(trace: Trace) -> StateGraph:
+    """Without a scheduler: the core graph plus every finish reason the trace shows."""
+    seen = [e.reason for e in trace.events if e.dst == FINISHED and e.reason]
+    return StateGraph(tuple(FINISH_REASONS) + tuple(dict.fromkeys(seen)), name='mtflow')
+
+
+def _reason_color(reason: str) -> str:
+    if reason == ERROR:
+        return '#ef4444'
+    if reason in ('max_turns', 'length'):
+        return '#eab308'
+    return '#22c55e'
+
+
+def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]] = None, tokenizer: Any = None,
+                graph: Optional[StateGraph] = None, title: str = 'mtflow trace') -> str:
+    """The page as a string. ``trajectories`` (``{uuid: Trajectory}``) feed the detail view's
+    messages and tokens; ``tokenizer`` decodes the tokens (else ids are shown)."""
+    views = request_views(trace)
+    summary = summarize(views, len(trace.events))
+    trajectories = trajectories or {}
+    wanted = {v.uuid for v in views}
+    data = {
+        'title': title,
+        'requests': [_request_dict(v) for v in views],
+        'trajectories': {u: _trajectory_dict(t, tokenizer) for u, t in trajectories.items() if u in wanted},
+        'decoded': tokenizer is not None,
+        'max_turn': summary.max_turn,
+    }
+    counts: Dict[Any, int] = Counter((e.src, e.dst) for e in trace.events)
+    for reason, n in summary.finish_reasons.items():
+        counts[('reason', reason)] = n
+    graph_svg = state_graph_svg(graph or _graph_for(trace), counts=counts, title='state graph')
+    charts = [
+        bar_chart_svg({f'turn {t}': n for t, n in summary.live_per_turn.items()}, 'live requests per turn',
+                      css_class='chart chart-live'),
+        bar_chart_svg({f'{t} turn{"s" if t != 1 else ""}': n for t, n in summary.turns_per_request.items()},
+                      'turns per request', css_class='chart chart-turns'),
+        bar_chart_svg(summary.finish_reasons, 'finish reasons', {r: _reason_color(r) for r in summary.finish_reasons},
+                      css_class='chart chart-reasons'),
+    ]
+    stats = [
+        ('requests', summary.requests), ('events', summary.events), ('turns', summary.max_turn),
+        ('completion tokens', summary.tokens), ('tool calls', summary.tool_calls),
+        ('tool errors', len(summary.tool_errors)), ('errors', len(summary.errors))
+    ]
+    if len(summary.ranks) > 1:
+        stats.append(('ranks', len(summary.ranks)))
+    stats_html = ''.join(f'<div class="stat"><b>{n}</b><span>{escape(label)}</span></div>' for label, n in stats)
+    reasons_opts = ''.join(f'<option value="{escape(r)}">{escape(r)}</option>' for r in summary.finish_reasons)
+    payload = json.dumps(data, ensure_ascii=False, default=str).replace('</', '<\\/').replace('<!--', '<\\!--')
+    css_vars = ''.join(f'--{k.replace("_", "-")}:{v};' for k, v in STATE_COLORS.items())
+    return (_TEMPLATE.replace('%TITLE%', escape(title)).replace('%CSSVARS%', css_vars)
+            .replace('%STATS%', stats_html).replace('%REASONS%', reasons_opts)
+            .replace('%GRAPH%', graph_svg).replace('%CHARTS%', ''.join(charts))
+            .replace('%SCRIPT%', _SCRIPT).replace('%DATA%', payload))
+
+
+def write_html(path: Union[str, Path], trace: Trace, **kwargs: Any) -> Path:
+    """Write :func:`render_html` to ``path``; return the path."""
+    path = Path(path)
+    path.write_text(render_html(trace, **kwargs), encoding='utf-8')
+    return path
+
+
+_TEMPLATE = '''<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>%TITLE% · mtflow trace</title>
+<style>
+:root{%CSSVARS%--error:#ef4444;--warn:#eab308;--ok:#22c55e;--fg:#0f172a;--muted:#64748b;--line:#e2e8f0;--bg:#f8fafc}
+*{box-sizing:border-box}
+body{margin:0;font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;color:var(--fg);background:var(--bg)}
+header{padding:14px 20px;background:#fff;border-bottom:1px solid var(--line);position:sticky;top:0;z-index:5}
+h1{font-size:18px;margin:0 0 8px}
+h2{font-size:15px;margin:18px 0 8px}
+.stats{display:flex;gap:18px;flex-wrap:wrap}
+.stat b{font-size:18px;margin-right:4px}.stat span{color:var(--muted)}
+.controls{display:flex;gap:10px;align-items:center;margin-top:10px;flex-wrap:wrap}
+.controls input,.controls select{font:inherit;padding:3px 6px;border:1px solid #cbd5e1;border-radius:5px}
+.legend{display:flex;gap:12px;color:var(--muted);font-size:12px;flex-wrap:wrap}
+.legend i{display:inline-block;width:12px;height:12px;border-radius:3px;vertical-align:-2px;margin-right:4px}
+main{padding:8px 20px 40px}
+#lanes{background:#fff;border:1px solid var(--line);border-radius:8px;overflow:auto;max-height:60vh}
+.lane{display:flex;align-items:center;border-bottom:1px solid #f1f5f9;cursor:pointer;min-width:max-content}
+.lane:hover,.lane.selected{background:#eff6ff}
+.lane .who{width:220px;flex:none;padding:3px 8px;font-family:ui-monospace,monospace;font-size:12px;
+  white-space:nowrap;overflow:hidden;text-overflow:ellipsis;position:sticky;left:0;background:inherit}
+.lane .why{width:170px;flex:none;padding:3px 8px;font-size:12px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+.lane .track{display:flex;gap:2px;padding:3px 4px}
+.turn{width:46px;height:18px;display:flex;gap:1px;border-radius:3px;background:#f1f5f9;flex:none}
+.turn.empty{background:transparent}
+.blk{flex:1;border-radius:2px}
+.blk.generating{background:var(--generating)}.blk.continuing{background:var(--continuing)}
+.blk.tool_step{background:var(--tool-step)}.blk.tool_step.bad{background:repeating-linear-gradient(45deg,var(--tool-step) 0 4px,var(--error) 4px 7px)}
+.blk.finished{background:var(--ok);flex:0 0 9px}.blk.finished.error{background:var(--error)}
+.blk.finished.limit{background:var(--warn)}
+.lanehead{display:flex;position:sticky;top:0;background:#fff;border-bottom:1px solid var(--line);z-index:2;min-width:max-content}
+.lanehead .who,.lanehead .why{font-weight:600;font-family:inherit;font-size:12px;padding:4px 8px}
+.lanehead .who{width:220px;position:sticky;left:0;background:#fff}.lanehead .why{width:170px}
+.lanehead .track{display:flex;gap:2px;padding:4px}.lanehead .turn{background:none;font-size:11px;color:var(--muted);justify-content:center}
+.badge{display:inline-block;padding:0 6px;border-radius:9px;font-size:11px;color:#fff;background:var(--ok)}
+.badge.error{background:var(--error)}.badge.limit{background:var(--warn);color:#111}.badge.none{background:#a855f7}
+.panels{display:flex;gap:16px;flex-wrap:wrap;align-items:flex-start}
+.card{background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px;overflow:auto;max-width:100%}
+#detail{position:fixed;top:0;right:0;bottom:0;width:min(760px,96vw);background:#fff;border-left:1px solid #cbd5e1;
+  box-shadow:-6px 0 24px rgba(15,23,42,.15);overflow:auto;padding:16px 20px;z-index:10}
+#detail[hidden]{display:none}
+#detail .close{position:absolute;top:10px;right:14px;font-size:22px;border:none;background:none;cursor:pointer}
+#detail h2{margin-top:0;font-family:ui-monospace,monospace}
+.path{font-family:ui-monospace,monospace;font-size:12px;background:#f1f5f9;padding:6px 8px;border-radius:5px;word-break:break-word}
+table.events{border-collapse:collapse;font-size:12px;width:100%}
+table.events td,table.events th{border-bottom:1px solid #f1f5f9;padding:3px 6px;text-align:left;vertical-align:top}
+table.events td:nth-child(7){white-space:nowrap}
+table.events td.extra{font-family:ui-monospace,monospace;word-break:break-word}
+.msg{border:1px solid var(--line);border-radius:6px;margin:6px 0;padding:6px 8px}
+.msg .role{font-weight:600;font-size:12px;text-transform:uppercase;color:var(--muted)}
+.msg.assistant{border-left:4px solid var(--generating)}.msg.tool{border-left:4px solid var(--tool-step)}
+.msg.user{border-left:4px solid #a855f7}.msg.system{border-left:4px solid #64748b}
+.msg pre{margin:4px 0 0;white-space:pre-wrap;word-break:break-word;font:13px/1.4 ui-monospace,monospace}
+.seg{font:12px/1.9 ui-monospace,monospace;word-break:break-all;margin:4px 0 10px}
+.tok{padding:1px 1px;margin-right:1px;border-radius:2px;white-space:pre-wrap}
+.tok.on{background:#dcfce7;border-bottom:2px solid var(--ok)}
+.tok.off{background:#f1f5f9;color:#94a3b8;text-decoration:line-through}
+.err{color:var(--error);font-weight:600}
+.muted{color:var(--muted)}
+</style>
+</head>
+<body>
+<header>
+<h1>%TITLE%</h1>
+<div class="stats">%STATS%</div>
+<div class="controls">
+<input id="filter" type="search" placeholder="filter by uuid" aria-label="filter by uuid">
+<select id="reason" aria-label="finish reason"><option value="">all finish reasons</option>%REASONS%<option value="__none">unfinished</option></select>
+<span id="shown" class="muted"></span>
+<div class="legend"><span><i style="background:var(--generating)"></i>generating</span>
+<span><i style="background:var(--continuing)"></i>continuing</span><span><i style="background:var(--tool-step)"></i>tool_step</span>
+<span><i style="background:repeating-linear-gradient(45deg,var(--tool-step) 0 4px,var(--error) 4px 7px)"></i>tool error</span>
+<span><i style="background:var(--ok)"></i>finished</span><span><i style="background:var(--warn)"></i>max_turns/length</span>
+<span><i style="background:var(--error)"></i>error</span></div>
+</div>
+</header>
+<main>
+<h2>Requests</h2>
+<div id="lanes" role="list"></div>
+<h2>State graph and charts</h2>
+<div class="panels"><div class="card">%GRAPH%</div><div class="card">%CHARTS%</div></div>
+</main>
+<aside id="detail" hidden aria-live="polite"><button class="close" title="close (Esc)" aria-label="close">×</button><div id="detail-body"></div></aside>
+<script type="application/json" id="mtflow-data">%DATA%</script>
+<script>%SCRIPT%</script>
+</body>
+</html>
+'''
+
+_SCRIPT = r'''
+(function(){
+'use strict';
+var DATA = JSON.parse(document.getElementById('mtflow-data').textContent);
+function el(tag, cls, text){var e=document.createElement(tag); if(cls) e.className=cls; if(text!==undefined&&text!==null) e.textContent=String(text); return e;}
+function reasonClass(r){ if(r===null||r===undefined) return 'none'; if(r==='error') return 'error'; if(r==='max_turns'||r==='length') return 'limit'; return 'ok'; }
+function ms(s){ if(s===null||s===undefined) return ''; return s<1 ? (s*1000).toFixed(1)+' ms' : s.toFixed(2)+' s'; }
+var lanes = document.getElementById('lanes');
+var head = el('div','lanehead'); head.appendChild(el('div','who','request')); head.appendChild(el('div','why','finish'));
+var ht = el('div','track'); for(var t=1;t<=DATA.max_turn;t++){ ht.appendChild(el('div','turn',t)); } head.appendChild(ht);
+lanes.appendChild(head);
+var laneEls = [];
+DATA.requests.forEach(function(r){
+  var lane = el('div','lane'); lane.setAttribute('role','listitem'); lane.dataset.uuid = r.uuid; lane.dataset.reason = r.reason===null?'__none':r.reason;
+  var who = el('div','who', r.uuid); who.title = r.uuid + ' (index '+r.index+', rank '+r.rank+')'; lane.appendChild(who);
+  var why = el('div','why'); why.appendChild(el('span','badge '+reasonClass(r.reason), r.reason===null?'unfinished':r.reason)); lane.appendChild(why);
+  var track = el('div','track'); var byTurn = {};
+  r.cells.forEach(function(c){ byTurn[c.turn]=c; });
+  for(var t=1;t<=DATA.max_turn;t++){
+    var c = byTurn[t]; var slot = el('div', c ? 'turn' : 'turn empty');
+    if(c){
+      var tip = ['turn '+t];
+      if(c.wait){ slot.appendChild(el('div','blk '+c.wait)); tip.push(c.wait + (c.tokens!==null?' ('+c.tokens+' tokens)':'')); }
+      if(c.stepped){ var b = el('div','blk tool_step'+(c.tool_errors.length?' bad':'')); slot.appendChild(b);
+        tip.push('tool_step'+(c.step_s!==null?' '+ms(c.step_s):'')+(c.tools.length?' tools: '+c.tools.join(', '):''));
+        c.tool_errors.forEach(function(m){ tip.push('tool error: '+m); }); }
+      if(c.finished!==null){ slot.appendChild(el('div','blk finished '+reasonClass(c.finished))); tip.push('finished('+c.finished+')');
+        if(c.error) tip.push((c.error.type||'')+': '+(c.error.message||'')); }
+      slot.title = tip.join('\n');
+    }
+    track.appendChild(slot);
+  }
+  lane.appendChild(track);
+  lane.addEventListener('click', function(){ openDetail(r.uuid); });
+  lanes.appendChild(lane); laneEls.push(lane);
+});
+var byUuid = {}; DATA.requests.forEach(function(r){ byUuid[r.uuid]=r; });
+var filter = document.getElementById('filter'), reasonSel = document.getElementById('reason'), shown = document.getElementById('shown');
+function applyFilter(){
+  var q = filter.value.trim().toLowerCase(), rs = reasonSel.value, n = 0;
+  laneEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs);
+    l.style.display = ok ? '' : 'none'; if(ok) n++; });
+  shown.textContent = n + ' of ' + laneEls.length + ' requests shown';
+}
+filter.addEventListener('input', applyFilter); reasonSel.addEventListener('change', applyFilter); applyFilter();
+
+var detail = document.getElementById('detail'), body = document.getElementById('detail-body');
+function section(title){ var h = el('h3', null, title); body.appendChild(h); return h; }
+function openDetail(uuid){
+  var r = byUuid[uuid], tr = DATA.trajectories[uuid];
+  laneEls.forEach(function(l){ l.classList.toggle('selected', l.dataset.uuid===uuid); });
+  body.textContent = '';
+  body.appendChild(el('h2', null, uuid));
+  if(r){
+    var meta = el('p'); meta.appendChild(el('span','badge '+reasonClass(r.reason), r.reason===null?'unfinished':r.reason));
+    meta.appendChild(document.createTextNode('  index '+r.index+' · rank '+r.rank+' · '+r.turns+' turns · '+r.tokens+' completion tokens'));
+    body.appendChild(meta);
+    body.appendChild(el('div','path',r.path));
+    section('Events');
+    var tbl = el('table','events'); var hr = el('tr');
+    ['turn','from','to','trigger','reason','tokens','time','extra'].forEach(function(h){ hr.appendChild(el('th',null,h)); });
+    tbl.appendChild(hr);
+    r.events.forEach(function(e){ var row = el('tr');
+      [e.turn,e.from,e.to,e.trigger,e.reason||'',e.tokens===null?'':e.tokens,ms(e.duration_s)].forEach(function(v){ row.appendChild(el('td',null,v)); });
+      var x = el('td','extra', e.extra ? JSON.stringify(e.extra) : ''); if(e.extra && e.extra.error) x.classList.add('err'); row.appendChild(x);
+      tbl.appendChild(row); });
+    body.appendChild(tbl);
+  }
+  if(!tr){ body.appendChild(el('p','muted','No trajectory for this request: pass --trajectories FILE to see its messages and loss mask.')); }
+  else {
+    section('Messages ('+tr.messages.length+')');
+    tr.messages.forEach(function(m, k){ var box = el('div','msg '+(m.role||''));
+      box.appendChild(el('div','role','['+k+'] '+(m.role||'?')));
+      var content = (typeof m.content === 'string') ? m.content : JSON.stringify(m.content);
+      box.appendChild(el('pre', null, content));
+      if(m.tool_calls) box.appendChild(el('pre','muted','tool_calls: '+JSON.stringify(m.tool_calls)));
+      body.appendChild(box); });
+    section('Tokens and loss mask');
+    var legend = el('p','muted'); legend.appendChild(el('span','tok on','trained (mask 1)')); legend.appendChild(document.createTextNode(' '));
+    legend.appendChild(el('span','tok off','masked (mask 0)'));
+    legend.appendChild(document.createTextNode(DATA.decoded ? '  · tokens decoded one by one' : '  · token ids (no tokenizer given)'));
+    if(!tr.has_mask) legend.appendChild(document.createTextNode('  · no loss mask recorded: every token is trained'));
+    body.appendChild(legend);
+    tr.segments.forEach(function(s, k){
+      var trained = s.mask.reduce(function(a,b){return a+(b?1:0);},0);
+      body.appendChild(el('div','muted','segment '+(k+1)+': '+s.ids.length+' tokens, '+trained+' trained, '+s.logprobs.length+' logprobs'));
+      var seg = el('div','seg'); var lpAll = s.logprobs.length === s.ids.length, j = 0;
+      s.ids.forEach(function(id, i){ var on = !!s.mask[i];
+        var text = s.text ? s.text[i] : String(id);
+        var t = el('span','tok '+(on?'on':'off'), s.text ? text.replace(/\n/g,'\u23ce\n') : text);
+        var lp = lpAll ? s.logprobs[i] : (on && s.logprobs.length===trained ? s.logprobs[j] : undefined); if(on) j++;
+        t.title = 'id '+id+' · mask '+(on?1:0)+(lp!==undefined?' · logprob '+Number(lp).toFixed(4):'');
+        seg.appendChild(t); if(!s.text) seg.appendChild(document.createTextNode(' ')); });
+      body.appendChild(seg); });
+    if(tr.infos && Object.keys(tr.infos).length){ section('rollout_infos'); body.appendChild(el('pre','path',JSON.stringify(tr.infos, null, 1))); }
+  }
+  detail.hidden = false;
+  if(location.hash !== '#'+encodeURIComponent(uuid)) history.replaceState(null,'','#'+encodeURIComponent(uuid));
+}
+function closeDetail(){ detail.hidden = true; laneEls.forEach(function(l){ l.classList.remove('selected'); });
+  history.replaceState(null,'',location.pathname+location.search); }
+detail.querySelector('.close').addEventListener('click', closeDetail);
+document.addEventListener('keydown', function(e){ if(e.key==='Escape') closeDetail(); });
+if(location.hash.length>1){ var u = decodeURIComponent(location.hash.slice(1)); if(byUuid[u]) openDetail(u); }
+})();
+'''
