@@ -386,7 +386,10 @@ class YamlScheduler(Scheduler):
                 messages[-1]['content'] += inline_text
             elif obs.role == 'tool' and obs.one_message_per_call:
                 for r, text in zip(results, texts):
-                    messages.append({'role': 'tool', 'name': r.name, 'content': obs.prefix + text + obs.suffix})
+                    message = {'role': 'tool', 'content': obs.prefix + text + obs.suffix}
+                    if r.name:
+                        message['name'] = r.name
+                    messages.append(message)
             else:
                 messages.append({'role': obs.role, 'content': obs.prefix + obs.separator.join(texts) + obs.suffix})
 
@@ -416,7 +419,7 @@ class YamlScheduler(Scheduler):
             if i in by_index:
                 results.append(by_index[i])
             elif call.error is not None:
-                results.append(ToolResult(call.name or '?', call.arguments, False,
+                results.append(ToolResult(call.name, call.arguments, False,
                                           error=f'could not parse the tool call: {call.error}', error_kind='parse'))
             else:
                 results.append(ToolResult(call.name, call.arguments, False, error_kind='too_many_calls',
