@@ -1,0 +1,114 @@
+"""Any ms-swift ``InferEngine`` as mtflow's ``rollout_fn``.
+
+``SwiftBackend(engine)`` wraps ``TransformersEngine`` (CPU), ``VllmEngine`` / ``GRPOVllmEngine``
+(GPU), ``SglangEngine``, ``LmdeployEngine`` or an ``InferClient`` alike: it converts mtflow's
+requests and ``RequestConfig`` to ms-swift's types (losing no field, see
+``mtflow.integrations.swift.to_swift``), calls ``engine.infer`` once per turn with the whole
+batch, and returns one ``RolloutOutput`` per request.
+
+ms-swift engines report sampled token ids only when ``return_details`` is on; token accounting
+needs them, so the backend turns it on unless told otherwise (``return_details=False``).
+ms-swift's engines understand requests whose last message is an assistant message (including
+the ``content=None`` placeholder ms-swift's own loops send), so requests are passed as they are.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, List, Literal, Optional
+
+from .base import BackendError
+
+__all__ = ['SwiftBackend']
+
+
+class SwiftBackend:
+    """``rollout_fn`` over an ms-swift ``InferEngine``.
+
+    Args:
+        engine: an ms-swift ``InferEngine`` instance, or a model id/path for which a
+            ``TransformersEngine`` is built (``engine_kwargs`` go to it).
+        request_config: the default config when a call passes ``None`` (mtflow's or ms-swift's).
+        output: ``'mtflow'`` returns :class:`mtflow.RolloutOutput` (converted), ``'swift'``
+            ms-swift's ``RolloutOutput`` (what ms-swift's driver and trainers expect).
+        return_details: force ``return_details`` on (token ids) unless ``False``.
+    """
+
+    name = 'swift'
+
+    def __init__(self,
+                 engine: Any,
+                 request_config: Any = None,
+                 *,
+                 output: Literal['mtflow', 'swift'] = 'mtflow',
+                 return_details: Optional[bool] = True,
+                 use_tqdm: bool = False,
+                 **engine_kwargs: Any) -> None:
+        if output not in ('mtflow', 'swift'):
+            raise BackendError(f"swift backend: output must be 'mtflow' or 'swift', not {output!r}")
+        if isinstance(engine, str):
+            from swift.infer_engine import TransformersEngine
+            try:
+                engine = TransformersEngine(engine, **engine_kwargs)
+            except Exception as exc:
+                raise BackendError(f'swift backend: cannot load {engine!r} with TransformersEngine: {exc}') from exc
+        elif engine_kwargs:
+            raise BackendError(f'swift backend: engine options {sorted(engine_kwargs)} need a model path, '
+                               f'not an engine instance')
+        if not callable(getattr(engine, 'infer', None)):
+            raise BackendError(f'swift backend: {type(engine).__name__} has no infer(requests, request_config)')
+        self.engine = engine
+        self.request_config = request_config
+        self.output = output
+        self.return_details = return_details
+        self.use_tqdm = use_tqdm
+        self.calls = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.engine, 'tokenizer', None)
+
+    @property
+    def template(self) -> Any:
+        return getattr(self.engine, 'template', None)
+
+    def swift_config(self, request_config: Any) -> Any:
+        """ms-swift's ``RequestConfig`` for one call (a copy: the caller's is never changed)."""
+        from swift.infer_engine.protocol import RequestConfig
+
+        from ..integrations.swift import to_swift
+        config = request_config if request_config is not None else self.request_config
+        config = RequestConfig() if config is None else copy.copy(to_swift(config))
+        if self.return_details and not config.return_details:
+            config.return_details = True
+        if getattr(config, 'n', 1) != 1:
+            raise BackendError(f'swift backend: request_config.n must be 1 for rollouts, not {config.n}')
+        return config
+
+    def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
+        self.calls += 1
+        if not requests:
+            return []
+        from swift.infer_engine.protocol import RolloutOutput as SwiftOutput
+
+        from ..integrations.swift import from_swift, to_swift
+        from ..protocol import RolloutOutput
+        swift_requests = to_swift(list(requests))
+        config = self.swift_config(request_config)
+        try:
+            responses = self.engine.infer(swift_requests, config, use_tqdm=self.use_tqdm)
+        except Exception as exc:
+            raise BackendError(f'swift backend: {type(self.engine).__name__}.infer failed for '
+                               f'{len(requests)} request(s): {type(exc).__name__}: {exc}') from exc
+        if len(responses) != len(requests):
+            raise BackendError(f'swift backend: {type(self.engine).__name__}.infer returned {len(responses)} '
+                               f'response(s) for {len(requests)} request(s)')
+        outputs = []
+        for req, resp in zip(requests, responses):
+            if isinstance(resp, BaseException):
+                raise BackendError(f'swift backend: request {getattr(req, "uuid", None)!r}: '
+                                   f'{type(resp).__name__}: {resp}') from resp
+            if self.output == 'swift':
+                outputs.append(SwiftOutput(response=resp))
+            else:
+                outputs.append(RolloutOutput(response=from_swift(resp)))
+        return outputs
