@@ -9,6 +9,12 @@ $PIP install -e '.[hf,test]'
 # ms-swift integration tests (tests/swift): the tested ms-swift, after torch==2.13.0 (setup.sh);
 # math-verify (MathAccuracy) and msgspec (rlhf_trainers) are imported by ms-swift but not declared.
 .venv/bin/python -c 'import swift, math_verify, msgspec' 2>/dev/null || $PIP install ms-swift==4.6.0 math-verify msgspec
+# trace viewer browser test (tests/viewer/test_trace_browser.py): Debian's chromium driven by Playwright.
+# Never `playwright install` (it downloads its own browser); the test uses /usr/bin/chromium.
+SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+  || echo "warning: could not install chromium: the browser test will be skipped" >&2
+.venv/bin/python -c 'import playwright' 2>/dev/null || $PIP install playwright
 
 # --- run ---
 set +e

@@ -97,7 +97,8 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         stats.append(('ranks', len(summary.ranks)))
     stats_html = ''.join(f'<div class="stat"><b>{n}</b><span>{escape(label)}</span></div>' for label, n in stats)
     reasons_opts = ''.join(f'<option value="{escape(r)}">{escape(r)}</option>' for r in summary.finish_reasons)
-    payload = json.dumps(data, ensure_ascii=False, default=str).replace('</', '<\\/').replace('<!--', '<\\!--')
+    # '<' as \u003c: no '</script>' or '<!--' from a message can end the data block early
+    payload = json.dumps(data, ensure_ascii=False, default=str).replace('<', '\\u003c')
     css_vars = ''.join(f'--{k.replace("_", "-")}:{v};' for k, v in STATE_COLORS.items())
     return (_TEMPLATE.replace('%TITLE%', escape(title)).replace('%CSSVARS%', css_vars)
             .replace('%STATS%', stats_html).replace('%REASONS%', reasons_opts)

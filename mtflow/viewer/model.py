@@ -186,11 +186,20 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
 
 
 def request_views(trace: Trace) -> List[RequestView]:
-    """One view per request, in the order requests first appear in the trace."""
-    grouped: Dict[str, List[TraceEvent]] = {}
+    """One view per request, in the order requests first appear in the trace.
+
+    Several runs merged into one trace may reuse uuids (``'#0'`` when requests have none): a
+    request is keyed by (rank, uuid), and an event leaving ``pending`` again starts a new one."""
+    grouped: Dict[tuple, List[TraceEvent]] = {}
+    current: Dict[tuple, tuple] = {}
     for e in trace.events:
-        grouped.setdefault(e.uuid, []).append(e)
-    return [request_view(uuid, evs) for uuid, evs in grouped.items()]
+        base = (e.rank, e.uuid)
+        key = current.get(base)
+        if key is None or e.src == PENDING:
+            key = current[base] = (e.rank, e.uuid, len(grouped))
+            grouped[key] = []
+        grouped[key].append(e)
+    return [request_view(key[1], evs) for key, evs in grouped.items()]
 
 
 def summarize(views: Sequence[RequestView], n_events: Optional[int] = None, slowest: int = 5) -> Summary:
