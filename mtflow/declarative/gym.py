@@ -69,7 +69,7 @@ class GuessNumberEnv(Env):
             raise RuntimeError('step() before reset()')
         self.replies += 1
         numbers = _INT.findall(action or '')
-        info: Dict[str, Any] = {'target': self.target}
+        info: Dict[str, Any] = {'target': self.target, 'solved': False}
         last_chance = self.replies >= self.max_guesses
         if not numbers:
             obs = f'Please answer with a number between {self.low} and {self.high}.'
@@ -79,6 +79,7 @@ class GuessNumberEnv(Env):
         self.guesses.append(guess)
         info.update(valid=True, guess=guess, distance=abs(guess - self.target))
         if guess == self.target:
+            info['solved'] = True
             return f'Correct! The number was {self.target}.', 1.0, True, info
         if guess < self.low or guess > self.high:
             obs = f'{guess} is out of range. Guess a number between {self.low} and {self.high}.'

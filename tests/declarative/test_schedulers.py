@@ -247,7 +247,8 @@ def gym_scheduler(**kw):
 def test_guess_number_several_turns_whatever_the_model_says():
     s = load_scheduler(schedulers.path('guess_number'), tokenizer=tok())
     replies = ['I think it is 50', 'hmm, not sure', 'Then 25?', 'My guess: 42']
-    res = run(s, {'a': replies, 'b': ['no idea'] * 6},
+    cut = [model_out('no idea', finish_reason='length') for _ in range(6)]  # a weak model hitting max_tokens
+    res = run(s, {'a': replies, 'b': cut},
               [req('a', {'role': 'user', 'content': 'Play.'}, data_dict={'target': 42}),
                req('b', {'role': 'user', 'content': 'Play.'}, data_dict={'target': 7})])
     a, b = res.outputs
