@@ -24,6 +24,11 @@ class Problem:
     path: str
     message: str
 
+    @property
+    def field(self) -> str:
+        """The field path (same as ``path``), e.g. ``tools[0].impl``."""
+        return self.path
+
     def __str__(self) -> str:
         where = f'{self.file}:{self.line}' if self.line else self.file
         return f'{where}: {self.path or "<root>"}: {self.message}'

@@ -156,6 +156,8 @@ class YamlScheduler(Scheduler):
     # ---- per-request state --------------------------------------------------------------------
     @staticmethod
     def _key(infer_request: Any) -> Any:
+        """Per-request state is keyed by ``uuid`` (stable when an integration converts request
+        objects between turns), else by object identity; uuids must be unique within a batch."""
         return getattr(infer_request, 'uuid', None) or id(infer_request)
 
     def _state(self, infer_request: Any) -> _State:
@@ -324,10 +326,6 @@ class YamlScheduler(Scheduler):
                 infos['reward'] = float(await _maybe_await(self._reward(infer_request, dict(infos))))
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
         return {'done': False, 'rollout_infos': infos}
-
-    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
-        """Only used when ``on_turn_end`` is bypassed (it always decides here)."""
-        return super().check_finished(infer_request, response_choice, current_turn)
 
     # ---- acting ---------------------------------------------------------------------------------
     def _encode(self, text: str) -> List[int]:
