@@ -43,7 +43,14 @@ del _limit, resource
 with open('main.py', encoding='utf-8') as _f:
     _src = _f.read()
 del _f
-exec(compile(_src, 'main.py', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})
+try:
+    exec(compile(_src, 'main.py', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})
+except BaseException as _e:  # show the traceback from main.py on, without this launcher's frame
+    if isinstance(_e, SystemExit):
+        raise
+    import traceback
+    traceback.print_exception(type(_e), _e, _e.__traceback__.tb_next)
+    sys.exit(1)
 '''
 
 
