@@ -85,9 +85,9 @@ class SwiftBackend:
         return config
 
     def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
-        self.calls += 1
-        if not requests:
+        if not requests:  # an idle rank's turn: nothing to generate
             return []
+        self.calls += 1  # engine calls
         from swift.infer_engine.protocol import RolloutOutput as SwiftOutput
 
         from ..integrations.swift import from_swift, to_swift
