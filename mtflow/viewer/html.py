@@ -218,7 +218,7 @@ var head = el('div','lanehead'); head.appendChild(el('div','who','request')); he
 var ht = el('div','track'); for(var t=1;t<=DATA.max_turn;t++){ ht.appendChild(el('div','turn',t)); } head.appendChild(ht);
 lanes.appendChild(head);
 var laneEls = [];
-DATA.requests.forEach(function(r){
+DATA.requests.forEach(function(r, ri){
   var lane = el('div','lane'); lane.setAttribute('role','listitem'); lane.dataset.uuid = r.uuid; lane.dataset.reason = r.reason===null?'__none':r.reason;
   var who = el('div','who', r.uuid); who.title = r.uuid + ' (index '+r.index+', rank '+r.rank+')'; lane.appendChild(who);
   var why = el('div','why'); why.appendChild(el('span','badge '+reasonClass(r.reason), r.reason===null?'unfinished':r.reason)); lane.appendChild(why);
@@ -239,10 +239,10 @@ DATA.requests.forEach(function(r){
     track.appendChild(slot);
   }
   lane.appendChild(track);
-  lane.addEventListener('click', function(){ openDetail(r.uuid); });
+  lane.addEventListener('click', function(){ openDetail(ri); });
   lanes.appendChild(lane); laneEls.push(lane);
 });
-var byUuid = {}; DATA.requests.forEach(function(r){ byUuid[r.uuid]=r; });
+var byUuid = {}; DATA.requests.forEach(function(r, ri){ if(!(r.uuid in byUuid)) byUuid[r.uuid]=ri; });
 var filter = document.getElementById('filter'), reasonSel = document.getElementById('reason'), shown = document.getElementById('shown');
 function applyFilter(){
   var q = filter.value.trim().toLowerCase(), rs = reasonSel.value, n = 0;
@@ -254,9 +254,9 @@ filter.addEventListener('input', applyFilter); reasonSel.addEventListener('chang
 
 var detail = document.getElementById('detail'), body = document.getElementById('detail-body');
 function section(title){ var h = el('h3', null, title); body.appendChild(h); return h; }
-function openDetail(uuid){
-  var r = byUuid[uuid], tr = DATA.trajectories[uuid];
-  laneEls.forEach(function(l){ l.classList.toggle('selected', l.dataset.uuid===uuid); });
+function openDetail(ri){
+  var r = DATA.requests[ri], uuid = r.uuid, tr = DATA.trajectories[uuid];
+  laneEls.forEach(function(l, li){ l.classList.toggle('selected', li===ri); });
   body.textContent = '';
   body.appendChild(el('h2', null, uuid));
   if(r){
@@ -309,6 +309,7 @@ function closeDetail(){ detail.hidden = true; laneEls.forEach(function(l){ l.cla
   history.replaceState(null,'',location.pathname+location.search); }
 detail.querySelector('.close').addEventListener('click', closeDetail);
 document.addEventListener('keydown', function(e){ if(e.key==='Escape') closeDetail(); });
-if(location.hash.length>1){ var u = decodeURIComponent(location.hash.slice(1)); if(byUuid[u]) openDetail(u); }
+function fromHash(){ if(location.hash.length>1){ var u = decodeURIComponent(location.hash.slice(1)); if(u in byUuid) openDetail(byUuid[u]); } }
+window.addEventListener('hashchange', fromHash); fromHash();
 })();
 '''

@@ -114,27 +114,57 @@ class Summary:
 
 
 def _tool_info(extra: Optional[Dict[str, Any]]) -> tuple:
-    """Tool call names and tool error messages from a step's ``trace_info`` (``docs/trace-format.md``):
-    ``tool_calls`` (list of names or ``{name, error?}``) and ``tool_errors`` (list of strings or
-    ``{message}``/``{error}`` objects); anything else is ignored."""
+    """Tool call names and tool error messages of one step, from its ``trace_info``
+    (``docs/trace-format.md``), in this order of preference:
+
+    * ``calls``: ``[{name, ok, error_kind?, error?}]``, one per call of this step (what the
+      declarative scheduler writes; its ``tool_calls``/``tool_errors`` numbers are then running
+      totals of the request and are not counted again);
+    * ``tool_calls``: names or ``{name | function: {name}, error?}`` objects, or a number of calls;
+    * ``tool_errors``: messages or ``{name?, message | error}`` objects, or a number of errors.
+    """
     if not isinstance(extra, dict):
         return [], []
-    names, errors = [], []
-    for call in extra.get('tool_calls') or ():
-        if isinstance(call, dict):
-            fn = call.get('function')
-            name = str(call.get('name') or (fn.get('name') if isinstance(fn, dict) else None) or '?')
+    names: List[str] = []
+    errors: List[str] = []
+    calls = extra.get('calls')
+    if isinstance(calls, list):
+        for call in calls:
+            if not isinstance(call, dict):
+                names.append(str(call))
+                continue
+            name = str(call.get('name') or '?')
             names.append(name)
-            if call.get('error'):
-                errors.append(f'{name}: {call["error"]}')
-        else:
-            names.append(str(call))
-    for err in extra.get('tool_errors') or ():
-        if isinstance(err, dict):
-            msg = err.get('message') or err.get('error') or err
-            errors.append(f'{err["name"]}: {msg}' if err.get('name') else str(msg))
-        else:
-            errors.append(str(err))
+            if call.get('ok') is False or call.get('error'):
+                kind = f'{call["error_kind"]}: ' if call.get('error_kind') else ''
+                errors.append(f'{name}: {kind}{call.get("error") or "failed"}')
+        return names, list(dict.fromkeys(errors))
+    tool_calls = extra.get('tool_calls')
+    if isinstance(tool_calls, bool):
+        tool_calls = int(tool_calls)
+    if isinstance(tool_calls, int):
+        names.extend(['?'] * max(0, tool_calls))
+    elif isinstance(tool_calls, list):
+        for call in tool_calls:
+            if isinstance(call, dict):
+                fn = call.get('function')
+                name = str(call.get('name') or (fn.get('name') if isinstance(fn, dict) else None) or '?')
+                names.append(name)
+                if call.get('error'):
+                    errors.append(f'{name}: {call["error"]}')
+            else:
+                names.append(str(call))
+    tool_errors = extra.get('tool_errors')
+    if isinstance(tool_errors, int) and not isinstance(tool_errors, bool):
+        if tool_errors > len(errors):
+            errors.extend([f'tool error {k + 1} (no message recorded)' for k in range(len(errors), tool_errors)])
+    elif isinstance(tool_errors, list):
+        for err in tool_errors:
+            if isinstance(err, dict):
+                msg = err.get('message') or err.get('error') or err
+                errors.append(f'{err["name"]}: {msg}' if err.get('name') else str(msg))
+            else:
+                errors.append(str(err))
     return names, list(dict.fromkeys(errors))
 
 

@@ -88,5 +88,11 @@ def test_page_in_a_browser(scenario_files, tmp_path, browser_page):
     assert page.locator('.lane:visible').count() == 1
     assert page.locator('#shown').inner_text() == '1 of 4 requests shown'
 
+    # a link to one request opens its detail
+    page.goto(html.as_uri() + '#r3')
+    page.locator('#detail').wait_for(state='visible')
+    assert page.locator('#detail h2').inner_text() == 'r3'
+    assert page.locator('.lane.selected').get_attribute('data-uuid') == 'r3'
+
     assert problems == []
     print(f'screenshots: {tmp_path / "trace-page.png"} {tmp_path / "trace-detail.png"}')

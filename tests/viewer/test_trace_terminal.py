@@ -146,3 +146,39 @@ def test_two_ranks_merged_show_the_rank_column(tmp_path):
     assert squash(row(text, 'r1b')) == 'r1b 1 GT! GT C✓ 3 5 max_turns'
     assert 'ranks 0,1' in text
     assert json.loads(path.read_text().splitlines()[-1])['rank'] == 1
+
+
+def test_tool_calls_and_errors_of_the_declarative_scheduler(mtflow_trace):
+    """The YAML scheduler's trace_info (``calls`` per step plus running totals) is read per step."""
+    from mtflow import Executor
+    from mtflow.declarative import load_scheduler
+    from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+    from tests.viewer.viewer_scenario import REPO
+
+    script = {'a': ['Action: calculator\nAction Input: {"expression": "2+2"}', 'Final Answer: 4'],
+              'b': ['Action: calculator\nAction Input: {"expression": "1/0"}', 'Action: nosuch\nAction Input: {}',
+                    'Final Answer: ?']}
+    served: dict = {}
+
+    def rollout_fn(requests, config):
+        outs = []
+        for r in requests:
+            served[r.uuid] = served.get(r.uuid, 0) + 1
+            outs.append(RolloutOutput(response=make_response(make_choice(script[r.uuid][served[r.uuid] - 1]))))
+        return outs
+
+    scheduler = load_scheduler(str(REPO / 'schedulers' / 'react_calculator.yaml'))
+    requests = [RolloutInferRequest(uuid=u, messages=[{'role': 'user', 'content': 'q'}]) for u in script]
+    Executor(scheduler, rollout_fn, on_error='return').run(requests)
+    mtflow_trace.assert_path('b', 'generating -> tool_step -> continuing -> tool_step -> continuing -> '
+                             'finished(stop_rule:final_answer)')
+    views = {v.uuid: v for v in request_views(mtflow_trace.last)}
+    assert [c.tool_calls for c in views['b'].cells] == [['calculator'], ['nosuch'], []]
+    assert views['b'].cells[0].tool_errors == ['calculator: exception: calculator raised CalculatorError: '
+                                              'division by zero']
+    assert views['b'].cells[1].tool_errors[0].startswith("nosuch: unknown_tool: unknown tool 'nosuch'")
+    assert views['a'].timeline() == 'GT C✓'
+    s = summarize(list(views.values()))
+    assert s.tool_calls == 3 and len(s.tool_errors) == 2  # not the running totals (1 + 1 + 2)
+    text = format_trace(mtflow_trace.last)
+    assert squash(row(text, 'b')).startswith('b GT! CT! C✓ 3')

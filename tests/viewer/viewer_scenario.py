@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 import mtflow
 from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
 
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT: Dict[str, List[str]] = {
     'r0': ['call search', 'ANSWER 42'],
     'r1': ['call bad', 'think more', 'so'],
