@@ -21,17 +21,26 @@ from .svg import STATE_COLORS, bar_chart_svg, state_graph_svg
 from .tokens import token_texts
 
 
+#: the columns of one event in the page (uuid, index and rank are the request's)
+PAGE_EVENT_FIELDS = ('turn', 'from', 'to', 'trigger', 'reason', 'tokens', 'duration_s', 'extra')
+
+
 def _cell_dict(c: Any) -> Dict[str, Any]:
-    return {
-        'turn': c.turn, 'wait': c.wait, 'stepped': c.stepped, 'tokens': c.tokens, 'step_s': c.step_s,
-        'tools': c.tool_calls, 'tool_errors': c.tool_errors, 'finished': c.finished, 'error': c.error
+    """A turn cell for the page: keys without a value are left out (the page stays small)."""
+    d = {
+        'turn': c.turn, 'wait': c.wait, 'stepped': c.stepped, 'tokens': c.tokens,
+        'step_s': None if c.step_s is None else round(c.step_s, 6), 'tools': c.tool_calls,
+        'tool_errors': c.tool_errors, 'finished': c.finished, 'error': c.error
     }
+    return {k: v for k, v in d.items() if v is not None and v is not False and v != []}
 
 
 def _request_dict(v: RequestView) -> Dict[str, Any]:
+    events = [[e.turn, e.src, e.dst, e.trigger, e.reason, e.tokens,
+               None if e.duration_s is None else round(e.duration_s, 6), e.extra] for e in v.events]
     return {
         'uuid': v.uuid, 'index': v.index, 'rank': v.rank, 'reason': v.reason, 'turns': v.turns, 'tokens': v.tokens,
-        'path': v.path, 'cells': [_cell_dict(c) for c in v.cells], 'events': [e.to_dict() for e in v.events]
+        'path': v.path, 'cells': [_cell_dict(c) for c in v.cells], 'events': events
     }
 
 
@@ -228,11 +237,12 @@ DATA.requests.forEach(function(r, ri){
     var c = byTurn[t]; var slot = el('div', c ? 'turn' : 'turn empty');
     if(c){
       var tip = ['turn '+t];
-      if(c.wait){ slot.appendChild(el('div','blk '+c.wait)); tip.push(c.wait + (c.tokens!==null?' ('+c.tokens+' tokens)':'')); }
-      if(c.stepped){ var b = el('div','blk tool_step'+(c.tool_errors.length?' bad':'')); slot.appendChild(b);
-        tip.push('tool_step'+(c.step_s!==null?' '+ms(c.step_s):'')+(c.tools.length?' tools: '+c.tools.join(', '):''));
-        c.tool_errors.forEach(function(m){ tip.push('tool error: '+m); }); }
-      if(c.finished!==null){ slot.appendChild(el('div','blk finished '+reasonClass(c.finished))); tip.push('finished('+c.finished+')');
+      var tools = c.tools||[], terrs = c.tool_errors||[];
+      if(c.wait){ slot.appendChild(el('div','blk '+c.wait)); tip.push(c.wait + (c.tokens!=null?' ('+c.tokens+' tokens)':'')); }
+      if(c.stepped){ var b = el('div','blk tool_step'+(terrs.length?' bad':'')); slot.appendChild(b);
+        tip.push('tool_step'+(c.step_s!=null?' '+ms(c.step_s):'')+(tools.length?' tools: '+tools.join(', '):''));
+        terrs.forEach(function(m){ tip.push('tool error: '+m); }); }
+      if(c.finished!=null){ slot.appendChild(el('div','blk finished '+reasonClass(c.finished))); tip.push('finished('+c.finished+')');
         if(c.error) tip.push((c.error.type||'')+': '+(c.error.message||'')); }
       slot.title = tip.join('\n');
     }
@@ -268,9 +278,9 @@ function openDetail(ri){
     var tbl = el('table','events'); var hr = el('tr');
     ['turn','from','to','trigger','reason','tokens','time','extra'].forEach(function(h){ hr.appendChild(el('th',null,h)); });
     tbl.appendChild(hr);
-    r.events.forEach(function(e){ var row = el('tr');
-      [e.turn,e.from,e.to,e.trigger,e.reason||'',e.tokens===null?'':e.tokens,ms(e.duration_s)].forEach(function(v){ row.appendChild(el('td',null,v)); });
-      var x = el('td','extra', e.extra ? JSON.stringify(e.extra) : ''); if(e.extra && e.extra.error) x.classList.add('err'); row.appendChild(x);
+    r.events.forEach(function(e){ var row = el('tr');  // [turn, from, to, trigger, reason, tokens, duration_s, extra]
+      [e[0],e[1],e[2],e[3],e[4]||'',e[5]==null?'':e[5],ms(e[6])].forEach(function(v){ row.appendChild(el('td',null,v)); });
+      var x = el('td','extra', e[7] ? JSON.stringify(e[7]) : ''); if(e[7] && e[7].error) x.classList.add('err'); row.appendChild(x);
       tbl.appendChild(row); });
     body.appendChild(tbl);
   }
