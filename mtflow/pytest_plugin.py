@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import pytest
 

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from html import escape
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ..machine import ERROR, FINISH_REASONS, FINISHED, StateGraph
 from ..trace import Trace

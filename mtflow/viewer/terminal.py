@@ -203,7 +203,7 @@ def events_table(view: RequestView) -> Table:
     return table
 
 
-def mask_text(ids: Sequence[int], mask: Sequence[int], tokenizer: Any, color: bool = True) -> Text:
+def mask_text(ids: Sequence[int], mask: Sequence[int], tokenizer: Any) -> Text:
     """Tokens with the loss mask visible: trained tokens (mask 1) plain/green, masked runs (mask 0)
     inside ``«…»`` and dim. With a tokenizer, token boundaries are ``|``; without, ids are
     space-separated."""
@@ -272,7 +272,7 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
         head = Text(f'segment {k + 1}: {len(ids)} tokens, {sum(mask)} trained', 'bold')
         parts.append(head)
         parts.append(mask_text(ids, mask, tokenizer))
-    infos = {k: v for k, v in traj.rollout_infos.items()}
+    infos = traj.rollout_infos
     if infos:
         parts.append(Text(''))
         parts.append(Text.assemble(('rollout_infos: ', 'bold'), str(infos)))

@@ -182,3 +182,33 @@ def test_tool_calls_and_errors_of_the_declarative_scheduler(mtflow_trace):
     assert s.tool_calls == 3 and len(s.tool_errors) == 2  # not the running totals (1 + 1 + 2)
     text = format_trace(mtflow_trace.last)
     assert squash(row(text, 'b')).startswith('b GT! CT! C✓ 3')
+
+
+@pytest.mark.hf
+def test_detail_decodes_with_a_transformers_tokenizer_directory(tmp_path, capsys):
+    """``--tokenizer DIR`` loads a saved ``transformers`` tokenizer offline; byte-level tokens
+    decode one by one to their text (``Ġquick`` shows as `` quick``)."""
+    pytest.importorskip('transformers')
+    from mtflow.trajectories import Trajectory, write_trajectories
+    from tests.tiny_model import make_tokenizer as make_bpe
+
+    tok = make_bpe()
+    tok.save_pretrained(tmp_path / 'tok')
+    ids = tok.encode('The quick brown fox')
+    pieces = [tok.decode([i]) for i in ids]
+    assert ''.join(pieces) == 'The quick brown fox' and len(ids) >= 4
+    mask = [1] * 2 + [0] * (len(ids) - 2)
+    trace = tmp_path / 'trace.jsonl'
+    trace.write_text('{"uuid": "x", "index": 0, "rank": 0, "turn": 1, "from": "pending", "to": "generating", '
+                     '"trigger": "generate", "reason": null, "tokens": null, "duration_s": null, "t": 0.0, '
+                     '"extra": null}\n')
+    trajs = tmp_path / 'traj.jsonl'
+    write_trajectories(trajs, [Trajectory('x', messages=[{'role': 'assistant', 'content': 'The quick brown fox'}],
+                                          response_token_ids=[ids], response_loss_mask=[mask])])
+    assert cli(['trace', 'show', str(trace), '--detail', 'x', '--trajectories', str(trajs), '--tokenizer',
+                str(tmp_path / 'tok')]) == 0
+    out = capsys.readouterr().out
+    expected = '|'.join(pieces[:2]) + '«' + '|'.join(pieces[2:]) + '»'
+    assert expected in out
+    assert cli(['trace', 'show', str(trace), '--detail', 'x', '--tokenizer', str(tmp_path / 'nothing')]) == 2
+    assert 'cannot load tokenizer' in capsys.readouterr().err
