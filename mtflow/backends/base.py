@@ -1,0 +1,232 @@
+"""What every backend shares: the ``rollout_fn`` shape, request preparation, sampling options.
+
+A backend is a callable ``backend(requests, request_config) -> outputs`` (the executor's
+``rollout_fn``) with one output per request, in order. Each output's ``response.choices[0]``
+carries the completion text, ``token_ids`` of the sampled tokens, per-token ``logprobs``
+(``{'content': [{'token', 'logprob'}, ...]}`` when the request config asks for them) and a
+``finish_reason`` of ``'stop'`` or ``'length'``.
+
+Every backend turns a request into a chat the same way (:func:`prepare_chat`), so that a
+scheduler behaves alike on all of them:
+
+* a trailing assistant message whose content is ``None`` is a placeholder and is dropped (the
+  executor drops it too when it applies the output);
+* if the last message is then an assistant message, the turn is a *continuation*: the model
+  continues that message (no new generation prompt; transformers' and vLLM's
+  ``continue_final_message``);
+* the request's ``tools`` and ``chat_template_kwargs`` go to the chat template.
+
+Sampling parameters come from :class:`mtflow.RequestConfig` through :func:`sampling_options`,
+which checks them once and names the field that is wrong.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..errors import MtflowError
+from ..protocol import RequestConfig, RolloutOutput, make_choice, make_response
+
+__all__ = [
+    'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
+    'build_output'
+]
+
+
+class BackendError(MtflowError):
+    """A backend cannot be built or cannot serve a call (bad option, model that cannot load,
+    server that keeps failing). The message names the backend and what to fix."""
+
+
+@dataclass
+class Chat:
+    """One request, ready for a chat template."""
+    messages: List[Dict[str, Any]]
+    continuation: bool
+    tools: Optional[List[Dict[str, Any]]] = None
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+def _as_dict(message: Any) -> Dict[str, Any]:
+    if isinstance(message, dict):
+        return dict(message)
+    dump = getattr(message, 'model_dump', None)
+    if dump is not None:  # a pydantic ChatMessage
+        return {k: v for k, v in dump().items() if v is not None or k == 'content'}
+    return {'role': getattr(message, 'role'), 'content': getattr(message, 'content', None)}
+
+
+def prepare_chat(request: Any) -> Chat:
+    """The messages to render for ``request`` (copied: the request is never modified), and
+    whether the model must continue the last assistant message."""
+    messages = [_as_dict(m) for m in request.messages]
+    if messages and messages[-1].get('role') == 'assistant' and messages[-1].get('content') is None:
+        messages.pop()
+    continuation = bool(messages) and messages[-1].get('role') == 'assistant'
+    if not messages:
+        raise BackendError(f'request {getattr(request, "uuid", None)!r} has no messages')
+    tools = getattr(request, 'tools', None) or None
+    kwargs = dict(getattr(request, 'chat_template_kwargs', None) or {})
+    return Chat(messages, continuation, tools, kwargs)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """:class:`RequestConfig` reduced to what a backend needs, with defaults applied.
+
+    ``temperature == 0`` means greedy decoding. ``top_k`` of ``None``, ``0`` or ``-1`` and
+    ``top_p`` of ``None`` or ``1`` mean no truncation. ``max_tokens`` of ``None`` takes the
+    backend's default."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: Sequence[str] = ()
+    seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_options(request_config: Any, default_max_tokens: int) -> SamplingOptions:
+    """Check ``request_config`` (a :class:`RequestConfig`, an ms-swift one, a dict or ``None``)
+    and return the options every backend reads. Raises :class:`BackendError` naming the field."""
+    if request_config is None:
+        request_config = RequestConfig()
+    elif isinstance(request_config, dict):
+        request_config = RequestConfig(**request_config)
+
+    def get(name: str, default: Any = None) -> Any:
+        value = getattr(request_config, name, default)
+        return default if value is None else value
+
+    n = get('n', 1)
+    if n != 1:
+        raise BackendError(f'request_config.n must be 1 for multi-turn rollouts (got {n}); '
+                           'repeat the request in the dataset for several samples')
+    if get('num_beams', 1) not in (1, None):
+        raise BackendError(f'request_config.num_beams must be 1 (got {get("num_beams")}): beam search is not sampling')
+    max_tokens = get('max_tokens', default_max_tokens)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BackendError(f'request_config.max_tokens must be a positive int (got {max_tokens!r})')
+    temperature = float(get('temperature', 1.0))
+    if temperature < 0:
+        raise BackendError(f'request_config.temperature must be >= 0 (got {temperature})')
+    top_p = float(get('top_p', 1.0))
+    if not 0 < top_p <= 1:
+        raise BackendError(f'request_config.top_p must be in (0, 1] (got {top_p})')
+    top_k = int(get('top_k', 0))
+    top_k = 0 if top_k < 0 else top_k
+    stop = get('stop', []) or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise BackendError(f'request_config.stop must be a list of non-empty strings (got {stop!r})')
+    top_logprobs = int(get('top_logprobs', 0) or 0)
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=float(get('min_p', 0.0)),
+        repetition_penalty=float(get('repetition_penalty', 1.0)),
+        presence_penalty=float(get('presence_penalty', 0.0)),
+        frequency_penalty=float(get('frequency_penalty', 0.0)),
+        stop=tuple(stop),
+        seed=get('seed', None),
+        logprobs=bool(get('logprobs', False)) or top_logprobs > 0,
+        top_logprobs=top_logprobs)
+
+
+@dataclass
+class BackendStats:
+    """Counters a backend keeps across calls (the ``mtflow run`` summary reads them)."""
+    calls: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    generate_s: float = 0.0
+
+    def add(self, requests: int, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
+        self.calls += 1
+        self.requests += requests
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.generate_s += seconds
+
+
+def build_output(text: str,
+                 token_ids: Optional[List[int]],
+                 finish_reason: Optional[str],
+                 *,
+                 logprobs: Optional[List[float]] = None,
+                 tokens: Optional[List[str]] = None,
+                 top_logprobs: Optional[List[List[Dict[str, Any]]]] = None,
+                 model: str = 'mtflow',
+                 prompt_tokens: int = 0,
+                 prompt_token_ids: Optional[List[int]] = None) -> RolloutOutput:
+    """One rollout output in the shape the executor reads (``output.response.choices[0]``)."""
+    choice = make_choice(text, token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason, tokens=tokens)
+    if top_logprobs is not None and choice.logprobs is not None:
+        for item, top in zip(choice.logprobs['content'], top_logprobs):
+            item['top_logprobs'] = top
+    response = make_response(choice, model=model, prompt_tokens=prompt_tokens)
+    if prompt_token_ids is not None:
+        response.prompt_token_ids = prompt_token_ids
+    return RolloutOutput(response=response)
+
+
+class Backend:
+    """Base class of mtflow's backends: a ``rollout_fn`` with a name, a model name, an optional
+    tokenizer (schedulers that count tokens use it) and counters.
+
+    Subclasses implement :meth:`generate`; :meth:`__call__` adds the bookkeeping every backend
+    needs (an empty call returns ``[]`` at once: idle ranks call ``rollout_fn([])``)."""
+    name = 'backend'
+
+    def __init__(self) -> None:
+        self.stats = BackendStats()
+        self.model_name = self.name
+        self.tokenizer: Any = None
+
+    def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:  # pragma: no cover
+        raise NotImplementedError
+
+    #: used when the request config has no ``max_tokens``
+    default_max_tokens = 256
+
+    def __call__(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
+        if not requests:
+            return []
+        options = sampling_options(request_config, self.default_max_tokens)
+        t0 = time.perf_counter()
+        outputs = self.generate(list(requests), options)
+        seconds = time.perf_counter() - t0
+        prompt = completion = 0
+        for out in outputs:
+            usage = out.response.usage if out.response is not None else None
+            if usage is not None:
+                prompt += usage.prompt_tokens
+                completion += usage.completion_tokens
+        self.stats.add(len(requests), prompt, completion, seconds)
+        return outputs
+
+    def close(self) -> None:
+        """Release what the backend holds (connections, engines). Safe to call twice."""
+
+    def __enter__(self) -> 'Backend':
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        return f'{self.name} ({self.model_name})'

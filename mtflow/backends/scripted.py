@@ -1,0 +1,126 @@
+"""Scripted backend: replays fixed outputs from a JSONL file, for tests and demos.
+
+Each line of the file is one output::
+
+    {"content": "I guess 50", "token_ids": [40, 7], "logprobs": [-0.1, -0.5], "finish_reason": "stop"}
+
+Only ``content`` is required; ``token_ids``, ``logprobs`` (a list of floats), ``tokens`` (their
+strings) and ``finish_reason`` (default ``'stop'``) are optional. A plain JSON string is a line
+with only ``content``. A line may also say which request and turn it answers::
+
+    {"uuid": "r1", "turn": 2, "content": "..."}
+
+Outputs are served in this order: a line keyed by the request's uuid and its turn (the request's
+own count of ``rollout_fn`` calls, from 1), else a line keyed by the uuid alone (those replay in
+file order per request), else the next unkeyed line (in file order, cycling when
+``cycle=True``). Running out is a clear error naming the request.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+
+from .base import Backend, BackendError, SamplingOptions, build_output
+
+__all__ = ['ScriptedBackend', 'read_script']
+
+Line = Dict[str, Any]
+
+
+def read_script(path: Union[str, Path]) -> List[Line]:
+    """Parse a script file; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise BackendError(f'scripted backend: file not found: {path}')
+    lines: List[Line] = []
+    for no, raw in enumerate(path.read_text(encoding='utf-8').splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise BackendError(f'{path}:{no}: not valid JSON: {exc.msg}') from exc
+        if isinstance(item, str):
+            item = {'content': item}
+        if not isinstance(item, dict) or not isinstance(item.get('content'), str):
+            raise BackendError(f'{path}:{no}: each line needs a string "content"')
+        reason = item.get('finish_reason', 'stop')
+        if reason not in ('stop', 'length', None):
+            raise BackendError(f'{path}:{no}: finish_reason must be "stop", "length" or null, not {reason!r}')
+        ids, lps = item.get('token_ids'), item.get('logprobs')
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+            raise BackendError(f'{path}:{no}: token_ids must be a list of ints')
+        if lps is not None and not (isinstance(lps, list) and all(isinstance(v, (int, float)) for v in lps)):
+            raise BackendError(f'{path}:{no}: logprobs must be a list of numbers')
+        item['_where'] = f'{path}:{no}'
+        lines.append(item)
+    return lines
+
+
+class ScriptedBackend(Backend):
+    """``rollout_fn`` that replays outputs from a file (``path``) or a list of dicts (``outputs``)."""
+    name = 'scripted'
+
+    def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
+                 cycle: bool = False) -> None:
+        super().__init__()
+        if (path is None) == (outputs is None):
+            raise BackendError('scripted backend: give exactly one of path= (a JSONL file) or outputs=')
+        if path is not None:
+            lines = read_script(path)
+            self.model_name = f'scripted:{Path(path).name}'
+        else:
+            lines = [{'content': o} if isinstance(o, str) else dict(o) for o in outputs or []]
+            self.model_name = 'scripted'
+        if not lines:
+            raise BackendError(f'scripted backend: no outputs in {path or "outputs"}')
+        self.cycle = cycle
+        self._keyed: Dict[Tuple[str, int], Line] = {}
+        self._by_uuid: Dict[str, Deque[Line]] = defaultdict(deque)
+        self._free: List[Line] = []
+        for line in lines:
+            uuid, turn = line.get('uuid'), line.get('turn')
+            if uuid is not None and turn is not None:
+                self._keyed[(str(uuid), int(turn))] = line
+            elif uuid is not None:
+                self._by_uuid[str(uuid)].append(line)
+            else:
+                self._free.append(line)
+        self._next = 0
+        self._calls: Dict[str, int] = defaultdict(int)
+
+    def _line_for(self, request: Any) -> Line:
+        uuid = str(getattr(request, 'uuid', None))
+        self._calls[uuid] += 1
+        turn = self._calls[uuid]
+        line = self._keyed.get((uuid, turn))
+        if line is not None:
+            return line
+        queue = self._by_uuid.get(uuid)
+        if queue:
+            return queue.popleft()
+        if self._next >= len(self._free):
+            if not self.cycle or not self._free:
+                raise BackendError(f'scripted backend ran out of outputs at request {uuid!r}, turn {turn} '
+                                   f'({len(self._free)} unkeyed line(s) used; set cycle: true to repeat them)')
+            self._next = 0
+        line = self._free[self._next]
+        self._next += 1
+        return line
+
+    def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        outputs = []
+        for request in requests:
+            line = self._line_for(request)
+            lps = line.get('logprobs') if options.logprobs else None
+            outputs.append(
+                build_output(
+                    line['content'],
+                    line.get('token_ids'),
+                    line.get('finish_reason', 'stop'),
+                    logprobs=lps,
+                    tokens=line.get('tokens') if lps is not None else None,
+                    model=self.model_name))
+        return outputs

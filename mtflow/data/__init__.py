@@ -1,0 +1,98 @@
+"""Prompt datasets for ``mtflow run``: a small bundled one, and the JSONL reader.
+
+``prompts.jsonl`` (package data) holds 16 guess-the-number games: an opening user message and
+``data_dict.target`` (the hidden number), so the default run is the same on every machine (the
+scheduler, ``schedulers/guess_number.yaml``, adds its own system prompt).
+
+One line of a dataset is one request::
+
+    {"uuid": "q1", "messages": [{"role": "user", "content": "..."}], "tools": [...], "data_dict": {...}}
+
+Instead of ``messages`` a line may give ``prompt`` (or ``query``): one user message, with an
+optional ``system``. ``uuid`` (or ``id``) is optional (``<file stem>-<line>`` otherwise) but must
+be unique. Any other key goes into ``data_dict``, where schedulers read per-prompt data (answers,
+targets).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from ..errors import MtflowError
+from ..protocol import RolloutInferRequest
+
+__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts']
+
+_KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
+
+
+class DatasetError(MtflowError):
+    """A dataset line that is not a request; the message names the file and line."""
+
+
+def bundled_dataset() -> Path:
+    """The path of the bundled prompt dataset."""
+    return Path(__file__).with_name('prompts.jsonl')
+
+
+def _request(item: Dict[str, Any], where: str, default_uuid: str) -> RolloutInferRequest:
+    if 'messages' in item:
+        messages = item['messages']
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get('role'), str) for m in messages):
+            raise DatasetError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        messages = [dict(m) for m in messages]
+    else:
+        prompt = item.get('prompt', item.get('query'))
+        if not isinstance(prompt, str):
+            raise DatasetError(f"{where}: a line needs 'messages' or a string 'prompt'")
+        messages = ([{'role': 'system', 'content': str(item['system'])}] if item.get('system') else []) + [{
+            'role': 'user',
+            'content': prompt
+        }]
+    data = item.get('data_dict') or {}
+    if not isinstance(data, dict):
+        raise DatasetError(f"{where}: 'data_dict' must be an object")
+    data = {**{k: v for k, v in item.items() if k not in _KNOWN}, **data}
+    tools = item.get('tools')
+    if tools is not None and not isinstance(tools, list):
+        raise DatasetError(f"{where}: 'tools' must be a list")
+    uuid = item.get('uuid', item.get('id'))
+    return RolloutInferRequest(
+        messages=messages,
+        tools=tools,
+        data_dict=data,
+        images=item.get('images') or [],
+        chat_template_kwargs=item.get('chat_template_kwargs') or {},
+        uuid=str(uuid) if uuid is not None else default_uuid)
+
+
+def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> List[RolloutInferRequest]:
+    """Read a JSONL prompt dataset (the bundled one when ``path`` is ``None``) into requests."""
+    path = bundled_dataset() if path is None else Path(path)
+    if not path.is_file():
+        raise DatasetError(f'dataset not found: {path}')
+    requests: List[RolloutInferRequest] = []
+    seen: Dict[str, int] = {}
+    with open(path, encoding='utf-8') as f:
+        for no, raw in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not raw.strip():
+                continue
+            where = f'{path}:{no}'
+            try:
+                item = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f'{where}: not valid JSON: {exc.msg} (column {exc.colno})') from exc
+            if not isinstance(item, dict):
+                raise DatasetError(f'{where}: each line must be a JSON object')
+            req = _request(item, where, f'{path.stem}-{no}')
+            if req.uuid in seen:
+                raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
+            seen[req.uuid] = no
+            requests.append(req)
+    if not requests:
+        raise DatasetError(f'{path}: no prompts')
+    return requests

@@ -1,0 +1,200 @@
+"""The run config: one YAML file that says what ``mtflow run`` rolls out, with what, and where to.
+
+::
+
+    scheduler: schedulers/guess_number.yaml   # a scheduler YAML, or 'module:Class' / 'file.py:Class'
+    scheduler_args: {}                        # keyword arguments for a Python scheduler class
+    backend: hf                               # hf | openai | vllm | scripted | swift
+    model: embedded                           # backend's model ('embedded': SmolLM2-135M-Instruct)
+    backend_options: {max_batch_size: 8}      # the backend's own keyword arguments
+    dataset: null                             # JSONL prompts; null: the bundled guess-the-number set
+    out: runs/default                         # trajectories.jsonl, trace.jsonl, summary.json go here
+    max_turns: 6                              # null or 0: unlimited
+    batch_size: 8                             # requests per Executor.run call
+    seed: 0                                   # seeds Python's and torch's RNGs (and the backend)
+    limit: null                               # only the first N prompts
+    request_config: {max_tokens: 48, temperature: 0.7, logprobs: true}
+
+Relative paths in ``scheduler``, ``dataset`` and the ``backend_options`` keys ``path`` and
+``chat_template_file`` are looked up next to the config file first, then in the current
+directory (a scheduler name also in the repository's ``schedulers/``); ``out`` is relative to
+the current directory. Errors name the file, the line and the field.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import MtflowError
+from .protocol import RequestConfig
+
+__all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'PATH_OPTIONS']
+
+#: backend options that hold paths (resolved like ``dataset``)
+PATH_OPTIONS = ('path', 'chat_template_file')
+
+
+class RunConfigError(MtflowError):
+    """A run config that cannot be used; the message names file, line and field."""
+
+
+class RunConfig(BaseModel):
+    """A validated run config. See the module docstring for every key."""
+    model_config = ConfigDict(extra='forbid')
+
+    scheduler: str = Field(description="A scheduler YAML file, or a Python scheduler as 'module:Class' or "
+                           "'path/file.py:Class'.")
+    scheduler_args: Dict[str, Any] = Field(default_factory=dict,
+                                           description='Keyword arguments for a Python scheduler class.')
+    backend: str = Field('hf', description='hf, openai, vllm, scripted or swift.')
+    model: Optional[str] = Field(None, description="The backend's model; for hf: 'embedded' (default), a local "
+                                 'directory, a .gguf file or a cached hub id.')
+    backend_options: Dict[str, Any] = Field(default_factory=dict,
+                                            description="The backend's keyword arguments (see docs/backends.md).")
+    dataset: Optional[str] = Field(None, description='A JSONL prompt file; null: the bundled dataset.')
+    out: str = Field('runs/latest', description='Output directory (relative to the current directory).')
+    max_turns: Optional[int] = Field(None, ge=0, description='Stop every request at this turn; null or 0: unlimited.')
+    batch_size: int = Field(8, ge=1, description='Requests per executor batch.')
+    seed: Optional[int] = Field(0, description="Seeds Python's and torch's random generators.")
+    limit: Optional[int] = Field(None, ge=1, description='Roll out only the first N prompts.')
+    request_config: Dict[str, Any] = Field(default_factory=dict,
+                                           description='Sampling parameters (mtflow.RequestConfig fields).')
+
+    #: the directory of the config file (for relative paths); not a YAML key
+    base_dir: Optional[Path] = Field(None, exclude=True)
+    #: the config file, for messages
+    source: Optional[str] = Field(None, exclude=True)
+
+    @field_validator('request_config')
+    @classmethod
+    def _known_sampling_keys(cls, value: Dict[str, Any]) -> Dict[str, Any]:
+        unknown = sorted(set(value) - set(RequestConfig.model_fields))
+        if unknown:
+            raise ValueError(f'unknown key(s) {", ".join(unknown)}; known: {", ".join(RequestConfig.model_fields)}')
+        RequestConfig(**value)  # types
+        return value
+
+    @field_validator('backend')
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        from .backends import ALIASES, BACKENDS
+
+        if value not in BACKENDS and value not in ALIASES:
+            raise ValueError(f'unknown backend {value!r}; choose one of: {", ".join(BACKENDS)}')
+        return value
+
+    # ---- derived values ----------------------------------------------------------------------
+    def make_request_config(self) -> RequestConfig:
+        return RequestConfig(**self.request_config)
+
+    def resolve(self, value: str) -> Path:
+        """A relative path: next to the config file if it exists there, else in the current
+        directory (returned as given when it exists nowhere, so the error shows it)."""
+        path = Path(value).expanduser()
+        if path.is_absolute():
+            return path
+        candidates = ([self.base_dir / path] if self.base_dir is not None else []) + [Path.cwd() / path]
+        for c in candidates:
+            if c.exists():
+                return c
+        return path
+
+    def scheduler_is_yaml(self) -> bool:
+        return self.scheduler.endswith(('.yaml', '.yml'))
+
+    def scheduler_path(self) -> Path:
+        """The scheduler YAML file; also looked up in the repository's (installed) ``schedulers/``."""
+        path = self.resolve(self.scheduler)
+        if path.exists() or path.is_absolute():
+            return path
+        spec = importlib.util.find_spec('schedulers')
+        for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+            for cand in (Path(loc) / Path(self.scheduler).name, Path(loc).parent / self.scheduler):
+                if cand.is_file():
+                    return cand
+        return path
+
+    def dataset_path(self) -> Optional[Path]:
+        return None if self.dataset is None else self.resolve(self.dataset)
+
+    def resolved_backend_options(self) -> Dict[str, Any]:
+        opts = dict(self.backend_options)
+        for key in PATH_OPTIONS:
+            if isinstance(opts.get(key), str):
+                opts[key] = str(self.resolve(opts[key]))
+        return opts
+
+
+# ---- loading --------------------------------------------------------------------------------------
+def _line_of(node: Any, loc: tuple) -> Optional[int]:
+    """The 1-based line of field ``loc`` in a composed YAML node tree (the deepest one found)."""
+    line = None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if getattr(k, 'value', None) == str(key):
+                    line, node = k.start_mark.line + 1, v
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _format_errors(exc: ValidationError, source: str, root: Any) -> str:
+    problems: List[str] = []
+    for err in exc.errors():
+        loc = tuple(err.get('loc', ()))
+        field = '.'.join(str(p) for p in loc) or '<top level>'
+        line = _line_of(root, loc) if root is not None else None
+        where = f'{source}:{line}' if line else source
+        msg = err.get('msg', 'invalid')
+        if err.get('type') == 'extra_forbidden':
+            msg = f'unknown key (known: {", ".join(k for k in RunConfig.model_fields if k not in ("base_dir", "source"))})'
+        problems.append(f'{where}: {field}: {msg}')
+    return '; '.join(problems)
+
+
+def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
+    """Read and validate a run config; ``overrides`` (e.g. from the command line) replace keys.
+
+    Raises :class:`RunConfigError` (one line, every problem) or ``FileNotFoundError``."""
+    path = Path(path)
+    if not path.exists():
+        raise RunConfigError(f'config file not found: {path}')
+    if path.is_dir():
+        raise RunConfigError(f'config path is a directory, not a YAML file: {path}')
+    text = path.read_text(encoding='utf-8')
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, 'problem_mark', None)
+        where = f'{path}:{mark.line + 1}' if mark is not None else str(path)
+        raise RunConfigError(f'{where}: not valid YAML: {getattr(exc, "problem", None) or exc}') from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RunConfigError(f'{path}: a run config must be a mapping of keys, not {type(data).__name__}')
+    for key in ('base_dir', 'source'):
+        if key in data:
+            raise RunConfigError(f'{path}:{_line_of(root, (key,))}: {key}: unknown key')
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path))
+    except ValidationError as exc:
+        raise RunConfigError(_format_errors(exc, str(path), root)) from None
+    return cfg
+
+
+def default_out_name(path: Union[str, Path]) -> str:
+    return os.path.join('runs', Path(path).stem)
