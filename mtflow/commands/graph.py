@@ -34,7 +34,13 @@ def graph_for_config(config: str) -> Any:
         from ..declarative import load_scheduler
     except ImportError as exc:
         raise CLIError(f'cannot read scheduler configs in this build: {exc}') from exc
-    return graph_for_scheduler(load_scheduler(config))
+    from ..declarative.loader import ConfigError
+
+    try:
+        scheduler = load_scheduler(config)
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from exc
+    return graph_for_scheduler(scheduler)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -57,10 +57,12 @@ def _load(args: argparse.Namespace) -> tuple:
         raise CLIError(f'no such trace file: {path}')
     try:
         trace = Trace.read_jsonl(path)
+    except UnicodeDecodeError as exc:  # before ValueError: it is one
+        raise CLIError(f'{path}: not a UTF-8 text file ({exc.reason})') from exc
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
-    except UnicodeDecodeError as exc:
-        raise CLIError(f'{path}: not a UTF-8 text file ({exc.reason})') from exc
+    except (OSError, EOFError) as exc:  # e.g. a truncated or not-really-gzip .gz file
+        raise CLIError(f'{path}: cannot read: {exc}') from exc
     if not trace.events:
         raise CLIError(f'{path}: no trace events')
     trajectories: Dict[str, Any] = {}
@@ -70,8 +72,12 @@ def _load(args: argparse.Namespace) -> tuple:
             raise CLIError(f'no such trajectories file: {tpath}')
         try:
             trajectories = read_trajectories(tpath)
+        except UnicodeDecodeError as exc:
+            raise CLIError(f'{tpath}: not a UTF-8 text file ({exc.reason})') from exc
         except ValueError as exc:
             raise CLIError(str(exc)) from exc
+        except (OSError, EOFError) as exc:
+            raise CLIError(f'{tpath}: cannot read: {exc}') from exc
     tokenizer = None
     if args.tokenizer:
         from ..viewer.tokens import load_tokenizer

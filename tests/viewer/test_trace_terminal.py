@@ -212,3 +212,18 @@ def test_detail_decodes_with_a_transformers_tokenizer_directory(tmp_path, capsys
     assert expected in out
     assert cli(['trace', 'show', str(trace), '--detail', 'x', '--tokenizer', str(tmp_path / 'nothing')]) == 2
     assert 'cannot load tokenizer' in capsys.readouterr().err
+
+
+def test_cli_unreadable_files_are_one_line(tmp_path, capsys):
+    binary = tmp_path / 'binary.jsonl'
+    binary.write_bytes(bytes(range(128, 256)))
+    fake_gz = tmp_path / 'trace.jsonl.gz'
+    fake_gz.write_text('not gzip\n')
+    for path, message in ((binary, 'not a UTF-8 text file'), (fake_gz, 'cannot read: Not a gzipped file')):
+        assert cli(['trace', 'show', str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f'mtflow: {path}') and message in err, err
+    bad_yaml = tmp_path / 'bad.yaml'
+    bad_yaml.write_text('x: [\n')
+    assert cli(['graph', str(bad_yaml), '--format', 'svg']) == 2
+    assert f'{bad_yaml}:2' in capsys.readouterr().err
