@@ -263,17 +263,25 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
     n_ids = sum(map(len, traj.response_token_ids))
     n_trained = sum(map(sum, masks))
     n_lp = sum(map(len, traj.rollout_logprobs))
+    if not n_ids:
+        parts.append(Text.assemble(('tokens: ', 'bold'), 'none recorded (the outputs carried no token ids)'))
+    else:
+        parts += _segments(traj, masks, n_ids, n_trained, n_lp, tokenizer)
+    if traj.rollout_infos:
+        parts.append(Text(''))
+        parts.append(Text.assemble(('rollout_infos: ', 'bold'), str(traj.rollout_infos)))
+    return Group(*parts)
+
+
+def _segments(traj: Trajectory, masks: List[List[int]], n_ids: int, n_trained: int, n_lp: int,
+              tokenizer: Any) -> List[RenderableType]:
+    parts: List[RenderableType] = []
     parts.append(Text.assemble(
         ('tokens: ', 'bold'), f'{len(traj.response_token_ids)} segment(s), {n_ids} tokens, {n_trained} trained, '
         f'{n_ids - n_trained} masked, {n_lp} logprobs',
         ('' if traj.response_loss_mask else '  (no loss mask: every token is trained)', 'dim')))
     parts.append(Text('«…» loss mask 0 (not trained); the rest is trained', 'dim'))
     for k, (ids, mask) in enumerate(zip(traj.response_token_ids, masks)):
-        head = Text(f'segment {k + 1}: {len(ids)} tokens, {sum(mask)} trained', 'bold')
-        parts.append(head)
+        parts.append(Text(f'segment {k + 1}: {len(ids)} tokens, {sum(mask)} trained', 'bold'))
         parts.append(mask_text(ids, mask, tokenizer))
-    infos = traj.rollout_infos
-    if infos:
-        parts.append(Text(''))
-        parts.append(Text.assemble(('rollout_infos: ', 'bold'), str(infos)))
-    return Group(*parts)
+    return parts
