@@ -136,7 +136,9 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
         cx, cy = mx + nx * bend, my + ny * bend
         sx, sy = _clip(x1, y1, cx, cy)
         ex, ey = _clip(x2, y2, cx, cy)
-        out.append(f'<path d="M{sx:.1f},{sy:.1f} Q{cx:.1f},{cy:.1f} {ex:.1f},{ey:.1f}" fill="none" stroke="#475569" '
+        unused = counts is not None and not counts.get((src, dst), 0)  # never taken in this trace: faded
+        stroke = 'stroke="#cbd5e1" stroke-dasharray="4 3"' if unused else 'stroke="#475569"'
+        out.append(f'<path d="M{sx:.1f},{sy:.1f} Q{cx:.1f},{cy:.1f} {ex:.1f},{ey:.1f}" fill="none" {stroke} '
                    f'stroke-width="1.4" marker-end="url(#mtf-arrow)" data-edge="{escape(src)}-&gt;{escape(dst)}"/>')
         lx, ly = 0.25 * sx + 0.5 * cx + 0.25 * ex, 0.25 * sy + 0.5 * cy + 0.25 * ey
         label = ' | '.join(triggers)
