@@ -110,6 +110,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) 
         yield
     finally:
         remove_listener(capture)
+        capture.runs = []  # the reports are made: do not hold every test's traces for the whole session
 
 
 @pytest.fixture
