@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from html import escape
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..machine import ERROR, FINISH_REASONS, FINISHED, StateGraph
 from ..trace import Trace
@@ -97,6 +97,7 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         bar_chart_svg(summary.finish_reasons, 'finish reasons', {r: _reason_color(r) for r in summary.finish_reasons},
                       css_class='chart chart-reasons'),
     ]
+    problems = _problems_html(summary)
     stats = [
         ('requests', summary.requests), ('events', summary.events), ('turns', summary.max_turn),
         ('completion tokens', summary.tokens), ('tool calls', summary.tool_calls),
@@ -111,8 +112,40 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
     css_vars = ''.join(f'--{k.replace("_", "-")}:{v};' for k, v in STATE_COLORS.items())
     return (_TEMPLATE.replace('%TITLE%', escape(title)).replace('%CSSVARS%', css_vars)
             .replace('%STATS%', stats_html).replace('%REASONS%', reasons_opts)
-            .replace('%GRAPH%', graph_svg).replace('%CHARTS%', ''.join(charts))
+            .replace('%GRAPH%', graph_svg).replace('%CHARTS%', ''.join(charts)).replace('%PROBLEMS%', problems)
             .replace('%SCRIPT%', _SCRIPT).replace('%DATA%', payload))
+
+
+def _table(title: str, css: str, head: Sequence[str], rows: List[tuple]) -> str:
+    """A server-rendered table; the first cell of each row is a uuid (a click opens its detail)."""
+    out = [f'<div class="card {css}"><h3>{escape(title)}</h3><table class="events"><tr>']
+    out += [f'<th>{escape(h)}</th>' for h in head]
+    out.append('</tr>')
+    for row in rows:
+        out.append(f'<tr class="open" data-uuid="{escape(str(row[0]))}">')
+        out += [f'<td>{escape(str(v))}</td>' for v in row]
+        out.append('</tr>')
+    out.append('</table></div>')
+    return ''.join(out)
+
+
+def _problems_html(summary: Any) -> str:
+    """Errors, tool errors and the slowest steps (the terminal summary's tables)."""
+    parts = []
+    if summary.errors:
+        parts.append(_table('Errors', 'errors', ('request', 'turn', 'phase', 'error'), [
+            (e['uuid'], e['turn'], e.get('phase', ''), f'{e.get("type", "")}: {e.get("message", "")}'.lstrip(': '))
+            for e in summary.errors[:200]]))
+    if summary.tool_errors:
+        parts.append(_table('Tool errors', 'tool-errors', ('request', 'turn', 'error'),
+                            [(t.uuid, t.turn, t.message) for t in summary.tool_errors[:200]]))
+    if summary.slowest_steps:
+        parts.append(_table('Slowest steps', 'slowest', ('request', 'turn', 'time', 'tools'), [
+            (st.uuid, st.turn, f'{st.duration_s * 1000:.1f} ms' if st.duration_s < 1 else f'{st.duration_s:.2f} s',
+             ', '.join(st.tools)) for st in summary.slowest_steps]))
+    if not parts:
+        return ''
+    return '<h2>Problems and slow steps</h2><div class="panels">' + ''.join(parts) + '</div>'
 
 
 def write_html(path: Union[str, Path], trace: Trace, **kwargs: Any) -> Path:
@@ -184,6 +217,7 @@ table.events td.extra{font-family:ui-monospace,monospace;word-break:break-word}
 .tok.on{background:#dcfce7;border-bottom:2px solid var(--ok)}
 .tok.off{background:#f1f5f9;color:#94a3b8;text-decoration:line-through}
 .err{color:var(--error);font-weight:600}
+tr.open{cursor:pointer}tr.open:hover{background:#eff6ff}.card h3{margin:2px 0 6px;font-size:14px}
 .muted{color:var(--muted)}
 </style>
 </head>
@@ -207,6 +241,7 @@ table.events td.extra{font-family:ui-monospace,monospace;word-break:break-word}
 <div id="lanes" role="list"></div>
 <h2>State graph and charts</h2>
 <div class="panels"><div class="card">%GRAPH%</div><div class="card">%CHARTS%</div></div>
+%PROBLEMS%
 </main>
 <aside id="detail" hidden aria-live="polite"><button class="close" title="close (Esc)" aria-label="close">×</button><div id="detail-body"></div></aside>
 <script type="application/json" id="mtflow-data">%DATA%</script>
@@ -321,5 +356,7 @@ detail.querySelector('.close').addEventListener('click', closeDetail);
 document.addEventListener('keydown', function(e){ if(e.key==='Escape') closeDetail(); });
 function fromHash(){ if(location.hash.length>1){ var u = decodeURIComponent(location.hash.slice(1)); if(u in byUuid) openDetail(byUuid[u]); } }
 window.addEventListener('hashchange', fromHash); fromHash();
+document.querySelectorAll('tr.open').forEach(function(tr){ tr.addEventListener('click', function(){
+  var u = tr.getAttribute('data-uuid'); if(u in byUuid) openDetail(byUuid[u]); }); });
 })();
 '''

@@ -106,7 +106,7 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
     mid_y = top + 60 + height_body / 2
     reasons = list(graph.finish_reasons)
     width = 30 + len(by_layer) * (NODE_W + LAYER_GAP) - LAYER_GAP + 30 + 200
-    height = top + 60 + height_body + 110 + 16 * max(0, len(reasons) - 4)
+    height = top + 60 + height_body + 80 + 16 * max(0, len(reasons) - 4)
 
     # one arrow per (src, dst): parallel triggers share it
     merged: Dict[Tuple[str, str], List[str]] = {}

@@ -88,6 +88,15 @@ def test_page_in_a_browser(scenario_files, tmp_path, browser_page):
     assert page.locator('.lane:visible').count() == 1
     assert page.locator('#shown').inner_text() == '1 of 4 requests shown'
 
+    # the problem tables: the failed step and the tool error; a row opens its request
+    assert page.locator('.card.errors td').all_inner_texts() == ['r2', '1', 'step', 'RuntimeError: the tool exploded']
+    assert page.locator('.card.tool-errors td').all_inner_texts() == ['r1', '1', 'search: no results']
+    page.locator('.card.errors tr.open').click()
+    page.locator('#detail').wait_for(state='visible')
+    assert page.locator('#detail h2').inner_text() == 'r2'
+    assert 'the tool exploded' in page.locator('#detail td.extra.err').inner_text()
+    page.keyboard.press('Escape')
+
     # a link to one request opens its detail
     page.goto(html.as_uri() + '#r3')
     page.locator('#detail').wait_for(state='visible')
