@@ -15,6 +15,8 @@ SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
 command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
   || echo "warning: could not install chromium: the browser test will be skipped" >&2
 .venv/bin/python -c 'import playwright' 2>/dev/null || $PIP install playwright
+# OpenAI-compatible backend (mtflow/backends/openai_server.py, the 'openai' extra) and its tests.
+.venv/bin/python -c 'import httpx' 2>/dev/null || $PIP install 'httpx>=0.24'
 
 # --- run ---
 set +e

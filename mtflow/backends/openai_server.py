@@ -1,0 +1,357 @@
+"""OpenAI-compatible server backend: ``/v1/chat/completions`` on ``vllm serve``, ``swift deploy``,
+sglang, or any server that speaks the protocol.
+
+One ``rollout_fn`` call sends one HTTP request per live request, concurrently (asyncio + httpx),
+at most ``max_connections`` at a time, each with a timeout, and retries a request on connection
+errors, timeouts, 429 and 5xx with exponential backoff (``Retry-After`` honoured), up to
+``max_retries`` times; a request that still fails fails the call with an error that names the
+request uuid, the status and the server's message. Other 4xx answers are not retried.
+
+The HTTP client runs on a private event loop in a background thread, so the backend is a plain
+synchronous ``rollout_fn`` that works from any thread (the executor's driver, a trainer, a
+notebook with its own running loop).
+
+What is sent depends on ``flavor`` (what the server understands beyond OpenAI's fields):
+
+=========  ==================================================================================
+flavor     extras
+=========  ==================================================================================
+vllm       ``top_k``, ``min_p``, ``repetition_penalty``, ``chat_template_kwargs``,
+           ``return_token_ids`` (token ids of the completion, vLLM >= 0.10.2), and on a
+           continuation ``continue_final_message: true, add_generation_prompt: false``
+sglang     as vllm, without ``return_token_ids``
+swift      ``top_k``, ``repetition_penalty``, ``return_details`` (ms-swift's deploy returns the
+           token ids then); a trailing assistant message is continued by ms-swift's template
+openai     nothing: OpenAI's own API rejects unknown fields; continuation turns are an error
+=========  ==================================================================================
+
+Token ids come from ``choices[0].token_ids`` when the server returns them, else from logprob
+tokens written as ``token_id:<n>`` (``vllm serve --return-tokens-as-token-ids``), else ``None``.
+Logprobs are passed through in OpenAI's shape. ``extra_body`` is merged into every request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import threading
+from typing import Any, Dict, List, Optional
+
+from .base import Backend, BackendError, SamplingOptions, prepare_chat
+from ..protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
+
+__all__ = ['OpenAIBackend', 'build_body', 'parse_choice', 'FLAVORS']
+
+FLAVORS = ('vllm', 'sglang', 'swift', 'openai')
+RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+def build_body(request: Any, options: SamplingOptions, model: str, flavor: str = 'vllm',
+               extra_body: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The JSON body of ``/v1/chat/completions`` for one request."""
+    chat = prepare_chat(request)
+    body: Dict[str, Any] = {
+        'model': model,
+        'messages': chat.messages,
+        'max_tokens': options.max_tokens,
+        'temperature': options.temperature,
+        'top_p': options.top_p,
+        'n': 1,
+        'stream': False,
+    }
+    if options.stop:
+        body['stop'] = list(options.stop)
+    if options.seed is not None:
+        body['seed'] = options.seed
+    if options.presence_penalty:
+        body['presence_penalty'] = options.presence_penalty
+    if options.frequency_penalty:
+        body['frequency_penalty'] = options.frequency_penalty
+    if options.logprobs:
+        body['logprobs'] = True
+        if options.top_logprobs:
+            body['top_logprobs'] = options.top_logprobs
+    if chat.tools:
+        body['tools'] = chat.tools
+    if flavor in ('vllm', 'sglang', 'swift'):
+        if options.top_k:
+            body['top_k'] = options.top_k
+        if options.repetition_penalty != 1.0:
+            body['repetition_penalty'] = options.repetition_penalty
+    if flavor in ('vllm', 'sglang'):
+        if options.min_p:
+            body['min_p'] = options.min_p
+        if chat.chat_template_kwargs:
+            body['chat_template_kwargs'] = chat.chat_template_kwargs
+        if chat.continuation:
+            body['continue_final_message'] = True
+            body['add_generation_prompt'] = False
+    if flavor == 'vllm':
+        body['return_token_ids'] = True
+    elif flavor == 'swift':
+        body['return_details'] = True
+    elif flavor == 'openai' and chat.continuation:
+        raise BackendError(f'request {getattr(request, "uuid", None)!r}: continuing an assistant message needs a '
+                           "server with continue_final_message (flavor 'vllm' or 'sglang'), not flavor 'openai'")
+    if extra_body:
+        body.update(extra_body)
+    return body
+
+
+def _token_ids_from_logprobs(logprobs: Optional[Dict[str, Any]]) -> Optional[List[int]]:
+    content = (logprobs or {}).get('content') if isinstance(logprobs, dict) else None
+    if not content:
+        return None
+    ids = []
+    for item in content:
+        token = item.get('token', '') if isinstance(item, dict) else ''
+        if not isinstance(token, str) or not token.startswith('token_id:'):
+            return None
+        try:
+            ids.append(int(token[len('token_id:'):]))
+        except ValueError:
+            return None
+    return ids
+
+
+def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
+    """A server's chat completion (JSON) as a rollout output; ``where`` names the request in errors."""
+    choices = data.get('choices') if isinstance(data, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        raise BackendError(f'{where}: the server answered without choices: {json.dumps(data)[:200]}')
+    raw = choices[0]
+    message = raw.get('message') or {}
+    content = message.get('content')
+    if content is None:
+        content = ''
+    reason = raw.get('finish_reason')
+    if reason not in ('stop', 'length', None):
+        reason = 'stop'  # 'tool_calls', 'eos', 'abort', ...: the model stopped by itself
+    logprobs = raw.get('logprobs')
+    if logprobs is not None and not isinstance(logprobs, dict):
+        logprobs = None
+    token_ids = raw.get('token_ids')
+    if token_ids is None:
+        token_ids = _token_ids_from_logprobs(logprobs)
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role='assistant', content=content, tool_calls=message.get('tool_calls') or None,
+                            reasoning_content=message.get('reasoning_content')),
+        finish_reason=reason,
+        logprobs=logprobs,
+        token_ids=list(token_ids) if token_ids is not None else None)
+    usage = data.get('usage') or {}
+    completion = usage.get('completion_tokens')
+    if completion is None:
+        completion = len(token_ids or ())
+    prompt = int(usage.get('prompt_tokens') or 0)
+    response = ChatCompletionResponse(
+        model=str(data.get('model') or ''),
+        choices=[choice],
+        usage=UsageInfo(prompt_tokens=prompt, completion_tokens=int(completion), total_tokens=prompt + int(completion)),
+        prompt_token_ids=data.get('prompt_token_ids'))
+    if data.get('id'):
+        response.id = str(data['id'])
+    return RolloutOutput(response=response)
+
+
+class _LoopThread:
+    """A private event loop in a daemon thread: sync callers submit coroutines and wait."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name='mtflow-openai', daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class OpenAIBackend(Backend):
+    """``rollout_fn`` over an OpenAI-compatible chat completions server.
+
+    Args:
+        model: the served model name; ``None``: the first one ``GET /v1/models`` lists.
+        base_url: the server's API root (``http://host:port/v1``); env ``MTFLOW_OPENAI_BASE_URL``.
+        api_key: sent as a bearer token; default env ``OPENAI_API_KEY`` (many local servers need none).
+        flavor: ``'vllm'``, ``'sglang'``, ``'swift'`` or ``'openai'`` (see the module docstring).
+        max_connections: requests in flight at once.
+        timeout: seconds for one HTTP request (connect, read and write).
+        max_retries: retries per request after the first try (connection errors, timeouts, 429, 5xx).
+        backoff: first retry delay in seconds; doubles each retry, with jitter, up to ``backoff_max``.
+        default_max_tokens: used when the request config has no ``max_tokens``.
+        extra_body: fields merged into every request body.
+        tokenizer: a tokenizer for schedulers that need one (a loaded object, or a local path /
+            hub id loaded with ``AutoTokenizer``); the server does the real tokenization.
+    """
+    name = 'openai'
+
+    def __init__(self,
+                 model: Optional[str] = None,
+                 base_url: Optional[str] = None,
+                 *,
+                 api_key: Optional[str] = None,
+                 flavor: str = 'vllm',
+                 max_connections: int = 64,
+                 timeout: float = 120.0,
+                 max_retries: int = 4,
+                 backoff: float = 0.5,
+                 backoff_max: float = 8.0,
+                 default_max_tokens: int = 256,
+                 extra_body: Optional[Dict[str, Any]] = None,
+                 tokenizer: Any = None) -> None:
+        super().__init__()
+        try:
+            import httpx
+        except ImportError as exc:
+            raise BackendError("the openai backend needs httpx: pip install 'mtflow[openai]'") from exc
+        if flavor not in FLAVORS:
+            raise BackendError(f'openai backend: flavor must be one of {", ".join(FLAVORS)}, not {flavor!r}')
+        if not isinstance(max_connections, int) or max_connections < 1:
+            raise BackendError(f'openai backend: max_connections must be a positive int, not {max_connections!r}')
+        if max_retries < 0 or timeout <= 0:
+            raise BackendError('openai backend: max_retries must be >= 0 and timeout > 0')
+        self.base_url = (base_url or os.environ.get('MTFLOW_OPENAI_BASE_URL') or 'http://127.0.0.1:8000/v1').rstrip('/')
+        self.served_model = model
+        self.model_name = model or self.base_url
+        self.flavor = flavor
+        self.max_connections = max_connections
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff, self.backoff_max = backoff, backoff_max
+        self.default_max_tokens = default_max_tokens
+        self.extra_body = dict(extra_body or {})
+        key = api_key if api_key is not None else os.environ.get('OPENAI_API_KEY')
+        self._headers = {'Authorization': f'Bearer {key}'} if key else {}
+        self._httpx = httpx
+        self._runner = _LoopThread()
+        self._client: Any = None
+        self._sem: Optional[asyncio.Semaphore] = None
+        self.retries = 0  # total retries made (for tests and the summary)
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = tokenizer
+
+    # ---- the HTTP side (runs on the private loop) --------------------------------------------------
+    async def _ensure_client(self) -> Any:
+        if self._client is None:
+            httpx = self._httpx
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self._headers,
+                timeout=httpx.Timeout(self.timeout),
+                limits=httpx.Limits(max_connections=self.max_connections,
+                                    max_keepalive_connections=self.max_connections))
+            self._sem = asyncio.Semaphore(self.max_connections)
+        return self._client
+
+    async def _resolve_model(self) -> str:
+        if self.served_model is None:
+            data = await self._send('GET', '/models', None, 'GET /models')
+            models = [m.get('id') for m in (data.get('data') or []) if isinstance(m, dict) and m.get('id')]
+            if not models:
+                raise BackendError(f'openai backend: {self.base_url}/models lists no model; set model=')
+            self.served_model = models[0]
+            self.model_name = models[0]
+        return self.served_model
+
+    async def _send(self, method: str, path: str, body: Optional[Dict[str, Any]], where: str) -> Dict[str, Any]:
+        client = await self._ensure_client()
+        httpx = self._httpx
+        attempt = 0
+        while True:
+            retry_after: Optional[float] = None
+            try:
+                async with self._sem:
+                    resp = await client.request(method, path, json=body)
+                if resp.status_code < 400:
+                    try:
+                        return resp.json()
+                    except ValueError as exc:
+                        raise BackendError(f'{where}: the server answered {resp.status_code} with non-JSON: '
+                                           f'{resp.text[:200]!r}') from exc
+                problem = f'HTTP {resp.status_code}: {_error_message(resp)}'
+                if resp.status_code not in RETRY_STATUS:
+                    raise BackendError(f'{where}: {self.base_url}{path} answered {problem}')
+                retry_after = _retry_after(resp.headers.get('retry-after'))
+            except httpx.TimeoutException:
+                problem = f'timed out after {self.timeout} s'
+            except httpx.TransportError as exc:
+                problem = f'{type(exc).__name__}: {exc}'
+            if attempt >= self.max_retries:
+                raise BackendError(f'{where}: {self.base_url}{path} failed after {attempt + 1} attempt(s): {problem}')
+            delay = min(self.backoff_max, self.backoff * (2**attempt)) * (0.5 + random.random() / 2)
+            if retry_after is not None:
+                delay = min(max(delay, retry_after), max(self.backoff_max, retry_after))
+            attempt += 1
+            self.retries += 1
+            await asyncio.sleep(delay)
+
+    async def _one(self, request: Any, options: SamplingOptions, model: str) -> RolloutOutput:
+        where = f'request {getattr(request, "uuid", None)!r}'
+        body = build_body(request, options, model, self.flavor, self.extra_body)
+        return parse_choice(await self._send('POST', '/chat/completions', body, where), where)
+
+    async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
+        """All requests of one call, concurrently, in request order."""
+        model = await self._resolve_model()
+        return list(await asyncio.gather(*(self._one(r, options, model) for r in requests)))
+
+    # ---- the rollout_fn side ------------------------------------------------------------------------
+    def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
+        if self._runner is None:
+            raise BackendError('openai backend: used after close()')
+        return self._runner.run(self.agenerate(requests, options))
+
+    def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        if self._client is not None:
+            try:
+                runner.run(self._client.aclose())
+            except Exception:  # pragma: no cover - closing is best effort
+                pass
+        runner.stop()
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def describe(self) -> str:
+        return f'openai ({self.model_name} at {self.base_url}, flavor {self.flavor})'
+
+
+def _error_message(resp: Any) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:200]
+    if isinstance(data, dict):
+        err = data.get('error', data.get('message', data.get('detail')))
+        if isinstance(err, dict):
+            err = err.get('message', err)
+        if err is not None:
+            return str(err)[:300]
+    return json.dumps(data)[:200]
+
+
+def _retry_after(value: Optional[str]) -> Optional[float]:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None

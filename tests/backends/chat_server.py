@@ -1,0 +1,142 @@
+"""A real OpenAI-compatible chat completions server for tests: stdlib ``http.server`` on
+127.0.0.1 (a free port), generating with a real (tiny) transformers model through the HF backend.
+
+It speaks the subset of vLLM's ``/v1/chat/completions`` that mtflow's OpenAI backend uses:
+sampling fields, ``tools``, ``logprobs``/``top_logprobs``, ``return_token_ids`` and
+``continue_final_message``/``add_generation_prompt`` (a request whose last message is an
+assistant message without ``continue_final_message`` is rejected with 400, so the test sees the
+client send it). For the retry and concurrency tests it can answer the next requests with given
+error statuses (``fail_next``), wait before generating (``delay``), and counts the requests in
+flight.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, List, Optional
+
+from mtflow import RequestConfig, RolloutInferRequest
+
+
+class ChatServer:
+
+    def __init__(self, backend: Any, model_name: str = 'tiny-qwen2') -> None:
+        self.backend = backend
+        self.model_name = model_name
+        self.fail_next: List[int] = []
+        self.retry_after: Optional[str] = None
+        self.delay = 0.0
+        self.bodies: List[Dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()  # one generate at a time (torch on CPU)
+        self._count_lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = 'HTTP/1.1'
+
+            def log_message(self, *args: Any) -> None:  # keep test output clean
+                pass
+
+            def _reply(self, status: int, payload: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header('Content-Type', 'application/json')
+                self.send_header('Content-Length', str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == '/v1/models':
+                    self._reply(200, {'object': 'list', 'data': [{'id': server.model_name, 'object': 'model'}]})
+                else:
+                    self._reply(404, {'error': {'message': f'no route {self.path}'}})
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get('Content-Length') or 0)
+                body = json.loads(self.rfile.read(length) or b'{}')
+                if self.path != '/v1/chat/completions':
+                    self._reply(404, {'error': {'message': f'no route {self.path}'}})
+                    return
+                with server._count_lock:
+                    server.bodies.append(body)
+                    status = server.fail_next.pop(0) if server.fail_next else None
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    if status is not None:
+                        headers = {'Retry-After': server.retry_after} if server.retry_after else None
+                        self._reply(status, {'error': {'message': f'injected {status}'}}, headers)
+                        return
+                    if server.delay:
+                        time.sleep(server.delay)
+                    status, payload = server.complete(body)
+                    self._reply(status, payload)
+                finally:
+                    with server._count_lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.base_url = f'http://127.0.0.1:{self.port}/v1'
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def complete(self, body: Dict[str, Any]) -> tuple:
+        messages = body.get('messages') or []
+        if body.get('model') != self.model_name:
+            return 404, {'error': {'message': f"model {body.get('model')!r} does not exist"}}
+        if not messages:
+            return 400, {'error': {'message': 'messages is required'}}
+        last_is_assistant = messages[-1].get('role') == 'assistant'
+        if last_is_assistant and not body.get('continue_final_message'):
+            return 400, {'error': {'message': 'last message is an assistant message; set continue_final_message'}}
+        if body.get('continue_final_message') and body.get('add_generation_prompt', True):
+            return 400, {'error': {'message': 'continue_final_message needs add_generation_prompt=false'}}
+        request = RolloutInferRequest(messages=messages, tools=body.get('tools'),
+                                      chat_template_kwargs=body.get('chat_template_kwargs') or {})
+        config = RequestConfig(
+            max_tokens=body.get('max_tokens'),
+            temperature=body.get('temperature'),
+            top_p=body.get('top_p'),
+            top_k=body.get('top_k'),
+            stop=body.get('stop'),
+            seed=body.get('seed'),
+            logprobs=bool(body.get('logprobs')),
+            top_logprobs=body.get('top_logprobs'))
+        with self._lock:
+            out = self.backend([request], config)[0]
+        choice = out.response.choices[0]
+        usage = out.response.usage
+        raw_choice: Dict[str, Any] = {
+            'index': 0,
+            'message': {'role': 'assistant', 'content': choice.message.content},
+            'finish_reason': choice.finish_reason,
+            'logprobs': choice.logprobs,
+        }
+        payload: Dict[str, Any] = {
+            'id': 'chatcmpl-test',
+            'object': 'chat.completion',
+            'created': int(time.time()),
+            'model': self.model_name,
+            'choices': [raw_choice],
+            'usage': {'prompt_tokens': usage.prompt_tokens, 'completion_tokens': usage.completion_tokens,
+                      'total_tokens': usage.total_tokens},
+        }
+        if body.get('return_token_ids'):
+            raw_choice['token_ids'] = choice.token_ids
+            payload['prompt_token_ids'] = out.response.prompt_token_ids
+        return 200, payload
+
+    def __enter__(self) -> 'ChatServer':
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
