@@ -226,7 +226,9 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
         self._has_start = _overrides(inner, 'on_trajectory_start')
         self._has_finished = _overrides(inner, 'on_request_finished')
         self._lock = threading.Lock()
-        self._decided: Dict[Tuple[Any, int], Tuple[bool, str, bool]] = {}  # (key, turn) -> (stop, reason, checked)
+        # id(request) -> (request, turn, checked): the decision on_turn_end made, for check_finished
+        # (the request is held so that its id cannot be reused while the entry exists)
+        self._decided: 'OrderedDict[int, Tuple[Any, int, bool]]' = OrderedDict()
         self._notified: 'OrderedDict[Any, str]' = OrderedDict()  # requests whose on_request_finished ran
 
     @classmethod
@@ -287,7 +289,9 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
         if not stop and self.max_turns and current_turn >= self.max_turns:
             stop, reason = True, M.MAX_TURNS
         with self._lock:
-            self._decided[(self._key(infer_request), current_turn)] = (stop, reason, checked)
+            self._decided[id(infer_request)] = (infer_request, current_turn, checked)
+            while len(self._decided) > 65536:  # entries left by a batch that raised mid-turn
+                self._decided.popitem(last=False)
         if stop:
             infos = dict(result.get('rollout_infos') or {})
             infos[FINISH_REASON_KEY] = reason
@@ -305,8 +309,8 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
         with self._lock:
-            decided = self._decided.pop((self._key(infer_request), current_turn), None)
-        if decided is not None:
+            decided = self._decided.pop(id(infer_request), None)
+        if decided is not None and decided[0] is infer_request and decided[1] == current_turn:
             return decided[2]
         return _run_coroutine(self._check(infer_request, response_choice, current_turn))[0]
 

@@ -239,6 +239,32 @@ def test_on_request_finished_runs_once_under_both_drivers() -> None:
         assert sorted(res[name]['scheduler'].inner.closed) == sorted(expected), name
 
 
+class CountingChecks(Closing):
+    """Counts check_finished calls: the adapter must call it once per request and turn, as
+    ms-swift's driver does, though it decides inside on_turn_end."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: List[tuple] = []
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        self.checks.append((infer_request.uuid, current_turn))
+        return current_turn >= 2
+
+
+def test_check_finished_once_per_request_and_turn() -> None:
+    Adapter = integ.as_swift_scheduler(CountingChecks)
+    script = {'c0': ['DONE'], 'c1': ['a', 'b'], 'c2': ['a', 'b']}
+    res = run_both(lambda: Adapter(tokenizer=TOK), lambda: [sreq(f'c{i}') for i in range(3)], script)
+    assert_same(res)
+    for name in ('swift', 'mtflow'):
+        inner = res[name]['scheduler'].inner
+        assert sorted(inner.checks) == [('c0', 1), ('c1', 1), ('c1', 2), ('c2', 1), ('c2', 2)], name
+        assert not res[name]['scheduler']._decided  # every decision was consumed
+        assert sorted(inner.closed) == [('c0', 'stop_rule:done_word', 1), ('c1', 'check_finished', 2),
+                                        ('c2', 'check_finished', 2)]
+
+
 def test_step_error_closes_the_request_under_swift_driver() -> None:
     from swift.rollout.agent_loop import run_multi_turn as swift_run
     sched = integ.as_swift_scheduler(Closing)(tokenizer=TOK)
