@@ -219,3 +219,56 @@ def test_two_ranks_math_and_react(offline_gym: None) -> None:
     assert len(calls0) == len(calls1)  # every rank calls rollout_fn the same number of times
     assert [] in calls1  # rank 1 idled while rank 0 worked
     assert dump(results[1]['swift']['outputs']) == dump(results[1]['mtflow']['outputs'])
+
+
+# ---- a real ms-swift template with a response prefix -----------------------------------------
+
+
+@pytest.fixture(scope='module')
+def template(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """ms-swift's qwen2_5 template over the tiny tokenizer (built the way ms-swift builds one)."""
+    from swift.model import get_processor
+    from swift.template import get_template
+    path = tmp_path_factory.mktemp('tok')
+    TOK.save_pretrained(path)
+    (path / 'config.json').write_text(json.dumps({'model_type': 'qwen2', 'architectures': ['Qwen2ForCausalLM'],
+                                                  'vocab_size': len(TOK)}))
+    return get_template(get_processor(str(path), model_type='qwen2'), template_type='qwen2_5')
+
+
+PREFIX = '<think>\n'
+
+
+def with_prefix(make: Any) -> Any:
+    """Requests whose even-numbered members ask for a response prefix (chat_template_kwargs)."""
+
+    def build() -> List[Any]:
+        reqs = make()
+        for i, r in enumerate(reqs):
+            if i % 2 == 0:
+                r.chat_template_kwargs = {'response_prefix': PREFIX}
+        return reqs
+
+    return build
+
+
+def test_response_prefix_ids_are_masked_identically(template: Any) -> None:
+    """get_response_token_data prepends the template's response prefix as masked ids on every
+    new assistant message (not on continuations); mtflow must do exactly the same."""
+    res = run_both(lambda: MathTipsScheduler(tokenizer=TOK, template=template), with_prefix(math_requests),
+                   MATH_SCRIPT)
+    assert_same(res)
+    prefix_ids = TOK.encode(PREFIX, add_special_tokens=False)
+    outs = res['mtflow']['outputs']
+    m0, m1 = outs[0], outs[1]
+    assert m0.response_token_ids[0][:len(prefix_ids)] == prefix_ids
+    assert m0.response_loss_mask[0][:len(prefix_ids)] == [0] * len(prefix_ids)
+    assert m1.response_token_ids[0][:len(prefix_ids)] != prefix_ids  # no prefix asked
+
+    script = {**REACT_SCRIPT, 'a3': REACT_SCRIPT['a3'][:4] + ['Final Answer: done']}
+    res = run_both(lambda: ReActCalculator(tokenizer=TOK, template=template), with_prefix(react_requests), script)
+    assert_same(res)
+    a1 = res['mtflow']['outputs'][1]
+    assert all(seg[:len(prefix_ids)] != prefix_ids for seg in a1.response_token_ids)
+    a2 = res['mtflow']['outputs'][2]
+    assert a2.response_token_ids[0][:len(prefix_ids)] == prefix_ids
