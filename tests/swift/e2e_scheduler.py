@@ -36,3 +36,16 @@ class ThreeTurns(mtflow.Scheduler):
         if path:
             with open(path, 'a') as f:
                 f.write(json.dumps({'uuid': infer_request.uuid, 'reason': reason, 'turn': turn}) + '\n')
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class UnevenTurns(ThreeTurns):
+    """Rank r stops after 1 + 2r turns: on two ranks, rank 0 finishes at turn 1 and must keep
+    calling the (collective) rollout with nothing while rank 1 runs turns 2 and 3."""
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        return current_turn >= 1 + 2 * _rank()

@@ -25,14 +25,17 @@ KEYS = ('loss', 'grad_norm', 'reward', 'reward_std', 'num_turns', 'completions/m
         'rewards/DistinctChars/mean')
 
 
-def grpo_step(tmp: Path, model: Path, data: Path, executor: bool) -> Dict[str, Any]:
-    out = tmp / ('mtflow' if executor else 'swift')
+def grpo_step(tmp: Path, model: Path, data: Path, executor: bool, scheduler: str = 'ThreeTurns',
+              nproc: int = 1) -> Dict[str, Any]:
+    out = tmp / f"{'mtflow' if executor else 'swift'}-{scheduler}-{nproc}"
     log = out / 'finished.jsonl'
     out.mkdir()
     env = {**os.environ, 'CUDA_VISIBLE_DEVICES': '', 'HF_HUB_OFFLINE': '1', 'TRANSFORMERS_OFFLINE': '1',
            'PYTHONPATH': str(ROOT), 'MTFLOW_SWIFT_EXECUTOR': '1' if executor else '0',
            'MTFLOW_TRACE_DIR': str(out / 'traces'), 'MTFLOW_E2E_LOG': str(log),
-           'MTFLOW_SWIFT_SCHEDULERS': 'e2e_three_turns=tests.swift.e2e_scheduler:ThreeTurns'}
+           'MTFLOW_SWIFT_SCHEDULERS': f'e2e_three_turns=tests.swift.e2e_scheduler:{scheduler}'}
+    if nproc > 1:  # torchrun on CPU (gloo): real ranks, real gather_object
+        env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(29500 + os.getpid() % 1000))
     cmd = [SWIFT, 'rlhf', '--rlhf_type', 'grpo', '--model', str(model), '--model_type', 'qwen2',
            '--template', 'qwen2_5', '--dataset', str(data),
            '--external_plugins', 'schedulers/swift_plugin.py', 'tests/swift/e2e_plugin.py',
@@ -52,8 +55,7 @@ def grpo_step(tmp: Path, model: Path, data: Path, executor: bool) -> Dict[str, A
     return {'step': step, 'finished': finished, 'traces': traces}
 
 
-@pytest.mark.slow
-def test_grpo_step_on_cpu_with_an_mtflow_scheduler(tmp_path: Path) -> None:
+def tiny_setup(tmp_path: Path) -> tuple:
     tok = make_tokenizer()
     model = tmp_path / 'model'
     make_model(tok).save_pretrained(model)
@@ -61,7 +63,12 @@ def test_grpo_step_on_cpu_with_an_mtflow_scheduler(tmp_path: Path) -> None:
     data = tmp_path / 'data.jsonl'
     data.write_text(''.join(
         json.dumps({'messages': [{'role': 'user', 'content': f'What is {i} + 2?'}]}) + '\n' for i in range(8)))
+    return model, data
 
+
+@pytest.mark.slow
+def test_grpo_step_on_cpu_with_an_mtflow_scheduler(tmp_path: Path) -> None:
+    model, data = tiny_setup(tmp_path)
     by_swift = grpo_step(tmp_path, model, data, executor=False)
     by_mtflow = grpo_step(tmp_path, model, data, executor=True)
 
@@ -77,3 +84,21 @@ def test_grpo_step_on_cpu_with_an_mtflow_scheduler(tmp_path: Path) -> None:
     assert trace.finish_reasons() == {'check_finished': 2}
     assert {trace.path(u) for u in trace.uuids()} == {trace.path(trace.uuids()[0])}
     assert trace.states(trace.uuids()[0]).count('continuing') == 1  # turn 3 continued turn 2's message
+
+
+@pytest.mark.slow
+def test_grpo_two_cpu_ranks_uneven_turns(tmp_path: Path) -> None:
+    """Two real processes (torchrun, gloo): rank 0's rollouts end at turn 1, rank 1's at turn 3,
+    so rank 0 must keep joining the collective per-turn calls with nothing to generate. mtflow's
+    executor (install()) and ms-swift's driver: same finishes per rank, nobody hangs."""
+    model, data = tiny_setup(tmp_path)
+    by_swift = grpo_step(tmp_path, model, data, executor=False, scheduler='UnevenTurns', nproc=2)
+    by_mtflow = grpo_step(tmp_path, model, data, executor=True, scheduler='UnevenTurns', nproc=2)
+    for run in (by_swift, by_mtflow):
+        assert sorted(f['turn'] for f in run['finished']) == [1, 1, 3, 3]
+    from mtflow import Trace
+    traces = {p.name.split('-')[0]: Trace.read_jsonl(p) for p in by_mtflow['traces']}
+    assert sorted(traces) == ['rank0', 'rank1']
+    assert {e.turn for e in traces['rank0'] if e.dst == 'finished'} == {1}
+    assert {e.turn for e in traces['rank1'] if e.dst == 'finished'} == {3}
+    assert {k: by_mtflow['step'][k] for k in KEYS} == {k: by_swift['step'][k] for k in KEYS}
