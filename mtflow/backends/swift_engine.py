@@ -26,7 +26,9 @@ class SwiftBackend:
 
     Args:
         engine: an ms-swift ``InferEngine`` instance, or a model id/path for which a
-            ``TransformersEngine`` is built (``engine_kwargs`` go to it).
+            ``TransformersEngine`` is built (``engine_kwargs`` go to it, e.g. ``model_type``,
+            ``template_type``, ``max_batch_size``).
+        model: the same as a path ``engine`` (what ``make_backend('swift', model=...)`` passes).
         request_config: the default config when a call passes ``None`` (mtflow's or ms-swift's).
         output: ``'mtflow'`` returns :class:`mtflow.RolloutOutput` (converted), ``'swift'``
             ms-swift's ``RolloutOutput`` (what ms-swift's driver and trainers expect).
@@ -36,13 +38,20 @@ class SwiftBackend:
     name = 'swift'
 
     def __init__(self,
-                 engine: Any,
+                 engine: Any = None,
                  request_config: Any = None,
                  *,
+                 model: Optional[str] = None,
                  output: Literal['mtflow', 'swift'] = 'mtflow',
                  return_details: Optional[bool] = True,
                  use_tqdm: bool = False,
                  **engine_kwargs: Any) -> None:
+        if engine is None:  # make_backend('swift', model=...) / mtflow run --backend swift --model ...
+            if model is None:
+                raise BackendError('swift backend: give engine= (an ms-swift InferEngine) or model= (a model path)')
+            engine = model
+        elif model is not None:
+            raise BackendError('swift backend: give engine= or model=, not both')
         if output not in ('mtflow', 'swift'):
             raise BackendError(f"swift backend: output must be 'mtflow' or 'swift', not {output!r}")
         if isinstance(engine, str):

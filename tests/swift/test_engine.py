@@ -28,7 +28,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tok = make_tokenizer()
     make_model(tok).save_pretrained(path)
     tok.save_pretrained(path)
-    return TransformersEngine(str(path), model_type='qwen2', template_type='qwen2_5', max_batch_size=0)
+    engine = TransformersEngine(str(path), model_type='qwen2', template_type='qwen2_5', max_batch_size=0)
+    engine.tiny_path = str(path)
+    return engine
 
 
 def config(**kw: Any) -> mtflow.RequestConfig:
@@ -88,6 +90,19 @@ def test_backend_swift_outputs_and_errors(engine: Any) -> None:
         backend([sreq('s1')], config(n=2))
     with pytest.raises(BackendError, match='no infer'):
         SwiftBackend(object())
+    with pytest.raises(BackendError, match='give engine='):
+        SwiftBackend()
+
+
+def test_backend_from_a_model_path(engine: Any) -> None:
+    """``make_backend('swift', model=<path>)`` (what ``mtflow run --backend swift`` does) builds
+    a TransformersEngine; greedy outputs equal those of the engine built directly."""
+    backend = make_backend('swift', model=engine.tiny_path, model_type='qwen2', template_type='qwen2_5',
+                           request_config=config(max_tokens=4))
+    direct = SwiftBackend(engine, config(max_tokens=4))
+    a, b = backend([sreq('p0')], None)[0], direct([sreq('p0')], None)[0]
+    assert a.response.choices[0].token_ids == b.response.choices[0].token_ids
+    assert a.response.choices[0].message.content == b.response.choices[0].message.content
 
 
 def test_real_engine_same_under_both_drivers(engine: Any) -> None:
