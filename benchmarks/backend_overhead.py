@@ -92,6 +92,24 @@ def mtflow_rollout(backend: Any, convs: List[List[Dict[str, Any]]], turns: int, 
     return [o.messages for o in result.outputs], backend.stats.completion_tokens - before
 
 
+class GenerateTimer:
+    """Wraps ``model.generate`` (on the instance) and adds up the seconds spent inside it, so the
+    work each path does *around* generation can be compared apart from generation itself, which
+    other jobs on a shared machine slow down unevenly."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model.generate
+        self.seconds = 0.0
+        model.generate = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--model', default='embedded', help="'embedded' (SmolLM2-135M), 'tiny', or a model directory")
@@ -115,6 +133,7 @@ def main() -> int:
     else:
         loaded = load_model(args.model)
         model, tok, name = loaded.model, loaded.tokenizer, loaded.name
+    timer = GenerateTimer(model)
     backend = HFBackend(model, tok, max_batch_size=args.n)
     prompts = read_prompts(None)
     convs = [copy.deepcopy(prompts[i % len(prompts)].messages) for i in range(args.n)]
@@ -124,14 +143,18 @@ def main() -> int:
     mt_convs, mt_tokens = mtflow_rollout(backend, convs, args.turns, args.max_tokens)
     same = plain_convs == mt_convs and plain_tokens == mt_tokens
     times: Dict[str, List[float]] = {'plain': [], 'mtflow': []}
+    around: Dict[str, List[float]] = {'plain': [], 'mtflow': []}
     for _ in range(args.repeats):
         for path in ('plain', 'mtflow'):
+            timer.seconds = 0.0
             t0 = time.perf_counter()
             if path == 'plain':
                 plain_rollout(model, tok, convs, args.turns, args.max_tokens)
             else:
                 mtflow_rollout(backend, convs, args.turns, args.max_tokens)
-            times[path].append(time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            times[path].append(wall)
+            around[path].append(wall - timer.seconds)
 
     plain = statistics.median(times['plain'])
     mt = statistics.median(times['mtflow'])
@@ -148,6 +171,16 @@ def main() -> int:
         best = min(runs)
         print(f'| {label:<6} | {best:6.3f} | {med:8.3f} | {plain_tokens / best:15.1f} | '
               f'{100 * (best / best_plain - 1):+13.1f}% | {100 * (med / plain - 1):+15.1f}% |')
+    # The work outside model.generate (prompt rendering, padding, logprob gathering, decoding,
+    # and for mtflow the executor, scheduler, accounting and trace): its extra cost in mtflow,
+    # relative to the plain loop's whole wall time, is mtflow's overhead, free of generation noise.
+    out_plain = statistics.median(around['plain'])
+    out_mt = statistics.median(around['mtflow'])
+    print()
+    print('| outside generate (median s) | plain | mtflow | mtflow extra, % of plain wall (best) |')
+    print('|-----------------------------|-------|--------|---------------------------------------|')
+    print(f'| per rollout                 | {out_plain:5.3f} | {out_mt:6.3f} | '
+          f'{100 * (out_mt - out_plain) / best_plain:+36.2f}% |')
     return 0 if same else 1
 
 

@@ -15,10 +15,10 @@
     limit: null                               # only the first N prompts
     request_config: {max_tokens: 48, temperature: 0.7, logprobs: true}
 
-Relative paths in ``scheduler``, ``dataset`` and the ``backend_options`` keys ``path`` and
-``chat_template_file`` are looked up next to the config file first, then in the current
-directory (a scheduler name also in the repository's ``schedulers/``); ``out`` is relative to
-the current directory. Errors name the file, the line and the field.
+Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
+directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
+then in the current directory (a scheduler also in the repository's ``schedulers/``); ``out``
+is relative to the current directory. Errors name the file, the line and the field.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .protocol import RequestConfig
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'PATH_OPTIONS']
 
 #: backend options that hold paths (resolved like ``dataset``)
-PATH_OPTIONS = ('path', 'chat_template_file')
+PATH_OPTIONS = ('path', )
 
 
 class RunConfigError(MtflowError):
@@ -122,6 +122,15 @@ class RunConfig(BaseModel):
     def dataset_path(self) -> Optional[Path]:
         return None if self.dataset is None else self.resolve(self.dataset)
 
+    def resolved_model(self) -> Optional[str]:
+        """``model`` as a path when it names an existing file or directory (next to the config
+        file or in the current directory), else unchanged (``'embedded'``, a hub id, a server
+        model name)."""
+        if not self.model:
+            return self.model
+        path = self.resolve(self.model)
+        return str(path) if path.exists() else self.model
+
     def resolved_backend_options(self) -> Dict[str, Any]:
         opts = dict(self.backend_options)
         for key in PATH_OPTIONS:
@@ -158,6 +167,8 @@ def _format_errors(exc: ValidationError, source: str, root: Any) -> str:
         line = _line_of(root, loc) if root is not None else None
         where = f'{source}:{line}' if line else source
         msg = err.get('msg', 'invalid')
+        if msg.startswith('Value error, '):
+            msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
             msg = f'unknown key (known: {", ".join(k for k in RunConfig.model_fields if k not in ("base_dir", "source"))})'
         problems.append(f'{where}: {field}: {msg}')

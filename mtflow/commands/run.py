@@ -87,10 +87,19 @@ def _parse_options(items: List[str]) -> Dict[str, Any]:
 def load_config(args: argparse.Namespace) -> Any:
     from ..run_config import RunConfigError, load_run_config
 
+    overrides = _overrides(args)
+    backend = overrides.pop('backend')
     try:
-        cfg = load_run_config(args.config, _overrides(args))
+        cfg = load_run_config(args.config, overrides)
     except RunConfigError as exc:
         raise CLIError(str(exc)) from None
+    if backend is not None and backend != cfg.backend:
+        from ..backends import ALIASES, BACKENDS
+
+        if backend not in BACKENDS and backend not in ALIASES:
+            raise CLIError(f'unknown backend {backend!r}; choose one of: {", ".join(BACKENDS)}')
+        # the config's backend_options belong to the config's backend
+        cfg = cfg.model_copy(update={'backend': backend, 'backend_options': {}})
     if args.option:
         cfg.backend_options.update(_parse_options(args.option))
     sampling = {'max_tokens': args.max_tokens, 'temperature': args.temperature}
@@ -118,7 +127,7 @@ def build_backend(cfg: Any) -> Any:
     if cfg.backend in ('hf', 'transformers', 'huggingface') and 'seed' not in options and cfg.seed is not None:
         options['seed'] = cfg.seed
     try:
-        return make_backend(cfg.backend, model=cfg.model, **options)
+        return make_backend(cfg.backend, model=cfg.resolved_model(), **options)
     except BackendError as exc:
         raise CLIError(str(exc)) from None
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
