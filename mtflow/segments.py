@@ -10,7 +10,7 @@ it was, and the request's partial output loses nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .errors import SchedulerResultError
 from .machine import RequestRecord
@@ -76,85 +76,108 @@ class ContractAccounting:
         trajectory. ``token_ids=None`` on a continuation adds no ids (the original loop raised
         a TypeError there)."""
         ids = choice.token_ids
-        logprobs = extract_logprobs(choice)
-        if record.is_continuation and record.ids:
-            if ids:
-                record.ids[-1].extend(ids)
-                if record.mask:
-                    record.mask[-1].extend([1] * len(ids))
-            if record.logprobs and logprobs:
-                record.logprobs[-1].extend(logprobs)
-        elif not record.ids:
-            if ids:
-                record.ids = [list(ids)]
-                record.mask = [[1] * len(ids)]
-            if logprobs:
-                record.logprobs = [logprobs]
-        else:
-            if ids:
-                record.ids.append(list(ids))
-                record.mask.append([1] * len(ids))
-            if logprobs:
-                record.logprobs.append(logprobs)
+        join_final(record, ids, [1] * len(ids) if ids else None, extract_logprobs(choice))
 
     def accumulate_step(self, record: RequestRecord, choice: Any, result: Dict[str, Any], turn: int) -> Any:
         """The request goes on: apply the step's ids, mask, infos and logprobs; return the next
         request. Raises :class:`SchedulerResultError` (record untouched) on a bad result."""
-        uuid = record.uuid
-        if not isinstance(result, dict):
-            hint = ''
-            if hasattr(result, '__await__'):
-                hint = ' (declare step as async def, or return a dict)'
-                getattr(result, 'close', lambda: None)()  # never awaited: close it quietly
-            raise SchedulerResultError(
-                f'step() must return a dict, got {type(result).__name__}{hint}', uuid=uuid, turn=turn, field='step')
-        if 'infer_request' not in result or result['infer_request'] is None:
-            raise SchedulerResultError(
-                'step() result has no infer_request (the request for the next turn)',
-                uuid=uuid,
-                turn=turn,
-                field='infer_request')
-        next_request = result['infer_request']
-        if not isinstance(getattr(next_request, 'messages', None), list) or not next_request.messages:
-            raise SchedulerResultError(
-                'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
+        next_request, infos = check_step_result(record, result, turn)
         ids: Optional[List[int]] = result.get('response_token_ids')
         mask: Optional[List[int]] = result.get('response_loss_mask')
         if mask is not None:
             if ids is None:
                 raise SchedulerResultError(
                     'response_loss_mask was returned without response_token_ids',
-                    uuid=uuid,
+                    uuid=record.uuid,
                     turn=turn,
                     field='response_loss_mask')
             if len(mask) != len(ids):
                 raise SchedulerResultError(
                     f'response_loss_mask has {len(mask)} values but response_token_ids has {len(ids)}',
-                    uuid=uuid,
+                    uuid=record.uuid,
                     turn=turn,
                     field='response_loss_mask')
-        infos = result.get('rollout_infos') if 'rollout_infos' in result else None
-        if infos is not None and not isinstance(infos, dict):
-            raise SchedulerResultError(
-                f'rollout_infos must be a dict, got {type(infos).__name__}', uuid=uuid, turn=turn, field='rollout_infos')
 
         continuing = record.is_continuation
         if ids is not None:
-            if continuing and record.ids:
-                record.ids[-1].extend(ids)
-            else:
-                record.ids.append(list(ids))
+            extend_or_append(record.ids, ids, continuing)
         if mask is not None:
-            if continuing and record.mask:
-                record.mask[-1].extend(mask)
-            else:
-                record.mask.append(list(mask))
+            extend_or_append(record.mask, mask, continuing)
         if infos:
             record.infos.update(infos)
-        logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
-        if logprobs:
-            if continuing and record.logprobs:
-                record.logprobs[-1].extend(logprobs)
-            else:
-                record.logprobs.append(list(logprobs))
+        join_step_logprobs(record, choice, result)
         return next_request
+
+
+# ---- pieces shared by every accounting (the contract's and ms-swift 4.6's) ---------------------
+def extend_or_append(segments: List[list], values: List[Any], continuing: bool) -> None:
+    """A continuation extends the last segment (when there is one); anything else opens a new one."""
+    if continuing and segments:
+        segments[-1].extend(values)
+    else:
+        segments.append(list(values))
+
+
+def join_final(record: RequestRecord, ids: Optional[List[int]], mask: Optional[List[int]],
+               logprobs: List[float]) -> None:
+    """The stopping turn's ids, mask and logprobs join the trajectory (the contract's three cases).
+
+    - a continuation with earlier id segments extends the last segments;
+    - with no id segment yet, the ids become the first segment and non-empty logprobs *replace*
+      the logprob segments collected so far;
+    - otherwise they are new segments (logprobs even when there were no ids)."""
+    if record.is_continuation and record.ids:
+        if ids:
+            record.ids[-1].extend(ids)
+            if record.mask:
+                record.mask[-1].extend(mask)
+        if record.logprobs and logprobs:
+            record.logprobs[-1].extend(logprobs)
+    elif not record.ids:
+        if ids:
+            record.ids = [list(ids)]
+            record.mask = [list(mask)]
+        if logprobs:
+            record.logprobs = [list(logprobs)]
+    else:
+        if ids:
+            record.ids.append(list(ids))
+            record.mask.append(list(mask))
+        if logprobs:
+            record.logprobs.append(list(logprobs))
+
+
+def join_step_logprobs(record: RequestRecord, choice: Any, result: Dict[str, Any]) -> None:
+    """A step's non-empty ``rollout_logprobs``, else the choice's, join the logprob segments."""
+    logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
+    if logprobs:
+        extend_or_append(record.logprobs, logprobs, record.is_continuation)
+
+
+def check_step_result(record: RequestRecord, result: Any, turn: int) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """The envelope every step result must have: a dict with a usable ``infer_request`` and, if
+    present, dict ``rollout_infos``. Returns ``(next_request, infos)``; raises
+    :class:`SchedulerResultError` naming the request, the turn and the field."""
+    uuid = record.uuid
+    if not isinstance(result, dict):
+        hint = ''
+        if hasattr(result, '__await__'):
+            hint = ' (declare step as async def, or return a dict)'
+            getattr(result, 'close', lambda: None)()  # never awaited: close it quietly
+        raise SchedulerResultError(
+            f'step() must return a dict, got {type(result).__name__}{hint}', uuid=uuid, turn=turn, field='step')
+    next_request = result.get('infer_request')
+    if next_request is None:
+        raise SchedulerResultError(
+            'step() result has no infer_request (the request for the next turn)',
+            uuid=uuid,
+            turn=turn,
+            field='infer_request')
+    if not isinstance(getattr(next_request, 'messages', None), list) or not next_request.messages:
+        raise SchedulerResultError(
+            'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
+    infos = result.get('rollout_infos')
+    if infos is not None and not isinstance(infos, Mapping):
+        raise SchedulerResultError(
+            f'rollout_infos must be a dict, got {type(infos).__name__}', uuid=uuid, turn=turn, field='rollout_infos')
+    return next_request, infos

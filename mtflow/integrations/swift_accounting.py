@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..errors import SchedulerResultError
 from ..machine import RequestRecord
 from ..protocol import extract_logprobs
+from ..segments import check_step_result, join_final, join_step_logprobs
 
 __all__ = ['Swift46Accounting']
 
@@ -110,23 +111,7 @@ class Swift46Accounting:
             'on_turn_end',
             ids=turn_result.get('response_token_ids'),
             mask=turn_result.get('response_loss_mask'))
-        if record.is_continuation and record.ids:
-            record.ids[-1].extend(final_ids)
-            record.mask[-1].extend(final_mask)
-            if record.logprobs and logprobs:
-                record.logprobs[-1].extend(logprobs)
-        elif not record.ids:
-            if final_ids:
-                record.ids = [list(final_ids)]
-                record.mask = [list(final_mask)]
-            if logprobs:
-                record.logprobs = [logprobs]
-        else:
-            if final_ids:
-                record.ids.append(list(final_ids))
-                record.mask.append(list(final_mask))
-            if logprobs:
-                record.logprobs.append(logprobs)
+        join_final(record, final_ids, final_mask, logprobs)
 
     # ---- the request goes on -----------------------------------------------------------------
     def before_step(self, record: RequestRecord, choice: Any, turn: int) -> None:
@@ -138,26 +123,8 @@ class Swift46Accounting:
         """Apply the step's ids, mask, infos and logprobs; freeze the latest assistant message of
         the next request as the last id segment; return the next request. Everything is checked
         before anything changes, so a bad result leaves the record as it was."""
-        uuid = record.uuid
         pre = self._pre_step.pop(id(record), None)
-        if not isinstance(result, dict):
-            hint = ' (declare step as async def, or return a dict)' if hasattr(result, '__await__') else ''
-            raise SchedulerResultError(
-                f'step() must return a dict, got {type(result).__name__}{hint}', uuid=uuid, turn=turn, field='step')
-        next_request = result.get('infer_request')
-        if next_request is None:
-            raise SchedulerResultError(
-                'step() result has no infer_request (the request for the next turn)',
-                uuid=uuid,
-                turn=turn,
-                field='infer_request')
-        if not isinstance(getattr(next_request, 'messages', None), list) or not next_request.messages:
-            raise SchedulerResultError(
-                'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
-        infos = result['rollout_infos'] if 'rollout_infos' in result else None
-        if 'rollout_infos' in result and not isinstance(infos, Mapping):
-            raise SchedulerResultError(
-                f'rollout_infos must be a dict, got {type(infos).__name__}', uuid=uuid, turn=turn, field='rollout_infos')
+        next_request, infos = check_step_result(record, result, turn)
         step_ids, step_mask = result.get('response_token_ids'), result.get('response_loss_mask')
         if step_ids is not None or step_mask is not None:
             turn_ids, turn_mask = self._token_data(record, choice, turn, 'step', ids=step_ids, mask=step_mask)
@@ -176,12 +143,7 @@ class Swift46Accounting:
                 record.mask.append(turn_mask)
         if infos is not None:
             record.infos.update(infos)
-        logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
-        if logprobs:
-            if continuing and record.logprobs:
-                record.logprobs[-1].extend(logprobs)
-            else:
-                record.logprobs.append(logprobs)
+        join_step_logprobs(record, choice, result)
         if record.ids:
             self.scheduler.set_assistant_message_token_ids(next_request, record.ids[-1])
         return next_request
