@@ -38,9 +38,15 @@ def test_greedy_turn_and_continuation_on_a_real_engine(tmp_path):
     for request, out in zip(requests, outs):
         choice = out.response.choices[0]
         assert len(choice.token_ids) == len(choice.logprobs['content']) >= 1
+        assert choice.finish_reason in ('stop', 'length')
         prompt = render_prompt(tok, request)
         assert out.response.prompt_token_ids == prompt
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([prompt + choice.token_ids])).logits[0].float(), -1)
         ref = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(choice.token_ids)]
         assert [i['logprob'] for i in choice.logprobs['content']] == pytest.approx(ref, abs=2e-2)
+    # the continuation's prompt ends inside the assistant message (no new assistant header)
+    assert tok.decode(outs[1].response.prompt_token_ids).endswith('<|im_start|>assistant\nI say')
+    # LLM.chat renders the same prompts, so greedy ids agree with token prompts
+    chat = VLLMBackend(backend.llm, prompt_mode='chat')(requests, RequestConfig(temperature=0, max_tokens=6, logprobs=True))
+    assert [o.response.choices[0].token_ids for o in chat] == [o.response.choices[0].token_ids for o in outs]
