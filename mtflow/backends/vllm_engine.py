@@ -13,8 +13,8 @@ Two ways to turn requests into engine calls (``prompt_mode``):
   grouped by those and each group is one ``chat`` call (results are put back in request order).
 
 ``RequestConfig`` becomes ``SamplingParams`` (:func:`sampling_kwargs`): ``n=1``, ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``min_p``, penalties, ``stop``, ``seed``, and ``logprobs``
-(0 = only the sampled token, k = also the top k). Engine outputs become choices
+``temperature``, ``top_p``, ``top_k``, ``min_p``, penalties, ``stop``, ``seed`` (``seed + i`` for the
+i-th request of a call, as ms-swift), and ``logprobs`` (0 = only the sampled token, k = also the top k). Engine outputs become choices
 (:func:`choice_from_completion`): the text, the sampled ``token_ids``, per-token logprobs in
 OpenAI's shape, and ``finish_reason`` ``'stop'`` or ``'length'``.
 
@@ -180,8 +180,14 @@ class VLLMBackend(Backend):
         self.default_max_tokens = default_max_tokens
         self.tokenizer = self.llm.get_tokenizer()
 
-    def _params(self, options: SamplingOptions) -> Any:
-        return self.sampling_params_cls(**sampling_kwargs(options))
+    def _params(self, options: SamplingOptions, index: int = 0) -> Any:
+        """``SamplingParams`` for the ``index``-th request of a call. A request-config ``seed``
+        becomes ``seed + index``, as ms-swift's vLLM engine does: with one seed for all, vLLM
+        samples every copy of a repeated prompt (a GRPO group) identically."""
+        kwargs = sampling_kwargs(options)
+        if kwargs.get('seed') is not None:
+            kwargs['seed'] += index
+        return self.sampling_params_cls(**kwargs)
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         if self.prompt_mode == 'tokens':
@@ -192,7 +198,7 @@ class VLLMBackend(Backend):
         from .hf import render_prompt
 
         prompts = [{'prompt_token_ids': render_prompt(self.tokenizer, r, self.chat_template)} for r in requests]
-        params = [self._params(options) for _ in requests]  # one each: per-request seeds stay independent
+        params = [self._params(options, i) for i in range(len(requests))]  # one each: seed + i
         results = self.llm.generate(prompts, params, use_tqdm=False)
         if len(results) != len(requests):
             raise BackendError(f'vllm returned {len(results)} results for {len(requests)} prompts')
@@ -209,8 +215,8 @@ class VLLMBackend(Backend):
                    json.dumps(chat.chat_template_kwargs, sort_keys=True, default=str))
             groups.setdefault(key, []).append(i)
         outputs: List[Any] = [None] * len(requests)
-        params = self._params(options)
         for (continuation, _, _), idx in groups.items():
+            params = [self._params(options, i) for i in idx]  # seeds by position in the call, as token mode
             first = chats[idx[0]]
             results = self.llm.chat(
                 [chats[i].messages for i in idx],

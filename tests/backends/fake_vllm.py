@@ -109,9 +109,10 @@ class FakeLLM:
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, **kwargs)
             prompts.append({'prompt_token_ids': self.tokenizer.encode(text, add_special_tokens=False)})
-        self.calls.append({'method': 'chat', 'conversations': conversations, **kwargs,
-                           'chat_template_kwargs': chat_template_kwargs})
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the conversations'
+        self.calls.append({'method': 'chat', 'conversations': conversations, **kwargs,
+                           'chat_template_kwargs': chat_template_kwargs, 'params': params})
         return [self._one(i, p['prompt_token_ids'], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _one(self, index: int, prompt: List[int], sp: SamplingParams) -> RequestOutput:

@@ -176,3 +176,19 @@ def test_engine_start_errors_keep_the_cause_on_one_line():
     dead = RuntimeError('Engine core initialization failed. See root cause above. Failed core proc(s): {}')
     assert 'kv_cache_memory_bytes' in _load_error_text(dead)
     assert _load_error_text(ValueError('x' * 5000)).endswith('...') and len(_load_error_text(ValueError('x' * 5000))) < 700
+
+
+@pytest.mark.parametrize('mode', ['tokens', 'chat'])
+def test_a_seed_becomes_seed_plus_position_in_the_call(tiny, mode):
+    # as ms-swift's vLLM engine: with one seed for all, vLLM samples repeated prompts identically
+    llm = FakeLLM(*tiny)
+    requests = [_req('a'), _req('b'), _req('c')]
+    requests[1].messages.append({'role': 'assistant', 'content': 'so'})  # chat mode: another group
+    _backend(llm, prompt_mode=mode)(requests, RequestConfig(max_tokens=2, temperature=1.0, seed=9))
+    seeds = sorted(sp.seed for call in llm.calls for sp in call.get('params', []))
+    if mode == 'chat':
+        assert [c['method'] for c in llm.calls] == ['chat', 'chat']
+    assert seeds == [9, 10, 11]
+    llm.calls.clear()
+    _backend(llm, prompt_mode=mode)([_req('a')], RequestConfig(max_tokens=2, temperature=1.0))
+    assert llm.calls[0]['params'][0].seed is None

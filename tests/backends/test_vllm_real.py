@@ -50,3 +50,14 @@ def test_greedy_turn_and_continuation_on_a_real_engine(tmp_path):
     # LLM.chat renders the same prompts, so greedy ids agree with token prompts
     chat = VLLMBackend(backend.llm, prompt_mode='chat')(requests, RequestConfig(temperature=0, max_tokens=6, logprobs=True))
     assert [o.response.choices[0].token_ids for o in chat] == [o.response.choices[0].token_ids for o in outs]
+    # sampling with a request-config seed: copies of one prompt (a GRPO group) must not come out
+    # identical, yet the call must be reproducible. vLLM itself samples equal seeds identically, which is
+    # why the backend gives the i-th request seed + i (as ms-swift does).
+    group = [RolloutInferRequest(messages=[{'role': 'user', 'content': 'guess'}], uuid=f'g{i}') for i in range(3)]
+    sampled = RequestConfig(temperature=1.0, max_tokens=8, seed=3)
+    first = [o.response.choices[0].token_ids for o in backend(group, sampled)]
+    assert first == [o.response.choices[0].token_ids for o in backend(group, sampled)]
+    assert len({tuple(ids) for ids in first}) == 3
+    same_seed = backend.llm.generate([{'prompt_token_ids': render_prompt(tok, group[0])}] * 2,
+                                     vllm.SamplingParams(temperature=1.0, max_tokens=8, seed=3), use_tqdm=False)
+    assert same_seed[0].outputs[0].token_ids == same_seed[1].outputs[0].token_ids
