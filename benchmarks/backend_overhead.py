@@ -16,6 +16,7 @@ Target: under 5%.
 
     .venv/bin/python benchmarks/backend_overhead.py                   # embedded SmolLM2, 8 x 3 turns
     .venv/bin/python benchmarks/backend_overhead.py --model tiny      # a tiny random Qwen2 (overhead-bound)
+    .venv/bin/python benchmarks/backend_overhead.py --load            # embedded model: first vs cached load
 """
 from __future__ import annotations
 
@@ -110,6 +111,32 @@ class GenerateTimer:
             self.seconds += time.perf_counter() - t0
 
 
+def measure_load(repeats: int) -> int:
+    """The embedded model's first load (dequantize the GGUF, save the converted copy) against
+    later loads (the cached copy), each in a fresh subprocess with an empty cache directory."""
+    import subprocess
+    import tempfile
+
+    code = ('import time, json; t = time.perf_counter(); from mtflow.backends.models import load_model; '
+            'm = load_model("embedded"); print(json.dumps({"cached": m.info["cached"], '
+            '"load_s": m.info["load_s"], "process_s": time.perf_counter() - t}))')
+    rows = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(__import__('os').environ, MTFLOW_CACHE=cache)
+            for _ in range(2):
+                out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
+                rows.append(__import__('json').loads(out.stdout.strip().splitlines()[-1]))
+    first = [r for r in rows if not r['cached']]
+    cached = [r for r in rows if r['cached']]
+    print('| load of the embedded SmolLM2 | runs | load_model s (median) | whole process s (median) |')
+    print('|------------------------------|------|-----------------------|--------------------------|')
+    for label, rs in (('first (convert + cache)', first), ('cached copy', cached)):
+        print(f'| {label:<28} | {len(rs):4d} | {statistics.median(r["load_s"] for r in rs):21.2f} | '
+              f'{statistics.median(r["process_s"] for r in rs):24.2f} |')
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--model', default='embedded', help="'embedded' (SmolLM2-135M), 'tiny', or a model directory")
@@ -117,10 +144,17 @@ def main() -> int:
     ap.add_argument('--turns', type=int, default=3)
     ap.add_argument('--max-tokens', type=int, default=16)
     ap.add_argument('--repeats', type=int, default=3)
+    ap.add_argument('--load', action='store_true', help='measure first vs cached load of the embedded model')
+    ap.add_argument('--threads', type=int, default=0, help='torch threads (0: torch default); 1 is steadier on a '
+                    'shared machine, where spinning OpenMP threads of several jobs slow each other down')
     args = ap.parse_args()
+    if args.load:
+        return measure_load(args.repeats)
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from mtflow.backends.hf import HFBackend
     from mtflow.backends.models import load_model
     from mtflow.data import read_prompts
