@@ -222,3 +222,36 @@ class OneTurn:
 
     def check_finished(self, infer_request, response_choice, current_turn):
         return True
+
+
+def test_paths_in_a_config_are_found_next_to_it(project, tmp_path_factory, monkeypatch):
+    elsewhere = tmp_path_factory.mktemp('elsewhere')
+    sub = project / 'exp'
+    sub.mkdir()
+    (sub / 'data.jsonl').write_text('{"prompt": "guess"}\n')
+    (sub / 'script.jsonl').write_text('"12"\n')
+    (sub / 'c.yaml').write_text('scheduler: ../sched.py:HigherLower\nbackend: scripted\nmodel: script.jsonl\n'
+                                'dataset: data.jsonl\nout: here\nmax_turns: 1\n')
+    monkeypatch.chdir(elsewhere)
+    assert main(['run', str(sub / 'c.yaml'), '-q']) == 0
+    t = read_trajectories(elsewhere / 'here' / 'trajectories.jsonl')['data-1']
+    assert t.messages == [{'role': 'user', 'content': 'guess'}, {'role': 'assistant', 'content': '12'}]
+
+
+def test_openai_backend_through_the_command_line(project, model_dir, capsys):
+    """`mtflow run --backend openai` against a real HTTP server on 127.0.0.1 serving the tiny model."""
+    pytest.importorskip('httpx')
+    from mtflow.backends.hf import HFBackend
+    from tests.backends.chat_server import ChatServer
+
+    hf = HFBackend(str(model_dir))
+    with ChatServer(hf, model_name='tiny') as server:
+        assert main(['run', 'run.yaml', '--no-progress', '--backend', 'openai', '--model', 'tiny', '-o',
+                     f'base_url={server.base_url}', '-o', 'max_connections=2', '--out', 'o5', '--limit', '3']) == 0
+        bodies = list(server.bodies)
+    assert 'openai (tiny at http://127.0.0.1' in capsys.readouterr().out
+    summary = json.loads((project / 'o5' / 'summary.json').read_text())
+    assert summary['finish_reasons'] == {'max_turns': 3} and summary['generated_tokens'] == 3 * 3 * 6
+    assert len(bodies) == 9 and all(b['return_token_ids'] and b['max_tokens'] == 6 for b in bodies)
+    t = read_trajectories(project / 'o5' / 'trajectories.jsonl')['p2']
+    assert [len(s) for s in t.response_token_ids] == [6, 6, 6] and [len(s) for s in t.rollout_logprobs] == [6, 6, 6]
