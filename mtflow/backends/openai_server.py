@@ -48,8 +48,11 @@ RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 
 def build_body(request: Any, options: SamplingOptions, model: str, flavor: str = 'vllm',
-               extra_body: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The JSON body of ``/v1/chat/completions`` for one request."""
+               extra_body: Optional[Dict[str, Any]] = None, index: int = 0) -> Dict[str, Any]:
+    """The JSON body of ``/v1/chat/completions`` for the ``index``-th request of a call.
+
+    A request-config ``seed`` is sent as ``seed + index`` (as ms-swift and mtflow's vLLM backend
+    do): with one seed for all, a server samples every copy of a repeated prompt identically."""
     chat = prepare_chat(request)
     body: Dict[str, Any] = {
         'model': model,
@@ -63,7 +66,7 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     if options.stop:
         body['stop'] = list(options.stop)
     if options.seed is not None:
-        body['seed'] = options.seed
+        body['seed'] = options.seed + index
     if options.presence_penalty:
         body['presence_penalty'] = options.presence_penalty
     if options.frequency_penalty:
@@ -297,15 +300,15 @@ class OpenAIBackend(Backend):
             self.retries += 1
             await asyncio.sleep(delay)
 
-    async def _one(self, request: Any, options: SamplingOptions, model: str) -> RolloutOutput:
+    async def _one(self, request: Any, options: SamplingOptions, model: str, index: int) -> RolloutOutput:
         where = f'request {getattr(request, "uuid", None)!r}'
-        body = build_body(request, options, model, self.flavor, self.extra_body)
+        body = build_body(request, options, model, self.flavor, self.extra_body, index)
         return parse_choice(await self._send('POST', '/chat/completions', body, where), where)
 
     async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
         """All requests of one call, concurrently, in request order."""
         model = await self._resolve_model()
-        return list(await asyncio.gather(*(self._one(r, options, model) for r in requests)))
+        return list(await asyncio.gather(*(self._one(r, options, model, i) for i, r in enumerate(requests))))
 
     # ---- the rollout_fn side ------------------------------------------------------------------------
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
