@@ -75,4 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':  # pragma: no cover
-    sys.exit(main())
+    # `python -m mtflow.cli`: run the imported module's main, so that commands raising
+    # mtflow.cli.CLIError are caught by the same class (not this __main__ copy's).
+    from mtflow.cli import main as _main
+
+    sys.exit(_main())

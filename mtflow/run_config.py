@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import MtflowError
 from .protocol import RequestConfig
 
-__all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'PATH_OPTIONS']
+__all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS']
 
 #: backend options that hold paths (resolved like ``dataset``)
 PATH_OPTIONS = ('path', )
@@ -209,3 +209,13 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
 
 def default_out_name(path: Union[str, Path]) -> str:
     return os.path.join('runs', Path(path).stem)
+
+
+def is_run_config(path: Union[str, Path]) -> bool:
+    """Whether a YAML file is a run config (it names a ``scheduler``) rather than a scheduler file.
+    Unreadable or invalid YAML counts as not a run config (the scheduler loader reports it)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding='utf-8'))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and 'scheduler' in data

