@@ -146,12 +146,14 @@ class Hooked(Observe):
         return self.checked
 
 
-def test_done_overrides_check_finished_which_is_still_called():
+def test_done_overrides_check_finished_which_is_still_called(mtflow_trace):
     # check_finished says stop, on_turn_end says go on: the request goes on until max_turns.
     sched = Hooked(done=False, checked=True)
     ex = mtflow.Executor(sched, Counter(lambda r, n: out(f't{n}', [n], [-.5])), max_turns=3)
     result = ex.run([req('a'), req('b')], [out('t0', [0], [-.5]), out('t0', [0], [-.5])])
     assert sched.check_calls == 6  # two requests x three turns
+    mtflow_trace.assert_path('b', 'generating -> tool_step -> generating -> tool_step -> generating -> '
+                             'finished(max_turns)')
     assert result.finish_reasons == ['max_turns', 'max_turns']
     assert [o.rollout_infos['num_turns'] for o in result.outputs] == [3, 3]
 
