@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 from . import machine as M
 from . import trace as _trace
 from .errors import MultiTurnRolloutError, RequestFailure, RolloutFnError, SchedulerResultError
-from .machine import RequestRecord, StateGraph
+from .machine import RequestRecord
 from .protocol import RolloutOutput
 from .scheduler import HookSet
 from .segments import ContractAccounting, checked_logprobs, is_continuation_of
@@ -126,7 +126,7 @@ class Executor:
             raise ValueError(f'max_turns must be None or an int >= 0, not {max_turns!r}')
         self.scheduler = scheduler
         self.hooks = HookSet(scheduler)
-        self.graph = StateGraph(self.hooks.finish_reasons, name=type(scheduler).__name__)
+        self.graph = self.hooks.graph()
         self.rollout_fn = rollout_fn
         self.request_config = request_config
         self.max_turns = max_turns

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .machine import FINISH_REASONS
+from .machine import FINISH_REASONS, StateGraph
 
 StepResult = Dict[str, Any]
 
@@ -120,6 +120,10 @@ class HookSet:
 
         extra = tuple(getattr(scheduler, 'finish_reasons', ()) or ())
         self.finish_reasons = tuple(dict.fromkeys(FINISH_REASONS + extra))
+
+    def graph(self) -> StateGraph:
+        """The state graph an executor drives this scheduler with: the core reasons plus its own."""
+        return StateGraph(self.finish_reasons, name=type(self.scheduler).__name__)
 
     @property
     def default_max_turns(self) -> Optional[int]:

@@ -21,9 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def graph_for_scheduler(scheduler: Any) -> Any:
     """The graph an :class:`mtflow.Executor` builds for ``scheduler``: core reasons plus its own."""
     from ..scheduler import HookSet
-    from ..machine import StateGraph
 
-    return StateGraph(HookSet(scheduler).finish_reasons, name=type(scheduler).__name__)
+    return HookSet(scheduler).graph()
 
 
 def graph_for_config(config: str) -> Any:
