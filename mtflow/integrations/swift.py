@@ -34,6 +34,7 @@ from swift.rollout.multi_turn import MultiTurnScheduler
 
 from .. import machine as M
 from .. import protocol as _mp
+from ..errors import MultiTurnRolloutError
 from ..executor import Executor, identity_gather
 
 __all__ = [
@@ -462,6 +463,22 @@ def _rank() -> int:
         return 0
 
 
+def _keep_run(state: Optional['InstallState'], rank: int, result: Any) -> None:
+    """Hand a finished run's trace to what :func:`install` asked for (``trace_dir``, ``on_trace``)."""
+    if state is None:
+        return
+    with _STATE_LOCK:
+        state.runs += 1
+        run_no = state.runs
+        state.last_result = result
+    if result.trace is not None:
+        if state.trace_dir:
+            Path(state.trace_dir).mkdir(parents=True, exist_ok=True)
+            result.trace.write_jsonl(Path(state.trace_dir) / f'rank{rank}-run{run_no:06d}.jsonl')
+        if state.on_trace is not None:
+            state.on_trace(result.trace)
+
+
 def mtflow_run_multi_turn(requests: List[Any],
                           first_turn_outputs: List[Any],
                           scheduler: Any,
@@ -473,33 +490,22 @@ def mtflow_run_multi_turn(requests: List[Any],
     outputs, run by mtflow's executor (ms-swift 4.6 accounting for ms-swift schedulers), with the
     run's trace handed to ``on_trace`` / written under ``trace_dir``."""
     state = _STATE
-    trace = state.trace if state else True
-    on_error = state.on_error if state else 'raise'
     ex = Executor(
         scheduler,
         rollout_fn,
         request_config,
         max_turns=max_turns,
         gather_fn=gather_fn,
-        trace=trace,
-        on_error='return',
+        trace=state.trace if state else True,
+        on_error=state.on_error if state else 'raise',
         rank=_rank(),
         output_cls=_sp.RolloutOutput)
-    result = ex.run(requests, first_turn_outputs)
-    if state is not None:
-        with _STATE_LOCK:
-            state.runs += 1
-            run_no = state.runs
-            state.last_result = result
-        if result.trace is not None:
-            if state.trace_dir:
-                Path(state.trace_dir).mkdir(parents=True, exist_ok=True)
-                result.trace.write_jsonl(Path(state.trace_dir) / f'rank{ex.rank}-run{run_no:06d}.jsonl')
-            if state.on_trace is not None:
-                state.on_trace(result.trace)
-    if result.failures and on_error == 'raise':
-        from ..errors import MultiTurnRolloutError
-        raise MultiTurnRolloutError(result.failures, result.outputs, result)
+    try:
+        result = ex.run(requests, first_turn_outputs)
+    except MultiTurnRolloutError as err:  # the run is complete: keep its trace, then raise
+        _keep_run(state, ex.rank, err.result)
+        raise
+    _keep_run(state, ex.rank, result)
     return result.outputs
 
 
