@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional
 
+from pydantic import BaseModel, ConfigDict, Field
+
 TruncateSide = Literal['right', 'left']
 
 
@@ -123,65 +125,112 @@ def tool_from_callable(fn: Callable[..., Any], name: Optional[str] = None, **met
 # ---- the registry -------------------------------------------------------------------------------
 #: name -> factory(options: dict) -> callable
 _REGISTRY: Dict[str, Callable[[Dict[str, Any]], Callable[..., Any]]] = {}
+#: name -> pydantic model of the built-in's ``options`` (checked by ``mtflow validate``, field by field)
+_OPTIONS: Dict[str, Any] = {}
 
 
-def register_tool(name: Optional[str] = None, *, factory: bool = False) -> Callable[[Callable[..., Any]], Any]:
+def register_tool(name: Optional[str] = None, *, factory: bool = False,
+                  options: Any = None) -> Callable[[Callable[..., Any]], Any]:
     """Decorator: make a tool available by name in YAML (``builtin: <name>``).
 
     With ``factory=True`` the decorated function takes the YAML ``options`` dict and returns the
-    tool callable (how ``python`` receives its limits)."""
+    tool callable (how ``python`` receives its limits); ``options`` may name a pydantic model of
+    those options, so that validation reports each bad option at its own line before any run."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         key = name or fn.__name__
         _REGISTRY[key] = fn if factory else (lambda options, _fn=fn: _fn)
+        if options is not None:
+            _OPTIONS[key] = options
         return fn
 
     return deco
 
 
 def builtin_names() -> List[str]:
-    return sorted(_REGISTRY)
+    """Registered built-in tools, and the tools installed packages declare (``mtflow.tools``
+    entry points, not imported until a config names one)."""
+    from .plugins import entry_point_names
+    return sorted(set(_REGISTRY) | set(entry_point_names('mtflow.tools')))
+
+
+def _lookup(name: str) -> Callable[[Dict[str, Any]], Callable[..., Any]]:
+    if name not in _REGISTRY:
+        from .plugins import load_entry_point
+        load_entry_point('mtflow.tools', name)
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f'unknown built-in tool {name!r} (known: {", ".join(builtin_names())})') from None
+
+
+def check_builtin_options(name: str, options: Optional[Dict[str, Any]]) -> List[tuple]:
+    """Problems with a built-in's ``options`` as ``(loc below options, message)``; ``[]`` when
+    they are fine or the built-in declares no options model (its factory then checks them)."""
+    _lookup(name)
+    model = _OPTIONS.get(name)
+    if model is None:
+        return []
+    from pydantic import ValidationError
+    try:
+        model.model_validate(dict(options or {}))
+    except ValidationError as exc:
+        found = []
+        for err in exc.errors(include_url=False):
+            msg = err['msg']
+            if err['type'] == 'extra_forbidden':
+                msg = f'unknown option (allowed: {", ".join(model.model_fields)})'
+            elif not isinstance(err.get('input'), (dict, list)):
+                msg += f' (got {err["input"]!r})'
+            found.append((tuple(err['loc']), f'{name} tool: {msg}'))
+        return found
+    return []
 
 
 def make_builtin(name: str, options: Optional[Dict[str, Any]] = None) -> Callable[..., Any]:
-    """The callable of built-in tool ``name`` configured with ``options``."""
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f'unknown built-in tool {name!r} (known: {", ".join(builtin_names())})') from None
+    """The callable of built-in tool ``name`` configured with ``options`` (``ValueError`` listing
+    every bad option)."""
+    factory = _lookup(name)
+    problems = check_builtin_options(name, options)
+    if problems:
+        raise ValueError('; '.join(f'{".".join(map(str, loc))}: {msg}' for loc, msg in problems))
     return factory(dict(options or {}))
 
 
 # ---- resolving module:attribute references -------------------------------------------------------
-def resolve_ref(ref: str, base_dir: Optional[str] = None) -> Any:
-    """The object named by ``'package.module:attr.sub'``.
+def import_module(module_name: str, base_dir: Optional[str] = None) -> Any:
+    """Import ``module_name``; if it is not importable, ``<base_dir>/<module path>.py`` is tried,
+    so a YAML file can name a Python file next to it. ``ImportError`` names what was missing; an
+    exception raised by the module itself propagates."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        candidate = os.path.join(base_dir, *module_name.split('.')) + '.py' if base_dir else None
+        if not (candidate and os.path.isfile(candidate) and (exc.name or '') in module_name):
+            raise ImportError(f'cannot import module {module_name!r}: {exc}') from None
+    key = f'_mtflow_local_{abs(hash(os.path.abspath(candidate)))}_{module_name.replace(".", "_")}'
+    module = sys.modules.get(key)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(key, candidate)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(key, None)
+            raise
+    return module
 
-    If the module cannot be imported normally, ``<base_dir>/<module path>.py`` is tried, so a YAML
-    file can reference a Python file next to it. Raises ``ImportError``/``AttributeError`` with a
-    message naming what was missing."""
+
+def resolve_ref(ref: str, base_dir: Optional[str] = None) -> Any:
+    """The object named by ``'package.module:attr.sub'`` (the module found as :func:`import_module`
+    finds it). Raises ``ImportError``/``AttributeError`` with a message naming what was missing."""
     if not isinstance(ref, str) or ':' not in ref:
         raise ImportError(f"reference {ref!r} must look like 'module:attribute'")
     module_name, _, attr = ref.partition(':')
     if not module_name or not attr:
         raise ImportError(f"reference {ref!r} must look like 'module:attribute'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        candidate = os.path.join(base_dir, *module_name.split('.')) + '.py' if base_dir else None
-        if candidate and os.path.isfile(candidate) and (exc.name or '') in module_name:
-            key = f'_mtflow_local_{abs(hash(os.path.abspath(candidate)))}_{module_name.replace(".", "_")}'
-            module = sys.modules.get(key)
-            if module is None:
-                spec = importlib.util.spec_from_file_location(key, candidate)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[key] = module
-                try:
-                    spec.loader.exec_module(module)
-                except BaseException:
-                    sys.modules.pop(key, None)
-                    raise
-        else:
-            raise ImportError(f'cannot import module {module_name!r}: {exc}') from None
+    module = import_module(module_name, base_dir)
     obj: Any = module
     for part in attr.split('.'):
         try:
@@ -199,17 +248,24 @@ def _calculator_factory(options: Dict[str, Any]) -> Callable[..., Any]:
     return calculator
 
 
+class PythonToolOptions(BaseModel):
+    """Options of the built-in ``python`` tool (the sandbox's limits)."""
+    model_config = ConfigDict(extra='forbid', strict=True)
+    timeout_s: float = Field(5.0, gt=0, description='Wall-clock limit; the process group is killed after it.')
+    memory_mb: int = Field(512, ge=16, description='RLIMIT_AS of the process, in MiB.')
+    cpu_s: Optional[int] = Field(None, ge=1, description='RLIMIT_CPU in seconds (default: timeout_s + 1).')
+    max_output_chars: int = Field(4000, ge=1, description='Longest stdout+stderr kept.')
+    max_file_mb: int = Field(16, ge=1, description='RLIMIT_FSIZE, in MiB.')
+
+
 def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
     from .sandbox import python, run_python
-    allowed = {'timeout_s', 'memory_mb', 'cpu_s', 'max_output_chars', 'max_file_mb'}
-    unknown = set(options) - allowed
-    if unknown:
-        raise ValueError(f'python tool: unknown option(s) {sorted(unknown)} (allowed: {sorted(allowed)})')
     if not options:
         return python
+    checked = PythonToolOptions.model_validate(options).model_dump(include=set(options))
 
     async def python_tool(code: str) -> str:
-        return (await run_python(code, **options)).as_observation()
+        return (await run_python(code, **checked)).as_observation()
 
     python_tool.__doc__ = python.__doc__
     return python_tool
@@ -217,3 +273,4 @@ def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
 
 _REGISTRY['calculator'] = _calculator_factory
 _REGISTRY['python'] = _python_factory
+_OPTIONS['python'] = PythonToolOptions
