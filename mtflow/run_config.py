@@ -44,8 +44,9 @@ class RunConfigError(MtflowError):
 
 
 class RunConfig(BaseModel):
-    """A validated run config. See the module docstring for every key."""
-    model_config = ConfigDict(extra='forbid')
+    """A validated run config. See the module docstring for every key. Types are strict, as in
+    scheduler files: ``batch_size: true`` is an error, not 1."""
+    model_config = ConfigDict(extra='forbid', strict=True)
 
     scheduler: str = Field(description="A scheduler YAML file, or a Python scheduler as 'module:Class' or "
                            "'path/file.py:Class'.")
@@ -184,14 +185,18 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         raise RunConfigError(f'config file not found: {path}')
     if path.is_dir():
         raise RunConfigError(f'config path is a directory, not a YAML file: {path}')
-    text = path.read_text(encoding='utf-8')
+    from .safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
+
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, 'problem_mark', None)
-        where = f'{path}:{mark.line + 1}' if mark is not None else str(path)
-        raise RunConfigError(f'{where}: not valid YAML: {getattr(exc, "problem", None) or exc}') from exc
+        data, root, duplicates = load_yaml_file(str(path))
+    except YamlLoadError as exc:
+        raise RunConfigError('; '.join(f'{path}:{p.line}: {p.message}' if p.line else f'{path}: {p.message}'
+                                       for p in exc.problems)) from None
+    except OSError as exc:
+        raise RunConfigError(f'cannot read {path}: {exc.strerror or exc}') from None
+    if duplicates:
+        raise RunConfigError('; '.join(f'{path}:{p.line}: {".".join(map(str, p.path))}: {p.message}'
+                                       for p in duplicates))
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -214,8 +219,10 @@ def default_out_name(path: Union[str, Path]) -> str:
 def is_run_config(path: Union[str, Path]) -> bool:
     """Whether a YAML file is a run config (it names a ``scheduler``) rather than a scheduler file.
     Unreadable or invalid YAML counts as not a run config (the scheduler loader reports it)."""
+    from .safe_yaml import YamlLoadError, load_yaml_file
+
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding='utf-8'))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data, _, _ = load_yaml_file(str(path))
+    except (OSError, YamlLoadError):
         return False
     return isinstance(data, dict) and 'scheduler' in data

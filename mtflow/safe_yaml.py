@@ -220,14 +220,14 @@ def load_yaml(source: Union[str, bytes], max_bytes: int = MAX_BYTES, max_nodes: 
             raise YamlLoadError([YamlProblem(exc.line, (), exc.message)]) from None
         except ComposerError as exc:
             mark = exc.problem_mark or exc.context_mark
-            raise YamlLoadError([YamlProblem(mark.line + 1 if mark else None, (), f'YAML error: {exc.problem}')]) from None
+            what = f'{exc.context}; {exc.problem}' if exc.context else exc.problem
+            raise YamlLoadError([YamlProblem(mark.line + 1 if mark else None, (), f'YAML error: {what}')]) from None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             raise YamlLoadError([YamlProblem(mark.line + 1 if mark else None, (),
                                              f'YAML syntax error: {exc.problem or exc}')]) from None
         except yaml.YAMLError as exc:  # e.g. a reader error (control characters)
-            raise YamlLoadError([YamlProblem(getattr(getattr(exc, 'mark', None), 'line', -1) + 1 or None, (),
-                                             f'YAML error: {exc}')]) from None
+            raise YamlLoadError([YamlProblem(None, (), f'YAML error: {exc}')]) from None
         except RecursionError:
             raise YamlLoadError([YamlProblem(None, (), f'nesting deeper than {max_depth} levels')]) from None
         if node is None:

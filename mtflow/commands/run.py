@@ -206,6 +206,15 @@ def scheduler_factory(cfg: Any) -> Callable[[Any], Any]:
     return make_python
 
 
+def _preflight(cfg: Any) -> None:
+    """Raise one :class:`CLIError` listing every problem ``mtflow validate`` would report."""
+    from .preflight import check_run_config
+
+    problems = check_run_config(cfg, check_dataset=False).problems  # the dataset was just read
+    if problems:
+        raise CLIError('\n'.join(map(str, problems)))
+
+
 # ---- running ------------------------------------------------------------------------------------
 class _Counting:
     """Wraps ``rollout_fn`` to drive the progress bar: each call is one turn of one batch, and the
@@ -403,6 +412,7 @@ def main(args: argparse.Namespace) -> int:
         requests = read_prompts(cfg.dataset_path(), limit=cfg.limit)
     except DatasetError as exc:
         raise CLIError(str(exc)) from None
+    _preflight(cfg)  # every problem of the scheduler (and its plugins) before the slow backend load
     make_scheduler = scheduler_factory(cfg)
     seed_everything(cfg.seed)
     show = not (args.quiet or args.no_progress)

@@ -1,7 +1,8 @@
 """Declarative schedulers: a tool-use environment in one YAML file.
 
 - :func:`load_scheduler` — YAML path (or dict) -> a ready :class:`mtflow.Scheduler`;
-- :func:`validate_file` — every problem in a file, with file, line and field path;
+- :func:`validate_file` — every problem in a file, with file, line and field path
+  (:func:`inspect_file` adds the Python code the file imports);
 - :func:`json_schema` — the JSON Schema of the YAML (``mtflow schema``);
 - :mod:`.parsers` (tool-call formats, :func:`register_parser`), :mod:`.gym` (environments).
 
@@ -13,7 +14,7 @@ import os
 from typing import Any, Dict, Optional, Union
 
 from .gym import Env, GuessNumberEnv, register_env
-from .loader import ConfigError, Problem, load_config, validate_file
+from .loader import ConfigError, FileReport, Problem, inspect_file, load_config, validate_file
 from .parsers import ToolCall, ToolCallParser, get_parser, register_parser
 from .schema import SchedulerConfig
 from .scheduler import ToolCallError, YamlScheduler
@@ -46,7 +47,7 @@ def json_schema() -> Dict[str, Any]:
 
 
 __all__ = [
-    'load_scheduler', 'validate_file', 'json_schema', 'load_config', 'ConfigError', 'Problem', 'SchedulerConfig',
+    'load_scheduler', 'validate_file', 'inspect_file', 'FileReport', 'json_schema', 'load_config', 'ConfigError', 'Problem', 'SchedulerConfig',
     'YamlScheduler', 'ToolCallError', 'ToolCall', 'ToolCallParser', 'get_parser', 'register_parser', 'Env',
     'GuessNumberEnv', 'register_env'
 ]

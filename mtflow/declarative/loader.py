@@ -1,6 +1,13 @@
-"""Loading and validating scheduler YAML: ``yaml.safe_load`` for the data, and the node tree
-(``yaml.compose`` with the safe loader, which builds no Python objects) for line numbers, so
-every problem names its file, line and field path.
+"""Loading and validating scheduler YAML, so that every problem names its file, line and field
+path, and every problem of a file is reported at once, before anything runs.
+
+The file is read by :mod:`mtflow.safe_yaml` (bounded aliases, duplicate keys, UTF-8, YAML 1.2
+scalars, a size limit); its node tree gives the line numbers. Then, in order: the ``plugins:``
+modules are imported (their ``register_*`` calls must run before names are checked), the schema
+is validated (pydantic, strict types), the sections are checked against each other, and what
+only building finds is tried section by section on the raw data (a built-in's options, a
+parser's options, an environment's kwargs, ``scheduler_class``), so a problem in one section
+never hides another's.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import yaml
 from pydantic import ValidationError
 
+from ..safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
 from .schema import SchedulerConfig, cross_problems
 
 Loc = Tuple[Union[str, int], ...]
@@ -89,7 +97,12 @@ def _message(err: Dict[str, Any], model: Any) -> str:
         msg = msg[len('Value error, '):]
     if kind not in ('value_error', 'assertion_error') and 'input' in err and not isinstance(err['input'], (dict, list)):
         msg += f' (got {err["input"]!r})'
+        if isinstance(err['input'], str) and err['input'].lower() in _YAML11_WORDS:
+            msg += '; YAML 1.1 words are plain strings here: write true or false'
     return msg
+
+
+_YAML11_WORDS = {'yes', 'no', 'on', 'off', 'y', 'n'}
 
 
 def _problems_from_validation(exc: ValidationError, file: str, lines: Dict[Loc, int]) -> List[Problem]:
@@ -100,20 +113,34 @@ def _problems_from_validation(exc: ValidationError, file: str, lines: Dict[Loc, 
     return problems
 
 
-def read_yaml(path: str) -> Tuple[Any, Dict[Loc, int], List[Problem]]:
-    """(data, line map, problems) for one file; a YAML syntax error is one problem with its line."""
-    with open(path, encoding='utf-8') as f:
-        text = f.read()
+def _problem(file: str, p: YamlProblem) -> Problem:
+    return Problem(file, p.line, format_path(p.path), p.message)
+
+
+def read_yaml(path: str) -> Tuple[Any, Dict[Loc, int], List[Problem], bool]:
+    """``(data, line map, problems, fatal)`` for one file. ``fatal``: the YAML itself is unusable
+    (syntax, encoding, size, an alias bomb), ``problems`` says why; otherwise ``problems`` holds
+    the duplicate keys (the data keeps the last value) and checking goes on."""
     try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        return None, {}, [Problem(path, line, '', f'YAML syntax error: {exc.problem or exc}')]
-    except yaml.YAMLError as exc:
-        return None, {}, [Problem(path, None, '', f'YAML error: {exc}')]
-    return data, _line_map(node) if node is not None else {(): 1}, []
+        data, node, duplicates = load_yaml_file(path)
+    except YamlLoadError as exc:
+        return None, {}, [_problem(path, p) for p in exc.problems], True
+    return data, _line_map(node) if node is not None else {(): 1}, [_problem(path, p) for p in duplicates], False
+
+
+def _under(loc: Loc, problems: List[Problem], lines: Optional[Dict[Loc, int]] = None) -> bool:
+    """Whether a problem was already reported at ``loc`` or below it."""
+    path = format_path(loc)
+    return any(p.path == path or p.path.startswith(path + '.') or p.path.startswith(path + '[') for p in problems)
+
+
+def _plugin_problems(data: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Loc, str]]:
+    """Import the ``plugins:`` modules first, so that the names they register are known."""
+    plugins = data.get('plugins')
+    if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
+        return []  # the schema reports the type
+    from ..plugins import import_plugins
+    return [(('plugins', i), msg) for i, msg in import_plugins(plugins, base_dir)]
 
 
 def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[str],
@@ -123,6 +150,9 @@ def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[s
         got = 'an empty file' if data is None else type(data).__name__
         return None, [Problem(file, 1, '', f'a scheduler config must be a mapping, got {got}')]
     problems: List[Problem] = []
+    if resolve:
+        problems += [Problem(file, _line_of(lines, loc), format_path(loc), msg)
+                     for loc, msg in _plugin_problems(data, base_dir)]
     config = None
     try:
         config = SchedulerConfig.model_validate(data, context={'base_dir': base_dir, 'resolve': resolve,
@@ -131,54 +161,154 @@ def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[s
         problems.extend(_problems_from_validation(exc, file, lines))
     for loc, msg in cross_problems(data):
         problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
+    if resolve:
+        for loc, msg in _build_problems(data, base_dir, problems, lines):
+            problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
     problems.sort(key=lambda p: p.line or 0)
     return (config if not problems else None), problems
 
 
-def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
-                   base_dir: Optional[str]) -> List[Problem]:
-    """Problems only building finds: a built-in tool's options, a parser's options, an
-    environment's kwargs (each is tried once, as the scheduler will build it)."""
-    from ..tools.registry import make_builtin
+def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[Problem],
+                    lines: Dict[Loc, int]) -> List[Tuple[Loc, str]]:
+    """What only building finds, tried section by section on the raw mapping (a section the
+    schema already flagged is skipped): a built-in's options, a parser's options, an
+    environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
+    from ..tools.registry import builtin_names, check_builtin_options, make_builtin, resolve_ref
     from .gym import make_env_factory
     from .parsers import get_parser
 
-    found: List[Tuple[Loc, str]] = []
-    for i, tc in enumerate(config.tools):
-        if tc.builtin:
-            try:
-                make_builtin(tc.builtin, tc.options)
-            except (KeyError, ValueError, TypeError) as exc:
-                found.append((('tools', i, 'options'), str(exc).strip('"')))
-    try:
-        get_parser(config.parser, config.parser_options, base_dir)
-    except Exception as exc:
-        found.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
-    if config.env is not None:
+    out: List[Tuple[Loc, str]] = []
+    tools = data.get('tools') if isinstance(data.get('tools'), list) else []
+    for i, tc in enumerate(tools):
+        if not isinstance(tc, dict) or tc.get('impl') or _under(('tools', i, 'options'), found, lines):
+            continue
+        name, options = tc.get('builtin') or tc.get('name'), tc.get('options', {})
+        if not isinstance(name, str) or name not in builtin_names() or not isinstance(options, dict):
+            continue
         try:
-            make_env_factory(config.env.impl, config.env.kwargs, base_dir)
+            bad = check_builtin_options(name, options)
+            if not bad:
+                make_builtin(name, options)
+        except (KeyError, ValueError, TypeError) as exc:
+            out.append((('tools', i, 'options'), str(exc).strip('"')))
+            continue
+        except Exception as exc:  # the factory itself failed
+            out.append((('tools', i, 'options'), f'{type(exc).__name__}: {exc}'))
+            continue
+        out += [(('tools', i, 'options') + tuple(loc), msg) for loc, msg in bad]
+    parser, options = data.get('parser', 'hermes'), data.get('parser_options', {})
+    if isinstance(parser, str) and isinstance(options, dict) and not _under(('parser', ), found, lines) and \
+            not _under(('parser_options', ), found, lines):
+        try:
+            get_parser(parser, options, base_dir)
         except Exception as exc:
-            found.append((('env', 'kwargs'), f'cannot create environment {config.env.impl!r}: '
-                          f'{type(exc).__name__}: {exc}'))
-    return [Problem(file, _line_of(lines, loc), format_path(loc), msg) for loc, msg in found]
+            out.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
+    env = data.get('env')
+    if isinstance(env, dict) and isinstance(env.get('impl'), str) and isinstance(env.get('kwargs', {}), dict) and \
+            not _under(('env', ), found, lines):
+        try:
+            make_env_factory(env['impl'], env.get('kwargs', {}), base_dir)
+        except Exception as exc:
+            out.append((('env', 'kwargs'), f'cannot create environment {env["impl"]!r}: {type(exc).__name__}: {exc}'))
+    ref = data.get('scheduler_class')
+    if isinstance(ref, str) and not _under(('scheduler_class', ), found, lines):
+        from .scheduler import YamlScheduler
+        try:
+            cls = resolve_ref(ref, base_dir)
+        except Exception:
+            cls = None  # the schema reports it
+        if cls is not None and not (isinstance(cls, type) and issubclass(cls, YamlScheduler)):
+            what = f'class {cls.__module__}.{cls.__qualname__}' if isinstance(cls, type) else type(cls).__name__
+            out.append((('scheduler_class', ), f'{ref} is not a mtflow.declarative.YamlScheduler subclass (got {what})'))
+    return out
+
+
+def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
+                   base_dir: Optional[str]) -> List[Problem]:
+    """Problems only building finds, for a validated config (see :func:`check_data`)."""
+    data = config.model_dump(exclude_unset=True)
+    return [Problem(file, _line_of(lines, loc), format_path(loc), msg)
+            for loc, msg in _build_problems(data, base_dir, [], lines)]
+
+
+#: the keys that name Python code (``module:attribute``) the scheduler will import
+_REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('scheduler_class', ), ('stop', 'predicate'),
+                               ('answer', 'compare'), ('env', 'impl'))
+
+
+def imports_of(data: Any) -> List[Tuple[str, str]]:
+    """``(field path, reference)`` of every Python module or callable the config makes mtflow
+    import: the safety list ``mtflow validate`` prints (that code runs with your rights)."""
+    if not isinstance(data, dict):
+        return []
+    out: List[Tuple[str, str]] = []
+    for i, mod in enumerate(data.get('plugins') or [] if isinstance(data.get('plugins'), list) else []):
+        if isinstance(mod, str):
+            out.append((format_path(('plugins', i)), mod))
+    for i, tc in enumerate(data.get('tools') if isinstance(data.get('tools'), list) else []):
+        if isinstance(tc, dict) and isinstance(tc.get('impl'), str):
+            out.append((format_path(('tools', i, 'impl')), tc['impl']))
+    for i, tip in enumerate(data.get('tips') if isinstance(data.get('tips'), list) else []):
+        if isinstance(tip, dict) and isinstance(tip.get('predicate'), str):
+            out.append((format_path(('tips', i, 'predicate')), tip['predicate']))
+    for loc in _REF_FIELDS:
+        value: Any = data
+        for key in loc:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, str) and ':' in value:
+            out.append((format_path(loc), value))
+    return sorted(out)
+
+
+@dataclass
+class FileReport:
+    """What ``mtflow validate`` says about one file: its problems, and the Python it imports
+    (``(field, reference)``, entry points of installed packages included)."""
+    file: str
+    problems: List[Problem]
+    imports: List[Tuple[str, str]]
+
+
+def inspect_file(path: Union[str, os.PathLike]) -> FileReport:
+    """Every problem of a scheduler YAML file and every Python reference it names."""
+    from ..plugins import loaded_entry_points
+
+    path = os.fspath(path)
+    try:
+        data, lines, problems, fatal = read_yaml(path)
+    except OSError as exc:
+        return FileReport(path, [Problem(path, None, '', f'cannot read: {exc.strerror or exc}')], [])
+    if fatal:
+        return FileReport(path, problems, [])
+    base_dir = os.path.dirname(os.path.abspath(path))
+    _, more = check_data(data, path, lines, base_dir)
+    problems = sorted(problems + more, key=lambda p: p.line or 0)
+    imports = imports_of(data)
+    for (group, name), value in loaded_entry_points().items():
+        if _names(data, group, name):
+            imports.append((f'{group} entry point {name!r}', value))
+    return FileReport(path, problems, imports)
+
+
+def _names(data: Any, group: str, name: str) -> bool:
+    """Whether the config names entry point ``name`` of ``group``."""
+    if not isinstance(data, dict):
+        return False
+    if group == 'mtflow.parsers':
+        return data.get('parser') == name
+    if group == 'mtflow.envs':
+        return isinstance(data.get('env'), dict) and data['env'].get('impl') == name
+    tools = data.get('tools') if isinstance(data.get('tools'), list) else []
+    return any(isinstance(t, dict) and not t.get('impl') and (t.get('builtin') or t.get('name')) == name for t in tools)
 
 
 def validate_file(path: Union[str, os.PathLike]) -> List[Problem]:
-    """Every problem in a scheduler YAML file (empty when it is valid): YAML syntax, unknown keys,
-    wrong types, unknown tools, parsers or environments, unresolvable imports, regexes that do not
-    compile, options a built-in rejects."""
-    path = os.fspath(path)
-    try:
-        data, lines, problems = read_yaml(path)
-    except OSError as exc:
-        return [Problem(path, None, '', f'cannot read: {exc.strerror or exc}')]
-    if problems:
-        return problems
-    base_dir = os.path.dirname(os.path.abspath(path))
-    config, problems = check_data(data, path, lines, base_dir)
-    if config is not None:
-        problems = build_problems(config, path, lines, base_dir)
-    return problems
+    """Every problem in a scheduler YAML file (empty when it is valid): unusable YAML (syntax,
+    encoding, size, alias bombs), duplicate keys, unknown keys, wrong types (strict: no YAML 1.1
+    booleans, no bool for an int), unknown tools, parsers or environments, unresolvable imports
+    and plugins, regexes that do not compile, unknown template placeholders, options a built-in
+    rejects, environment kwargs the class rejects, a ``scheduler_class`` that is no YamlScheduler."""
+    return inspect_file(path).problems
 
 
 def load_config(source: Union[str, os.PathLike, Dict[str, Any], SchedulerConfig],
@@ -188,22 +318,28 @@ def load_config(source: Union[str, os.PathLike, Dict[str, Any], SchedulerConfig]
     if isinstance(source, SchedulerConfig):
         return source, base_dir
     lines: Dict[Loc, int] = {}
+    problems: List[Problem] = []
     if isinstance(source, (str, os.PathLike)):
         file = os.fspath(source)
         base_dir = base_dir or os.path.dirname(os.path.abspath(file))
-        data, lines, problems = read_yaml(file)
-        if problems:
+        try:
+            data, lines, problems, fatal = read_yaml(file)
+        except OSError as exc:
+            raise ConfigError([Problem(file, None, '', f'cannot read: {exc.strerror or exc}')]) from None
+        if fatal:
             raise ConfigError(problems)
     elif isinstance(source, dict):
         data, file = source, '<dict>'
     else:
         raise TypeError(f'a scheduler config is a YAML path, a dict or a SchedulerConfig, not {type(source).__name__}')
-    config, problems = check_data(data, file, lines, base_dir)
-    if config is not None:
-        problems = build_problems(config, file, lines, base_dir)
-    if problems:
+    config, more = check_data(data, file, lines, base_dir)
+    problems = sorted(problems + more, key=lambda p: p.line or 0)
+    if problems or config is None:
         raise ConfigError(problems)
     return config, base_dir
 
 
-__all__ = ['Problem', 'ConfigError', 'validate_file', 'load_config', 'read_yaml', 'check_data', 'format_path']
+__all__ = [
+    'Problem', 'ConfigError', 'FileReport', 'validate_file', 'inspect_file', 'imports_of', 'load_config', 'read_yaml',
+    'check_data', 'format_path'
+]

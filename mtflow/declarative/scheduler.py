@@ -40,6 +40,7 @@ from ..tools.runner import ToolResult, ToolRunner, truncate
 from .gym import make_env_factory
 from .parsers import ToolCall, get_parser
 from .schema import SchedulerConfig, TipConfig
+from .templates import render
 
 
 class ToolCallError(RequestError):
@@ -73,11 +74,6 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _fill(template: str, **fields: Any) -> str:
-    """Replace ``{name}``-style fields only (other braces, e.g. JSON, stay as they are)."""
-    for key, value in fields.items():
-        template = template.replace('{' + key + '}', str(value))
-    return template
 
 
 def _number(text: str) -> Optional[float]:
@@ -174,7 +170,7 @@ class YamlScheduler(Scheduler):
         prompt = self.config.system_prompt
         if prompt is None:
             return infer_request
-        text = prompt.replace('{tools}', self.parser.render_tools(self.tool_specs))
+        text = render(prompt, tools=self.parser.render_tools(self.tool_specs))
         msgs = infer_request.messages
         has_system = bool(msgs) and msgs[0].get('role') == 'system'
         mode = self.config.system_prompt_mode
@@ -436,9 +432,9 @@ class YamlScheduler(Scheduler):
     def _render(self, r: ToolResult, index: int) -> str:
         obs = self.config.observation
         if not r.ok:
-            return _fill(obs.error_template, name=r.name, error=r.error, index=index)
+            return render(obs.error_template, name=r.name, error=r.error, index=index)
         tool = self.runner.tools.get(r.name)
         text = r.output
         if tool is not None and tool.max_observation:
             text = truncate(text, tool.max_observation, tool.truncate_side, self.tokenizer)
-        return _fill(obs.template, name=r.name, result=text, index=index)
+        return render(obs.template, name=r.name, result=text, index=index)

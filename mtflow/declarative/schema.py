@@ -14,9 +14,12 @@ from typing import Any, Dict, List, Literal, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Annotated
 
+from .templates import FIELDS, check_template
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra='forbid')
+    """Unknown keys are errors, and types are strict: ``true`` is not 1, ``"3"`` is not 3."""
+    model_config = ConfigDict(extra='forbid', strict=True)
 
 
 def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
@@ -108,12 +111,24 @@ class ObservationConfig(_Strict):
         'message', description="'message': a new message (next turn generates a new assistant message); "
         "'inline': appended to the assistant message (next turn continues it; observation tokens get loss mask 0).")
     role: Literal['tool', 'user'] = Field('tool', description="Role of observation messages in 'message' mode.")
-    template: str = Field('{result}', description='Text of one result; {name}, {result} and {index} (1-based) are replaced, other braces are kept.')
-    error_template: str = Field('Error: {error}', description='Text of one failed call; {name}, {error} and {index} are replaced.')
+    template: str = Field('{result}', description='Text of one result; placeholders {name}, {result}, {index} '
+                          '(1-based); another {placeholder} is an error; {{ and }} write literal braces.')
+    error_template: str = Field('Error: {error}', description='Text of one failed call; placeholders {name}, '
+                                '{error}, {index}; {{ and }} write literal braces.')
     separator: str = Field('\n', description='Joins several results into one text (inline mode, or role user).')
     prefix: str = Field('', description="Text before the joined results (e.g. '\\nObservation: ').")
     suffix: str = Field('', description="Text after the joined results (e.g. '\\nThought:').")
     one_message_per_call: bool = Field(True, description="With role 'tool': one message per call (else one joined).")
+
+    @field_validator('template')
+    @classmethod
+    def _template(cls, v: str) -> str:
+        return check_template(v, FIELDS['observation.template'])
+
+    @field_validator('error_template')
+    @classmethod
+    def _error_template(cls, v: str) -> str:
+        return check_template(v, FIELDS['observation.error_template'])
 
 
 class StopConfig(_Strict):
@@ -227,12 +242,17 @@ class EnvConfig(_Strict):
 
 class SchedulerConfig(_Strict):
     """A scheduler defined in YAML: tools, how calls are parsed, how results are shown, when to stop."""
-    model_config = ConfigDict(extra='forbid', title='mtflow scheduler')
+    model_config = ConfigDict(extra='forbid', strict=True, title='mtflow scheduler')
+    plugins: List[str] = Field(
+        default_factory=list, description='Python modules imported before the rest of the file is checked (a '
+        'module next to the YAML works too), so that their register_tool / register_parser / register_env calls '
+        'make names available; listed by `mtflow validate` with the other code the file imports.')
     name: str = Field('yaml_scheduler', description='Shown in traces and graphs.')
     description: str = Field('', description='Free text.')
     max_turns: Optional[int] = Field(None, ge=1, description="Stop with 'max_turns' at this turn.")
-    parser: str = Field('hermes', description="Tool-call format: 'hermes' (alias 'qwen'), 'react', 'json', a "
-                        "registered name, or 'module:Class'.")
+    parser: str = Field('hermes', description="Tool-call format: 'hermes' (aliases 'qwen', 'qwen3'), 'llama3_json' "
+                        "('llama3'), 'pythonic', 'mistral', 'deepseek', 'react', 'json', a registered name or "
+                        "entry point, or 'module:Class'.")
     parser_options: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the parser.')
     tools: List[ToolConfig] = Field(default_factory=list, description='The tools.')
     tool_errors: Literal['feed_back', 'finish'] = Field(
@@ -247,7 +267,7 @@ class SchedulerConfig(_Strict):
     env: Optional[EnvConfig] = Field(None, description='A gym environment driven by every completion.')
     system_prompt: Optional[str] = Field(
         None, description='System prompt added before the first turn; {tools} renders the tool list in the '
-        "parser's format.")
+        "parser's format; another {placeholder} is an error; {{ and }} write literal braces.")
     system_prompt_mode: Literal['if_missing', 'prepend', 'replace'] = Field(
         'if_missing', description='When the request already has a system message: keep it (if_missing), put ours '
         'before it (prepend), or replace it.')
@@ -267,6 +287,11 @@ class SchedulerConfig(_Strict):
         if ':' not in v:
             raise ValueError(f'unknown parser {v!r} (known: {", ".join(parser_names())}, or module:Class)')
         return _check_ref(v, info)
+
+    @field_validator('system_prompt')
+    @classmethod
+    def _system_prompt(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else check_template(v, FIELDS['system_prompt'])
 
     @field_validator('reward', 'scheduler_class')
     @classmethod

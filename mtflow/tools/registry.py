@@ -150,13 +150,13 @@ def register_tool(name: Optional[str] = None, *, factory: bool = False,
 def builtin_names() -> List[str]:
     """Registered built-in tools, and the tools installed packages declare (``mtflow.tools``
     entry points, not imported until a config names one)."""
-    from .plugins import entry_point_names
+    from ..plugins import entry_point_names
     return sorted(set(_REGISTRY) | set(entry_point_names('mtflow.tools')))
 
 
 def _lookup(name: str) -> Callable[[Dict[str, Any]], Callable[..., Any]]:
     if name not in _REGISTRY:
-        from .plugins import load_entry_point
+        from ..plugins import load_entry_point
         load_entry_point('mtflow.tools', name)
     try:
         return _REGISTRY[name]

@@ -20,8 +20,9 @@ _EXPECT = re.compile(r'^# expect: (\d+) (\S+) \| (.+)$', re.MULTILINE)
 
 
 def expectations(path: str):
-    with open(path, encoding='utf-8') as f:
-        found = [(int(line), '' if p == '-' else p, frag) for line, p, frag in _EXPECT.findall(f.read())]
+    with open(path, 'rb') as f:  # some broken files are not UTF-8 on purpose
+        text = f.read().decode('utf-8', errors='replace')
+    found = [(int(line), '' if p == '-' else p, frag) for line, p, frag in _EXPECT.findall(text)]
     assert found, f'{path} states no expectation'
     return found
 
