@@ -23,13 +23,16 @@ Because BPE merges across boundaries, ``encode(a) + encode(b)`` may differ from
 ``encode(a + b)``: the trajectory's ids are then not what re-tokenizing the final text would give.
 That is deliberate: the trained tokens must be the ones the model sampled (re-tokenizing would
 change them and misalign logprobs), and the observation tokens are masked out, so their exact
-split never enters the loss. Without a tokenizer, inline text yields no ids (text only).
+split never enters the loss. Without a tokenizer, inline text cannot be encoded: when the model's
+ids are there (they would be dropped or misaligned), the step raises a :class:`RequestError`
+naming the request, the turn and ``observation.mode``; a backend that returns no ids stays text only.
 """
 from __future__ import annotations
 
 import inspect
 import re
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import RequestError
@@ -38,7 +41,7 @@ from ..scheduler import Scheduler
 from ..tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
 from ..tools.runner import ToolResult, ToolRunner, truncate
 from .gym import make_env_factory
-from .parsers import ToolCall, get_parser
+from .parsers import ToolCall, foreign_format, get_parser
 from .schema import SchedulerConfig, TipConfig
 from .templates import render
 
@@ -289,7 +292,7 @@ class YamlScheduler(Scheduler):
                     reason = f'stop_rule:{name}'
                     break
         if self.tools or cfg.stop.stop_tools:
-            calls = self.parser.parse(completion)
+            calls = self.read_calls(completion, response_choice.finish_reason)
         if reason is None and stop.stop_tools and any(c.name in stop.stop_tools for c in calls):
             reason = 'stop_rule:stop_tool'
         if reason is None and stop.on_length and response_choice.finish_reason == 'length':
@@ -322,6 +325,25 @@ class YamlScheduler(Scheduler):
                 infos['reward'] = float(await _maybe_await(self._reward(infer_request, dict(infos))))
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
         return {'done': False, 'rollout_infos': infos}
+
+    def read_calls(self, completion: str, finish_reason: Optional[str]) -> List[ToolCall]:
+        """The turn's tool calls, made safe to act on:
+
+        - a call that runs to the end of a reply cut by the token limit (``finish_reason ==
+          'length'``, no closing delimiter) is truncated: malformed, never run;
+        - a reply with no call in the parser's format that looks like a call in another format
+          gets one malformed call naming both formats, so the model is told (not silence)."""
+        calls = list(self.parser.parse(completion))
+        if finish_reason == 'length':
+            calls = [c if c.error is not None or getattr(c, 'complete', True) else dc_replace(
+                c, error='the reply was cut off by the token limit (finish_reason length) before this call was '
+                'complete; it was not run') for c in calls]
+        if not calls and self.tools:
+            fmt = foreign_format(completion, getattr(self.parser, 'name', ''), [t.name for t in self.tools])
+            if fmt is not None:
+                calls = [ToolCall('', None, completion[-200:], f'this looks like a {fmt} tool call, but this '
+                                  f'scheduler reads the {getattr(self.parser, "name", "configured")} format')]
+        return calls
 
     # ---- acting ---------------------------------------------------------------------------------
     def _encode(self, text: str) -> List[int]:
@@ -394,7 +416,12 @@ class YamlScheduler(Scheduler):
             extra: List[int] = []
             if inline_text:
                 if self.tokenizer is None:
-                    return result  # text only: no tokenizer to encode the inline text
+                    raise RequestError(
+                        'inline text (an inline observation or tip) joins token ids the model produced, but this '
+                        'scheduler has no tokenizer to encode it with loss mask 0; without one the earlier turns\' '
+                        'ids would be lost or misaligned. Give load_scheduler(..., tokenizer=...) (mtflow run passes '
+                        "the backend's), or use observation.mode: message / tip placement: user",
+                        uuid=getattr(infer_request, 'uuid', None), turn=current_turn, field='observation.mode')
                 extra = self._encode(inline_text)
             result['response_token_ids'] = model_ids + extra
             result['response_loss_mask'] = [1] * len(model_ids) + [0] * len(extra)
@@ -413,8 +440,8 @@ class YamlScheduler(Scheduler):
             if i in by_index:
                 results.append(by_index[i])
             elif call.error is not None:
-                results.append(ToolResult(call.name, call.arguments, False,
-                                          error=f'could not parse the tool call: {call.error}', error_kind='parse'))
+                results.append(ToolResult(call.name, call.arguments, False, error=self._parse_error(call.error),
+                                          error_kind='parse'))
             else:
                 results.append(ToolResult(call.name, call.arguments, False, error_kind='too_many_calls',
                                           error=f'more than {cfg.max_tool_calls_per_turn} tool calls in one turn; '
@@ -428,6 +455,13 @@ class YamlScheduler(Scheduler):
             raise ToolCallError(f'{len(failed)} tool call(s) failed: ' + '; '.join(r.error for r in failed),
                                 uuid=getattr(infer_request, 'uuid', None), turn=turn, field='tool_calls')
         return results
+
+    def _parse_error(self, error: str) -> str:
+        """A parse error as the model reads it: what went wrong, and the format expected."""
+        name = getattr(self.parser, 'name', None)
+        expected = getattr(self.parser, 'expected', None)
+        hint = f' ({name} format; write calls like: {expected})' if name and expected else ''
+        return f'could not parse the tool call: {error}{hint}'
 
     def _render(self, r: ToolResult, index: int) -> str:
         obs = self.config.observation

@@ -96,12 +96,26 @@ def test_react_max_turns_and_length():
     assert res.outputs[0].rollout_infos['tool_calls'] == 4 and res.outputs[0].rollout_infos['num_turns'] == 5
 
 
-def test_inline_without_tokenizer_is_text_only():
+def test_inline_without_tokenizer_fails_clearly_instead_of_dropping_ids():
+    """The model's ids of earlier turns are never dropped silently: with ids and no tokenizer to
+    encode the inline observation, the request fails naming the reason; the others go on."""
     s = load_scheduler(schedulers.path('react_calculator'))
-    res = run(s, {'a': [T1, T2]}, [req('a')])
+    res = run(s, {'a': [T1, T2], 'b': ['Final Answer: 3']}, [req('a'), req('b')], on_error='return')
+    assert res.finish_reasons == ['error', 'stop_rule:final_answer']
+    (failure, ) = res.failures
+    assert failure.uuid == 'a' and failure.turn == 1 and 'no tokenizer' in str(failure.error)
+    assert getattr(failure.error, 'field', None) == 'observation.mode'
+    assert res.outputs[1].response_token_ids == [ids_of('Final Answer: 3')]
+
+
+def test_inline_without_tokenizer_and_without_ids_is_text_only():
+    s = load_scheduler(schedulers.path('react_calculator'))
+    script = {'a': [out(T1, None), out(T2, None)]}
+    res = run(s, script, [req('a')])
     o = res.outputs[0]
-    assert o.messages[-1]['content'].startswith(T1 + OBS)
-    assert o.response_token_ids == [ids_of(T2)]  # only the last turn's own ids; no observation ids invented
+    assert res.finish_reasons == ['stop_rule:final_answer']
+    assert o.messages[-1]['content'].startswith(T1 + OBS) and o.messages[-1]['content'].endswith(T2)
+    assert o.response_token_ids == []
 
 
 # ---- hermes_tools: tool messages, several concurrent calls --------------------------------------
