@@ -189,6 +189,9 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
             bad = check_builtin_options(name, options)
             if not bad:
                 make_builtin(name, options)
+        except ImportError as exc:  # an installed plugin's entry point that does not load
+            out.append((('tools', i), str(exc)))
+            continue
         except (KeyError, ValueError, TypeError) as exc:
             out.append((('tools', i, 'options'), str(exc).strip('"')))
             continue
@@ -201,6 +204,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
             not _under(('parser_options', ), found, lines):
         try:
             get_parser(parser, options, base_dir)
+        except ImportError as exc:
+            out.append((('parser', ), str(exc)))
         except Exception as exc:
             out.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
     env = data.get('env')
@@ -208,6 +213,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
             not _under(('env', ), found, lines):
         try:
             make_env_factory(env['impl'], env.get('kwargs', {}), base_dir)
+        except ImportError as exc:
+            out.append((('env', 'impl'), str(exc)))
         except Exception as exc:
             out.append((('env', 'kwargs'), f'cannot create environment {env["impl"]!r}: {type(exc).__name__}: {exc}'))
     ref = data.get('scheduler_class')
