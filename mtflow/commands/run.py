@@ -363,7 +363,15 @@ def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, An
         'model_load_s': round(load_s, 3),
         'model_cached': load_info.get('cached'),
         'failures': tallies['failures'][:20],
+        'finish_policy': _policy_summary(tallies['infos']),
     }
+
+
+def _policy_summary(infos: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """What the YAML scheduler's finish_policy did (rule -> action counts, dropped)."""
+    from ..declarative.policy import summarize_policy
+
+    return summarize_policy(infos)
 
 
 def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
@@ -387,6 +395,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
     if summary['reward_mean'] is not None:
         table.add_row('mean reward', str(summary['reward_mean']))
+    if summary.get('finish_policy'):
+        table.add_row('finish policy', ', '.join(f'{k} {v}' for k, v in summary['finish_policy'].items()))
     errors = summary['errors']
     table.add_row('request errors', f'[red]{errors}[/red]' if errors else '0')
     table.add_row('generated tokens', str(summary['generated_tokens']))

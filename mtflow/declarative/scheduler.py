@@ -42,6 +42,7 @@ from ..tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
 from ..tools.runner import ToolResult, ToolRunner, truncate
 from .gym import make_env_factory
 from .parsers import ToolCall, foreign_format, get_parser
+from .policy import FinishPolicy, apply_policy
 from .schema import SchedulerConfig, TipConfig
 from .templates import render
 
@@ -115,6 +116,7 @@ class YamlScheduler(Scheduler):
         self._env_factory = make_env_factory(config.env.impl, config.env.kwargs, base_dir) if config.env else None
         self._states: Dict[Any, _State] = {}
         self.finish_reasons = tuple(self._finish_reasons())
+        self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
 
     # ---- construction ---------------------------------------------------------------------------
     def _build_tool(self, tc: Any) -> Tool:
@@ -200,6 +202,13 @@ class YamlScheduler(Scheduler):
                 opening = await _maybe_await(st.env.reset(request))
                 if opening and not any(m.get('role') == 'user' for m in request.messages):
                     request.messages.append({'role': 'user', 'content': opening})
+
+    def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
+        """Apply ``finish_policy`` (the executor calls this once per request, on every finish path:
+        stop rules, ``length``, ``max_turns``, errors, timeouts, interrupts)."""
+        if self.finish_policy is None:
+            return None
+        return apply_policy(self.finish_policy, output, finish_reason)
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         st = self._states.pop(self._key(infer_request), None)

@@ -9,11 +9,12 @@ reports every problem at once. They read the YAML file's directory from the vali
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Annotated
 
+from .policy import PolicyAction, check_key
 from .templates import FIELDS, check_template
 
 
@@ -274,6 +275,11 @@ class SchedulerConfig(_Strict):
     reward: Optional[str] = Field(
         None, description="'module:function'(infer_request, rollout_infos) -> float, called when the request "
         "stops; stored as rollout_infos['reward'].")
+    finish_policy: Dict[str, Union[Literal['keep', 'mask', 'drop'], PolicyAction]] = Field(
+        default_factory=dict, description="What training sees, by finish reason: keys are finish reasons "
+        "(length, max_turns, timeout, error, interrupted, stop_rule:<name>), 'stop_rule:*', 'tool_error:<kind>' "
+        "(the request had such a tool error), 'tool_error:*' or 'default'; values keep, mask (loss mask all 0), "
+        "drop (rollout_infos['mtflow_drop']) or {mask, drop, reward}. See docs/declarative.md.")
     scheduler_class: Optional[str] = Field(
         None, description="'module:Class', a subclass of mtflow.declarative.YamlScheduler to use instead (drop to "
         'Python for what YAML cannot say).')
@@ -335,4 +341,25 @@ def cross_problems(data: Any) -> List[tuple]:
                 problems.append((('tips', i, 'when'), f"when: {tip.get('when', 'wrong_answer')} needs an `answer` section"))
     if tools and data.get('env') is not None:
         problems.append((('env', ), 'use either tools or env, not both'))
+    policy = data.get('finish_policy') if isinstance(data.get('finish_policy'), dict) else {}
+    rules = _stop_rule_names(data, stop, names)
+    for key in policy:
+        msg = check_key(str(key))
+        if msg is None and rules is not None and str(key).startswith('stop_rule:') and key != 'stop_rule:*' and \
+                str(key)[len('stop_rule:'):] not in rules:
+            msg = f'this scheduler has no stop rule {str(key)[len("stop_rule:"):]!r} (its rules: {", ".join(sorted(rules))})'
+        if msg:
+            problems.append((('finish_policy', key), msg))
     return problems
+
+
+def _stop_rule_names(data: Dict[str, Any], stop: Dict[str, Any], tools: List[Any]) -> Optional[set]:
+    """The ``stop_rule:<name>`` names this file can finish with (None when a predicate may name any)."""
+    if stop.get('predicate'):
+        return None
+    rules = set(stop.get('regex') or {}) if isinstance(stop.get('regex'), dict) else set()
+    rules |= {'env_done'} if data.get('env') is not None else set()
+    rules |= {'correct_answer'} if stop.get('correct_answer') else set()
+    rules |= {'stop_tool'} if stop.get('stop_tools') else set()
+    rules |= {'no_tool_call' if tools else 'tips_exhausted' if data.get('tips') else 'no_action'}
+    return rules
