@@ -191,6 +191,32 @@ def _duplicate_keys(node: Node, loc: Loc = (), seen_nodes: Optional[set] = None)
     return problems
 
 
+_STR = 'tag:yaml.org,2002:str'
+_MERGE = 'tag:yaml.org,2002:merge'
+
+
+def _non_string_keys(node: Node) -> List[YamlProblem]:
+    """Mapping keys that are not strings (``1:``, ``true:``, ``? [a]``): config keys are names."""
+    problems: List[YamlProblem] = []
+    seen: set = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, MappingNode):
+            for k, v in n.value:
+                if not (isinstance(k, ScalarNode) and k.tag in (_STR, _MERGE)):
+                    shown = k.value if isinstance(k, ScalarNode) else type(k).__name__.replace('Node', '').lower()
+                    problems.append(YamlProblem(k.start_mark.line + 1, (), f'key {shown!r} is not a string; '
+                                                'quote it (keys are names)'))
+                stack.append(v)
+        elif isinstance(n, SequenceNode):
+            stack.extend(n.value)
+    return sorted(problems, key=lambda p: p.line or 0)
+
+
 def _decode(data: bytes) -> str:
     try:
         return data.decode('utf-8-sig')
@@ -212,7 +238,12 @@ def load_yaml(source: Union[str, bytes], max_bytes: int = MAX_BYTES, max_nodes: 
     if size > max_bytes:
         raise YamlLoadError([YamlProblem(None, (), f'file is {size} bytes; the limit is {max_bytes}')])
     text = _decode(source) if isinstance(source, bytes) else source
-    loader = _BoundedLoader(text, max_nodes, max_depth)
+    try:
+        loader = _BoundedLoader(text, max_nodes, max_depth)
+    except yaml.reader.ReaderError as exc:  # control characters (checked before parsing starts)
+        line = text[:exc.position].count('\n') + 1
+        raise YamlLoadError([YamlProblem(line, (), f'character 0x{exc.character:02x} at line {line} is not allowed in '
+                                         'YAML (control characters)')]) from None
     try:
         try:
             node = loader.get_single_node()
@@ -226,12 +257,19 @@ def load_yaml(source: Union[str, bytes], max_bytes: int = MAX_BYTES, max_nodes: 
             mark = exc.problem_mark or exc.context_mark
             raise YamlLoadError([YamlProblem(mark.line + 1 if mark else None, (),
                                              f'YAML syntax error: {exc.problem or exc}')]) from None
-        except yaml.YAMLError as exc:  # e.g. a reader error (control characters)
+        except yaml.reader.ReaderError as exc:  # control characters further in the stream
+            line = text[:exc.position].count('\n') + 1
+            raise YamlLoadError([YamlProblem(line, (), f'character 0x{exc.character:02x} at line {line} is not '
+                                             'allowed in YAML (control characters)')]) from None
+        except yaml.YAMLError as exc:
             raise YamlLoadError([YamlProblem(None, (), f'YAML error: {exc}')]) from None
         except RecursionError:
             raise YamlLoadError([YamlProblem(None, (), f'nesting deeper than {max_depth} levels')]) from None
         if node is None:
             return None, None, []
+        bad_keys = _non_string_keys(node)
+        if bad_keys:
+            raise YamlLoadError(bad_keys)
         duplicates = _duplicate_keys(node)
         try:
             data = loader.construct_document(node)

@@ -72,7 +72,7 @@ def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
     if cfg.scheduler_is_yaml():
         path = cfg.scheduler_path()
         if not Path(path).is_file():
-            out.problems.append(f'{where}: scheduler: scheduler file not found: {cfg.scheduler}')
+            out.problems.append(f'{where}: scheduler: no such scheduler file: {cfg.scheduler}')
         else:
             from ..declarative import inspect_file
             report = inspect_file(str(path))

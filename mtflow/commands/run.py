@@ -210,6 +210,8 @@ def _preflight(cfg: Any) -> None:
     """Raise one :class:`CLIError` listing every problem ``mtflow validate`` would report."""
     from .preflight import check_run_config
 
+    if cfg.scheduler_is_yaml() and not cfg.scheduler_path().is_file():
+        return  # scheduler_factory says so
     problems = check_run_config(cfg, check_dataset=False).problems  # the dataset was just read
     if problems:
         raise CLIError('\n'.join(map(str, problems)))

@@ -77,12 +77,14 @@ def loads_lenient(payload: str) -> Any:
         return json.loads(payload)
     except json.JSONDecodeError as exc:
         first_error = exc
+    except RecursionError:
+        raise ValueError('invalid JSON: nested too deeply') from None
     start = min((i for i in (payload.find('{'), payload.find('[')) if i >= 0), default=-1)
     if start >= 0:
         try:
             value, _ = json.JSONDecoder().raw_decode(payload[start:])
             return value
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if payload.startswith('{') and "'" in payload:  # a Python dict literal (Hermes-2-Pro writes these)
         try:
@@ -112,6 +114,9 @@ def json_values(text: str, pos: int = 0) -> Tuple[List[Any], int, Optional[str]]
             value, end = _DECODER.raw_decode(text, at)
         except json.JSONDecodeError as exc:
             return values, at, json_error(exc, text)
+        except RecursionError:
+            return values, at, 'invalid JSON: nested too deeply'
+
         values.append(value)
         pos = end
 
@@ -134,6 +139,8 @@ def call_from_obj(obj: Any, raw: str, complete: bool = True) -> ToolCall:
                 args = json.loads(stripped)
             except json.JSONDecodeError as exc:
                 return ToolCall(name, None, raw, f'invalid JSON in "arguments": {exc.msg}', complete)
+            except RecursionError:
+                return ToolCall(name, None, raw, 'invalid JSON in "arguments": nested too deeply', complete)
     return ToolCall(name, args, raw, None, complete)
 
 
