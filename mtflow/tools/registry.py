@@ -17,8 +17,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
-
 TruncateSide = Literal['right', 'left']
 
 
@@ -248,24 +246,14 @@ def _calculator_factory(options: Dict[str, Any]) -> Callable[..., Any]:
     return calculator
 
 
-class PythonToolOptions(BaseModel):
-    """Options of the built-in ``python`` tool (the sandbox's limits)."""
-    model_config = ConfigDict(extra='forbid', strict=True)
-    timeout_s: float = Field(5.0, gt=0, description='Wall-clock limit; the process group is killed after it.')
-    memory_mb: int = Field(512, ge=16, description='RLIMIT_AS of the process, in MiB.')
-    cpu_s: Optional[int] = Field(None, ge=1, description='RLIMIT_CPU in seconds (default: timeout_s + 1).')
-    max_output_chars: int = Field(4000, ge=1, description='Longest stdout+stderr kept.')
-    max_file_mb: int = Field(16, ge=1, description='RLIMIT_FSIZE, in MiB.')
-
-
 def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
-    from .sandbox import python, run_python
+    from .sandbox import check_python_options, python, run_python
+    options = check_python_options(options)
     if not options:
         return python
-    checked = PythonToolOptions.model_validate(options).model_dump(include=set(options))
 
     async def python_tool(code: str) -> str:
-        return (await run_python(code, **checked)).as_observation()
+        return (await run_python(code, **options)).as_observation()
 
     python_tool.__doc__ = python.__doc__
     return python_tool
@@ -273,4 +261,3 @@ def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
 
 _REGISTRY['calculator'] = _calculator_factory
 _REGISTRY['python'] = _python_factory
-_OPTIONS['python'] = PythonToolOptions

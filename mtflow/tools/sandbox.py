@@ -25,7 +25,7 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 _LAUNCHER = r'''
 import resource, sys
@@ -136,6 +136,31 @@ def _kill(proc: 'asyncio.subprocess.Process') -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+#: option -> (type, minimum) for the ``python`` tool's YAML ``options``
+PYTHON_OPTIONS: Dict[str, Any] = {
+    'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
+    'max_file_mb': (int, 1),
+}
+
+
+def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` checked (names, types, ranges); ``ValueError`` says what is wrong, so that
+    ``mtflow validate`` reports it instead of every call failing at run time."""
+    unknown = set(options) - set(PYTHON_OPTIONS)
+    if unknown:
+        raise ValueError(f'python tool: unknown option(s) {sorted(unknown)} (allowed: {sorted(PYTHON_OPTIONS)})')
+    for key, value in options.items():
+        types, minimum = PYTHON_OPTIONS[key]
+        if value is None and key == 'cpu_s':
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            kind = 'a number' if types == (int, float) else 'an integer'
+            raise ValueError(f'python tool: option {key!r} must be {kind}, got {value!r}')
+        if minimum is not None and value < minimum:
+            raise ValueError(f'python tool: option {key!r} must be at least {minimum:g}, got {value!r}')
+    return dict(options)
 
 
 async def python(code: str) -> str:
