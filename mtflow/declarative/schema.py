@@ -355,10 +355,9 @@ def cross_problems(data: Any) -> List[tuple]:
 
 def _stop_rule_names(data: Dict[str, Any], stop: Dict[str, Any], tools: List[Any]) -> Optional[set]:
     """The ``stop_rule:<name>`` names this file can finish with (None when a predicate may name any)."""
-    if stop.get('predicate'):
-        return None
+    if stop.get('predicate') or data.get('env') is not None:
+        return None  # a predicate, or an environment, may name rules of its own
     rules = set(stop.get('regex') or {}) if isinstance(stop.get('regex'), dict) else set()
-    rules |= {'env_done'} if data.get('env') is not None else set()
     rules |= {'correct_answer'} if stop.get('correct_answer') else set()
     rules |= {'stop_tool'} if stop.get('stop_tools') else set()
     rules |= {'no_tool_call' if tools else 'tips_exhausted' if data.get('tips') else 'no_action'}
