@@ -70,7 +70,7 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _parse_options(items: List[str]) -> Dict[str, Any]:
-    import yaml
+    from ..safe_yaml import YamlLoadError, load_yaml  # the scalar rules of config files (yes is a string)
 
     opts = {}
     for item in items:
@@ -78,8 +78,8 @@ def _parse_options(items: List[str]) -> Dict[str, Any]:
         if not sep or not key:
             raise CLIError(f'--option needs KEY=VALUE, got {item!r}')
         try:
-            opts[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
+            opts[key.strip()] = load_yaml(value)[0]
+        except YamlLoadError:
             opts[key.strip()] = value
     return opts
 

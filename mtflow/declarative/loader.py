@@ -128,7 +128,7 @@ def read_yaml(path: str) -> Tuple[Any, Dict[Loc, int], List[Problem], bool]:
     return data, _line_map(node) if node is not None else {(): 1}, [_problem(path, p) for p in duplicates], False
 
 
-def _under(loc: Loc, problems: List[Problem], lines: Optional[Dict[Loc, int]] = None) -> bool:
+def _under(loc: Loc, problems: List[Problem], lines: Optional[Dict[Loc, int]] = None) -> bool:  # noqa: ARG001
     """Whether a problem was already reported at ``loc`` or below it."""
     path = format_path(loc)
     return any(p.path == path or p.path.startswith(path + '.') or p.path.startswith(path + '[') for p in problems)

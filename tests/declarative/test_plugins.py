@@ -163,3 +163,35 @@ def test_plugin_that_raises_is_a_problem_with_its_line(tmp_path):
     assert "importing plugin 'boom_plugin' failed: ValueError: no" in problem.message
     with pytest.raises(ConfigError, match='boom_plugin'):
         load_scheduler(str(cfg))
+
+
+def test_a_registered_tool_can_declare_an_options_model(tmp_path):
+    """``register_tool(factory=True, options=Model)``: each bad option is reported at its own line."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    from mtflow.tools import register_tool
+
+    class GreetOptions(BaseModel):
+        model_config = ConfigDict(extra='forbid', strict=True)
+        greeting: str = 'hello'
+        times: int = Field(1, ge=1)
+
+    @register_tool('greet_with_options', factory=True, options=GreetOptions)
+    def make(options):
+        opts = GreetOptions(**options)
+
+        def greet(name: str) -> str:
+            """Greet."""
+            return f'{opts.greeting} {name}' * opts.times
+
+        return greet
+
+    cfg = tmp_path / 's.yaml'
+    cfg.write_text('name: g\ntools:\n  - name: greet_with_options\n    options:\n      times: 0\n      greeting: 3\n'
+                   '      colour: red\n')
+    got = sorted((p.line, p.path, p.message.split(' (')[0]) for p in validate_file(cfg))
+    assert got == [(5, 'tools[0].options.times', 'greet_with_options tool: Input should be greater than or equal to 1'),
+                   (6, 'tools[0].options.greeting', 'greet_with_options tool: Input should be a valid string'),
+                   (7, 'tools[0].options.colour', 'greet_with_options tool: unknown option')]
+    cfg.write_text('name: g\ntools:\n  - name: greet_with_options\n    options: {times: 2}\n')
+    assert load_scheduler(str(cfg)).runner.tools['greet_with_options'].fn('Ann') == 'hello Annhello Ann'
