@@ -108,7 +108,9 @@ class Caller:
         if outcome.kind == OK and inspect.isawaitable(outcome.value):
             t = perf_counter()
             left = max(timeout - outcome.duration, 0.001)
-            return self._awaitables([outcome.value], t, left)[0]
+            outcome = self._awaitables([outcome.value], t, left)[0]
+            if outcome.kind == TIMED_OUT:
+                outcome.value = timeout
         return outcome
 
     # ---- sync --------------------------------------------------------------------------------
@@ -173,6 +175,8 @@ class Caller:
             left = None if timeout is None else max(timeout - (perf_counter() - t0), 0.001)
             awaitables = [c if first is _NOT_STARTED else _resumed(c, first) for _, c, first in suspended]
             for (k, _, _), outcome in zip(suspended, self._awaitables(awaitables, t0, left)):
+                if outcome.kind == TIMED_OUT:
+                    outcome.value = timeout  # the deadline, not what was left of it
                 results[k] = outcome
         return results  # type: ignore[return-value]
 

@@ -434,6 +434,11 @@ class BatchRun:
             replaced = hook(output, rec.reason, turn)
             if inspect.isawaitable(replaced):
                 replaced = self._await(replaced)
+            if replaced is not None and not isinstance(replaced, type(output)) and not (
+                    hasattr(replaced, 'messages') and hasattr(replaced, 'rollout_infos')):
+                raise SchedulerResultError(
+                    f'finalize_output must return an output (or None to keep it), got {type(replaced).__name__}',
+                    uuid=rec.uuid, turn=turn, field='finalize_output')
         except Exception as exc:
             if strict:
                 raise _OutputFailed('finalize_output', exc) from exc
