@@ -42,7 +42,8 @@ def reward(infer_request, infos):
 
 
 def scheduler(**kw):
-    cfg = {'name': 'policy', 'tools': [{'name': 'calculator'}], 'finish_policy': POLICY, 'reward': f'{ME}:reward'}
+    cfg = {'name': 'policy', 'tools': [{'name': 'calculator'}], 'finish_policy': POLICY, 'reward': f'{ME}:reward',
+           'max_turns': 5}
     cfg.update(kw)
     return load_scheduler(cfg, tokenizer=tok())
 
@@ -162,7 +163,7 @@ def test_mtflow_run_summary_counts_what_the_policy_did(tmp_path, monkeypatch):
     from mtflow.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / 's.yaml').write_text('name: p\ntools: [{name: calculator}]\nfinish_policy: {length: mask, '
+    (tmp_path / 's.yaml').write_text('name: p\nmax_turns: 3\ntools: [{name: calculator}]\nfinish_policy: {length: mask, '
                                      '"stop_rule:*": keep}\n')
     (tmp_path / 'p.jsonl').write_text(''.join(json.dumps({'uuid': f'u{i}', 'prompt': 'hi'}) + '\n' for i in range(3)))
     (tmp_path / 'script.jsonl').write_text(
@@ -175,3 +176,14 @@ def test_mtflow_run_summary_counts_what_the_policy_did(tmp_path, monkeypatch):
     assert summary['finish_policy'] == {'length -> mask': 1, 'stop_rule:* -> keep': 2, 'dropped': 0}
     lines = [json.loads(l) for l in (tmp_path / 'out' / 'trajectories.jsonl').read_text().splitlines()]
     assert [l['rollout_infos']['mtflow_policy']['rule'] for l in lines] == ['length', 'stop_rule:*', 'stop_rule:*']
+
+
+def test_timeout_through_the_executor_deadline():
+    """A step that misses the executor's deadline finishes with 'timeout'; the policy sees it."""
+    s = scheduler(tools=[{'name': 'slow', 'impl': f'{ME}:slow'}])
+    res = run(s, {'a': ['<tool_call>{"name": "slow", "arguments": {"x": "1"}}</tool_call>'], 'b': ['fine']},
+              on_error='return', step_timeout_s=0.5)
+    assert res.finish_reasons == ['timeout', 'stop_rule:no_tool_call']
+    o = res.outputs[0]
+    assert o.rollout_infos['mtflow_policy']['rule'] == 'timeout' and o.rollout_infos['mtflow_drop'] is True
+    assert all(v == 0 for seg in o.response_loss_mask for v in seg)
