@@ -41,6 +41,14 @@ def problems_of(path: str) -> List[Any]:
     return report_of(path)[0]
 
 
+def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:
+    """The safety note: every Python module or callable the file makes mtflow import."""
+    if imports:
+        print(f'{path}: imports (this Python code runs with your rights):')
+        for where, ref in imports:
+            print(f'  {ref}  ({where})')
+
+
 def main(args: argparse.Namespace) -> int:
     bad = 0
     for path in args.files:
@@ -49,12 +57,10 @@ def main(args: argparse.Namespace) -> int:
             bad += 1
             for problem in problems:
                 print(problem, flush=True)
-        elif not args.quiet:
+            continue
+        if not args.quiet:
             print(f'{path}: OK')
-        if imports and not problems and not args.quiet:
-            print(f'{path}: imports (this Python code runs with your rights):')
-            for where, ref in imports:
-                print(f'  {ref}  ({where})')
+            print_imports(path, imports)
     if bad:
         print(f'{bad} of {len(args.files)} file(s) have problems', file=sys.stderr)
     return 1 if bad else 0

@@ -25,13 +25,15 @@ executor's ``finalize_output`` hook, on every finish path); what it did is recor
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..machine import FINISH_REASONS, STOP_RULE_PREFIX
 
-#: the kinds of tool error the YAML scheduler counts (``rollout_infos['tool_error_kinds']``)
+#: kinds of tool error the YAML scheduler and its runner count (``rollout_infos['tool_error_kinds']``);
+#: tools may add their own, so a policy may name any kind
 TOOL_ERROR_KINDS = ('parse', 'too_many_calls', 'unknown_tool', 'bad_arguments', 'timeout', 'exception')
 TOOL_ERROR_PREFIX = 'tool_error:'
 DROP_KEY = 'mtflow_drop'
@@ -66,9 +68,9 @@ def check_key(key: str) -> Optional[str]:
         return None  # the loader checks the name against the file's stop rules
     if key.startswith(TOOL_ERROR_PREFIX):
         kind = key[len(TOOL_ERROR_PREFIX):]
-        if kind == '*' or kind in TOOL_ERROR_KINDS:
-            return None
-        return f'unknown tool error kind {kind!r} (known: {", ".join(TOOL_ERROR_KINDS)}, or *)'
+        if kind == '*' or re.fullmatch(r'[A-Za-z_][\w.-]*', kind):
+            return None  # tools may raise kinds of their own (the sandbox: memory, exit, killed, refused)
+        return f'tool error kind {kind!r} is not a name (built-in kinds: {", ".join(TOOL_ERROR_KINDS)}, or *)'
     return (f'unknown finish reason {key!r} (known: {", ".join(FINISH_REASONS)}, stop_rule:<name>, stop_rule:*, '
             f'tool_error:<kind>, tool_error:*, default)')
 

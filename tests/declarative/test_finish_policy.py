@@ -140,11 +140,11 @@ def test_exact_reason_wins_over_tool_error_rule():
 def test_bad_policies_are_reported_with_lines(tmp_path):
     f = tmp_path / 'p.yaml'
     f.write_text('name: p\ntools: [{name: calculator}]\nfinish_policy:\n  lenght: mask\n  length: trim\n'
-                 '  "tool_error:oops": drop\n  "stop_rule:final": keep\n  max_turns: {reward: high}\n')
+                 '  "tool_error:o o": drop\n  "stop_rule:final": keep\n  max_turns: {reward: high}\n')
     got = {(p.line, p.path): p.message for p in validate_file(f)}
     assert 'unknown finish reason' in got[(4, 'finish_policy.lenght')]
     assert "'keep', 'mask' or 'drop'" in got[(5, 'finish_policy.length')]
-    assert 'unknown tool error kind' in got[(6, 'finish_policy.tool_error:oops')]
+    assert 'is not a name' in got[(6, 'finish_policy.tool_error:o o')]
     assert "no stop rule 'final'" in got[(7, 'finish_policy.stop_rule:final')]
     assert any(k[0] == 8 and 'valid number' in v for k, v in got.items())
     with pytest.raises(ConfigError):
