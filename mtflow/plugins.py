@@ -18,10 +18,12 @@ decorators of a user's module work from the CLI.
 """
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ['GROUPS', 'entry_point_names', 'load_entry_point', 'loaded_entry_points', 'import_plugins']
+__all__ = ['GROUPS', 'entry_point_names', 'load_entry_point', 'loaded_entry_points', 'import_plugins',
+           'refresh_entry_points']
 
 GROUPS = ('mtflow.tools', 'mtflow.parsers', 'mtflow.envs')
 
@@ -29,11 +31,24 @@ GROUPS = ('mtflow.tools', 'mtflow.parsers', 'mtflow.envs')
 _LOADED: Dict[Tuple[str, str], str] = {}
 
 
+#: ``(group, sys.path) -> entry points``: scanning every installed distribution costs tens of ms,
+#: and names are looked up several times per file; a change of ``sys.path`` rescans
+_CACHE: Dict[Tuple[str, Tuple[str, ...]], List[Any]] = {}
+
+
 def _entry_points(group: str) -> List[Any]:
-    try:
-        return list(metadata.entry_points(group=group))
-    except Exception:  # a broken installed distribution must not break every config
-        return []
+    key = (group, tuple(sys.path))
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = list(metadata.entry_points(group=group))
+        except Exception:  # a broken installed distribution must not break every config
+            _CACHE[key] = []
+    return _CACHE[key]
+
+
+def refresh_entry_points() -> None:
+    """Forget the scanned entry points (after installing a package into a running process)."""
+    _CACHE.clear()
 
 
 def entry_point_names(group: str) -> List[str]:
