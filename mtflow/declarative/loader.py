@@ -128,7 +128,7 @@ def read_yaml(path: str) -> Tuple[Any, Dict[Loc, int], List[Problem], bool]:
     return data, _line_map(node) if node is not None else {(): 1}, [_problem(path, p) for p in duplicates], False
 
 
-def _under(loc: Loc, problems: List[Problem], lines: Optional[Dict[Loc, int]] = None) -> bool:  # noqa: ARG001
+def _under(loc: Loc, problems: List[Problem]) -> bool:
     """Whether a problem was already reported at ``loc`` or below it."""
     path = format_path(loc)
     return any(p.path == path or p.path.startswith(path + '.') or p.path.startswith(path + '[') for p in problems)
@@ -162,14 +162,13 @@ def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[s
     for loc, msg in cross_problems(data):
         problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
     if resolve:
-        for loc, msg in _build_problems(data, base_dir, problems, lines):
+        for loc, msg in _build_problems(data, base_dir, problems):
             problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
     problems.sort(key=lambda p: p.line or 0)
     return (config if not problems else None), problems
 
 
-def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[Problem],
-                    lines: Dict[Loc, int]) -> List[Tuple[Loc, str]]:
+def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[Problem]) -> List[Tuple[Loc, str]]:
     """What only building finds, tried section by section on the raw mapping (a section the
     schema already flagged is skipped): a built-in's options, a parser's options, an
     environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
@@ -180,7 +179,7 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
     out: List[Tuple[Loc, str]] = []
     tools = data.get('tools') if isinstance(data.get('tools'), list) else []
     for i, tc in enumerate(tools):
-        if not isinstance(tc, dict) or tc.get('impl') or _under(('tools', i, 'options'), found, lines):
+        if not isinstance(tc, dict) or tc.get('impl') or _under(('tools', i, 'options'), found):
             continue
         name, options = tc.get('builtin') or tc.get('name'), tc.get('options', {})
         if not isinstance(name, str) or name not in builtin_names() or not isinstance(options, dict):
@@ -200,8 +199,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
             continue
         out += [(('tools', i, 'options') + tuple(loc), msg) for loc, msg in bad]
     parser, options = data.get('parser', 'hermes'), data.get('parser_options', {})
-    if isinstance(parser, str) and isinstance(options, dict) and not _under(('parser', ), found, lines) and \
-            not _under(('parser_options', ), found, lines):
+    if isinstance(parser, str) and isinstance(options, dict) and not _under(('parser', ), found) and \
+            not _under(('parser_options', ), found):
         try:
             get_parser(parser, options, base_dir)
         except ImportError as exc:
@@ -210,7 +209,7 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
             out.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
     env = data.get('env')
     if isinstance(env, dict) and isinstance(env.get('impl'), str) and isinstance(env.get('kwargs', {}), dict) and \
-            not _under(('env', ), found, lines):
+            not _under(('env', ), found):
         try:
             make_env_factory(env['impl'], env.get('kwargs', {}), base_dir)
         except ImportError as exc:
@@ -218,7 +217,7 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
         except Exception as exc:
             out.append((('env', 'kwargs'), f'cannot create environment {env["impl"]!r}: {type(exc).__name__}: {exc}'))
     ref = data.get('scheduler_class')
-    if isinstance(ref, str) and not _under(('scheduler_class', ), found, lines):
+    if isinstance(ref, str) and not _under(('scheduler_class', ), found):
         from .scheduler import YamlScheduler
         try:
             cls = resolve_ref(ref, base_dir)
@@ -235,7 +234,7 @@ def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
     """Problems only building finds, for a validated config (see :func:`check_data`)."""
     data = config.model_dump(exclude_unset=True)
     return [Problem(file, _line_of(lines, loc), format_path(loc), msg)
-            for loc, msg in _build_problems(data, base_dir, [], lines)]
+            for loc, msg in _build_problems(data, base_dir, [])]
 
 
 #: the keys that name Python code (``module:attribute``) the scheduler will import
