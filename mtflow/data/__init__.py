@@ -75,8 +75,13 @@ def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
         raise DatasetError(f'dataset not found: {path}')
     requests: List[RolloutInferRequest] = []
     seen: Dict[str, int] = {}
-    with open(path, encoding='utf-8') as f:
-        for no, raw in enumerate(f, 1):
+    with open(path, 'rb') as f:
+        for no, raw_bytes in enumerate(f, 1):
+            try:
+                raw = raw_bytes.decode('utf-8')
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f'{path}:{no}: not UTF-8 text: byte 0x{raw_bytes[exc.start]:02x} at column '
+                                   f'{exc.start + 1} cannot be decoded (save the file as UTF-8)') from None
             if limit is not None and len(requests) >= limit:
                 break
             if not raw.strip():
