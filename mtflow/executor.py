@@ -40,7 +40,7 @@ from .calls import OK, RAISED, TIMED_OUT, Caller, Outcome
 from .errors import (MtflowError, MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted,
                      SchedulerResultError, StepTimeout)
 from .machine import RequestRecord, StateGraph
-from .protocol import RolloutOutput
+from .protocol import OutputBuilder, RolloutOutput
 from .records import FinishedRequest, Move
 from .scheduler import HookSet
 from .segments import accounting_for, checked_logprobs, is_continuation_of
@@ -367,6 +367,7 @@ class BatchRun:
             self.output_cls = type(first_turn_outputs[0])
         else:
             self.output_cls = RolloutOutput
+        self.builder = OutputBuilder(self.output_cls)
         self.handlers: Dict[str, Callable[[List[RequestRecord], int], List[Move]]] = {
             'waiting': self.handle_waiting,
             'tool_step': self.handle_tool_step,
@@ -473,6 +474,9 @@ class BatchRun:
             response_loss_mask=rec.mask,
             rollout_infos=infos,
             rollout_logprobs=logprobs)
+        built = self.builder.build(fields)
+        if built is not None:
+            return built
         try:
             return self.output_cls(**fields)
         except Exception as exc:  # e.g. ms-swift's class requires a response the request never got

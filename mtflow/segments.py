@@ -10,6 +10,7 @@ it was, and the request's partial output loses nothing.
 """
 from __future__ import annotations
 
+from collections import abc
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import SchedulerResultError
@@ -129,14 +130,26 @@ class ContractAccounting:
                     turn=turn,
                     field='response_loss_mask')
 
-        continuing = record.is_continuation
+        # extend_or_append and join_step_logprobs, inlined: this runs once per request and turn
+        extend = record.is_continuation
         if ids is not None:
-            extend_or_append(record.ids, ids, continuing)
+            if extend and record.ids:
+                record.ids[-1].extend(ids)
+            else:
+                record.ids.append(list(ids))
         if mask is not None:
-            extend_or_append(record.mask, mask, continuing)
+            if extend and record.mask:
+                record.mask[-1].extend(mask)
+            else:
+                record.mask.append(list(mask))
         if infos:
             record.infos.update(infos)
-        join_step_logprobs(record, choice, result)
+        logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
+        if logprobs:
+            if extend and record.logprobs:
+                record.logprobs[-1].extend(logprobs)
+            else:
+                record.logprobs.append(list(logprobs))
         return next_request
 
 
@@ -208,13 +221,14 @@ def check_step_result(record: RequestRecord, result: Any, turn: int) -> Tuple[An
         raise SchedulerResultError(
             'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
     infos = result.get('rollout_infos')
-    if infos is not None and not isinstance(infos, Mapping):
+    if infos is not None and infos.__class__ is not dict and not isinstance(infos, abc.Mapping):
         try:
             infos = check_infos(infos, uuid, turn)  # key/value pairs, as dict.update takes them
         except SchedulerResultError as exc:
             raise SchedulerResultError(f'rollout_infos {exc.detail}', uuid=uuid, turn=turn,
                                        field='rollout_infos') from None
-    check_ids(result.get('response_token_ids'), uuid, turn, 'response_token_ids')
-    check_mask(result.get('response_loss_mask'), uuid, turn, 'response_loss_mask')
-    check_logprobs(result.get('rollout_logprobs'), uuid, turn, 'rollout_logprobs')
+    if len(result) > 1:
+        check_ids(result.get('response_token_ids'), uuid, turn, 'response_token_ids')
+        check_mask(result.get('response_loss_mask'), uuid, turn, 'response_loss_mask')
+        check_logprobs(result.get('rollout_logprobs'), uuid, turn, 'rollout_logprobs')
     return next_request, infos
