@@ -647,7 +647,7 @@ class BatchRun:
         going = applied
         if on_turn_end is not None and going:
             outcomes = caller.batch(on_turn_end, [(r.request, r.choice, turn) for r in going],
-                                    hooks.on_turn_end_is_async, timeout)
+                                    hooks.on_turn_end_is_async, timeout, timed=False)
             kept = []
             for rec, outcome in zip(going, outcomes):
                 if outcome.kind != OK:
