@@ -142,9 +142,9 @@ class Executor:
         rank: written into trace events.
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
-        accounting: how ids/masks/logprobs accumulate (default: the contract's rules, or one an
-            integration registered for this kind of scheduler, see
-            :func:`mtflow.segments.register_accounting`).
+        accounting: how ids/masks/logprobs accumulate (default:
+            :func:`mtflow.segments.accounting_for`: ms-swift 4.6's rules for schedulers that keep
+            assistant messages as token ids, else the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
             raises becomes that request's failure (phase ``on_finished``), never swallowed.

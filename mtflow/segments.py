@@ -11,23 +11,12 @@ it was, and the request's partial output loses nothing.
 from __future__ import annotations
 
 from collections import abc
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .errors import SchedulerResultError
 from .machine import RequestRecord
 from .protocol import extract_logprobs
 from .validate import check_ids, check_infos, check_logprobs, check_mask
-
-#: accountings that integrations registered: ``(applies(scheduler) -> bool, factory(scheduler))``
-_REGISTERED: List[Tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
-
-
-def register_accounting(applies: Callable[[Any], bool], factory: Callable[[Any], Any]) -> None:
-    """Let an integration supply the accounting for the schedulers it recognises (e.g. the
-    ms-swift integration for schedulers that keep assistant messages as token ids). The core
-    never imports integrations; they plug in here (the latest registration wins)."""
-    _REGISTERED.append((applies, factory))
-
 
 def keeps_messages_as_ids(scheduler: Any) -> bool:
     """ms-swift 4.6's shape: the scheduler's class has ``append_assistant_completion``."""
@@ -35,17 +24,12 @@ def keeps_messages_as_ids(scheduler: Any) -> bool:
 
 
 def accounting_for(scheduler: Any) -> Any:
-    """The accounting an executor uses for ``scheduler`` when none is passed: a registered one
-    that applies, else the contract's. A scheduler that keeps assistant messages as token ids
-    with no accounting registered for it is an error (the contract's rules would silently
-    produce other token ids)."""
-    for applies, factory in reversed(_REGISTERED):
-        if applies(scheduler):
-            return factory(scheduler)
+    """The accounting an executor uses for ``scheduler`` when none is passed: ms-swift 4.6's
+    (:class:`mtflow.id_accounting.Swift46Accounting`) for schedulers that keep assistant
+    messages as token ids, else the contract's."""
     if keeps_messages_as_ids(scheduler):
-        raise TypeError(f'{type(scheduler).__name__} keeps assistant messages as token ids (ms-swift 4.6); '
-                        f'import mtflow.integrations.swift_accounting (it registers the accounting) or pass '
-                        f'accounting=Swift46Accounting(scheduler)')
+        from .id_accounting import Swift46Accounting  # it imports this module
+        return Swift46Accounting(scheduler)
     return ContractAccounting()
 
 
