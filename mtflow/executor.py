@@ -37,8 +37,8 @@ from . import machine as M
 from . import trace as _trace
 from . import validate as V
 from .calls import OK, RAISED, TIMED_OUT, Caller, Outcome
-from .errors import (MtflowError, MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted,
-                     SchedulerResultError, StepTimeout)
+from .errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RequestFailure, RolloutFnError,
+                     RolloutInterrupted, SchedulerResultError, StepTimeout)
 from .machine import RequestRecord, StateGraph
 from .protocol import OutputBuilder, RolloutOutput
 from .records import FinishedRequest, Move
@@ -56,20 +56,6 @@ DEFAULT_TURN_CAP = 1000
 
 __all__ = ['Executor', 'RunResult', 'BatchRun', 'RankMismatchError', 'DuplicateUuidError', 'run_multi_turn',
            'identity_gather', 'DEFAULT_TURN_CAP']
-
-
-class RankMismatchError(MtflowError):
-    """Ranks that must see the same live set (``Executor(check_ranks=True)``) disagree: raised
-    on every rank, at the same turn, instead of hanging in the engine's next collective.
-    ``.result`` is this rank's :class:`RunResult` (the live requests failed with this error)."""
-
-    def __init__(self, message: str, turn: int, ranks: List[int], result: Any = None) -> None:
-        super().__init__(message)
-        self.turn, self.ranks, self.result = turn, ranks, result
-
-
-class DuplicateUuidError(MtflowError, ValueError):
-    """Two requests of one batch share a ``uuid`` (schedulers key per-request state by it)."""
 
 
 def identity_gather(values: List[Any]) -> List[Any]:
