@@ -18,7 +18,7 @@ from tests.helpers import Counter, out, req
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ('protocol', 'machine', 'scheduler', 'segments', 'executor', 'trace', 'stop', 'validate', 'calls', 'records',
-        'types', 'errors')
+        'types', 'errors', 'id_accounting')
 OUTER = ('declarative', 'tools', 'backends', 'integrations', 'viewer', 'cli', 'commands')
 
 
