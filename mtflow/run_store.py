@@ -245,6 +245,7 @@ class _DirLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.existed = path.exists()  # left by a killed run: a refused open leaves it there
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -253,8 +254,12 @@ class _DirLock:
             os.close(self.fd)
             raise RunDirError(f'another mtflow run (pid {owner}) is writing to {path.parent}: wait for it to end, '
                               f'or stop it first') from None
+
+    def claim(self) -> None:
+        """Write this process's pid (once the directory is really ours, so a refused open leaves
+        the file as it was)."""
         os.ftruncate(self.fd, 0)
-        os.write(self.fd, f'{os.getpid()}\n'.encode())
+        os.pwrite(self.fd, f'{os.getpid()}\n'.encode(), 0)
 
     def release(self, unlink: bool = True) -> None:
         if self.fd < 0:
@@ -345,6 +350,7 @@ class RunStore:
         self._dir_lock: Optional[_DirLock] = None
         self._fds: Dict[str, int] = {}
         self._sizes: Dict[str, int] = {}
+        self._created_dir = False
         self.closed = False
 
     # ---- opening ------------------------------------------------------------------------------
@@ -374,6 +380,7 @@ class RunStore:
         store.mode = mode
         if mode == 'overwrite' and out.is_dir() and any(e != LOCK for e in os.listdir(out)):
             store.set_aside = _set_aside(out, delete_old)
+        store._created_dir = not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -388,9 +395,10 @@ class RunStore:
                 raise RunDirError(_not_empty_message(out, entries))
             else:
                 store._open_new(fingerprint)
+            store._dir_lock.claim()
         except BaseException:
             store._release_fds()
-            store._dir_lock.release()
+            store._dir_lock.release(unlink=not store._dir_lock.existed)
             store._dir_lock = None
             raise
         return store
@@ -627,6 +635,30 @@ class RunStore:
                 self.close(status='failed')
             except Exception:
                 self._release()
+
+    def discard(self) -> None:
+        """Undo opening a fresh run that never wrote a request (the backend would not start, the
+        first signal came during the model load): remove the files :meth:`open` created, so the
+        next run into the directory is not refused. A resumed run, or one that wrote anything,
+        is closed as ``failed`` instead."""
+        with self._lock:
+            if self.closed:
+                return
+            if self.resumed or self.written or self.interrupted or self._pending or self._pending_interrupted:
+                self.abandon()
+                return
+            self._release_fds()
+            for name in (TRAJECTORIES, TRACE, RUN_INFO):
+                try:
+                    os.unlink(self.out_dir / name)
+                except FileNotFoundError:
+                    pass
+            self._release()
+            if self._created_dir:
+                try:
+                    self.out_dir.rmdir()
+                except OSError:
+                    pass
 
     def _release_fds(self) -> None:
         for fd in self._fds.values():
