@@ -1,19 +1,26 @@
 """``mtflow run CONFIG``: roll out a scheduler over a prompt dataset with a model.
 
-Reads the run config (``mtflow/run_config.py``), applies the command-line overrides, builds the
-backend (``mtflow/backends``) and the scheduler, then runs ``mtflow.Executor`` over the prompts
-in batches of ``batch_size`` (``on_error='return'``: a failing request is recorded, the others go
-on). It writes, in the output directory:
+Reads the run config (``mtflow/run_config.py``), applies the command-line overrides, checks the
+whole dataset, opens the output directory (``mtflow/run_store.py``: new, ``--resume`` or
+``--overwrite``; a refusal comes before the slow model load), builds the backend
+(``mtflow/backends``) and the scheduler, then streams the prompts through ``mtflow.Executor`` in
+batches of ``batch_size`` (``on_error='return'``: a failing request is recorded, the others go
+on; ``mtflow/run_driver.py``). Each request is written the moment it finishes, in the output
+directory:
 
 * ``trajectories.jsonl``: one line per finished request (``mtflow/trajectories.py`` format:
   messages, token id segments, loss masks, logprobs, infos, finish reason, turns);
-* ``trace.jsonl``: every state transition of every request (``docs/trace-format.md``), with
-  indices and times continuous across batches, so ``mtflow trace show`` reads the whole run;
+* ``trace.jsonl``: the state transitions of those requests (``docs/trace-format.md``), indices
+  and times continuous across batches and attempts, so ``mtflow trace show`` reads the whole run;
 * ``summary.json``: the figures of the summary table printed at the end (requests, finish
-  reasons, turns per request, tool calls and errors, generated tokens, tokens/s).
+  reasons, turns per request, tool calls and errors, generated tokens, tokens/s) and the status
+  (``complete``/``interrupted``);
+* ``run.json`` (fingerprint, attempts), ``interrupted.jsonl`` after a stop by signal.
 
-A progress bar (on stderr) follows requests as they finish, turn by turn. Every user error (a
-missing file, a bad config, an unknown backend, a model that cannot be loaded) is one line.
+SIGINT/SIGTERM stop cleanly (``mtflow/run_signals.py``), exit 130/143. A progress bar (on
+stderr) follows requests as they finish, turn by turn. Every user error (a missing file, a bad
+config, an unknown backend, a model that cannot be loaded, a non-empty output directory) is one
+line.
 """
 from __future__ import annotations
 
@@ -115,16 +122,15 @@ def load_config(args: argparse.Namespace) -> Any:
 
 
 def seed_everything(seed: Optional[int]) -> None:
+    """Seed Python's RNG, and torch's when the backend imported torch (called once the backend is
+    built: importing torch only to seed it would cost a scripted or server run ~200 MB and
+    seconds)."""
     if seed is None:
         return
     random.seed(seed)
-    if 'torch' in sys.modules or importlib.util.find_spec('torch') is not None:
-        try:
-            import torch
-
-            torch.manual_seed(seed)
-        except ImportError:  # pragma: no cover
-            pass
+    torch = sys.modules.get('torch')
+    if torch is not None and hasattr(torch, 'manual_seed'):
+        torch.manual_seed(seed)
 
 
 def build_backend(cfg: Any) -> Any:
@@ -386,7 +392,6 @@ def main(args: argparse.Namespace) -> int:
     if store.resumed and not quiet:
         notes = '; '.join(store.recovery.notes())
         _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written' + (f' ({notes})' if notes else ''))
-    seed_everything(cfg.seed)
     show = not (args.quiet or args.no_progress)
     signals = StopSignals(message=None)
     backend = None
@@ -407,6 +412,7 @@ def main(args: argparse.Namespace) -> int:
                 if status is not None:
                     status.stop()
             load_s = time.perf_counter() - t0
+            seed_everything(cfg.seed)
             scheduler = make_scheduler(getattr(backend, 'tokenizer', None))
             if not quiet:
                 signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
