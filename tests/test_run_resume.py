@@ -329,3 +329,16 @@ def test_a_backend_that_cannot_start_leaves_no_run_behind(project, tmp_path, cap
     assert main(['run', str(project / 'run.yaml'), '-q', '--out', str(out), '--model', 'nothere.jsonl']) == 2
     assert 'file not found' in capsys.readouterr().err
     assert not out.exists(), 'the next run is not refused'
+
+
+def test_resume_of_a_complete_run_runs_nothing(project, baseline, tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert main(['run', str(project / 'run.yaml'), '-q', '--out', str(out)]) == 0
+    before = (out / 'trajectories.jsonl').read_bytes()
+    assert main(['run', str(project / 'run.yaml'), '--no-progress', '--out', str(out), '--resume']) == 0
+    captured = capsys.readouterr()
+    assert '12 of 12 requests already written' in captured.err
+    assert (out / 'trajectories.jsonl').read_bytes() == before
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['status'] == 'complete' and summary['rollout_fn_calls'] == 0 and summary['attempts'] == 2
+    assert summary['written'] == 12 and summary['finish_reasons'] == {'check_finished': 12}

@@ -250,8 +250,10 @@ def open_store(cfg: Any, args: argparse.Namespace, fingerprint: Dict[str, Any]) 
         raise CLIError(str(exc)) from None
 
 
-def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show: bool) -> Dict[str, Any]:
-    """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``)."""
+def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show: bool,
+            figures: Dict[str, Any]) -> None:
+    """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``);
+    this attempt's figures go into ``figures``, also when a signal stops it."""
     from ..data import iter_prompts
     from ..executor import Executor
     from ..run_driver import StreamingRun
@@ -273,12 +275,11 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
     if progress is not None:
         progress.start()
     try:
-        return run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit))
+        run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit))
     finally:
         if progress is not None:
             progress.stop()
-        figures = run.figures()
-        store.attempt_figures = figures
+        figures.update(run.figures())
 
 
 # ---- the summary ------------------------------------------------------------------------------------
@@ -384,20 +385,25 @@ def main(args: argparse.Namespace) -> int:
     except DatasetError as exc:
         raise CLIError(str(exc)) from None
     make_scheduler = scheduler_factory(cfg)
-    store = open_store(cfg, args, run_fingerprint(cfg, cfg.dataset_path() or bundled_dataset()))
-    out_dir = store.out_dir
+    fingerprint = run_fingerprint(cfg, cfg.dataset_path() or bundled_dataset())
     quiet = args.quiet
-    if store.set_aside is not None and not quiet:
-        _say(f'--overwrite: the previous run is now in {store.set_aside}')
-    if store.resumed and not quiet:
-        notes = '; '.join(store.recovery.notes())
-        _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written' + (f' ({notes})' if notes else ''))
     show = not (args.quiet or args.no_progress)
     signals = StopSignals(message=None)
     backend = None
     load_s = 0.0
-    store.attempt_figures = {}
+    figures: Dict[str, Any] = {}
     with signals:
+        try:
+            store = open_store(cfg, args, fingerprint)
+        except KeyboardInterrupt:  # the store released what it had opened
+            return exit_code_for(signals.signum) if signals.signum is not None else 130
+        out_dir = store.out_dir
+        if store.set_aside is not None and not quiet:
+            _say(f'--overwrite: the previous run is now in {store.set_aside}')
+        if store.resumed and not quiet:
+            notes = '; '.join(store.recovery.notes())
+            _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written'
+                 + (f' ({notes})' if notes else ''))
         try:
             status = None
             if show:
@@ -417,10 +423,9 @@ def main(args: argparse.Namespace) -> int:
             if not quiet:
                 signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                    '(press Ctrl-C again to exit at once)')
-            figures = rollout(cfg, scheduler, backend, store, total, show)
+            rollout(cfg, scheduler, backend, store, total, show, figures)
             run_status, code = 'complete', 0
         except KeyboardInterrupt:
-            figures = store.attempt_figures
             run_status = 'interrupted'
             code = exit_code_for(signals.signum) if signals.signum is not None else 130
             if backend is None:  # stopped while the model loaded: nothing ran
