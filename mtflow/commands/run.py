@@ -275,7 +275,8 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
     if progress is not None:
         progress.start()
     try:
-        run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit))
+        # checked in full before the run (count_prompts); the store refuses a uuid written twice
+        run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit, check_unique=False))
     finally:
         if progress is not None:
             progress.stop()
