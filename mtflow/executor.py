@@ -287,17 +287,19 @@ def _failure(rec: RequestRecord, turn: int, phase: str, exc: BaseException) -> R
                           ''.join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def _fail_move(rec: RequestRecord, turn: int, phase: str, exc: BaseException, reason: str = M.ERROR) -> Move:
-    tokens = rec.tokens if rec.tokens and rec.state != M.TOOL_STEP else None
-    return Move(rec, M.FAIL, turn, tokens=tokens, reason=reason, failure=_failure(rec, turn, phase, exc))
+def _fail_move(rec: RequestRecord, turn: int, phase: str, exc: BaseException, reason: str = M.ERROR,
+               tokens: Optional[int] = None) -> Move:
+    """``fail``; ``tokens``: the completion tokens of this turn's output when it was applied (the
+    trace counts them on the move that leaves ``generating``/``continuing``)."""
+    return Move(rec, M.FAIL, turn, tokens=tokens or None, reason=reason, failure=_failure(rec, turn, phase, exc))
 
 
-def _outcome_move(rec: RequestRecord, turn: int, phase: str, outcome: Outcome) -> Move:
+def _outcome_move(rec: RequestRecord, turn: int, phase: str, outcome: Outcome, tokens: Optional[int] = None) -> Move:
     """The ``fail`` move of an outcome that raised or timed out."""
     if outcome.kind == TIMED_OUT:
         err = StepTimeout(f'{phase} did not return within {outcome.value:g} s', uuid=rec.uuid, turn=turn, field=phase)
-        return _fail_move(rec, turn, phase, err, M.TIMEOUT)
-    return _fail_move(rec, turn, phase, outcome.value)
+        return _fail_move(rec, turn, phase, err, M.TIMEOUT, tokens)
+    return _fail_move(rec, turn, phase, outcome.value, tokens=tokens)
 
 
 class BatchRun:
@@ -386,12 +388,12 @@ class BatchRun:
         try:
             self.accounting.finalize(rec, rec.choice, rec.turn_result or _EMPTY)
         except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
-            return _fail_move(rec, turn, 'finalize', exc)
+            return _fail_move(rec, turn, 'finalize', exc, tokens=mv.tokens)
         rec.reason = mv.reason
         try:
             rec.output = self.finalized_output(rec, rec.turns, strict=True)
         except _OutputFailed as failed:  # the output cannot be built, or finalize_output failed
-            return _fail_move(rec, turn, failed.phase, failed.exc)
+            return _fail_move(rec, turn, failed.phase, failed.exc, tokens=mv.tokens)
         return mv
 
     def _failing(self, mv: Move) -> None:
@@ -583,6 +585,7 @@ class BatchRun:
         applied: List[RequestRecord] = []
         for rec in records:
             out, rec.incoming = rec.incoming, None
+            rec.tokens = 0
             try:
                 response, choice = V.check_output(out, rec.uuid, uuid_turn)
                 rec.response = response
@@ -606,7 +609,7 @@ class BatchRun:
                 try:
                     snapshots[rec.index] = accounting.materialize([rec])
                 except Exception as exc:  # ms-swift 4.6 decodes id-backed messages here
-                    moves[rec.index] = _fail_move(rec, turn, 'materialize', exc)
+                    moves[rec.index] = _fail_move(rec, turn, 'materialize', exc, tokens=rec.tokens)
                     applied.remove(rec)
         try:
             decided = self._decide(applied, turn, moves)
@@ -617,7 +620,7 @@ class BatchRun:
                     try:
                         accounting.restore(snap)
                     except Exception as exc:
-                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc)
+                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
         for rec, stop, reason in decided:
             if rec.index in moves:
                 continue
@@ -637,12 +640,12 @@ class BatchRun:
             kept = []
             for rec, outcome in zip(going, outcomes):
                 if outcome.kind != OK:
-                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome)
+                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome, rec.tokens)
                     continue
                 try:
                     tr = V.check_turn_result(outcome.value, rec.uuid, turn)
                 except Exception as exc:
-                    moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc)
+                    moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc, tokens=rec.tokens)
                     continue
                 rec.turn_result = tr
                 infos = tr.get('rollout_infos') if tr else None
@@ -663,12 +666,12 @@ class BatchRun:
             if checks is not None:
                 outcome = checks[k]
                 if outcome.kind != OK:
-                    moves[rec.index] = _outcome_move(rec, turn, 'check_finished', outcome)
+                    moves[rec.index] = _outcome_move(rec, turn, 'check_finished', outcome, rec.tokens)
                     continue
                 try:
                     checked = V.check_bool(outcome.value, rec.uuid, turn, 'check_finished')
                 except Exception as exc:
-                    moves[rec.index] = _fail_move(rec, turn, 'check_finished', exc)
+                    moves[rec.index] = _fail_move(rec, turn, 'check_finished', exc, tokens=rec.tokens)
                     continue
                 check_reason = M.CHECK_FINISHED
             else:

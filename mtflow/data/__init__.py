@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 from ..errors import MtflowError
 from ..protocol import RolloutInferRequest
 
-__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts']
+__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'count_prompts']
 
 _KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
 
@@ -68,13 +68,17 @@ def _request(item: Dict[str, Any], where: str, default_uuid: str) -> RolloutInfe
         uuid=str(uuid) if uuid is not None else default_uuid)
 
 
-def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> List[RolloutInferRequest]:
-    """Read a JSONL prompt dataset (the bundled one when ``path`` is ``None``) into requests."""
+def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None, *,
+                 check_unique: bool = True) -> Iterator[RolloutInferRequest]:
+    """Yield the requests of a JSONL prompt dataset one at a time (the bundled one when ``path``
+    is ``None``), so a run of a million prompts never holds them all. Errors name file and line;
+    a repeated uuid is an error (only the uuids are kept to check that; ``check_unique=False``
+    keeps none, for a second pass over a file already checked)."""
     path = bundled_dataset() if path is None else Path(path)
     if not path.is_file():
         raise DatasetError(f'dataset not found: {path}')
-    requests: List[RolloutInferRequest] = []
     seen: Dict[str, int] = {}
+    count = 0
     with open(path, 'rb') as f:
         for no, raw_bytes in enumerate(f, 1):
             try:
@@ -82,7 +86,7 @@ def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
             except UnicodeDecodeError as exc:
                 raise DatasetError(f'{path}:{no}: not UTF-8 text: byte 0x{raw_bytes[exc.start]:02x} at column '
                                    f'{exc.start + 1} cannot be decoded (save the file as UTF-8)') from None
-            if limit is not None and len(requests) >= limit:
+            if limit is not None and count >= limit:
                 break
             if not raw.strip():
                 continue
@@ -94,10 +98,22 @@ def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
             if not isinstance(item, dict):
                 raise DatasetError(f'{where}: each line must be a JSON object')
             req = _request(item, where, f'{path.stem}-{no}')
-            if req.uuid in seen:
-                raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
-            seen[req.uuid] = no
-            requests.append(req)
-    if not requests:
+            if check_unique:
+                if req.uuid in seen:
+                    raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
+                seen[req.uuid] = no
+            count += 1
+            yield req
+    if not count:
         raise DatasetError(f'{path}: no prompts')
-    return requests
+
+
+def count_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> int:
+    """Check every line of a dataset (as :func:`iter_prompts`) and count the requests, keeping
+    none of them: a bad line is reported before a run starts, not hours into it."""
+    return sum(1 for _ in iter_prompts(path, limit))
+
+
+def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> List[RolloutInferRequest]:
+    """Read a JSONL prompt dataset (the bundled one when ``path`` is ``None``) into requests."""
+    return list(iter_prompts(path, limit))

@@ -129,20 +129,36 @@ def apply_policy(policy: FinishPolicy, output: Any, finish_reason: str) -> Any:
     return output
 
 
-def summarize_policy(infos: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """``{'rule -> action': count, ..., 'dropped': n}`` over finished requests' ``rollout_infos``
-    (what ``mtflow run`` writes to summary.json); ``{}`` when no request went through a policy."""
-    counts: Dict[str, int] = {}
-    dropped = 0
-    for info in infos:
+class PolicyTally:
+    """Counts what a finish policy did, one finished request at a time (constant memory, so a
+    streaming run can keep it for the whole run)."""
+
+    def __init__(self) -> None:
+        self.counts: Dict[str, int] = {}
+        self.dropped = 0
+
+    def add(self, info: Optional[Dict[str, Any]]) -> None:
         record = (info or {}).get(INFO_KEY)
         if isinstance(record, dict):
             key = f"{record.get('rule')} -> {record.get('action')}"
-            counts[key] = counts.get(key, 0) + 1
-        dropped += bool((info or {}).get(DROP_KEY))
-    if not counts:
-        return {}
-    return {**dict(sorted(counts.items())), 'dropped': dropped}
+            self.counts[key] = self.counts.get(key, 0) + 1
+        self.dropped += bool((info or {}).get(DROP_KEY))
+
+    def summary(self) -> Dict[str, Any]:
+        """``{'rule -> action': count, ..., 'dropped': n}``; ``{}`` when no request went through a
+        policy."""
+        if not self.counts:
+            return {}
+        return {**dict(sorted(self.counts.items())), 'dropped': self.dropped}
 
 
-__all__ = ['FinishPolicy', 'summarize_policy', 'PolicyAction', 'apply_policy', 'TOOL_ERROR_KINDS', 'DROP_KEY', 'INFO_KEY', 'check_key']
+def summarize_policy(infos: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """:meth:`PolicyTally.summary` over finished requests' ``rollout_infos`` (what ``mtflow run``
+    writes to summary.json)."""
+    tally = PolicyTally()
+    for info in infos:
+        tally.add(info)
+    return tally.summary()
+
+
+__all__ = ['FinishPolicy', 'PolicyTally', 'summarize_policy', 'PolicyAction', 'apply_policy', 'TOOL_ERROR_KINDS', 'DROP_KEY', 'INFO_KEY', 'check_key']
