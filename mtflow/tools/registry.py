@@ -200,19 +200,8 @@ def _calculator_factory(options: Dict[str, Any]) -> Callable[..., Any]:
 
 
 def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
-    from .sandbox import python, run_python
-    allowed = {'timeout_s', 'memory_mb', 'cpu_s', 'max_output_chars', 'max_file_mb'}
-    unknown = set(options) - allowed
-    if unknown:
-        raise ValueError(f'python tool: unknown option(s) {sorted(unknown)} (allowed: {sorted(allowed)})')
-    if not options:
-        return python
-
-    async def python_tool(code: str) -> str:
-        return (await run_python(code, **options)).as_observation()
-
-    python_tool.__doc__ = python.__doc__
-    return python_tool
+    from .sandbox import make_python_tool
+    return make_python_tool(options)
 
 
 _REGISTRY['calculator'] = _calculator_factory
