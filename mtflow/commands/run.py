@@ -251,7 +251,7 @@ def run_batches(cfg: Any, scheduler: Any, backend: Any, requests: List[Any], out
     counting = _Counting(backend, progress, task)
     executor = Executor(scheduler, counting, request_config, max_turns=cfg.max_turns or None, on_error='return')
     tallies: Dict[str, Any] = {'reasons': Counter(), 'turns': [], 'failures': [], 'infos': [], 'rollout_fn_calls': 0,
-                               'trace_tokens': 0, 'tool_calls': 0, 'tool_errors': 0}
+                               'trace_tokens': 0, 'tool_calls': 0, 'tool_errors': 0, 'tool_error_kinds': Counter()}
     t_run = time.perf_counter()
     with open(out_dir / 'trajectories.jsonl', 'w', encoding='utf-8') as traj_f, \
             open(out_dir / 'trace.jsonl', 'w', encoding='utf-8') as trace_f:
@@ -284,6 +284,7 @@ def run_batches(cfg: Any, scheduler: Any, backend: Any, requests: List[Any], out
                     calls, errors = _tool_counts(e.extra)
                     tallies['tool_calls'] += calls
                     tallies['tool_errors'] += errors
+                    tallies['tool_error_kinds'].update(_tool_error_kinds(e.extra))
                 result.trace.write_jsonl(trace_f)
             traj_f.flush()
             trace_f.flush()
@@ -317,6 +318,14 @@ def _tool_counts(extra: Any) -> Tuple[int, int]:
     return _count(extra.get('tool_calls')), _count(extra.get('tool_errors'))
 
 
+def _tool_error_kinds(extra: Any) -> List[str]:
+    """The ``error_kind`` of each failed call of one step (``calls`` in its ``trace_info``)."""
+    calls = extra.get('calls') if isinstance(extra, dict) else None
+    if not isinstance(calls, list):
+        return []
+    return [str(c.get('error_kind') or 'error') for c in calls if isinstance(c, dict) and c.get('ok') is False]
+
+
 # ---- the summary ------------------------------------------------------------------------------------
 def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, Any], load_s: float) -> Dict[str, Any]:
     turns = tallies['turns']
@@ -327,6 +336,11 @@ def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, An
     if not tool_calls:  # schedulers that count tools in rollout_infos instead of the trace
         tool_calls = sum(_count(i.get('tool_calls', i.get('num_tool_calls'))) for i in tallies['infos'])
         tool_errors = sum(_count(i.get('tool_errors', i.get('num_tool_errors'))) for i in tallies['infos'])
+    error_kinds = tallies.get('tool_error_kinds') or Counter()
+    if not error_kinds:  # the declarative scheduler's running totals, per request
+        for info in tallies['infos']:
+            kinds = info.get('tool_error_kinds')
+            error_kinds.update(kinds if isinstance(kinds, dict) else {})
     rewards = [i['reward'] for i in tallies['infos'] if isinstance(i.get('reward'), (int, float))]
     load_info = getattr(backend, 'load_info', {}) or {}
     return {
@@ -346,6 +360,7 @@ def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, An
         'rollout_fn_calls': tallies['rollout_fn_calls'],
         'tool_calls': tool_calls,
         'tool_errors': tool_errors,
+        'tool_error_kinds': dict(error_kinds.most_common()),
         'reward_mean': round(sum(rewards) / len(rewards), 4) if rewards else None,
         'generated_tokens': generated,
         'generate_s': round(gen_s, 3) if gen_s is not None else None,
@@ -376,6 +391,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('multi-turn requests', f"{t['multi_turn_requests']} of {summary['requests']} went past turn 1")
     table.add_row('rollout_fn calls', str(summary['rollout_fn_calls']))
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
+    if summary.get('tool_error_kinds'):
+        table.add_row('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items()))
     if summary['reward_mean'] is not None:
         table.add_row('mean reward', str(summary['reward_mean']))
     errors = summary['errors']

@@ -10,11 +10,19 @@ import warnings
 
 import pytest
 
+from collections import Counter
+
+from rich.console import Console
+
 from mtflow import Executor
+from mtflow.commands.run import _tool_error_kinds
 from mtflow.cli import main as cli
 from mtflow.declarative import load_scheduler
 from mtflow.tools import ToolRunner, isolation, make_builtin, tool_from_callable
 from mtflow.tools.sandbox import SandboxWarning, make_python_tool, run_python
+from mtflow.viewer import request_views, summarize
+from mtflow.viewer.html import render_html
+from mtflow.viewer.terminal import summary_renderable
 from tests.helpers import Scripted, req
 
 from .sandbox_util import require, why_unavailable
@@ -121,6 +129,16 @@ def test_error_kinds_reach_rollout_infos_the_trace_and_the_model(isolated):
     steps = [e.extra['calls'][0] for e in res.trace if e.src == 'tool_step']
     assert [(c['ok'], c.get('error_kind')) for c in steps] == [(False, 'timeout'), (False, 'memory'), (False, 'exit'),
                                                                 (False, 'killed'), (True, None)]
+    # the viewer's summary (terminal and HTML) and mtflow run's summary count the kinds too
+    kinds = {'timeout': 1, 'memory': 1, 'exit': 1, 'killed': 1}
+    summary = summarize(request_views(res.trace))
+    assert summary.tool_error_kinds == kinds and len(summary.tool_errors) == 4
+    assert any(te.message.startswith('python: timeout: TimeoutError') for te in summary.tool_errors)
+    console = Console(record=True, width=120)
+    console.print(summary_renderable(summary))
+    assert 'tool error kinds' in console.export_text()
+    assert 'tool error kinds' in render_html(res.trace, title='t')
+    assert Counter(k for e in res.trace for k in _tool_error_kinds(e.extra)) == kinds
     tool_messages = [m['content'] for m in o.messages if m['role'] == 'tool']
     assert tool_messages[0].startswith('Error: TimeoutError: execution timed out after 1.5 s')
     assert tool_messages[2].startswith('Error: exit status 1\n') and 'ZeroDivisionError' in tool_messages[2]
