@@ -253,7 +253,8 @@ def bwrap_command(bwrap: str, setpriv: str, interp: Interpreter, uid: int, tmp_m
 # PID 1, so when bwrap exits the namespace is gone, and a kill of PID 1 from outside is reaped by
 # bwrap (no orphan, no zombie for the host's init). The program runs in the background only so
 # that sh prints no "Killed" of its own into the output.
-_INIT_SCRIPT = '"$@" & wait $! 2>/dev/null; exit $?'
+_INIT_SCRIPT = 'exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?'  # (a background job's stdin
+# would be /dev/null; a warm sandbox's program comes on stdin)
 
 
 # The unshare fallback: sh is PID 1 of the new namespaces and builds the root on a tmpfs mounted
@@ -279,8 +280,9 @@ ln -s /proc/self/fd "$R/dev/fd"
 mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES" mtflow-tmp "$R/tmp"
 cd "$R/tmp"
 set +e
+exec 3<&0
 chroot "$R" /usr/bin/env -i -C /tmp "$SETPRIV" --reuid="$UID_" --regid="$UID_" --clear-groups \
-  --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@" &
+  --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@" <&3 3<&- &
 wait $! 2>/dev/null  # (in the background, so sh prints no "Killed" of its own into the output)
 exit $?
 '''

@@ -172,6 +172,12 @@ class ToolRunner:
         return list(await asyncio.gather(*[self.call(n, a) for n, a in calls]))
 
     def close(self) -> None:
+        """Release the thread pool, and what tools hold (a ``close()`` on the tool's callable:
+        the ``python`` tool's warm sandboxes)."""
+        for tool in self.tools.values():
+            close = getattr(tool.fn, 'close', None)
+            if callable(close):
+                close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -29,11 +29,16 @@ say ``isolation: none``. See ``docs/sandbox.md``.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import collections
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -48,6 +53,8 @@ _LAUNCHER = r'''
 import os, resource, sys
 with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
+if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
+    os.open('/dev/null', os.O_RDONLY)
 with open('main.py', 'w', encoding='utf-8') as _f:
     _f.write(_src)
 def _limit(kind, soft, hard=None):
@@ -153,6 +160,98 @@ def _signal_of(returncode: Optional[int], kind: str) -> Optional[int]:
     return None
 
 
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a sandbox is started with, before it knows its program (so a warm pool can
+    start it ahead of the call)."""
+    kind: str  # 'bwrap', 'unshare' or 'none'
+    memory_mb: int = 512
+    cpu_s: int = 6
+    max_file_mb: int = 16
+    max_processes: int = 64
+    tmp_mb: int = 64
+
+    def launcher(self, code_fd: int) -> str:
+        return _LAUNCHER.format(code_fd=code_fd, memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
+                                fsize=self.max_file_mb * 1024 * 1024,
+                                nproc=self.max_processes if self.kind != 'none' else None, mem_status=MEMORY_STATUS)
+
+
+class Sandbox:
+    """One started sandbox (a process tree) for exactly one program: the code comes through an
+    inherited memfd (``code_fd``), or, for a sandbox a warm pool started ahead, on its stdin."""
+
+    def __init__(self, spec: SandboxSpec, code_fd: Optional[int] = None) -> None:
+        self.spec = spec
+        self.lease: Optional[UidLease] = None
+        self.workdir: Optional[str] = None
+        self.cmd: Optional[SandboxCommand] = None
+        self.warm = code_fd is None
+        python_argv = [current_interpreter().executable, '-I', '-S', '-u', '-c',
+                       spec.launcher(0 if code_fd is None else code_fd)]
+        try:
+            if spec.kind != 'none':
+                self.lease = UidLease()
+                self.cmd = build_command(spec.kind, self.lease.uid, spec.tmp_mb, python_argv)
+            else:
+                self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
+                self.cmd = SandboxCommand(python_argv, {}, cwd=self.workdir)
+            self.popen = subprocess.Popen(
+                self.cmd.argv, env=self.cmd.env, cwd=self.cmd.cwd,
+                stdin=subprocess.PIPE if code_fd is None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=() if code_fd is None else (code_fd, ))
+        except BaseException:
+            self.cleanup(False)
+            raise
+
+    @property
+    def isolated(self) -> bool:
+        return self.spec.kind != 'none'
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox's PID 1 (whose death kills everything else in the namespace; the
+        outer bwrap/unshare reaps it and exits), or, when that is not known (or the run is not
+        isolated), the process group of the outer process."""
+        init = namespace_init(self.popen.pid) if self.isolated and self.popen.poll() is None else None
+        try:
+            if init is not None:
+                os.kill(init, signal.SIGKILL)
+            else:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def cleanup(self, killed: bool) -> None:
+        """After the outer process exited: wait out the namespace's teardown when it was killed,
+        release the uid, remove the scratch directories."""
+        if self.lease is not None:
+            if killed:
+                wait_uid_gone(self.lease.uid)  # PID 1 is gone; the namespace's others go right after
+            self.lease.release()
+            self.lease = None
+        if self.cmd is not None and self.cmd.scratch:
+            shutil.rmtree(self.cmd.scratch, ignore_errors=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def discard(self) -> None:
+        """Kill and reap an unused sandbox (a warm one that is no longer wanted)."""
+        self.kill()
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        for f in (self.popen.stdin, self.popen.stdout):
+            if f is not None:
+                f.close()
+        self.cleanup(True)
+
+
 async def run_python(code: str,
                      *,
                      timeout_s: float = 5.0,
@@ -162,39 +261,47 @@ async def run_python(code: str,
                      max_file_mb: int = 16,
                      max_processes: int = 64,
                      tmp_mb: int = 64,
-                     isolation: str = 'auto') -> SandboxResult:
-    """Run ``code`` in a sandbox and return what it produced (see the module docstring).
+                     isolation: str = 'auto',
+                     pool: Optional['SandboxPool'] = None) -> SandboxResult:
+    """Run ``code`` in a sandbox and return what it produced (see the module docstring). With a
+    ``pool`` (:class:`SandboxPool`, started with the same limits) a prepared sandbox is used when
+    one is ready.
 
     Raises :class:`IsolationUnavailable` when ``isolation`` cannot be had on this machine."""
     iso = resolve_isolation(isolation)
     if not iso.available:
         raise IsolationUnavailable(iso.detail)
     cpu = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
-    isolated = iso.kind != 'none'
-    code_fd = os.memfd_create('mtflow-code')
-    lease: Optional[UidLease] = None
-    workdir: Optional[str] = None
-    cmd: Optional[SandboxCommand] = None
-    proc: Optional[asyncio.subprocess.Process] = None
+    spec = SandboxSpec(iso.kind, memory_mb, cpu, max_file_mb, max_processes, tmp_mb)
+    data = code.encode('utf-8', 'surrogatepass')
+    sandbox = pool.take() if pool is not None and pool.spec == spec else None
+    if sandbox is None:
+        code_fd = os.memfd_create('mtflow-code')
+        try:
+            os.write(code_fd, data)
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            sandbox = Sandbox(spec, code_fd)
+        finally:
+            os.close(code_fd)
+    return await _supervise(sandbox, data if sandbox.warm else None, timeout_s, max_output_chars)
+
+
+async def _supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: float,
+                     max_output_chars: int) -> SandboxResult:
+    """Feed the program (warm sandboxes), collect its output within the limits, and tear the
+    sandbox down on every path, cancellation included: nothing the call started survives it."""
+    loop = asyncio.get_running_loop()
+    popen = sandbox.popen
+    exited = loop.create_future()
+    pidfd = os.pidfd_open(popen.pid)
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    transport = None
     killed = False
     try:
-        os.write(code_fd, code.encode('utf-8', 'surrogatepass'))
-        os.lseek(code_fd, 0, os.SEEK_SET)
-        launcher = _LAUNCHER.format(code_fd=code_fd, memory=memory_mb * 1024 * 1024, cpu=cpu,
-                                    fsize=max_file_mb * 1024 * 1024, nproc=max_processes if isolated else None,
-                                    mem_status=MEMORY_STATUS)
-        python_argv = [current_interpreter().executable, '-I', '-S', '-u', '-c', launcher]
-        if isolated:
-            lease = UidLease()
-            cmd = build_command(iso.kind, lease.uid, tmp_mb, python_argv)
-        else:
-            workdir = tempfile.mkdtemp(prefix='mtflow-py-')
-            cmd = SandboxCommand(python_argv, {}, cwd=workdir)
-        proc = await asyncio.create_subprocess_exec(
-            *cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=(code_fd, ))
-        os.close(code_fd)
-        code_fd = -1
+        reader = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
+        if stdin_data is not None:
+            await _feed(loop, popen.stdin, stdin_data)
         limit = max(0, int(max_output_chars))
         chunks: list = []
         size = 0
@@ -202,9 +309,8 @@ async def run_python(code: str,
 
         async def read_all() -> None:
             nonlocal size, flooded, killed
-            assert proc is not None and proc.stdout is not None
             while True:
-                chunk = await proc.stdout.read(65536)
+                chunk = await reader.read(65536)
                 if not chunk:
                     break
                 if size < limit * 4 + 4096:
@@ -212,92 +318,152 @@ async def run_python(code: str,
                 size += len(chunk)
                 if size > limit * 16 + 65536:  # far beyond what we keep: stop the producer
                     flooded = killed = True
-                    _kill_tree(proc, isolated)
+                    sandbox.kill()
                     break
-            await _wait_or_force(proc)
+            await exited
 
         timed_out = False
         try:
             await asyncio.wait_for(read_all(), timeout_s)
         except asyncio.TimeoutError:
             timed_out = killed = True
-            _kill_tree(proc, isolated)
-            await _wait_or_force(proc)
+            sandbox.kill()
+        await _reap(sandbox, exited)
         text = b''.join(chunks).decode('utf-8', errors='replace')
         truncated = flooded or len(text) > limit
         if truncated:
             text = text[:limit] + f'\n... [output truncated: {size} bytes in total, {limit} characters shown]'
-        returncode = None if timed_out else proc.returncode
-        sig = None if (timed_out or flooded) else _signal_of(returncode, iso.kind)
-        return SandboxResult(text, returncode, timed_out, truncated, sig, flooded, memory_mb, timeout_s, iso.kind,
-                             lease.uid if lease else None)
+        returncode = None if timed_out else popen.returncode
+        sig = None if (timed_out or flooded) else _signal_of(returncode, sandbox.spec.kind)
+        return SandboxResult(text, returncode, timed_out, truncated, sig, flooded, sandbox.spec.memory_mb, timeout_s,
+                             sandbox.spec.kind, sandbox.lease.uid if sandbox.lease else None)
     finally:
-        # every path, cancellation included: nothing the call started survives it
-        if code_fd >= 0:
-            os.close(code_fd)
-        if proc is not None:
-            if proc.returncode is None:
-                killed = True
-                _kill_tree(proc, isolated)
-            if not isolated:
-                _kill_tree(proc, isolated)  # the rest of the process group (detached ones escape)
-            try:
-                await _wait_or_force(proc)
-                await _close_pipe(proc)
-            except asyncio.CancelledError:
-                pass
-        if lease is not None:
-            if killed:
-                wait_uid_gone(lease.uid)  # PID 1 is gone; its namespace's other processes go right after
-            lease.release()
-        if cmd is not None and cmd.scratch:
-            shutil.rmtree(cmd.scratch, ignore_errors=True)
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-async def _wait_or_force(proc: 'asyncio.subprocess.Process') -> None:
-    """Wait for the outer process; SIGKILL its whole group if it has not exited within 5 s."""
-    if proc.returncode is not None:
-        return
-    try:
-        await asyncio.wait_for(asyncio.shield(proc.wait()), 5.0)
-    except asyncio.TimeoutError:
+        if popen.poll() is None:
+            killed = True
+            sandbox.kill()
+        elif not sandbox.isolated:
+            sandbox.kill()  # the rest of the process group (detached ones escape: isolation none)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            await _reap(sandbox, exited)
+        except asyncio.CancelledError:  # cancelled again while tearing down: finish synchronously
+            popen.wait(5)
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if transport is not None:
+            transport.close()
+        for f in (popen.stdin, popen.stdout):
+            if f is not None and not f.closed:
+                f.close()
+        sandbox.cleanup(killed)
+
+
+async def _feed(loop: asyncio.AbstractEventLoop, pipe: Any, data: bytes) -> None:
+    """Write a warm sandbox's program to its stdin and close it (EOF starts the program). Up to
+    the pipe's capacity a write cannot block; beyond it, a thread writes."""
+    def write() -> None:
+        try:
+            pipe.write(data)
+            pipe.close()
+        except BrokenPipeError:  # the sandbox died while waiting; its exit status tells the rest
             pass
-        await proc.wait()
+
+    if len(data) <= 65536:
+        write()
+    else:
+        await loop.run_in_executor(None, write)
 
 
-async def _close_pipe(proc: 'asyncio.subprocess.Process') -> None:
-    """Drain and close the output pipe of a killed run (else its transport outlives the loop)."""
-    if proc.stdout is not None and not proc.stdout.at_eof():
+async def _reap(sandbox: Sandbox, exited: 'asyncio.Future[None]') -> None:
+    """Wait for the outer process to exit (SIGKILL its whole group after 5 s) and reap it."""
+    if sandbox.popen.returncode is None:
         try:
-            await asyncio.wait_for(_drain(proc.stdout), 2.0)
-        except asyncio.TimeoutError:  # a writer outside the process group (isolation: none) holds it
-            transport = getattr(proc, '_transport', None)
-            if transport is not None:
-                transport.close()
+            await asyncio.wait_for(asyncio.shield(exited), 5.0)
+        except asyncio.TimeoutError:
+            try:
+                os.killpg(sandbox.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            await exited
+    sandbox.popen.wait()
 
 
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.read(65536):
-        pass
+class SandboxPool:
+    """Sandboxes started ahead of their calls (``warm_pool: N`` in the tool options), so a call
+    pays only for running its program. Each is used for exactly one program and then torn down,
+    like any other; a thread keeps ``size`` of them ready. Idle ones hold a leased uid each."""
+
+    def __init__(self, spec: SandboxSpec, size: int) -> None:
+        self.spec, self.size = spec, size
+        self._ready: 'collections.deque[Sandbox]' = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        _POOLS.add(self)
+
+    def take(self) -> Optional[Sandbox]:
+        """A ready sandbox, or None (the caller starts one itself); a refill is started either way."""
+        if self._thread is None:
+            self.start()
+        found = None
+        with self._lock:
+            while self._ready and found is None:
+                candidate = self._ready.popleft()
+                if candidate.alive():
+                    found = candidate
+                else:
+                    candidate.discard()
+        self._wake.set()
+        return found
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._refill, name='mtflow-sandbox-pool', daemon=True)
+                self._thread.start()
+
+    def ready(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+    def _refill(self) -> None:
+        while not self._closed:
+            with self._lock:
+                missing = self.size - len(self._ready)
+            for _ in range(max(0, missing)):
+                if self._closed:
+                    break
+                try:
+                    sandbox = Sandbox(self.spec)
+                except Exception:  # e.g. all uids in use: the calls start their own
+                    break
+                with self._lock:
+                    if self._closed:
+                        sandbox.discard()
+                        break
+                    self._ready.append(sandbox)
+            self._wake.wait(1.0)
+            self._wake.clear()
+
+    def close(self) -> None:
+        """Stop refilling and tear down the idle sandboxes."""
+        self._closed = True
+        self._wake.set()
+        with self._lock:
+            idle, self._ready = list(self._ready), collections.deque()
+        for sandbox in idle:
+            sandbox.discard()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
 
 
-def _kill_tree(proc: 'asyncio.subprocess.Process', isolated: bool) -> None:
-    """Kill the sandbox: SIGKILL its PID 1 (whose death kills everything else in the namespace;
-    the outer bwrap/unshare reaps it and exits), or, when that is not known yet (or the run is
-    not isolated), the process group of the outer process."""
-    init = namespace_init(proc.pid) if isolated and proc.returncode is None else None
-    try:
-        if init is not None:
-            os.kill(init, signal.SIGKILL)
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+_POOLS: 'weakref.WeakSet[SandboxPool]' = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_POOLS):
+        pool.close()
 
 
 # ---- the tool ------------------------------------------------------------------------------------
@@ -309,6 +475,7 @@ class SandboxWarning(UserWarning):
 PYTHON_OPTIONS: Dict[str, Any] = {
     'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
     'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'isolation': (str, None),
+    'warm_pool': (int, 0),
 }
 
 
@@ -336,8 +503,15 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
     """The ``python`` tool with these options; its isolation is probed now (once per process),
     so a refusal or ``isolation: none`` is known at load time."""
     opts = check_python_options(dict(options or {}))
+    warm = opts.pop('warm_pool', 0)
     requested = opts.get('isolation', 'auto')
     iso = resolve_isolation(requested)
+    pool = None
+    if warm and iso.available:
+        timeout_s = opts.get('timeout_s', 5.0)
+        cpu = opts.get('cpu_s') or max(1, int(timeout_s) + 1)
+        pool = SandboxPool(SandboxSpec(iso.kind, opts.get('memory_mb', 512), int(cpu), opts.get('max_file_mb', 16),
+                                       opts.get('max_processes', 64), opts.get('tmp_mb', 64)), warm)
     if requested == 'none':
         warnings.warn('python tool: isolation: none: model-written code runs unconfined, as this user, with '
                       'this machine\'s files, network and processes in reach', SandboxWarning, stacklevel=2)
@@ -353,7 +527,7 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
                             f'machine ({iso.detail}); install bubblewrap, or set `isolation: none` in the '
                             'tool options to run unconfined')
         try:
-            result = await run_python(code, **opts)
+            result = await run_python(code, pool=pool, **opts)
         except IsolationUnavailable as exc:
             raise ToolError('refused', f'python tool refused to run the code: {exc}') from None
         if result.error_kind:
@@ -362,4 +536,6 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
         return result.as_observation()
 
     python.isolation = iso  # type: ignore[attr-defined]
+    python.pool = pool  # type: ignore[attr-defined]
+    python.close = pool.close if pool is not None else (lambda: None)  # type: ignore[attr-defined]
     return python

@@ -10,12 +10,13 @@ import select
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
-from mtflow.tools import ToolRunner, tool_from_callable
-from mtflow.tools.sandbox import make_python_tool
+from mtflow.tools import ToolRunner, isolation, tool_from_callable
+from mtflow.tools.sandbox import make_python_tool, run_python
 
 from .sandbox_util import KINDS, assert_nothing_survives, processes_with, require, run
 
@@ -234,3 +235,51 @@ def test_an_outer_timeout_shorter_than_the_sandbox_kills_the_tree(kind):
         runner.close()
     assert (result.ok, result.error_kind) == (False, 'timeout') and 'timed out after 1 s' in result.error
     assert processes_with(marker) == [], 'the cancelled call left its processes running'
+
+
+# ---- warm pool: prepared sandboxes, each used for one program ----------------------------------
+def _warm(kind, **options):
+    require(kind)
+    tool = make_python_tool({'isolation': kind, 'warm_pool': 2, **options})
+    pool = tool.pool
+    pool.start()
+    deadline = time.monotonic() + 60
+    while pool.ready() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.ready() == 2
+    return tool, pool
+
+
+def test_warm_sandboxes_run_one_program_each_and_contain_it(kind):
+    tool, pool = _warm(kind, timeout_s=3)
+    marker = token()
+    code = (f'import os, subprocess, sys\nsubprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", '
+            f'{marker!r}], start_new_session=True)\nprint(os.getuid(), repr(sys.stdin.read()), sorted(os.environ))')
+
+    async def calls():
+        out = []
+        for _ in range(3):
+            out.append(await run_python(code, isolation=kind, timeout_s=3, pool=pool))
+        return out
+
+    try:
+        results = asyncio.run(calls())
+    finally:
+        tool.close()
+    uids = [r.uid for r in results]
+    assert len(set(uids)) == 3, 'a sandbox was used for two programs'
+    for r in results:
+        assert r.error_kind == '' and r.output.split()[0] == str(r.uid) and "''" in r.output, r.output
+        assert_nothing_survives(r, marker)
+    assert pool.ready() == 0  # closed: the idle ones are torn down
+    loop_r = asyncio.run(run_python('while True: pass', isolation=kind, timeout_s=1, pool=pool))
+    assert loop_r.error_kind == 'timeout'  # a closed pool just gives nothing: the call starts its own
+    assert_nothing_survives(loop_r)
+
+
+def test_closing_a_pool_leaves_no_idle_sandbox(kind):
+    tool, pool = _warm(kind)
+    idle = [sb.lease.uid for sb in list(pool._ready)]
+    tool.close()
+    for uid in idle:
+        assert isolation.processes_of_uid(uid) == []
