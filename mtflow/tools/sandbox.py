@@ -471,6 +471,9 @@ class SandboxWarning(UserWarning):
     """A ``python`` tool configured to run model code without isolation."""
 
 
+#: sandboxes the ``python`` tool keeps started ahead of its calls (``warm_pool``; 0: none)
+DEFAULT_WARM_POOL = 2
+
 #: option -> (type, minimum) for the ``python`` tool's YAML ``options``
 PYTHON_OPTIONS: Dict[str, Any] = {
     'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
@@ -503,7 +506,7 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
     """The ``python`` tool with these options; its isolation is probed now (once per process),
     so a refusal or ``isolation: none`` is known at load time."""
     opts = check_python_options(dict(options or {}))
-    warm = opts.pop('warm_pool', 0)
+    warm = opts.pop('warm_pool', DEFAULT_WARM_POOL)
     requested = opts.get('isolation', 'auto')
     iso = resolve_isolation(requested)
     pool = None
