@@ -293,8 +293,7 @@ async def _supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: f
     loop = asyncio.get_running_loop()
     popen = sandbox.popen
     exited = loop.create_future()
-    pidfd = os.pidfd_open(popen.pid)
-    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    pidfd = _watch_exit(loop, popen, exited)
     transport = None
     killed = False
     try:
@@ -347,14 +346,36 @@ async def _supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: f
             await _reap(sandbox, exited)
         except asyncio.CancelledError:  # cancelled again while tearing down: finish synchronously
             popen.wait(5)
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
+        if pidfd is not None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
         if transport is not None:
             transport.close()
         for f in (popen.stdin, popen.stdout):
             if f is not None and not f.closed:
                 f.close()
         sandbox.cleanup(killed)
+
+
+def _watch_exit(loop: asyncio.AbstractEventLoop, popen: 'subprocess.Popen[bytes]',
+                exited: 'asyncio.Future[None]') -> Optional[int]:
+    """Resolve ``exited`` when the outer process exits: a pidfd on the loop (no thread, no
+    SIGCHLD handler), or polling where pidfds are missing (Linux < 5.3)."""
+    def done() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except (AttributeError, OSError):
+        async def poll() -> None:
+            while popen.poll() is None:
+                await asyncio.sleep(0.005)
+            done()
+        loop.create_task(poll())
+        return None
+    loop.add_reader(pidfd, done)
+    return pidfd
 
 
 async def _feed(loop: asyncio.AbstractEventLoop, pipe: Any, data: bytes) -> None:
