@@ -29,7 +29,9 @@ def require(kind: str) -> None:
 
 
 def run(code: str, kind: str, **kw):
+    """One call; a generous wall-clock limit unless the test sets one (a loaded 2-core CI machine)."""
     require(kind)
+    kw.setdefault('timeout_s', 30)
     return asyncio.run(run_python(code, isolation=kind, **kw))
 
 

@@ -30,6 +30,7 @@ from .util import model_out
 
 
 def run(code, **kw):
+    kw.setdefault('timeout_s', 30)  # generous: a loaded 2-core CI machine
     return asyncio.run(run_python(code, **kw))
 
 
@@ -72,7 +73,7 @@ def test_private_tmp_working_directory_and_size_cap(isolated):
 
 
 def test_builtin_python_tool_with_options(isolated):
-    tool = make_builtin('python', {'timeout_s': 1, 'max_output_chars': 5})
+    tool = make_builtin('python', {'timeout_s': 30, 'max_output_chars': 5})
     obs = asyncio.run(tool(code='print("hello world")'))
     assert obs.startswith('hello\n... [output truncated')
 
@@ -91,7 +92,8 @@ def test_bad_options_are_rejected_at_load_time(options, message):
 
 # ---- honest accounting ------------------------------------------------------------------------
 def test_failures_are_tool_errors_of_their_kind(isolated):
-    tool = tool_from_callable(make_python_tool({'timeout_s': 1.5, 'memory_mb': 128}), 'python')
+    # the loop stops on CPU time (1 s), which the machine's load does not stretch; wall clock: 60 s
+    tool = tool_from_callable(make_python_tool({'timeout_s': 60, 'cpu_s': 1, 'memory_mb': 128}), 'python')
     runner = ToolRunner([tool])
     programs = ['print(6 * 7)', 'while True: pass', 'x = bytearray(1024 ** 3)', 'print("partial")\n1/0',
                 'import os, signal\nos.kill(os.getpid(), signal.SIGKILL)']
@@ -102,7 +104,7 @@ def test_failures_are_tool_errors_of_their_kind(isolated):
     assert [(r.ok, r.error_kind) for r in results] == [(True, ''), (False, 'timeout'), (False, 'memory'),
                                                        (False, 'exit'), (False, 'killed')]
     assert results[0].output == '42\n'
-    assert results[1].error.startswith('TimeoutError: execution timed out after 1.5 s')
+    assert results[1].error.startswith('TimeoutError: CPU time limit exceeded')
     assert results[2].error.startswith('MemoryError: out of memory (limit 128 MB)\n') and 'MemoryError' in results[2].error
     assert results[3].error.startswith('exit status 1\npartial\n') and 'ZeroDivisionError' in results[3].error
     assert results[4].error == 'killed by signal SIGKILL (9)'
@@ -115,7 +117,7 @@ def _call(code: str) -> str:
 
 def test_error_kinds_reach_rollout_infos_the_trace_and_the_model(isolated):
     config = {'name': 'sandbox_kinds', 'parser': 'hermes', 'max_turns': 6,
-              'tools': [{'name': 'python', 'options': {'timeout_s': 1.5, 'memory_mb': 128}}],
+              'tools': [{'name': 'python', 'options': {'timeout_s': 60, 'cpu_s': 1, 'memory_mb': 128}}],
               'observation': {'mode': 'message', 'role': 'tool', 'template': '{result}',
                               'error_template': 'Error: {error}'}}
     script = [_call('while True: pass'), _call('x = bytearray(1024 ** 3)'), _call('1/0'),
@@ -140,7 +142,7 @@ def test_error_kinds_reach_rollout_infos_the_trace_and_the_model(isolated):
     assert 'tool error kinds' in render_html(res.trace, title='t')
     assert Counter(k for e in res.trace for k in _tool_error_kinds(e.extra)) == kinds
     tool_messages = [m['content'] for m in o.messages if m['role'] == 'tool']
-    assert tool_messages[0].startswith('Error: TimeoutError: execution timed out after 1.5 s')
+    assert tool_messages[0].startswith('Error: TimeoutError: CPU time limit exceeded')
     assert tool_messages[2].startswith('Error: exit status 1\n') and 'ZeroDivisionError' in tool_messages[2]
     assert tool_messages[4] == 'fine\n'
 
@@ -225,3 +227,20 @@ def test_validate_reports_the_isolation_in_use(capsys, tmp_path, monkeypatch, is
     out = capsys.readouterr().out
     assert f'warning: {path}: tools[0] (python): isolation no isolation available' in out
     assert 'every call is refused' in out
+
+
+def test_mtflow_run_summary_counts_the_kinds(isolated, tmp_path, monkeypatch, capsys):
+    import json
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'sched.yaml').write_text('name: py_kinds\nparser: hermes\nmax_turns: 4\ntools:\n  - name: python\n'
+                                         '    options: {timeout_s: 60, cpu_s: 1}\nobservation: {mode: message, role: tool}\n')
+    lines = [{'content': _call(c), 'finish_reason': 'stop'} for c in ('while True: pass', '1/0', 'print(6 * 7)')]
+    lines.append({'content': 'The answer is 42.', 'finish_reason': 'stop'})
+    (tmp_path / 'script.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+    (tmp_path / 'run.yaml').write_text('scheduler: sched.yaml\nbackend: scripted\nmodel: script.jsonl\n'
+                                       'backend_options: {cycle: true}\nout: out\nmax_turns: 4\nlimit: 1\n')
+    assert cli(['run', 'run.yaml']) == 0
+    summary = json.loads((tmp_path / 'out' / 'summary.json').read_text())
+    assert (summary['tool_calls'], summary['tool_errors']) == (3, 2)
+    assert summary['tool_error_kinds'] == {'timeout': 1, 'exit': 1}
+    assert 'tool error kinds' in capsys.readouterr().out
