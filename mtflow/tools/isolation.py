@@ -227,9 +227,23 @@ def _setpriv(setpriv: str, uid: int) -> List[str]:
             '--inh-caps=-all', '--bounding-set=-all', '--']
 
 
-def bwrap_command(bwrap: str, setpriv: str, interp: Interpreter, uid: int, tmp_mb: int,
+#: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
+ROOTLESS_UID = 65534
+
+
+def rootless() -> bool:
+    """Not root: bwrap then makes its own user namespace (the program is ``nobody`` inside and
+    this user outside), and the process limit counts per namespace instead of per leased uid."""
+    return os.geteuid() != 0
+
+
+def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: Optional[int], tmp_mb: int,
                   python_argv: Sequence[str]) -> SandboxCommand:
-    argv = [bwrap, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
+    """bwrap as root, dropping to the leased ``uid`` with setpriv; or, with ``uid=None``
+    (:func:`rootless`), in a new user namespace."""
+    userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns'] \
+        if uid is None else []
+    argv = [bwrap, *userns, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
             '--die-with-parent', '--new-session', '--clearenv', '--ro-bind', '/usr', '/usr']
     for name, target in _top_level_links():
         argv += ['--symlink', target, name] if target is not None else ['--ro-bind', name, name]
@@ -244,7 +258,7 @@ def bwrap_command(bwrap: str, setpriv: str, interp: Interpreter, uid: int, tmp_m
         argv += ['--ro-bind', prefix, prefix]
     argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--size', str(tmp_mb * 1024 * 1024),
              '--tmpfs', '/tmp', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
-    argv += _setpriv(setpriv, uid) + list(python_argv)
+    argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
     return SandboxCommand(argv, {'PATH': SYSTEM_PATH})
 
 
@@ -319,8 +333,9 @@ def _find_tools() -> _Tools:
     return found
 
 
-def build_command(kind: str, uid: int, tmp_mb: int, python_argv: Sequence[str]) -> SandboxCommand:
-    """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``)."""
+def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str]) -> SandboxCommand:
+    """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
+    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only)."""
     tools = _find_tools()
     interp = current_interpreter()
     if kind == 'bwrap':
@@ -331,6 +346,11 @@ def build_command(kind: str, uid: int, tmp_mb: int, python_argv: Sequence[str]) 
             raise IsolationUnavailable('unshare (util-linux) not found on PATH')
     else:
         raise ValueError(f'unknown isolation kind {kind!r}')
+    if uid is None:
+        if kind != 'bwrap':
+            raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
+                                       'without root only bwrap (with a user namespace) can isolate')
+        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv)
     if tools.setpriv is None:
         raise IsolationUnavailable(tools.problems['setpriv'])
     if kind == 'bwrap':
@@ -346,16 +366,16 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     """Run a tiny program with isolation ``kind``; ``None`` when it worked as it must (in a new
     PID namespace, where it sees only itself and the namespace's init, as the leased uid), else
     why not."""
-    if os.geteuid() != 0:
-        return ('the sandbox drops to a dedicated uid, which needs root (run as root, or set '
-                '`isolation: none` to run unconfined)')
-    try:
-        lease = UidLease()
-    except (IsolationUnavailable, OSError) as exc:
-        return str(exc)
+    lease = None
+    if not rootless():
+        try:
+            lease = UidLease()
+        except (IsolationUnavailable, OSError) as exc:
+            return str(exc)
+    want_uid = lease.uid if lease is not None else ROOTLESS_UID
     cmd = None
     try:
-        cmd = build_command(kind, lease.uid, 1, [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE])
+        cmd = build_command(kind, lease.uid if lease is not None else None, 1, [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE])
         proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, start_new_session=True)
     except IsolationUnavailable as exc:
@@ -365,13 +385,14 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     finally:
         if cmd is not None and cmd.scratch:
             _remove_scratch(cmd.scratch)
-        wait_uid_gone(lease.uid, 5.0)
-        lease.release()
+        if lease is not None:
+            wait_uid_gone(lease.uid, 5.0)
+            lease.release()
     out = proc.stdout.decode('utf-8', 'replace').split()
     if proc.returncode != 0 or len(out) != 3 or out[0] != 'mtflow-probe':
         err = (proc.stderr.decode('utf-8', 'replace').strip() or proc.stdout.decode('utf-8', 'replace').strip())
         return f'{kind} failed (exit status {proc.returncode}): {err[-300:] or "no output"}'
-    if int(out[1]) > 2 or int(out[2]) != lease.uid:
+    if int(out[1]) > 2 or int(out[2]) != want_uid:
         return (f'{kind} ran the program as uid {out[2]}, seeing {out[1]} processes: not the namespace and uid '
                 'it must have')
     return None

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from .isolation import (ISOLATION_CHOICES, IsolationUnavailable, SandboxCommand, UidLease, build_command,
-                        current_interpreter, namespace_init, resolve_isolation, wait_uid_gone)
+                        current_interpreter, namespace_init, resolve_isolation, rootless, wait_uid_gone)
 from .runner import ToolError
 
 #: the launcher's exit status after a ``MemoryError`` (a program's own ``exit(117)`` becomes 1)
@@ -174,7 +174,9 @@ class SandboxSpec:
     def launcher(self, code_fd: int) -> str:
         return _LAUNCHER.format(code_fd=code_fd, memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
                                 fsize=self.max_file_mb * 1024 * 1024,
-                                nproc=self.max_processes if self.kind != 'none' else None, mem_status=MEMORY_STATUS)
+                                # rootless, PID 1 (sh) shares the program's uid and namespace: one more
+                                nproc=None if self.kind == 'none' else self.max_processes + (1 if rootless() else 0),
+                                mem_status=MEMORY_STATUS)
 
 
 class Sandbox:
@@ -191,8 +193,8 @@ class Sandbox:
                        spec.launcher(0 if code_fd is None else code_fd)]
         try:
             if spec.kind != 'none':
-                self.lease = UidLease()
-                self.cmd = build_command(spec.kind, self.lease.uid, spec.tmp_mb, python_argv)
+                self.lease = None if rootless() else UidLease()
+                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
                 self.cmd = SandboxCommand(python_argv, {}, cwd=self.workdir)
