@@ -10,7 +10,8 @@ The sandbox is built with existing tools, never by hand:
   the same namespaces, and the same root built with ``mount``/``chroot`` in a throw-away mount
   namespace;
 - both then drop to a **dedicated unprivileged uid** with ``setpriv`` (no capabilities, no
-  groups, ``no_new_privs``) before the interpreter starts.
+  groups, ``no_new_privs``) before the interpreter starts; without root, bwrap instead makes its own
+  user namespace (the program is ``nobody`` inside, this user outside; see :func:`rootless`).
 
 The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
 uid, so concurrent calls, in this process or any other, never share one). That is what makes
@@ -432,7 +433,11 @@ def resolve_isolation(requested: str = 'auto') -> Isolation:
         for kind in kinds:
             why = probe(kind)
             if why is None:
-                result = Isolation(requested, kind, _DETAIL[kind])
+                detail = _DETAIL[kind]
+                if rootless():
+                    detail = detail.replace('dedicated unprivileged uid with its own process limit',
+                                            'own user namespace (nobody inside) with its own process limit')
+                result = Isolation(requested, kind, detail)
                 break
             reasons.append(why if why.startswith(kind) else f'{kind}: {why}')
         if result is None:
