@@ -5,6 +5,7 @@ from .registry import (Tool, builtin_names, make_builtin, register_tool, resolve
 from .runner import ToolError, ToolResult, ToolRunner, check_arguments, truncate
 
 __all__ = [
-    'Tool', 'ToolError', 'ToolResult', 'ToolRunner', 'builtin_names', 'check_arguments', 'make_builtin', 'register_tool',
+    'Tool', 'ToolError', 'ToolResult', 'ToolRunner', 'builtin_names', 'check_arguments', 'make_builtin',
+    'register_tool',
     'resolve_ref', 'schema_from_callable', 'tool_from_callable', 'truncate'
 ]

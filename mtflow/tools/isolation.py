@@ -376,7 +376,8 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     want_uid = lease.uid if lease is not None else ROOTLESS_UID
     cmd = None
     try:
-        cmd = build_command(kind, lease.uid if lease is not None else None, 1, [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE])
+        python_argv = [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE]
+        cmd = build_command(kind, lease.uid if lease is not None else None, 1, python_argv)
         proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, start_new_session=True)
     except IsolationUnavailable as exc:
