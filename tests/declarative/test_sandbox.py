@@ -245,3 +245,11 @@ def test_mtflow_run_summary_counts_the_kinds(isolated, tmp_path, monkeypatch, ca
     assert (summary['tool_calls'], summary['tool_errors']) == (3, 2)
     assert summary['tool_error_kinds'] == {'timeout': 1, 'exit': 1}
     assert 'tool error kinds' in capsys.readouterr().out
+
+
+def test_validate_reports_the_isolation_of_a_run_configs_scheduler(capsys, tmp_path, isolated):
+    (tmp_path / 'sched.yaml').write_text('name: py\ntools:\n  - name: python\n')
+    (tmp_path / 'run.yaml').write_text('scheduler: sched.yaml\nbackend: scripted\nmodel: none.jsonl\n')
+    assert cli(['validate', str(tmp_path / 'run.yaml')]) == 0
+    out = capsys.readouterr().out
+    assert f'{tmp_path / "sched.yaml"}: tools[0] (python): isolation ' in out and 'every call is refused' not in out
