@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ['RunTally', 'tool_counts']
+__all__ = ['RunTally', 'tool_counts', 'tool_error_kinds']
 
 #: how many request errors the summary lists (the count covers all of them)
 MAX_LISTED_FAILURES = 20
@@ -41,6 +41,14 @@ def tool_counts(extra: Any) -> Tuple[int, int]:
     return _count(extra.get('tool_calls')), _count(extra.get('tool_errors'))
 
 
+def tool_error_kinds(extra: Any) -> List[str]:
+    """The ``error_kind`` of each failed call of one step (``calls`` in its ``trace_info``)."""
+    calls = extra.get('calls') if isinstance(extra, dict) else None
+    if not isinstance(calls, list):
+        return []
+    return [str(c.get('error_kind') or 'error') for c in calls if isinstance(c, dict) and c.get('ok') is False]
+
+
 class RunTally:
     """Counters over the finished requests of a run (constant memory)."""
 
@@ -53,6 +61,8 @@ class RunTally:
         self.trace_tool_errors = 0
         self.info_tool_calls = 0
         self.info_tool_errors = 0
+        self.trace_error_kinds: Counter = Counter()  # error_kind of each failed call in the trace
+        self.info_error_kinds: Counter = Counter()  # the declarative scheduler's per-request totals
         self.reward_sum = 0.0
         self.reward_n = 0
         self.errors = 0
@@ -76,6 +86,9 @@ class RunTally:
             self.policy.add(infos)
             self.info_tool_calls += _count(infos.get('tool_calls', infos.get('num_tool_calls')))
             self.info_tool_errors += _count(infos.get('tool_errors', infos.get('num_tool_errors')))
+            kinds = infos.get('tool_error_kinds')
+            if isinstance(kinds, dict):
+                self.info_error_kinds.update({str(k): v for k, v in kinds.items() if isinstance(v, int)})
             reward = infos.get('reward')
             if isinstance(reward, (int, float)) and not isinstance(reward, bool):
                 self.reward_sum += reward
@@ -95,6 +108,7 @@ class RunTally:
         calls, errors = tool_counts(event.get('extra'))
         self.trace_tool_calls += calls
         self.trace_tool_errors += errors
+        self.trace_error_kinds.update(tool_error_kinds(event.get('extra')))
 
     # ---- what the summary shows ---------------------------------------------------------------
     def tool_calls(self) -> Tuple[int, int]:
@@ -103,6 +117,12 @@ class RunTally:
         if self.trace_tool_calls:
             return self.trace_tool_calls, self.trace_tool_errors
         return self.info_tool_calls, self.info_tool_errors
+
+    def tool_error_kinds(self) -> Dict[str, int]:
+        """Failed tool calls by kind (``timeout``, ``memory``, ``exit``, ``killed``, ...), from the
+        trace, else from the trajectories' ``rollout_infos['tool_error_kinds']``."""
+        kinds = self.trace_error_kinds or self.info_error_kinds
+        return dict(kinds.most_common())
 
     def turns_summary(self) -> Dict[str, Any]:
         n = sum(self.turns.values())

@@ -15,3 +15,9 @@ $PIP install -e '.[hf]'
 # --- extra runtime setup (keep each block short and idempotent) ---
 # transformers needs accelerate to load a GGUF file (the embedded model); not pulled in by '.[hf]' alone.
 .venv/bin/python -c 'import accelerate' 2>/dev/null || $PIP install 'accelerate>=0.26'
+# The python tool runs model-written code in a bubblewrap sandbox (docs/sandbox.md); without it (or
+# unshare) every call is refused. Root only: the sandbox drops to a dedicated uid, which needs root.
+if [ "$(id -u)" -eq 0 ] && ! command -v bwrap >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
+    || echo "warning: could not install bubblewrap: the python tool falls back to unshare or refuses" >&2
+fi

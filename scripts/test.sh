@@ -18,6 +18,11 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # OpenAI-compatible backend (mtflow/backends/openai_server.py, the 'openai' extra) and its tests.
 .venv/bin/python -c 'import httpx' 2>/dev/null || $PIP install 'httpx>=0.24'
 
+# python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;
+# unshare and setpriv (the fallback and the uid drop) come with util-linux.
+command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
+  || echo "warning: could not install bubblewrap: the sandbox tests use the unshare fallback or skip" >&2
+
 # --- run ---
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -320,6 +320,7 @@ def summarize(cfg: Any, backend: Any, store: Any, total: int, figures: Dict[str,
         'rollout_fn_calls': figures.get('rollout_fn_calls', 0),
         'tool_calls': tool_calls,
         'tool_errors': tool_errors,
+        'tool_error_kinds': tally.tool_error_kinds(),
         'reward_mean': tally.reward_mean(),
         'generated_tokens': tally.trace_tokens,
         'generate_s': round(gen_s, 3) if gen_s is not None else None,
@@ -363,6 +364,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('multi-turn requests', f"{t['multi_turn_requests']} of {summary['written']} went past turn 1")
     table.add_row('rollout_fn calls', str(summary['rollout_fn_calls']))
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
+    if summary.get('tool_error_kinds'):
+        table.add_row('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items()))
     if summary['reward_mean'] is not None:
         table.add_row('mean reward', str(summary['reward_mean']))
     if summary.get('finish_policy'):

@@ -1,5 +1,7 @@
 """``mtflow validate FILE...``: every problem in every file at once, ``file:line: field: message``;
-exit status 1 when any file has a problem.
+exit status 1 when any file has a problem. For each ``python`` tool it also reports the isolation
+its calls get on this machine (``docs/sandbox.md``); one that is unavailable is a warning (the
+config is valid; the machine lacks bubblewrap/unshare), not a problem.
 
 A file is a scheduler YAML, or a run config (it has a ``scheduler:`` key, see
 ``mtflow/run_config.py``): then the run config is checked, and what it names too (the scheduler
@@ -49,6 +51,40 @@ def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:
             print(f'  {ref}  ({where})')
 
 
+def isolation_report(path: str) -> List[str]:
+    """One line per ``python`` tool of a valid scheduler YAML (or the one a run config names):
+    the isolation its calls get here; unavailable ones start with ``warning:``."""
+    from ..declarative.loader import read_yaml
+    from ..run_config import RunConfigError, is_run_config, load_run_config
+    from ..tools.isolation import ISOLATION_CHOICES, resolve_isolation
+
+    if is_run_config(path):
+        try:
+            cfg = load_run_config(path)
+        except RunConfigError:
+            return []
+        if not cfg.scheduler_is_yaml():
+            return []
+        path = str(cfg.scheduler_path())
+    data = read_yaml(path)[0]
+    tools = data.get('tools') if isinstance(data, dict) else None
+    lines = []
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        if not isinstance(tool, dict):
+            continue
+        builtin = tool.get('builtin') or (None if tool.get('impl') else tool.get('name'))  # builtin defaults to name
+        if builtin != 'python':
+            continue
+        options = tool.get('options') if isinstance(tool.get('options'), dict) else {}
+        requested = options.get('isolation', 'auto')
+        if requested not in ISOLATION_CHOICES:
+            continue
+        iso = resolve_isolation(requested)
+        warn = 'warning: ' if not iso.available or iso.kind == 'none' else ''
+        lines.append(f'{warn}{path}: tools[{i}] ({tool.get("name")}): isolation {iso.describe()}')
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     bad = 0
     for path in args.files:
@@ -61,6 +97,9 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f'{path}: OK')
             print_imports(path, imports)
+        for line in isolation_report(path):
+            if not args.quiet or line.startswith('warning:'):
+                print(line, flush=True)
     if bad:
         print(f'{bad} of {len(args.files)} file(s) have problems', file=sys.stderr)
     return 1 if bad else 0

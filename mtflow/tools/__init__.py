@@ -2,9 +2,10 @@
 concurrent runner. Importing this package is light; the sandbox starts processes only when used."""
 from .registry import (Tool, builtin_names, make_builtin, register_tool, resolve_ref, schema_from_callable,
                        tool_from_callable)
-from .runner import ToolResult, ToolRunner, check_arguments, truncate
+from .runner import ToolError, ToolResult, ToolRunner, check_arguments, truncate
 
 __all__ = [
-    'Tool', 'ToolResult', 'ToolRunner', 'builtin_names', 'check_arguments', 'make_builtin', 'register_tool',
+    'Tool', 'ToolError', 'ToolResult', 'ToolRunner', 'builtin_names', 'check_arguments', 'make_builtin',
+    'register_tool',
     'resolve_ref', 'schema_from_callable', 'tool_from_callable', 'truncate'
 ]

@@ -247,16 +247,8 @@ def _calculator_factory(options: Dict[str, Any]) -> Callable[..., Any]:
 
 
 def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
-    from .sandbox import check_python_options, python, run_python
-    options = check_python_options(options)
-    if not options:
-        return python
-
-    async def python_tool(code: str) -> str:
-        return (await run_python(code, **options)).as_observation()
-
-    python_tool.__doc__ = python.__doc__
-    return python_tool
+    from .sandbox import make_python_tool
+    return make_python_tool(options)
 
 
 _REGISTRY['calculator'] = _calculator_factory

@@ -11,7 +11,9 @@ call:
   abandoned (a thread cannot be killed) and its late result ignored, so a sync tool that can hang
   should enforce its own limit, or be async (like ``python``, whose process is killed);
 - an unknown tool, arguments that do not fit the schema, an exception or a timeout become a
-  :class:`ToolResult` with ``ok=False`` and an ``error`` message for the model, never an exception.
+  :class:`ToolResult` with ``ok=False`` and an ``error`` message for the model, never an exception;
+  a tool that knows why it failed raises :class:`ToolError` with a kind (the ``python`` tool:
+  ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``), which becomes the ``error_kind``.
 
 Results come back in call order (``asyncio.gather`` keeps order), so observations are
 deterministic whatever finishes first.
@@ -29,10 +31,20 @@ from typing import Any, Dict, List, Optional, Sequence
 from .registry import Tool
 
 
+class ToolError(Exception):
+    """Raised by a tool to report a failed call of a known ``kind`` (the ``python`` tool:
+    ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``); the message is what the model sees."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 @dataclass
 class ToolResult:
     """One call's outcome. ``error_kind``: ``parse``, ``unknown_tool``, ``bad_arguments``,
-    ``exception`` or ``timeout`` when ``ok`` is false."""
+    ``exception``, ``timeout``, or the kind of a :class:`ToolError` the tool raised, when ``ok``
+    is false."""
     name: str
     arguments: Any
     ok: bool
@@ -143,6 +155,9 @@ class ToolRunner:
         except asyncio.TimeoutError:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} timed out after {tool.timeout_s:g} s',
                               error_kind='timeout', duration_s=perf_counter() - t)
+        except ToolError as exc:
+            return ToolResult(tool.name, kwargs, False, error=str(exc), error_kind=exc.kind,
+                              duration_s=perf_counter() - t)
         except TypeError as exc:
             kind = 'bad_arguments' if 'argument' in str(exc) else 'exception'
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised TypeError: {exc}',
@@ -157,6 +172,12 @@ class ToolRunner:
         return list(await asyncio.gather(*[self.call(n, a) for n, a in calls]))
 
     def close(self) -> None:
+        """Release the thread pool, and what tools hold (a ``close()`` on the tool's callable:
+        the ``python`` tool's warm sandboxes)."""
+        for tool in self.tools.values():
+            close = getattr(tool.fn, 'close', None)
+            if callable(close):
+                close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

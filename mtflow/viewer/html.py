@@ -98,6 +98,8 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         bar_chart_svg(summary.finish_reasons, 'finish reasons', {r: _reason_color(r) for r in summary.finish_reasons},
                       css_class='chart chart-reasons'),
     ]
+    if summary.tool_error_kinds:
+        charts.append(bar_chart_svg(summary.tool_error_kinds, 'tool error kinds', css_class='chart chart-tool-errors'))
     problems = _problems_html(summary)
     stats = [
         ('requests', summary.requests), ('events', summary.events), ('turns', summary.max_turn),

@@ -111,6 +111,7 @@ class Summary:
     slowest_steps: List[SlowStep]
     tokens: int
     unfinished: List[str]
+    tool_error_kinds: Dict[str, int] = field(default_factory=dict)  # error_kind -> failed calls
 
 
 def _tool_info(extra: Optional[Dict[str, Any]]) -> tuple:
@@ -261,7 +262,18 @@ def summarize(views: Sequence[RequestView], n_events: Optional[int] = None, slow
         errors=errors,
         slowest_steps=steps[:slowest],
         tokens=sum(v.tokens for v in views),
-        unfinished=[v.uuid for v in views if v.reason is None])
+        unfinished=[v.uuid for v in views if v.reason is None],
+        tool_error_kinds=dict(Counter(kind for v in views for c in v.cells for kind in _error_kinds(c.step_extra))
+                              .most_common()))
+
+
+def _error_kinds(extra: Optional[Dict[str, Any]]) -> List[str]:
+    """The ``error_kind`` of each failed call of one step (its ``calls`` trace_info):
+    ``timeout``, ``memory``, ``exit``, ``killed`` from the python sandbox, ``parse``..."""
+    calls = extra.get('calls') if isinstance(extra, dict) else None
+    if not isinstance(calls, list):
+        return []
+    return [str(c.get('error_kind') or 'error') for c in calls if isinstance(c, dict) and c.get('ok') is False]
 
 
 def select_views(views: Sequence[RequestView], *, uuids: Sequence[str] = (), states: Sequence[str] = (),

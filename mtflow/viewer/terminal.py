@@ -125,6 +125,8 @@ def summary_renderable(s: Summary) -> RenderableType:
     parts.append(histogram('live requests per turn', 'turn', {f'turn {t}': n for t, n in s.live_per_turn.items()}))
     parts.append(histogram('turns per request', 'turns', {f'{t} turn{"s" if t != 1 else ""}': n for t, n in s.turns_per_request.items()}))
     parts.append(histogram('finish reasons', 'reason', s.finish_reasons, {r: reason_style(r) for r in s.finish_reasons}))
+    if s.tool_error_kinds:
+        parts.append(histogram('tool error kinds', 'kind', s.tool_error_kinds, {k: 'red' for k in s.tool_error_kinds}))
     if s.errors:
         table = Table(title='errors', title_justify='left', title_style='bold red', box=None, padding=(0, 2, 0, 0))
         for col in ('request', 'turn', 'phase', 'error'):

@@ -1,0 +1,127 @@
+"""The ``python`` tool's sandbox cost: per-call overhead against a plain subprocess, and the
+throughput of concurrent calls.
+
+- plain: ``python -I -S -c 'print(1)'`` as an asyncio subprocess (what the tool cost before it
+  isolated anything: the baseline);
+- bwrap / unshare: the same program through :func:`mtflow.tools.sandbox.run_python` with that
+  isolation (namespaces, read-only root, leased uid, limits, launcher, teardown of the tree);
+- bwrap warm / unshare warm: the same with a warm pool (``warm_pool: --pool``): the sandbox was
+  started ahead, the call feeds it the program (each sandbox still runs one program only).
+
+Per-call latency is measured one call at a time (``--calls`` calls after a warm-up), p50 and p95;
+the overhead is the isolated figure minus the plain one. Throughput: ``--concurrency`` calls
+(default 64) started at once, wall time and calls/s. Figures on a loaded machine vary a lot; run it
+twice and read them side by side with the baseline of the same run.
+
+    .venv/bin/python benchmarks/sandbox.py
+    .venv/bin/python benchmarks/sandbox.py --calls 100 --concurrency 64 --kinds bwrap unshare
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from typing import Awaitable, Callable, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mtflow.tools import isolation  # noqa: E402
+from mtflow.tools.sandbox import SandboxPool, SandboxSpec, run_python  # noqa: E402
+
+PROGRAM = 'print(1)'
+
+
+async def plain_call() -> str:
+    proc = await asyncio.create_subprocess_exec(
+        isolation.current_interpreter().executable, '-I', '-S', '-c', PROGRAM, env={},
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return out.decode()
+
+
+def sandbox_call(kind: str, pool: Optional[SandboxPool] = None) -> Callable[[], Awaitable[str]]:
+    async def call() -> str:
+        r = await run_python(PROGRAM, isolation=kind, pool=pool)
+        if r.error_kind:
+            raise RuntimeError(f'{kind}: {r.as_observation()}')
+        return r.output
+    return call
+
+
+def pct(values: List[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def latencies(call: Callable[[], Awaitable[str]], n: int, pause_s: float = 0.0) -> List[float]:
+    for _ in range(3):
+        assert (await call()).strip() == '1'
+    out = []
+    for _ in range(n):
+        await asyncio.sleep(pause_s)  # (warm) calls come from a model, not back to back: the pool refills
+        t = time.perf_counter()
+        assert (await call()).strip() == '1'
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def burst(call: Callable[[], Awaitable[str]], n: int) -> float:
+    t = time.perf_counter()
+    results = await asyncio.gather(*[call() for _ in range(n)])
+    wall = time.perf_counter() - t
+    assert all(r.strip() == '1' for r in results)
+    return wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--calls', type=int, default=60, help='sequential calls per variant (after 3 warm-up calls)')
+    ap.add_argument('--concurrency', type=int, default=64, help='calls started at once for the throughput figure')
+    ap.add_argument('--kinds', nargs='+', default=['bwrap', 'unshare'], choices=['bwrap', 'unshare'])
+    ap.add_argument('--pool', type=int, default=4, help='warm pool size for the "warm" variants (0: none)')
+    args = ap.parse_args()
+    pools = []
+
+    variants: Dict[str, Callable[[], Awaitable[str]]] = {'plain subprocess': plain_call}
+    for kind in args.kinds:
+        why = isolation.probe(kind)
+        if why is None:
+            variants[kind] = sandbox_call(kind)
+            if args.pool:
+                pool = SandboxPool(SandboxSpec(kind, cpu_s=6), args.pool)
+                pool.start()
+                pools.append(pool)
+                variants[f'{kind} warm'] = sandbox_call(kind, pool)
+        else:
+            print(f'{kind}: unavailable here ({why})')
+    rows = []
+    base_p50 = base_p95 = None
+    for name, call in variants.items():
+        if name.endswith('warm'):
+            time.sleep(1.0)  # the pool fills
+        lat = asyncio.run(latencies(call, args.calls, 0.03 if name.endswith('warm') else 0.0))
+        wall = asyncio.run(burst(call, args.concurrency))
+        p50, p95 = pct(lat, 0.5) * 1000, pct(lat, 0.95) * 1000
+        if base_p50 is None:
+            base_p50, base_p95 = p50, p95
+        rows.append((name, p50, p95, p50 - base_p50, p95 - base_p95, statistics.mean(lat) * 1000, wall,
+                     args.concurrency / wall))
+    print(f'sandbox overhead: {args.calls} sequential calls of {PROGRAM!r}, then {args.concurrency} at once '
+          f'({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})')
+    head = f'{"variant":<18} {"p50 ms":>8} {"p95 ms":>8} {"+p50 ms":>8} {"+p95 ms":>8} {"mean ms":>8} ' \
+           f'{"burst s":>8} {"calls/s":>8}'
+    print(head)
+    print('-' * len(head))
+    for name, p50, p95, d50, d95, mean, wall, rate in rows:
+        print(f'{name:<18} {p50:8.1f} {p95:8.1f} {d50:8.1f} {d95:8.1f} {mean:8.1f} {wall:8.2f} {rate:8.1f}')
+    print('(warm: latency excludes the 30 ms pause before each call that lets the pool refill; the burst '
+          f'gets {args.pool} warm sandboxes and starts the rest itself)')
+    for pool in pools:
+        pool.close()
+
+
+if __name__ == '__main__':
+    main()

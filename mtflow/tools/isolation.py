@@ -1,0 +1,453 @@
+"""Which isolation the ``python`` tool gets on this machine, and the command line that builds it.
+
+The sandbox is built with existing tools, never by hand:
+
+- ``bwrap`` (bubblewrap, the default): new PID, network, IPC, UTS and mount namespaces; a root
+  made of read-only binds of ``/usr`` (and the ``/bin``, ``/lib*`` links), the interpreter's
+  prefix, a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and a size-capped
+  ``tmpfs`` at ``/tmp`` (the working directory) that vanishes with the sandbox;
+- ``unshare`` (util-linux, the fallback where ``bwrap`` is missing or cannot create namespaces):
+  the same namespaces, and the same root built with ``mount``/``chroot`` in a throw-away mount
+  namespace;
+- both then drop to a **dedicated unprivileged uid** with ``setpriv`` (no capabilities, no
+  groups, ``no_new_privs``) before the interpreter starts; without root, bwrap instead makes its own
+  user namespace (the program is ``nobody`` inside, this user outside; see :func:`rootless`).
+
+The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
+uid, so concurrent calls, in this process or any other, never share one). That is what makes
+``RLIMIT_NPROC`` bind: the kernel counts processes per uid and ignores the limit for root, so a
+fork bomb in one call fills its own uid's quota and nothing else. When the sandbox's first process
+(PID 1 of its namespace) exits, the kernel kills every other process in the namespace, so nothing
+a call started outlives it.
+
+:func:`resolve_isolation` probes once per process (a real ``print`` run through the real command
+line) and caches the answer; when no tool works, the answer says why, and the ``python`` tool
+refuses its calls with that reason instead of running code unconfined.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+#: what ``isolation:`` accepts: ``auto`` (bwrap, else unshare, else refuse), one tool (else
+#: refuse), or ``none`` (no isolation; a warning at load time).
+ISOLATION_CHOICES = ('auto', 'bwrap', 'unshare', 'none')
+
+#: the PATH used for the helper programs the sandbox runs (mount, chroot, setpriv...)
+SYSTEM_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
+
+#: how many uids the lease block holds (concurrent calls per machine, all processes together)
+UID_BLOCK = 4096
+
+
+class IsolationUnavailable(RuntimeError):
+    """No isolation tool works here (the message says what was tried and why it failed)."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """The isolation a ``python`` tool gets: ``kind`` is ``bwrap``, ``unshare`` or ``none``, or
+    ``''`` when the requested isolation is unavailable (``detail`` then says why)."""
+    requested: str
+    kind: str
+    detail: str
+
+    @property
+    def available(self) -> bool:
+        return bool(self.kind)
+
+    def describe(self) -> str:
+        """One line for ``mtflow validate`` and the docs."""
+        if not self.available:
+            return f'no isolation available ({self.requested!r} requested): every call is refused: {self.detail}'
+        if self.kind == 'none':
+            return 'none (isolation: none): model code runs unconfined as this user'
+        return f'{self.kind} ({self.detail})'
+
+
+# ---- the interpreter and what it needs to see -----------------------------------------------------
+@dataclass(frozen=True)
+class Interpreter:
+    """The Python the sandbox runs (this one's base interpreter, stdlib only: ``-I -S``)."""
+    executable: str
+    prefixes: Tuple[str, ...]  # directories to bind read-only besides /usr
+
+
+def current_interpreter() -> Interpreter:
+    exe = os.path.realpath(getattr(sys, '_base_executable', None) or sys.executable)
+    prefixes = []
+    for p in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}:
+        if not _under(p, '/usr'):
+            prefixes.append(p)
+    exe_dir = os.path.dirname(exe)
+    if not _under(exe_dir, '/usr') and not any(_under(exe_dir, p) for p in prefixes):
+        prefixes.append(exe_dir)
+    return Interpreter(exe, tuple(sorted(prefixes)))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip('/') + '/')
+
+
+def _top_level_links() -> List[Tuple[str, Optional[str]]]:
+    """``(/bin, 'usr/bin')`` for a merged-/usr link, ``(/lib64, None)`` for a real directory."""
+    out = []
+    for name in ('/bin', '/sbin', '/lib', '/lib32', '/lib64', '/libx32'):
+        if os.path.islink(name):
+            out.append((name, os.readlink(name)))
+        elif os.path.isdir(name):
+            out.append((name, None))
+    return out
+
+
+# ---- uid leases ----------------------------------------------------------------------------------
+def _uid_base() -> int:
+    """The first uid of the lease block: high in the largest range this user namespace maps."""
+    best = (0, 0)
+    try:
+        with open('/proc/self/uid_map', encoding='ascii') as f:
+            for line in f:
+                inside, _outside, count = (int(x) for x in line.split())
+                if count > best[1]:
+                    best = (inside, count)
+    except (OSError, ValueError):
+        best = (0, 1 << 32)
+    start, count = best
+    if count >= 1 << 31:
+        return 1_200_000_000
+    base = start + count - UID_BLOCK - 2
+    if base <= 65535:
+        raise IsolationUnavailable(f'this user namespace maps too few uids ({count}) for a block of '
+                                   f'{UID_BLOCK} sandbox uids')
+    return base
+
+
+class UidLease:
+    """An exclusively held uid (``flock`` on ``<lock dir>/<uid>``), released by :meth:`release`."""
+
+    _dir: Optional[str] = None
+    _dir_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        base = _uid_base()
+        lock_dir = self._lock_dir()
+        start = random.randrange(UID_BLOCK)
+        for k in range(UID_BLOCK):
+            uid = base + (start + k) % UID_BLOCK
+            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    continue
+                raise
+            self.uid, self._fd = uid, fd
+            return
+        raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use')
+
+    @classmethod
+    def _lock_dir(cls) -> str:
+        with cls._dir_lock:
+            if cls._dir is None:
+                path = os.path.join(tempfile.gettempdir(), f'mtflow-sandbox-uids-{os.geteuid()}')
+                os.makedirs(path, mode=0o700, exist_ok=True)
+                cls._dir = path
+            return cls._dir
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def processes_of_uid(uid: int) -> List[int]:
+    """The pids (host view) whose real uid is ``uid`` (from ``/proc/<pid>/status``, which, unlike
+    the owner of ``/proc/<pid>``, a process cannot hide by making itself non-dumpable)."""
+    found = []
+    want = str(uid)
+    for name in os.listdir('/proc'):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f'/proc/{name}/status', 'rb') as f:
+                for line in f:
+                    if line.startswith(b'Uid:'):
+                        if line.split()[1].decode() == want:
+                            found.append(int(name))
+                        break
+        except OSError:
+            pass
+    return found
+
+
+def namespace_init(outer_pid: int) -> Optional[int]:
+    """The host pid of the sandbox's PID 1: the one child of the outer ``bwrap``/``unshare``."""
+    try:
+        with open(f'/proc/{outer_pid}/task/{outer_pid}/children', encoding='ascii') as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def wait_uid_gone(uid: int, timeout_s: float = 10.0) -> bool:
+    """Wait until no process runs as ``uid`` (the kernel is still tearing a namespace down right
+    after its PID 1 was killed); true when none is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not processes_of_uid(uid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+# ---- command lines -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SandboxCommand:
+    """What to execute for one call: ``argv``, its environment, and a host directory to remove."""
+    argv: List[str]
+    env: Dict[str, str]
+    cwd: Optional[str] = None
+    scratch: Optional[str] = None  # host directory to delete afterwards (unshare's mount point)
+
+
+def _setpriv(setpriv: str, uid: int) -> List[str]:
+    return [setpriv, f'--reuid={uid}', f'--regid={uid}', '--clear-groups', '--no-new-privs',
+            '--inh-caps=-all', '--bounding-set=-all', '--']
+
+
+#: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
+ROOTLESS_UID = 65534
+
+
+def rootless() -> bool:
+    """Not root: bwrap then makes its own user namespace (the program is ``nobody`` inside and
+    this user outside), and the process limit counts per namespace instead of per leased uid."""
+    return os.geteuid() != 0
+
+
+def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: Optional[int], tmp_mb: int,
+                  python_argv: Sequence[str]) -> SandboxCommand:
+    """bwrap as root, dropping to the leased ``uid`` with setpriv; or, with ``uid=None``
+    (:func:`rootless`), in a new user namespace."""
+    userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns'] \
+        if uid is None else []
+    argv = [bwrap, *userns, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
+            '--die-with-parent', '--new-session', '--clearenv', '--ro-bind', '/usr', '/usr']
+    for name, target in _top_level_links():
+        argv += ['--symlink', target, name] if target is not None else ['--ro-bind', name, name]
+    made = set()
+    for prefix in interp.prefixes:
+        parts = prefix.strip('/').split('/')
+        for i in range(1, len(parts)):
+            parent = '/' + '/'.join(parts[:i])
+            if parent not in made and parent != '/usr':
+                argv += ['--perms', '0755', '--dir', parent]
+                made.add(parent)
+        argv += ['--ro-bind', prefix, prefix]
+    argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--size', str(tmp_mb * 1024 * 1024),
+             '--tmpfs', '/tmp', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
+    argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
+    return SandboxCommand(argv, {'PATH': SYSTEM_PATH})
+
+
+# PID 1 of a bwrap sandbox (``--as-pid-1``): sh, as root, out of the program's reach, runs the
+# program (pid 2) and reports its status (128 + N for signal N). bwrap itself then waits for this
+# PID 1, so when bwrap exits the namespace is gone, and a kill of PID 1 from outside is reaped by
+# bwrap (no orphan, no zombie for the host's init). The program runs in the background only so
+# that sh prints no "Killed" of its own into the output.
+_INIT_SCRIPT = 'exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?'  # (a background job's stdin
+# would be /dev/null; a warm sandbox's program comes on stdin)
+
+
+# The unshare fallback: sh is PID 1 of the new namespaces and builds the root on a tmpfs mounted
+# over a host scratch directory (only in this private mount namespace), then runs the program
+# chrooted into it as the sandbox uid, and stays PID 1 (root, out of the program's reach) until the
+# program ends: its exit status is the program's (128 + N for a signal, as bwrap reports it), and
+# its exit ends the namespace.
+_UNSHARE_SCRIPT = r'''
+set -eu
+R=$1; UID_=$2; TMP_BYTES=$3; SETPRIV=$4; shift 4
+mount -t tmpfs -o mode=0755,size=1m mtflow-root "$R"
+ro_bind() { mkdir -p "$R$1"; mount --bind "$1" "$R$1"; mount -o remount,bind,ro "$R$1"; }
+ro_bind /usr
+for d in /bin /sbin /lib /lib32 /lib64 /libx32; do
+  if [ -L "$d" ]; then ln -s "$(readlink "$d")" "$R$d"; elif [ -d "$d" ]; then ro_bind "$d"; fi
+done
+for p in $MTFLOW_PREFIXES; do ro_bind "$p"; done
+mkdir -p "$R/proc" "$R/dev" "$R/tmp"
+mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
+mount -t tmpfs -o mode=0755,size=64k mtflow-dev "$R/dev"
+for n in null zero full random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
+ln -s /proc/self/fd "$R/dev/fd"
+mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES" mtflow-tmp "$R/tmp"
+cd "$R/tmp"
+set +e
+exec 3<&0
+chroot "$R" /usr/bin/env -i -C /tmp "$SETPRIV" --reuid="$UID_" --regid="$UID_" --clear-groups \
+  --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@" <&3 3<&- &
+wait $! 2>/dev/null  # (in the background, so sh prints no "Killed" of its own into the output)
+exit $?
+'''
+
+
+def unshare_command(unshare: str, setpriv: str, interp: Interpreter, uid: int, tmp_mb: int,
+                    python_argv: Sequence[str]) -> SandboxCommand:
+    scratch = tempfile.mkdtemp(prefix='mtflow-root-')
+    argv = [setpriv, '--pdeathsig', 'KILL', '--', unshare, '--pid', '--fork', '--kill-child', '--net', '--ipc',
+            '--uts', '--mount', '--propagation', 'private', '--', '/bin/sh', '-c', _UNSHARE_SCRIPT, 'mtflow-sandbox',
+            scratch, str(uid), str(tmp_mb * 1024 * 1024), setpriv] + list(python_argv)
+    env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes)}
+    return SandboxCommand(argv, env, scratch=scratch)
+
+
+# ---- probing -------------------------------------------------------------------------------------
+@dataclass
+class _Tools:
+    bwrap: Optional[str] = None
+    unshare: Optional[str] = None
+    setpriv: Optional[str] = None
+    problems: Dict[str, str] = field(default_factory=dict)
+
+
+def _find_tools() -> _Tools:
+    found = _Tools(shutil.which('bwrap'), shutil.which('unshare'), shutil.which('setpriv'))
+    if found.setpriv:
+        found.setpriv = os.path.realpath(found.setpriv)
+    if not found.setpriv or not _under(found.setpriv, '/usr'):
+        # setpriv runs inside the sandbox root, which holds /usr only
+        found.problems['setpriv'] = ('setpriv (util-linux) not found on PATH' if not found.setpriv else
+                                     f'setpriv at {found.setpriv} is outside /usr')
+        found.setpriv = None
+    return found
+
+
+def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str]) -> SandboxCommand:
+    """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
+    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only)."""
+    tools = _find_tools()
+    interp = current_interpreter()
+    if kind == 'bwrap':
+        if not tools.bwrap:
+            raise IsolationUnavailable('bwrap (bubblewrap) not found on PATH')
+    elif kind == 'unshare':
+        if not tools.unshare:
+            raise IsolationUnavailable('unshare (util-linux) not found on PATH')
+    else:
+        raise ValueError(f'unknown isolation kind {kind!r}')
+    if uid is None:
+        if kind != 'bwrap':
+            raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
+                                       'without root only bwrap (with a user namespace) can isolate')
+        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv)
+    if tools.setpriv is None:
+        raise IsolationUnavailable(tools.problems['setpriv'])
+    if kind == 'bwrap':
+        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv)
+    return unshare_command(tools.unshare, tools.setpriv, interp, uid, tmp_mb, python_argv)
+
+
+_PROBE_CODE = ('import os, sys; sys.stdout.write("mtflow-probe %d %d" % '
+               '(len([p for p in os.listdir("/proc") if p.isdigit()]), os.getuid()))')
+
+
+def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
+    """Run a tiny program with isolation ``kind``; ``None`` when it worked as it must (in a new
+    PID namespace, where it sees only itself and the namespace's init, as the leased uid), else
+    why not."""
+    lease = None
+    if not rootless():
+        try:
+            lease = UidLease()
+        except (IsolationUnavailable, OSError) as exc:
+            return str(exc)
+    want_uid = lease.uid if lease is not None else ROOTLESS_UID
+    cmd = None
+    try:
+        python_argv = [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE]
+        cmd = build_command(kind, lease.uid if lease is not None else None, 1, python_argv)
+        proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout_s, start_new_session=True)
+    except IsolationUnavailable as exc:
+        return str(exc)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f'{kind} could not be run: {exc}'
+    finally:
+        if cmd is not None and cmd.scratch:
+            _remove_scratch(cmd.scratch)
+        if lease is not None:
+            wait_uid_gone(lease.uid, 5.0)
+            lease.release()
+    out = proc.stdout.decode('utf-8', 'replace').split()
+    if proc.returncode != 0 or len(out) != 3 or out[0] != 'mtflow-probe':
+        err = (proc.stderr.decode('utf-8', 'replace').strip() or proc.stdout.decode('utf-8', 'replace').strip())
+        return f'{kind} failed (exit status {proc.returncode}): {err[-300:] or "no output"}'
+    if int(out[1]) > 2 or int(out[2]) != want_uid:
+        return (f'{kind} ran the program as uid {out[2]}, seeing {out[1]} processes: not the namespace and uid '
+                'it must have')
+    return None
+
+
+def _remove_scratch(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_DETAIL = {
+    'bwrap': 'bubblewrap: new pid, net (lo only), ipc, uts and mount namespaces; read-only /usr and '
+             'interpreter; private /tmp; dedicated unprivileged uid with its own process limit',
+    'unshare': 'unshare (util-linux): new pid, net (lo only), ipc, uts and mount namespaces; chroot into '
+               'read-only /usr and interpreter; private /tmp; dedicated unprivileged uid with its own process limit',
+}
+_cache: Dict[str, Isolation] = {}
+_cache_lock = threading.Lock()
+
+
+def resolve_isolation(requested: str = 'auto') -> Isolation:
+    """The isolation ``requested`` (one of :data:`ISOLATION_CHOICES`) gives on this machine,
+    probed once per process."""
+    if requested not in ISOLATION_CHOICES:
+        raise ValueError(f'isolation must be one of {", ".join(ISOLATION_CHOICES)}, got {requested!r}')
+    if requested == 'none':
+        return Isolation('none', 'none', 'no isolation')
+    with _cache_lock:
+        cached = _cache.get(requested)
+        if cached is not None:
+            return cached
+        kinds = ['bwrap', 'unshare'] if requested == 'auto' else [requested]
+        reasons = []
+        result = None
+        for kind in kinds:
+            why = probe(kind)
+            if why is None:
+                detail = _DETAIL[kind]
+                if rootless():
+                    detail = detail.replace('dedicated unprivileged uid with its own process limit',
+                                            'own user namespace (nobody inside) with its own process limit')
+                result = Isolation(requested, kind, detail)
+                break
+            reasons.append(why if why.startswith(kind) else f'{kind}: {why}')
+        if result is None:
+            result = Isolation(requested, '', '; '.join(reasons))
+        _cache[requested] = result
+        return result
+
+
+def forget_probes() -> None:
+    """Drop the cached probe results (tests that change PATH, or after installing bubblewrap)."""
+    with _cache_lock:
+        _cache.clear()

@@ -1,0 +1,100 @@
+"""Without root, bwrap isolates in its own user namespace (the program is ``nobody`` inside, this
+user outside) and the process limit counts per namespace; unshare refuses. Run as an
+unprivileged uid (leased, so nothing else uses it) with an interpreter that uid can read."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from mtflow.tools import isolation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = textwrap.dedent('''
+    import asyncio, os, sys
+    from mtflow.tools import isolation
+    from mtflow.tools.sandbox import run_python
+    print("probe bwrap:", isolation.probe("bwrap"))
+    print("probe unshare:", isolation.probe("unshare"))
+    r = asyncio.run(run_python("import os; print(os.getuid(), sorted(os.listdir('/')))", isolation="bwrap"))
+    print("benign:", r.error_kind or "ok", r.output.strip())
+    forks = """
+    import os, time
+    kids, failed = [], 0
+    for _ in range(40):
+        try:
+            pid = os.fork()
+        except OSError:
+            failed += 1
+            continue
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        kids.append(pid)
+    print(len(kids), failed)
+    """
+    r = asyncio.run(run_python(forks, isolation="bwrap", max_processes=8, timeout_s=60))
+    print("forks:", r.output.strip())
+    marker = sys.argv[1]
+    code = ("import subprocess, sys\\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', %r], "
+            "start_new_session=True)\\nprint('started', flush=True)\\nwhile True: pass" % marker)
+    r = asyncio.run(run_python(code, isolation="bwrap", timeout_s=5))
+    print("loop:", r.error_kind, r.output.strip())
+''')
+
+
+def _interpreter_for(uid: int, env: dict):
+    """An interpreter of this Python version that ``uid`` can run with mtflow importable, or None."""
+    for exe in (os.path.realpath(getattr(sys, '_base_executable', sys.executable)),
+                shutil.which(f'python{sys.version_info[0]}.{sys.version_info[1]}', path='/usr/bin:/bin')):
+        if not exe:
+            continue
+        check = subprocess.run(['setpriv', f'--reuid={uid}', f'--regid={uid}', '--clear-groups', '--', exe, '-c',
+                                'import os, sys, mtflow.tools.sandbox\n'
+                                'for d in (os.path.dirname(os.path.realpath(sys.executable)), sys.base_prefix):\n'
+                                '    os.listdir(d)'], env=env, capture_output=True, timeout=60, cwd='/')
+        if check.returncode == 0:
+            return exe
+    return None
+
+
+def test_rootless_bwrap_isolates_and_limits_processes():
+    if os.geteuid() != 0 or not shutil.which('setpriv') or not shutil.which('bwrap'):
+        pytest.skip('needs root (to become an unprivileged uid), setpriv and bwrap')
+    lease = isolation.UidLease()
+    try:
+        site = [p for p in sys.path if p.endswith('site-packages')]
+        env = {'PATH': '/usr/bin:/bin', 'HOME': '/', 'PYTHONPATH': os.pathsep.join([ROOT] + site)}
+        exe = _interpreter_for(lease.uid, env)
+        if exe is None:
+            pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
+        marker = 'mtflow-' + uuid.uuid4().hex
+        proc = subprocess.run(['setpriv', f'--reuid={lease.uid}', f'--regid={lease.uid}', '--clear-groups', '--',
+                               exe, '-c', SCRIPT, marker], env=env, capture_output=True, text=True, timeout=300,
+                              cwd='/')
+        out = proc.stdout
+        assert proc.returncode == 0, proc.stderr
+        if 'probe bwrap: None' not in out:
+            pytest.skip(f'unprivileged user namespaces are not available here: {out.splitlines()[0]}')
+        assert 'probe unshare: unshare needs root' in out
+        assert "benign: ok 65534 ['bin', 'dev'" in out  # nobody inside its own namespace
+        assert 'forks: 7 33' in out  # 7 children + the program: max_processes binds per namespace
+        assert 'loop: timeout started' in out
+        assert isolation.processes_of_uid(lease.uid) == []
+        assert not any(marker.encode() in _cmdline(p) for p in os.listdir('/proc') if p.isdigit())
+    finally:
+        lease.release()
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            return f.read()
+    except OSError:
+        return b''
