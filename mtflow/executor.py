@@ -562,12 +562,13 @@ class BatchRun:
 
     def deliver(self, records: List[RequestRecord], outputs: Any, turn: int) -> None:
         """Hand each record its output (``incoming``); the wrong number of outputs fails them all."""
+        returned = outputs
         try:
             outputs = list(outputs)
         except TypeError:
             outputs = None
         if outputs is None or len(outputs) != len(records):
-            got = f'{len(outputs)} output(s)' if outputs is not None else type(outcome.value).__name__
+            got = f'{len(outputs)} output(s)' if outputs is not None else f'a {type(returned).__name__}'
             err = RolloutFnError(f'rollout_fn returned {got} for {len(records)} request(s)', turn=turn,
                                  field='outputs')
             self.apply([_fail_move(rec, turn, 'rollout_fn', err) for rec in records])
@@ -580,7 +581,7 @@ class BatchRun:
         """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
         ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
         ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
-        accounting, hooks, uuid_turn = self.accounting, self.hooks, turn
+        accounting, uuid_turn = self.accounting, turn
         moves: Dict[int, Move] = {}
         applied: List[RequestRecord] = []
         for rec in records:

@@ -4,8 +4,6 @@ escapes as an exception (hypothesis fuzz); duplicate uuids are caught before the
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +12,7 @@ import mtflow
 from mtflow import MultiTurnRolloutError, Scheduler
 from mtflow.executor import DuplicateUuidError
 from mtflow.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput
-from tests.helpers import Counter, dump, out, req
+from tests.helpers import Counter, out, req
 
 
 class Plain(Scheduler):
@@ -101,6 +99,20 @@ def test_bad_step_fields(returned, field):
 
     failure = only_failure(run(Bad()))
     assert (failure.turn, failure.phase, failure.error.field) == (1, 'step', field)
+
+
+@pytest.mark.parametrize('returned', [None, 5, 'text'])
+def test_rollout_fn_returning_no_list_fails_the_requests_it_served(returned):
+    calls = []
+
+    def rollout(requests, config):
+        calls.append(len(requests))
+        return returned if len(calls) == 2 else [out('x', [1]) for _ in requests]
+
+    result = run(Plain(), rollout)
+    assert result.finish_reasons == ['error'] * 3
+    assert {(f.phase, f.turn, f.error.field) for f in result.failures} == {('rollout_fn', 2, 'outputs')}
+    assert 'rollout_fn returned ' in str(result.failures[0].error)
 
 
 def test_check_finished_must_return_a_bool():
