@@ -287,7 +287,7 @@ def scenario(draw):
     if draw(st.booleans()):
         draws[('finalize_output', draw(st.sampled_from(['check_finished', 'max_turns', 'error'])))] = draw(junk)
     outputs = {(u, k): draw(engine_output()) for u in ('r0', 'r1', 'r2') for k in (1, 2, 3) if draw(st.integers(0, 3)) == 0}
-    count = draw(st.sampled_from([None, None, None, 0, 2, 4]))
+    count = draw(st.sampled_from([None, None, None, 0, 2, 4, 'junk']))
     return draws, outputs, count
 
 
@@ -297,6 +297,8 @@ def fuzz_rollout(outputs, count):
     def rollout_fn(requests, config):
         calls.append(len(requests))
         got = [outputs.get((r.uuid, len(calls)), out('ok', [1], [-.1])) for r in requests]
+        if count == 'junk' and len(calls) == 2:
+            return 5  # not a list at all
         if count is not None and len(calls) == 2 and requests:
             return got[:count] if count < len(got) else got + got[:count - len(got)]
         return got
