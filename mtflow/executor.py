@@ -531,8 +531,14 @@ class BatchRun:
     @staticmethod
     def wait_move(rec: RequestRecord, turn: int, duration: Optional[float] = None,
                   extra: Optional[dict] = None) -> Move:
-        """Into ``generating`` or ``continuing``, by the contract's continuation rule."""
-        trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
+        """Into ``generating`` or ``continuing``, by the contract's continuation rule (``fail``
+        when the messages cannot be read)."""
+        try:
+            trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
+        except Exception as exc:
+            err = SchedulerResultError(f'messages must be a list of {{role, content}} dicts: {type(exc).__name__}: '
+                                       f'{exc}', uuid=rec.uuid, turn=turn, field='messages')
+            return _fail_move(rec, turn, 'step' if rec.state == M.TOOL_STEP else 'input', err)
         return Move(rec, trigger, turn, duration=duration, extra=extra)
 
     # ---- the model ---------------------------------------------------------------------------

@@ -115,6 +115,23 @@ def test_rollout_fn_returning_no_list_fails_the_requests_it_served(returned):
     assert 'rollout_fn returned ' in str(result.failures[0].error)
 
 
+def test_unreadable_messages_fail_that_request():
+
+    class BadMessages(Plain):
+
+        def step(self, infer_request, response_choice, current_turn):
+            if infer_request.uuid == 'r1':
+                infer_request.messages.append('not a message')
+                return {'infer_request': infer_request}
+            return super().step(infer_request, response_choice, current_turn)
+
+    failure = only_failure(run(BadMessages()))
+    assert (failure.phase, failure.error.field) == ('step', 'messages')
+    result = mtflow.Executor(Plain(max_turns=2), Counter(lambda r, k: out('x', [1])), on_error='return').run(
+        [req('a'), mtflow.RolloutInferRequest.model_construct(messages=[7], uuid='b')])
+    assert result.finish_reasons == ['max_turns', 'error'] and result.failures[0].phase == 'input'
+
+
 def test_check_finished_must_return_a_bool():
 
     class Check(Plain):
