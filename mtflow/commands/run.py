@@ -21,13 +21,11 @@ import argparse
 import importlib
 import importlib.util
 import inspect
-import json
 import random
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from ..cli import CLIError
 
@@ -50,6 +48,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--temperature', type=float, help='request_config.temperature')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
+    p.add_argument('--resume', action='store_true',
+                   help='continue the interrupted run in the output directory (same config and dataset)')
+    p.add_argument('--overwrite', action='store_true',
+                   help='start afresh in a non-empty output directory (the old one is moved to OUT.old-<time>)')
+    p.add_argument('--delete-old', action='store_true', help='with --overwrite: delete the old run files instead')
+    p.add_argument('--flush-every', type=int, default=256, metavar='N',
+                   help='write and fsync finished requests in groups of N (default 256) ...')
+    p.add_argument('--flush-interval', type=float, default=2.0, metavar='S',
+                   help='... or when the oldest one has waited S seconds (default 2)')
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
@@ -207,28 +214,6 @@ def scheduler_factory(cfg: Any) -> Callable[[Any], Any]:
 
 
 # ---- running ------------------------------------------------------------------------------------
-class _Counting:
-    """Wraps ``rollout_fn`` to drive the progress bar: each call is one turn of one batch, and the
-    requests not in it have finished."""
-
-    def __init__(self, rollout_fn: Any, progress: Any, task: Any) -> None:
-        self.rollout_fn = rollout_fn
-        self.progress, self.task = progress, task
-        self.batch_size = 0
-        self.done_before = 0
-        self.turn = 0
-
-    def start_batch(self, size: int, done_before: int) -> None:
-        self.batch_size, self.done_before, self.turn = size, done_before, 0
-
-    def __call__(self, requests: List[Any], request_config: Any) -> Any:
-        self.turn += 1
-        if self.progress is not None:
-            self.progress.update(self.task, completed=self.done_before + self.batch_size - len(requests),
-                                 description=f'turn {self.turn}, {len(requests)} live')
-        return self.rollout_fn(requests, request_config)
-
-
 def _progress(enabled: bool) -> Any:
     if not enabled:
         return None
@@ -240,120 +225,94 @@ def _progress(enabled: bool) -> Any:
                     transient=False)
 
 
-def run_batches(cfg: Any, scheduler: Any, backend: Any, requests: List[Any], out_dir: Path,
-                progress: Any = None) -> Dict[str, Any]:
-    """Run every batch; stream trajectories and the trace to ``out_dir``; return the tallies."""
+def open_store(cfg: Any, args: argparse.Namespace, fingerprint: Dict[str, Any]) -> Any:
+    """The run directory, opened as the flags say (``--resume``, ``--overwrite``), before the
+    backend loads: a refusal costs no model load."""
+    from ..run_store import RunDirError, RunStore
+
+    if args.resume and args.overwrite:
+        raise CLIError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
+    if args.delete_old and not args.overwrite:
+        raise CLIError('--delete-old goes with --overwrite')
+    if args.flush_every < 1 or args.flush_interval < 0:
+        raise CLIError('--flush-every must be >= 1 and --flush-interval >= 0')
+    mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
+    try:
+        return RunStore.open(cfg.out, mode, fingerprint, delete_old=args.delete_old, flush_every=args.flush_every,
+                             flush_interval_s=args.flush_interval)
+    except RunDirError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show: bool) -> Dict[str, Any]:
+    """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``)."""
+    from ..data import iter_prompts
     from ..executor import Executor
-    from ..trajectories import trajectory_from_output, write_trajectories
+    from ..run_driver import StreamingRun
 
     request_config = cfg.make_request_config()
-    task = progress.add_task('starting', total=len(requests)) if progress is not None else None
-    counting = _Counting(backend, progress, task)
-    executor = Executor(scheduler, counting, request_config, max_turns=cfg.max_turns or None, on_error='return')
-    tallies: Dict[str, Any] = {'reasons': Counter(), 'turns': [], 'failures': [], 'infos': [], 'rollout_fn_calls': 0,
-                               'trace_tokens': 0, 'tool_calls': 0, 'tool_errors': 0}
-    t_run = time.perf_counter()
-    with open(out_dir / 'trajectories.jsonl', 'w', encoding='utf-8') as traj_f, \
-            open(out_dir / 'trace.jsonl', 'w', encoding='utf-8') as trace_f:
-        for start in range(0, len(requests), cfg.batch_size):
-            batch = requests[start:start + cfg.batch_size]
-            uuids = [r.uuid for r in batch]
-            counting.start_batch(len(batch), start)
-            offset_t = time.perf_counter() - t_run
-            result = executor.run(batch)
-            tallies['rollout_fn_calls'] += result.rollout_fn_calls
-            trajectories = []
-            for i, (output, reason) in enumerate(zip(result.outputs, result.finish_reasons)):
-                traj = trajectory_from_output(output, uuids[i], index=start + i, finish_reason=reason)
-                trajectories.append(traj)
-                tallies['reasons'][reason] += 1
-                tallies['turns'].append(traj.num_turns or 0)
-                tallies['infos'].append(traj.rollout_infos)
-            write_trajectories(traj_f, trajectories)
-            for failure in result.failures:
-                d = failure.to_dict()
-                d['index'] = start + failure.index
-                tallies['failures'].append(d)
-            if result.trace is not None:
-                for e in result.trace.events:
-                    e.index += start
-                    if e.t is not None:
-                        e.t = round(e.t + offset_t, 6)
-                    if e.tokens:
-                        tallies['trace_tokens'] += e.tokens
-                    calls, errors = _tool_counts(e.extra)
-                    tallies['tool_calls'] += calls
-                    tallies['tool_errors'] += errors
-                result.trace.write_jsonl(trace_f)
-            traj_f.flush()
-            trace_f.flush()
-            if progress is not None:
-                progress.update(task, completed=start + len(batch), description='')
-    tallies['wall_s'] = time.perf_counter() - t_run
-    return tallies
 
+    def make_executor(rollout_fn: Any, on_finished: Any) -> Any:
+        return Executor(scheduler, rollout_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
+                        on_finished=on_finished)
 
-def _count(value: Any) -> int:
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, (int, float)):
-        return int(value)
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    return 0
+    progress = _progress(show)
+    left = total - len(store.done)
+    task = progress.add_task('starting', total=left) if progress is not None else None
 
+    def on_progress(finished: int, description: str) -> None:
+        progress.update(task, completed=finished, description=description)
 
-def _tool_counts(extra: Any) -> Tuple[int, int]:
-    """Tool calls and tool errors of one step, from its ``trace_info`` (``docs/trace-format.md``):
-    a ``calls`` list (one entry per call of this step, what the declarative scheduler writes; its
-    ``tool_calls``/``tool_errors`` are then running totals and are not counted again), else
-    ``tool_calls`` and ``tool_errors`` as counts or lists."""
-    if not isinstance(extra, dict):
-        return 0, 0
-    calls = extra.get('calls')
-    if isinstance(calls, list):
-        errors = sum(1 for c in calls if isinstance(c, dict) and (c.get('ok') is False or c.get('error')))
-        return len(calls), errors
-    return _count(extra.get('tool_calls')), _count(extra.get('tool_errors'))
+    run = StreamingRun(make_executor, backend, store, cfg.batch_size, on_progress if progress is not None else None)
+    if progress is not None:
+        progress.start()
+    try:
+        return run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit))
+    finally:
+        if progress is not None:
+            progress.stop()
+        figures = run.figures()
+        store.attempt_figures = figures
 
 
 # ---- the summary ------------------------------------------------------------------------------------
-def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, Any], load_s: float) -> Dict[str, Any]:
-    turns = tallies['turns']
+def summarize(cfg: Any, backend: Any, store: Any, total: int, figures: Dict[str, Any], load_s: float) -> Dict[str, Any]:
+    """The figures of ``summary.json``: the requests on disk (every attempt, from the store's
+    tally) and this attempt's timings."""
+    tally = store.tally
     stats = getattr(backend, 'stats', None)
-    generated = stats.completion_tokens if stats is not None else tallies['trace_tokens']
     gen_s = stats.generate_s if stats is not None else None
-    tool_calls, tool_errors = tallies['tool_calls'], tallies['tool_errors']
-    if not tool_calls:  # schedulers that count tools in rollout_infos instead of the trace
-        tool_calls = sum(_count(i.get('tool_calls', i.get('num_tool_calls'))) for i in tallies['infos'])
-        tool_errors = sum(_count(i.get('tool_errors', i.get('num_tool_errors'))) for i in tallies['infos'])
-    rewards = [i['reward'] for i in tallies['infos'] if isinstance(i.get('reward'), (int, float))]
+    attempt_tokens = stats.completion_tokens if stats is not None else None
+    wall_s = figures.get('wall_s') or 0.0
+    tool_calls, tool_errors = tally.tool_calls()
     load_info = getattr(backend, 'load_info', {}) or {}
+    done = len(store.done)
     return {
         'config': cfg.source,
         'backend': backend.describe() if hasattr(backend, 'describe') else cfg.backend,
         'scheduler': cfg.scheduler,
-        'requests': len(requests),
-        'finish_reasons': dict(tallies['reasons'].most_common()),
-        'errors': len(tallies['failures']),
-        'turns': {
-            'min': min(turns) if turns else 0,
-            'mean': round(sum(turns) / len(turns), 2) if turns else 0,
-            'max': max(turns) if turns else 0,
-            'histogram': {str(k): v for k, v in sorted(Counter(turns).items())},
-            'multi_turn_requests': sum(1 for t in turns if t > 1),
-        },
-        'rollout_fn_calls': tallies['rollout_fn_calls'],
+        'requests': total,
+        'written': done,
+        'interrupted': store.interrupted,
+        'remaining': max(total - done, 0),
+        'finish_reasons': dict(tally.reasons.most_common()),
+        'errors': tally.errors,
+        'turns': tally.turns_summary(),
+        'rollout_fn_calls': figures.get('rollout_fn_calls', 0),
         'tool_calls': tool_calls,
         'tool_errors': tool_errors,
-        'reward_mean': round(sum(rewards) / len(rewards), 4) if rewards else None,
-        'generated_tokens': generated,
+        'reward_mean': tally.reward_mean(),
+        'generated_tokens': tally.trace_tokens,
         'generate_s': round(gen_s, 3) if gen_s is not None else None,
-        'wall_s': round(tallies['wall_s'], 3),
-        'tokens_per_s': round(generated / tallies['wall_s'], 1) if tallies['wall_s'] > 0 else None,
+        'wall_s': round(wall_s, 3),
+        'tokens_per_s': round((attempt_tokens if attempt_tokens is not None else tally.trace_tokens) / wall_s, 1)
+        if wall_s > 0 else None,
         'model_load_s': round(load_s, 3),
         'model_cached': load_info.get('cached'),
-        'failures': tallies['failures'][:20],
+        'attempts': len(store.info.get('attempts') or []),
+        'resumed_from': store.info['attempts'][-1].get('done_at_start', 0) if store.resumed else None,
+        'write_s': figures.get('write_s'),
+        'failures': tally.failures,
     }
 
 
@@ -367,13 +326,21 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     reasons = ', '.join(f'{k} {v}' for k, v in summary['finish_reasons'].items())
     t = summary['turns']
     hist = '  '.join(f'{k}:{v}' for k, v in t['histogram'].items())
+    status = summary.get('status', 'complete')
     table.add_row('backend', summary['backend'])
     table.add_row('scheduler', str(summary['scheduler']))
-    table.add_row('requests', str(summary['requests']))
+    table.add_row('status', status if status == 'complete' else f'[yellow]{status}[/yellow]')
+    requests = str(summary['requests'])
+    if summary['written'] != summary['requests'] or summary['resumed_from']:
+        requests += f" ({summary['written']} written"
+        requests += f", {summary['resumed_from']} by earlier attempts" if summary['resumed_from'] else ''
+        requests += f", {summary['interrupted']} interrupted" if summary['interrupted'] else ''
+        requests += ')'
+    table.add_row('requests', requests)
     table.add_row('finish reasons', reasons)
     table.add_row('turns per request', f"min {t['min']}  mean {t['mean']}  max {t['max']}")
     table.add_row('turns histogram', f'(turns:requests) {hist}')
-    table.add_row('multi-turn requests', f"{t['multi_turn_requests']} of {summary['requests']} went past turn 1")
+    table.add_row('multi-turn requests', f"{t['multi_turn_requests']} of {summary['written']} went past turn 1")
     table.add_row('rollout_fn calls', str(summary['rollout_fn_calls']))
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
     if summary['reward_mean'] is not None:
@@ -391,55 +358,90 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     console = Console()
     console.print(table)
     for failure in summary['failures'][:3]:
-        console.print(f"[red]error[/red] request {failure['uuid']} turn {failure['turn']} ({failure['phase']}): "
-                      f"{failure['type']}: {failure['message']}")
+        console.print(f"[red]error[/red] request {failure.get('uuid')} turn {failure.get('turn')} "
+                      f"({failure.get('phase')}): {failure.get('type')}: {failure.get('message')}")
+
+
+def _say(message: str) -> None:
+    print(f'mtflow: {message}', file=sys.stderr)
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..data import DatasetError, read_prompts
+    from ..data import DatasetError, bundled_dataset, count_prompts
+    from ..run_fingerprint import run_fingerprint
+    from ..run_signals import StopSignals, exit_code_for
+    from ..run_store import RunDirError
 
     cfg = load_config(args)
     try:
-        requests = read_prompts(cfg.dataset_path(), limit=cfg.limit)
+        total = count_prompts(cfg.dataset_path(), limit=cfg.limit)  # every line checked before anything starts
     except DatasetError as exc:
         raise CLIError(str(exc)) from None
     make_scheduler = scheduler_factory(cfg)
+    store = open_store(cfg, args, run_fingerprint(cfg, cfg.dataset_path() or bundled_dataset()))
+    out_dir = store.out_dir
+    quiet = args.quiet
+    if store.set_aside is not None and not quiet:
+        _say(f'--overwrite: the previous run is now in {store.set_aside}')
+    if store.resumed and not quiet:
+        notes = '; '.join(store.recovery.notes())
+        _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written' + (f' ({notes})' if notes else ''))
     seed_everything(cfg.seed)
     show = not (args.quiet or args.no_progress)
-    status = None
-    if show:
-        from rich.console import Console
+    signals = StopSignals(message=None)
+    backend = None
+    load_s = 0.0
+    store.attempt_figures = {}
+    with signals:
+        try:
+            status = None
+            if show:
+                from rich.console import Console
 
-        status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
-        status.start()
-    t0 = time.perf_counter()
-    try:
-        backend = build_backend(cfg)
-    finally:
-        if status is not None:
-            status.stop()
-    load_s = time.perf_counter() - t0
-    try:
-        scheduler = make_scheduler(getattr(backend, 'tokenizer', None))
-        out_dir = Path(cfg.out)
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CLIError(f'cannot create output directory {out_dir}: {exc.strerror or exc}') from None
-        progress = _progress(show)
-        if progress is not None:
-            progress.start()
-        try:
-            tallies = run_batches(cfg, scheduler, backend, requests, out_dir, progress)
+                status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
+                status.start()
+            t0 = time.perf_counter()
+            try:
+                backend = build_backend(cfg)
+            finally:
+                if status is not None:
+                    status.stop()
+            load_s = time.perf_counter() - t0
+            scheduler = make_scheduler(getattr(backend, 'tokenizer', None))
+            if not quiet:
+                signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
+                                   '(press Ctrl-C again to exit at once)')
+            figures = rollout(cfg, scheduler, backend, store, total, show)
+            run_status, code = 'complete', 0
+        except KeyboardInterrupt:
+            figures = store.attempt_figures
+            run_status = 'interrupted'
+            code = exit_code_for(signals.signum) if signals.signum is not None else 130
+            if backend is None:  # stopped while the model loaded: nothing ran
+                store.discard()
+                return code
+        except RunDirError as exc:
+            store.abandon()
+            raise CLIError(str(exc)) from None
+        except BaseException:
+            store.discard()  # nothing written (a backend that cannot start): leave no run behind
+            raise
         finally:
-            if progress is not None:
-                progress.stop()
-    finally:
-        close = getattr(backend, 'close', None)
-        if callable(close):
-            close()
-    summary = summarize(cfg, backend, requests, tallies, load_s)
-    (out_dir / 'summary.json').write_text(json.dumps(summary, indent=2, default=str) + '\n', encoding='utf-8')
-    if not args.quiet:
-        print_summary(summary, out_dir)
-    return 1 if summary['requests'] and summary['finish_reasons'].get('error', 0) == summary['requests'] else 0
+            close = getattr(backend, 'close', None)
+            if callable(close):
+                close()
+        summary = summarize(cfg, backend, store, total, figures, load_s) if backend is not None else None
+        try:
+            store.close(run_status, summary, attempt=figures)
+        except RunDirError as exc:
+            raise CLIError(str(exc)) from None
+    if run_status == 'interrupted':
+        if not quiet:
+            _say(f'interrupted: {len(store.done)} of {total} requests are written to {out_dir}, '
+                 f'{store.interrupted} in flight were kept in interrupted.jsonl; '
+                 f'rerun the same command with --resume to continue')
+        return code
+    if not quiet:
+        print_summary({'status': run_status, **summary}, out_dir)
+    written = summary['written']
+    return 1 if written and summary['finish_reasons'].get('error', 0) == written else 0

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 from ..errors import MtflowError
 from ..protocol import RolloutInferRequest
 
-__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts']
+__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'count_prompts']
 
 _KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
 
@@ -68,16 +68,17 @@ def _request(item: Dict[str, Any], where: str, default_uuid: str) -> RolloutInfe
         uuid=str(uuid) if uuid is not None else default_uuid)
 
 
-def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> List[RolloutInferRequest]:
-    """Read a JSONL prompt dataset (the bundled one when ``path`` is ``None``) into requests."""
+def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> Iterator[RolloutInferRequest]:
+    """Yield the requests of a JSONL prompt dataset one at a time (the bundled one when ``path``
+    is ``None``), so a run of a million prompts never holds them all. Errors name file and line;
+    a repeated uuid is an error (only the uuids are kept to check that)."""
     path = bundled_dataset() if path is None else Path(path)
     if not path.is_file():
         raise DatasetError(f'dataset not found: {path}')
-    requests: List[RolloutInferRequest] = []
     seen: Dict[str, int] = {}
     with open(path, encoding='utf-8') as f:
         for no, raw in enumerate(f, 1):
-            if limit is not None and len(requests) >= limit:
+            if limit is not None and len(seen) >= limit:
                 break
             if not raw.strip():
                 continue
@@ -92,7 +93,17 @@ def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
             if req.uuid in seen:
                 raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
             seen[req.uuid] = no
-            requests.append(req)
-    if not requests:
+            yield req
+    if not seen:
         raise DatasetError(f'{path}: no prompts')
-    return requests
+
+
+def count_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> int:
+    """Check every line of a dataset (as :func:`iter_prompts`) and count the requests, keeping
+    none of them: a bad line is reported before a run starts, not hours into it."""
+    return sum(1 for _ in iter_prompts(path, limit))
+
+
+def read_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> List[RolloutInferRequest]:
+    """Read a JSONL prompt dataset (the bundled one when ``path`` is ``None``) into requests."""
+    return list(iter_prompts(path, limit))

@@ -1,0 +1,130 @@
+"""The rollout loop of ``mtflow run``: batches of prompts through the executor, every finished
+request streamed into a :class:`mtflow.run_store.RunStore` the moment it finishes.
+
+The prompts come from an iterator and each batch is dropped once it is done, so the run holds
+only the batch in flight (and the store's counters), whatever the dataset's size. Requests the
+store already has (an earlier attempt wrote them) are skipped, so ``--resume`` never runs or
+writes a uuid twice. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM through
+:class:`mtflow.run_signals.StopSignals`) reaches the executor, which finishes the requests in
+flight with reason ``interrupted``; they go to ``interrupted.jsonl`` and the interrupt goes on
+to the caller, which closes the store.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from .machine import INTERRUPTED
+from .run_store import RunDirError, RunStore, finished_to_record
+
+__all__ = ['StreamingRun']
+
+
+class _TurnCounter:
+    """Wraps ``rollout_fn``: each call is one turn of a batch. Between turns it lets the store
+    flush a group that has waited too long, and moves the progress bar."""
+
+    def __init__(self, rollout_fn: Any, store: RunStore, on_turn: Optional[Callable[[int, int], None]]) -> None:
+        self.rollout_fn = rollout_fn
+        self.store = store
+        self.on_turn = on_turn
+        self.turn = 0
+
+    def __call__(self, requests: List[Any], request_config: Any) -> Any:
+        self.turn += 1
+        self.store.tick()
+        if self.on_turn is not None:
+            self.on_turn(self.turn, len(requests))
+        return self.rollout_fn(requests, request_config)
+
+
+class StreamingRun:
+    """Runs prompts in batches of ``batch_size`` and streams each finished request to ``store``.
+
+    Args:
+        make_executor: ``make_executor(rollout_fn, on_finished) -> Executor`` (the caller owns the
+            executor's settings; this class owns the streaming).
+        rollout_fn: the backend.
+        store: an open run store.
+        batch_size: requests per ``Executor.run``.
+        on_progress: ``on_progress(finished_this_attempt, description)``, or ``None``.
+    """
+
+    def __init__(self, make_executor: Callable[[Any, Callable[[Any], None]], Any], rollout_fn: Any, store: RunStore,
+                 batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None) -> None:
+        self.store = store
+        self.batch_size = batch_size
+        self.on_progress = on_progress
+        self.counter = _TurnCounter(rollout_fn, store, self._on_turn)
+        self.executor = make_executor(self.counter, self.on_finished)
+        self.rollout_fn_calls = 0
+        self.finished = 0  # requests finished in this attempt (written or interrupted)
+        self.skipped = 0  # prompts already written by an earlier attempt
+        self.batches = 0
+        self.wall_s = 0.0
+        self.write_error: Optional[RunDirError] = None
+        self._indices: List[int] = []
+        self._t_offset = 0.0
+
+    # ---- the executor's callbacks ------------------------------------------------------------
+    def on_finished(self, finished: Any) -> None:
+        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset)
+        self.finished += 1
+        try:
+            if finished.finish_reason == INTERRUPTED:
+                self.store.write_interrupted(record, events)
+            else:
+                self.store.write(record, events)
+        except RunDirError as exc:  # e.g. a full disk: the batch goes on, the run stops after it
+            self.write_error = exc
+        if self.on_progress is not None:
+            self.on_progress(self.finished, '')
+
+    def _on_turn(self, turn: int, live: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.finished, f'turn {turn}, {live} live')
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, prompts: Iterable[Any]) -> Dict[str, Any]:
+        """Roll out every prompt the store does not have yet; return this attempt's figures.
+        A ``KeyboardInterrupt`` propagates (after the batch in flight was finished as
+        interrupted); so does a :class:`RunDirError` from writing."""
+        t0 = time.perf_counter()
+        try:
+            batch: List[Tuple[int, Any]] = []
+            for index, request in enumerate(prompts):
+                if self.store.is_done(request.uuid):
+                    self.skipped += 1
+                    continue
+                batch.append((index, request))
+                if len(batch) >= self.batch_size:
+                    self._run_batch(batch)
+                    batch = []
+            if batch:
+                self._run_batch(batch)
+        finally:
+            self.wall_s += time.perf_counter() - t0
+        return self.figures()
+
+    def _run_batch(self, batch: List[Tuple[int, Any]]) -> None:
+        from .errors import RolloutInterrupted
+
+        self._indices = [i for i, _ in batch]
+        self.counter.turn = 0
+        self.batches += 1
+        self._t_offset = time.time() - self.store.started_unix  # trace times count from the run's start
+        try:
+            result = self.executor.run([r for _, r in batch])
+        except RolloutInterrupted as exc:
+            if exc.result is not None:
+                self.rollout_fn_calls += exc.result.rollout_fn_calls
+            raise
+        self.rollout_fn_calls += result.rollout_fn_calls
+        if self.write_error is not None:
+            self.store.flush()  # one more try (raises again when the disk is still full)
+            self.write_error = None
+
+    def figures(self) -> Dict[str, Any]:
+        return {'rollout_fn_calls': self.rollout_fn_calls, 'wall_s': round(self.wall_s, 3), 'batches': self.batches,
+                'skipped': self.skipped, 'finished': self.finished, 'flushes': self.store.flushes,
+                'write_s': round(self.store.fsync_s, 4)}

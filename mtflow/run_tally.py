@@ -1,0 +1,116 @@
+"""Running totals of a run directory: what ``summary.json`` reports about the requests written.
+
+A :class:`RunTally` is fed one finished request at a time (its trajectory line and its trace
+events, as plain dicts), by the run store as it writes them and again, on ``--resume``, as it
+reads back what an earlier attempt wrote. So the summary of a resumed run describes every
+trajectory in the directory, and its size never depends on how many requests the run holds: it
+keeps counters, not lists.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+__all__ = ['RunTally', 'tool_counts']
+
+#: how many request errors the summary lists (the count covers all of them)
+MAX_LISTED_FAILURES = 20
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return int(value)
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return 0
+
+
+def tool_counts(extra: Any) -> Tuple[int, int]:
+    """Tool calls and tool errors of one step, from its ``trace_info`` (``docs/trace-format.md``):
+    a ``calls`` list (one entry per call of this step, what the declarative scheduler writes; its
+    ``tool_calls``/``tool_errors`` are then running totals and are not counted again), else
+    ``tool_calls`` and ``tool_errors`` as counts or lists."""
+    if not isinstance(extra, dict):
+        return 0, 0
+    calls = extra.get('calls')
+    if isinstance(calls, list):
+        errors = sum(1 for c in calls if isinstance(c, dict) and (c.get('ok') is False or c.get('error')))
+        return len(calls), errors
+    return _count(extra.get('tool_calls')), _count(extra.get('tool_errors'))
+
+
+class RunTally:
+    """Counters over the finished requests of a run (constant memory)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.reasons: Counter = Counter()
+        self.turns: Counter = Counter()  # num_turns -> requests
+        self.trace_tokens = 0
+        self.trace_tool_calls = 0
+        self.trace_tool_errors = 0
+        self.info_tool_calls = 0
+        self.info_tool_errors = 0
+        self.reward_sum = 0.0
+        self.reward_n = 0
+        self.errors = 0
+        self.failures: List[Dict[str, Any]] = []
+
+    def add(self, record: Dict[str, Any], events: Iterable[Dict[str, Any]] = ()) -> None:
+        """One finished request: its trajectory line and its trace events."""
+        self.add_record(record)
+        for event in events:
+            self.add_event(event)
+
+    def add_record(self, record: Dict[str, Any]) -> None:
+        self.requests += 1
+        self.reasons[record.get('finish_reason')] += 1
+        self.turns[int(record.get('num_turns') or 0)] += 1
+        infos = record.get('rollout_infos') or {}
+        if isinstance(infos, dict):
+            self.info_tool_calls += _count(infos.get('tool_calls', infos.get('num_tool_calls')))
+            self.info_tool_errors += _count(infos.get('tool_errors', infos.get('num_tool_errors')))
+            reward = infos.get('reward')
+            if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+                self.reward_sum += reward
+                self.reward_n += 1
+            error = infos.get('mtflow_error')
+            if isinstance(error, dict) or record.get('finish_reason') == 'error':
+                self.errors += 1
+                if len(self.failures) < MAX_LISTED_FAILURES:
+                    failure = dict(error) if isinstance(error, dict) else {'uuid': record.get('uuid')}
+                    failure['index'] = record.get('index', failure.get('index'))
+                    self.failures.append(failure)
+
+    def add_event(self, event: Dict[str, Any]) -> None:
+        tokens = event.get('tokens')
+        if tokens:
+            self.trace_tokens += int(tokens)
+        calls, errors = tool_counts(event.get('extra'))
+        self.trace_tool_calls += calls
+        self.trace_tool_errors += errors
+
+    # ---- what the summary shows ---------------------------------------------------------------
+    def tool_calls(self) -> Tuple[int, int]:
+        """From the steps' ``trace_info``, else (schedulers that count tools in
+        ``rollout_infos``) from the trajectories."""
+        if self.trace_tool_calls:
+            return self.trace_tool_calls, self.trace_tool_errors
+        return self.info_tool_calls, self.info_tool_errors
+
+    def turns_summary(self) -> Dict[str, Any]:
+        n = sum(self.turns.values())
+        if not n:
+            return {'min': 0, 'mean': 0, 'max': 0, 'histogram': {}, 'multi_turn_requests': 0}
+        return {
+            'min': min(self.turns),
+            'mean': round(sum(k * v for k, v in self.turns.items()) / n, 2),
+            'max': max(self.turns),
+            'histogram': {str(k): v for k, v in sorted(self.turns.items())},
+            'multi_turn_requests': sum(v for k, v in self.turns.items() if k > 1),
+        }
+
+    def reward_mean(self) -> Optional[float]:
+        return round(self.reward_sum / self.reward_n, 4) if self.reward_n else None
