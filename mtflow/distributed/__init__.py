@@ -12,14 +12,20 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ['torch_gather', 'accelerate_gather', 'GatherError', 'ray_run', 'RayRunResult']
+__all__ = ['torch_gather', 'accelerate_gather', 'GatherError', 'destroy_process_group_at_exit', 'ray_run',
+           'RayRunResult', 'RayRecord', 'RayRunError', 'WorkerSpec', 'ShardWorker']
 
 _LAZY = {
     'torch_gather': ('.gather', 'torch_gather'),
     'accelerate_gather': ('.gather', 'accelerate_gather'),
     'GatherError': ('.gather', 'GatherError'),
+    'destroy_process_group_at_exit': ('.teardown', 'destroy_process_group_at_exit'),
     'ray_run': ('.ray_fanout', 'ray_run'),
     'RayRunResult': ('.ray_fanout', 'RayRunResult'),
+    'RayRecord': ('.ray_fanout', 'RayRecord'),
+    'RayRunError': ('.ray_fanout', 'RayRunError'),
+    'WorkerSpec': ('.ray_fanout', 'WorkerSpec'),
+    'ShardWorker': ('.ray_fanout', 'ShardWorker'),
 }
 
 
