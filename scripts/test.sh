@@ -18,6 +18,9 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # OpenAI-compatible backend (mtflow/backends/openai_server.py, the 'openai' extra) and its tests.
 .venv/bin/python -c 'import httpx' 2>/dev/null || $PIP install 'httpx>=0.24'
 
+# Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
+.venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
+
 # --- run ---
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

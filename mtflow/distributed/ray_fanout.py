@@ -238,7 +238,8 @@ def ray_run(requests: Iterable[Any],
             max_attempts: int = 3,
             on_progress: Optional[Callable[[int, str], None]] = None,
             name_prefix: Optional[str] = None,
-            poll_s: float = 0.5) -> RayRunResult:
+            poll_s: float = 0.5,
+            result: Optional[RayRunResult] = None) -> RayRunResult:
     """Roll ``requests`` out on ``num_actors`` Ray actors built from ``spec``; call ``sink`` in
     this thread once per finished request (uuid), in the order they finish.
 
@@ -253,6 +254,8 @@ def ray_run(requests: Iterable[Any],
         max_attempts: actors a request may see die before it is given up.
         on_progress: ``on_progress(delivered, description)`` after each record and state change.
         name_prefix: actors are named ``<prefix>-<slot>`` (``ray.get_actor`` finds them).
+        result: a :class:`RayRunResult` to fill in (so a caller interrupted mid-run still has
+            the figures so far).
     """
     import ray
     from ray.exceptions import RayActorError, RayTaskError
@@ -262,7 +265,7 @@ def ray_run(requests: Iterable[Any],
     if batch_size < 1:
         raise ValueError(f'batch_size must be >= 1, not {batch_size}')
     done: Set[str] = {str(u) for u in skip}
-    result = RayRunResult()
+    result = result if result is not None else RayRunResult()
     pending: Deque[List[Tuple[int, Any]]] = deque()
     attempts: Dict[str, int] = {}
     shard: List[Tuple[int, Any]] = []
