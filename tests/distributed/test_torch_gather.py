@@ -39,7 +39,7 @@ def single_process(shards: List[List[str]]) -> List[Any]:
 def group(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f'gloo{world}')
-    return world, run_group(tmp, world, ['layouts', 'raising'])
+    return world, run_group(tmp, world, ['layouts', 'raising', 'check_ranks'])
 
 
 def test_ranks_join_the_group(group):
@@ -95,6 +95,19 @@ def test_a_raising_scheduler_on_one_rank_keeps_the_others_in_step(group):
                 assert entry['finish_reasons'] == ['check_finished'] * len(shards[rank])
         healthy = [o for rank, e in enumerate(entries) if rank != 1 for o in e['outputs']]
         assert healthy == single_process([s for rank, s in enumerate(shards) if rank != 1])
+
+
+def test_the_rank_consistency_check_works_over_torch_gather(group):
+    world, reports = group
+    agree = [r['check_ranks']['agree'] for r in reports]
+    assert all(a['raised'] is None for a in agree)
+    assert all(a['outputs'] == agree[0]['outputs'] for a in agree) and len(agree[0]['outputs']) == 3
+    drift = [r['check_ranks']['drift'] for r in reports]
+    assert all(d['raised'] == 'RankMismatchError' for d in drift), drift
+    assert len({(d['turn'], tuple(d['ranks'])) for d in drift}) == 1  # every rank raised the same, together
+    assert drift[0]['turn'] == 3 and world - 1 in drift[0]['ranks']  # r-5 left the last rank's live set at turn 2
+    assert len({d['calls'] for d in drift}) == 1
+    assert all('error' in d['finish_reasons'] for d in drift)
 
 
 @pytest.mark.parametrize('world', [2, 3])

@@ -138,7 +138,44 @@ def scenario_peer_exits(rank: int, world: int, gather: Callable) -> Dict[str, An
     return {'error': None}
 
 
-SCENARIOS = {'layouts': scenario_layouts, 'raising': scenario_raising, 'peer_exits': scenario_peer_exits}
+class DriftOnLastRank(StopAfter):
+    """On the last rank, ``r-5`` finishes at turn 2 instead of 5: a tensor-parallel group whose
+    ranks drifted apart (they must hold the same live set)."""
+
+    def __init__(self, drift: bool) -> None:
+        super().__init__()
+        self.drift = drift
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        if self.drift and infer_request.uuid == 'r-5' and current_turn == 2:
+            return True
+        return super().check_finished(infer_request, response_choice, current_turn)
+
+
+def scenario_check_ranks(rank: int, world: int, gather: Callable) -> Dict[str, Any]:
+    """Every rank holds the same requests (``Executor(check_ranks=True)``): agreeing ranks run
+    as without the check; a rank that drifts makes every rank raise RankMismatchError at the
+    same turn."""
+    from mtflow.executor import RankMismatchError
+
+    uuids = ['r-1', 'r-5', 'r-3']
+    report: Dict[str, Any] = {}
+    for case in ('agree', 'drift'):
+        rollout = Counter(make_output)
+        requests = [req(u) for u in uuids]
+        scheduler = DriftOnLastRank(case == 'drift' and rank == world - 1)
+        ex = mtflow.Executor(scheduler, rollout, gather_fn=gather, rank=rank, check_ranks=True)
+        try:
+            res = ex.run(requests, first_outputs(requests))
+            report[case] = {'raised': None, 'outputs': jsonable(dump(res.outputs)), 'calls': len(rollout.calls)}
+        except RankMismatchError as exc:
+            report[case] = {'raised': type(exc).__name__, 'turn': exc.turn, 'ranks': list(exc.ranks),
+                            'message': str(exc), 'finish_reasons': exc.result.finish_reasons,
+                            'calls': len(rollout.calls)}
+    return report
+
+
+SCENARIOS = {'check_ranks': scenario_check_ranks, 'layouts': scenario_layouts, 'raising': scenario_raising, 'peer_exits': scenario_peer_exits}
 
 
 def make_gather(kind: str) -> tuple:
