@@ -101,8 +101,8 @@ class RayRunResult:
 
 # ---- the actor side (plain Python) ------------------------------------------------------------
 class ShardWorker:
-    """One actor's state: its backend, scheduler and executor; :meth:`run_shard` yields
-    ``('finished', record_dict)`` per request as it finishes, then ``('done', figures)``."""
+    """One actor's state: its backend, scheduler and executor; :meth:`run_shard` yields the
+    requests of a shard as they finish, then ``('done', figures)``."""
 
     def __init__(self, spec: WorkerSpec, slot: int) -> None:
         t0 = time.perf_counter()
@@ -129,8 +129,9 @@ class ShardWorker:
     def run_shard(self, shard: Sequence[Tuple[int, Any]], t_offset_from: float = 0.0) -> Iterator[Tuple[str, Any]]:
         """Run one shard (``(dataset index, request)`` pairs) through a fresh executor run.
 
-        The executor runs in a helper thread and hands each finished request over a queue, so
-        this generator yields it at once (Ray streams every yield to the driver). Event times
+        The executor runs in a helper thread and hands each finished request over a queue; this
+        generator yields ``('finished', [records])`` with every request finished so far (Ray
+        streams each yield to the driver), then ``('done', figures)``. Event times
         are shifted to count from ``t_offset_from`` (a ``time.time()`` of the driver)."""
         from ..executor import Executor
         from ..run_store import finished_to_record
@@ -169,8 +170,27 @@ class ShardWorker:
                 kind, payload = out.get()
                 if kind == 'raised':
                     raise payload
-                yield kind, payload
                 if kind == 'done':
+                    yield kind, payload
+                    return
+                # every request finished by now goes in one yield: one Ray object (and one
+                # round trip at the driver) per group of requests a turn finishes, not per request
+                batch = [payload]
+                tail = None
+                while tail is None:
+                    try:
+                        item = out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item[0] == 'finished':
+                        batch.append(item[1])
+                    else:
+                        tail = item
+                yield 'finished', batch
+                if tail is not None:
+                    if tail[0] == 'raised':
+                        raise tail[1]
+                    yield tail
                     return
         finally:
             thread.join(timeout=5)
@@ -406,9 +426,10 @@ def ray_run(requests: Iterable[Any],
                     lost(slot, _cause(exc))
                     continue
                 if kind == 'finished':
-                    uuid = payload['uuid']
-                    deliver(RayRecord(payload['index'], uuid, payload['finish_reason'], payload['trajectory'],
-                                      payload['events'], slot.index, attempts.get(uuid, 1), payload['failure']))
+                    for item in payload:
+                        uuid = item['uuid']
+                        deliver(RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'],
+                                          item['events'], slot.index, attempts.get(uuid, 1), item['failure']))
                     progress(f'{sum(1 for s in slots if s.state == "busy")} actor(s) busy')
                 elif kind == 'done':
                     result.rollout_fn_calls += int(payload.get('rollout_fn_calls', 0))

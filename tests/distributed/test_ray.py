@@ -95,11 +95,15 @@ def test_an_actor_killed_mid_rollout_loses_nothing_and_writes_nothing_twice(clus
     gate.mkdir()
     killed: List[str] = []
 
-    def killer() -> None:  # kill the actor that holds q5 at its turn 2, the moment it says so
+    records = []
+
+    def killer() -> None:
+        # kill the actor that holds q5 at its turn 2, once q4 (same shard, done at turn 1, so
+        # streamed before q5's turn 2 began) has reached the driver
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             claimed = gate / 'claimed'
-            if claimed.exists() and claimed.read_text():
+            if claimed.exists() and claimed.read_text() and any(r.uuid == 'q4' for r in list(records)):
                 name = claimed.read_text()
                 ray.kill(ray.get_actor(name))
                 killed.append(name)
@@ -108,7 +112,6 @@ def test_an_actor_killed_mid_rollout_loses_nothing_and_writes_nothing_twice(clus
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    records = []
     result = ray_run(H.dataset(N), spec(str(gate)), num_actors=2, batch_size=3, sink=records.append,
                      name_prefix='mtflow-kill-test')
     thread.join(10)
