@@ -120,7 +120,9 @@ class RayRollout:
             ray_run(iter_prompts(self.cfg.dataset_path(), limit=self.cfg.limit), self.spec(),
                                   num_actors=self.args.ray, sink=sink, batch_size=self.cfg.batch_size,
                                   skip=set(store.done), address=self.args.ray_address, on_progress=on_progress,
-                    result=self.result)
+                    result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
+            if progress is not None:
+                progress.update(task, completed=self.result.delivered, description='')
         except RayRunError as exc:
             raise CLIError(str(exc)) from None
         finally:
