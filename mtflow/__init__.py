@@ -3,8 +3,9 @@
 ``import mtflow`` is light (pydantic, transitions); engines (torch, transformers, vLLM,
 ms-swift) are imported only by the backends and integrations that need them.
 """
-from .errors import (IllegalTransition, MtflowError, MultiTurnRolloutError, RequestError, RequestFailure,
-                     RolloutFnError, RolloutInterrupted, SchedulerResultError, StepTimeout)
+from .errors import (DuplicateUuidError, IllegalTransition, MtflowError, MultiTurnRolloutError, RankMismatchError,
+                     RequestError, RequestFailure, RolloutFnError, RolloutInterrupted, SchedulerResultError,
+                     StepTimeout)
 from .executor import Executor, RunResult, identity_gather, run_multi_turn
 from .machine import StateGraph
 from .records import FinishedRequest
@@ -19,6 +20,6 @@ __all__ = [
     'Executor', 'RunResult', 'run_multi_turn', 'identity_gather', 'Scheduler', 'StateGraph', 'Trace', 'TraceEvent',
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
-    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
+    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest', 'DuplicateUuidError', 'RankMismatchError',
     '__version__'
 ]

@@ -88,6 +88,20 @@ class MultiTurnRolloutError(MtflowError):
         return self.args[0]
 
 
+class DuplicateUuidError(MtflowError, ValueError):
+    """Two requests of one batch share a ``uuid`` (schedulers key per-request state by it)."""
+
+
+class RankMismatchError(MtflowError):
+    """Ranks that must see the same live set (``Executor(check_ranks=True)``) disagree: raised
+    on every rank, at the same turn, instead of hanging in the engine's next collective.
+    ``.result`` is this rank's ``RunResult`` (the live requests failed with this error)."""
+
+    def __init__(self, message: str, turn: int, ranks: List[int], result: Any = None) -> None:
+        super().__init__(message)
+        self.turn, self.ranks, self.result = turn, ranks, result
+
+
 class RolloutInterrupted(KeyboardInterrupt):
     """A ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` arrived inside :meth:`mtflow.Executor.run`.
 

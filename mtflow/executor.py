@@ -37,10 +37,10 @@ from . import machine as M
 from . import trace as _trace
 from . import validate as V
 from .calls import OK, RAISED, TIMED_OUT, Caller, Outcome
-from .errors import (MtflowError, MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted,
-                     SchedulerResultError, StepTimeout)
+from .errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RequestFailure, RolloutFnError,
+                     RolloutInterrupted, SchedulerResultError, StepTimeout)
 from .machine import RequestRecord, StateGraph
-from .protocol import RolloutOutput
+from .protocol import OutputBuilder, RolloutOutput
 from .records import FinishedRequest, Move
 from .scheduler import HookSet
 from .segments import accounting_for, checked_logprobs, is_continuation_of
@@ -56,20 +56,6 @@ DEFAULT_TURN_CAP = 1000
 
 __all__ = ['Executor', 'RunResult', 'BatchRun', 'RankMismatchError', 'DuplicateUuidError', 'run_multi_turn',
            'identity_gather', 'DEFAULT_TURN_CAP']
-
-
-class RankMismatchError(MtflowError):
-    """Ranks that must see the same live set (``Executor(check_ranks=True)``) disagree: raised
-    on every rank, at the same turn, instead of hanging in the engine's next collective.
-    ``.result`` is this rank's :class:`RunResult` (the live requests failed with this error)."""
-
-    def __init__(self, message: str, turn: int, ranks: List[int], result: Any = None) -> None:
-        super().__init__(message)
-        self.turn, self.ranks, self.result = turn, ranks, result
-
-
-class DuplicateUuidError(MtflowError, ValueError):
-    """Two requests of one batch share a ``uuid`` (schedulers key per-request state by it)."""
 
 
 def identity_gather(values: List[Any]) -> List[Any]:
@@ -142,9 +128,9 @@ class Executor:
         rank: written into trace events.
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
-        accounting: how ids/masks/logprobs accumulate (default: the contract's rules, or one an
-            integration registered for this kind of scheduler, see
-            :func:`mtflow.segments.register_accounting`).
+        accounting: how ids/masks/logprobs accumulate (default:
+            :func:`mtflow.segments.accounting_for`: ms-swift 4.6's rules for schedulers that keep
+            assistant messages as token ids, else the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
             raises becomes that request's failure (phase ``on_finished``), never swallowed.
@@ -301,17 +287,19 @@ def _failure(rec: RequestRecord, turn: int, phase: str, exc: BaseException) -> R
                           ''.join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def _fail_move(rec: RequestRecord, turn: int, phase: str, exc: BaseException, reason: str = M.ERROR) -> Move:
-    tokens = rec.tokens if rec.tokens and rec.state != M.TOOL_STEP else None
-    return Move(rec, M.FAIL, turn, tokens=tokens, reason=reason, failure=_failure(rec, turn, phase, exc))
+def _fail_move(rec: RequestRecord, turn: int, phase: str, exc: BaseException, reason: str = M.ERROR,
+               tokens: Optional[int] = None) -> Move:
+    """``fail``; ``tokens``: the completion tokens of this turn's output when it was applied (the
+    trace counts them on the move that leaves ``generating``/``continuing``)."""
+    return Move(rec, M.FAIL, turn, tokens=tokens or None, reason=reason, failure=_failure(rec, turn, phase, exc))
 
 
-def _outcome_move(rec: RequestRecord, turn: int, phase: str, outcome: Outcome) -> Move:
+def _outcome_move(rec: RequestRecord, turn: int, phase: str, outcome: Outcome, tokens: Optional[int] = None) -> Move:
     """The ``fail`` move of an outcome that raised or timed out."""
     if outcome.kind == TIMED_OUT:
         err = StepTimeout(f'{phase} did not return within {outcome.value:g} s', uuid=rec.uuid, turn=turn, field=phase)
-        return _fail_move(rec, turn, phase, err, M.TIMEOUT)
-    return _fail_move(rec, turn, phase, outcome.value)
+        return _fail_move(rec, turn, phase, err, M.TIMEOUT, tokens)
+    return _fail_move(rec, turn, phase, outcome.value, tokens=tokens)
 
 
 class BatchRun:
@@ -367,6 +355,7 @@ class BatchRun:
             self.output_cls = type(first_turn_outputs[0])
         else:
             self.output_cls = RolloutOutput
+        self.builder = OutputBuilder(self.output_cls)
         self.handlers: Dict[str, Callable[[List[RequestRecord], int], List[Move]]] = {
             'waiting': self.handle_waiting,
             'tool_step': self.handle_tool_step,
@@ -399,12 +388,12 @@ class BatchRun:
         try:
             self.accounting.finalize(rec, rec.choice, rec.turn_result or _EMPTY)
         except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
-            return _fail_move(rec, turn, 'finalize', exc)
+            return _fail_move(rec, turn, 'finalize', exc, tokens=mv.tokens)
         rec.reason = mv.reason
         try:
             rec.output = self.finalized_output(rec, rec.turns, strict=True)
         except _OutputFailed as failed:  # the output cannot be built, or finalize_output failed
-            return _fail_move(rec, turn, failed.phase, failed.exc)
+            return _fail_move(rec, turn, failed.phase, failed.exc, tokens=mv.tokens)
         return mv
 
     def _failing(self, mv: Move) -> None:
@@ -473,6 +462,9 @@ class BatchRun:
             response_loss_mask=rec.mask,
             rollout_infos=infos,
             rollout_logprobs=logprobs)
+        built = self.builder.build(fields)
+        if built is not None:
+            return built
         try:
             return self.output_cls(**fields)
         except Exception as exc:  # e.g. ms-swift's class requires a response the request never got
@@ -593,6 +585,7 @@ class BatchRun:
         applied: List[RequestRecord] = []
         for rec in records:
             out, rec.incoming = rec.incoming, None
+            rec.tokens = 0
             try:
                 response, choice = V.check_output(out, rec.uuid, uuid_turn)
                 rec.response = response
@@ -616,7 +609,7 @@ class BatchRun:
                 try:
                     snapshots[rec.index] = accounting.materialize([rec])
                 except Exception as exc:  # ms-swift 4.6 decodes id-backed messages here
-                    moves[rec.index] = _fail_move(rec, turn, 'materialize', exc)
+                    moves[rec.index] = _fail_move(rec, turn, 'materialize', exc, tokens=rec.tokens)
                     applied.remove(rec)
         try:
             decided = self._decide(applied, turn, moves)
@@ -627,7 +620,7 @@ class BatchRun:
                     try:
                         accounting.restore(snap)
                     except Exception as exc:
-                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc)
+                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
         for rec, stop, reason in decided:
             if rec.index in moves:
                 continue
@@ -643,16 +636,16 @@ class BatchRun:
         going = applied
         if on_turn_end is not None and going:
             outcomes = caller.batch(on_turn_end, [(r.request, r.choice, turn) for r in going],
-                                    hooks.on_turn_end_is_async, timeout)
+                                    hooks.on_turn_end_is_async, timeout, timed=False)
             kept = []
             for rec, outcome in zip(going, outcomes):
                 if outcome.kind != OK:
-                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome)
+                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome, rec.tokens)
                     continue
                 try:
                     tr = V.check_turn_result(outcome.value, rec.uuid, turn)
                 except Exception as exc:
-                    moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc)
+                    moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc, tokens=rec.tokens)
                     continue
                 rec.turn_result = tr
                 infos = tr.get('rollout_infos') if tr else None
@@ -673,12 +666,12 @@ class BatchRun:
             if checks is not None:
                 outcome = checks[k]
                 if outcome.kind != OK:
-                    moves[rec.index] = _outcome_move(rec, turn, 'check_finished', outcome)
+                    moves[rec.index] = _outcome_move(rec, turn, 'check_finished', outcome, rec.tokens)
                     continue
                 try:
                     checked = V.check_bool(outcome.value, rec.uuid, turn, 'check_finished')
                 except Exception as exc:
-                    moves[rec.index] = _fail_move(rec, turn, 'check_finished', exc)
+                    moves[rec.index] = _fail_move(rec, turn, 'check_finished', exc, tokens=rec.tokens)
                     continue
                 check_reason = M.CHECK_FINISHED
             else:

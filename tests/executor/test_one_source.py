@@ -18,7 +18,7 @@ from tests.helpers import Counter, out, req
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ('protocol', 'machine', 'scheduler', 'segments', 'executor', 'trace', 'stop', 'validate', 'calls', 'records',
-        'types', 'errors')
+        'types', 'errors', 'id_accounting')
 OUTER = ('declarative', 'tools', 'backends', 'integrations', 'viewer', 'cli', 'commands')
 
 
@@ -77,3 +77,25 @@ def test_the_core_never_imports_the_outer_layers():
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     assert not any(alias.name.startswith(f'mtflow.{o}') for o in OUTER), f'{name} imports {alias.name}'
+
+
+def test_a_failed_rollout_does_not_count_the_last_turns_tokens_twice():
+
+    class Go(Scheduler):
+
+        def step(self, infer_request, response_choice, current_turn):
+            infer_request.messages.append({'role': 'user', 'content': 'obs'})
+            return {'infer_request': infer_request}
+
+    calls = []
+
+    def rollout(requests, config):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ConnectionError('engine died')
+        return [out('x', [1, 2, 3]) for _ in requests]
+
+    result = mtflow.Executor(Go(max_turns=3), rollout, on_error='return').run([req('a')])
+    assert result.finish_reasons == ['error']
+    [view] = request_views(result.trace)
+    assert view.tokens == 3  # turn 1's output, once
