@@ -120,6 +120,10 @@ class StreamingRun:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls
             raise
         self.rollout_fn_calls += result.rollout_fn_calls
+        lost = [f for f in result.failures if f.phase == 'on_finished']
+        if lost:  # the executor kept going; a request that could not be stored must not pass silently
+            raise RunDirError(f'request {lost[0].uuid} could not be written ({len(lost)} in this batch): '
+                              f'{type(lost[0].error).__name__}: {lost[0].error}')
         if self.write_error is not None:
             self.store.flush()  # one more try (raises again when the disk is still full)
             self.write_error = None

@@ -218,3 +218,27 @@ def test_finished_to_record_renumbers_and_shifts_times():
 def test_fingerprint_changes_lists_each_leaf():
     assert fingerprint_changes({'a': {'b': 1, 'c': 2}}, {'a': {'b': 1, 'c': 3, 'd': 4}}) == [
         'a.c: 2 -> 3', 'a.d: (absent) -> 4']
+
+
+def test_a_signal_during_a_group_write_waits_for_the_group(tmp_path):
+    """The first SIGINT/SIGTERM is held back while a group is written, then raised."""
+    import signal
+
+    from mtflow.run_signals import StopRequested, StopSignals, deferred_interrupts, exit_code_for
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with StopSignals(message=None) as signals:
+        with pytest.raises(StopRequested) as stop:
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs between bytecodes: it must not raise here
+                    pass
+                reached = True
+        assert reached and stop.value.signum == signal.SIGTERM and signals.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is previous, 'the previous handler is back'
+    assert exit_code_for(signal.SIGINT) == 130 and exit_code_for(signal.SIGTERM) == 143
+    with StopSignals(message=None):
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10 ** 6):
+                pass

@@ -1,19 +1,26 @@
 """``mtflow run CONFIG``: roll out a scheduler over a prompt dataset with a model.
 
-Reads the run config (``mtflow/run_config.py``), applies the command-line overrides, builds the
-backend (``mtflow/backends``) and the scheduler, then runs ``mtflow.Executor`` over the prompts
-in batches of ``batch_size`` (``on_error='return'``: a failing request is recorded, the others go
-on). It writes, in the output directory:
+Reads the run config (``mtflow/run_config.py``), applies the command-line overrides, checks the
+whole dataset, opens the output directory (``mtflow/run_store.py``: new, ``--resume`` or
+``--overwrite``; a refusal comes before the slow model load), builds the backend
+(``mtflow/backends``) and the scheduler, then streams the prompts through ``mtflow.Executor`` in
+batches of ``batch_size`` (``on_error='return'``: a failing request is recorded, the others go
+on; ``mtflow/run_driver.py``). Each request is written the moment it finishes, in the output
+directory:
 
 * ``trajectories.jsonl``: one line per finished request (``mtflow/trajectories.py`` format:
   messages, token id segments, loss masks, logprobs, infos, finish reason, turns);
-* ``trace.jsonl``: every state transition of every request (``docs/trace-format.md``), with
-  indices and times continuous across batches, so ``mtflow trace show`` reads the whole run;
+* ``trace.jsonl``: the state transitions of those requests (``docs/trace-format.md``), indices
+  and times continuous across batches and attempts, so ``mtflow trace show`` reads the whole run;
 * ``summary.json``: the figures of the summary table printed at the end (requests, finish
-  reasons, turns per request, tool calls and errors, generated tokens, tokens/s).
+  reasons, turns per request, tool calls and errors, generated tokens, tokens/s) and the status
+  (``complete``/``interrupted``);
+* ``run.json`` (fingerprint, attempts), ``interrupted.jsonl`` after a stop by signal.
 
-A progress bar (on stderr) follows requests as they finish, turn by turn. Every user error (a
-missing file, a bad config, an unknown backend, a model that cannot be loaded) is one line.
+SIGINT/SIGTERM stop cleanly (``mtflow/run_signals.py``), exit 130/143. A progress bar (on
+stderr) follows requests as they finish, turn by turn. Every user error (a missing file, a bad
+config, an unknown backend, a model that cannot be loaded, a non-empty output directory) is one
+line.
 """
 from __future__ import annotations
 
@@ -120,16 +127,15 @@ def load_config(args: argparse.Namespace) -> Any:
 
 
 def seed_everything(seed: Optional[int]) -> None:
+    """Seed Python's RNG, and torch's when the backend imported torch (called once the backend is
+    built: importing torch only to seed it would cost a scripted or server run ~200 MB and
+    seconds)."""
     if seed is None:
         return
     random.seed(seed)
-    if 'torch' in sys.modules or importlib.util.find_spec('torch') is not None:
-        try:
-            import torch
-
-            torch.manual_seed(seed)
-        except ImportError:  # pragma: no cover
-            pass
+    torch = sys.modules.get('torch')
+    if torch is not None and hasattr(torch, 'manual_seed'):
+        torch.manual_seed(seed)
 
 
 def build_backend(cfg: Any) -> Any:
@@ -249,8 +255,10 @@ def open_store(cfg: Any, args: argparse.Namespace, fingerprint: Dict[str, Any]) 
         raise CLIError(str(exc)) from None
 
 
-def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show: bool) -> Dict[str, Any]:
-    """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``)."""
+def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show: bool,
+            figures: Dict[str, Any]) -> None:
+    """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``);
+    this attempt's figures go into ``figures``, also when a signal stops it."""
     from ..data import iter_prompts
     from ..executor import Executor
     from ..run_driver import StreamingRun
@@ -272,12 +280,12 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
     if progress is not None:
         progress.start()
     try:
-        return run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit))
+        # checked in full before the run (count_prompts); the store refuses a uuid written twice
+        run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit, check_unique=False))
     finally:
         if progress is not None:
             progress.stop()
-        figures = run.figures()
-        store.attempt_figures = figures
+        figures.update(run.figures())
 
 
 # ---- the summary ------------------------------------------------------------------------------------
@@ -383,28 +391,32 @@ def main(args: argparse.Namespace) -> int:
     except DatasetError as exc:
         raise CLIError(str(exc)) from None
     make_scheduler = scheduler_factory(cfg)
-    store = open_store(cfg, args, run_fingerprint(cfg, cfg.dataset_path() or bundled_dataset()))
-    out_dir = store.out_dir
+    fingerprint = run_fingerprint(cfg, cfg.dataset_path() or bundled_dataset())
     quiet = args.quiet
-    if store.set_aside is not None and not quiet:
-        _say(f'--overwrite: the previous run is now in {store.set_aside}')
-    if store.resumed and not quiet:
-        notes = '; '.join(store.recovery.notes())
-        _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written' + (f' ({notes})' if notes else ''))
-    seed_everything(cfg.seed)
     show = not (args.quiet or args.no_progress)
     signals = StopSignals(message=None)
     backend = None
     load_s = 0.0
-    store.attempt_figures = {}
+    figures: Dict[str, Any] = {}
     with signals:
+        try:
+            store = open_store(cfg, args, fingerprint)
+        except KeyboardInterrupt:  # the store released what it had opened
+            return exit_code_for(signals.signum) if signals.signum is not None else 130
+        out_dir = store.out_dir
+        if store.set_aside is not None and not quiet:
+            _say(f'--overwrite: the previous run is now in {store.set_aside}')
+        if store.resumed and not quiet:
+            notes = '; '.join(store.recovery.notes())
+            _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written'
+                 + (f' ({notes})' if notes else ''))
         try:
             if args.ray is not None:  # the actors build backend and scheduler (mtflow/distributed/ray_cli.py)
                 from ..distributed.ray_cli import RayRollout
 
                 fan_out = RayRollout(cfg, args, store, total, show)
                 backend = fan_out.backend
-                figures = fan_out.run()
+                fan_out.run(figures)
                 load_s = fan_out.load_s
             else:
                 status = None
@@ -421,14 +433,14 @@ def main(args: argparse.Namespace) -> int:
                     if status is not None:
                         status.stop()
                 load_s = time.perf_counter() - t0
+                seed_everything(cfg.seed)
                 scheduler = make_scheduler(getattr(backend, 'tokenizer', None))
                 if not quiet:
                     signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                        '(press Ctrl-C again to exit at once)')
-                figures = rollout(cfg, scheduler, backend, store, total, show)
+                rollout(cfg, scheduler, backend, store, total, show, figures)
             run_status, code = 'complete', 0
         except KeyboardInterrupt:
-            figures = store.attempt_figures
             run_status = 'interrupted'
             code = exit_code_for(signals.signum) if signals.signum is not None else 130
             if backend is None:  # stopped while the model loaded: nothing ran

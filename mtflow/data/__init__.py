@@ -68,17 +68,20 @@ def _request(item: Dict[str, Any], where: str, default_uuid: str) -> RolloutInfe
         uuid=str(uuid) if uuid is not None else default_uuid)
 
 
-def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> Iterator[RolloutInferRequest]:
+def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None, *,
+                 check_unique: bool = True) -> Iterator[RolloutInferRequest]:
     """Yield the requests of a JSONL prompt dataset one at a time (the bundled one when ``path``
     is ``None``), so a run of a million prompts never holds them all. Errors name file and line;
-    a repeated uuid is an error (only the uuids are kept to check that)."""
+    a repeated uuid is an error (only the uuids are kept to check that; ``check_unique=False``
+    keeps none, for a second pass over a file already checked)."""
     path = bundled_dataset() if path is None else Path(path)
     if not path.is_file():
         raise DatasetError(f'dataset not found: {path}')
     seen: Dict[str, int] = {}
+    count = 0
     with open(path, encoding='utf-8') as f:
         for no, raw in enumerate(f, 1):
-            if limit is not None and len(seen) >= limit:
+            if limit is not None and count >= limit:
                 break
             if not raw.strip():
                 continue
@@ -90,11 +93,13 @@ def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
             if not isinstance(item, dict):
                 raise DatasetError(f'{where}: each line must be a JSON object')
             req = _request(item, where, f'{path.stem}-{no}')
-            if req.uuid in seen:
-                raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
-            seen[req.uuid] = no
+            if check_unique:
+                if req.uuid in seen:
+                    raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
+                seen[req.uuid] = no
+            count += 1
             yield req
-    if not seen:
+    if not count:
         raise DatasetError(f'{path}: no prompts')
 
 

@@ -59,7 +59,7 @@ class _FanOutBackend:
 
 class RayRollout:
     """One attempt of a run directory on Ray. ``backend`` is the summary's stand-in from the start
-    (so an interrupted run still gets a summary); :meth:`run` returns the attempt's figures."""
+    (so an interrupted run still gets a summary); :meth:`run` fills in the attempt's figures."""
 
     def __init__(self, cfg: Any, args: argparse.Namespace, store: Any, total: int, show: bool) -> None:
         if args.ray < 1:
@@ -82,7 +82,9 @@ class RayRollout:
                           request_config=cfg.make_request_config(), max_turns=cfg.max_turns or None,
                           setup=functools.partial(actor_setup, os.getcwd(), cfg.seed))
 
-    def run(self) -> Dict[str, Any]:
+    def run(self, figures: Dict[str, Any]) -> None:
+        """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
+        when a signal stops it."""
         from ..commands.run import _progress
         from ..data import iter_prompts
         from ..machine import INTERRUPTED
@@ -112,7 +114,6 @@ class RayRollout:
             store.tick()
 
         t0 = time.perf_counter()
-        figures: Dict[str, Any] = {}
         self.result = RayRunResult()
         if progress is not None:
             progress.start()
@@ -128,11 +129,9 @@ class RayRollout:
         finally:
             if progress is not None:
                 progress.stop()
-            figures = self.figures(time.perf_counter() - t0)
-            store.attempt_figures = figures
+            figures.update(self.figures(time.perf_counter() - t0))
         if write_error:
             raise write_error['error']
-        return figures
 
     def figures(self, wall_s: float) -> Dict[str, Any]:
         r = self.result
