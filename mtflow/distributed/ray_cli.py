@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import time
 from types import SimpleNamespace
@@ -64,10 +65,8 @@ class RayRollout:
     def __init__(self, cfg: Any, args: argparse.Namespace, store: Any, total: int, show: bool) -> None:
         if args.ray < 1:
             raise CLIError(f'--ray needs a number of actors >= 1, not {args.ray}')
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise CLIError("--ray needs the 'ray' package: pip install 'mtflow[ray]'") from None
+        if importlib.util.find_spec('ray') is None:
+            raise CLIError("--ray needs the 'ray' package: pip install 'mtflow[ray]'")
         self.cfg, self.args, self.store, self.total, self.show = cfg, args, store, total, show
         self.backend = _FanOutBackend(cfg, args.ray)
         self.load_s = 0.0

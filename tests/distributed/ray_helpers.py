@@ -23,7 +23,8 @@ def dataset(n: int) -> List[Any]:
 
 
 def script(n: int) -> List[dict]:
-    return [{'uuid': f'q{k}', 'turn': t, 'content': f'q{k} says {t}', 'token_ids': [k, t, 7], 'logprobs': [-.1, -.2, -.3]}
+    return [{'uuid': f'q{k}', 'turn': t, 'content': f'q{k} says {t}', 'token_ids': [k, t, 7],
+             'logprobs': [-.1, -.2, -.3]}
             for k in range(n) for t in range(1, turns_of(k) + 1)]
 
 

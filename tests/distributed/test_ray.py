@@ -46,7 +46,8 @@ def cluster():
 
 
 def spec(gate: str = None) -> WorkerSpec:
-    return WorkerSpec(make_backend=functools.partial(H.make_backend, N, gate), make_scheduler=H.make_scheduler, max_turns=10)
+    return WorkerSpec(make_backend=functools.partial(H.make_backend, N, gate), make_scheduler=H.make_scheduler,
+                      max_turns=10)
 
 
 def single_process() -> Dict[str, Dict[str, Any]]:
@@ -56,7 +57,8 @@ def single_process() -> Dict[str, Dict[str, Any]]:
     def on_finished(f):
         records[f.uuid] = finished_to_record(f)
 
-    Executor(H.CountTurns(), H.make_backend(N), max_turns=10, on_error='return', on_finished=on_finished).run(H.dataset(N))
+    ex = Executor(H.CountTurns(), H.make_backend(N), max_turns=10, on_error='return', on_finished=on_finished)
+    ex.run(H.dataset(N))
     return records
 
 

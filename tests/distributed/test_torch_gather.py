@@ -15,7 +15,8 @@ pytest.importorskip('torch.distributed')
 
 import mtflow  # noqa: E402
 from tests.distributed.procs import launch  # noqa: E402
-from tests.distributed.workers import LAYOUTS, RAISING, StopAfter, first_outputs, make_output, rank_main  # noqa: E402
+from tests.distributed.workers import (LAYOUTS, MAX_TURNS, RAISING, StopAfter, first_outputs, make_output,  # noqa: E402
+                                       rank_main)
 from tests.helpers import Counter, dump, req  # noqa: E402
 
 
@@ -31,7 +32,8 @@ def run_group(tmp: Path, world: int, scenarios: List[str], kind: str = 'torch', 
 
 def single_process(shards: List[List[str]]) -> List[Any]:
     requests = [req(u) for shard in shards for u in shard]
-    res = mtflow.Executor(StopAfter(), Counter(make_output)).run(requests, first_outputs(requests))
+    ex = mtflow.Executor(StopAfter(), Counter(make_output), max_turns=MAX_TURNS)
+    res = ex.run(requests, first_outputs(requests))
     return json.loads(json.dumps(dump(res.outputs), default=str))
 
 

@@ -16,6 +16,9 @@ import mtflow
 from mtflow import Scheduler
 from tests.helpers import Counter, dump, out, req
 
+#: a bound above every request's own turn count (the requests stop themselves)
+MAX_TURNS = 10
+
 # rank -> request uuids; the number after the dash is how many turns that request takes
 LAYOUTS: Dict[int, Dict[str, List[List[str]]]] = {
     2: {
@@ -80,7 +83,8 @@ def first_outputs(requests):
 def run_shard(uuids: List[str], scheduler: Any, gather_fn: Any, rank: int, on_error: str = 'raise') -> tuple:
     rollout = Counter(make_output)
     requests = [req(u) for u in uuids]
-    ex = mtflow.Executor(scheduler, rollout, gather_fn=gather_fn, rank=rank, on_error=on_error)
+    ex = mtflow.Executor(scheduler, rollout, gather_fn=gather_fn, rank=rank, on_error=on_error,
+                         max_turns=MAX_TURNS)
     return ex.run(requests, first_outputs(requests)), rollout
 
 
@@ -113,7 +117,8 @@ def scenario_raising(rank: int, world: int, gather: Callable) -> Dict[str, Any]:
     for on_error in ('return', 'raise'):
         rollout = Counter(make_output)
         requests = [req(u) for u in shards[rank]]
-        ex = mtflow.Executor(RaisingOnRank(rank == 1), rollout, gather_fn=gather, rank=rank, on_error=on_error)
+        ex = mtflow.Executor(RaisingOnRank(rank == 1), rollout, gather_fn=gather, rank=rank, on_error=on_error,
+                             max_turns=MAX_TURNS)
         try:
             res = ex.run(requests, first_outputs(requests))
             entry = {'raised': None, 'finish_reasons': res.finish_reasons,
@@ -164,7 +169,8 @@ def scenario_check_ranks(rank: int, world: int, gather: Callable) -> Dict[str, A
         rollout = Counter(make_output)
         requests = [req(u) for u in uuids]
         scheduler = DriftOnLastRank(case == 'drift' and rank == world - 1)
-        ex = mtflow.Executor(scheduler, rollout, gather_fn=gather, rank=rank, check_ranks=True)
+        ex = mtflow.Executor(scheduler, rollout, gather_fn=gather, rank=rank, check_ranks=True,
+                             max_turns=MAX_TURNS)
         try:
             res = ex.run(requests, first_outputs(requests))
             report[case] = {'raised': None, 'outputs': jsonable(dump(res.outputs)), 'calls': len(rollout.calls)}
@@ -175,7 +181,12 @@ def scenario_check_ranks(rank: int, world: int, gather: Callable) -> Dict[str, A
     return report
 
 
-SCENARIOS = {'check_ranks': scenario_check_ranks, 'layouts': scenario_layouts, 'raising': scenario_raising, 'peer_exits': scenario_peer_exits}
+SCENARIOS = {
+    'check_ranks': scenario_check_ranks,
+    'layouts': scenario_layouts,
+    'raising': scenario_raising,
+    'peer_exits': scenario_peer_exits,
+}
 
 
 def make_gather(kind: str) -> tuple:
