@@ -70,6 +70,10 @@ def make_inputs(n: int) -> tuple:
     return requests, [output] * n, output
 
 
+CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
+_clock = time.perf_counter
+
+
 def time_one(driver: str, n: int, turns: int, trace: bool, shape: str = 'trivial') -> float:
     requests, firsts, output = make_inputs(n)
 
@@ -80,12 +84,12 @@ def time_one(driver: str, n: int, turns: int, trace: bool, shape: str = 'trivial
     gc.collect()
     gc.disable()
     try:
-        t = time.perf_counter()
+        t = _clock()
         if driver == 'reference':
             reference_run_multi_turn(requests, firsts, sched, rollout_fn, None, max_turns=turns)
         else:
             mtflow.Executor(sched, rollout_fn, max_turns=turns, trace=trace).run(requests, firsts)
-        return time.perf_counter() - t
+        return _clock() - t
     finally:
         gc.enable()
 
@@ -125,13 +129,17 @@ def main(argv: List[str] = None) -> None:
     p.add_argument('--turns', type=int, default=8)
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--no-trace', action='store_true')
+    p.add_argument('--clock', choices=sorted(CLOCKS), default='wall',
+                   help='cpu: process CPU time (steadier than wall time on a machine shared with other work)')
     p.add_argument('--shape', choices=sorted(SHAPES), default='trivial',
                    help='trivial: a bare step; realistic: async on_turn_end, step with ids/mask/logprobs/infos')
     p.add_argument('--memory', action='store_true', help='also report peak memory per request (tracemalloc)')
     args = p.parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
     trace = not args.no_trace
     print(f'# driver overhead, {args.shape} scheduler, T={args.turns} turns, best of {args.repeats}, '
-          f'mtflow tracing {"on" if trace else "off"}')
+          f'mtflow tracing {"on" if trace else "off"}, {args.clock} clock')
     print(f'| {"N":>6} | {"reference us/req-turn":>22} | {"mtflow us/req-turn":>19} | {"ratio":>6} |')
     print(f'|{"-" * 8}|{"-" * 24}|{"-" * 21}|{"-" * 8}|')
     for n in args.n:

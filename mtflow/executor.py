@@ -531,8 +531,14 @@ class BatchRun:
     @staticmethod
     def wait_move(rec: RequestRecord, turn: int, duration: Optional[float] = None,
                   extra: Optional[dict] = None) -> Move:
-        """Into ``generating`` or ``continuing``, by the contract's continuation rule."""
-        trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
+        """Into ``generating`` or ``continuing``, by the contract's continuation rule (``fail``
+        when the messages cannot be read)."""
+        try:
+            trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
+        except Exception as exc:
+            err = SchedulerResultError(f'messages must be a list of {{role, content}} dicts: {type(exc).__name__}: '
+                                       f'{exc}', uuid=rec.uuid, turn=turn, field='messages')
+            return _fail_move(rec, turn, 'step' if rec.state == M.TOOL_STEP else 'input', err)
         return Move(rec, trigger, turn, duration=duration, extra=extra)
 
     # ---- the model ---------------------------------------------------------------------------
@@ -562,12 +568,13 @@ class BatchRun:
 
     def deliver(self, records: List[RequestRecord], outputs: Any, turn: int) -> None:
         """Hand each record its output (``incoming``); the wrong number of outputs fails them all."""
+        returned = outputs
         try:
             outputs = list(outputs)
         except TypeError:
             outputs = None
         if outputs is None or len(outputs) != len(records):
-            got = f'{len(outputs)} output(s)' if outputs is not None else type(outcome.value).__name__
+            got = f'{len(outputs)} output(s)' if outputs is not None else f'a {type(returned).__name__}'
             err = RolloutFnError(f'rollout_fn returned {got} for {len(records)} request(s)', turn=turn,
                                  field='outputs')
             self.apply([_fail_move(rec, turn, 'rollout_fn', err) for rec in records])
@@ -580,7 +587,7 @@ class BatchRun:
         """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
         ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
         ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
-        accounting, hooks, uuid_turn = self.accounting, self.hooks, turn
+        accounting, uuid_turn = self.accounting, turn
         moves: Dict[int, Move] = {}
         applied: List[RequestRecord] = []
         for rec in records:

@@ -11,7 +11,7 @@ it was, and the request's partial output loses nothing.
 from __future__ import annotations
 
 from collections import abc
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import SchedulerResultError
 from .machine import RequestRecord

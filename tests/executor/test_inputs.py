@@ -4,8 +4,6 @@ escapes as an exception (hypothesis fuzz); duplicate uuids are caught before the
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +12,7 @@ import mtflow
 from mtflow import MultiTurnRolloutError, Scheduler
 from mtflow.executor import DuplicateUuidError
 from mtflow.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput
-from tests.helpers import Counter, dump, out, req
+from tests.helpers import Counter, out, req
 
 
 class Plain(Scheduler):
@@ -101,6 +99,37 @@ def test_bad_step_fields(returned, field):
 
     failure = only_failure(run(Bad()))
     assert (failure.turn, failure.phase, failure.error.field) == (1, 'step', field)
+
+
+@pytest.mark.parametrize('returned', [None, 5, 'text'])
+def test_rollout_fn_returning_no_list_fails_the_requests_it_served(returned):
+    calls = []
+
+    def rollout(requests, config):
+        calls.append(len(requests))
+        return returned if len(calls) == 2 else [out('x', [1]) for _ in requests]
+
+    result = run(Plain(), rollout)
+    assert result.finish_reasons == ['error'] * 3
+    assert {(f.phase, f.turn, f.error.field) for f in result.failures} == {('rollout_fn', 2, 'outputs')}
+    assert 'rollout_fn returned ' in str(result.failures[0].error)
+
+
+def test_unreadable_messages_fail_that_request():
+
+    class BadMessages(Plain):
+
+        def step(self, infer_request, response_choice, current_turn):
+            if infer_request.uuid == 'r1':
+                infer_request.messages.append('not a message')
+                return {'infer_request': infer_request}
+            return super().step(infer_request, response_choice, current_turn)
+
+    failure = only_failure(run(BadMessages()))
+    assert (failure.phase, failure.error.field) == ('step', 'messages')
+    result = mtflow.Executor(Plain(max_turns=2), Counter(lambda r, k: out('x', [1])), on_error='return').run(
+        [req('a'), mtflow.RolloutInferRequest.model_construct(messages=[7], uuid='b')])
+    assert result.finish_reasons == ['max_turns', 'error'] and result.failures[0].phase == 'input'
 
 
 def test_check_finished_must_return_a_bool():
@@ -275,7 +304,7 @@ def scenario(draw):
     if draw(st.booleans()):
         draws[('finalize_output', draw(st.sampled_from(['check_finished', 'max_turns', 'error'])))] = draw(junk)
     outputs = {(u, k): draw(engine_output()) for u in ('r0', 'r1', 'r2') for k in (1, 2, 3) if draw(st.integers(0, 3)) == 0}
-    count = draw(st.sampled_from([None, None, None, 0, 2, 4]))
+    count = draw(st.sampled_from([None, None, None, 0, 2, 4, 'junk']))
     return draws, outputs, count
 
 
@@ -285,6 +314,8 @@ def fuzz_rollout(outputs, count):
     def rollout_fn(requests, config):
         calls.append(len(requests))
         got = [outputs.get((r.uuid, len(calls)), out('ok', [1], [-.1])) for r in requests]
+        if count == 'junk' and len(calls) == 2:
+            return 5  # not a list at all
         if count is not None and len(calls) == 2 and requests:
             return got[:count] if count < len(got) else got + got[:count - len(got)]
         return got
