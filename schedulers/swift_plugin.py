@@ -20,6 +20,9 @@ tokenizer, so a bad file fails at start-up with every problem listed.
 With ``MTFLOW_SWIFT_EXECUTOR=1`` it also calls ``mtflow.integrations.swift.install()``: the
 trainers' multi-turn loop runs on mtflow's executor, and ``MTFLOW_TRACE_DIR`` (if set) receives one
 JSONL trace per rollout and rank.
+
+It also registers an ``atexit`` call to ``torch.distributed.destroy_process_group()``
+(``mtflow.distributed.teardown``): without it, multi-rank gloo jobs abort now and then at exit.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import os
 from pathlib import Path
 from typing import Dict
 
+from mtflow.distributed.teardown import destroy_process_group_at_exit
 from mtflow.integrations.swift import install, register
 
 HERE = Path(__file__).resolve().parent
@@ -68,6 +72,10 @@ def register_all() -> Dict[str, type]:
 
 
 REGISTERED = register_all()
+
+# ms-swift 4.6 never destroys its process group; a gloo group alive at interpreter exit aborts
+# about one run in ten (SIGABRT, `terminate called without an active exception`).
+destroy_process_group_at_exit()
 
 if os.environ.get('MTFLOW_SWIFT_EXECUTOR', '').lower() in ('1', 'true', 'yes', 'on'):
     install(trace_dir=os.environ.get('MTFLOW_TRACE_DIR') or None)

@@ -64,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='write and fsync finished requests in groups of N (default 256) ...')
     p.add_argument('--flush-interval', type=float, default=2.0, metavar='S',
                    help='... or when the oldest one has waited S seconds (default 2)')
+    p.add_argument('--ray', type=int, metavar='N',
+                   help='fan the rollout out over N Ray actors, each with its own backend (docs/distributed.md)')
+    p.add_argument('--ray-address', metavar='ADDR',
+                   help="with --ray: join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') "
+                   'instead of starting a local one')
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
@@ -424,25 +429,34 @@ def main(args: argparse.Namespace) -> int:
             _say(f'resuming {out_dir}: {len(store.done)} of {total} requests already written'
                  + (f' ({notes})' if notes else ''))
         try:
-            status = None
-            if show:
-                from rich.console import Console
+            if args.ray is not None:  # the actors build backend and scheduler (mtflow/distributed/ray_cli.py)
+                from ..distributed.ray_cli import RayRollout
 
-                status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
-                status.start()
-            t0 = time.perf_counter()
-            try:
-                backend = build_backend(cfg)
-            finally:
-                if status is not None:
-                    status.stop()
-            load_s = time.perf_counter() - t0
-            seed_everything(cfg.seed)
-            scheduler = make_scheduler(getattr(backend, 'tokenizer', None))
-            if not quiet:
-                signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
-                                   '(press Ctrl-C again to exit at once)')
-            rollout(cfg, scheduler, backend, store, total, show, figures)
+                fan_out = RayRollout(cfg, args, store, total, show)
+                backend = fan_out.backend
+                fan_out.run(figures)
+                load_s = fan_out.load_s
+            else:
+                status = None
+                if show:
+                    from rich.console import Console
+
+                    status = Console(stderr=True).status(
+                        f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
+                    status.start()
+                t0 = time.perf_counter()
+                try:
+                    backend = build_backend(cfg)
+                finally:
+                    if status is not None:
+                        status.stop()
+                load_s = time.perf_counter() - t0
+                seed_everything(cfg.seed)
+                scheduler = make_scheduler(getattr(backend, 'tokenizer', None))
+                if not quiet:
+                    signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
+                                       '(press Ctrl-C again to exit at once)')
+                rollout(cfg, scheduler, backend, store, total, show, figures)
             run_status, code = 'complete', 0
         except KeyboardInterrupt:
             run_status = 'interrupted'

@@ -1,0 +1,154 @@
+"""``mtflow run CONFIG --ray N``: the run of ``mtflow/commands/run.py`` with the rollout fanned out
+over N Ray actors (:func:`mtflow.distributed.ray_run`).
+
+Everything around the rollout is the local run's: the config and its overrides, the run
+directory (``mtflow/run_store.py``: ``--resume``, ``--overwrite``, whole lines, grouped fsync),
+the progress bar, the summary. What changes: the backend and the scheduler are built inside
+each actor from the same config (each actor loads its own model), and the driver writes every
+trajectory the moment an actor streams it back. The uuids already in the directory are never
+sent to an actor, and a uuid that arrives twice (an actor died after sending it) is written once.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import time
+from types import SimpleNamespace
+from typing import Any, Dict, Optional
+
+from ..cli import CLIError
+
+__all__ = ['RayRollout', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
+
+
+def actor_setup(cwd: str, seed: Optional[int]) -> None:
+    """First thing in each actor: the driver's directory (relative paths in the config resolve
+    as they did on the driver) and the config's seed."""
+    from ..commands.run import seed_everything
+
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+    seed_everything(seed)
+
+
+def backend_from_config(cfg: Any) -> Any:
+    from ..commands.run import build_backend
+
+    return build_backend(cfg)
+
+
+def scheduler_from_config(cfg: Any, tokenizer: Any) -> Any:
+    from ..commands.run import scheduler_factory
+
+    return scheduler_factory(cfg)(tokenizer)
+
+
+class _FanOutBackend:
+    """Stands in for the backend in the summary: the actors hold the real ones."""
+
+    def __init__(self, cfg: Any, actors: int) -> None:
+        self.cfg, self.actors = cfg, actors
+        self.name: Optional[str] = None
+        self.stats: Optional[SimpleNamespace] = None
+        self.load_info: Dict[str, Any] = {}
+
+    def describe(self) -> str:
+        return f'{self.name or self.cfg.backend} on {self.actors} Ray actor(s)'
+
+
+class RayRollout:
+    """One attempt of a run directory on Ray. ``backend`` is the summary's stand-in from the start
+    (so an interrupted run still gets a summary); :meth:`run` fills in the attempt's figures."""
+
+    def __init__(self, cfg: Any, args: argparse.Namespace, store: Any, total: int, show: bool) -> None:
+        if args.ray < 1:
+            raise CLIError(f'--ray needs a number of actors >= 1, not {args.ray}')
+        if importlib.util.find_spec('ray') is None:
+            raise CLIError("--ray needs the 'ray' package: pip install 'mtflow[ray]'")
+        self.cfg, self.args, self.store, self.total, self.show = cfg, args, store, total, show
+        self.backend = _FanOutBackend(cfg, args.ray)
+        self.load_s = 0.0
+        self.result: Any = None
+
+    def spec(self) -> Any:
+        from .ray_fanout import WorkerSpec
+
+        cfg = self.cfg
+        return WorkerSpec(make_backend=functools.partial(backend_from_config, cfg),
+                          make_scheduler=functools.partial(scheduler_from_config, cfg),
+                          request_config=cfg.make_request_config(), max_turns=cfg.max_turns or None,
+                          setup=functools.partial(actor_setup, os.getcwd(), cfg.seed))
+
+    def run(self, figures: Dict[str, Any]) -> None:
+        """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
+        when a signal stops it."""
+        from ..commands.run import _progress
+        from ..data import iter_prompts
+        from ..machine import INTERRUPTED
+        from ..run_store import RunDirError
+        from .ray_fanout import RayRunError, RayRunResult, ray_run
+
+        store = self.store
+        progress = _progress(self.show)
+        left = self.total - len(store.done)
+        task = progress.add_task('starting Ray', total=left) if progress is not None else None
+        write_error: Dict[str, RunDirError] = {}
+
+        def sink(rec: Any) -> None:
+            if rec.finish_reason == INTERRUPTED:
+                store.write_interrupted(rec.trajectory, rec.events)
+                return
+            try:
+                store.write(rec.trajectory, rec.events)
+            except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
+                write_error['error'] = exc
+                raise
+            store.tick()
+
+        def on_progress(delivered: int, description: str) -> None:
+            if progress is not None:
+                progress.update(task, completed=delivered, description=description)
+            store.tick()
+
+        t0 = time.perf_counter()
+        self.result = RayRunResult()
+        if progress is not None:
+            progress.start()
+        try:
+            ray_run(iter_prompts(self.cfg.dataset_path(), limit=self.cfg.limit), self.spec(),
+                                  num_actors=self.args.ray, sink=sink, batch_size=self.cfg.batch_size,
+                                  skip=set(store.done), address=self.args.ray_address, on_progress=on_progress,
+                    result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
+            if progress is not None:
+                progress.update(task, completed=self.result.delivered, description='')
+        except RayRunError as exc:
+            raise CLIError(str(exc)) from None
+        finally:
+            if progress is not None:
+                progress.stop()
+            figures.update(self.figures(time.perf_counter() - t0))
+        if write_error:
+            raise write_error['error']
+
+    def figures(self, wall_s: float) -> Dict[str, Any]:
+        r = self.result
+        store = self.store
+        figures: Dict[str, Any] = {'wall_s': round(wall_s, 3), 'flushes': store.flushes,
+                                   'write_s': round(store.fsync_s, 4)}
+        if r is None:
+            return figures
+        self.backend.name = r.backend
+        if r.backend_stats:
+            self.backend.stats = SimpleNamespace(completion_tokens=int(r.backend_stats.get('completion_tokens', 0)),
+                                                 generate_s=r.backend_stats.get('generate_s'))
+        self.load_s = max(r.actor_load_s, default=0.0)
+        figures.update({'rollout_fn_calls': r.rollout_fn_calls, 'batches': r.shards, 'skipped': r.skipped,
+                        'finished': r.delivered,
+                        'ray': {'actors': self.args.ray, 'address': self.args.ray_address, 'deaths': r.actor_deaths,
+                                'restarts': r.restarts, 'retried': r.retried,
+                                'duplicates_dropped': r.duplicates_dropped, 'given_up': r.given_up,
+                                'per_actor': {str(k): v for k, v in sorted(r.per_actor.items())},
+                                'actor_load_s': r.actor_load_s}})
+        return figures

@@ -1,0 +1,490 @@
+"""Fan one rollout out over Ray actors: each actor holds its own backend and executor, the driver
+hands out shards of the dataset and receives every finished request as it finishes.
+
+::
+
+    from mtflow.distributed import ray_run, WorkerSpec
+
+    spec = WorkerSpec(make_backend=lambda: ScriptedBackend('script.jsonl'),
+                      make_scheduler=lambda tokenizer: MyScheduler(), max_turns=6)
+    result = ray_run(requests, spec, num_actors=4, sink=lambda rec: print(rec.uuid))
+
+How it keeps every trajectory exactly once:
+
+* the dataset is cut into shards of ``batch_size`` requests (one ``Executor.run`` each); idle
+  actors take the next shard, so a slow actor never holds up the others' work;
+* an actor method is a Ray streaming generator: each request is yielded the moment the executor
+  finishes it (``Executor(on_finished=...)``), so the driver has it (and the sink writes it) while
+  the rest of the shard is still running;
+* the driver keeps the set of uuids it has passed to the sink (seeded with ``skip``: what an
+  earlier attempt already wrote). When an actor dies (killed, OOM, node lost), the requests of its
+  shard that did not reach the driver go back to the front of the queue, a fresh actor replaces
+  it (up to ``max_restarts``), and anything that arrives twice is dropped, never written twice;
+* a request that was in flight on ``max_attempts`` actors that died is given up: the sink gets an
+  ``error`` record for it (phase ``ray_actor``), so it is reported, not silently lost.
+
+Ray is imported when :func:`ray_run` is called. A cluster is joined with ``address=`` (or when
+Ray is already initialised); otherwise a local one is started on 127.0.0.1 and shut down at the
+end. The actor side (:class:`ShardWorker`) is plain Python, usable (and tested) without Ray.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+
+from ..errors import MtflowError
+
+__all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
+
+
+class RayRunError(MtflowError):
+    """The fan-out cannot go on (an actor cannot start, every actor is gone); what was finished
+    has reached the sink."""
+
+
+@dataclass
+class WorkerSpec:
+    """What each actor builds for itself (shipped with cloudpickle, so closures and lambdas work).
+
+    ``make_backend()`` returns the ``rollout_fn`` (each actor loads its own model; several actors
+    may point at the same OpenAI-compatible servers); ``make_scheduler(tokenizer)`` gets the
+    backend's ``tokenizer`` attribute (or ``None``)."""
+    make_backend: Callable[[], Any]
+    make_scheduler: Callable[[Any], Any]
+    request_config: Any = None
+    max_turns: Optional[int] = None
+    executor_options: Dict[str, Any] = field(default_factory=dict)  # e.g. step_timeout_s
+    setup: Optional[Callable[[], None]] = None  # run first in the actor (seeding, logging)
+
+
+@dataclass
+class RayRecord:
+    """One finished request as the driver receives it: plain data (what
+    :func:`mtflow.run_store.finished_to_record` makes), plus where it ran."""
+    index: int  # position in the dataset
+    uuid: str
+    finish_reason: str
+    trajectory: Dict[str, Any]  # the trajectories.jsonl line (index = dataset position, rank = actor slot)
+    events: List[Dict[str, Any]]  # its trace events (trace.jsonl lines)
+    actor: int  # the actor slot that ran it
+    attempt: int = 1  # 1 + how many actors died with this request in flight
+    failure: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class RayRunResult:
+    """What :func:`ray_run` did."""
+    requests: int = 0  # requests handed to the run (after skip)
+    delivered: int = 0  # records passed to the sink
+    skipped: int = 0  # already done (``skip``)
+    finish_reasons: Dict[str, int] = field(default_factory=dict)
+    actor_deaths: int = 0
+    restarts: int = 0
+    retried: int = 0  # requests requeued after an actor died with them in flight
+    duplicates_dropped: int = 0
+    given_up: int = 0  # requests in flight on max_attempts dead actors (error records)
+    shards: int = 0
+    rollout_fn_calls: int = 0
+    wall_s: float = 0.0
+    per_actor: Dict[int, int] = field(default_factory=dict)  # slot -> records delivered
+    backend: Optional[str] = None  # the first actor's backend description
+    backend_stats: Dict[str, float] = field(default_factory=dict)  # summed over actors that reported
+    actor_load_s: List[float] = field(default_factory=list)
+
+
+# ---- the actor side (plain Python) ------------------------------------------------------------
+class ShardWorker:
+    """One actor's state: its backend, scheduler and executor; :meth:`run_shard` yields the
+    requests of a shard as they finish, then ``('done', figures)``."""
+
+    def __init__(self, spec: WorkerSpec, slot: int) -> None:
+        t0 = time.perf_counter()
+        if spec.setup is not None:
+            spec.setup()
+        self.slot = slot
+        self.spec = spec
+        self.backend = spec.make_backend()
+        self.scheduler = spec.make_scheduler(getattr(self.backend, 'tokenizer', None))
+        self.load_s = time.perf_counter() - t0
+        self.pid = os.getpid()
+
+    def info(self) -> Dict[str, Any]:
+        describe = getattr(self.backend, 'describe', None)
+        return {'slot': self.slot, 'pid': self.pid, 'load_s': self.load_s,
+                'backend': describe() if callable(describe) else type(self.backend).__name__}
+
+    def stats(self) -> Dict[str, float]:
+        stats = getattr(self.backend, 'stats', None)
+        if stats is None:
+            return {}
+        return {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def run_shard(self, shard: Sequence[Tuple[int, Any]], t_offset_from: float = 0.0) -> Iterator[Tuple[str, Any]]:
+        """Run one shard (``(dataset index, request)`` pairs) through a fresh executor run.
+
+        The executor runs in a helper thread and hands each finished request over a queue; this
+        generator yields ``('finished', [records])`` with every request finished so far (Ray
+        streams each yield to the driver), then ``('done', figures)``. Event times
+        are shifted to count from ``t_offset_from`` (a ``time.time()`` of the driver)."""
+        from ..executor import Executor
+        from ..run_store import finished_to_record
+
+        indices = [i for i, _ in shard]
+        requests = [r for _, r in shard]
+        t_offset = time.time() - t_offset_from if t_offset_from else 0.0
+        out: 'queue.Queue[Tuple[str, Any]]' = queue.Queue()
+        slot = self.slot
+
+        def on_finished(finished: Any) -> None:
+            record, events = finished_to_record(finished, index=indices[finished.index], rank=slot, t_offset=t_offset)
+            for e in events:
+                e['rank'] = slot
+            failure = finished.failure.to_dict() if finished.failure is not None else None
+            if failure is not None:
+                failure['index'] = indices[finished.index]
+            out.put(('finished', {'index': indices[finished.index], 'uuid': str(finished.uuid),
+                                  'finish_reason': finished.finish_reason, 'trajectory': record, 'events': events,
+                                  'failure': failure}))
+
+        executor = Executor(self.scheduler, self.backend, self.spec.request_config, max_turns=self.spec.max_turns,
+                            on_error='return', rank=slot, on_finished=on_finished, **self.spec.executor_options)
+
+        def body() -> None:
+            try:
+                result = executor.run(requests)
+                out.put(('done', {'rollout_fn_calls': result.rollout_fn_calls, 'turns': result.turns}))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the generator's thread
+                out.put(('raised', exc))
+
+        thread = threading.Thread(target=body, name=f'mtflow-shard-{slot}', daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, payload = out.get()
+                if kind == 'raised':
+                    raise payload
+                if kind == 'done':
+                    yield kind, payload
+                    return
+                # every request finished by now goes in one yield: one Ray object (and one
+                # round trip at the driver) per group of requests a turn finishes, not per request
+                batch = [payload]
+                tail = None
+                while tail is None:
+                    try:
+                        item = out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item[0] == 'finished':
+                        batch.append(item[1])
+                    else:
+                        tail = item
+                yield 'finished', batch
+                if tail is not None:
+                    if tail[0] == 'raised':
+                        raise tail[1]
+                    yield tail
+                    return
+        finally:
+            thread.join(timeout=5)
+
+
+def _actor_class() -> Any:
+    import ray
+
+    @ray.remote(max_restarts=0, max_task_retries=0)
+    class RolloutActor:
+        """A Ray actor around :class:`ShardWorker`."""
+
+        def __init__(self, spec: WorkerSpec, slot: int) -> None:
+            self.worker = ShardWorker(spec, slot)
+
+        def info(self) -> Dict[str, Any]:
+            return self.worker.info()
+
+        def stats(self) -> Dict[str, float]:
+            return self.worker.stats()
+
+        def run_shard(self, shard: Sequence[Tuple[int, Any]], t0: float) -> Iterator[Tuple[str, Any]]:
+            yield from self.worker.run_shard(shard, t0)
+
+    return RolloutActor
+
+
+# ---- the driver -------------------------------------------------------------------------------
+@dataclass
+class _Slot:
+    index: int
+    actor: Any = None
+    name: str = ''
+    state: str = 'starting'  # starting | idle | busy | dead
+    ready_ref: Any = None
+    gen: Any = None
+    shard: List[Tuple[int, Any]] = field(default_factory=list)
+    info: Dict[str, Any] = field(default_factory=dict)
+    replacement: bool = False
+
+
+def _error_record(index: int, request: Any, slot: int, attempts: int, why: str) -> RayRecord:
+    """The record of a request given up after ``attempts`` actors died with it in flight."""
+    messages = [dict(m) for m in getattr(request, 'messages', None) or []]
+    uuid = str(getattr(request, 'uuid', None) or f'#{index}')
+    failure = {'index': index, 'uuid': uuid, 'turn': 0, 'phase': 'ray_actor', 'type': 'ActorDiedError',
+               'message': f'{attempts} actor(s) died with this request in flight; last: {why}'}
+    trajectory = {'uuid': uuid, 'index': index, 'rank': slot, 'finish_reason': 'error', 'num_turns': 0,
+                  'messages': messages, 'response_token_ids': [], 'response_loss_mask': [], 'rollout_logprobs': [],
+                  'rollout_infos': {'num_turns': 0, 'mtflow_error': failure}}
+    return RayRecord(index, uuid, 'error', trajectory, [], slot, attempts, failure)
+
+
+def ray_run(requests: Iterable[Any],
+            spec: WorkerSpec,
+            *,
+            num_actors: int = 2,
+            sink: Optional[Callable[[RayRecord], None]] = None,
+            batch_size: int = 8,
+            skip: Iterable[str] = (),
+            address: Optional[str] = None,
+            init_options: Optional[Dict[str, Any]] = None,
+            actor_options: Optional[Dict[str, Any]] = None,
+            max_restarts: Optional[int] = None,
+            max_attempts: int = 3,
+            on_progress: Optional[Callable[[int, str], None]] = None,
+            name_prefix: Optional[str] = None,
+            poll_s: float = 0.5,
+            result: Optional[RayRunResult] = None) -> RayRunResult:
+    """Roll ``requests`` out on ``num_actors`` Ray actors built from ``spec``; call ``sink`` in
+    this thread once per finished request (uuid), in the order they finish.
+
+    Args:
+        skip: uuids already done (e.g. a run store's ``done`` set on ``--resume``): not run.
+        address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
+            default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
+            ``init_options`` (e.g. ``{'num_cpus': 2}``), shut down on return.
+        actor_options: Ray options of each actor (default ``{'num_cpus': 1}``; ``num_gpus`` for a
+            GPU model).
+        max_restarts: replacement actors started in all (default ``num_actors``).
+        max_attempts: actors a request may see die before it is given up.
+        on_progress: ``on_progress(delivered, description)`` after each record and state change.
+        name_prefix: actors are named ``<prefix>-<slot>`` (``ray.get_actor`` finds them).
+        result: a :class:`RayRunResult` to fill in (so a caller interrupted mid-run still has
+            the figures so far).
+    """
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if num_actors < 1:
+        raise ValueError(f'num_actors must be >= 1, not {num_actors}')
+    if batch_size < 1:
+        raise ValueError(f'batch_size must be >= 1, not {batch_size}')
+    done: Set[str] = {str(u) for u in skip}
+    result = result if result is not None else RayRunResult()
+    pending: Deque[List[Tuple[int, Any]]] = deque()
+    attempts: Dict[str, int] = {}
+    shard: List[Tuple[int, Any]] = []
+    for index, request in enumerate(requests):
+        uuid = str(getattr(request, 'uuid', None) or f'#{index}')
+        if uuid in done:
+            result.skipped += 1
+            continue
+        attempts[uuid] = 1
+        shard.append((index, request))
+        if len(shard) >= batch_size:
+            pending.append(shard)
+            shard = []
+    if shard:
+        pending.append(shard)
+    result.requests = sum(len(s) for s in pending)
+    if not pending:
+        return result
+
+    started_ray = False
+    if not ray.is_initialized():
+        if address is not None:
+            ray.init(address=address, **(init_options or {}))
+        else:
+            options = {'include_dashboard': False, '_node_ip_address': '127.0.0.1', 'log_to_driver': True,
+                       **_default_runtime_env(), **(init_options or {})}
+            ray.init(**options)
+        started_ray = True
+
+    t_start = time.perf_counter()
+    t0_unix = time.time()
+    prefix = name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}'
+    options = {'num_cpus': 1, **(actor_options or {})}
+    Actor = _actor_class()
+    restarts_left = num_actors if max_restarts is None else max_restarts
+    slots = [_Slot(i) for i in range(num_actors)]
+    generation = [0] * num_actors
+
+    def start(slot: _Slot, replacement: bool) -> None:
+        generation[slot.index] += 1
+        slot.name = f'{prefix}-{slot.index}' + (f'.{generation[slot.index]}' if generation[slot.index] > 1 else '')
+        slot.actor = Actor.options(name=slot.name, **options).remote(spec, slot.index)
+        slot.ready_ref = slot.actor.info.remote()
+        slot.state, slot.gen, slot.shard, slot.replacement = 'starting', None, [], replacement
+
+    def progress(description: str) -> None:
+        if on_progress is not None:
+            on_progress(result.delivered, description)
+
+    def deliver(rec: RayRecord) -> None:
+        if rec.uuid in done:
+            result.duplicates_dropped += 1
+            return
+        done.add(rec.uuid)
+        result.delivered += 1
+        result.finish_reasons[rec.finish_reason] = result.finish_reasons.get(rec.finish_reason, 0) + 1
+        result.per_actor[rec.actor] = result.per_actor.get(rec.actor, 0) + 1
+        if sink is not None:
+            sink(rec)
+
+    def lost(slot: _Slot, why: str) -> None:
+        """The actor of ``slot`` died: requeue what it had not delivered, replace it."""
+        nonlocal restarts_left
+        result.actor_deaths += 1
+        left = [(i, r) for i, r in slot.shard if str(getattr(r, 'uuid', None) or f'#{i}') not in done]
+        retry = []
+        for i, r in left:
+            uuid = str(getattr(r, 'uuid', None) or f'#{i}')
+            attempts[uuid] += 1
+            if attempts[uuid] > max_attempts:
+                result.given_up += 1
+                deliver(_error_record(i, r, slot.index, attempts[uuid] - 1, why))
+            else:
+                retry.append((i, r))
+        if retry:
+            result.retried += len(retry)
+            pending.appendleft(retry)
+        try:
+            ray.kill(slot.actor)
+        except Exception:  # already gone
+            pass
+        slot.state, slot.gen, slot.shard = 'dead', None, []
+        if restarts_left > 0 and (pending or any(s.state == 'busy' for s in slots)):
+            restarts_left -= 1
+            result.restarts += 1
+            start(slot, replacement=True)
+        progress(f'actor {slot.index} died ({why}); {len(retry)} request(s) requeued')
+
+    try:
+        for slot in slots:
+            start(slot, replacement=False)
+        progress(f'starting {num_actors} actor(s)')
+        while True:
+            for slot in slots:
+                if slot.state == 'idle' and pending:
+                    slot.shard = pending.popleft()
+                    slot.gen = slot.actor.run_shard.remote(slot.shard, t0_unix)
+                    slot.state = 'busy'
+                    result.shards += 1
+            busy = [s for s in slots if s.state == 'busy']
+            starting = [s for s in slots if s.state == 'starting']
+            if not busy and not pending:
+                break
+            if not busy and not starting:
+                raise RayRunError(f'every Ray actor is gone and {sum(len(s) for s in pending)} request(s) are not run '
+                                  f'(max_restarts={max_restarts if max_restarts is not None else num_actors}); '
+                                  'what finished has been written: run again with --resume')
+            waitables = [s.ready_ref for s in starting] + [s.gen for s in busy]
+            ready, _ = ray.wait(waitables, num_returns=1, timeout=poll_s)
+            for slot in starting:
+                if not _among(slot.ready_ref, ready):
+                    continue
+                try:
+                    slot.info = ray.get(slot.ready_ref)
+                except (RayActorError, RayTaskError) as exc:
+                    if not slot.replacement:
+                        raise RayRunError(f'Ray actor {slot.index} could not start: {_cause(exc)}') from None
+                    slot.state = 'dead'
+                    progress(f'replacement actor {slot.index} could not start: {_cause(exc)}')
+                    continue
+                slot.state = 'idle'
+                result.actor_load_s.append(round(float(slot.info.get('load_s', 0.0)), 3))
+                if result.backend is None:
+                    result.backend = slot.info.get('backend')
+                progress(f'actor {slot.index} ready')
+            for slot in busy:
+                if not _among(slot.gen, ready):
+                    continue
+                try:
+                    kind, payload = ray.get(next(slot.gen))
+                except StopIteration:
+                    slot.state, slot.gen, slot.shard = 'idle', None, []
+                    continue
+                except RayActorError as exc:
+                    lost(slot, _cause(exc))
+                    continue
+                except RayTaskError as exc:  # the shard raised past the executor: retry it elsewhere
+                    lost(slot, _cause(exc))
+                    continue
+                if kind == 'finished':
+                    for item in payload:
+                        uuid = item['uuid']
+                        deliver(RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'],
+                                          item['events'], slot.index, attempts.get(uuid, 1), item['failure']))
+                    progress(f'{sum(1 for s in slots if s.state == "busy")} actor(s) busy')
+                elif kind == 'done':
+                    result.rollout_fn_calls += int(payload.get('rollout_fn_calls', 0))
+        for slot in slots:  # backend figures of the actors still alive
+            if slot.state == 'idle':
+                try:
+                    for k, v in ray.get(slot.actor.stats.remote(), timeout=60).items():
+                        result.backend_stats[k] = result.backend_stats.get(k, 0.0) + v
+                except Exception:  # an actor that died at the very end: its figures are lost, not its work
+                    pass
+    finally:
+        result.wall_s = round(time.perf_counter() - t_start, 3)
+        for slot in slots:
+            if slot.actor is not None:
+                try:
+                    ray.kill(slot.actor)
+                except Exception:
+                    pass
+        if started_ray:
+            ray.shutdown()
+    return result
+
+
+def _among(item: Any, ready: List[Any]) -> bool:
+    return any(item is r or item == r for r in ready)
+
+
+def _default_runtime_env() -> Dict[str, Any]:
+    """Workers of a local cluster see the driver's own import path entries (a repository
+    checkout, a notebook's directory; not the interpreter's), so specs that refer to its modules
+    unpickle there."""
+    prefixes = tuple({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    paths = [p for p in sys.path if p and os.path.isdir(p) and not os.path.realpath(p).startswith(prefixes)]
+    if os.getcwd() not in paths:
+        paths.insert(0, os.getcwd())
+    return {'runtime_env': {'env_vars': {'PYTHONPATH': os.pathsep.join(paths)}}}
+
+
+_ANSI = re.compile(r'\x1b\[[0-9;]*m')
+
+
+def _cause(exc: BaseException) -> str:
+    """One line about why an actor or its task failed: the user's exception when there is one
+    (the last line of the remote traceback), else the first and last lines of Ray's message."""
+    cause = getattr(exc, 'cause', None)
+    if isinstance(cause, BaseException) and not isinstance(cause, type(exc)):
+        return f'{type(cause).__name__}: {_first_line(cause)}'
+    lines = [ln.strip() for ln in _ANSI.sub('', str(exc)).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    if any(ln.startswith('Traceback') for ln in lines):
+        return lines[-1][:300]
+    head = f'{type(exc).__name__}: {lines[0]}'
+    return (head if len(lines) == 1 else f'{head} ... {lines[-1]}')[:400]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [''])[0][:300]
