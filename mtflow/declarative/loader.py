@@ -140,7 +140,7 @@ def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
     """Problems only building finds: a built-in tool's options, a parser's options, an
     environment's kwargs (each is tried once, as the scheduler will build it)."""
     from ..tools.registry import make_builtin
-    from .gym import make_env_factory
+    from .envs import make_env_factory
     from .parsers import get_parser
 
     found: List[Tuple[Loc, str]] = []
@@ -156,10 +156,14 @@ def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
         found.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
     if config.env is not None:
         try:
-            make_env_factory(config.env.impl, config.env.kwargs, base_dir)
+            make_env_factory(config.env, base_dir)
         except Exception as exc:
-            found.append((('env', 'kwargs'), f'cannot create environment {config.env.impl!r}: '
-                          f'{type(exc).__name__}: {exc}'))
+            from .envs import env_kind
+            kind = env_kind(config.env)
+            what = getattr(config.env, kind)
+            name = what if isinstance(what, str) else getattr(what, 'id', kind)
+            found.append((('env', 'kwargs' if kind in ('impl', 'gym') else kind),
+                          f'cannot create environment {name!r}: {type(exc).__name__}: {exc}'))
     return [Problem(file, _line_of(lines, loc), format_path(loc), msg) for loc, msg in found]
 
 
