@@ -15,3 +15,5 @@ $PIP install -e '.[hf]'
 # --- extra runtime setup (keep each block short and idempotent) ---
 # transformers needs accelerate to load a GGUF file (the embedded model); not pulled in by '.[hf]' alone.
 .venv/bin/python -c 'import accelerate' 2>/dev/null || $PIP install 'accelerate>=0.26'
+# The RL-signal main job (configs/reasoning_gym.yaml) generates its prompts with reasoning-gym.
+.venv/bin/python -c 'import reasoning_gym' 2>/dev/null || $PIP install 'reasoning-gym>=0.1.25'

@@ -328,6 +328,9 @@ def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, An
         tool_calls = sum(_count(i.get('tool_calls', i.get('num_tool_calls'))) for i in tallies['infos'])
         tool_errors = sum(_count(i.get('tool_errors', i.get('num_tool_errors'))) for i in tallies['infos'])
     rewards = [i['reward'] for i in tallies['infos'] if isinstance(i.get('reward'), (int, float))]
+    from ..data.sources import group_of
+    from .reward_spread import reward_spread
+    spread = reward_spread([group_of(r.uuid, r.data_dict) for r in requests], [i.get('reward') for i in tallies['infos']])
     load_info = getattr(backend, 'load_info', {}) or {}
     return {
         'config': cfg.source,
@@ -347,6 +350,7 @@ def summarize(cfg: Any, backend: Any, requests: List[Any], tallies: Dict[str, An
         'tool_calls': tool_calls,
         'tool_errors': tool_errors,
         'reward_mean': round(sum(rewards) / len(rewards), 4) if rewards else None,
+        'reward_groups': spread,
         'generated_tokens': generated,
         'generate_s': round(gen_s, 3) if gen_s is not None else None,
         'wall_s': round(tallies['wall_s'], 3),
@@ -378,6 +382,10 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
     if summary['reward_mean'] is not None:
         table.add_row('mean reward', str(summary['reward_mean']))
+    if summary.get('reward_groups'):
+        from .reward_spread import spread_rows
+        for label, text in spread_rows(summary['reward_groups']):
+            table.add_row(label, text)
     errors = summary['errors']
     table.add_row('request errors', f'[red]{errors}[/red]' if errors else '0')
     table.add_row('generated tokens', str(summary['generated_tokens']))
@@ -396,11 +404,12 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..data import DatasetError, read_prompts
+    from ..data import DatasetError
+    from ..data.sources import load_requests
 
     cfg = load_config(args)
     try:
-        requests = read_prompts(cfg.dataset_path(), limit=cfg.limit)
+        requests = load_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     except DatasetError as exc:
         raise CLIError(str(exc)) from None
     make_scheduler = scheduler_factory(cfg)
@@ -434,6 +443,9 @@ def main(args: argparse.Namespace) -> int:
         finally:
             if progress is not None:
                 progress.stop()
+            close_scheduler = getattr(scheduler, 'close', None)
+            if callable(close_scheduler):  # e.g. stops the OpenEnv servers a scheduler launched
+                close_scheduler()
     finally:
         close = getattr(backend, 'close', None)
         if callable(close):

@@ -247,9 +247,15 @@ class EnvConfig(_Strict):
         given = [k for k in ENV_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f'give exactly one of {", ".join(ENV_KINDS)}' + (f' (got {", ".join(given)})' if given else ''))
-        if self.kwargs and given[0] not in ('impl', 'gym'):
-            raise ValueError(f'kwargs applies to impl and gym; put {given[0]} options under {given[0]}:')
         return self
+
+    @field_validator('kwargs')
+    @classmethod
+    def _kwargs_kind(cls, v: Dict[str, Any], info: ValidationInfo) -> Dict[str, Any]:
+        for kind in ('openenv', 'textarena'):
+            if v and info.data.get(kind) is not None:
+                raise ValueError(f'kwargs applies to impl and gym; put {kind} options under {kind}:')
+        return v
 
 
 class SchedulerConfig(_Strict):
