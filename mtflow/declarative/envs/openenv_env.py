@@ -51,6 +51,8 @@ __all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError
 #: how long a server that refused a connection is skipped when choosing where to open a session
 DEAD_COOLDOWN_S = 5.0
 _CAPACITY_POLL_S = 0.05
+#: how soon a server that answered CAPACITY_REACHED is asked again
+_CAPACITY_RETRY_S = 0.2
 
 
 class OpenEnvError(MtflowError):
@@ -93,7 +95,11 @@ class OpenEnvServer:
         self.log_path = log_path
         self.open = 0
         self.opened = 0
+        #: refused a connection: not chosen before this time (``time.monotonic()``)
         self.skip_until = 0.0
+        #: answered CAPACITY_REACHED: asked again from this time; the message it gave
+        self.full_until = 0.0
+        self.full_message: Optional[str] = None
 
     @property
     def exited(self) -> bool:
@@ -238,13 +244,16 @@ class OpenEnvPool:
                 if now > deadline:
                     raise OpenEnvSessionError('no OpenEnv server accepts connections: ' + ', '.join(
                         s.url for s in self.servers))
-            free = [s for s in live if cap is None or s.open < cap]
+            free = [s for s in live if (cap is None or s.open < cap) and now >= s.full_until]
             if free:
                 return min(free, key=lambda s: (s.open, s.opened))
-            if now > deadline:
+            if live and now > deadline:
+                full = [s for s in live if s.full_message and (cap is None or s.open < cap)]
+                limit = (f'the server{"s" if len(full) > 1 else ""} answered: {full[0].full_message}' if full else
+                         f'{cap} sessions each from this scheduler (max_sessions)')
                 raise OpenEnvCapacityError(
-                    f'every OpenEnv server stayed at capacity ({cap} sessions each from this scheduler, max_sessions) for '
-                    f'{self.config.capacity_wait_s:g} s (capacity_wait_s): lower batch_size or add servers')
+                    f'every OpenEnv server stayed at capacity for {self.config.capacity_wait_s:g} s (capacity_wait_s); '
+                    f'{limit}; lower batch_size, raise max_concurrent_envs or add servers')
             await asyncio.sleep(_CAPACITY_POLL_S)
 
     async def open_session(self, reset_kwargs: Dict[str, Any]) -> tuple:
@@ -265,20 +274,17 @@ class OpenEnvPool:
             try:
                 await asyncio.wait_for(client.connect(), cfg.connect_timeout_s + 1.0)
                 result = await asyncio.wait_for(client.reset(**reset_kwargs), cfg.message_timeout_s + 1.0)
+                server.full_message = None
                 return server, client, result
             except Exception as exc:
                 server.open -= 1
+                exc = await _refusal(client, exc)
                 await _close_client(client, 1.0)
                 now = time.monotonic()
-                if _is_capacity(exc):
-                    if now < capacity_deadline:
-                        server.skip_until = now + min(0.5, capacity_deadline - now)
-                        await asyncio.sleep(_CAPACITY_POLL_S)
-                        continue
-                    raise OpenEnvCapacityError(
-                        f'OpenEnv server {server.url} stayed at capacity for {cfg.capacity_wait_s:g} s '
-                        f'(capacity_wait_s): {_server_message(exc)}; lower batch_size, set max_sessions or add '
-                        'servers') from None
+                if _is_capacity(exc):  # ask again shortly; _pick gives up at the deadline
+                    server.full_until = now + _CAPACITY_RETRY_S
+                    server.full_message = f'{server.url}: {_server_message(exc)}'
+                    continue
                 if not _is_server_reply(exc):
                     server.skip_until = now + DEAD_COOLDOWN_S
                 attempts.append(f'{server.url}: {_describe(exc)}')
@@ -403,6 +409,26 @@ def _describe(exc: BaseException) -> str:
         return 'timed out'
     text = ' '.join(str(exc).split())
     return f'{type(exc).__name__}: {text}' if text else type(exc).__name__
+
+
+async def _refusal(client: Any, exc: BaseException) -> BaseException:
+    """The server's reason when it closed a new session at once. A server that refuses a session
+    (CAPACITY_REACHED, a factory error) sends the error and closes; when our reset crossed that
+    close, the client saw only the closed connection, and the error is still unread."""
+    if _is_server_reply(exc):
+        return exc
+    ws = getattr(client, '_ws', None)
+    if ws is None:
+        return exc
+    try:
+        raw = await asyncio.wait_for(ws.recv(), 0.5)
+        message = json.loads(raw)
+    except Exception:
+        return exc
+    if isinstance(message, dict) and message.get('type') == 'error':
+        data = message.get('data') or {}
+        return RuntimeError(f"Server error: {data.get('message', 'Unknown error')} (code: {data.get('code', 'UNKNOWN')})")
+    return exc
 
 
 async def _close_client(client: Any, timeout_s: float) -> None:
