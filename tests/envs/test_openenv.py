@@ -317,3 +317,36 @@ def test_mtflow_run_launches_the_servers_and_stops_them(tmp_path, monkeypatch, c
     url = trajs[0]['rollout_infos']['env_info']['openenv_server']
     with pytest.raises(OSError):  # the launched server is gone
         stats(url)
+
+
+def test_ready_openenv_guess_scheduler_plays_against_its_launched_server():
+    """schedulers/openenv_guess.yaml: a binary-searching player wins every game (reward 1.0)."""
+    import schedulers
+    sched = load_scheduler(schedulers.path('openenv_guess'))
+    bounds = {}
+
+    def rollout(requests_, request_config):
+        outs = []
+        for r in requests_:
+            low, high = bounds.get(r.uuid, (1, 100))
+            last = r.messages[-1]['content'] if r.messages[-1]['role'] == 'user' else ''
+            if 'too low' in last:
+                low = bounds[r.uuid + '/g'] + 1
+            elif 'too high' in last:
+                high = bounds[r.uuid + '/g'] - 1
+            guess = (low + high) // 2
+            bounds[r.uuid], bounds[r.uuid + '/g'] = (low, high), guess
+            outs.append(out(f'{guess}'))
+        return outs
+
+    reqs = [req(f'game-{i}', {'role': 'user', 'content': 'Play.'}, data_dict={'reset_kwargs': {'target': t}})
+            for i, t in enumerate([1, 50, 62])]
+    try:
+        result = Executor(sched, rollout, max_turns=7, on_error='return').run(reqs)
+    finally:
+        sched.close()
+    assert result.failures == [] and result.finish_reasons == ['stop_rule:env_done'] * 3
+    assert [o.rollout_infos['reward'] for o in result.outputs] == [1.0, 1.0, 1.0]
+    assert reqs[1].messages[-1]['content'] == '50' and len(reqs[1].messages) == 3  # 50 found at once
+    assert 'too low' in reqs[2].messages[3]['content']
+    assert all(s.process.poll() is not None for s in sched.env_factory.servers)

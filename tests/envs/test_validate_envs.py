@@ -97,3 +97,14 @@ def test_run_configs_naming_env_kinds_and_a_reasoning_gym_dataset(files, capsys)
     assert 'run.yaml: OK' in out
     assert 'bad_sched.yaml:3: env.openenv: give either url or launch' in out
     assert "bad_dataset.yaml:2: dataset: reasoning_gym.name: unknown task 'leg_countin' (similar: leg_counting" in out
+
+
+def test_every_ready_config_and_scheduler_validates(capsys, monkeypatch):
+    for module in ('openenv.core', 'reasoning_gym', 'textarena'):
+        pytest.importorskip(module)
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    files = sorted(str(p.relative_to(root)) for p in [*root.glob('configs/*.yaml'), *root.glob('schedulers/*.yaml')])
+    assert 'configs/reasoning_gym.yaml' in files and 'schedulers/openenv_guess.yaml' in files
+    assert main(['validate', *files]) == 0, capsys.readouterr().out
