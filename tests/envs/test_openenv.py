@@ -350,3 +350,16 @@ def test_ready_openenv_guess_scheduler_plays_against_its_launched_server():
     assert reqs[1].messages[-1]['content'] == '50' and len(reqs[1].messages) == 3  # 50 found at once
     assert 'too low' in reqs[2].messages[3]['content']
     assert all(s.process.poll() is not None for s in sched.env_factory.servers)
+
+
+def test_sessions_survive_a_long_generation(launched):
+    """The executor's event loop is idle while the model generates; the connections must still
+    answer the server's keepalive pings (here every 0.5 s, 0.5 s timeout), or the server drops
+    them. The scripted model blocks for 3 s at turn 2, as a slow model would."""
+    scheduler = launched(launch=['{python}', '-m', 'uvicorn', APP, '--host', '127.0.0.1', '--port', '{port}',
+                                 '--ws-ping-interval', '0.5', '--ws-ping-timeout', '0.5', '--log-level', 'warning'])
+    result = Executor(scheduler, Guesser(lambda turn: time.sleep(3) if turn == 2 else None), max_turns=6,
+                      on_error='return').run(requests(['g3-a', 'g2-b']))
+    assert result.failures == [], [str(f.error) for f in result.failures]
+    assert result.finish_reasons == ['stop_rule:env_done'] * 2
+    assert [o.rollout_infos['reward'] for o in result.outputs] == [1.0, 1.0]

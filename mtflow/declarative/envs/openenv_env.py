@@ -20,7 +20,9 @@ What can go wrong, and what happens:
   fed back to the model as ``Error: ...`` and the episode goes on.
 
 Every wait is bounded (``connect_timeout_s``, ``message_timeout_s``, ``capacity_wait_s``), so a
-dead server costs its own requests an error, never a hung batch.
+dead server costs its own requests an error, never a hung batch. The connections run on the
+pool's own event loop (:meth:`OpenEnvPool.run`), so they answer keepalive pings while the model
+generates.
 """
 from __future__ import annotations
 
@@ -150,6 +152,8 @@ class OpenEnvPool:
         self._started = False
         self._start_error: Optional[BaseException] = None
         self._closed = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
         if config.url is not None:
             urls = [config.url] if isinstance(config.url, str) else list(config.url)
             self.servers = [OpenEnvServer(u) for u in urls]
@@ -221,13 +225,54 @@ class OpenEnvPool:
             time.sleep(0.1)
 
     def close(self) -> None:
-        """Drop every session still open (their requests are over) and stop launched servers."""
+        """Drop every session still open (their requests are over), stop the I/O loop and the
+        launched servers."""
         self._closed = True
         for session in list(self.sessions):
             session.abandon()
+        with self._start_lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            if not thread.is_alive():
+                loop.close()
         for server in self.servers:
             server.stop()
         _LIVE_POOLS.discard(self)
+
+    # ---- the I/O loop -------------------------------------------------------------------------
+    def _io_loop(self) -> asyncio.AbstractEventLoop:
+        with self._start_lock:
+            if self._closed:
+                raise OpenEnvError('the OpenEnv pool is closed')
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name='mtflow-openenv-io', daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    async def run(self, coro: Any) -> Any:
+        """Run ``coro`` on the pool's own event loop, in a thread of its own, and await it from the
+        caller's loop. The WebSocket connections live there because that loop always runs: the
+        executor's loop is idle while the model generates (minutes with a slow model), and a
+        connection whose loop does not run cannot answer the server's keepalive pings; the server
+        then drops it (close code 1011) and the request's session is lost."""
+        try:
+            loop = self._io_loop()
+        except BaseException:
+            coro.close()
+            raise
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def call_soon(self, fn: Any) -> None:
+        """Run ``fn`` on the I/O loop (it owns the connections), or now when there is none."""
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(fn)
+        else:
+            fn()
 
     # ---- sessions -----------------------------------------------------------------------------
     async def _pick(self, deadline: float) -> OpenEnvServer:
@@ -314,10 +359,13 @@ class OpenEnvSession:
         kwargs.setdefault('seed', request_seed(infer_request))
         if self.uuid:
             kwargs.setdefault('episode_id', str(self.uuid)[:255])
-        self.server, self.client, result = await self.pool.open_session(kwargs)
+        self.server, self.client, result = await self.pool.run(self.pool.open_session(kwargs))
         return self._text(result.observation)
 
     async def step(self, action: str) -> StepOutcome:
+        return await self.pool.run(self._step(action))
+
+    async def _step(self, action: str) -> StepOutcome:
         if self.client is None:
             raise OpenEnvSessionError('step() before reset()')
         cfg = self.pool.config
@@ -343,7 +391,7 @@ class OpenEnvSession:
         client, self.client = self.client, None
         if client is not None:
             self.server.open -= 1
-            await _close_client(client, 5.0)
+            await self.pool.run(_close_client(client, 5.0))
         self.pool.sessions.discard(self)
 
     def abandon(self) -> None:
@@ -354,10 +402,9 @@ class OpenEnvSession:
         client, self.client = self.client, None
         if client is not None:
             self.server.open -= 1
-            ws = getattr(client, '_ws', None)
-            transport = getattr(ws, 'transport', None)
+            transport = getattr(getattr(client, '_ws', None), 'transport', None)
             if transport is not None:
-                transport.abort()
+                self.pool.call_soon(transport.abort)
         self.pool.sessions.discard(self)
 
     # ---- text <-> OpenEnv -----------------------------------------------------------------------
