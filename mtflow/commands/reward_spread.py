@@ -46,11 +46,13 @@ def reward_spread(groups: Sequence[str], rewards: Sequence[Optional[float]]) -> 
 def spread_rows(spread: Dict[str, Any], shown: int = 6) -> List[tuple]:
     """``(label, text)`` rows for the summary table."""
     sizes = '/'.join(map(str, spread['group_sizes']))
-    rows = [('rewarded requests', f"{spread['requests_rewarded']} of {spread['requests_scored']} (reward > 0)"),
-            ('reward spread', f"{spread['with_spread']} of {spread['groups']} groups (size {sizes}) have unequal "
-             f"rewards; mean group std {spread['mean_std']}")]
-    if max(spread['group_sizes']) > 1:
-        parts = [f"{s['group']} {s['mean']:g}±{s['std']:g}" for s in spread['per_group'][:shown]]
-        more = spread['groups'] - min(shown, len(spread['per_group']))
-        rows.append(('per group (mean±std)', '  '.join(parts) + (f'  (+{more} more in summary.json)' if more else '')))
+    rows = [('rewarded requests', f"{spread['requests_rewarded']} of {spread['requests_scored']} (reward > 0)")]
+    if max(spread['group_sizes']) == 1:
+        rows.append(('reward spread', 'one request per prompt: set num_generations for GRPO groups'))
+        return rows
+    rows.append(('reward spread', f"{spread['with_spread']} of {spread['groups']} groups (size {sizes}) have unequal "
+                 f"rewards; mean group std {spread['mean_std']}"))
+    parts = [f"{s['group']} {s['mean']:g}±{s['std']:g}" for s in spread['per_group'][:shown]]
+    more = spread['groups'] - min(shown, len(spread['per_group']))
+    rows.append(('per group (mean±std)', '  '.join(parts) + (f'  (+{more} more in summary.json)' if more else '')))
     return rows

@@ -159,3 +159,13 @@ def test_run_config_dataset_errors_name_file_line_and_field(tmp_path):
     (tmp_path / 'run.yaml').write_text('scheduler: s.yaml\ndataset: {hub: x}\n')
     with pytest.raises(RunConfigError, match=r'run.yaml:2: dataset: .*one of: reasoning_gym'):
         load_run_config(tmp_path / 'run.yaml')
+
+
+def test_spread_rows_without_groups_say_how_to_get_them():
+    from mtflow.commands.reward_spread import spread_rows
+    rows = dict(spread_rows(reward_spread(['a', 'b'], [1.0, 0.0])))
+    assert rows['rewarded requests'] == '1 of 2 (reward > 0)'
+    assert rows['reward spread'] == 'one request per prompt: set num_generations for GRPO groups'
+    assert 'per group (mean±std)' not in rows
+    rows = dict(spread_rows(reward_spread(['a', 'a'], [1.0, 0.0])))
+    assert rows['per group (mean±std)'] == 'a 0.5±0.5'
