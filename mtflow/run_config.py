@@ -7,7 +7,9 @@
     backend: hf                               # hf | openai | vllm | scripted | swift
     model: embedded                           # backend's model ('embedded': SmolLM2-135M-Instruct)
     backend_options: {max_batch_size: 8}      # the backend's own keyword arguments
-    dataset: null                             # JSONL prompts; null: the bundled guess-the-number set
+    dataset: null                             # JSONL prompts; null: the bundled guess-the-number set;
+                                              # or {reasoning_gym: {name: leg_counting, size: 16, seed: 0}}
+    num_generations: 1                        # copies of each prompt (a GRPO group)
     out: runs/default                         # trajectories.jsonl, trace.jsonl, summary.json go here
     max_turns: 6                              # null or 0: unlimited
     batch_size: 8                             # requests per Executor.run call
@@ -57,7 +59,11 @@ class RunConfig(BaseModel):
                                  'directory, a .gguf file or a cached hub id.')
     backend_options: Dict[str, Any] = Field(default_factory=dict,
                                             description="The backend's keyword arguments (see docs/backends.md).")
-    dataset: Optional[str] = Field(None, description='A JSONL prompt file; null: the bundled dataset.')
+    dataset: Optional[Union[str, Dict[str, Any]]] = Field(
+        None, description='A JSONL prompt file; {reasoning_gym: {name, size, seed, config}}: generated tasks '
+        '(mtflow/data/reasoning_gym.py); null: the bundled dataset.')
+    num_generations: int = Field(1, ge=1, description='Copies of each prompt (a GRPO group; uuids <uuid>#<k>); the '
+                                 "summary shows each group's reward spread.")
     out: str = Field('runs/latest', description='Output directory (relative to the current directory).')
     max_turns: Optional[int] = Field(None, ge=0, description='Stop every request at this turn; null or 0: unlimited.')
     batch_size: int = Field(8, ge=1, description='Requests per executor batch.')
@@ -78,6 +84,14 @@ class RunConfig(BaseModel):
         if unknown:
             raise ValueError(f'unknown key(s) {", ".join(unknown)}; known: {", ".join(RequestConfig.model_fields)}')
         RequestConfig(**value)  # types
+        return value
+
+    @field_validator('dataset')
+    @classmethod
+    def _dataset_kind(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            from .data.sources import check_dataset_mapping
+            check_dataset_mapping(value)
         return value
 
     @field_validator('backend')
@@ -121,7 +135,8 @@ class RunConfig(BaseModel):
         return path
 
     def dataset_path(self) -> Optional[Path]:
-        return None if self.dataset is None else self.resolve(self.dataset)
+        """The JSONL file; ``None`` for the bundled set and for a generated dataset (a mapping)."""
+        return None if not isinstance(self.dataset, str) else self.resolve(self.dataset)
 
     def resolved_model(self) -> Optional[str]:
         """``model`` as a path when it names an existing file or directory (next to the config

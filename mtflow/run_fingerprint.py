@@ -2,7 +2,7 @@
 
 The fingerprint holds every config key that changes what a request's trajectory is (the
 scheduler and its arguments, the backend, its model and options, ``max_turns``, ``seed``,
-``limit``, the sampling parameters) and the content hashes of the files behind them (the
+``limit``, the sampling parameters, ``num_generations``, a generated dataset's spec) and the content hashes of the files behind them (the
 dataset, a scheduler file, a model file or the small files of a model directory). It leaves out
 what only changes how the run goes: ``out``, ``batch_size``, progress and durability settings,
 so an interrupted run may be resumed with a smaller batch after an out-of-memory error.
@@ -86,17 +86,35 @@ def run_fingerprint(cfg: Any, dataset_path: Optional[Path] = None) -> Dict[str, 
             files['model'] = _file_identity(mp)
         elif mp.is_dir():
             files['model'] = _dir_identity(mp)
-    return {
-        'config': {
-            'scheduler': cfg.scheduler,
-            'scheduler_args': cfg.scheduler_args,
-            'backend': cfg.backend,
-            'model': cfg.model,
-            'backend_options': cfg.backend_options,
-            'max_turns': cfg.max_turns or None,
-            'seed': cfg.seed,
-            'limit': cfg.limit,
-            'request_config': cfg.request_config,
-        },
-        'files': files,
+    config: Dict[str, Any] = {
+        'scheduler': cfg.scheduler,
+        'scheduler_args': cfg.scheduler_args,
+        'backend': cfg.backend,
+        'model': cfg.model,
+        'backend_options': cfg.backend_options,
+        'max_turns': cfg.max_turns or None,
+        'seed': cfg.seed,
+        'limit': cfg.limit,
+        'request_config': cfg.request_config,
     }
+    # a generated dataset has no file: its spec (and the generator's version) says what it holds;
+    # both keys only when set, so the fingerprint of a plain run stays what it was
+    if isinstance(getattr(cfg, 'dataset', None), dict):
+        config['dataset'] = cfg.dataset
+        config['dataset_generator'] = _generator_version(cfg.dataset)
+    if getattr(cfg, 'num_generations', 1) != 1:
+        config['num_generations'] = cfg.num_generations
+    return {'config': config, 'files': files}
+
+
+def _generator_version(dataset: Dict[str, Any]) -> Optional[str]:
+    """``reasoning-gym <version>`` for a ``{reasoning_gym: ...}`` dataset: another version may
+    generate other tasks from the same seed."""
+    from importlib.metadata import PackageNotFoundError, version
+    for kind, dist in (('reasoning_gym', 'reasoning-gym'), ):
+        if kind in dataset:
+            try:
+                return f'{dist} {version(dist)}'
+            except PackageNotFoundError:
+                return None
+    return None

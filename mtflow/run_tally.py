@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .data.sources import group_of
+
 __all__ = ['RunTally', 'tool_counts', 'tool_error_kinds']
 
 #: how many request errors the summary lists (the count covers all of them)
@@ -65,6 +67,9 @@ class RunTally:
         self.info_error_kinds: Counter = Counter()  # the declarative scheduler's per-request totals
         self.reward_sum = 0.0
         self.reward_n = 0
+        from .commands.reward_spread import GroupRewards  # per GRPO group: n, sums, squares, min, max
+
+        self.groups = GroupRewards()
         self.errors = 0
         self.failures: List[Dict[str, Any]] = []
         from .declarative.policy import PolicyTally  # what a YAML finish_policy did
@@ -93,6 +98,7 @@ class RunTally:
             if isinstance(reward, (int, float)) and not isinstance(reward, bool):
                 self.reward_sum += reward
                 self.reward_n += 1
+                self.groups.add(group_of(str(record.get('uuid'))), reward, record.get('index'))
             error = infos.get('mtflow_error')
             if isinstance(error, dict) or record.get('finish_reason') == 'error':
                 self.errors += 1
@@ -138,3 +144,8 @@ class RunTally:
 
     def reward_mean(self) -> Optional[float]:
         return round(self.reward_sum / self.reward_n, 4) if self.reward_n else None
+
+    def reward_groups(self) -> Optional[Dict[str, Any]]:
+        """The per-group reward spread (``num_generations`` copies of a prompt share a group:
+        uuids ``<uuid>#<k>``), over every trajectory written; ``None`` without rewards."""
+        return self.groups.summary()

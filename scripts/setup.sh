@@ -21,3 +21,5 @@ if [ "$(id -u)" -eq 0 ] && ! command -v bwrap >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
     || echo "warning: could not install bubblewrap: the python tool falls back to unshare or refuses" >&2
 fi
+# The RL-signal main job (configs/reasoning_gym.yaml) generates its prompts with reasoning-gym.
+.venv/bin/python -c 'import reasoning_gym' 2>/dev/null || $PIP install 'reasoning-gym>=0.1.25'

@@ -17,6 +17,12 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 .venv/bin/python -c 'import playwright' 2>/dev/null || $PIP install playwright
 # OpenAI-compatible backend (mtflow/backends/openai_server.py, the 'openai' extra) and its tests.
 .venv/bin/python -c 'import httpx' 2>/dev/null || $PIP install 'httpx>=0.24'
+# Environments from the ecosystem (tests/envs; extras openenv, gym, reasoning-gym, textarena).
+# openenv-core without its Gradio web UI (gradio pins pillow<13 and mtflow never serves the UI),
+# then what its client and server import.
+.venv/bin/python -c 'import openenv.core' 2>/dev/null || { $PIP install --no-deps 'openenv-core==0.3.0' \
+  && $PIP install fastmcp 'websockets>=15' 'fastapi>=0.104' 'uvicorn>=0.24' tomli tomli-w requests; }
+.venv/bin/python -c 'import reasoning_gym, gymnasium, textarena' 2>/dev/null || $PIP install reasoning-gym gymnasium textarena
 
 # python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.

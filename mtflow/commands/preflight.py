@@ -7,7 +7,7 @@ they import.
 - a Python scheduler (``module:Class`` or ``file.py:Class``): it must import, without raising, and
   be a scheduler (a subclass of :class:`mtflow.Scheduler` or of ms-swift's ``MultiTurnScheduler``,
   a class defining ``step``/``check_finished``/``on_turn_end``, or a factory function);
-- the dataset: it must read (every line valid JSON with messages).
+- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec).
 
 Each problem is one ``file[:line]: field: message`` line; ``imports`` lists every Python module or
 callable the run will import (that code runs with your rights: read the list)."""
@@ -65,7 +65,8 @@ def check_python_scheduler(ref: str, base_dir: Any, where: str) -> List[str]:
 
 def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
     """Check a loaded :class:`mtflow.run_config.RunConfig` (the file already parsed)."""
-    from ..data import DatasetError, read_prompts
+    from ..data import DatasetError
+    from ..data.sources import count_requests
 
     where = cfg.source or '<run config>'
     out = Preflight()
@@ -83,7 +84,7 @@ def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
         out.imports.append((f'{where}: scheduler', cfg.scheduler))
     if check_dataset:
         try:
-            read_prompts(cfg.dataset_path(), limit=cfg.limit)
+            count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
         except DatasetError as exc:
             out.problems.append(f'{where}: dataset: {exc}')
     return out

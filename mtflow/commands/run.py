@@ -3,9 +3,10 @@
 Reads the run config (``mtflow/run_config.py``), applies the command-line overrides, checks the
 whole dataset, opens the output directory (``mtflow/run_store.py``: new, ``--resume`` or
 ``--overwrite``; a refusal comes before the slow model load), builds the backend
-(``mtflow/backends``) and the scheduler, then streams the prompts through ``mtflow.Executor`` in
-batches of ``batch_size`` (``on_error='return'``: a failing request is recorded, the others go
-on; ``mtflow/run_driver.py``). Each request is written the moment it finishes, in the output
+(``mtflow/backends``) and the scheduler, then streams the prompts (a JSONL file or generated
+reasoning-gym tasks, ``num_generations`` copies each: ``mtflow/data/sources.py``) through
+``mtflow.Executor`` in batches of ``batch_size`` (``on_error='return'``: a failing request is
+recorded, the others go on; ``mtflow/run_driver.py``). Each request is written the moment it finishes, in the output
 directory:
 
 * ``trajectories.jsonl``: one line per finished request (``mtflow/trajectories.py`` format:
@@ -13,7 +14,8 @@ directory:
 * ``trace.jsonl``: the state transitions of those requests (``docs/trace-format.md``), indices
   and times continuous across batches and attempts, so ``mtflow trace show`` reads the whole run;
 * ``summary.json``: the figures of the summary table printed at the end (requests, finish
-  reasons, turns per request, tool calls and errors, generated tokens, tokens/s) and the status
+  reasons, turns per request, tool calls and errors, the per-group reward spread of
+  ``num_generations`` copies, generated tokens, tokens/s) and the status
   (``complete``/``interrupted``);
 * ``run.json`` (fingerprint, attempts), ``interrupted.jsonl`` after a stop by signal.
 
@@ -270,7 +272,7 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
             figures: Dict[str, Any]) -> None:
     """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``);
     this attempt's figures go into ``figures``, also when a signal stops it."""
-    from ..data import iter_prompts
+    from ..data.sources import iter_requests
     from ..executor import Executor
     from ..run_driver import StreamingRun
 
@@ -292,7 +294,7 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
         progress.start()
     try:
         # checked in full before the run (count_prompts); the store refuses a uuid written twice
-        run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit, check_unique=False))
+        run.run(iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False))
     finally:
         if progress is not None:
             progress.stop()
@@ -327,6 +329,7 @@ def summarize(cfg: Any, backend: Any, store: Any, total: int, figures: Dict[str,
         'tool_errors': tool_errors,
         'tool_error_kinds': tally.tool_error_kinds(),
         'reward_mean': tally.reward_mean(),
+        'reward_groups': tally.reward_groups(),
         'generated_tokens': tally.trace_tokens,
         'generate_s': round(gen_s, 3) if gen_s is not None else None,
         'wall_s': round(wall_s, 3),
@@ -375,6 +378,10 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
         table.add_row('mean reward', str(summary['reward_mean']))
     if summary.get('finish_policy'):
         table.add_row('finish policy', ', '.join(f'{k} {v}' for k, v in summary['finish_policy'].items()))
+    if summary.get('reward_groups'):
+        from .reward_spread import spread_rows
+        for label, text in spread_rows(summary['reward_groups']):
+            table.add_row(label, text)
     errors = summary['errors']
     table.add_row('request errors', f'[red]{errors}[/red]' if errors else '0')
     table.add_row('generated tokens', str(summary['generated_tokens']))
@@ -392,28 +399,39 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
                       f"({failure.get('phase')}): {failure.get('type')}: {failure.get('message')}")
 
 
+def dataset_file(cfg: Any) -> Optional[Path]:
+    """The JSONL file a run reads (the bundled one for ``dataset: null``), or ``None`` for a
+    generated dataset (its spec is in the fingerprint instead)."""
+    from ..data import bundled_dataset
+
+    if isinstance(cfg.dataset, dict):
+        return None
+    return cfg.dataset_path() or bundled_dataset()
+
+
 def _say(message: str) -> None:
     print(f'mtflow: {message}', file=sys.stderr)
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..data import DatasetError, bundled_dataset, count_prompts
+    from ..data import DatasetError
+    from ..data.sources import count_requests
     from ..run_fingerprint import run_fingerprint
     from ..run_signals import StopSignals, exit_code_for
     from ..run_store import RunDirError
 
     cfg = load_config(args)
-    try:
-        total = count_prompts(cfg.dataset_path(), limit=cfg.limit)  # every line checked before anything starts
+    try:  # every line (or a generated dataset's spec) checked before anything starts
+        total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     except DatasetError as exc:
         raise CLIError(str(exc)) from None
     _preflight(cfg)  # every problem of the scheduler (and its plugins) before the slow backend load
     make_scheduler = scheduler_factory(cfg)
-    fingerprint = run_fingerprint(cfg, cfg.dataset_path() or bundled_dataset())
+    fingerprint = run_fingerprint(cfg, dataset_file(cfg))
     quiet = args.quiet
     show = not (args.quiet or args.no_progress)
     signals = StopSignals(message=None)
-    backend = None
+    backend = scheduler = None
     load_s = 0.0
     figures: Dict[str, Any] = {}
     with signals:
@@ -471,9 +489,14 @@ def main(args: argparse.Namespace) -> int:
             store.discard()  # nothing written (a backend that cannot start): leave no run behind
             raise
         finally:
-            close = getattr(backend, 'close', None)
-            if callable(close):
-                close()
+            close_scheduler = getattr(scheduler, 'close', None)
+            try:
+                if callable(close_scheduler):  # e.g. stops the OpenEnv servers a scheduler launched
+                    close_scheduler()
+            finally:
+                close = getattr(backend, 'close', None)
+                if callable(close):
+                    close()
         summary = summarize(cfg, backend, store, total, figures, load_s) if backend is not None else None
         try:
             store.close(run_status, summary, attempt=figures)

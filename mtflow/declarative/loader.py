@@ -173,7 +173,6 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
     schema already flagged is skipped): a built-in's options, a parser's options, an
     environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
     from ..tools.registry import builtin_names, check_builtin_options, make_builtin, resolve_ref
-    from .gym import make_env_factory
     from .parsers import get_parser
 
     out: List[Tuple[Loc, str]] = []
@@ -208,14 +207,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
         except Exception as exc:
             out.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
     env = data.get('env')
-    if isinstance(env, dict) and isinstance(env.get('impl'), str) and isinstance(env.get('kwargs', {}), dict) and \
-            not _under(('env', ), found):
-        try:
-            make_env_factory(env['impl'], env.get('kwargs', {}), base_dir)
-        except ImportError as exc:
-            out.append((('env', 'impl'), str(exc)))
-        except Exception as exc:
-            out.append((('env', 'kwargs'), f'cannot create environment {env["impl"]!r}: {type(exc).__name__}: {exc}'))
+    if isinstance(env, dict) and not _under(('env', ), found):
+        out += _env_problems(env, base_dir)
     ref = data.get('scheduler_class')
     if isinstance(ref, str) and not _under(('scheduler_class', ), found):
         from .scheduler import YamlScheduler
@@ -229,6 +222,32 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
     return out
 
 
+def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Loc, str]]:
+    """Build the ``env`` section's factory once, whatever its kind (impl, gym, openenv,
+    textarena), as the scheduler will: the class's kwargs, a textarena game id, a missing extra.
+    Nothing is launched or connected (an OpenEnv pool starts its servers at the first session)."""
+    from .envs import env_kind, make_env_factory
+    from .schema import EnvConfig
+    try:
+        env_cfg = EnvConfig.model_validate(env, context={'base_dir': base_dir, 'resolve': True})
+    except ValidationError:
+        return []  # the schema reports it, with its lines
+    kind = env_kind(env_cfg)
+    what = getattr(env_cfg, kind)
+    name = what if isinstance(what, str) else getattr(what, 'id', kind)
+    try:
+        factory = make_env_factory(env_cfg, base_dir)
+    except ImportError as exc:  # a missing extra, or an entry point that does not load
+        return [(('env', kind), str(exc))]
+    except Exception as exc:
+        return [(('env', 'kwargs' if kind in ('impl', 'gym') else kind),
+                 f'cannot create environment {name!r}: {type(exc).__name__}: {exc}')]
+    close = getattr(factory, 'close', None)
+    if callable(close):
+        close()
+    return []
+
+
 def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
                    base_dir: Optional[str]) -> List[Problem]:
     """Problems only building finds, for a validated config (see :func:`check_data`)."""
@@ -239,7 +258,8 @@ def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
 
 #: the keys that name Python code (``module:attribute``) the scheduler will import
 _REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('scheduler_class', ), ('stop', 'predicate'),
-                               ('answer', 'compare'), ('env', 'impl'))
+                               ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),
+                               ('env', 'openenv', 'launch'))
 
 
 def imports_of(data: Any) -> List[Tuple[str, str]]:

@@ -29,6 +29,7 @@ naming the request, the turn and ``observation.mode``; a backend that returns no
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from ..protocol import extract_logprobs
 from ..scheduler import Scheduler
 from ..tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
 from ..tools.runner import ToolResult, ToolRunner, truncate
-from .gym import make_env_factory
+from .envs import make_env_factory, normalize_step
 from .parsers import ToolCall, foreign_format, get_parser
 from .policy import FinishPolicy, apply_policy
 from .schema import SchedulerConfig, TipConfig
@@ -64,6 +65,7 @@ class _State:
     tip: Optional[TipConfig] = None
     env: Any = None
     env_obs: Optional[str] = None
+    env_error: Optional[BaseException] = None
     rewards: List[float] = field(default_factory=list)
     answer_correct: Optional[bool] = None
 
@@ -116,7 +118,7 @@ class YamlScheduler(Scheduler):
             self._compare = resolve_ref(config.answer.compare, base_dir)
         self._tip_checks = [(tip, re.compile(tip.regex) if tip.regex else None,
                              resolve_ref(tip.predicate, base_dir) if tip.predicate else None) for tip in config.tips]
-        self._env_factory = make_env_factory(config.env.impl, config.env.kwargs, base_dir) if config.env else None
+        self._env_factory = make_env_factory(config.env, base_dir) if config.env else None
         self._states: Dict[Any, _State] = {}
         self.finish_reasons = tuple(self._finish_reasons())
         self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
@@ -133,6 +135,8 @@ class YamlScheduler(Scheduler):
         reasons = []
         if c.env:
             reasons.append('stop_rule:env_done')
+            if c.env.gym is not None:  # Gymnasium's truncated (an impl env may return it too)
+                reasons.append('stop_rule:env_truncated')
         if stop.correct_answer:
             reasons.append('stop_rule:correct_answer')
         reasons += [f'stop_rule:{name}' for name, _ in self._regex]
@@ -143,6 +147,12 @@ class YamlScheduler(Scheduler):
         if not c.env:
             reasons.append(f'stop_rule:{self.idle_rule}')
         return reasons
+
+    @property
+    def env_factory(self) -> Optional[Callable[[], Any]]:
+        """What makes each request's environment (``None`` without ``env``); for OpenEnv, the
+        :class:`~mtflow.declarative.envs.openenv_env.OpenEnvPool` with its servers."""
+        return self._env_factory
 
     @property
     def idle_rule(self) -> str:
@@ -199,12 +209,22 @@ class YamlScheduler(Scheduler):
     async def on_trajectory_start(self, requests: List[Any]) -> None:
         for request in requests:
             self.prepare(request)
-            if self._env_factory is not None:
-                st = self._state(request)
-                st.env = self._env_factory()
-                opening = await _maybe_await(st.env.reset(request))
-                if opening and not any(m.get('role') == 'user' for m in request.messages):
-                    request.messages.append({'role': 'user', 'content': opening})
+        if self._env_factory is not None:
+            # All resets at once (remote environments open their sessions concurrently). A reset
+            # that fails fails its own request only, at its first turn: an exception here would
+            # fail the whole batch.
+            await asyncio.gather(*[self._start_env(request) for request in requests])
+
+    async def _start_env(self, request: Any) -> None:
+        st = self._state(request)
+        try:
+            st.env = self._env_factory()
+            opening = await _maybe_await(st.env.reset(request))
+        except Exception as exc:
+            st.env_error = exc
+            return
+        if opening and not any(m.get('role') == 'user' for m in request.messages):
+            request.messages.append({'role': 'user', 'content': opening})
 
     def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
         """Apply ``finish_policy`` (the executor calls this once per request, on every finish path:
@@ -220,14 +240,22 @@ class YamlScheduler(Scheduler):
             await _maybe_await(env.close())
 
     def close(self) -> None:
-        """Release the tool thread pool and any environment still open."""
+        """Release the tool thread pool, any environment still open, and what the environment
+        factory holds (e.g. the OpenEnv servers it launched)."""
         for st in self._states.values():
             if st.env is not None:
+                abandon = getattr(st.env, 'abandon', None)
+                if callable(abandon):  # an async env whose close needs the executor's loop
+                    abandon()
+                    continue
                 close = st.env.close()
                 if inspect.isawaitable(close):
                     close.close()
         self._states.clear()
         self.runner.close()
+        close_factory = getattr(self._env_factory, 'close', None)
+        if callable(close_factory):
+            close_factory()
 
     # ---- deciding -------------------------------------------------------------------------------
     def extract_answer(self, text: str) -> Optional[str]:
@@ -280,15 +308,20 @@ class YamlScheduler(Scheduler):
         calls: List[ToolCall] = []
 
         if self._env_factory is not None:
+            if st.env_error is not None:
+                exc, st.env_error = st.env_error, None
+                raise exc
             env = await self._ensure_env(infer_request, st)
-            obs, reward, done, info = await _maybe_await(env.step(completion))
-            st.rewards.append(float(reward))
+            out = normalize_step(await _maybe_await(env.step(completion)))
+            st.rewards.append(out.reward)
             infos.update(env_steps=len(st.rewards), rewards=list(st.rewards), reward=float(sum(st.rewards)),
-                         env_info=info)
-            if done:
+                         env_info=out.info)
+            if out.terminated:
                 reason = 'stop_rule:env_done'
+            elif out.truncated:
+                reason = 'stop_rule:env_truncated'
             else:
-                st.env_obs = str(obs)
+                st.env_obs = out.observation
 
         answer = correct = None
         if self._answer_re is not None:

@@ -16,6 +16,7 @@ from typing_extensions import Annotated
 
 from .policy import PolicyAction, check_key
 from .templates import FIELDS, check_template
+from .envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
 
 
 class _Strict(BaseModel):
@@ -226,20 +227,51 @@ class TipConfig(_Strict):
 
 
 class EnvConfig(_Strict):
-    """A gym-style environment per request (``reset``, ``step -> observation, reward, done, info``, ``close``)."""
-    impl: str = Field(description="A built-in environment ('guess_number') or 'module:Class'.")
-    kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the environment.')
+    """An environment per request, of one kind: ``impl`` (mtflow's own protocol: ``reset``,
+    ``step -> observation, reward, done, info``, ``close``), ``gym`` (a Gymnasium-style object:
+    ``step -> observation, reward, terminated, truncated, info``), ``openenv`` (an OpenEnv server)
+    or ``textarena`` (a textarena game). See docs/environments.md."""
+    impl: Optional[str] = Field(None, description="A built-in environment ('guess_number') or 'module:Class'.")
+    gym: Optional[str] = Field(None, description="A Gymnasium-style text environment: 'module:Class' (or a "
+                               'factory), made with kwargs; terminated stops with stop_rule:env_done, truncated with '
+                               'stop_rule:env_truncated.')
+    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv-core client).')
+    textarena: Optional[TextArenaConfig] = Field(None, description='A single-player textarena game.')
+    kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the environment '
+                                   '(impl and gym).')
     observation_role: Literal['user', 'tool'] = Field('user', description='Role of the observation message.')
 
     @field_validator('impl')
     @classmethod
-    def _impl(cls, v: str, info: ValidationInfo) -> str:
+    def _impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
         from .gym import builtin_envs
-        if v in builtin_envs():
+        if v is None or v in builtin_envs():
             return v
         if ':' not in v:
             raise ValueError(f'unknown environment {v!r} (built-in: {", ".join(builtin_envs())}, or module:Class)')
         return _check_ref(v, info)
+
+    @field_validator('gym')
+    @classmethod
+    def _gym(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if v is not None and ':' not in v:
+            raise ValueError(f"gym: {v!r} must look like 'module:Class'")
+        return _check_ref(v, info)
+
+    @model_validator(mode='after')
+    def _one_kind(self) -> 'EnvConfig':
+        given = [k for k in ENV_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f'give exactly one of {", ".join(ENV_KINDS)}' + (f' (got {", ".join(given)})' if given else ''))
+        return self
+
+    @field_validator('kwargs')
+    @classmethod
+    def _kwargs_kind(cls, v: Dict[str, Any], info: ValidationInfo) -> Dict[str, Any]:
+        for kind in ('openenv', 'textarena'):
+            if v and info.data.get(kind) is not None:
+                raise ValueError(f'kwargs applies to impl and gym; put {kind} options under {kind}:')
+        return v
 
 
 class SchedulerConfig(_Strict):

@@ -85,7 +85,7 @@ class RayRollout:
         """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
         when a signal stops it."""
         from ..commands.run import _progress
-        from ..data import iter_prompts
+        from ..data.sources import iter_requests
         from ..machine import INTERRUPTED
         from ..run_store import RunDirError
         from .ray_fanout import RayRunError, RayRunResult, ray_run
@@ -117,9 +117,11 @@ class RayRollout:
         if progress is not None:
             progress.start()
         try:
-            ray_run(iter_prompts(self.cfg.dataset_path(), limit=self.cfg.limit), self.spec(),
-                                  num_actors=self.args.ray, sink=sink, batch_size=self.cfg.batch_size,
-                                  skip=set(store.done), address=self.args.ray_address, on_progress=on_progress,
+            cfg = self.cfg
+            prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
+                                    check_unique=False)  # checked in full by count_requests
+            ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, batch_size=cfg.batch_size,
+                    skip=set(store.done), address=self.args.ray_address, on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
             if progress is not None:
                 progress.update(task, completed=self.result.delivered, description='')

@@ -43,6 +43,9 @@ from ..errors import MtflowError
 
 __all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
 
+#: how long the driver waits for the live actors to close their schedulers and backends at the end
+CLOSE_TIMEOUT_S = 10.0
+
 
 class RayRunError(MtflowError):
     """The fan-out cannot go on (an actor cannot start, every actor is gone); what was finished
@@ -119,6 +122,19 @@ class ShardWorker:
         describe = getattr(self.backend, 'describe', None)
         return {'slot': self.slot, 'pid': self.pid, 'load_s': self.load_s,
                 'backend': describe() if callable(describe) else type(self.backend).__name__}
+
+    def close(self) -> None:
+        """Close the scheduler, then the backend, as a local ``mtflow run`` does at its end: a
+        scheduler may hold processes of its own (an ``env: {openenv: {launch: ...}}`` pool's
+        servers run in their own session and would outlive the actor's ``ray.kill``)."""
+        try:
+            close = getattr(self.scheduler, 'close', None)
+            if callable(close):
+                close()
+        finally:
+            close = getattr(self.backend, 'close', None)
+            if callable(close):
+                close()
 
     def stats(self) -> Dict[str, float]:
         stats = getattr(self.backend, 'stats', None)
@@ -211,6 +227,9 @@ def _actor_class() -> Any:
 
         def stats(self) -> Dict[str, float]:
             return self.worker.stats()
+
+        def close(self) -> None:
+            self.worker.close()
 
         def run_shard(self, shard: Sequence[Tuple[int, Any]], t0: float) -> Iterator[Tuple[str, Any]]:
             yield from self.worker.run_shard(shard, t0)
@@ -442,6 +461,14 @@ def ray_run(requests: Iterable[Any],
                     pass
     finally:
         result.wall_s = round(time.perf_counter() - t_start, 3)
+        # the live actors close their schedulers and backends first (bounded: a wedged actor is
+        # killed all the same); then every actor is killed
+        closing = [slot.actor.close.remote() for slot in slots if slot.actor is not None and slot.state != 'dead']
+        if closing:
+            try:
+                ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
+            except Exception:  # an actor gone meanwhile
+                pass
         for slot in slots:
             if slot.actor is not None:
                 try:

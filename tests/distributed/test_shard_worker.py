@@ -43,3 +43,25 @@ def test_an_exception_past_the_executor_leaves_the_generator():
     data = H.dataset(4)
     with pytest.raises(SystemExit, match='pulled the plug'):
         list(w.run_shard([(i, data[i]) for i in range(4)]))
+
+
+def test_close_closes_the_scheduler_then_the_backend():
+    """What the driver asks of each live actor before it kills it (a scheduler may hold
+    processes of its own, e.g. launched OpenEnv servers)."""
+    closed = []
+
+    class Closing(H.CountTurns):
+
+        def close(self):
+            closed.append('scheduler')
+
+    def backend():
+        b = H.make_backend(2)
+        b.close = lambda: closed.append('backend')
+        return b
+
+    w = ShardWorker(WorkerSpec(backend, lambda tok: Closing(), max_turns=10), slot=0)
+    data = H.dataset(2)
+    list(w.run_shard([(i, data[i]) for i in range(2)]))
+    w.close()
+    assert closed == ['scheduler', 'backend']

@@ -1,0 +1,96 @@
+"""The YAML keys of the environments mtflow adapts from other libraries (``env: {gym: ...}``,
+``env: {openenv: ...}``, ``env: {textarena: ...}``); ``schema.EnvConfig`` embeds these models.
+
+They live here, apart from the core schema, so that each environment kind keeps its options in
+one place; nothing here imports the libraries themselves (``mtflow validate`` must work without
+them installed, and names the missing extra when a check needs one).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+
+class OpenEnvConfig(_Strict):
+    """An OpenEnv server (``openenv-core``): one WebSocket session per request."""
+    url: Optional[Union[str, List[str]]] = Field(
+        None, description="The server's base URL (http://, ws://), or a list of replicas: each new session goes "
+        'to the least-loaded live one.')
+    launch: Optional[Union[str, List[str]]] = Field(
+        None, description="Start the server(s) on 127.0.0.1 instead: 'package.module:app' (an ASGI app, e.g. made "
+        "with openenv's create_app, served by uvicorn) or a command as a list ('{port}' and '{python}' are "
+        'replaced). Started at the first session, stopped when the scheduler closes.')
+    replicas: int = Field(1, ge=1, description='With launch: how many servers to start (each on its own free port).')
+    max_sessions: Optional[int] = Field(
+        None, ge=1, description="At most this many open sessions per server from this scheduler (set it to the "
+        "server's max_concurrent_envs); a request that finds every server full waits up to capacity_wait_s.")
+    action: Literal['text', 'json'] = Field(
+        'text', description="How a completion becomes the step action: 'text': {action_field: completion}; "
+        "'json': the completion's JSON object (a ```json fence is allowed), else as 'text'.")
+    action_field: str = Field('message', description="The action's field that receives the text.")
+    observation_field: Optional[str] = Field(
+        None, description='The observation field shown to the model; default: the only field, else the '
+        'observation as JSON.')
+    reset_kwargs: Dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for reset() (merged with data_dict['reset_kwargs']); "
+        'seed and episode_id (the request uuid) are added unless given.')
+    connect_timeout_s: float = Field(10.0, gt=0, description='Opening one WebSocket session.')
+    message_timeout_s: float = Field(60.0, gt=0, description='One reset or step reply; past it the request fails.')
+    retries: int = Field(3, ge=0, description='Further attempts to open a session (connection refused, reset '
+                         'failed), each on the next live server. A step is never retried: the session state is lost.')
+    retry_backoff_s: float = Field(0.5, ge=0, description='Wait before retry k: retry_backoff_s * k.')
+    capacity_wait_s: float = Field(30.0, ge=0, description="How long a request waits for a free session "
+                                   "(client-side max_sessions, or the server's CAPACITY_REACHED) before it fails.")
+    startup_timeout_s: float = Field(60.0, gt=0, description='With launch: how long a server may take to answer '
+                                     '/health.')
+
+    @model_validator(mode='after')
+    def _one_source(self) -> 'OpenEnvConfig':
+        if (self.url is None) == (self.launch is None):
+            raise ValueError('give either url or launch')
+        if self.url is not None:
+            urls = [self.url] if isinstance(self.url, str) else self.url
+            if not urls:
+                raise ValueError('url: give at least one URL')
+            for u in urls:
+                if not re.match(r'^(https?|wss?)://[^/\s]+', u):
+                    raise ValueError(f'url {u!r} must start with http://, https://, ws:// or wss://')
+        if isinstance(self.launch, str) and not re.fullmatch(r'[\w.]+:[\w.]+', self.launch):
+            raise ValueError(f"launch {self.launch!r} must be 'package.module:app' or a command list")
+        if isinstance(self.launch, list) and not self.launch:
+            raise ValueError('launch: the command list is empty')
+        if self.replicas > 1 and self.launch is None:
+            raise ValueError('replicas applies to launch only (list several urls instead)')
+        return self
+
+
+class TextArenaConfig(_Strict):
+    """A single-player textarena game (``textarena.make(id)``)."""
+    id: str = Field(description="A textarena game id, e.g. 'GuessTheNumber-v0'.")
+    kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for textarena.make.')
+    invalid_move_reward: Optional[float] = Field(
+        None, description="Reward of a game lost by an invalid move (textarena's own reward when null).")
+
+    @field_validator('id')
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not re.fullmatch(r'[\w.-]+', v):
+            raise ValueError(f'{v!r} is not a textarena game id')
+        return v
+
+
+ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena')
+
+
+def env_kind(env: Any) -> str:
+    """Which of ``impl``, ``gym``, ``openenv`` or ``textarena`` an ``EnvConfig`` uses."""
+    for kind in ENV_KINDS:
+        if getattr(env, kind, None) is not None:
+            return kind
+    raise ValueError('env: give one of ' + ', '.join(ENV_KINDS))

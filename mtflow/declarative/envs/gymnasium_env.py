@@ -1,0 +1,73 @@
+"""Gymnasium-style text environments: any object with ``reset(seed=..., options=...) ->
+(observation, info)`` and ``step(action) -> (observation, reward, terminated, truncated, info)``
+(a ``gymnasium.Env``, wrappers such as ``TimeLimit`` included, or a plain class with those
+methods). The completion is the action; ``terminated`` and ``truncated`` stay distinct.
+
+``reset`` gets only the keywords its signature accepts: ``seed`` (:func:`request_seed`) and
+``options`` (``data_dict['env_options']`` when given), so envs without them work too.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional
+
+from . import StepOutcome, request_seed
+
+
+class GymnasiumEnv:
+    """Adapts one Gymnasium-style environment to the YAML scheduler's protocol."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.closed = False
+
+    def reset(self, infer_request: Any) -> Optional[str]:
+        data = getattr(infer_request, 'data_dict', None) or {}
+        kwargs: Dict[str, Any] = {'seed': request_seed(infer_request)}
+        if isinstance(data.get('env_options'), dict):
+            kwargs['options'] = data['env_options']
+        out = self.env.reset(**_accepted(self.env.reset, kwargs))
+        obs = out[0] if isinstance(out, tuple) and len(out) == 2 else out
+        return None if obs is None else str(obs)
+
+    def step(self, action: str) -> StepOutcome:
+        out = self.env.step(action)
+        if not (isinstance(out, tuple) and len(out) == 5):
+            raise TypeError('a gym environment must return (observation, reward, terminated, truncated, info) '
+                            f'from step, got {type(out).__name__}' + (f' of length {len(out)}' if isinstance(out, tuple)
+                                                                      else ''))
+        obs, reward, terminated, truncated, info = out
+        return StepOutcome('' if obs is None else str(obs), float(reward or 0.0), bool(terminated), bool(truncated),
+                           dict(info) if isinstance(info, dict) else {'info': info})
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            close = getattr(self.env, 'close', None)
+            if callable(close):
+                close()
+
+
+def _accepted(fn: Callable[..., Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def gym_factory(ref: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> Callable[[], GymnasiumEnv]:
+    """Resolve ``module:Class`` and make one instance now (bad kwargs fail at load time)."""
+    from ...tools.registry import resolve_ref
+    make = resolve_ref(ref, base_dir)
+    kwargs = dict(kwargs)
+    probe = make(**kwargs)
+    for method in ('reset', 'step'):
+        if not callable(getattr(probe, method, None)):
+            raise TypeError(f'{ref} has no {method}() method: not a Gymnasium-style environment')
+    close = getattr(probe, 'close', None)
+    if callable(close):
+        close()
+    return lambda: GymnasiumEnv(make(**kwargs))

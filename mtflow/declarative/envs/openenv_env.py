@@ -1,0 +1,499 @@
+"""OpenEnv servers as YAML environments, through ``openenv-core``'s own WebSocket client
+(``openenv.core.GenericEnvClient``): one server session per request, opened at the request's start
+(``reset``), stepped with every completion, closed on every finish path.
+
+What can go wrong, and what happens:
+
+- **opening a session** (connection refused, a reset error, a timeout): retried ``retries`` times
+  with backoff, each time on the least-loaded live server (a server that refused a connection is
+  skipped for a while; a launched server whose process exited is skipped for good). Past the
+  retries the request fails with :class:`OpenEnvSessionError`, naming every attempt.
+- **capacity**: ``max_sessions`` caps this scheduler's open sessions per server; the server's
+  own limit (``max_concurrent_envs``, answered as ``CAPACITY_REACHED``) is honoured too. A request
+  that finds every server full waits up to ``capacity_wait_s`` (sessions of other requests, ranks
+  or jobs may close), then fails with :class:`OpenEnvCapacityError`. Sessions are held for a
+  request's whole life, so a batch needs as many sessions as it has requests: size
+  ``batch_size`` to the servers' capacity.
+- **a step** whose connection breaks or times out fails its request (:class:`OpenEnvSessionError`):
+  the session's state is gone with it, so a step is never retried on a new session. A step the
+  server rejects (a malformed action: ``VALIDATION_ERROR``, an exception in the environment) is
+  fed back to the model as ``Error: ...`` and the episode goes on.
+
+Every wait is bounded (``connect_timeout_s``, ``message_timeout_s``, ``capacity_wait_s``), so a
+dead server costs its own requests an error, never a hung batch. The connections run on the
+pool's own event loop (:meth:`OpenEnvPool.run`), so they answer keepalive pings while the model
+generates.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from typing import Any, Dict, List, Optional
+
+from ...errors import MtflowError
+from . import MissingExtra, StepOutcome, request_seed
+from .config import OpenEnvConfig
+
+__all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError', 'OpenEnvCapacityError',
+           'OpenEnvLaunchError', 'OpenEnvServer']
+
+#: how long a server that refused a connection is skipped when choosing where to open a session
+DEAD_COOLDOWN_S = 5.0
+_CAPACITY_POLL_S = 0.05
+#: how soon a server that answered CAPACITY_REACHED is asked again
+_CAPACITY_RETRY_S = 0.2
+
+
+class OpenEnvError(MtflowError):
+    """An OpenEnv server could not serve a request."""
+
+
+class OpenEnvSessionError(OpenEnvError):
+    """A session could not be opened, or broke during a step."""
+
+
+class OpenEnvCapacityError(OpenEnvError):
+    """Every server stayed at capacity for ``capacity_wait_s``."""
+
+
+class OpenEnvLaunchError(OpenEnvError):
+    """A ``launch``-ed server did not start."""
+
+
+def _is_capacity(exc: BaseException) -> bool:
+    return 'CAPACITY_REACHED' in str(exc)
+
+
+def _is_server_reply(exc: BaseException) -> bool:
+    """The server answered with an error message (the session itself is alive)."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith('Server error:')
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class OpenEnvServer:
+    """One server: its URL, the sessions this pool has open on it, and (when launched) its process."""
+
+    def __init__(self, url: str, process: Optional[subprocess.Popen] = None, log_path: Optional[str] = None) -> None:
+        self.url = url.rstrip('/')
+        self.process = process
+        self.log_path = log_path
+        self.open = 0
+        self.opened = 0
+        #: refused a connection: not chosen before this time (``time.monotonic()``)
+        self.skip_until = 0.0
+        #: answered CAPACITY_REACHED: asked again from this time; the message it gave
+        self.full_until = 0.0
+        self.full_message: Optional[str] = None
+
+    @property
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def live(self, now: float) -> bool:
+        return not self.exited and now >= self.skip_until
+
+    def log_tail(self, chars: int = 600) -> str:
+        if not self.log_path:
+            return ''
+        try:
+            with open(self.log_path, encoding='utf-8', errors='replace') as f:
+                return ' '.join(f.read()[-chars:].split())
+        except OSError:
+            return ''
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            proc.wait(timeout=grace_s)
+
+
+class OpenEnvPool:
+    """The servers of one ``env: {openenv: ...}`` section, shared by all its requests; calling it
+    makes a new :class:`OpenEnvSession` (the scheduler's per-request environment). Nothing starts
+    or connects until the first session opens, so validating a config touches no server."""
+
+    def __init__(self, config: OpenEnvConfig, base_dir: Optional[str] = None) -> None:
+        if importlib.util.find_spec('openenv') is None:
+            raise MissingExtra('openenv', 'openenv')
+        self.config = config
+        self.base_dir = base_dir
+        self.servers: List[OpenEnvServer] = []
+        self.sessions: 'weakref.WeakSet[OpenEnvSession]' = weakref.WeakSet()
+        self._start_lock = threading.Lock()
+        self._started = False
+        self._start_error: Optional[BaseException] = None
+        self._closed = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        if config.url is not None:
+            urls = [config.url] if isinstance(config.url, str) else list(config.url)
+            self.servers = [OpenEnvServer(u) for u in urls]
+            self._started = True
+
+    def __call__(self) -> 'OpenEnvSession':
+        return OpenEnvSession(self)
+
+    # ---- servers ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Launch the servers (``launch``) and wait until each answers ``/health``; idempotent."""
+        with self._start_lock:
+            if self._closed:
+                raise OpenEnvError('the OpenEnv pool is closed')
+            if self._start_error is not None:
+                raise self._start_error
+            if self._started:
+                return
+            try:
+                for _ in range(self.config.replicas):
+                    self.servers.append(self._launch_one())
+                for server in self.servers:
+                    self._wait_healthy(server)
+            except BaseException as exc:
+                for server in self.servers:
+                    server.stop()
+                self._start_error = exc if isinstance(exc, OpenEnvError) else OpenEnvLaunchError(
+                    f'launching {self.config.launch!r} failed: {type(exc).__name__}: {exc}')
+                raise self._start_error from None
+            self._started = True
+            _LIVE_POOLS.add(self)
+
+    def _command(self, port: int) -> List[str]:
+        launch = self.config.launch
+        if isinstance(launch, str):
+            return [sys.executable, '-m', 'uvicorn', launch, '--host', '127.0.0.1', '--port', str(port),
+                    '--log-level', 'warning']
+        return [str(part).replace('{port}', str(port)).replace('{python}', sys.executable) for part in launch]
+
+    def _launch_one(self) -> OpenEnvServer:
+        port = _free_port()
+        env = dict(os.environ)
+        paths = ([self.base_dir] if self.base_dir else []) + [p for p in sys.path if p]
+        env['PYTHONPATH'] = os.pathsep.join(paths + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+        env.setdefault('ENABLE_WEB_INTERFACE', 'false')
+        log = tempfile.NamedTemporaryFile(prefix='mtflow-openenv-', suffix='.log', delete=False)
+        try:
+            proc = subprocess.Popen(self._command(port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True, cwd=self.base_dir or None)
+        finally:
+            log.close()
+        return OpenEnvServer(f'http://127.0.0.1:{port}', proc, log.name)
+
+    def _wait_healthy(self, server: OpenEnvServer) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            if server.exited:
+                raise OpenEnvLaunchError(f'OpenEnv server {self.config.launch!r} exited with status '
+                                         f'{server.process.returncode} before answering: {server.log_tail()}')
+            try:
+                with urllib.request.urlopen(f'{server.url}/health', timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise OpenEnvLaunchError(f'OpenEnv server {self.config.launch!r} did not answer {server.url}/health '
+                                         f'within {self.config.startup_timeout_s:g} s: {server.log_tail()}')
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Drop every session still open (their requests are over), stop the I/O loop and the
+        launched servers."""
+        self._closed = True
+        for session in list(self.sessions):
+            session.abandon()
+        with self._start_lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            if not thread.is_alive():
+                loop.close()
+        for server in self.servers:
+            server.stop()
+        _LIVE_POOLS.discard(self)
+
+    # ---- the I/O loop -------------------------------------------------------------------------
+    def _io_loop(self) -> asyncio.AbstractEventLoop:
+        with self._start_lock:
+            if self._closed:
+                raise OpenEnvError('the OpenEnv pool is closed')
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name='mtflow-openenv-io', daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    async def run(self, coro: Any) -> Any:
+        """Run ``coro`` on the pool's own event loop, in a thread of its own, and await it from the
+        caller's loop. The WebSocket connections live there because that loop always runs: the
+        executor's loop is idle while the model generates (minutes with a slow model), and a
+        connection whose loop does not run cannot answer the server's keepalive pings; the server
+        then drops it (close code 1011) and the request's session is lost."""
+        try:
+            loop = self._io_loop()
+        except BaseException:
+            coro.close()
+            raise
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def call_soon(self, fn: Any) -> None:
+        """Run ``fn`` on the I/O loop (it owns the connections), or now when there is none."""
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(fn)
+        else:
+            fn()
+
+    # ---- sessions -----------------------------------------------------------------------------
+    async def _pick(self, deadline: float) -> OpenEnvServer:
+        """The least-loaded live server with a free slot; waits (bounded) while all are full."""
+        cap = self.config.max_sessions
+        while True:
+            now = time.monotonic()
+            live = [s for s in self.servers if s.live(now)]
+            if not live:
+                exited = [s for s in self.servers if s.exited]
+                if len(exited) == len(self.servers):
+                    raise OpenEnvSessionError('no OpenEnv server is running: ' + '; '.join(
+                        f'{s.url} exited with status {s.process.returncode}' for s in exited))
+                if now > deadline:
+                    raise OpenEnvSessionError('no OpenEnv server accepts connections: ' + ', '.join(
+                        s.url for s in self.servers))
+            free = [s for s in live if (cap is None or s.open < cap) and now >= s.full_until]
+            if free:
+                return min(free, key=lambda s: (s.open, s.opened))
+            if live and now > deadline:
+                full = [s for s in live if s.full_message and (cap is None or s.open < cap)]
+                limit = (f'the server{"s" if len(full) > 1 else ""} answered: {full[0].full_message}' if full else
+                         f'{cap} sessions each from this scheduler (max_sessions)')
+                raise OpenEnvCapacityError(
+                    f'every OpenEnv server stayed at capacity for {self.config.capacity_wait_s:g} s (capacity_wait_s); '
+                    f'{limit}; lower batch_size, raise max_concurrent_envs or add servers')
+            await asyncio.sleep(_CAPACITY_POLL_S)
+
+    async def open_session(self, reset_kwargs: Dict[str, Any]) -> tuple:
+        """``(server, client, reset result)``, with retries; see the module docstring."""
+        if not self._started:
+            await asyncio.to_thread(self.start)
+        from openenv.core import GenericEnvClient
+
+        cfg = self.config
+        capacity_deadline = time.monotonic() + cfg.capacity_wait_s
+        attempts: List[str] = []
+        while True:
+            server = await self._pick(capacity_deadline)
+            server.open += 1
+            server.opened += 1
+            client = GenericEnvClient(base_url=server.url, connect_timeout_s=cfg.connect_timeout_s,
+                                      message_timeout_s=cfg.message_timeout_s)
+            try:
+                await asyncio.wait_for(client.connect(), cfg.connect_timeout_s + 1.0)
+                result = await asyncio.wait_for(client.reset(**reset_kwargs), cfg.message_timeout_s + 1.0)
+                server.full_message = None
+                return server, client, result
+            except Exception as exc:
+                server.open -= 1
+                exc = await _refusal(client, exc)
+                await _close_client(client, 1.0)
+                now = time.monotonic()
+                if _is_capacity(exc):  # ask again shortly; _pick gives up at the deadline
+                    server.full_until = now + _CAPACITY_RETRY_S
+                    server.full_message = f'{server.url}: {_server_message(exc)}'
+                    continue
+                if not _is_server_reply(exc):
+                    server.skip_until = now + DEAD_COOLDOWN_S
+                attempts.append(f'{server.url}: {_describe(exc)}')
+                if len(attempts) > cfg.retries:
+                    raise OpenEnvSessionError(f'could not open an OpenEnv session ({len(attempts)} attempt(s)): '
+                                              + '; '.join(attempts)) from None
+                await asyncio.sleep(cfg.retry_backoff_s * len(attempts))
+
+
+class OpenEnvSession:
+    """One request's session; the YAML scheduler's environment protocol (all async)."""
+
+    def __init__(self, pool: OpenEnvPool) -> None:
+        self.pool = pool
+        self.server: Optional[OpenEnvServer] = None
+        self.client: Any = None
+        self.uuid: Optional[str] = None
+        self.steps = 0
+        self.closed = False
+        pool.sessions.add(self)
+
+    async def reset(self, infer_request: Any) -> Optional[str]:
+        cfg = self.pool.config
+        data = getattr(infer_request, 'data_dict', None) or {}
+        self.uuid = getattr(infer_request, 'uuid', None)
+        kwargs = {**cfg.reset_kwargs, **(data.get('reset_kwargs') or {})}
+        kwargs.setdefault('seed', request_seed(infer_request))
+        if self.uuid:
+            kwargs.setdefault('episode_id', str(self.uuid)[:255])
+        self.server, self.client, result = await self.pool.run(self.pool.open_session(kwargs))
+        return self._text(result.observation)
+
+    async def step(self, action: str) -> StepOutcome:
+        return await self.pool.run(self._step(action))
+
+    async def _step(self, action: str) -> StepOutcome:
+        if self.client is None:
+            raise OpenEnvSessionError('step() before reset()')
+        cfg = self.pool.config
+        self.steps += 1
+        try:
+            result = await asyncio.wait_for(self.client.step(self._action(action)), cfg.message_timeout_s + 1.0)
+        except Exception as exc:
+            if _is_server_reply(exc) and not _is_capacity(exc):
+                return StepOutcome(f'Error: {_server_message(exc)}', 0.0, False, False,
+                                   {'openenv_server': self.server.url, 'error': _server_message(exc)})
+            self.server.skip_until = time.monotonic() + DEAD_COOLDOWN_S
+            raise OpenEnvSessionError(f'OpenEnv server {self.server.url} failed during step {self.steps}: '
+                                      f'{_describe(exc)} (the session is lost; a step is not retried)') from None
+        reward = float(result.reward) if result.reward is not None else 0.0
+        return StepOutcome(self._text(result.observation), reward, bool(result.done), False,
+                           {'openenv_server': self.server.url})
+
+    async def close(self) -> None:
+        """Close the session (best effort, bounded: a dead server cannot hold a request up)."""
+        if self.closed:
+            return
+        self.closed = True
+        client, self.client = self.client, None
+        if client is not None:
+            self.server.open -= 1
+            await self.pool.run(_close_client(client, 5.0))
+        self.pool.sessions.discard(self)
+
+    def abandon(self) -> None:
+        """Drop the connection without the event loop (the scheduler closing after a run ended)."""
+        if self.closed:
+            return
+        self.closed = True
+        client, self.client = self.client, None
+        if client is not None:
+            self.server.open -= 1
+            transport = getattr(getattr(client, '_ws', None), 'transport', None)
+            if transport is not None:
+                self.pool.call_soon(transport.abort)
+        self.pool.sessions.discard(self)
+
+    # ---- text <-> OpenEnv -----------------------------------------------------------------------
+    def _action(self, text: str) -> Dict[str, Any]:
+        cfg = self.pool.config
+        if cfg.action == 'json':
+            parsed = _json_object(text)
+            if parsed is not None:
+                return parsed
+        return {cfg.action_field: text}
+
+    def _text(self, observation: Any) -> str:
+        field = self.pool.config.observation_field
+        if isinstance(observation, dict):
+            if field is not None:
+                if field not in observation:
+                    raise OpenEnvSessionError(f'the observation has no field {field!r} (observation_field); it has: '
+                                              + ', '.join(map(str, observation)))
+                return str(observation[field])
+            if len(observation) == 1:
+                return str(next(iter(observation.values())))
+            return json.dumps(observation, ensure_ascii=False, default=str)
+        return '' if observation is None else str(observation)
+
+
+_FENCE = re.compile(r'```(?:json)?\s*(\{.*\})\s*```', re.DOTALL)
+
+
+def _json_object(text: str) -> Optional[Dict[str, Any]]:
+    text = (text or '').strip()
+    m = _FENCE.search(text)
+    for candidate in ([m.group(1)] if m else []) + [text]:
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def _server_message(exc: BaseException) -> str:
+    msg = str(exc)
+    return msg[len('Server error: '):] if msg.startswith('Server error: ') else msg
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return 'timed out'
+    text = ' '.join(str(exc).split())
+    return f'{type(exc).__name__}: {text}' if text else type(exc).__name__
+
+
+async def _refusal(client: Any, exc: BaseException) -> BaseException:
+    """The server's reason when it closed a new session at once. A server that refuses a session
+    (CAPACITY_REACHED, a factory error) sends the error and closes; when our reset crossed that
+    close, the client saw only the closed connection, and the error is still unread."""
+    if _is_server_reply(exc):
+        return exc
+    ws = getattr(client, '_ws', None)
+    if ws is None:
+        return exc
+    try:
+        raw = await asyncio.wait_for(ws.recv(), 0.5)
+        message = json.loads(raw)
+    except Exception:
+        return exc
+    if isinstance(message, dict) and message.get('type') == 'error':
+        data = message.get('data') or {}
+        return RuntimeError(f"Server error: {data.get('message', 'Unknown error')} (code: {data.get('code', 'UNKNOWN')})")
+    return exc
+
+
+async def _close_client(client: Any, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(client.close(), timeout_s)
+    except Exception:
+        ws = getattr(client, '_ws', None)
+        transport = getattr(ws, 'transport', None)
+        if transport is not None:
+            transport.abort()
+
+
+#: pools with launched servers, stopped at interpreter exit if nobody closed them
+_LIVE_POOLS: 'weakref.WeakSet[OpenEnvPool]' = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_launched() -> None:
+    for pool in list(_LIVE_POOLS):
+        for server in pool.servers:
+            server.stop(grace_s=2.0)
