@@ -206,7 +206,7 @@ class TokenPrompter:
                 prompt=list(plan.ids) if rendered is not None else None,
                 logprobs=None if logprobs is None else list(logprobs),
                 continuation=plan.chat.continuation,
-                extends=rendered is None or len(rec.turns) == 0,
+                extends=rendered in (None, 'first'),
                 template_stable=plan.template_stable,
                 rendered=rendered))
         rec.last_prompt = list(plan.ids)

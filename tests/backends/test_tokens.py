@@ -1,0 +1,267 @@
+"""Token-in/token-out: every turn is generated from the exact ids of the turns before it.
+
+Drift is provoked on purpose (a reply whose sampled split re-tokenizes differently: a BPE word
+sampled in pieces, a reply cut inside a multi-byte character) through the vLLM stand-in, and by
+sampling with a tiny random model through the HF backend; the old re-rendering path shows it,
+the token path does not. The OpenAI backend sends token prompts to the local test server's
+``/v1/completions``. The conformance check runs on every bundled template, on the tokenizers'
+own templates, and on a template that strips ``<think>``, under both policies, and fails closed.
+"""
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip('torch')
+pytest.importorskip('transformers')
+
+from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # noqa: E402
+from mtflow.backends import BackendError  # noqa: E402
+from mtflow.backends.conformance import BUNDLED, check_tokens, resolve_template  # noqa: E402
+from mtflow.backends.hf import HFBackend, render_prompt  # noqa: E402
+from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
+from mtflow.backends.vllm_engine import VLLMBackend  # noqa: E402
+from mtflow.token_record import RecordAccounting, TokenRecord, record_of  # noqa: E402
+from tests.backends.chat_server import ChatServer  # noqa: E402
+from tests.backends.fake_vllm import FakeLLM, SamplingParams  # noqa: E402
+from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.hf
+GLUE = '<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n'
+
+
+@pytest.fixture(scope='module')
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope='module')
+def model(tok):
+    return make_model(tok, seed=3)
+
+
+def _req(uuid, text='guess a number'):
+    return RolloutInferRequest(messages=[{'role': 'user', 'content': text}], uuid=uuid)
+
+
+class _Higher(Scheduler):
+    """Answers every turn with a user message, never stops on its own (max_turns does)."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'higher'})
+        return {'infer_request': infer_request}
+
+
+class _Probe:
+    """rollout_fn wrapper that keeps (prompt ids, sampled ids) per request and turn."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.turns = {}
+
+    def __call__(self, requests, request_config=None):
+        outs = self.backend(requests, request_config)
+        for r, o in zip(requests, outs):
+            self.turns.setdefault(r.uuid, []).append((o.response.prompt_token_ids, o.response.choices[0].token_ids))
+        return outs
+
+
+def _drift(probe):
+    """(transitions whose prompt does not start with the previous prompt + sampled ids, all)."""
+    bad = total = 0
+    for turns in probe.turns.values():
+        for (p0, s0), (p1, _) in zip(turns, turns[1:]):
+            total += 1
+            bad += p1[:len(p0) + len(s0)] != p0 + s0
+    return bad, total
+
+
+def _vllm(tok, model, forced, **kw):
+    llm = FakeLLM(model, tok, forced=[list(f) for f in forced])
+    return llm, VLLMBackend(llm, sampling_params_cls=SamplingParams, **kw)
+
+
+@pytest.mark.parametrize('case, forced', [
+    ('a BPE word sampled in pieces', [[327, 90, 392, 86, 2]]),  # ' br' 'own' -> ' brown' is one token
+    ('a reply cut inside a multi-byte character', [[136]]),  # the first byte of 'é', then max_tokens
+])
+def test_provoked_drift_is_there_when_re_rendering_and_gone_with_exact_ids(tok, model, case, forced):
+    sampled = forced[0]
+    assert tok.encode(tok.decode(sampled, skip_special_tokens=True), add_special_tokens=False) != [
+        t for t in sampled if t != 2], 'the sampled split re-tokenizes differently'
+    config = RequestConfig(max_tokens=len(sampled), temperature=0)
+    prompts = {}
+    for exact in (False, True):
+        llm, backend = _vllm(tok, model, forced * 2, exact_ids=exact)
+        probe = _Probe(backend)
+        result = Executor(_Higher(), probe, config, max_turns=2, accounting=RecordAccounting()).run([_req('a')])
+        assert result.ok
+        prompts[exact] = [p for p, _ in probe.turns['a']]
+        assert [c['method'] for c in llm.calls] == ['generate', 'generate'], 'token prompts only'
+        assert probe.turns['a'][0][1] == sampled
+        assert _drift(probe) == ((0, 1) if exact else (1, 1)), case
+    first, second = prompts[True]
+    tail = [] if sampled[-1] == 2 else [2]  # the template's <|im_end|> closes a reply cut by length
+    assert second == first + sampled + tok.encode(GLUE[len('<|im_end|>'):] if not tail else GLUE,
+                                                  add_special_tokens=False)
+    assert prompts[False][1] != second, 'the re-rendered prompt is not what the model sampled'
+
+
+def test_hf_multi_turn_sampling_never_drifts_and_outputs_come_from_the_record(tok, model):
+    reqs = [_req(f'r{i}', f'guess {i} é') for i in range(4)]
+    config = RequestConfig(max_tokens=6, temperature=1.0, seed=0, logprobs=True)
+    drift = {}
+    for exact in (False, True):
+        probe = _Probe(HFBackend(model, tok, exact_ids=exact))
+        result = Executor(_Higher(), probe, config, max_turns=4, accounting=RecordAccounting()).run(copy.deepcopy(reqs))
+        assert result.ok
+        drift[exact] = _drift(probe)
+    assert drift[False][0] > 0, 'sampling from a tiny random model re-tokenizes differently (the bug)'
+    assert drift[True] == (0, 12)
+    for out in result.outputs:
+        info = out.rollout_infos['token_record']
+        assert info['exact'] and info['turns'] == 4
+        flat = [i for seg in out.response_token_ids for i in seg]
+        assert info['prompt_ids'] + flat == out.response.prompt_token_ids + out.response.choices[0].token_ids
+        assert [len(s) for s in out.response_token_ids] == [len(m) for m in out.response_loss_mask]
+        assert sum(map(len, out.rollout_logprobs)) == sum(map(sum, out.response_loss_mask)) == 24
+        # observation and glue ids are masked: every segment but the last ends with 0s
+        assert all(seg[-1] == 0 for seg in out.response_loss_mask[:-1]) and out.response_loss_mask[-1][-1] == 1
+
+
+class _Continue(Scheduler):
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages[-1]['content'] += ' so'
+        return {'infer_request': infer_request}
+
+
+def test_a_continuation_appends_only_the_new_text(tok, model):
+    probe = _Probe(HFBackend(model, tok))
+    out = Executor(_Continue(), probe, RequestConfig(max_tokens=3, temperature=0), max_turns=3,
+                   accounting=RecordAccounting()).run([_req('c')]).outputs[0]
+    turns = probe.turns['c']
+    for (p0, s0), (p1, _) in zip(turns, turns[1:]):
+        assert p1 == p0 + s0 + tok.encode(' so', add_special_tokens=False)
+    assert len(out.response_token_ids) == 1, 'a continuation extends its segment'
+    assert out.response_loss_mask[0].count(0) == 2 * len(tok.encode(' so', add_special_tokens=False))
+
+
+class _NewObject(Scheduler):
+    """Returns a new request object each turn (without the record): the uuid map keeps it."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        messages = copy.deepcopy(infer_request.messages) + [{'role': 'user', 'content': 'higher'}]
+        return {'infer_request': RolloutInferRequest(messages=messages, uuid=infer_request.uuid)}
+
+
+def test_a_scheduler_returning_new_request_objects_keeps_exact_ids(tok, model):
+    probe = _Probe(HFBackend(model, tok))
+    Executor(_NewObject(), probe, RequestConfig(max_tokens=4, temperature=1.0, seed=1), max_turns=3).run([_req('n')])
+    assert _drift(probe) == (0, 2)
+
+
+class _Rewrite(Scheduler):
+    """Edits the history: the assistant text is replaced, so no exact delta exists."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages[-1]['content'] = 'something else'
+        infer_request.messages.append({'role': 'user', 'content': 'higher'})
+        return {'infer_request': infer_request}
+
+
+def test_an_edited_history_is_rendered_from_text_and_says_so(tok, model):
+    probe = _Probe(HFBackend(model, tok))
+    out = Executor(_Rewrite(), probe, RequestConfig(max_tokens=4, temperature=0), max_turns=2,
+                   accounting=RecordAccounting()).run([_req('e')]).outputs[0]
+    request = RolloutInferRequest(messages=out.messages[:-1], uuid='e')
+    assert probe.turns['e'][1][0] == render_prompt(tok, request)
+    assert 'token_record' not in out.rollout_infos, 'the contract segments stay: the record was restarted'
+
+
+def test_the_record_travels_with_copies_and_is_never_dumped(tok, model):
+    backend = HFBackend(model, tok)
+    request = _req('d')
+    backend([request], RequestConfig(max_tokens=2, temperature=0))
+    rec = record_of(request)
+    assert isinstance(rec, TokenRecord) and len(rec.turns) == 1
+    assert 'token_record' not in request.model_dump()
+    assert record_of(copy.deepcopy(request)).turns[0].sampled == rec.turns[0].sampled
+
+
+# ---- the OpenAI-compatible backend ---------------------------------------------------------------
+@pytest.fixture(scope='module')
+def hf(tok, model):
+    return HFBackend(model, tok)
+
+
+def test_openai_token_prompts_go_to_completions_and_keep_exact_ids(hf, tok):
+    with ChatServer(hf) as server:
+        with OpenAIBackend(base_url=server.base_url, tokenizer=tok, backoff=0.01) as client:
+            assert client.prompt_mode == 'tokens'
+            probe = _Probe(client)
+            result = Executor(_Higher(), probe, RequestConfig(max_tokens=5, temperature=1.0, seed=0, logprobs=True),
+                              max_turns=3, accounting=RecordAccounting()).run([_req('a'), _req('b', 'é?')])
+        assert result.ok and _drift(probe) == (0, 4)
+        assert all(isinstance(b['prompt'], list) and b['return_token_ids'] is True for b in server.bodies)
+        assert [b['prompt'] for b in server.bodies[:2]] == [p for p, _ in (probe.turns['a'][0], probe.turns['b'][0])]
+        for out in result.outputs:
+            assert len(out.response.choices[0].logprobs['content']) == 5
+            assert out.rollout_infos['token_record']['exact']
+
+
+def test_openai_without_token_prompts_warns_or_fails_clearly(hf, tok):
+    with ChatServer(hf, token_prompts=False) as server:
+        with pytest.warns(UserWarning, match='not guaranteed the exact ids'):
+            OpenAIBackend(base_url=server.base_url, backoff=0.01).close()  # no tokenizer: chat mode
+        with OpenAIBackend(base_url=server.base_url, tokenizer=tok, max_retries=0) as client:
+            with pytest.raises(BackendError, match='HTTP 400: prompt must be a string'):
+                client([_req('a')], RequestConfig(max_tokens=2))
+    with pytest.raises(BackendError, match="prompt_mode='tokens' needs the model's tokenizer"):
+        OpenAIBackend(base_url='http://127.0.0.1:9/v1', prompt_mode='tokens')
+
+
+# ---- conformance --------------------------------------------------------------------------------
+@pytest.mark.parametrize('style', ['chatml', 'llama'])
+@pytest.mark.parametrize('policy', ['exact', 'rerender'])
+def test_conformance_on_every_bundled_template(style, policy):
+    tk = make_tokenizer(style=style)
+    backend = HFBackend(make_model(tk, seed=5), tk, prefix_policy=policy)
+    names = ['model', 'llama3'] if style == 'llama' else ['model', 'chatml', 'qwen3_think']
+    for name in names:
+        label, template = resolve_template(name)
+        report = check_tokens(backend, template=template, template_name=label)
+        assert report.ok, (label, report.problems)
+        assert report.transitions == 13 and report.passed['prefix'] == 13
+        if name == 'qwen3_think':
+            assert report.unstable_turns >= 1 and report.passed['think policy'] >= 2, 'the stripped <think> was seen'
+        if name == 'chatml':
+            assert report.unstable_turns == 0 and report.passed['special tokens'] == 13
+    assert set(BUNDLED) == {'chatml', 'qwen3_think', 'llama3'}
+
+
+def test_conformance_fails_closed_on_a_re_rendering_backend(tok, model):
+    report = check_tokens(HFBackend(model, tok, exact_ids=False))
+    assert not report.ok and report.failed['prefix'] > 0
+    with pytest.raises(TypeError, match='keeps no token record'):
+        check_tokens(object())
+
+
+def test_vllm_chat_mode_warns_that_exact_ids_are_not_guaranteed(tok, model):
+    with pytest.warns(UserWarning, match="prompt_mode='chat' re-renders"):
+        VLLMBackend(FakeLLM(model, tok), sampling_params_cls=SamplingParams, prompt_mode='chat')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        VLLMBackend(FakeLLM(model, tok), sampling_params_cls=SamplingParams)
