@@ -277,10 +277,13 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
             saw_unstable = True
             report.unstable_turns += 1
         if entry is not None and not entry.extends:
-            ok = entry.rendered is not None and turn.prompt == rendered
-            report.add('prefix', ok, f'{where}: rendered from text ({entry.rendered}) but the prompt is not that text')
-            report.add('think policy', prompter.policy == 'rerender' and not stable,
-                       f'{where}: the prompt does not extend the previous one under policy {prompter.policy!r}')
+            by_policy = entry.rendered == 'template_rewrites_history'
+            report.add('prefix', by_policy and turn.prompt == rendered,
+                       f'{where}: the prompt does not extend the previous prompt + sampled ids '
+                       f'(rendered from text: {entry.rendered})')
+            if by_policy:
+                report.add('think policy', prompter.policy == 'rerender',
+                           f'{where}: re-rendered under policy {prompter.policy!r}')
             spans = [(len(turn.prompt), len(turn.prompt) + len(turn.sampled), turn.finish_reason == 'stop')]
             continue
         appended = prev.entry.appended if prev.entry is not None else []
