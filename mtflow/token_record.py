@@ -97,37 +97,45 @@ class TokenRecord:
             ids += turn.sampled + turn.appended
         return ids
 
-    def segments(self) -> Tuple[List[List[int]], List[List[int]], List[List[float]]]:
-        """The trajectory in the contract's layout: one segment per assistant message (a
-        continuation extends its segment), each the sampled ids (mask 1) then the ids appended
-        after them (mask 0); the last segment ends with the last sampled token. Logprob segments
-        hold the sampled tokens' logprobs only (``[]`` when a turn had none), so their total
-        equals the mask's 1s. ``prompt_ids + concat(ids)`` is exactly what the model saw."""
+    def segments(self) -> Tuple[List[List[int]], List[List[int]], List[List[float]], List[List[int]]]:
+        """The trajectory in ms-swift 4.6's layout: one segment per assistant message, holding
+        exactly the ids of that message: the sampled ids of its turns (mask 1) and the text a
+        continuation appended to it between them (observations, mask 0). The ids between two
+        assistant messages (the template's glue, tool and user messages) are the *glue*: not
+        trained, and rendered by a trainer from ``messages`` anyway; they are returned apart, so
+        that ``prompt_ids + seg_1 + glue_1 + seg_2 + ... + seg_n`` is exactly the sequence the
+        model saw. Logprob segments hold the sampled tokens' logprobs only (``[]`` when a turn
+        had none), so their total equals the mask's 1s."""
         ids: List[List[int]] = []
         mask: List[List[int]] = []
         logprobs: List[List[float]] = []
-        have_logprobs = all(t.logprobs is not None and len(t.logprobs) == len(t.sampled) for t in self.turns)
-        for turn in self.turns:
-            seg_ids = turn.sampled + turn.appended
-            seg_mask = [1] * len(turn.sampled) + [0] * len(turn.appended)
-            seg_lp = list(turn.logprobs or []) if have_logprobs else []
-            if turn.continuation and ids:
-                ids[-1] += seg_ids
-                mask[-1] += seg_mask
+        glue: List[List[int]] = []
+        turns = self.turns
+        have_logprobs = all(t.logprobs is not None and len(t.logprobs) == len(t.sampled) for t in turns)
+        for i, turn in enumerate(turns):
+            if not (turn.continuation and ids):
+                ids.append([])
+                mask.append([])
                 if have_logprobs:
-                    logprobs[-1] += seg_lp
-            else:
-                ids.append(seg_ids)
-                mask.append(seg_mask)
-                if have_logprobs:
-                    logprobs.append(seg_lp)
-        return ids, mask, logprobs
+                    logprobs.append([])
+            ids[-1] += turn.sampled
+            mask[-1] += [1] * len(turn.sampled)
+            if have_logprobs:
+                logprobs[-1] += turn.logprobs or []
+            if i + 1 < len(turns):
+                if turns[i + 1].continuation:
+                    ids[-1] += turn.appended
+                    mask[-1] += [0] * len(turn.appended)
+                else:
+                    glue.append(list(turn.appended))
+        return ids, mask, logprobs, glue
 
     def summary(self) -> Dict[str, Any]:
         """What ``rollout_infos['token_record']`` carries: the turn-1 prompt ids (a trainer needs
         them beside ``response_token_ids``) and where the ids were not kept exactly."""
         return {
             'prompt_ids': self.prompt_ids,
+            'glue_ids': self.segments()[3],
             'exact': self.exact,
             'turns': len(self.turns),
             'rendered_turns': [i + 1 for i, t in enumerate(self.turns) if t.rendered and i > 0],
@@ -143,8 +151,13 @@ def record_of(request: Any) -> Optional[TokenRecord]:
 
 class RecordAccounting(ContractAccounting):
     """The contract's accounting, with a finished trajectory's ids, mask and logprobs taken from
-    the token record its request carries (see :meth:`TokenRecord.segments`).
+    the token record its request carries (see :meth:`TokenRecord.segments`), and
+    ``rollout_infos['token_record']`` (:meth:`TokenRecord.summary`: the turn-1 prompt ids and
+    the glue between segments).
 
+    The ids always come from the record. Where the scheduler's own segments (``step``'s
+    ``response_token_ids`` / ``response_loss_mask``) have the record's shape, their mask is kept
+    (the scheduler said what to train); otherwise the record's mask (sampled 1, appended 0).
     The record is used only when it describes this trajectory: it was never restarted from text
     and its last turn's sampled ids are the final choice's ids. Otherwise (a backend without a
     record, a scheduler that edited the history) the contract's segments stay."""
@@ -158,7 +171,9 @@ class RecordAccounting(ContractAccounting):
             return
         if list(choice.token_ids or []) != rec.turns[-1].sampled:
             return
-        ids, mask, logprobs = rec.segments()
+        ids, mask, logprobs, _ = rec.segments()
+        if len(record.mask) == len(mask) and all(len(a) == len(b) for a, b in zip(record.mask, mask)):
+            mask = record.mask
         record.ids, record.mask, record.logprobs = ids, mask, logprobs
         record.infos['token_record'] = rec.summary()
 

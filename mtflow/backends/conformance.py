@@ -14,7 +14,8 @@ prefix             the next prompt is the previous prompt + the sampled ids + th
                    (or, for a turn the policy rendered from text, that text's ids, recorded so)
 lengths            per turn, as many logprobs as sampled ids; in the output, ids and mask segments
                    of equal lengths, logprobs covering exactly the mask's 1s, and turn-1 prompt +
-                   the segments equal to the last prompt + the last sampled ids
+                   the segments and the glue between them equal to the last prompt + the last
+                   sampled ids
 special tokens     outside the sampled ids, the prompt has the special tokens the template puts
                    there, in the same order (the model's own EOS standing for the template's)
 think policy       turns the template renders differently from what the model saw (it strips
@@ -310,8 +311,10 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
         rec_info = (output.rollout_infos or {}).get('token_record')
         last = turns[-1]
         if rec_info is not None and rec_info.get('exact'):
-            flat = [i for seg in ids for i in seg]
-            ok = ok and rec_info['prompt_ids'] + flat == last.prompt + last.sampled
+            flat = list(rec_info['prompt_ids'])
+            for k, seg in enumerate(ids):
+                flat += seg + (rec_info['glue_ids'][k] if k < len(rec_info['glue_ids']) else [])
+            ok = ok and flat == last.prompt + last.sampled
         report.add('lengths', ok, f'{uuid}: the output ids/mask/logprobs do not line up with the record')
 
 

@@ -124,12 +124,15 @@ def test_hf_multi_turn_sampling_never_drifts_and_outputs_come_from_the_record(to
     for out in result.outputs:
         info = out.rollout_infos['token_record']
         assert info['exact'] and info['turns'] == 4
-        flat = [i for seg in out.response_token_ids for i in seg]
-        assert info['prompt_ids'] + flat == out.response.prompt_token_ids + out.response.choices[0].token_ids
-        assert [len(s) for s in out.response_token_ids] == [len(m) for m in out.response_loss_mask]
+        # one segment per assistant message (ms-swift 4.6's layout); the glue between them (the
+        # template's <|im_end|>, the user message, the generation prompt) is in the record's summary
+        assert [len(s) for s in out.response_token_ids] == [6] * 4 and out.response_loss_mask == [[1] * 6] * 4
+        assert info['glue_ids'] == [tok.encode(GLUE, add_special_tokens=False)] * 3
+        full = info['prompt_ids']
+        for seg, glue in zip(out.response_token_ids, info['glue_ids'] + [[]]):
+            full = full + seg + glue
+        assert full == out.response.prompt_token_ids + out.response.choices[0].token_ids
         assert sum(map(len, out.rollout_logprobs)) == sum(map(sum, out.response_loss_mask)) == 24
-        # observation and glue ids are masked: every segment but the last ends with 0s
-        assert all(seg[-1] == 0 for seg in out.response_loss_mask[:-1]) and out.response_loss_mask[-1][-1] == 1
 
 
 class _Continue(Scheduler):
@@ -149,8 +152,10 @@ def test_a_continuation_appends_only_the_new_text(tok, model):
     turns = probe.turns['c']
     for (p0, s0), (p1, _) in zip(turns, turns[1:]):
         assert p1 == p0 + s0 + tok.encode(' so', add_special_tokens=False)
+    so = tok.encode(' so', add_special_tokens=False)
     assert len(out.response_token_ids) == 1, 'a continuation extends its segment'
-    assert out.response_loss_mask[0].count(0) == 2 * len(tok.encode(' so', add_special_tokens=False))
+    assert out.response_token_ids[0] == turns[0][1] + so + turns[1][1] + so + turns[2][1]
+    assert out.response_loss_mask[0] == [1] * 3 + [0] * len(so) + [1] * 3 + [0] * len(so) + [1] * 3
 
 
 class _NewObject(Scheduler):
