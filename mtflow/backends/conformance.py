@@ -329,9 +329,9 @@ def format_report(report: TemplateReport) -> Any:
     """A rich table of the checks for one template."""
     from rich.table import Table
 
-    table = Table(title=f'template {report.template} (policy {report.policy}): '
-                  f'{report.transitions} transitions, {report.unstable_turns} template-unstable, '
-                  f'{report.rerender_drift} would drift if re-rendered')
+    table = Table(title=f'template {report.template} (policy {report.policy})',
+                  caption=f'{report.transitions} transitions; {report.unstable_turns} template-unstable; '
+                  f're-rendering would drift at {report.rerender_drift}')
     table.add_column('check')
     table.add_column('passed', justify='right')
     table.add_column('failed', justify='right')
