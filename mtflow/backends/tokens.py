@@ -123,6 +123,15 @@ class TokenPrompter:
             self._special_ids = frozenset(int(i) for i in (getattr(self.tokenizer, 'all_special_ids', ()) or ()))
         return token_id in self._special_ids
 
+    def _decode_token_backed(self, chat: Chat) -> None:
+        """Assistant messages whose content is token ids (ms-swift 4.6 freezes them so) become
+        their text for the template; the record's own ids stay exact where the history extends."""
+        for message in chat.messages:
+            content = message.get('content')
+            if message.get('role') == 'assistant' and isinstance(content, list) and content and \
+                    all(isinstance(t, int) for t in content):
+                message['content'] = self.tokenizer.decode(content, skip_special_tokens=True)
+
     def find_record(self, request: Any) -> tuple:
         """``(record, carried)``: the request's own record, else the one kept for its uuid."""
         rec = record_of(request)
@@ -136,6 +145,7 @@ class TokenPrompter:
         """The prompt ids for ``request``'s next turn (the request is not modified)."""
         where = f'request {getattr(request, "uuid", None)!r}'
         chat = prepare_chat(request)
+        self._decode_token_backed(chat)
         rec, carried = self.find_record(request)
         if rec is None or not rec.turns:
             return self._fresh(chat, TokenRecord(), 'first', where)

@@ -321,3 +321,17 @@ def test_check_tokens_with_a_yaml_scheduler(model_dir, capsys):
     assert main(['check-tokens', '--model', str(model_dir), '--scheduler', str(root / 'schedulers' / 'guess_number.yaml'),
                  '--limit', '2', '--max-turns', '3']) == 0
     assert '1 of 1 template/policy runs passed every check' in capsys.readouterr().out
+
+
+def test_token_backed_assistant_messages_render_as_their_text(tok, model):
+    """ms-swift 4.6 schedulers freeze assistant messages as token ids; a text backend renders
+    their text (never the list's repr) and keeps the exact ids where the history extends."""
+    backend = HFBackend(model, tok)
+    req = _req('t')
+    out = backend([req], RequestConfig(max_tokens=4, temperature=0))[0]
+    sampled = out.response.choices[0].token_ids
+    req.messages += [{'role': 'assistant', 'content': list(sampled)}, {'role': 'user', 'content': 'higher'}]
+    nxt = backend([req], RequestConfig(max_tokens=2, temperature=0))[0]
+    prompt = nxt.response.prompt_token_ids
+    assert '[' not in tok.decode(prompt) and prompt[:len(out.response.prompt_token_ids) + 4] == (
+        out.response.prompt_token_ids + sampled)
