@@ -132,27 +132,26 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
+    print(f'{args.conversations} conversations x {args.turns} turns, {args.max_tokens}-token replies, '
+          f'temperature {args.temperature}, seed {args.seed}')
+    print('| model | drift before (re-render) | drift after (exact ids) | rollout s before / after | '
+          'prompt build per turn: re-render / record | record size (ids) |')
+    print('|---|---|---|---|---|---|', flush=True)
     rows = []
-    for name in args.models:
+    for name in args.models:  # one row as soon as its model is done (the embedded one is slow on CPU)
         model, tok, label = load(name)
         result = {}
         for exact in (False, True):
             torch.manual_seed(args.seed)
             result[exact] = rollout(model, tok, exact, args.conversations, args.turns, args.max_tokens,
                                     args.temperature, args.seed)
-        rerender_us, record_us, size = prompt_cost(tok, result[True][2], args.repeat)
-        rows.append((label, result[False][:2], result[True][:2], result[False][3], result[True][3], rerender_us,
-                     record_us, size))
-    print(f'{args.conversations} conversations x {args.turns} turns, {args.max_tokens}-token replies, '
-          f'temperature {args.temperature}, seed {args.seed}')
-    print(f'| model | drift before (re-render) | drift after (exact ids) | rollout s before / after | '
-          f'prompt build per turn: re-render / record | record size (ids) |')
-    print('|---|---|---|---|---|---|')
-    for label, before, after, s_before, s_after, rr, rec, size in rows:
+        rr, rec, size = prompt_cost(tok, result[True][2], args.repeat)
+        (before, after) = result[False][:2], result[True][:2]
+        rows.append((label, before, after))
         print(f'| {label} | {before[0]} of {before[1]} ({before[0] / max(1, before[1]):.0%}) | '
-              f'{after[0]} of {after[1]} ({after[0] / max(1, after[1]):.0%}) | {s_before:.1f} / {s_after:.1f} | '
-              f'{rr:.0f} us / {rec:.0f} us | {size:.0f} |')
-    return 0 if all(after[0] == 0 for _, _, after, *_ in rows) else 1
+              f'{after[0]} of {after[1]} ({after[0] / max(1, after[1]):.0%}) | '
+              f'{result[False][3]:.1f} / {result[True][3]:.1f} | {rr:.0f} us / {rec:.0f} us | {size:.0f} |', flush=True)
+    return 0 if all(after[0] == 0 for _, _, after in rows) else 1
 
 
 if __name__ == '__main__':
