@@ -28,6 +28,7 @@ that the prompt does not extend the previous one (``extends=False``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -204,10 +205,15 @@ class TokenPrompter:
 
     def commit(self, request: Any, plan: PromptPlan, sampled: List[int], completion: Optional[str],
                logprobs: Optional[List[float]] = None) -> TokenRecord:
-        """Record the turn generated from ``plan`` and attach the record to ``request``."""
-        rec = plan.record
-        if plan.appended is not None and rec.turns:
-            rec.turns[-1].appended = list(plan.appended)
+        """Record the turn generated from ``plan`` and attach the record to ``request``.
+
+        The request gets a new record object (the old one is left as it was), so requests that
+        share a record (a shallow copy forked after some turns) never write into each other's."""
+        old = plan.record
+        turns = list(old.turns)
+        if plan.appended is not None and turns:
+            turns[-1] = dataclasses.replace(turns[-1], appended=list(plan.appended))
+        rec = TokenRecord(turns=turns, restarted=old.restarted)
         rendered = plan.rendered
         rec.turns.append(
             TokenTurn(

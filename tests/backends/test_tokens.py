@@ -335,3 +335,21 @@ def test_token_backed_assistant_messages_render_as_their_text(tok, model):
     prompt = nxt.response.prompt_token_ids
     assert '[' not in tok.decode(prompt) and prompt[:len(out.response.prompt_token_ids) + 4] == (
         out.response.prompt_token_ids + sampled)
+
+
+def test_requests_forked_by_a_shallow_copy_keep_their_own_records(tok, model):
+    backend = HFBackend(model, tok)
+    base = _req('f')
+    backend([base], RequestConfig(max_tokens=3, temperature=0))
+    forks = [base.model_copy(update={'uuid': f'f{i}'}) for i in range(2)]  # shares the record object
+    for i, fork in enumerate(forks):
+        fork.messages = copy.deepcopy(base.messages) + [
+            {'role': 'assistant', 'content': record_of(base).history[-1]['content']},
+            {'role': 'user', 'content': f'branch {i}'}]
+    outs = backend(forks, RequestConfig(max_tokens=3, temperature=1.0, seed=3))
+    first = record_of(base)
+    assert len(first.turns) == 1, 'the shared record was not written into'
+    for fork, out in zip(forks, outs):
+        rec = record_of(fork)
+        assert rec is not first and len(rec.turns) == 2 and rec.turns[-1].sampled == out.response.choices[0].token_ids
+        assert out.response.prompt_token_ids[:len(first.last_prompt) + 3] == first.next_prefix()
