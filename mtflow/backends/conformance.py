@@ -145,9 +145,12 @@ class _Probe:
         for request, chat, out in zip(requests, snapshots, outputs):
             choice = out.response.choices[0]
             rec = record_of(request)
-            self.turns.setdefault(request.uuid, []).append(
+            turns = self.turns.setdefault(request.uuid, [])
+            turns.append(
                 _Turn(chat, list(out.response.prompt_token_ids or []), list(choice.token_ids or []),
                       extract_logprobs(choice), choice.finish_reason, rec.turns[-1] if rec else None))
+            if rec is not None and len(turns) > 1 and len(rec.turns) > 1 and rec.turns[-1].extends:
+                turns[-2].entry = rec.turns[-2]  # the new record holds the previous turn's appended ids
         return outputs
 
 
