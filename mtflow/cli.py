@@ -1,4 +1,4 @@
-"""The ``mtflow`` command line: ``run``, ``validate``, ``schema``, ``graph``, ``trace``.
+"""The ``mtflow`` command line: ``run``, ``validate``, ``schema``, ``graph``, ``trace``, ``check-tokens``.
 
 Each subcommand lives in ``mtflow/commands/<name>.py`` with ``add_parser(subparsers)`` and
 ``main(args) -> int``, and is imported only when used, so ``mtflow --help`` stays fast.
@@ -20,6 +20,7 @@ COMMANDS = {
     'schema': ('mtflow.commands.schema', 'print the JSON Schema of scheduler YAML files'),
     'graph': ('mtflow.commands.graph', "print a scheduler's state graph (mermaid or SVG)"),
     'trace': ('mtflow.commands.trace', 'view trace files in the terminal or as an HTML page'),
+    'check-tokens': ('mtflow.commands.check_tokens', 'check that every turn is generated from the exact ids before it'),
 }
 
 

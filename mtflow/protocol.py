@@ -72,7 +72,8 @@ class RolloutInferRequest(_Model):
     """One conversation to roll out (ms-swift's ``RolloutInferRequest``).
 
     ``messages`` is a list of ``{'role', 'content'}`` dicts and is mutated in place by the
-    executor, exactly as ms-swift's loop does.
+    executor, exactly as ms-swift's loop does. ``token_record`` is mtflow's own: the backend's
+    exact-id history of this request (see ``mtflow.token_record``).
     """
     messages: Messages
     images: List[Any] = Field(default_factory=list)
@@ -83,6 +84,9 @@ class RolloutInferRequest(_Model):
     chat_template_kwargs: Dict[str, Any] = Field(default_factory=dict)
     data_dict: Dict[str, Any] = Field(default_factory=dict)
     uuid: Optional[str] = None
+    #: the exact token ids of the turns so far (:class:`mtflow.token_record.TokenRecord`), kept
+    #: by backends that generate from ids; never dumped, copied with the request
+    token_record: Optional[Any] = Field(default=None, exclude=True, repr=False)
 
     @field_validator('images', 'audios', 'videos', mode='before')
     @classmethod

@@ -12,16 +12,23 @@ While a test runs, every :class:`mtflow.Executor` run it makes publishes its tra
 * when the test fails, the terminal timeline of the requests involved (those the failure text
   names, else the ones that errored, else all, at most ``MAX_REQUESTS``) is added to the failure
   report as a section ``mtflow trace``; a passing test adds nothing;
-* ``--mtflow-trace-dir DIR`` also writes, per failing test, the HTML page and the trace JSONL.
+* ``--mtflow-trace-dir DIR`` also writes, per failing test, the HTML page and the trace JSONL;
+* the ``mtflow_check_tokens`` fixture runs the token conformance checks
+  (``mtflow.backends.conformance``, what ``mtflow check-tokens`` runs) on a backend of yours and
+  fails the test with the table of checks unless every one passed::
+
+      def test_my_template(mtflow_check_tokens):
+          mtflow_check_tokens(HFBackend(model, tokenizer), template='my_template.jinja')
 
 It costs nothing in a session that runs no executor: the listener only appends to a list, and the
 viewer is imported only to format a failure.
 """
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -122,6 +129,30 @@ def mtflow_trace(request: pytest.FixtureRequest) -> TraceCapture:
         add_listener(capture)
         request.addfinalizer(lambda: remove_listener(capture))
     return capture
+
+
+@pytest.fixture
+def mtflow_check_tokens() -> Any:
+    """``check(backend, template=None, **kw) -> TemplateReport``: run the token conformance
+    checks on ``backend`` (``template``: ``None``/``'model'``, a bundled name or a Jinja file; ``kw``
+    as :func:`mtflow.backends.conformance.check_tokens`) and raise ``AssertionError`` with the
+    table of checks and what failed unless every check passed (a run that checks nothing fails)."""
+
+    def check(backend: Any, template: Optional[str] = None, **kw: Any) -> Any:
+        from .backends.conformance import check_tokens, format_report, resolve_template
+
+        name, text = resolve_template(template)
+        report = check_tokens(backend, template=text, template_name=name, **kw)
+        if not report.ok:
+            from rich.console import Console
+
+            console = Console(width=100, record=True, file=io.StringIO())
+            console.print(format_report(report))
+            problems = '\n'.join(f'  {p}' for p in report.problems[:20])
+            raise AssertionError(f'token conformance failed for template {name}:\n{console.export_text()}{problems}')
+        return report
+
+    return check
 
 
 def involved_uuids(capture: TraceCapture, failure_text: str) -> List[str]:

@@ -19,7 +19,10 @@ What it checks, each printed as a row with PASS/FAIL (exit status 1 on any FAIL)
 4. the guess-the-number scheduler (``schedulers/guess_number.yaml``) through the executor:
    most requests play several turns (one that guesses right early finishes), and the
    contract's logprob check kept every trajectory's logprobs;
-5. throughput of that rollout (generated tokens / s), for the record.
+5. throughput of that rollout (generated tokens / s), for the record;
+6. exact ids in that rollout: every turn's prompt is the previous prompt + the ids sampled at
+   the previous turn + the template's delta (token-in/token-out);
+7. ``mtflow check-tokens``' conformance checks on the engine with the model's own template.
 
 vLLM is not a dependency of mtflow; install it on the GPU machine (``pip install vllm``).
 """
@@ -115,8 +118,16 @@ def main() -> int:
     prompts = read_prompts(None)
     batch = [prompts[i % len(prompts)].model_copy(deep=True, update={'uuid': f'g{i}'}) for i in range(args.requests)]
     before = backend.stats.completion_tokens
+    seen = {}
+
+    def probe(reqs, config=None):
+        outs = backend(reqs, config)
+        for r, o in zip(reqs, outs):
+            seen.setdefault(r.uuid, []).append((o.response.prompt_token_ids, o.response.choices[0].token_ids))
+        return outs
+
     t0 = time.perf_counter()
-    result = Executor(scheduler, backend, RequestConfig(max_tokens=24, temperature=0.7, logprobs=True, seed=0),
+    result = Executor(scheduler, probe, RequestConfig(max_tokens=24, temperature=0.7, logprobs=True, seed=0),
                       max_turns=args.max_turns, on_error='return').run(batch)
     wall = time.perf_counter() - t0
     turns = [o.rollout_infos.get('num_turns', 0) for o in result.outputs]
@@ -129,6 +140,17 @@ def main() -> int:
     check('guess_number: logprobs kept by the contract check', kept)
     generated = backend.stats.completion_tokens - before
     check('throughput', True, f'{generated} tokens in {wall:.2f} s = {generated / wall:.0f} tokens/s')
+    pairs = [(a, b) for ts in seen.values() for a, b in zip(ts, ts[1:])]
+    drift = sum(p1[:len(p0) + len(s0)] != p0 + s0 for (p0, s0), (p1, _) in pairs)
+    check('exact ids: each prompt extends the previous prompt + sampled ids', pairs and drift == 0,
+          f'{len(pairs) - drift} of {len(pairs)} turn transitions')
+
+    # 7. the conformance checks of `mtflow check-tokens`
+    from mtflow.backends.conformance import check_tokens
+
+    report = check_tokens(backend, template_name='model')
+    check('check-tokens conformance (model template)', report.ok,
+          f'{report.transitions} transitions; ' + '; '.join(report.problems[:2]))
 
     print('\n| check | result | detail |\n|---|---|---|')
     for name, status, detail in rows:

@@ -25,26 +25,44 @@ _CORPUS = [
     'But wait... It seems I made a mistake, let me check again. Is that right? Yes, no.',
     'def main():\n    print("hello world")\n    return 0\n',
 ]
+LLAMA_SPECIAL_TOKENS: List[str] = ['<|end_of_text|>', '<|begin_of_text|>', '<|start_header_id|>', '<|end_header_id|>',
+                                   '<|eot_id|>', '<think>', '</think>']
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @functools.lru_cache(maxsize=None)
-def make_tokenizer(vocab_size: int = 600) -> Any:
-    """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) trained on a small built-in corpus."""
+def make_tokenizer(vocab_size: int = 600, style: str = 'chatml') -> Any:
+    """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) trained on a small built-in corpus.
+
+    ``style='chatml'`` (Qwen2-like: ``<|im_start|>``/``<|im_end|>``, a ChatML template) or
+    ``'llama'`` (Llama-3-like: header tokens, ``<|eot_id|>`` as EOS, the bundled ``llama3``
+    template, ``<|begin_of_text|>`` as BOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = SPECIAL_TOKENS if style == 'chatml' else LLAMA_SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False)
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if style == 'llama':
+        from mtflow.backends.conformance import bundled_template
+
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token='<|eot_id|>',
+            bos_token='<|begin_of_text|>',
+            pad_token='<|end_of_text|>',
+            additional_special_tokens=LLAMA_SPECIAL_TOKENS[2:4])
+        fast.chat_template = bundled_template('llama3')
+        return fast
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token='<|im_end|>',

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 from .base import Backend, BackendError, BackendStats, SamplingOptions, build_output, prepare_chat, sampling_options
 
 __all__ = ['BACKENDS', 'Backend', 'BackendError', 'BackendStats', 'SamplingOptions', 'build_output', 'make_backend',
-           'prepare_chat', 'sampling_options', 'backend_names']
+           'prepare_chat', 'sampling_options', 'backend_names', 'backend_options', 'split_options']
 
 #: name -> (module, class); aliases map to the same entry
 BACKENDS: Dict[str, Tuple[str, str]] = {
@@ -55,6 +55,22 @@ def resolve_backend(name: str) -> type:
     if cls is None:
         raise BackendError(f'backend {name!r}: {module_name} has no {cls_name}')
     return cls
+
+
+def backend_options(name: str) -> Tuple[Tuple[str, ...], bool]:
+    """The keyword options backend ``name`` takes, and whether it takes any (``**kwargs``)."""
+    params = inspect.signature(resolve_backend(name).__init__).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = tuple(p for p, v in params.items() if p != 'self' and v.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                                                inspect.Parameter.VAR_KEYWORD))
+    return named, accepts_any
+
+
+def split_options(name: str, options: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(kept, dropped)``: the ``options`` backend ``name`` accepts, and the others."""
+    named, accepts_any = backend_options(name)
+    kept = {k: v for k, v in options.items() if accepts_any or k in named}
+    return kept, {k: v for k, v in options.items() if k not in kept}
 
 
 def make_backend(name: str, model: Optional[str] = None, **options: Any) -> Any:

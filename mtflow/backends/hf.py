@@ -17,15 +17,18 @@ with ``continue_final_message=True``), left-pads the prompts into micro-batches,
 Stop strings are matched on the generated text only (never on the prompt), by a stopping
 criterion that decodes the tail of each row; rows finish independently.
 
-A continuation re-tokenizes the assistant text it continues (as vLLM's chat API does), so the
-prompt ids of that text may differ from the ids that were sampled; the ids returned are always
-the newly sampled ones.
+Prompts are token-in/token-out (:mod:`mtflow.backends.tokens`): turn 1 is rendered with the
+chat template once; every later turn is generated from the previous prompt + the ids sampled at
+the previous turn + the template's delta for what was appended, so the model is conditioned on
+exactly the ids it sampled, and ``response.prompt_token_ids`` is that prompt. ``exact_ids=False``
+renders every turn from text instead (the old behaviour, for comparison).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+from .tokens import TokenPrompter, commit_outputs
 
 __all__ = ['HFBackend', 'render_prompt']
 
@@ -88,6 +91,11 @@ class HFBackend(Backend):
         chat_template: overrides the tokenizer's template.
         seed: seeds torch once, when the backend is built (a request config's ``seed`` reseeds
             before every call instead).
+        exact_ids: generate each turn from the exact ids of the turns before it (default); ``False``
+            re-renders the conversation as text every turn.
+        prefix_policy: for turns the template does not render prefix-stably (it strips earlier
+            ``<think>``): ``'exact'`` keeps the exact ids, ``'rerender'`` renders from text and
+            records that the prompt does not extend the previous one.
         device, dtype: where and how to load ``model`` when it is given by name.
     """
     name = 'hf'
@@ -102,7 +110,9 @@ class HFBackend(Backend):
                  chat_template: Optional[str] = None,
                  seed: Optional[int] = None,
                  device: Optional[str] = None,
-                 dtype: Optional[str] = None) -> None:
+                 dtype: Optional[str] = None,
+                 exact_ids: bool = True,
+                 prefix_policy: str = 'exact') -> None:
         super().__init__()
         import torch
 
@@ -129,6 +139,7 @@ class HFBackend(Backend):
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
         self.chat_template = chat_template
+        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids)
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         if seed is not None:
@@ -149,9 +160,15 @@ class HFBackend(Backend):
 
     # ---- one call ------------------------------------------------------------------------------
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        plans = [self.prompter.plan(r) for r in requests]
+        outputs = self.generate_ids([p.ids for p in plans], options)
+        commit_outputs(self.prompter, requests, plans, outputs)
+        return outputs
+
+    def generate_ids(self, prompts: List[List[int]], options: SamplingOptions) -> List[Any]:
+        """Generate from token prompts as they are (one output per prompt, in order)."""
         import torch
 
-        prompts = [render_prompt(self.tokenizer, r, self.chat_template) for r in requests]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
         outputs: List[Any] = [None] * len(prompts)
         if options.seed is not None:

@@ -28,6 +28,16 @@ openai     nothing: OpenAI's own API rejects unknown fields; continuation turns 
 Token ids come from ``choices[0].token_ids`` when the server returns them, else from logprob
 tokens written as ``token_id:<n>`` (``vllm serve --return-tokens-as-token-ids``), else ``None``.
 Logprobs are passed through in OpenAI's shape. ``extra_body`` is merged into every request.
+
+**Exact ids** (``prompt_mode``). Through ``/v1/chat/completions`` the server renders and
+tokenizes the whole conversation again every turn, so the model is not guaranteed the ids it
+sampled. ``prompt_mode='tokens'`` (the default for flavor ``vllm`` when a ``tokenizer`` is given)
+builds each prompt locally as the HF and vLLM backends do (:mod:`mtflow.backends.tokens`: the
+previous prompt + the sampled ids + the template's delta) and sends it as a token prompt to
+``/v1/completions`` (``"prompt": [ids]``, which vLLM's server accepts), with
+``return_token_ids``; ``response.prompt_token_ids`` is the prompt sent. ``prompt_mode='chat'``,
+or ``'auto'`` without a tokenizer or with another flavor, uses chat completions and warns once
+that exact ids cannot be guaranteed.
 """
 from __future__ import annotations
 
@@ -36,12 +46,14 @@ import json
 import os
 import random
 import threading
+import warnings
 from typing import Any, Dict, List, Optional
 
 from .base import Backend, BackendError, SamplingOptions, prepare_chat
+from .tokens import TokenPrompter, commit_outputs
 from ..protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
 
-__all__ = ['OpenAIBackend', 'build_body', 'parse_choice', 'FLAVORS']
+__all__ = ['OpenAIBackend', 'build_body', 'build_completion_body', 'parse_choice', 'parse_completion', 'FLAVORS']
 
 FLAVORS = ('vllm', 'sglang', 'swift', 'openai')
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
@@ -100,6 +112,91 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     if extra_body:
         body.update(extra_body)
     return body
+
+
+def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model: str, flavor: str = 'vllm',
+                          extra_body: Optional[Dict[str, Any]] = None, index: int = 0) -> Dict[str, Any]:
+    """The JSON body of ``/v1/completions`` with a token prompt (token mode)."""
+    body: Dict[str, Any] = {
+        'model': model,
+        'prompt': list(prompt_ids),
+        'max_tokens': options.max_tokens,
+        'temperature': options.temperature,
+        'top_p': options.top_p,
+        'n': 1,
+        'stream': False,
+    }
+    if options.stop:
+        body['stop'] = list(options.stop)
+    if options.seed is not None:
+        body['seed'] = options.seed + index
+    if options.presence_penalty:
+        body['presence_penalty'] = options.presence_penalty
+    if options.frequency_penalty:
+        body['frequency_penalty'] = options.frequency_penalty
+    if options.logprobs:
+        body['logprobs'] = options.top_logprobs or 0  # completions API: the number of alternatives
+    if options.top_k:
+        body['top_k'] = options.top_k
+    if options.repetition_penalty != 1.0:
+        body['repetition_penalty'] = options.repetition_penalty
+    if options.min_p:
+        body['min_p'] = options.min_p
+    body['return_token_ids'] = True
+    if extra_body:
+        body.update(extra_body)
+    return body
+
+
+def parse_completion(data: Dict[str, Any], prompt_ids: List[int], where: str) -> RolloutOutput:
+    """A server's text completion for a token prompt (JSON) as a rollout output, checked: the
+    server must return the sampled ids and, if it reports the prompt ids, the ones sent."""
+    choices = data.get('choices') if isinstance(data, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        raise BackendError(f'{where}: the server answered without choices: {json.dumps(data)[:200]}')
+    raw = choices[0]
+    reason = raw.get('finish_reason')
+    if reason not in ('stop', 'length', None):
+        reason = 'stop'
+    lp = raw.get('logprobs') if isinstance(raw.get('logprobs'), dict) else None
+    logprobs = None
+    if lp is not None and lp.get('token_logprobs') is not None:
+        tokens = lp.get('tokens') or [''] * len(lp['token_logprobs'])
+        tops = lp.get('top_logprobs') or [None] * len(tokens)
+        content = []
+        for token, value, top in zip(tokens, lp['token_logprobs'], tops):
+            item: Dict[str, Any] = {'token': token, 'logprob': float(value)}
+            if top:
+                item['top_logprobs'] = [{'token': k, 'logprob': float(v)} for k, v in top.items()]
+            content.append(item)
+        logprobs = {'content': content}
+    token_ids = raw.get('token_ids')
+    if token_ids is None:
+        token_ids = _token_ids_from_logprobs(logprobs)
+    if token_ids is None:
+        raise BackendError(f'{where}: the server returned no token ids for a token prompt; token mode needs '
+                           "vLLM >= 0.10.2 (return_token_ids) or --return-tokens-as-token-ids; else prompt_mode='chat'")
+    served_prompt = raw.get('prompt_token_ids', data.get('prompt_token_ids'))
+    if served_prompt is not None and list(served_prompt) != list(prompt_ids):
+        raise BackendError(f'{where}: the server generated from {len(served_prompt)} prompt ids that are not the '
+                           f'{len(prompt_ids)} ids sent')
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role='assistant', content=raw.get('text') or ''),
+        finish_reason=reason,
+        logprobs=logprobs,
+        token_ids=[int(t) for t in token_ids])
+    usage = data.get('usage') or {}
+    completion = int(usage.get('completion_tokens') or len(token_ids))
+    response = ChatCompletionResponse(
+        model=str(data.get('model') or ''),
+        choices=[choice],
+        usage=UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                        total_tokens=len(prompt_ids) + completion),
+        prompt_token_ids=list(prompt_ids))
+    if data.get('id'):
+        response.id = str(data['id'])
+    return RolloutOutput(response=response)
 
 
 def _token_ids_from_logprobs(logprobs: Optional[Dict[str, Any]]) -> Optional[List[int]]:
@@ -192,8 +289,14 @@ class OpenAIBackend(Backend):
         backoff: first retry delay in seconds; doubles each retry, with jitter, up to ``backoff_max``.
         default_max_tokens: used when the request config has no ``max_tokens``.
         extra_body: fields merged into every request body.
-        tokenizer: a tokenizer for schedulers that need one (a loaded object, or a local path /
-            hub id loaded with ``AutoTokenizer``); the server does the real tokenization.
+        tokenizer: a tokenizer (a loaded object, or a local path / hub id loaded with
+            ``AutoTokenizer``): for schedulers that need one, and to build token prompts.
+        prompt_mode: ``'tokens'`` (exact ids through ``/v1/completions``), ``'chat'``
+            (``/v1/chat/completions``: the server re-renders; exact ids are not guaranteed) or
+            ``'auto'``: tokens for flavor ``vllm`` with a tokenizer, else chat.
+        chat_template, prefix_policy, exact_ids: token mode, as the HF backend.
+        seed: the sampling seed of requests whose config has none (the n-th request gets
+            ``seed + n``).
     """
     name = 'openai'
 
@@ -210,7 +313,12 @@ class OpenAIBackend(Backend):
                  backoff_max: float = 8.0,
                  default_max_tokens: int = 256,
                  extra_body: Optional[Dict[str, Any]] = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None,
+                 prompt_mode: str = 'auto',
+                 chat_template: Optional[str] = None,
+                 prefix_policy: str = 'exact',
+                 exact_ids: bool = True,
+                 seed: Optional[int] = None) -> None:
         super().__init__()
         try:
             import httpx
@@ -244,6 +352,21 @@ class OpenAIBackend(Backend):
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
+        if prompt_mode not in ('auto', 'tokens', 'chat'):
+            raise BackendError(f"openai backend: prompt_mode must be 'auto', 'tokens' or 'chat', not {prompt_mode!r}")
+        if prompt_mode == 'auto':
+            prompt_mode = 'tokens' if tokenizer is not None and flavor == 'vllm' else 'chat'
+        if prompt_mode == 'tokens' and tokenizer is None:
+            raise BackendError("openai backend: prompt_mode='tokens' needs the model's tokenizer (tokenizer=...)")
+        self.prompt_mode = prompt_mode
+        self.seed = seed
+        self._seeded = 0
+        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
+            if prompt_mode == 'tokens' else None
+        if prompt_mode == 'chat':
+            warnings.warn(f'openai backend ({self.base_url}): chat completions re-render and re-tokenize the '
+                          'conversation every turn, so the model is not guaranteed the exact ids it sampled; '
+                          "give tokenizer= with flavor 'vllm' for token prompts (prompt_mode='tokens')", stacklevel=2)
 
     # ---- the HTTP side (runs on the private loop) --------------------------------------------------
     async def _ensure_client(self) -> Any:
@@ -300,15 +423,30 @@ class OpenAIBackend(Backend):
             self.retries += 1
             await asyncio.sleep(delay)
 
-    async def _one(self, request: Any, options: SamplingOptions, model: str, index: int) -> RolloutOutput:
+    async def _one(self, request: Any, options: SamplingOptions, model: str, index: int,
+                   prompt_ids: Optional[List[int]] = None) -> RolloutOutput:
         where = f'request {getattr(request, "uuid", None)!r}'
+        if prompt_ids is not None:
+            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, index)
+            return parse_completion(await self._send('POST', '/completions', body, where), prompt_ids, where)
         body = build_body(request, options, model, self.flavor, self.extra_body, index)
         return parse_choice(await self._send('POST', '/chat/completions', body, where), where)
 
     async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
         """All requests of one call, concurrently, in request order."""
         model = await self._resolve_model()
-        return list(await asyncio.gather(*(self._one(r, options, model, i) for i, r in enumerate(requests))))
+        if self.seed is not None and options.seed is None:
+            import dataclasses
+
+            options = dataclasses.replace(options, seed=self.seed + self._seeded)
+            self._seeded += len(requests)
+        if self.prompter is None:
+            return list(await asyncio.gather(*(self._one(r, options, model, i) for i, r in enumerate(requests))))
+        plans = [self.prompter.plan(r) for r in requests]
+        outputs = list(await asyncio.gather(*(self._one(r, options, model, i, p.ids)
+                                              for i, (r, p) in enumerate(zip(requests, plans)))))
+        commit_outputs(self.prompter, requests, plans, outputs)
+        return outputs
 
     # ---- the rollout_fn side ------------------------------------------------------------------------
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:

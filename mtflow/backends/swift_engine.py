@@ -33,6 +33,13 @@ class SwiftBackend:
         output: ``'mtflow'`` returns :class:`mtflow.RolloutOutput` (converted), ``'swift'``
             ms-swift's ``RolloutOutput`` (what ms-swift's driver and trainers expect).
         return_details: force ``return_details`` on (token ids) unless ``False``.
+        seed: the sampling seed of calls whose request config has none: the n-th engine call
+            gets ``seed + n`` (``mtflow run`` passes the run config's ``seed``).
+
+    Exact ids: with an ms-swift 4.6 scheduler, the executor freezes each assistant message as
+    the ids sampled for it (``set_assistant_message_token_ids``) and the engine's template
+    encodes them as they are; ``response.prompt_token_ids`` (``return_details``) is the prompt
+    the engine generated from.
     """
 
     name = 'swift'
@@ -45,6 +52,7 @@ class SwiftBackend:
                  output: Literal['mtflow', 'swift'] = 'mtflow',
                  return_details: Optional[bool] = True,
                  use_tqdm: bool = False,
+                 seed: Optional[int] = None,
                  **engine_kwargs: Any) -> None:
         if engine is None:  # make_backend('swift', model=...) / mtflow run --backend swift --model ...
             if model is None:
@@ -70,6 +78,7 @@ class SwiftBackend:
         self.output = output
         self.return_details = return_details
         self.use_tqdm = use_tqdm
+        self.seed = seed
         self.calls = 0
 
     @property
@@ -89,6 +98,8 @@ class SwiftBackend:
         config = RequestConfig() if config is None else copy.copy(to_swift(config))
         if self.return_details and not config.return_details:
             config.return_details = True
+        if self.seed is not None and getattr(config, 'seed', None) is None:
+            config.seed = self.seed + self.calls
         if getattr(config, 'n', 1) != 1:
             raise BackendError(f'swift backend: request_config.n must be 1 for rollouts, not {config.n}')
         return config

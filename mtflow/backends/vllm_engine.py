@@ -2,13 +2,15 @@
 
 Two ways to turn requests into engine calls (``prompt_mode``):
 
-* ``'tokens'`` (default): every request is rendered with the engine's tokenizer and chat
-  template (its ``tools`` and ``chat_template_kwargs`` included; a continuation with
-  ``continue_final_message=True`` and no generation prompt), exactly as the HF backend does,
-  and the whole turn goes to **one** ``LLM.generate`` call as token prompts, each with its own
-  ``SamplingParams``. Mixed batches (new turns and continuations, different tools) stay one
-  engine batch.
-* ``'chat'``: ``LLM.chat`` renders the messages itself; since its ``tools``,
+* ``'tokens'`` (default): token-in/token-out, exactly as the HF backend
+  (:mod:`mtflow.backends.tokens`): turn 1 is rendered once with the engine's tokenizer and chat
+  template (its ``tools`` and ``chat_template_kwargs`` included), every later turn is the
+  previous prompt + the sampled ids + the template's delta, and the whole turn goes to **one**
+  ``LLM.generate`` call as token prompts (``{'prompt_token_ids': ...}``, vLLM's
+  ``TokensPrompt``), each with its own ``SamplingParams``. Mixed batches (new turns and
+  continuations, different tools) stay one engine batch.
+* ``'chat'``: ``LLM.chat`` renders the messages itself (re-tokenizing the whole conversation
+  every turn, so exact ids are not guaranteed; a warning says so once); since its ``tools``,
   ``add_generation_prompt`` and ``continue_final_message`` apply to a whole call, requests are
   grouped by those and each group is one ``chat`` call (results are put back in request order).
 
@@ -25,9 +27,11 @@ serves the converted copy of the embedded SmolLM2 (``mtflow.backends.models``).
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+from .tokens import TokenPrompter, commit_outputs
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
 
@@ -127,6 +131,11 @@ class VLLMBackend(Backend):
             ``max_model_len``, ``tensor_parallel_size``, ``dtype``, ``enforce_eager``, ...).
         sampling_params_cls: the class built from :func:`sampling_kwargs` (default
             ``vllm.SamplingParams``; tests pass their own).
+        seed: the engine's seed, and the sampling seed of requests whose config has none: the
+            n-th request this backend generates gets ``seed + n``, so two runs with the same seed
+            and the same data sample the same tokens.
+        exact_ids, prefix_policy: token mode, as the HF backend (``exact_ids=False`` re-renders
+            every turn from text).
     """
     name = 'vllm'
 
@@ -138,7 +147,9 @@ class VLLMBackend(Backend):
                  default_max_tokens: int = 256,
                  engine_kwargs: Optional[Dict[str, Any]] = None,
                  sampling_params_cls: Optional[Callable[..., Any]] = None,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None,
+                 exact_ids: bool = True,
+                 prefix_policy: str = 'exact') -> None:
         super().__init__()
         if prompt_mode not in ('tokens', 'chat'):
             raise BackendError(f"vllm backend: prompt_mode must be 'tokens' or 'chat', not {prompt_mode!r}")
@@ -179,6 +190,13 @@ class VLLMBackend(Backend):
         self.chat_template = chat_template
         self.default_max_tokens = default_max_tokens
         self.tokenizer = self.llm.get_tokenizer()
+        self.seed = seed
+        self._seeded = 0  # requests generated with the backend's seed
+        self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids)
+        if prompt_mode == 'chat':
+            warnings.warn("vllm backend: prompt_mode='chat' re-renders and re-tokenizes the conversation every "
+                          "turn, so the model is not guaranteed the exact ids it sampled; use prompt_mode='tokens'",
+                          stacklevel=2)
 
     def _params(self, options: SamplingOptions, index: int = 0) -> Any:
         """``SamplingParams`` for the ``index``-th request of a call. A request-config ``seed``
@@ -187,6 +205,9 @@ class VLLMBackend(Backend):
         kwargs = sampling_kwargs(options)
         if kwargs.get('seed') is not None:
             kwargs['seed'] += index
+        elif self.seed is not None:
+            kwargs['seed'] = self.seed + self._seeded
+            self._seeded += 1
         return self.sampling_params_cls(**kwargs)
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
@@ -195,17 +216,18 @@ class VLLMBackend(Backend):
         return self._generate_chat(requests, options)
 
     def _generate_tokens(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
-        from .hf import render_prompt
-
-        prompts = [{'prompt_token_ids': render_prompt(self.tokenizer, r, self.chat_template)} for r in requests]
+        plans = [self.prompter.plan(r) for r in requests]
+        prompts = [{'prompt_token_ids': p.ids} for p in plans]  # vllm.inputs.TokensPrompt
         params = [self._params(options, i) for i in range(len(requests))]  # one each: seed + i
         results = self.llm.generate(prompts, params, use_tqdm=False)
         if len(results) != len(requests):
             raise BackendError(f'vllm returned {len(results)} results for {len(requests)} prompts')
-        return [
+        outputs = [
             choice_from_completion(res.outputs[0], p['prompt_token_ids'], options, self.model_name, self.tokenizer)
             for res, p in zip(results, prompts)
         ]
+        commit_outputs(self.prompter, requests, plans, outputs)
+        return outputs
 
     def _generate_chat(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         groups: Dict[Tuple[bool, str, str], List[int]] = {}

@@ -119,8 +119,14 @@ def load_config(args: argparse.Namespace) -> Any:
 
         if backend not in BACKENDS and backend not in ALIASES:
             raise CLIError(f'unknown backend {backend!r}; choose one of: {", ".join(BACKENDS)}')
-        # the config's backend_options belong to the config's backend
-        cfg = cfg.model_copy(update={'backend': backend, 'backend_options': {}})
+        # keep the config's backend_options that the new backend takes; say which are dropped
+        from ..backends import split_options
+
+        kept, dropped = split_options(backend, dict(cfg.backend_options))
+        if dropped:
+            print(f'mtflow: --backend {backend}: ignoring backend_options {", ".join(sorted(dropped))} '
+                  f'(not options of {backend})', file=sys.stderr)
+        cfg = cfg.model_copy(update={'backend': backend, 'backend_options': kept})
     if args.option:
         cfg.backend_options.update(_parse_options(args.option))
     sampling = {'max_tokens': args.max_tokens, 'temperature': args.temperature}
@@ -141,12 +147,12 @@ def seed_everything(seed: Optional[int]) -> None:
 
 
 def build_backend(cfg: Any) -> Any:
-    from ..backends import BackendError, make_backend
+    from ..backends import BackendError, backend_options, make_backend
 
     options = cfg.resolved_backend_options()
-    if cfg.backend in ('hf', 'transformers', 'huggingface') and 'seed' not in options and cfg.seed is not None:
-        options['seed'] = cfg.seed
     try:
+        if cfg.seed is not None and 'seed' not in options and 'seed' in backend_options(cfg.backend)[0]:
+            options['seed'] = cfg.seed  # every backend that can be seeded (docs/cli.md)
         return make_backend(cfg.backend, model=cfg.resolved_model(), **options)
     except BackendError as exc:
         raise CLIError(str(exc)) from None
@@ -278,9 +284,11 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
 
     request_config = cfg.make_request_config()
 
+    from ..token_record import record_accounting
+
     def make_executor(rollout_fn: Any, on_finished: Any) -> Any:
         return Executor(scheduler, rollout_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
-                        on_finished=on_finished)
+                        on_finished=on_finished, accounting=record_accounting(scheduler))  # ids/masks from the exact token record
 
     progress = _progress(show)
     left = total - len(store.done)

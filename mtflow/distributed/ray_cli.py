@@ -73,13 +73,15 @@ class RayRollout:
         self.result: Any = None
 
     def spec(self) -> Any:
+        from ..token_record import record_accounting
         from .ray_fanout import WorkerSpec
 
         cfg = self.cfg
         return WorkerSpec(make_backend=functools.partial(backend_from_config, cfg),
                           make_scheduler=functools.partial(scheduler_from_config, cfg),
                           request_config=cfg.make_request_config(), max_turns=cfg.max_turns or None,
-                          setup=functools.partial(actor_setup, os.getcwd(), cfg.seed))
+                          setup=functools.partial(actor_setup, os.getcwd(), cfg.seed),
+                          make_accounting=record_accounting)  # as a local mtflow run: ids from the token record
 
     def run(self, figures: Dict[str, Any]) -> None:
         """Roll out what the store does not have; ``figures`` gets this attempt's figures, also

@@ -65,6 +65,7 @@ class WorkerSpec:
     max_turns: Optional[int] = None
     executor_options: Dict[str, Any] = field(default_factory=dict)  # e.g. step_timeout_s
     setup: Optional[Callable[[], None]] = None  # run first in the actor (seeding, logging)
+    make_accounting: Optional[Callable[[Any], Any]] = None  # scheduler -> accounting (default: the executor's)
 
 
 @dataclass
@@ -170,7 +171,9 @@ class ShardWorker:
                                   'failure': failure}))
 
         executor = Executor(self.scheduler, self.backend, self.spec.request_config, max_turns=self.spec.max_turns,
-                            on_error='return', rank=slot, on_finished=on_finished, **self.spec.executor_options)
+                            on_error='return', rank=slot, on_finished=on_finished,
+                            accounting=self.spec.make_accounting(self.scheduler) if self.spec.make_accounting else None,
+                            **self.spec.executor_options)
 
         def body() -> None:
             try:

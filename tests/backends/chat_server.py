@@ -8,6 +8,12 @@ assistant message without ``continue_final_message`` is rejected with 400, so th
 client send it). For the retry and concurrency tests it can answer the next requests with given
 error statuses (``fail_next``), wait before generating (``delay``), and counts the requests in
 flight.
+
+``/v1/completions`` takes token prompts as vLLM's server does (``"prompt": [ids]``, or a string
+that it tokenizes) and generates from those ids as they are; with ``return_token_ids`` its
+choice carries ``prompt_token_ids`` and ``token_ids``, and logprobs come in the completions
+shape (``tokens``, ``token_logprobs``, ``top_logprobs``). ``token_prompts=False`` makes it a
+server that rejects token prompts (400), like servers that only accept text.
 """
 from __future__ import annotations
 
@@ -18,12 +24,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
 from mtflow import RequestConfig, RolloutInferRequest
+from mtflow.backends.base import sampling_options
 
 
 class ChatServer:
 
-    def __init__(self, backend: Any, model_name: str = 'tiny-qwen2') -> None:
+    def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True) -> None:
         self.backend = backend
+        self.token_prompts = token_prompts
         self.model_name = model_name
         self.fail_next: List[int] = []
         self.retry_after: Optional[str] = None
@@ -60,7 +68,7 @@ class ChatServer:
             def do_POST(self) -> None:
                 length = int(self.headers.get('Content-Length') or 0)
                 body = json.loads(self.rfile.read(length) or b'{}')
-                if self.path != '/v1/chat/completions':
+                if self.path not in ('/v1/chat/completions', '/v1/completions'):
                     self._reply(404, {'error': {'message': f'no route {self.path}'}})
                     return
                 with server._count_lock:
@@ -75,7 +83,10 @@ class ChatServer:
                         return
                     if server.delay:
                         time.sleep(server.delay)
-                    status, payload = server.complete(body)
+                    if self.path == '/v1/completions':
+                        status, payload = server.complete_text(body)
+                    else:
+                        status, payload = server.complete(body)
                     self._reply(status, payload)
                 finally:
                     with server._count_lock:
@@ -132,6 +143,51 @@ class ChatServer:
             raw_choice['token_ids'] = choice.token_ids
             payload['prompt_token_ids'] = out.response.prompt_token_ids
         return 200, payload
+
+    def complete_text(self, body: Dict[str, Any]) -> tuple:
+        """``/v1/completions``: generate from the prompt's ids as they are."""
+        if body.get('model') != self.model_name:
+            return 404, {'error': {'message': f"model {body.get('model')!r} does not exist"}}
+        prompt = body.get('prompt')
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if not self.token_prompts:
+                return 400, {'error': {'message': 'prompt must be a string'}}
+            ids = list(prompt)
+        elif isinstance(prompt, str) and prompt:
+            ids = self.backend.tokenizer(prompt, add_special_tokens=False)['input_ids']
+        else:
+            return 400, {'error': {'message': 'prompt must be a non-empty string or list of token ids'}}
+        top = body.get('logprobs')
+        config = RequestConfig(
+            max_tokens=body.get('max_tokens'),
+            temperature=body.get('temperature'),
+            top_p=body.get('top_p'),
+            top_k=body.get('top_k'),
+            stop=body.get('stop'),
+            seed=body.get('seed'),
+            logprobs=top is not None,
+            top_logprobs=top or None)
+        with self._lock:
+            out = self.backend.generate_ids([ids], sampling_options(config, 16))[0]
+        choice = out.response.choices[0]
+        raw: Dict[str, Any] = {'index': 0, 'text': choice.message.content, 'finish_reason': choice.finish_reason,
+                               'logprobs': None}
+        if choice.logprobs is not None:
+            content = choice.logprobs['content']
+            raw['logprobs'] = {
+                'tokens': [c['token'] for c in content],
+                'token_logprobs': [c['logprob'] for c in content],
+                'top_logprobs': [{t['token']: t['logprob'] for t in c.get('top_logprobs', [])} or None
+                                 for c in content],
+                'text_offset': [0] * len(content),
+            }
+        if body.get('return_token_ids'):
+            raw['prompt_token_ids'] = ids
+            raw['token_ids'] = choice.token_ids
+        n = len(choice.token_ids or ())
+        return 200, {'id': 'cmpl-test', 'object': 'text_completion', 'created': int(time.time()),
+                     'model': self.model_name, 'choices': [raw],
+                     'usage': {'prompt_tokens': len(ids), 'completion_tokens': n, 'total_tokens': len(ids) + n}}
 
     def __enter__(self) -> 'ChatServer':
         self.thread.start()

@@ -5,8 +5,12 @@ translation is tested without vLLM (which needs CUDA here).
 fails as it would against vLLM) and really generate, greedily, with a tiny transformers model;
 ``chat`` renders conversations the way vLLM's does (the tokenizer's chat template with
 ``add_generation_prompt``/``continue_final_message``/``tools``/``chat_template_kwargs``, then
-``encode(add_special_tokens=False)``). Outputs have the shape of vLLM's ``RequestOutput``,
-``CompletionOutput`` and ``Logprob``. Every call and every ``SamplingParams`` is recorded.
+``encode(add_special_tokens=False)``). ``generate`` takes token prompts only (vLLM's
+``TokensPrompt``: ``{'prompt_token_ids': [...]}``); a text prompt is an error here, since vLLM
+would tokenize it again. ``forced`` makes the model emit given id sequences (one per generated
+completion, in order) instead of its greedy choice, to provoke a sampled split that re-tokenizing
+would change. Outputs have the shape of vLLM's ``RequestOutput``, ``CompletionOutput`` and
+``Logprob``. Every call and every ``SamplingParams`` is recorded.
 """
 from __future__ import annotations
 
@@ -82,6 +86,7 @@ class FakeLLM:
     tokenizer: Any
     calls: List[Dict[str, Any]] = field(default_factory=list)
     finish_reason_override: Optional[str] = None
+    forced: List[List[int]] = field(default_factory=list)
 
     def get_tokenizer(self, lora_request: Any = None) -> Any:
         return self.tokenizer
@@ -90,6 +95,9 @@ class FakeLLM:
                  priority: Optional[List[int]] = None) -> List[RequestOutput]:
         if isinstance(prompts, dict):
             prompts = [prompts]
+        for p in prompts:
+            assert isinstance(p, dict) and set(p) == {'prompt_token_ids'}, f'not a token prompt: {p!r}'
+            assert all(isinstance(t, int) for t in p['prompt_token_ids']), 'prompt_token_ids must be ints'
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the prompts'
         self.calls.append({'method': 'generate', 'prompts': prompts, 'params': params, 'use_tqdm': use_tqdm})
@@ -122,11 +130,12 @@ class FakeLLM:
         ids: List[int] = []
         steps: List[Dict[int, Logprob]] = []
         reason = 'length'
+        forced = self.forced.pop(0) if self.forced else None
         with torch.no_grad():
-            for _ in range(sp.max_tokens):
+            for k in range(sp.max_tokens if forced is None else min(sp.max_tokens, len(forced))):
                 logits = self.model(torch.tensor([prompt + ids])).logits[0, -1].float()
                 logp = torch.log_softmax(logits, -1)
-                token = int(logp.argmax())
+                token = int(logp.argmax()) if forced is None else forced[k]
                 if sp.logprobs is not None:
                     entry = {token: Logprob(float(logp[token]), 1, self.tokenizer.decode([token]))}
                     if sp.logprobs:

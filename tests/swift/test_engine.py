@@ -151,3 +151,37 @@ def test_adapter_server_mode_run(engine: Any) -> None:
         assert [len(s) for s in out.response_token_ids] == [5, 10 + N_SO]
         assert sum(map(sum, out.response_loss_mask)) == 15 and [len(s) for s in out.rollout_logprobs] == [5, 10]
     assert not adapter._notified  # nothing left behind per request
+
+
+def test_swift_46_schedulers_generate_from_exact_ids(engine: Any) -> None:
+    """ms-swift's own exact-id path: a 4.6 scheduler freezes each assistant message as its token
+    ids, and the engine's ``prompt_token_ids`` (``return_details``) show turn t+1 generated from
+    turn t's prompt + the ids sampled at turn t."""
+    from swift.rollout.multi_turn import MultiTurnScheduler
+
+    class AskAgain(MultiTurnScheduler):
+        def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+            return current_turn >= 3
+
+        def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
+            infer_request.messages.append({'role': 'user', 'content': f'and é? ({current_turn})'})
+            return {'infer_request': infer_request}
+
+    backend = SwiftBackend(engine, config(max_tokens=5, temperature=1.0, seed=0))
+    seen: List[Any] = []
+
+    def probe(requests: List[Any], request_config: Any = None) -> List[Any]:
+        outs = backend(requests, request_config)
+        seen.extend((r.uuid, o.response.prompt_token_ids, o.response.choices[0].token_ids) for r, o in zip(requests, outs))
+        return outs
+
+    requests = [sreq(f'x{i}', {'role': 'user', 'content': f'What is {i} + 1?'}) for i in range(2)]
+    executor = mtflow.Executor(AskAgain(tokenizer=engine.tokenizer), probe)
+    assert executor.accounting.name == 'swift46'
+    result = executor.run(requests)
+    assert result.ok
+    for uuid in ('x0', 'x1'):
+        turns = [(p, s) for u, p, s in seen if u == uuid]
+        assert len(turns) == 3 and all(p for p, _ in turns), 'the engine reports the exact prompt ids'
+        for (p0, s0), (p1, _) in zip(turns, turns[1:]):
+            assert p1[:len(p0) + len(s0)] == p0 + s0

@@ -1,0 +1,129 @@
+"""``mtflow check-tokens``: does this model and template generate every turn from the exact ids
+of the turns before it?
+
+::
+
+    mtflow check-tokens --model embedded
+    mtflow check-tokens --model ./my-model --template qwen3_think --template my_template.jinja
+    mtflow check-tokens --model ./my-model --policy both
+    mtflow check-tokens --model ./my-model --scheduler schedulers/guess_number.yaml --limit 4
+
+Runs the conformance scenarios (tool calls, thinking blocks, unicode, whitespace edges,
+truncated replies, continuation turns; ``mtflow.backends.conformance``), or a scheduler of yours
+over a dataset, through the backend (``hf`` by default; ``vllm`` too), once per template and
+policy, and prints a table of checks per template. Exit status 0 only if every check passed for
+every template (it fails closed: a run that checks nothing, a backend that cannot load, a
+template that fails, are failures).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, List
+
+from ..cli import CLIError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser('check-tokens', help='check that every turn is generated from the exact ids of the turns before',
+                       description='Run multi-turn conversations through a backend and check, per chat template, that '
+                       'each prompt extends the previous prompt + the sampled ids; exit 1 if any check fails.')
+    p.add_argument('--model', default='embedded', help="the model ('embedded', a directory, a .gguf file)")
+    p.add_argument('--backend', default='hf', choices=('hf', 'vllm'), help='the backend (default hf)')
+    p.add_argument('--template', action='append', default=[], metavar='NAME|FILE',
+                   help="a chat template: 'model' (the tokenizer's own, default), a bundled one (chatml, "
+                   "qwen3_think, llama3), 'bundled' (all of them) or a Jinja file; repeatable")
+    p.add_argument('--policy', default='exact', choices=('exact', 'rerender', 'both'),
+                   help='prefix policy for templates that rewrite earlier turns (default exact)')
+    p.add_argument('--scenario', action='append', default=[], metavar='NAME',
+                   help='run only these built-in scenarios (tool call, thinking, unicode, whitespace, truncated, '
+                   'continuation); repeatable')
+    p.add_argument('--scheduler', help="your scheduler instead of the built-in scenarios: a YAML file or "
+                   "'module:Class' / 'file.py:Class'")
+    p.add_argument('--dataset', help='JSONL prompts for --scheduler (default: the bundled set)')
+    p.add_argument('--limit', type=int, default=4, help='prompts for --scheduler (default 4)')
+    p.add_argument('--max-turns', type=int, default=4, help='turns per request for --scheduler (default 4)')
+    p.add_argument('--temperature', type=float, default=1.0, help='sampling temperature (default 1.0)')
+    p.add_argument('--seed', type=int, default=0, help='seed (default 0)')
+    p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
+                   help='a backend option (VALUE is YAML); repeatable')
+    p.set_defaults(func=main)
+
+
+def _templates(specs: List[str]) -> List[tuple]:
+    from ..backends.conformance import BUNDLED, resolve_template
+
+    names: List[str] = []
+    for spec in specs or ['model']:
+        names.extend(BUNDLED if spec == 'bundled' else [spec])
+    try:
+        return [resolve_template(n) for n in names]
+    except FileNotFoundError as exc:
+        raise CLIError(f'--template: {exc.strerror}: {exc.filename}') from None
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..backends import BackendError, make_backend
+    from ..backends.conformance import check_tokens, format_report
+    from .run import _parse_options, seed_everything
+
+    from ..backends.conformance import SCENARIOS
+
+    templates = _templates(args.template)
+    scenarios = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    unknown = sorted(set(args.scenario) - {s.name for s in SCENARIOS})
+    if unknown:
+        raise CLIError(f'--scenario: no scenario {", ".join(map(repr, unknown))}; '
+                       f'scenarios: {", ".join(s.name for s in SCENARIOS)}')
+    policies = ['exact', 'rerender'] if args.policy == 'both' else [args.policy]
+    seed_everything(args.seed)
+    options = _parse_options(args.option)
+    requests, make_scheduler = None, None
+    if args.scheduler:
+        from ..data import DatasetError, read_prompts
+        from ..run_config import RunConfig
+        from .run import scheduler_factory
+
+        cfg = RunConfig(scheduler=args.scheduler, dataset=args.dataset, limit=args.limit)
+        make_scheduler = scheduler_factory(cfg)
+        try:
+            requests = read_prompts(cfg.dataset_path(), limit=cfg.limit)
+        except DatasetError as exc:
+            raise CLIError(str(exc)) from None
+    console = Console()
+    failed = 0
+    backends: dict = {}
+    try:
+        for policy in policies:
+            try:
+                backend = make_backend(args.backend, model=args.model, seed=args.seed, prefix_policy=policy, **options)
+            except BackendError as exc:
+                raise CLIError(str(exc)) from None
+            backends[policy] = backend
+            for name, text in templates:
+                kwargs: dict = {'scenarios': scenarios}
+                if make_scheduler is not None:
+                    import copy
+
+                    kwargs = dict(scheduler=make_scheduler(backend.tokenizer), requests=copy.deepcopy(requests),
+                                  max_turns=args.max_turns)
+                try:
+                    report = check_tokens(backend, template=text, template_name=name, temperature=args.temperature,
+                                          seed=args.seed, **kwargs)
+                except BackendError as exc:
+                    console.print(f'[red]template {name}: {exc}[/red]')
+                    failed += 1
+                    continue
+                console.print(format_report(report))
+                for problem in report.problems[:10]:
+                    console.print(f'  [red]FAIL[/red] {problem}')
+                if len(report.problems) > 10:
+                    console.print(f'  ... and {len(report.problems) - 10} more')
+                failed += not report.ok
+    finally:
+        for backend in backends.values():
+            getattr(backend, 'close', lambda: None)()
+    total = len(templates) * len(policies)
+    console.print(f'{total - failed} of {total} template/policy runs passed every check')
+    return 1 if failed else 0
