@@ -31,11 +31,13 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize('mode, initialized, code', [('clean', False, 0), ('crash', True, 1)])
-def test_the_group_is_destroyed_at_a_clean_exit_only(tmp_path, mode, initialized, code):
+# A crashed rank keeps its group alive on purpose, so gloo's teardown abort (SIGABRT, -6: the very
+# failure a clean exit avoids) may replace the exit status 1 of the uncaught exception.
+@pytest.mark.parametrize('mode, initialized, codes', [('clean', False, (0, )), ('crash', True, (1, -6))])
+def test_the_group_is_destroyed_at_a_clean_exit_only(tmp_path, mode, initialized, codes):
     script = tmp_path / 'job.py'
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, str(script), mode], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={'PYTHONPATH': str(ROOT), 'PATH': '/usr/bin:/bin'})
-    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.returncode in codes, proc.stderr[-2000:]
     assert f'initialized at exit: {initialized}' in proc.stdout
