@@ -4,9 +4,10 @@
 ms-swift) are imported only by the backends and integrations that need them.
 """
 from .errors import (IllegalTransition, MtflowError, MultiTurnRolloutError, RequestError, RequestFailure,
-                     RolloutFnError, SchedulerResultError)
+                     RolloutFnError, RolloutInterrupted, SchedulerResultError, StepTimeout)
 from .executor import Executor, RunResult, identity_gather, run_multi_turn
 from .machine import StateGraph
+from .records import FinishedRequest
 from .protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
                        RolloutInferRequest, RolloutOutput, UsageInfo)
 from .scheduler import Scheduler
@@ -18,5 +19,6 @@ __all__ = [
     'Executor', 'RunResult', 'run_multi_turn', 'identity_gather', 'Scheduler', 'StateGraph', 'Trace', 'TraceEvent',
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
-    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', '__version__'
+    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
+    '__version__'
 ]

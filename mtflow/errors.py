@@ -38,6 +38,11 @@ class RolloutFnError(RequestError):
     """``rollout_fn`` failed or returned the wrong number or shape of outputs."""
 
 
+class StepTimeout(RequestError):
+    """A step or a ``rollout_fn`` call ran past its deadline (``step_timeout_s`` /
+    ``rollout_timeout_s``); the request finishes with reason ``timeout``."""
+
+
 @dataclass
 class RequestFailure:
     """One request that finished with reason ``error``: where, when and why."""
@@ -81,3 +86,20 @@ class MultiTurnRolloutError(MtflowError):
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+class RolloutInterrupted(KeyboardInterrupt):
+    """A ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` arrived inside :meth:`mtflow.Executor.run`.
+
+    It is a ``KeyboardInterrupt`` so that code which stops on Ctrl-C still stops, but nothing is
+    lost: ``.result`` is the :class:`mtflow.RunResult` so far, every request that had finished
+    with its output exactly as it would have been, the others with their partial outputs and
+    finish reason ``interrupted``. ``.cause`` is the original exception."""
+
+    def __init__(self, result: Any, cause: Optional[BaseException] = None) -> None:
+        self.result = result
+        self.cause = cause
+        done = 0 if result is None else sum(1 for r in result.finish_reasons if r != 'interrupted')
+        total = 0 if result is None else len(result.finish_reasons)
+        super().__init__(f'rollout interrupted: {done} of {total} request(s) had finished; '
+                         f'the others finished with reason interrupted (see .result)')

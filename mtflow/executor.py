@@ -31,16 +31,18 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
 from . import machine as M
 from . import trace as _trace
-from .errors import MultiTurnRolloutError, RequestFailure, RolloutFnError, SchedulerResultError
+from .errors import (MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted, SchedulerResultError)
 from .machine import RequestRecord
 from .protocol import RolloutOutput
+from .records import FinishedRequest
 from .scheduler import HookSet
 from .segments import ContractAccounting, checked_logprobs, is_continuation_of
-from .trace import Trace, TraceRecorder
+from .trace import Trace, TraceEvent, TraceRecorder
 
 RolloutFn = Callable[[List[Any], Any], Any]
 GatherFn = Callable[[List[bool]], List[bool]]
 OnError = Literal['raise', 'return']
+OnFinished = Callable[[FinishedRequest], None]
 
 _EMPTY: Dict[str, Any] = {}
 
@@ -69,6 +71,9 @@ class RunResult:
         self.failures = failures if failures is not None else []
         self.turns = turns  # loop iterations in which some rank had live requests
         self.rollout_fn_calls = rollout_fn_calls
+        #: requests handed back unfinished (reserved for partial rollouts, issue 14); the
+        #: lockstep executor finishes every request, so this is always empty here
+        self.unfinished: List[Any] = []
         self._recorder = recorder
         self._trace: Optional[Trace] = None
 
@@ -106,6 +111,17 @@ class Executor:
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
         accounting: how ids/masks/logprobs accumulate (default: the contract's rules).
+        on_finished: called once per request, in the driver's thread, the moment its output is
+            final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
+            raises becomes that request's failure (phase ``on_finished``), never swallowed.
+        step_timeout_s: the deadline of one ``step`` call (``None``: none). A step past it
+            finishes its request with reason ``timeout``.
+        rollout_timeout_s: the deadline of one ``rollout_fn`` call (``None``: none). A call past
+            it finishes the requests it served with reason ``timeout``.
+
+    A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
+    ``.result`` holds every output (finished ones unchanged, the others partial with reason
+    ``interrupted``).
     """
 
     def __init__(self,
@@ -119,9 +135,17 @@ class Executor:
                  on_error: OnError = 'raise',
                  rank: int = 0,
                  output_cls: Optional[type] = None,
-                 accounting: Any = None) -> None:
+                 accounting: Any = None,
+                 on_finished: Optional[OnFinished] = None,
+                 step_timeout_s: Optional[float] = 600.0,
+                 rollout_timeout_s: Optional[float] = None) -> None:
         if on_error not in ('raise', 'return'):
             raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
+        for name, value in (('step_timeout_s', step_timeout_s), ('rollout_timeout_s', rollout_timeout_s)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f'{name} must be None or a number of seconds > 0, not {value!r}')
+        if on_finished is not None and not callable(on_finished):
+            raise TypeError(f'on_finished must be callable, not {type(on_finished).__name__}')
         if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 0):
             raise ValueError(f'max_turns must be None or an int >= 0, not {max_turns!r}')
         self.scheduler = scheduler
@@ -136,6 +160,9 @@ class Executor:
         self.rank = rank
         self.output_cls = output_cls
         self.accounting = accounting if accounting is not None else _default_accounting(scheduler)
+        self.on_finished = on_finished
+        self.step_timeout_s = step_timeout_s
+        self.rollout_timeout_s = rollout_timeout_s
 
     # ---- entry points ------------------------------------------------------------------------
     def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
@@ -145,15 +172,37 @@ class Executor:
         Like ms-swift's loop, each request's ``messages`` are extended in place and, when
         ``requests`` is a list, its entries are replaced by the requests that steps return."""
         loop = asyncio.new_event_loop()
+        run = _Run(self, loop, requests, first_turn_outputs)
         try:
-            return _Run(self, loop, requests, first_turn_outputs).drive()
+            return run.drive()
+        except KeyboardInterrupt as exc:
+            raise RolloutInterrupted(run.interrupted(), exc) from exc
+        except SystemExit as exc:  # the process is leaving: finish everything, keep the exit
+            exc.result = run.interrupted()  # type: ignore[attr-defined]
+            raise
         finally:
-            loop.close()
+            _close_loop(loop)
 
     async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
         """:meth:`run` from inside a running event loop (server mode): the synchronous driver runs
         in a worker thread so that blocking engines and sync hooks never stall the caller's loop."""
         return await asyncio.to_thread(self.run, requests, first_turn_outputs)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel whatever an interrupt left pending on the private loop, then close it (no
+    "coroutine was never awaited" or "task was destroyed" noise)."""
+    try:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    except BaseException:  # pragma: no cover - a second interrupt while cleaning up
+        pass
+    finally:
+        loop.close()
 
 
 def _default_accounting(scheduler: Any) -> Any:
@@ -183,7 +232,12 @@ class _Run:
         self.recorder = TraceRecorder(ex.rank) if ex.tracing else None
         if self.recorder is not None:
             self.recorder.uuids = [r.uuid for r in self.records]
+            if ex.on_finished is not None:
+                for rec in self.records:
+                    rec.events = []
         self.raw = self.recorder.raw if self.recorder is not None else None
+        self.turn = 1
+        self.cleaning_up = False  # an interrupt arrived: no more user hooks after a second one
         self.table = ex.graph.table
         self.rollout_calls = 0
         if ex.output_cls is not None:
@@ -203,23 +257,27 @@ class _Run:
         rec.state = dst
         raw = self.raw
         if raw is not None:
-            raw.append((rec.index, turn, src, dst, trigger, rec.reason if dst == M.FINISHED else None, tokens,
-                        duration, perf_counter() - self.recorder.t0, extra))
+            event = (rec.index, turn, src, dst, trigger, rec.reason if dst == M.FINISHED else None, tokens, duration,
+                     perf_counter() - self.recorder.t0, extra)
+            raw.append(event)
+            if rec.events is not None:
+                rec.events.append(event)
 
     def enter_wait(self, rec: RequestRecord, turn: int, duration: Optional[float] = None,
                    extra: Optional[dict] = None) -> None:
         trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
         self.move(rec, trigger, turn, duration=duration, extra=extra)
 
-    def fail(self, rec: RequestRecord, turn: int, phase: str, exc: BaseException, tokens: Optional[int] = None) -> None:
+    def fail(self, rec: RequestRecord, turn: int, phase: str, exc: BaseException, tokens: Optional[int] = None,
+             reason: str = M.ERROR) -> None:
         failure = RequestFailure(rec.index, rec.uuid, turn, phase, exc,
                                  ''.join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
         self.failures.append(failure)
         rec.error = failure
-        rec.reason = M.ERROR
-        self.move(rec, M.FAIL, turn, tokens=tokens, extra={'error': failure.to_dict()})
+        rec.reason = reason
         rec.turns = turn
-        rec.output = self.build_output(rec, turn)
+        rec.output = self.finalized_output(rec, turn)
+        self.move(rec, M.FAIL, turn, tokens=tokens, extra={'error': failure.to_dict()})
         self.notify_finished(rec, turn)
 
     def finish(self, rec: RequestRecord, choice: Any, turn_result: Dict[str, Any], reason: str, turn: int,
@@ -230,47 +288,109 @@ class _Run:
             self.fail(rec, turn, 'finalize', exc, tokens)
             return
         rec.reason = reason
-        self.move(rec, M.FINISH, turn, tokens=tokens)
         rec.turns = turn
-        rec.output = self.build_output(rec, turn)
+        try:
+            rec.output = self.finalized_output(rec, turn, strict=True)
+        except _OutputFailed as failed:  # the output cannot be built, or finalize_output failed
+            self.fail(rec, turn, failed.phase, failed.exc, tokens)
+            return
+        self.move(rec, M.FINISH, turn, tokens=tokens)
         self.notify_finished(rec, turn)
 
+    def interrupted(self) -> RunResult:
+        """Finish every request still live with reason ``interrupted`` (partial outputs), and
+        return the result so far; finished requests keep their outputs untouched."""
+        self.cleaning_up = True
+        for rec in self.records:
+            if rec.state == M.FINISHED:
+                continue
+            rec.reason = M.INTERRUPTED
+            try:
+                rec.output = self.finalized_output(rec, rec.turns)
+            except BaseException:  # pragma: no cover - a second interrupt: keep what can be built
+                rec.output = RolloutOutput.model_construct(messages=getattr(rec.request, 'messages', None))
+            self.move(rec, M.INTERRUPT, rec.turns)
+            self.notify_finished(rec, rec.turns)
+        return self.result(self.loops, raise_failures=False)
+
     # ---- outputs -----------------------------------------------------------------------------
-    def build_output(self, rec: RequestRecord, turn: int) -> Any:
+    def finalized_output(self, rec: RequestRecord, turn: int, strict: bool = False) -> Any:
+        """The request's output, passed through the scheduler's ``finalize_output`` hook.
+
+        ``strict`` (a normal finish): a failure raises :class:`_OutputFailed` so that the caller
+        fails the request instead; otherwise (already failing, interrupted) the output without
+        the hook's change is kept and the hook's failure recorded."""
+        output = self.build_output(rec, turn, strict=strict)
+        hook = self.ex.hooks.finalize_output
+        if hook is None:
+            return output
+        try:
+            replaced = hook(output, rec.reason, turn)
+            if inspect.isawaitable(replaced):
+                replaced = self.loop.run_until_complete(replaced)
+        except Exception as exc:
+            if strict:
+                raise _OutputFailed('finalize_output', exc) from exc
+            if rec.error is None or rec.error.phase != 'finalize_output':  # not the same failure twice
+                self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'finalize_output', exc,
+                                                    _traceback.format_exc()))
+            return output
+        return output if replaced is None else replaced
+
+    def build_output(self, rec: RequestRecord, turn: int, strict: bool = False) -> Any:
         infos = {**rec.infos, 'num_turns': turn}
         if rec.error is not None:
             infos['mtflow_error'] = rec.error.to_dict()
+        try:
+            logprobs = checked_logprobs(rec)
+        except Exception as exc:  # segments that cannot be summed: never a crash of the batch
+            if strict:
+                raise _OutputFailed('output', SchedulerResultError(
+                    f'cannot check the logprob segments: {exc}', uuid=rec.uuid, turn=turn, field='rollout_logprobs'))
+            logprobs = []
         fields = dict(
             response=rec.response,
-            messages=rec.request.messages,
+            messages=getattr(rec.request, 'messages', None),
             response_token_ids=rec.ids,
             response_loss_mask=rec.mask,
             rollout_infos=infos,
-            rollout_logprobs=checked_logprobs(rec))
+            rollout_logprobs=logprobs)
         try:
             return self.output_cls(**fields)
         except Exception as exc:  # e.g. ms-swift's class requires a response the request never got
-            if rec.error is None:
-                rec.output = RolloutOutput.model_construct(**fields)
-                self.fail(rec, turn, 'output', SchedulerResultError(
-                    f'cannot build {self.output_cls.__name__}: {exc}', uuid=rec.uuid, turn=turn, field='output'))
-                return rec.output
+            if strict:
+                raise _OutputFailed('output', SchedulerResultError(
+                    f'cannot build {self.output_cls.__name__}: {exc}', uuid=rec.uuid, turn=turn,
+                    field='output')) from exc
             try:
                 return RolloutOutput(**fields)
             except Exception:
                 return RolloutOutput.model_construct(**fields)
 
     def notify_finished(self, rec: RequestRecord, turn: int) -> None:
+        """The request's output is final: ``on_request_finished`` (the scheduler's), then
+        ``on_finished`` (the caller's). Their failures are recorded, never swallowed."""
         hook = self.ex.hooks.on_request_finished
-        if hook is None:
-            return
-        try:
-            result = hook(rec.request, rec.reason, turn)
-            if inspect.isawaitable(result):
-                self.loop.run_until_complete(result)
-        except Exception as exc:
-            self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'on_request_finished', exc,
-                                                _traceback.format_exc()))
+        if hook is not None:
+            try:
+                result = hook(rec.request, rec.reason, turn)
+                if inspect.isawaitable(result):
+                    self.loop.run_until_complete(result)
+            except Exception as exc:
+                self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'on_request_finished', exc,
+                                                    _traceback.format_exc()))
+        on_finished = self.ex.on_finished
+        if on_finished is not None:
+            events = []
+            if rec.events is not None:
+                uuid, rank = rec.uuid, self.ex.rank
+                events = [TraceEvent(uuid, i, rank, t, src, dst, trig, reason, tokens, dur, ts, extra)
+                          for (i, t, src, dst, trig, reason, tokens, dur, ts, extra) in rec.events]
+            try:
+                on_finished(FinishedRequest(rec.index, rec.uuid, rec.output, rec.reason, rec.error, events))
+            except Exception as exc:
+                self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'on_finished', exc,
+                                                    _traceback.format_exc()))
 
     # ---- the loop ----------------------------------------------------------------------------
     def call_rollout(self, live: List[RequestRecord], turn: int) -> List[Any]:
@@ -313,7 +433,7 @@ class _Run:
                 self.enter_wait(rec, turn)
             outputs = list(self.first)
 
-        loops = 0
+        self.loops = loops = 0
         step, step_async = hooks.step, hooks.step_is_async
         on_turn_end, check = hooks.on_turn_end, hooks.check_finished
         default_max = hooks.default_max_turns
@@ -323,6 +443,7 @@ class _Run:
             if not any(ex.gather_fn([has_local])):
                 break
             loops += 1
+            self.loops, self.turn = loops, turn
             if len(outputs) != len(live):
                 err = RolloutFnError(f'rollout_fn returned {len(outputs)} output(s) for {len(live)} request(s)',
                                      turn=turn, field='outputs')
@@ -338,6 +459,7 @@ class _Run:
                     choice = response.choices[0]
                     rec.response = response
                     rec.is_continuation = accounting.append_completion(rec, choice.message.content)
+                    rec.turns = turn
                 except Exception as exc:
                     self.fail(rec, turn, 'apply', RolloutFnError(
                         f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid, turn=turn,
@@ -477,7 +599,7 @@ class _Run:
         self.enter_wait(rec, turn, duration=duration, extra=result.get('trace_info'))
         next_live.append(rec)
 
-    def result(self, loops: int) -> RunResult:
+    def result(self, loops: int, raise_failures: bool = True) -> RunResult:
         records = self.records
         unfinished = [r for r in records if r.state != M.FINISHED]
         for rec in unfinished:  # cannot happen unless a rank's gather_fn lies; never lose them silently
@@ -491,9 +613,17 @@ class _Run:
             rollout_fn_calls=self.rollout_calls)
         if self.recorder is not None and _trace.has_listeners():
             _trace.publish(result.trace)
-        if self.failures and self.ex.on_error == 'raise':
+        if raise_failures and self.failures and self.ex.on_error == 'raise':
             raise MultiTurnRolloutError(self.failures, result.outputs, result)
         return result
+
+
+class _OutputFailed(Exception):
+    """Building a finishing request's output failed (phase ``output`` or ``finalize_output``)."""
+
+    def __init__(self, phase: str, exc: BaseException) -> None:
+        super().__init__(phase)
+        self.phase, self.exc = phase, exc
 
 
 class _Raised:
@@ -532,7 +662,9 @@ def run_multi_turn(requests: List[Any],
                    gather_fn: GatherFn = identity_gather,
                    *,
                    trace: bool = True,
-                   on_error: OnError = 'raise') -> List[Any]:
+                   on_error: OnError = 'raise',
+                   step_timeout_s: Optional[float] = 600.0,
+                   rollout_timeout_s: Optional[float] = None) -> List[Any]:
     """Drop-in for ms-swift's ``run_multi_turn``: same arguments, same outputs, field for field.
 
     Returns one output per request, in input order, built with the class of
@@ -546,5 +678,7 @@ def run_multi_turn(requests: List[Any],
         max_turns=max_turns,
         gather_fn=gather_fn,
         trace=trace,
-        on_error=on_error)
+        on_error=on_error,
+        step_timeout_s=step_timeout_s,
+        rollout_timeout_s=rollout_timeout_s)
     return ex.run(requests, first_turn_outputs).outputs

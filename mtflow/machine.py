@@ -30,7 +30,8 @@ GENERATE = 'generate'  # the next request adds a message: a new assistant messag
 CONTINUE = 'continue_message'  # the next request ends with an assistant message: continue it
 RUN_STEP = 'run_step'  # the output is applied and the request goes on: the scheduler's step runs
 FINISH = 'finish'  # the output is applied and the request stops
-FAIL = 'fail'  # a hook, a step or rollout_fn failed for this request
+FAIL = 'fail'  # a hook, a step or rollout_fn failed (or missed its deadline) for this request
+INTERRUPT = 'interrupt'  # the run was interrupted (Ctrl-C) before this request finished
 
 # Finish reasons (a stop rule of a declarative scheduler adds ``stop_rule:<name>``).
 DONE_BY_HOOK = 'done_by_hook'
@@ -38,8 +39,38 @@ CHECK_FINISHED = 'check_finished'
 MAX_TURNS = 'max_turns'
 LENGTH = 'length'
 ERROR = 'error'
-FINISH_REASONS: Tuple[str, ...] = (DONE_BY_HOOK, CHECK_FINISHED, MAX_TURNS, LENGTH, ERROR)
+TIMEOUT = 'timeout'
+INTERRUPTED = 'interrupted'
+
+#: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
+#: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
+#: ``when`` is its documentation (``docs/state-machine.md`` is checked against it). Adding a
+#: finish reason is one line here.
+FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
+    (DONE_BY_HOOK, 'ok', '`on_turn_end` returned a truthy `done` (a hook may name its own reason with the mtflow '
+     'extension key `finish_reason`, e.g. a YAML stop rule\'s `stop_rule:<name>`)'),
+    (CHECK_FINISHED, 'ok', 'the scheduler\'s own `check_finished` returned true (and `on_turn_end` had no `done` key)'),
+    (MAX_TURNS, 'limit', 'a turn bound was reached: the executor\'s `max_turns`, the scheduler\'s own `max_turns`, '
+     'or the safety cap of a run with no bound'),
+    (LENGTH, 'limit', 'the default `check_finished` stopped because the output\'s `finish_reason` was `\'length\'`'),
+    (ERROR, 'error', 'the request failed; the failure (phase, turn, exception) is kept, see `docs/executor.md`'),
+    (TIMEOUT, 'error', 'a step ran past `step_timeout_s`, or the `rollout_fn` call serving it past `rollout_timeout_s`'),
+    (INTERRUPTED, 'limit', 'the run was interrupted (Ctrl-C, `SystemExit`) before the request finished; '
+     '`RolloutInterrupted.result` holds its partial output'),
+)
+FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
+FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')
 STOP_RULE_PREFIX = 'stop_rule:'
+_REASON_KINDS: Dict[str, str] = {row[0]: row[1] for row in FINISH_REASON_TABLE}
+
+
+def reason_kind(reason: Optional[str]) -> str:
+    """``'ok'``, ``'limit'`` or ``'error'`` for a finish reason (``stop_rule:*`` and any reason a
+    scheduler adds are ``'ok'``), ``'none'`` for ``None`` (not finished)."""
+    if reason is None:
+        return 'none'
+    return _REASON_KINDS.get(reason, 'ok')
+
 
 #: The core declaration, in ``transitions``' own format.
 CORE_TRANSITIONS: List[Dict[str, Any]] = [
@@ -48,6 +79,7 @@ CORE_TRANSITIONS: List[Dict[str, Any]] = [
     {'trigger': RUN_STEP, 'source': [GENERATING, CONTINUING], 'dest': TOOL_STEP},
     {'trigger': FINISH, 'source': [GENERATING, CONTINUING], 'dest': FINISHED},
     {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
+    {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
 ]
 
 
@@ -115,7 +147,7 @@ class RequestRecord:
     ``response_loss_mask`` and ``rollout_logprobs``; ``infos`` becomes ``rollout_infos``.
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
-                 'infos', 'response', 'output', 'error')
+                 'infos', 'response', 'output', 'error', 'events')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -132,6 +164,7 @@ class RequestRecord:
         self.response: Any = None
         self.output: Any = None
         self.error: Any = None
+        self.events: Optional[list] = None  # this request's raw trace events (kept only for on_finished)
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

@@ -65,7 +65,14 @@ class Scheduler:
 
     def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         """mtflow extension: called once for every request when it finishes, on every path
-        (stop, ``max_turns``, error), e.g. to close an environment. Sync or async."""
+        (stop, ``max_turns``, error, timeout, interrupted), e.g. to close an environment. Sync or async."""
+        return None
+
+    def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
+        """mtflow extension: called once per request right after its output is built, before
+        ``on_request_finished``; return a replacement output, or ``None`` to keep it (e.g. a
+        finish-reason policy that edits ``rollout_infos``). Sync or async. A failure in it fails
+        that request only."""
         return None
 
 
@@ -113,6 +120,10 @@ class HookSet:
 
         start = getattr(scheduler, 'on_trajectory_start', None)
         self.on_trajectory_start = None if start is None or _is_base_impl(start, 'on_trajectory_start') else start
+
+        finalize = getattr(scheduler, 'finalize_output', None)
+        self.finalize_output: Optional[Callable[..., Any]] = (
+            None if finalize is None or _is_base_impl(finalize, 'finalize_output') else finalize)
 
         finished = getattr(scheduler, 'on_request_finished', None)
         self.on_request_finished = None if finished is None or _is_base_impl(finished,
