@@ -1,0 +1,212 @@
+"""A long-tailed multi-turn workload on a simulated continuous-batching engine.
+
+Used by ``benchmarks/async_longtail.py`` (lockstep against async) and by the async executor's
+tests (a backend whose reply depends only on the request, so both modes must give the same
+outputs).
+
+**Engine** (:class:`SimEngine`): a continuous-batching decoder with ``slots`` sequences in flight
+and a fixed time per decode step (``decode_s``: every running sequence gains one token per step,
+whatever the batch size, as on a memory-bound GPU). A request waits for a free slot, then needs
+``n`` steps. A batch call (lockstep) ends when its longest sequence does; a single-request call
+(async) ends when its own does. The engine is event driven (it sleeps until the next sequence
+finishes or a new one arrives, and accounts for the real time that passed), so it costs a few
+microseconds per request, not per token.
+
+**Workload** (:class:`Workload`): request ``i`` has 2-7 turns; each reply's length and each tool
+call's latency are drawn from a mixture (lognormal body, and one in ten 10-100x longer) with a
+generator seeded by ``(seed, uuid, turn)``: the same request gets the same replies and tool
+times in every run and in either mode.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional
+
+from mtflow import RolloutInferRequest, Scheduler
+from mtflow.protocol import RolloutOutput, make_choice, make_response
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The long-tail shape: reply lengths in tokens, tool latencies in seconds, turns per request."""
+    seed: int = 0
+    min_turns: int = 2
+    max_turns: int = 7
+    reply_median: float = 24.0  # tokens
+    reply_sigma: float = 0.5
+    tool_median_s: float = 0.010
+    tool_sigma: float = 0.5
+    tail_p: float = 0.1  # one reply (one tool call) in ten ...
+    tail_min: float = 10.0  # ... is 10-100x longer (slower)
+    tail_max: float = 100.0
+    max_reply: int = 4096
+
+    def _rng(self, *key: Any) -> random.Random:
+        return random.Random(zlib.crc32(repr((self.seed, ) + key).encode()))
+
+    def _mixture(self, rng: random.Random, median: float, sigma: float) -> float:
+        body = median * math.exp(rng.gauss(0.0, sigma))
+        if rng.random() < self.tail_p:
+            body *= rng.uniform(self.tail_min, self.tail_max)
+        return body
+
+    def turns(self, uuid: str) -> int:
+        return self._rng('turns', uuid).randint(self.min_turns, self.max_turns)
+
+    def reply_tokens(self, uuid: str, turn: int) -> int:
+        n = self._mixture(self._rng('reply', uuid, turn), self.reply_median, self.reply_sigma)
+        return max(1, min(self.max_reply, int(round(n))))
+
+    def tool_s(self, uuid: str, turn: int) -> float:
+        return self._mixture(self._rng('tool', uuid, turn), self.tool_median_s, self.tool_sigma)
+
+    def requests(self, n: int) -> List[RolloutInferRequest]:
+        return [RolloutInferRequest(messages=[{'role': 'user', 'content': f'task {i}'}], uuid=f'r{i:04d}')
+                for i in range(n)]
+
+    def own_work_s(self, uuid: str, decode_s: float) -> float:
+        """The request's own work: its replies' decode time and its tools' latency, nothing else."""
+        t = self.turns(uuid)
+        return sum(self.reply_tokens(uuid, k) * decode_s for k in range(1, t + 1)) + sum(
+            self.tool_s(uuid, k) for k in range(1, t))
+
+    def total_tokens(self, uuids: List[str]) -> int:
+        return sum(self.reply_tokens(u, k) for u in uuids for k in range(1, self.turns(u) + 1))
+
+
+class _Core:
+    """The engine's state on one event loop."""
+
+    def __init__(self, decode_s: float, slots: int) -> None:
+        self.decode_s, self.slots = decode_s, slots
+        self.waiting: Deque[list] = deque()
+        self.active: List[list] = []  # [remaining steps, future]
+        self.wake = asyncio.Event()
+        self.task: Optional[asyncio.Task] = None
+        self.max_active = 0
+
+    async def generate(self, steps: int) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append([float(steps), fut])
+        self.wake.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        await fut
+
+    async def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            now = time.perf_counter()
+            progressed = (now - last) / self.decode_s
+            last = now
+            still = []
+            for seq in self.active:
+                seq[0] -= progressed
+                if seq[0] <= 1e-6:
+                    if not seq[1].done():
+                        seq[1].set_result(None)
+                else:
+                    still.append(seq)
+            self.active = still
+            while self.waiting and len(self.active) < self.slots:
+                seq = self.waiting.popleft()
+                if not seq[1].cancelled():
+                    self.active.append(seq)
+            self.max_active = max(self.max_active, len(self.active))
+            self.active = [s for s in self.active if not s[1].cancelled()]
+            self.wake.clear()
+            if not self.active:
+                if not self.waiting:
+                    await self.wake.wait()
+                last = time.perf_counter()
+                continue
+            timeout = min(s[0] for s in self.active) * self.decode_s
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+
+class SimEngine:
+    """A ``rollout_fn`` (async) over the simulated engine: the reply to a request depends only
+    on the request (its uuid and how many assistant messages it already has), never on timing.
+
+    Works in both modes: lockstep awaits one call per turn (it ends with its longest sequence),
+    async mode one call per request. One engine state per event loop (each executor run has its
+    own loop)."""
+
+    def __init__(self, workload: Workload, decode_s: float = 0.0005, slots: int = 256) -> None:
+        self.workload, self.decode_s, self.slots = workload, decode_s, slots
+        self._cores: Dict[int, _Core] = {}
+        self.calls: List[int] = []  # requests per call
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def core(self) -> _Core:
+        loop = asyncio.get_running_loop()
+        core = self._cores.get(id(loop))
+        if core is None or core.wake is None:
+            core = self._cores[id(loop)] = _Core(self.decode_s, self.slots)
+        return core
+
+    def reply(self, request: Any) -> RolloutOutput:
+        uuid = str(request.uuid)
+        turn = 1 + sum(1 for m in request.messages if m.get('role') == 'assistant')
+        n = self.workload.reply_tokens(uuid, turn)
+        base = zlib.crc32(f'{uuid}/{turn}'.encode())
+        ids = [(base + 7 * k) % 50000 for k in range(n)]
+        logprobs = [-((base + k) % 97) / 97.0 for k in range(n)]
+        choice = make_choice(f'{uuid} turn {turn}: {n} tokens', token_ids=ids, logprobs=logprobs, finish_reason='stop')
+        return RolloutOutput(response=make_response(choice, model='sim'))
+
+    async def __call__(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
+        if not requests:
+            return []
+        self.calls.append(len(requests))
+        self.in_flight += len(requests)
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            core = self.core()
+            steps = [self.workload.reply_tokens(str(r.uuid), 1 + sum(1 for m in r.messages
+                                                                     if m.get('role') == 'assistant'))
+                     for r in requests]
+            await asyncio.gather(*(core.generate(n) for n in steps))
+            return [self.reply(r) for r in requests]
+        finally:
+            self.in_flight -= len(requests)
+
+
+class LongTailScheduler(Scheduler):
+    """Each request stops after its own number of turns; each step is a tool call of the
+    workload's latency (``asyncio.sleep``: I/O-bound), whose observation is masked out."""
+
+    def __init__(self, workload: Workload, tool_sleep: bool = True) -> None:
+        super().__init__()
+        self.workload = workload
+        self.tool_sleep = tool_sleep
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        return current_turn >= self.workload.turns(str(infer_request.uuid))
+
+    async def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
+        uuid = str(infer_request.uuid)
+        latency = self.workload.tool_s(uuid, current_turn)
+        if self.tool_sleep:
+            await asyncio.sleep(latency)
+        observation = f'observation {current_turn} after {latency * 1000:.1f} ms'
+        infer_request.messages.append({'role': 'tool', 'content': observation})
+        tool_ids = [zlib.crc32(observation.encode()) % 50000 + k for k in range(4)]
+        ids = list(response_choice.token_ids or []) + tool_ids
+        return {
+            'infer_request': infer_request,
+            'response_token_ids': ids,
+            'response_loss_mask': [1] * (len(ids) - 4) + [0] * 4,
+            'rollout_infos': {'tool_ms': round(latency * 1000, 3)},
+            'trace_info': {'tool_calls': ['wait']},
+        }
