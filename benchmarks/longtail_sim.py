@@ -32,6 +32,9 @@ from mtflow import RolloutInferRequest, Scheduler
 from mtflow.protocol import RolloutOutput, make_choice, make_response
 
 
+_CACHE: Dict[Any, Dict[tuple, Any]] = {}  # drawn values per workload: the same draws, computed once
+
+
 @dataclass(frozen=True)
 class Workload:
     """The long-tail shape: reply lengths in tokens, tool latencies in seconds, turns per request."""
@@ -56,15 +59,27 @@ class Workload:
             body *= rng.uniform(self.tail_min, self.tail_max)
         return body
 
+    def _cached(self, key: tuple, make: Any) -> Any:
+        cache = _CACHE.setdefault(self, {})
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = make()
+        return value
+
     def turns(self, uuid: str) -> int:
-        return self._rng('turns', uuid).randint(self.min_turns, self.max_turns)
+        return self._cached(('turns', uuid),
+                            lambda: self._rng('turns', uuid).randint(self.min_turns, self.max_turns))
 
     def reply_tokens(self, uuid: str, turn: int) -> int:
-        n = self._mixture(self._rng('reply', uuid, turn), self.reply_median, self.reply_sigma)
-        return max(1, min(self.max_reply, int(round(n))))
+        def make() -> int:
+            n = self._mixture(self._rng('reply', uuid, turn), self.reply_median, self.reply_sigma)
+            return max(1, min(self.max_reply, int(round(n))))
+
+        return self._cached(('reply', uuid, turn), make)
 
     def tool_s(self, uuid: str, turn: int) -> float:
-        return self._mixture(self._rng('tool', uuid, turn), self.tool_median_s, self.tool_sigma)
+        return self._cached(('tool', uuid, turn),
+                            lambda: self._mixture(self._rng('tool', uuid, turn), self.tool_median_s, self.tool_sigma))
 
     def requests(self, n: int) -> List[RolloutInferRequest]:
         return [RolloutInferRequest(messages=[{'role': 'user', 'content': f'task {i}'}], uuid=f'r{i:04d}')
@@ -157,7 +172,7 @@ class SimEngine:
 
     def reply(self, request: Any) -> RolloutOutput:
         uuid = str(request.uuid)
-        turn = 1 + sum(1 for m in request.messages if m.get('role') == 'assistant')
+        turn = _turn_of(request)
         n = self.workload.reply_tokens(uuid, turn)
         base = zlib.crc32(f'{uuid}/{turn}'.encode())
         ids = [(base + 7 * k) % 50000 for k in range(n)]
@@ -173,13 +188,19 @@ class SimEngine:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             core = self.core()
-            steps = [self.workload.reply_tokens(str(r.uuid), 1 + sum(1 for m in r.messages
-                                                                     if m.get('role') == 'assistant'))
-                     for r in requests]
-            await asyncio.gather(*(core.generate(n) for n in steps))
+            steps = [self.workload.reply_tokens(str(r.uuid), _turn_of(r)) for r in requests]
+            if len(steps) == 1:
+                await core.generate(steps[0])
+            else:
+                await asyncio.gather(*(core.generate(n) for n in steps))
             return [self.reply(r) for r in requests]
         finally:
             self.in_flight -= len(requests)
+
+
+def _turn_of(request: Any) -> int:
+    """The turn a request's next reply belongs to: one more than its assistant messages."""
+    return 1 + sum(1 for m in request.messages if m.get('role') == 'assistant')
 
 
 class LongTailScheduler(Scheduler):
@@ -187,7 +208,7 @@ class LongTailScheduler(Scheduler):
     workload's latency (``asyncio.sleep``: I/O-bound), whose observation is masked out."""
 
     def __init__(self, workload: Workload, tool_sleep: bool = True) -> None:
-        super().__init__()
+        super().__init__(max_turns=workload.max_turns)
         self.workload = workload
         self.tool_sleep = tool_sleep
 
