@@ -1,53 +1,78 @@
-"""The batch executor: advances every request's state machine one turn at a time.
+"""The batch executor: the declared state graph drives every request, one lockstep turn at a time.
 
 One turn (see ``docs/executor.md``):
 
 1. ask every rank whether any has live requests (``gather_fn``); stop when none has;
-2. apply this turn's outputs to the live requests (messages and, on stop, token segments);
-3. run ``on_turn_end`` for all of them (async ones gathered), then decide for each: finish, or
-   enter ``tool_step``;
-4. run the steps (async ones concurrently, sync ones in request order), then each request moves
-   to ``generating`` or ``continuing``;
-5. call ``rollout_fn`` once with the requests that go on (``[]`` on a rank with nothing live
-   while another rank works), so every rank calls it the same number of times.
+2. the graph dispatches: for each phase of :data:`mtflow.machine.TURN_PHASES`, the handler of
+   that phase takes the requests in its states and returns their moves (:class:`Move`):
+   ``waiting`` (``generating``/``continuing``) applies the outputs, runs ``on_turn_end`` and
+   the stop decision (:func:`mtflow.stop.decide_stop`) -> ``finish`` / ``run_step`` / ``fail``;
+   ``tool_step`` runs the steps -> ``generate`` / ``continue_message`` / ``fail``;
+   :meth:`BatchRun.apply` carries the moves out through :meth:`StateGraph.move`, which also
+   records the trace;
+3. ``rollout_fn`` once, with the requests that go on (``[]`` on a rank with nothing live while
+   another rank works), so every rank calls it the same number of times.
 
-The driver loop itself is synchronous, like ms-swift's: ``rollout_fn``, ``step`` and
-``check_finished`` run outside any event loop (engines that start their own loop keep working),
-and only async hooks are driven on a private event loop.
+The driver is synchronous, like ms-swift's: ``rollout_fn`` and sync hooks run outside any event
+loop (engines that start their own loop keep working); async hooks are driven directly and, if
+they suspend, on a private event loop (:mod:`mtflow.calls`). Every step has a deadline.
 
-A failure in one request (a hook or step raising, a bad step result, a bad output) finishes that
-request with reason ``error``; the others go on, every rank stays in step, and the failures are
-raised together at the end (``on_error='raise'``, with every output attached) or returned
-(``on_error='return'``).
+A failure in one request (a hook or step raising or missing its deadline, a bad result, a bad
+output) finishes that request (reason ``error`` or ``timeout``); the others go on, every rank
+stays in step, and the failures are raised together at the end (``on_error='raise'``, with every
+output attached) or returned (``on_error='return'``). A ``KeyboardInterrupt`` raises
+:class:`mtflow.RolloutInterrupted` carrying every output.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import traceback as _traceback
+import warnings
 from collections import Counter
-from time import perf_counter
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
 from . import machine as M
 from . import trace as _trace
-from .errors import (MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted, SchedulerResultError)
-from .machine import RequestRecord
+from . import validate as V
+from .calls import OK, RAISED, TIMED_OUT, Caller, Outcome
+from .errors import (MtflowError, MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted,
+                     SchedulerResultError, StepTimeout)
+from .machine import RequestRecord, StateGraph
 from .protocol import RolloutOutput
-from .records import FinishedRequest
+from .records import FinishedRequest, Move
 from .scheduler import HookSet
-from .segments import ContractAccounting, checked_logprobs, is_continuation_of
+from .segments import accounting_for, checked_logprobs, is_continuation_of
+from .stop import decide_stop, default_check
 from .trace import Trace, TraceEvent, TraceRecorder
+from .types import Accounting, GatherFn, RolloutFn, SchedulerLike
 
-RolloutFn = Callable[[List[Any], Any], Any]
-GatherFn = Callable[[List[bool]], List[bool]]
 OnError = Literal['raise', 'return']
 OnFinished = Callable[[FinishedRequest], None]
 
-_EMPTY: Dict[str, Any] = {}
+#: the safety cap on turns of a run that has no bound anywhere (``Executor(turn_cap=...)``)
+DEFAULT_TURN_CAP = 1000
+
+__all__ = ['Executor', 'RunResult', 'BatchRun', 'RankMismatchError', 'DuplicateUuidError', 'run_multi_turn',
+           'identity_gather', 'DEFAULT_TURN_CAP']
 
 
-def identity_gather(values: List[bool]) -> List[bool]:
+class RankMismatchError(MtflowError):
+    """Ranks that must see the same live set (``Executor(check_ranks=True)``) disagree: raised
+    on every rank, at the same turn, instead of hanging in the engine's next collective.
+    ``.result`` is this rank's :class:`RunResult` (the live requests failed with this error)."""
+
+    def __init__(self, message: str, turn: int, ranks: List[int], result: Any = None) -> None:
+        super().__init__(message)
+        self.turn, self.ranks, self.result = turn, ranks, result
+
+
+class DuplicateUuidError(MtflowError, ValueError):
+    """Two requests of one batch share a ``uuid`` (schedulers key per-request state by it)."""
+
+
+def identity_gather(values: List[Any]) -> List[Any]:
     """The single-process ``gather_fn``: every rank's contribution is this rank's."""
     return list(values)
 
@@ -92,17 +117,24 @@ class RunResult:
                 f'failures={len(self.failures)}, turns={self.turns}, rollout_fn_calls={self.rollout_fn_calls})')
 
 
+def _timeout_arg(name: str, value: Any) -> Optional[float]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f'{name} must be None or a number of seconds > 0, not {value!r}')
+    return value
+
+
 class Executor:
     """Runs a scheduler over a batch of requests with ``rollout_fn`` as the model.
 
     Args:
         scheduler: an :class:`mtflow.Scheduler`, an ms-swift ``MultiTurnScheduler``, or any object
             with ``step`` (and optionally ``check_finished``, ``on_turn_end``,
-            ``on_trajectory_start``, ``on_request_finished``), each sync or async.
+            ``on_trajectory_start``, ``on_trajectory_end``, ``on_request_finished``,
+            ``finalize_output``), each sync or async.
         rollout_fn: ``rollout_fn(requests, request_config) -> outputs`` (one per request, same
             order; may return an awaitable).
         request_config: passed to every ``rollout_fn`` call.
-        max_turns: stop every request at this turn; ``None`` or ``0``: unlimited.
+        max_turns: stop every request at this turn; ``None`` or ``0``: no bound of its own.
         gather_fn: accelerate's ``gather_object`` convention (list in, concatenation out).
         trace: record every transition (``Executor.run`` returns it); ``False`` turns it off.
         on_error: ``'raise'`` one :class:`MultiTurnRolloutError` at the end if any request failed
@@ -110,14 +142,35 @@ class Executor:
         rank: written into trace events.
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
-        accounting: how ids/masks/logprobs accumulate (default: the contract's rules).
+        accounting: how ids/masks/logprobs accumulate (default: the contract's rules, or one an
+            integration registered for this kind of scheduler, see
+            :func:`mtflow.segments.register_accounting`).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
             raises becomes that request's failure (phase ``on_finished``), never swallowed.
-        step_timeout_s: the deadline of one ``step`` call (``None``: none). A step past it
-            finishes its request with reason ``timeout``.
-        rollout_timeout_s: the deadline of one ``rollout_fn`` call (``None``: none). A call past
-            it finishes the requests it served with reason ``timeout``.
+        step_timeout_s: the deadline of each ``step``, ``on_turn_end``, async ``check_finished``
+            and ``on_trajectory_start`` call (``None``: none). Past it the request finishes with
+            reason ``timeout``: an async call is cancelled, a sync call's thread is abandoned as
+            a daemon (sync calls run in a worker thread when a deadline is set).
+        rollout_timeout_s: the deadline of one ``rollout_fn`` call (``None``: none, and
+            ``rollout_fn`` runs in the driver's thread). A call past it finishes the requests it
+            served with reason ``timeout``.
+        turn_cap: the safety cap of a run with no turn bound anywhere (finish reason
+            ``turn_cap``, with a warning when such a run starts).
+        scheduler_bounds_run: the scheduler's own ``max_turns`` bounds the run whatever hooks it
+            overrides (the native API); :func:`run_multi_turn` turns it off, as in ms-swift,
+            where only the caller's ``max_turns`` bounds the driver.
+        unique_uuids: reject duplicate uuids in a batch: every later copy fails before the first
+            turn with a :class:`DuplicateUuidError` naming both indexes (the first copy runs, the
+            ranks stay in step). ``None`` (default): when the scheduler declares
+            ``requires_unique_uuids = True`` (schedulers that key per-request state by uuid, e.g.
+            the YAML scheduler and the ms-swift adapter).
+        check_ranks: every turn, gather a fingerprint of each rank's live set and raise
+            :class:`RankMismatchError` on every rank when they differ (for ranks that must hold
+            the same requests, e.g. a tensor-parallel group). ``gather_fn`` must carry tuples
+            (``accelerate.utils.gather_object`` does).
+        eager_coroutines: drive async hooks directly until they first suspend (fast); ``False``
+            gives each its own task from the start.
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -125,7 +178,7 @@ class Executor:
     """
 
     def __init__(self,
-                 scheduler: Any,
+                 scheduler: SchedulerLike,
                  rollout_fn: RolloutFn,
                  request_config: Any = None,
                  *,
@@ -135,22 +188,28 @@ class Executor:
                  on_error: OnError = 'raise',
                  rank: int = 0,
                  output_cls: Optional[type] = None,
-                 accounting: Any = None,
+                 accounting: Optional[Accounting] = None,
                  on_finished: Optional[OnFinished] = None,
                  step_timeout_s: Optional[float] = 600.0,
-                 rollout_timeout_s: Optional[float] = None) -> None:
+                 rollout_timeout_s: Optional[float] = None,
+                 turn_cap: int = DEFAULT_TURN_CAP,
+                 scheduler_bounds_run: bool = True,
+                 check_ranks: bool = False,
+                 unique_uuids: Optional[bool] = None,
+                 eager_coroutines: bool = True) -> None:
         if on_error not in ('raise', 'return'):
             raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
-        for name, value in (('step_timeout_s', step_timeout_s), ('rollout_timeout_s', rollout_timeout_s)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f'{name} must be None or a number of seconds > 0, not {value!r}')
+        if max_turns is not None and (not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 0):
+            raise ValueError(f'max_turns must be None or an int >= 0, not {max_turns!r}')
+        if not isinstance(turn_cap, int) or isinstance(turn_cap, bool) or turn_cap < 1:
+            raise ValueError(f'turn_cap must be an int >= 1, not {turn_cap!r}')
         if on_finished is not None and not callable(on_finished):
             raise TypeError(f'on_finished must be callable, not {type(on_finished).__name__}')
-        if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 0):
-            raise ValueError(f'max_turns must be None or an int >= 0, not {max_turns!r}')
+        if not callable(rollout_fn):
+            raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
         self.hooks = HookSet(scheduler)
-        self.graph = self.hooks.graph()
+        self.graph: StateGraph = self.hooks.graph()
         self.rollout_fn = rollout_fn
         self.request_config = request_config
         self.max_turns = max_turns
@@ -159,10 +218,22 @@ class Executor:
         self.on_error = on_error
         self.rank = rank
         self.output_cls = output_cls
-        self.accounting = accounting if accounting is not None else _default_accounting(scheduler)
+        self.accounting: Accounting = accounting if accounting is not None else accounting_for(scheduler)
         self.on_finished = on_finished
-        self.step_timeout_s = step_timeout_s
-        self.rollout_timeout_s = rollout_timeout_s
+        self.step_timeout_s = _timeout_arg('step_timeout_s', step_timeout_s)
+        self.rollout_timeout_s = _timeout_arg('rollout_timeout_s', rollout_timeout_s)
+        self.turn_cap = turn_cap
+        self.check_ranks = check_ranks
+        self.eager_coroutines = eager_coroutines
+        self.unique_uuids = bool(getattr(scheduler, 'requires_unique_uuids', False)) if unique_uuids is None \
+            else bool(unique_uuids)
+        # the bound of every request: the caller's max_turns, the scheduler's own (native API),
+        # else the safety cap
+        own = self.hooks.default_max_turns
+        own = own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else None
+        bounds = [b for b in (max_turns, own if scheduler_bounds_run else None) if b]
+        self.turn_bound: Optional[int] = min(bounds) if bounds else None
+        self.unbounded = not max_turns and own is None
 
     # ---- entry points ------------------------------------------------------------------------
     def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
@@ -171,17 +242,37 @@ class Executor:
 
         Like ms-swift's loop, each request's ``messages`` are extended in place and, when
         ``requests`` is a list, its entries are replaced by the requests that steps return."""
+        if self.unbounded:
+            warnings.warn(f'{type(self.scheduler).__name__}: no max_turns on the executor or the scheduler; the run '
+                          f'is capped at turn_cap={self.turn_cap} turns (finish reason turn_cap)',
+                          RuntimeWarning, stacklevel=2)
         loop = asyncio.new_event_loop()
-        run = _Run(self, loop, requests, first_turn_outputs)
         try:
-            return run.drive()
-        except KeyboardInterrupt as exc:
-            raise RolloutInterrupted(run.interrupted(), exc) from exc
-        except SystemExit as exc:  # the process is leaving: finish everything, keep the exit
-            exc.result = run.interrupted()  # type: ignore[attr-defined]
-            raise
+            run = BatchRun(self, loop, requests, first_turn_outputs)
+            try:
+                result = run.drive()
+            except KeyboardInterrupt as exc:
+                interrupted = RolloutInterrupted(run.interrupted(), exc)
+                run.end_trajectory(interrupted)
+                raise interrupted from exc
+            except SystemExit as exc:  # the process is leaving: finish everything, keep the exit
+                exc.result = run.interrupted()  # type: ignore[attr-defined]
+                run.end_trajectory(exc)
+                raise
+            except RankMismatchError as exc:
+                run.end_trajectory(exc)
+                raise
+            error = None
+            if result.failures and self.on_error == 'raise':
+                error = MultiTurnRolloutError(result.failures, result.outputs, result)
+            run.end_trajectory(error)
+            if error is None and result.failures and self.on_error == 'raise':  # on_trajectory_end failed
+                error = MultiTurnRolloutError(result.failures, result.outputs, result)
         finally:
             _close_loop(loop)
+        if error is not None:
+            raise error
+        return result
 
     async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
         """:meth:`run` from inside a running event loop (server mode): the synchronous driver runs
@@ -190,14 +281,14 @@ class Executor:
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel whatever an interrupt left pending on the private loop, then close it (no
-    "coroutine was never awaited" or "task was destroyed" noise)."""
+    """Cancel whatever an interrupt or a deadline left pending on the private loop, then close it
+    (no "coroutine was never awaited" or "task was destroyed" noise)."""
     try:
         pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
         for task in pending:
             task.cancel()
         if pending:
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
         loop.run_until_complete(loop.shutdown_asyncgens())
     except BaseException:  # pragma: no cover - a second interrupt while cleaning up
         pass
@@ -205,26 +296,55 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-def _default_accounting(scheduler: Any) -> Any:
-    """The contract's rules, or ms-swift 4.6's for schedulers that keep assistant messages as
-    exact token ids (they have ``append_assistant_completion``)."""
-    if callable(getattr(type(scheduler), 'append_assistant_completion', None)):
-        try:
-            from .integrations.swift_accounting import Swift46Accounting
-        except ImportError:  # pragma: no cover - the integration is part of the package
-            return ContractAccounting()
-        return Swift46Accounting(scheduler)
-    return ContractAccounting()
+def _failure(rec: RequestRecord, turn: int, phase: str, exc: BaseException) -> RequestFailure:
+    return RequestFailure(rec.index, rec.uuid, turn, phase, exc,
+                          ''.join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-class _Run:
-    """The state of one :meth:`Executor.run` call. Kept out of :class:`Executor` so that an
-    executor can be reused and nothing leaks from one batch into the next."""
+def _fail_move(rec: RequestRecord, turn: int, phase: str, exc: BaseException, reason: str = M.ERROR) -> Move:
+    tokens = rec.tokens if rec.tokens and rec.state != M.TOOL_STEP else None
+    return Move(rec, M.FAIL, turn, tokens=tokens, reason=reason, failure=_failure(rec, turn, phase, exc))
+
+
+def _outcome_move(rec: RequestRecord, turn: int, phase: str, outcome: Outcome) -> Move:
+    """The ``fail`` move of an outcome that raised or timed out."""
+    if outcome.kind == TIMED_OUT:
+        err = StepTimeout(f'{phase} did not return within {outcome.value:g} s', uuid=rec.uuid, turn=turn, field=phase)
+        return _fail_move(rec, turn, phase, err, M.TIMEOUT)
+    return _fail_move(rec, turn, phase, outcome.value)
+
+
+class BatchRun:
+    """The state of one :meth:`Executor.run` call, and the per-state handlers.
+
+    Kept out of :class:`Executor` so that an executor can be reused and nothing leaks from one
+    batch into the next.
+
+    **Handler API** (also driven per request by other drivers, e.g. an async one): each handler
+    takes any subset of the records in its states (one record is fine) and the turn, and returns
+    one :class:`Move` per record; it never changes a state itself. :meth:`apply` carries the
+    moves out. ::
+
+        run = BatchRun(executor, loop, requests)          # records in ``pending``
+        run.apply(run.start(run.records))                 # on_trajectory_start -> generate/continue
+        run.rollout(records, turn)                        # sets record.incoming (or fails them)
+        run.apply(run.handle_waiting(records, turn))      # generating/continuing -> finish/run_step/fail
+        run.apply(run.handle_tool_step(records, turn))    # tool_step -> generate/continue_message/fail
+        run.result()
+
+    ``handle_waiting`` needs ``record.incoming`` (the output of this turn, set by :meth:`rollout`
+    or by the caller); ``handle_tool_step`` uses ``record.choice``, set by ``handle_waiting``.
+    :attr:`handlers` maps each phase name of :data:`mtflow.machine.TURN_PHASES` to its handler.
+    """
 
     def __init__(self, ex: Executor, loop: asyncio.AbstractEventLoop, requests: List[Any],
-                 first_turn_outputs: Optional[Sequence[Any]]) -> None:
+                 first_turn_outputs: Optional[Sequence[Any]] = None) -> None:
         self.ex = ex
+        self.graph = ex.graph
+        self.hooks = ex.hooks
+        self.accounting = ex.accounting
         self.loop = loop
+        self.caller = Caller(loop, eager=ex.eager_coroutines)
         self.requests = requests
         self.first = first_turn_outputs
         self.records = [RequestRecord(i, _uuid_of(req, i), req) for i, req in enumerate(requests)]
@@ -235,83 +355,69 @@ class _Run:
             if ex.on_finished is not None:
                 for rec in self.records:
                     rec.events = []
-        self.raw = self.recorder.raw if self.recorder is not None else None
-        self.turn = 1
-        self.cleaning_up = False  # an interrupt arrived: no more user hooks after a second one
-        self.table = ex.graph.table
+        self.limit = ex.turn_bound or ex.turn_cap
+        self.limit_reason = M.MAX_TURNS if ex.turn_bound else M.TURN_CAP
         self.rollout_calls = 0
+        self.loops = 0
+        self.turn = 1
+        self.ended = False
         if ex.output_cls is not None:
             self.output_cls = ex.output_cls
         elif first_turn_outputs:
             self.output_cls = type(first_turn_outputs[0])
         else:
             self.output_cls = RolloutOutput
+        self.handlers: Dict[str, Callable[[List[RequestRecord], int], List[Move]]] = {
+            'waiting': self.handle_waiting,
+            'tool_step': self.handle_tool_step,
+        }
+        self.phases = [(name, frozenset(states), self.handlers[name]) for name, states in M.TURN_PHASES]
 
-    # ---- transitions -------------------------------------------------------------------------
-    def move(self, rec: RequestRecord, trigger: str, turn: int, tokens: Optional[int] = None,
-             duration: Optional[float] = None, extra: Optional[dict] = None) -> None:
-        src = rec.state
-        dst = self.table[src].get(trigger)
-        if dst is None:
-            raise M.IllegalTransition(rec.uuid, src, trigger)
-        rec.state = dst
-        raw = self.raw
-        if raw is not None:
-            event = (rec.index, turn, src, dst, trigger, rec.reason if dst == M.FINISHED else None, tokens, duration,
-                     perf_counter() - self.recorder.t0, extra)
-            raw.append(event)
-            if rec.events is not None:
-                rec.events.append(event)
-
-    def enter_wait(self, rec: RequestRecord, turn: int, duration: Optional[float] = None,
-                   extra: Optional[dict] = None) -> None:
-        trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
-        self.move(rec, trigger, turn, duration=duration, extra=extra)
-
-    def fail(self, rec: RequestRecord, turn: int, phase: str, exc: BaseException, tokens: Optional[int] = None,
-             reason: str = M.ERROR) -> None:
-        failure = RequestFailure(rec.index, rec.uuid, turn, phase, exc,
-                                 ''.join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        self.failures.append(failure)
-        rec.error = failure
-        rec.reason = reason
-        rec.turns = turn
-        rec.output = self.finalized_output(rec, turn)
-        self.move(rec, M.FAIL, turn, tokens=tokens, extra={'error': failure.to_dict()})
-        self.notify_finished(rec, turn)
-
-    def finish(self, rec: RequestRecord, choice: Any, turn_result: Dict[str, Any], reason: str, turn: int,
-               tokens: int) -> None:
-        try:
-            self.ex.accounting.finalize(rec, choice, turn_result)
-        except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
-            self.fail(rec, turn, 'finalize', exc, tokens)
-            return
-        rec.reason = reason
-        rec.turns = turn
-        try:
-            rec.output = self.finalized_output(rec, turn, strict=True)
-        except _OutputFailed as failed:  # the output cannot be built, or finalize_output failed
-            self.fail(rec, turn, failed.phase, failed.exc, tokens)
-            return
-        self.move(rec, M.FINISH, turn, tokens=tokens)
-        self.notify_finished(rec, turn)
-
-    def interrupted(self) -> RunResult:
-        """Finish every request still live with reason ``interrupted`` (partial outputs), and
-        return the result so far; finished requests keep their outputs untouched."""
-        self.cleaning_up = True
-        for rec in self.records:
+    # ---- moves -------------------------------------------------------------------------------
+    def apply(self, moves: List[Move]) -> None:
+        """Carry out the handlers' moves, in order: a request that finishes gets its output built
+        (and passed through ``finalize_output``) *before* it moves, so a failure there becomes its
+        ``fail`` move instead of a second move out of ``finished``; then the finish hooks run."""
+        graph, recorder = self.graph, self.recorder
+        for mv in moves:
+            rec = mv.record
+            trigger = mv.trigger
+            if trigger == M.FINISH:
+                mv = self._finishing(mv)
+                trigger = mv.trigger
+            if trigger == M.FAIL or trigger == M.INTERRUPT:
+                self._failing(mv)
+            extra = mv.extra
+            if mv.failure is not None:
+                extra = {'error': mv.failure.to_dict()}
+            graph.move(rec, trigger, mv.turn, recorder, mv.tokens, mv.duration, extra)
             if rec.state == M.FINISHED:
-                continue
-            rec.reason = M.INTERRUPTED
-            try:
-                rec.output = self.finalized_output(rec, rec.turns)
-            except BaseException:  # pragma: no cover - a second interrupt: keep what can be built
-                rec.output = RolloutOutput.model_construct(messages=getattr(rec.request, 'messages', None))
-            self.move(rec, M.INTERRUPT, rec.turns)
-            self.notify_finished(rec, rec.turns)
-        return self.result(self.loops, raise_failures=False)
+                self.notify_finished(rec)
+
+    def _finishing(self, mv: Move) -> Move:
+        rec, turn = mv.record, mv.turn
+        try:
+            self.accounting.finalize(rec, rec.choice, rec.turn_result or _EMPTY)
+        except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
+            return _fail_move(rec, turn, 'finalize', exc)
+        rec.reason = mv.reason
+        try:
+            rec.output = self.finalized_output(rec, rec.turns, strict=True)
+        except _OutputFailed as failed:  # the output cannot be built, or finalize_output failed
+            return _fail_move(rec, turn, failed.phase, failed.exc)
+        return mv
+
+    def _failing(self, mv: Move) -> None:
+        rec = mv.record
+        rec.reason = mv.reason or M.ERROR
+        if mv.trigger == M.FAIL:
+            rec.turns = mv.turn
+        if mv.failure is not None:
+            self.failures.append(mv.failure)
+            rec.error = mv.failure
+        if rec.reason in (M.TIMEOUT, M.INTERRUPTED):
+            _detach_messages(rec)  # an abandoned step may still write into them
+        rec.output = self.finalized_output(rec, rec.turns)
 
     # ---- outputs -----------------------------------------------------------------------------
     def finalized_output(self, rec: RequestRecord, turn: int, strict: bool = False) -> Any:
@@ -321,21 +427,33 @@ class _Run:
         fails the request instead; otherwise (already failing, interrupted) the output without
         the hook's change is kept and the hook's failure recorded."""
         output = self.build_output(rec, turn, strict=strict)
-        hook = self.ex.hooks.finalize_output
+        hook = self.hooks.finalize_output
         if hook is None:
             return output
         try:
             replaced = hook(output, rec.reason, turn)
             if inspect.isawaitable(replaced):
-                replaced = self.loop.run_until_complete(replaced)
+                replaced = self._await(replaced)
+            if replaced is not None and not isinstance(replaced, type(output)) and not (
+                    hasattr(replaced, 'messages') and hasattr(replaced, 'rollout_infos')):
+                raise SchedulerResultError(
+                    f'finalize_output must return an output (or None to keep it), got {type(replaced).__name__}',
+                    uuid=rec.uuid, turn=turn, field='finalize_output')
         except Exception as exc:
             if strict:
                 raise _OutputFailed('finalize_output', exc) from exc
             if rec.error is None or rec.error.phase != 'finalize_output':  # not the same failure twice
-                self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'finalize_output', exc,
-                                                    _traceback.format_exc()))
+                self.failures.append(_failure(rec, turn, 'finalize_output', exc))
             return output
         return output if replaced is None else replaced
+
+    def _await(self, awaitable: Any) -> Any:
+        [outcome] = self.caller._awaitables([awaitable], 0.0, self.ex.step_timeout_s)
+        if outcome.kind == RAISED:
+            raise outcome.value
+        if outcome.kind == TIMED_OUT:
+            raise StepTimeout(f'did not return within {outcome.value:g} s')
+        return outcome.value
 
     def build_output(self, rec: RequestRecord, turn: int, strict: bool = False) -> Any:
         infos = {**rec.infos, 'num_turns': turn}
@@ -367,18 +485,18 @@ class _Run:
             except Exception:
                 return RolloutOutput.model_construct(**fields)
 
-    def notify_finished(self, rec: RequestRecord, turn: int) -> None:
+    def notify_finished(self, rec: RequestRecord) -> None:
         """The request's output is final: ``on_request_finished`` (the scheduler's), then
         ``on_finished`` (the caller's). Their failures are recorded, never swallowed."""
-        hook = self.ex.hooks.on_request_finished
+        turn = rec.turns
+        hook = self.hooks.on_request_finished
         if hook is not None:
             try:
                 result = hook(rec.request, rec.reason, turn)
                 if inspect.isawaitable(result):
-                    self.loop.run_until_complete(result)
+                    self._await(result)
             except Exception as exc:
-                self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'on_request_finished', exc,
-                                                    _traceback.format_exc()))
+                self.failures.append(_failure(rec, turn, 'on_request_finished', exc))
         on_finished = self.ex.on_finished
         if on_finished is not None:
             events = []
@@ -389,233 +507,340 @@ class _Run:
             try:
                 on_finished(FinishedRequest(rec.index, rec.uuid, rec.output, rec.reason, rec.error, events))
             except Exception as exc:
-                self.failures.append(RequestFailure(rec.index, rec.uuid, turn, 'on_finished', exc,
-                                                    _traceback.format_exc()))
+                self.failures.append(_failure(rec, turn, 'on_finished', exc))
 
-    # ---- the loop ----------------------------------------------------------------------------
-    def call_rollout(self, live: List[RequestRecord], turn: int) -> List[Any]:
+    # ---- the start ---------------------------------------------------------------------------
+    def check_uuids(self) -> List[Move]:
+        """Duplicate uuids: every later copy fails before the first turn, with an error naming
+        both indexes (per-request scheduler state is keyed by uuid); the first copy runs."""
+        seen: Dict[str, int] = {}
+        moves: List[Move] = []
+        if not self.ex.unique_uuids:
+            return moves
+        for rec in self.records:
+            first = seen.setdefault(rec.uuid, rec.index)
+            if first != rec.index:
+                err = DuplicateUuidError(f'request {rec.uuid}: uuid used by index {first} and index {rec.index} '
+                                         f'of the same batch; give every request its own uuid')
+                moves.append(_fail_move(rec, 1, 'input', err))
+        return moves
+
+    def start(self, records: List[RequestRecord]) -> List[Move]:
+        """``pending``: ``on_trajectory_start`` for ``records`` (native API), then each enters
+        ``generating`` or ``continuing``."""
+        hook = self.hooks.on_trajectory_start
+        if hook is not None and records:
+            [outcome] = self.caller.batch(hook, [([r.request for r in records], )],
+                                          self.hooks.on_trajectory_start_is_async, self.ex.step_timeout_s)
+            if outcome.kind != OK:
+                return [_outcome_move(rec, 1, 'on_trajectory_start', outcome) for rec in records]
+        return [self.wait_move(rec, 1) for rec in records]
+
+    @staticmethod
+    def wait_move(rec: RequestRecord, turn: int, duration: Optional[float] = None,
+                  extra: Optional[dict] = None) -> Move:
+        """Into ``generating`` or ``continuing``, by the contract's continuation rule."""
+        trigger = M.CONTINUE if is_continuation_of(rec.request.messages) else M.GENERATE
+        return Move(rec, trigger, turn, duration=duration, extra=extra)
+
+    # ---- the model ---------------------------------------------------------------------------
+    def rollout(self, records: List[RequestRecord], turn: int, deliver: bool = True) -> Any:
+        """One ``rollout_fn`` call for ``records`` (possibly ``[]``: every rank calls it alike).
+        If it raises or misses ``rollout_timeout_s``, every record fails at once; otherwise
+        (``deliver``) each record gets its output in ``incoming`` (:meth:`deliver`). The lockstep
+        driver delivers after the next gather, as ms-swift checks the count there. Returns the
+        outputs (``None`` when the call failed)."""
         self.rollout_calls += 1
-        try:
-            outputs = self.ex.rollout_fn([r.request for r in live], self.ex.request_config)
-            if inspect.isawaitable(outputs):
-                outputs = self.loop.run_until_complete(outputs)
-            return list(outputs)
-        except Exception as exc:
+        ex = self.ex
+        outcome = self.caller.one(ex.rollout_fn, ([r.request for r in records], ex.request_config),
+                                  ex.rollout_timeout_s)
+        if outcome.kind == TIMED_OUT:
+            err = StepTimeout(f'rollout_fn did not return within {outcome.value:g} s', turn=turn, field='rollout_fn')
+            self.apply([_fail_move(rec, turn, 'rollout_fn', err, M.TIMEOUT) for rec in records])
+            return None
+        if outcome.kind == RAISED:
+            exc = outcome.value
             err = RolloutFnError(f'rollout_fn raised {type(exc).__name__}: {exc}', turn=turn, field='rollout_fn')
             err.__cause__ = exc
-            for rec in live:
-                self.fail(rec, turn, 'rollout_fn', err)
-            return []
+            self.apply([_fail_move(rec, turn, 'rollout_fn', err) for rec in records])
+            return None
+        if deliver:
+            self.deliver(records, outcome.value, turn)
+        return outcome.value
 
-    def drive(self) -> RunResult:
-        ex, hooks, loop, records = self.ex, self.ex.hooks, self.loop, self.records
-        accounting = ex.accounting
-        max_turns = ex.max_turns
-        turn = 1
-
-        if self.first is None:
-            if hooks.on_trajectory_start is not None:
-                try:
-                    result = hooks.on_trajectory_start([r.request for r in records])
-                    if inspect.isawaitable(result):
-                        loop.run_until_complete(result)
-                except Exception as exc:
-                    for rec in records:
-                        self.fail(rec, turn, 'on_trajectory_start', exc)
-            live = [r for r in records if r.state == M.PENDING]
-            for rec in live:
-                self.enter_wait(rec, turn)
-            outputs = self.call_rollout(live, turn)
-            live = [r for r in live if r.state != M.FINISHED]
-        else:
-            live = list(records)
-            for rec in live:
-                self.enter_wait(rec, turn)
-            outputs = list(self.first)
-
-        self.loops = loops = 0
-        step, step_async = hooks.step, hooks.step_is_async
-        on_turn_end, check = hooks.on_turn_end, hooks.check_finished
-        default_max = hooks.default_max_turns
-        before = getattr(accounting, 'before_step', None)  # resolved once, not per request-turn
-        while True:
-            has_local = bool(live)
-            if not any(ex.gather_fn([has_local])):
-                break
-            loops += 1
-            self.loops, self.turn = loops, turn
-            if len(outputs) != len(live):
-                err = RolloutFnError(f'rollout_fn returned {len(outputs)} output(s) for {len(live)} request(s)',
-                                     turn=turn, field='outputs')
-                for rec in live:
-                    self.fail(rec, turn, 'rollout_fn', err)
-                live, outputs = [], []
-
-            # 2. apply the outputs
-            applied: List[tuple] = []
-            for rec, out in zip(live, outputs):
-                try:
-                    response = out.response
-                    choice = response.choices[0]
-                    rec.response = response
-                    rec.is_continuation = accounting.append_completion(rec, choice.message.content)
-                    rec.turns = turn
-                except Exception as exc:
-                    self.fail(rec, turn, 'apply', RolloutFnError(
-                        f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid, turn=turn,
-                        field='response'))
-                    continue
-                ids = choice.token_ids
-                applied.append((rec, choice, len(ids) if ids else 0))
-
-            # 3. on_turn_end for all, then the stop decision for each
-            results: Optional[List[Any]] = None
-            snapshots = accounting.materialize([a[0] for a in applied]) if accounting.materializes else None
-            decided: List[tuple] = []
-            try:
-                if on_turn_end is not None and applied:
-                    results = self.run_hooks(on_turn_end, hooks.on_turn_end_is_async, applied, turn)
-                for k, (rec, choice, ntok) in enumerate(applied):
-                    tr = _EMPTY if results is None else results[k]
-                    if tr.__class__ is not dict:
-                        if isinstance(tr, BaseException):
-                            self.fail(rec, turn, 'on_turn_end', tr, ntok)
-                            continue
-                        if tr is None:
-                            tr = _EMPTY
-                        elif not isinstance(tr, dict):
-                            self.fail(rec, turn, 'on_turn_end', SchedulerResultError(
-                                f'on_turn_end must return a dict, got {type(tr).__name__}', uuid=rec.uuid, turn=turn,
-                                field='on_turn_end'), ntok)
-                            continue
-                    infos = tr.get('rollout_infos')
-                    if infos:
-                        rec.infos.update(infos)
-                    if check is not None:
-                        try:
-                            checked = check(rec.request, choice, turn)
-                            if hooks.check_is_async:
-                                checked = loop.run_until_complete(checked)
-                        except Exception as exc:
-                            self.fail(rec, turn, 'check_finished', exc, ntok)
-                            continue
-                        reason = M.CHECK_FINISHED
-                    elif choice.finish_reason == 'length':
-                        checked, reason = True, M.LENGTH
-                    elif default_max and turn >= default_max:
-                        checked, reason = True, M.MAX_TURNS
-                    else:
-                        checked, reason = False, M.CHECK_FINISHED
-                    if 'done' in tr:
-                        # mtflow extension: a hook may name its reason, e.g. 'stop_rule:final_answer'
-                        stop, reason = tr['done'], tr.get('finish_reason') or M.DONE_BY_HOOK
-                    else:
-                        stop = checked
-                    if not stop and max_turns and turn >= max_turns:
-                        stop, reason = True, M.MAX_TURNS
-                    decided.append((rec, choice, ntok, tr, stop, reason))
-            finally:
-                if snapshots is not None:
-                    accounting.restore(snapshots)
-
-            # 4. finish, or step
-            next_live: List[RequestRecord] = []
-            if step_async:
-                going = []
-                for rec, choice, ntok, tr, stop, reason in decided:
-                    if stop:
-                        self.finish(rec, choice, tr, reason, turn, ntok)
-                    else:
-                        self.move(rec, M.RUN_STEP, turn, tokens=ntok)
-                        if before is None or self.before_step(before, rec, choice, turn):
-                            going.append((rec, choice, ntok))
-                if going:
-                    timed = self.loop.run_until_complete(_gather_timed(step, going, turn))
-                    for (rec, choice, ntok), (result, dur) in zip(going, timed):
-                        self.after_step(rec, choice, result, dur, turn, next_live)
-            else:
-                for rec, choice, ntok, tr, stop, reason in decided:
-                    if stop:
-                        self.finish(rec, choice, tr, reason, turn, ntok)
-                        continue
-                    self.move(rec, M.RUN_STEP, turn, tokens=ntok)
-                    if before is not None and not self.before_step(before, rec, choice, turn):
-                        continue
-                    t = perf_counter()
-                    try:
-                        result = step(rec.request, choice, turn)
-                    except Exception as exc:
-                        result = _Raised(exc)
-                    self.after_step(rec, choice, result, perf_counter() - t, turn, next_live)
-
-            # 5. the next turn's inference, on every rank alike
-            turn += 1
-            outputs = self.call_rollout(next_live if has_local else [], turn)
-            live = [r for r in next_live if r.state != M.FINISHED]
-
-        return self.result(loops)
-
-    def before_step(self, before: Callable[..., Any], rec: RequestRecord, choice: Any, turn: int) -> bool:
-        """The accounting's optional ``before_step`` (ms-swift 4.6 computes a turn's ids before
-        the step runs); ``False`` when it failed the request."""
+    def deliver(self, records: List[RequestRecord], outputs: Any, turn: int) -> None:
+        """Hand each record its output (``incoming``); the wrong number of outputs fails them all."""
         try:
-            before(rec, choice, turn)
-        except Exception as exc:
-            self.fail(rec, turn, 'step', exc)
-            return False
-        return True
+            outputs = list(outputs)
+        except TypeError:
+            outputs = None
+        if outputs is None or len(outputs) != len(records):
+            got = f'{len(outputs)} output(s)' if outputs is not None else type(outcome.value).__name__
+            err = RolloutFnError(f'rollout_fn returned {got} for {len(records)} request(s)', turn=turn,
+                                 field='outputs')
+            self.apply([_fail_move(rec, turn, 'rollout_fn', err) for rec in records])
+            return
+        for rec, out in zip(records, outputs):
+            rec.incoming = out
 
-    def run_hooks(self, hook: Callable[..., Any], is_async: bool, applied: List[tuple], turn: int) -> List[Any]:
-        """Call ``hook(request, choice, turn)`` for every applied request; an exception becomes
-        that request's result (so one failure never stops the others)."""
-        if is_async:
-
-            async def gather() -> List[Any]:
-                return await asyncio.gather(*[hook(rec.request, choice, turn) for rec, choice, _ in applied],
-                                            return_exceptions=True)
-
-            return self.loop.run_until_complete(gather())
-        results = []
-        for rec, choice, _ in applied:
+    # ---- handlers ----------------------------------------------------------------------------
+    def handle_waiting(self, records: List[RequestRecord], turn: int) -> List[Move]:
+        """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
+        ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
+        ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
+        accounting, hooks, uuid_turn = self.accounting, self.hooks, turn
+        moves: Dict[int, Move] = {}
+        applied: List[RequestRecord] = []
+        for rec in records:
+            out, rec.incoming = rec.incoming, None
             try:
-                results.append(hook(rec.request, choice, turn))
+                response, choice = V.check_output(out, rec.uuid, uuid_turn)
+                rec.response = response
+                rec.is_continuation = accounting.append_completion(rec, choice.message.content)
             except Exception as exc:
-                results.append(exc)
-        return results
+                if not isinstance(exc, RolloutFnError):
+                    exc = RolloutFnError(f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid,
+                                         turn=turn, field='response')
+                moves[rec.index] = _fail_move(rec, turn, 'apply', exc)
+                continue
+            rec.turns = turn
+            rec.choice = choice
+            ids = choice.token_ids
+            rec.tokens = len(ids) if ids else 0
+            rec.turn_result = None
+            applied.append(rec)
 
-    def after_step(self, rec: RequestRecord, choice: Any, result: Any, duration: float, turn: int,
-                   next_live: List[RequestRecord]) -> None:
-        if isinstance(result, _Raised):
-            self.fail(rec, turn, 'step', result.exc)
-            return
+        snapshots: Dict[int, Any] = {}
+        if accounting.materializes:
+            for rec in list(applied):
+                try:
+                    snapshots[rec.index] = accounting.materialize([rec])
+                except Exception as exc:  # ms-swift 4.6 decodes id-backed messages here
+                    moves[rec.index] = _fail_move(rec, turn, 'materialize', exc)
+                    applied.remove(rec)
         try:
-            next_request = self.ex.accounting.accumulate_step(rec, choice, result, turn)
-        except Exception as exc:
-            self.fail(rec, turn, 'step', exc)
-            return
-        rec.request = next_request
-        if self.requests.__class__ is list:
-            self.requests[rec.index] = next_request
-        self.enter_wait(rec, turn, duration=duration, extra=result.get('trace_info'))
-        next_live.append(rec)
+            decided = self._decide(applied, turn, moves)
+        finally:
+            for rec in records:
+                snap = snapshots.get(rec.index)
+                if snap is not None:
+                    try:
+                        accounting.restore(snap)
+                    except Exception as exc:
+                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc)
+        for rec, stop, reason in decided:
+            if rec.index in moves:
+                continue
+            if stop:
+                moves[rec.index] = Move(rec, M.FINISH, turn, tokens=rec.tokens, reason=reason)
+            else:
+                moves[rec.index] = Move(rec, M.RUN_STEP, turn, tokens=rec.tokens)
+        return [moves[rec.index] for rec in records]
 
-    def result(self, loops: int, raise_failures: bool = True) -> RunResult:
+    def _decide(self, applied: List[RequestRecord], turn: int, moves: Dict[int, Move]) -> List[tuple]:
+        hooks, caller, timeout = self.hooks, self.caller, self.ex.step_timeout_s
+        on_turn_end = hooks.on_turn_end
+        going = applied
+        if on_turn_end is not None and going:
+            outcomes = caller.batch(on_turn_end, [(r.request, r.choice, turn) for r in going],
+                                    hooks.on_turn_end_is_async, timeout)
+            kept = []
+            for rec, outcome in zip(going, outcomes):
+                if outcome.kind != OK:
+                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome)
+                    continue
+                try:
+                    tr = V.check_turn_result(outcome.value, rec.uuid, turn)
+                except Exception as exc:
+                    moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc)
+                    continue
+                rec.turn_result = tr
+                infos = tr.get('rollout_infos') if tr else None
+                if infos:
+                    rec.infos.update(infos)
+                kept.append(rec)
+            going = kept
+        check = hooks.check_finished
+        checks: Optional[List[Outcome]] = None
+        if check is not None and going:
+            # a sync check_finished is a cheap predicate: called inline, in the driver's thread
+            checks = caller.batch(check, [(r.request, r.choice, turn) for r in going], hooks.check_is_async,
+                                  timeout if hooks.check_is_async else None)
+        default_max = self.hooks.default_max_turns
+        limit, limit_reason = self.limit, self.limit_reason
+        decided = []
+        for k, rec in enumerate(going):
+            if checks is not None:
+                outcome = checks[k]
+                if outcome.kind != OK:
+                    moves[rec.index] = _outcome_move(rec, turn, 'check_finished', outcome)
+                    continue
+                try:
+                    checked = V.check_bool(outcome.value, rec.uuid, turn, 'check_finished')
+                except Exception as exc:
+                    moves[rec.index] = _fail_move(rec, turn, 'check_finished', exc)
+                    continue
+                check_reason = M.CHECK_FINISHED
+            else:
+                checked, check_reason = default_check(rec.choice.finish_reason, turn, default_max)
+            stop, reason = decide_stop(rec.turn_result, checked, check_reason, turn, limit, limit_reason)
+            decided.append((rec, stop, reason))
+        return decided
+
+    def handle_tool_step(self, records: List[RequestRecord], turn: int) -> List[Move]:
+        """``tool_step``: run the scheduler's ``step`` for every record (async ones concurrently,
+        sync ones in order, each under ``step_timeout_s``), apply each result through the
+        accounting, and return ``generate`` / ``continue_message`` (by the next request's
+        messages) or ``fail`` per record, in order."""
+        accounting, hooks = self.accounting, self.hooks
+        moves: Dict[int, Move] = {}
+        before = getattr(accounting, 'before_step', None)
+        going = []
+        for rec in records:
+            if before is not None:
+                try:
+                    before(rec, rec.choice, turn)
+                except Exception as exc:
+                    moves[rec.index] = _fail_move(rec, turn, 'step', exc)
+                    continue
+            going.append(rec)
+        outcomes = self.caller.batch(hooks.step, [(r.request, r.choice, turn) for r in going], hooks.step_is_async,
+                                     self.ex.step_timeout_s)
+        replace = self.requests.__class__ is list
+        for rec, outcome in zip(going, outcomes):
+            if outcome.kind != OK:
+                moves[rec.index] = _outcome_move(rec, turn, 'step', outcome)
+                continue
+            result = outcome.value
+            try:
+                next_request = accounting.accumulate_step(rec, rec.choice, result, turn)
+                extra = result.get('trace_info')
+                if extra is not None and not isinstance(extra, dict):
+                    raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}',
+                                               uuid=rec.uuid, turn=turn, field='trace_info')
+            except Exception as exc:
+                moves[rec.index] = _fail_move(rec, turn, 'step', exc)
+                continue
+            rec.request = next_request
+            if replace:
+                self.requests[rec.index] = next_request
+            moves[rec.index] = self.wait_move(rec, turn, outcome.duration, extra)
+        return [moves[rec.index] for rec in records]
+
+    # ---- ranks -------------------------------------------------------------------------------
+    def ranks_have_work(self, live: List[RequestRecord], turn: int) -> bool:
+        """The turn's collective: does any rank have live requests? With ``check_ranks`` the
+        ranks also compare a fingerprint of their live sets."""
+        ex = self.ex
+        if not ex.check_ranks:
+            return any(ex.gather_fn([bool(live)]))
+        digest = hashlib.blake2b('\x1f'.join(r.uuid for r in live).encode(), digest_size=8).hexdigest()
+        gathered = ex.gather_fn([(bool(live), len(live), digest)])
+        prints = [tuple(g) if isinstance(g, (list, tuple)) else (bool(g), None, None) for g in gathered]
+        if len(set(prints)) > 1:
+            counts = Counter(prints)
+            majority = counts.most_common(1)[0][0]
+            odd = [r for r, p in enumerate(prints) if p != majority]
+            same = [r for r, p in enumerate(prints) if p == majority]
+            detail = ', '.join(f'rank {r}: {prints[r][1]} live' for r in range(len(prints)))
+            err = RankMismatchError(
+                f'turn {turn}: ranks {odd} disagree with ranks {same} on the live set ({detail}); ranks that must '
+                f'hold the same requests made different stop decisions (is check_finished deterministic?)', turn, odd)
+            self.apply([_fail_move(rec, turn, 'ranks', err) for rec in live])
+            err.result = self.result()
+            raise err
+        return any(p[0] for p in prints)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def drive(self) -> RunResult:
+        """The lockstep loop: every live request moves one turn together, on every rank alike."""
+        records = self.records
+        self.apply(self.check_uuids())
+        pending = [r for r in records if r.state == M.PENDING]
+        if self.first is None:
+            self.apply(self.start(pending))
+            live = [r for r in pending if r.state in M.WAITING_STATES]
+            outputs = self.rollout(live, 1, deliver=False)
+        else:
+            self.apply([self.wait_move(rec, 1) for rec in pending])
+            live = [r for r in pending if r.state in M.WAITING_STATES]
+            outputs = self.first
+            if len(live) != len(records) and len(outputs) == len(records):  # duplicates were failed
+                outputs = [outputs[r.index] for r in live]
+        turn = 1
+        phases = self.phases
+        while True:
+            live = [r for r in live if r.state in M.WAITING_STATES]
+            has_local = bool(live)
+            self.turn = turn
+            if not self.ranks_have_work(live, turn):
+                break
+            self.loops += 1
+            if live:
+                self.deliver(live, outputs, turn)
+            for _name, states, handler in phases:
+                batch = [r for r in live if r.state in states]
+                if batch:
+                    self.apply(handler(batch, turn))
+            live = [r for r in live if r.state in M.WAITING_STATES]
+            turn += 1
+            self.turn = turn
+            outputs = self.rollout(live if has_local else [], turn, deliver=False)
+            live = [r for r in live if r.state in M.WAITING_STATES]
+        return self.result()
+
+    def interrupted(self) -> RunResult:
+        """Finish every request still live with reason ``interrupted`` (partial outputs), and
+        return the result so far; finished requests keep their outputs untouched."""
+        moves = [Move(rec, M.INTERRUPT, rec.turns, reason=M.INTERRUPTED) for rec in self.records
+                 if rec.state != M.FINISHED]
+        for mv in moves:
+            rec = mv.record
+            try:
+                self._failing(mv)
+            except BaseException:  # pragma: no cover - a second interrupt: keep what can be built
+                rec.output = RolloutOutput.model_construct(messages=getattr(rec.request, 'messages', None))
+            self.graph.move(rec, M.INTERRUPT, rec.turns, self.recorder)
+            try:
+                self.notify_finished(rec)
+            except BaseException:  # pragma: no cover - a second interrupt while notifying
+                pass
+        return self.result()
+
+    def end_trajectory(self, error: Optional[BaseException]) -> None:
+        """``on_trajectory_end(requests, error)`` once, on every path; a failure in it is
+        recorded (phase ``on_trajectory_end``)."""
+        hook = self.hooks.on_trajectory_end
+        if hook is None or self.ended:
+            return
+        self.ended = True
+        try:
+            result = hook([r.request for r in self.records], error)
+            if inspect.isawaitable(result):
+                self._await(result)
+        except Exception as exc:
+            failure = RequestFailure(-1, '*', self.turn, 'on_trajectory_end', exc, _traceback.format_exc())
+            self.failures.append(failure)
+
+    def result(self) -> RunResult:
         records = self.records
         unfinished = [r for r in records if r.state != M.FINISHED]
-        for rec in unfinished:  # cannot happen unless a rank's gather_fn lies; never lose them silently
-            self.fail(rec, rec.turns, 'executor', RuntimeError(f'request left in state {rec.state!r}'))
+        if unfinished:  # cannot happen unless a rank's gather_fn lies; never lose them silently
+            self.apply([_fail_move(r, r.turns, 'executor', RuntimeError(f'request left in state {r.state!r}'))
+                        for r in unfinished])
         result = RunResult(
             outputs=[r.output for r in records],
             finish_reasons=[r.reason for r in records],
             failures=self.failures,
             recorder=self.recorder,
-            turns=loops,
+            turns=self.loops,
             rollout_fn_calls=self.rollout_calls)
         if self.recorder is not None and _trace.has_listeners():
             _trace.publish(result.trace)
-        if raise_failures and self.failures and self.ex.on_error == 'raise':
-            raise MultiTurnRolloutError(self.failures, result.outputs, result)
         return result
+
+
+_EMPTY: Dict[str, Any] = {}
 
 
 class _OutputFailed(Exception):
@@ -626,26 +851,15 @@ class _OutputFailed(Exception):
         self.phase, self.exc = phase, exc
 
 
-class _Raised:
-    """A step's exception, carried to where results are applied in request order."""
-    __slots__ = ('exc', )
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-async def _timed(step: Callable[..., Any], request: Any, choice: Any, turn: int) -> tuple:
-    t = perf_counter()
-    try:
-        result = await step(request, choice, turn)
-    except Exception as exc:
-        result = _Raised(exc)
-    return result, perf_counter() - t
-
-
-async def _gather_timed(step: Callable[..., Any], going: List[tuple], turn: int) -> List[tuple]:
-    # Built inside the private loop: asyncio.gather outside it would bind to another loop.
-    return await asyncio.gather(*[_timed(step, rec.request, choice, turn) for rec, choice, _ in going])
+def _detach_messages(rec: RequestRecord) -> None:
+    """Give a timed-out or interrupted request a copy of its messages: a step left running in an
+    abandoned thread must not change an output that is already final."""
+    messages = getattr(rec.request, 'messages', None)
+    if isinstance(messages, list):
+        try:
+            rec.request.messages = [dict(m) if isinstance(m, dict) else m for m in messages]
+        except Exception:  # a request type that refuses assignment keeps its own list
+            pass
 
 
 def _uuid_of(request: Any, index: int) -> str:
@@ -655,7 +869,7 @@ def _uuid_of(request: Any, index: int) -> str:
 
 def run_multi_turn(requests: List[Any],
                    first_turn_outputs: List[Any],
-                   scheduler: Any,
+                   scheduler: SchedulerLike,
                    rollout_fn: RolloutFn,
                    request_config: Any,
                    max_turns: Optional[int] = None,
@@ -664,13 +878,16 @@ def run_multi_turn(requests: List[Any],
                    trace: bool = True,
                    on_error: OnError = 'raise',
                    step_timeout_s: Optional[float] = 600.0,
-                   rollout_timeout_s: Optional[float] = None) -> List[Any]:
+                   rollout_timeout_s: Optional[float] = None,
+                   accounting: Optional[Accounting] = None) -> List[Any]:
     """Drop-in for ms-swift's ``run_multi_turn``: same arguments, same outputs, field for field.
 
     Returns one output per request, in input order, built with the class of
-    ``first_turn_outputs``. A request that fails is finished with reason ``error``; with
-    ``on_error='raise'`` (default) one :class:`MultiTurnRolloutError` is raised after the loop
-    (every rank stays in step) carrying all failures and all outputs."""
+    ``first_turn_outputs``. A request that fails is finished with reason ``error`` (``timeout``
+    past a deadline); with ``on_error='raise'`` (default) one :class:`MultiTurnRolloutError` is
+    raised after the loop (every rank stays in step) carrying all failures and all outputs. As in
+    ms-swift, only ``max_turns`` bounds the driver (the scheduler's own ``max_turns`` acts
+    through its ``check_finished``)."""
     ex = Executor(
         scheduler,
         rollout_fn,
@@ -680,5 +897,7 @@ def run_multi_turn(requests: List[Any],
         trace=trace,
         on_error=on_error,
         step_timeout_s=step_timeout_s,
-        rollout_timeout_s=rollout_timeout_s)
+        rollout_timeout_s=rollout_timeout_s,
+        accounting=accounting,
+        scheduler_bounds_run=False)
     return ex.run(requests, first_turn_outputs).outputs

@@ -12,6 +12,7 @@ The same declaration feeds validation, the executor's legal moves and the diagra
 """
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import IllegalTransition
@@ -41,6 +42,7 @@ LENGTH = 'length'
 ERROR = 'error'
 TIMEOUT = 'timeout'
 INTERRUPTED = 'interrupted'
+TURN_CAP = 'turn_cap'
 
 #: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
 #: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
@@ -55,6 +57,8 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
     (LENGTH, 'limit', 'the default `check_finished` stopped because the output\'s `finish_reason` was `\'length\'`'),
     (ERROR, 'error', 'the request failed; the failure (phase, turn, exception) is kept, see `docs/executor.md`'),
     (TIMEOUT, 'error', 'a step ran past `step_timeout_s`, or the `rollout_fn` call serving it past `rollout_timeout_s`'),
+    (TURN_CAP, 'limit', 'the run had no turn bound anywhere and reached the executor\'s safety cap `turn_cap` '
+     '(a warning says so)'),
     (INTERRUPTED, 'limit', 'the run was interrupted (Ctrl-C, `SystemExit`) before the request finished; '
      '`RolloutInterrupted.result` holds its partial output'),
 )
@@ -81,6 +85,17 @@ CORE_TRANSITIONS: List[Dict[str, Any]] = [
     {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
     {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
 ]
+
+#: The turn, as the graph dispatches it: each phase names the handler that takes the requests in
+#: its states (``waiting``: apply the model's output, ``on_turn_end``, the stop decision;
+#: ``tool_step``: the scheduler's ``step``). ``pending`` and ``finished`` have no handler; the
+#: model call that moves nobody (``rollout_fn``) closes the turn. Adding a state means declaring
+#: it above, its moves in :data:`CORE_TRANSITIONS`, and its phase here (see
+#: ``docs/state-machine.md``).
+TURN_PHASES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ('waiting', (GENERATING, CONTINUING)),
+    ('tool_step', (TOOL_STEP, )),
+)
 
 
 class StateGraph:
@@ -120,6 +135,26 @@ class StateGraph:
         record.state = dest
         return dest
 
+    def move(self, record: 'RequestRecord', trigger: str, turn: int, recorder: Any = None,
+             tokens: Optional[int] = None, duration: Optional[float] = None, extra: Optional[dict] = None) -> str:
+        """The one way a request changes state: move ``record`` by ``trigger`` (raising
+        :class:`IllegalTransition` if the declaration does not allow it) and, when ``recorder``
+        (a :class:`mtflow.trace.TraceRecorder`) is given, record the transition, also in the
+        record's own event list when it keeps one. A move into ``finished`` carries the record's
+        ``reason``."""
+        src = record.state
+        dest = self.table[src].get(trigger)
+        if dest is None:
+            raise IllegalTransition(record.uuid, src, trigger)
+        record.state = dest
+        if recorder is not None:
+            event = (record.index, turn, src, dest, trigger, record.reason if dest == FINISHED else None, tokens,
+                     duration, perf_counter() - recorder.t0, extra)
+            recorder.raw.append(event)
+            if record.events is not None:
+                record.events.append(event)
+        return dest
+
     def mermaid(self) -> str:
         """The graph as mermaid ``stateDiagram-v2`` text, drawn by ``transitions``' own mermaid engine
         from the same declaration, with the finish reasons noted on ``finished``."""
@@ -147,7 +182,7 @@ class RequestRecord:
     ``response_loss_mask`` and ``rollout_logprobs``; ``infos`` becomes ``rollout_infos``.
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
-                 'infos', 'response', 'output', 'error', 'events')
+                 'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -165,6 +200,11 @@ class RequestRecord:
         self.output: Any = None
         self.error: Any = None
         self.events: Optional[list] = None  # this request's raw trace events (kept only for on_finished)
+        # this turn's data, handed from phase to phase:
+        self.incoming: Any = None  # the output rollout_fn returned for it (waiting)
+        self.choice: Any = None  # the applied output's choice (tool_step, finishing)
+        self.tokens = 0  # completion tokens of the applied output
+        self.turn_result: Any = None  # what on_turn_end returned (validated)
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

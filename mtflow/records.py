@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 from .errors import RequestFailure
 from .trace import TraceEvent
 
-__all__ = ['FinishedRequest']
+__all__ = ['FinishedRequest', 'Move']
 
 
 @dataclass(slots=True)
@@ -30,3 +30,21 @@ class FinishedRequest:
     finish_reason: str
     failure: Optional[RequestFailure] = None
     events: List[TraceEvent] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Move:
+    """What a handler returns for one request: the trigger to fire, with what the trace records
+    about it, and, for moves into ``finished``, the reason (and the failure, if any).
+
+    The handler decides; :meth:`mtflow.executor.BatchRun.apply` carries the moves out (builds the
+    outputs of finishing requests, moves them through the graph, runs the finish hooks), so a
+    handler never changes a state itself."""
+    record: Any  # mtflow.machine.RequestRecord
+    trigger: str
+    turn: int
+    tokens: Optional[int] = None
+    duration: Optional[float] = None
+    extra: Optional[dict] = None
+    reason: Optional[str] = None
+    failure: Optional[RequestFailure] = None

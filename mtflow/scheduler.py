@@ -15,6 +15,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .machine import FINISH_REASONS, StateGraph
+from .stop import default_check
 
 StepResult = Dict[str, Any]
 
@@ -28,6 +29,9 @@ class Scheduler:
     ``finish_reasons`` lists any extra finish reasons the scheduler reports (for the state graph).
     """
     finish_reasons: Sequence[str] = ()
+    #: set to True when the scheduler keys per-request state by ``uuid``: the executor then fails
+    #: every later copy of a duplicate uuid before the first turn (``Executor(unique_uuids=)``)
+    requires_unique_uuids: bool = False
 
     def __init__(self, infer_engine: Any = None, max_turns: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
         self.infer_engine = infer_engine
@@ -49,10 +53,9 @@ class Scheduler:
         raise NotImplementedError(f'{type(self).__name__} must implement step()')
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
-        """Default stop rule (as ms-swift's): the output hit the length limit, or ``max_turns``."""
-        if response_choice.finish_reason == 'length':
-            return True
-        return bool(self.max_turns and current_turn >= self.max_turns)
+        """Default stop rule (as ms-swift's): the output hit the length limit, or ``max_turns``
+        (:func:`mtflow.stop.default_check`)."""
+        return default_check(response_choice.finish_reason, current_turn, self.max_turns)[0]
 
     async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
         """Called after the output is applied, before the stop decision. May return ``done``
@@ -61,6 +64,13 @@ class Scheduler:
 
     async def on_trajectory_start(self, requests: List[Any]) -> None:
         """Called once before the first turn is generated (native API only), e.g. to reset environments."""
+        return None
+
+    async def on_trajectory_end(self, requests: List[Any], error: Optional[BaseException]) -> None:
+        """Called once after the batch, on every path (as newer ms-swift does), so that
+        environments can close: ``requests`` are the batch's last requests (input order),
+        ``error`` the exception the run is about to raise (``MultiTurnRolloutError``,
+        ``RolloutInterrupted``, ...) or ``None``. Sync or async."""
         return None
 
     def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
@@ -120,6 +130,10 @@ class HookSet:
 
         start = getattr(scheduler, 'on_trajectory_start', None)
         self.on_trajectory_start = None if start is None or _is_base_impl(start, 'on_trajectory_start') else start
+        self.on_trajectory_start_is_async = self.on_trajectory_start is not None and _is_async(start)
+
+        end = getattr(scheduler, 'on_trajectory_end', None)
+        self.on_trajectory_end = None if end is None or _is_base_impl(end, 'on_trajectory_end') else end
 
         finalize = getattr(scheduler, 'finalize_output', None)
         self.finalize_output: Optional[Callable[..., Any]] = (

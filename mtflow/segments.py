@@ -10,11 +10,42 @@ it was, and the request's partial output loses nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import SchedulerResultError
 from .machine import RequestRecord
 from .protocol import extract_logprobs
+from .validate import check_ids, check_infos, check_logprobs, check_mask
+
+#: accountings that integrations registered: ``(applies(scheduler) -> bool, factory(scheduler))``
+_REGISTERED: List[Tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
+
+
+def register_accounting(applies: Callable[[Any], bool], factory: Callable[[Any], Any]) -> None:
+    """Let an integration supply the accounting for the schedulers it recognises (e.g. the
+    ms-swift integration for schedulers that keep assistant messages as token ids). The core
+    never imports integrations; they plug in here (the latest registration wins)."""
+    _REGISTERED.append((applies, factory))
+
+
+def keeps_messages_as_ids(scheduler: Any) -> bool:
+    """ms-swift 4.6's shape: the scheduler's class has ``append_assistant_completion``."""
+    return callable(getattr(type(scheduler), 'append_assistant_completion', None))
+
+
+def accounting_for(scheduler: Any) -> Any:
+    """The accounting an executor uses for ``scheduler`` when none is passed: a registered one
+    that applies, else the contract's. A scheduler that keeps assistant messages as token ids
+    with no accounting registered for it is an error (the contract's rules would silently
+    produce other token ids)."""
+    for applies, factory in reversed(_REGISTERED):
+        if applies(scheduler):
+            return factory(scheduler)
+    if keeps_messages_as_ids(scheduler):
+        raise TypeError(f'{type(scheduler).__name__} keeps assistant messages as token ids (ms-swift 4.6); '
+                        f'import mtflow.integrations.swift_accounting (it registers the accounting) or pass '
+                        f'accounting=Swift46Accounting(scheduler)')
+    return ContractAccounting()
 
 
 def is_continuation_of(messages: List[Dict[str, Any]]) -> bool:
@@ -178,6 +209,12 @@ def check_step_result(record: RequestRecord, result: Any, turn: int) -> Tuple[An
             'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
     infos = result.get('rollout_infos')
     if infos is not None and not isinstance(infos, Mapping):
-        raise SchedulerResultError(
-            f'rollout_infos must be a dict, got {type(infos).__name__}', uuid=uuid, turn=turn, field='rollout_infos')
+        try:
+            infos = check_infos(infos, uuid, turn)  # key/value pairs, as dict.update takes them
+        except SchedulerResultError as exc:
+            raise SchedulerResultError(f'rollout_infos {exc.detail}', uuid=uuid, turn=turn,
+                                       field='rollout_infos') from None
+    check_ids(result.get('response_token_ids'), uuid, turn, 'response_token_ids')
+    check_mask(result.get('response_loss_mask'), uuid, turn, 'response_loss_mask')
+    check_logprobs(result.get('rollout_logprobs'), uuid, turn, 'rollout_logprobs')
     return next_request, infos

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import RequestError
+from ..machine import MAX_TURNS
+from ..stop import turn_limit_reached
 from ..protocol import extract_logprobs
 from ..scheduler import Scheduler
 from ..tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
@@ -93,6 +95,7 @@ class YamlScheduler(Scheduler):
 
     Subclass it (and name the subclass in ``scheduler_class``) to override any hook while keeping
     the YAML behaviour for the rest."""
+    requires_unique_uuids = True  # per-request state is keyed by uuid (see _key)
 
     def __init__(self, config: SchedulerConfig, tokenizer: Any = None, base_dir: Optional[str] = None,
                  infer_engine: Any = None, **kwargs: Any) -> None:
@@ -312,8 +315,8 @@ class YamlScheduler(Scheduler):
                     break
         if reason is None and st.env_obs is None and st.tip is None and not calls:
             reason = f'stop_rule:{self.idle_rule}'
-        if reason is None and self.max_turns and current_turn >= self.max_turns:
-            reason = 'max_turns'
+        if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.stop
+            reason = MAX_TURNS
         st.calls = calls if reason is None and st.tip is None and st.env_obs is None else []
 
         if self.tools:

@@ -36,6 +36,8 @@ from .. import machine as M
 from .. import protocol as _mp
 from ..errors import MultiTurnRolloutError
 from ..executor import Executor, identity_gather
+from ..stop import decide_stop, default_check
+from .swift_accounting import Swift46Accounting
 
 __all__ = [
     'to_swift', 'from_swift', 'SwiftSchedulerAdapter', 'as_swift_scheduler', 'register', 'install', 'uninstall',
@@ -161,11 +163,7 @@ def _run_coroutine(coro: Any) -> Any:
 
 def _base_check(choice: Any, turn: int, max_turns: Optional[int]) -> Tuple[bool, str]:
     """The default stop rule (ms-swift's and mtflow's), with the reason mtflow reports for it."""
-    if choice.finish_reason == 'length':
-        return True, M.LENGTH
-    if max_turns and turn >= max_turns:
-        return True, M.MAX_TURNS
-    return False, M.CHECK_FINISHED
+    return default_check(choice.finish_reason, turn, max_turns)
 
 
 def _overrides(obj: Any, name: str) -> bool:
@@ -203,6 +201,8 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
     inner_factory: Callable[..., Any] = None  # type: ignore[assignment]
     #: the name it is registered under (for messages)
     registered_name: str = ''
+    #: per-request bookkeeping is keyed by uuid (see _key)
+    requires_unique_uuids = True
 
     def __init__(self,
                  infer_engine: Any = None,
@@ -225,6 +225,7 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
         self._has_turn_end = _overrides(inner, 'on_turn_end')
         self._has_check = _overrides(inner, 'check_finished')
         self._has_start = _overrides(inner, 'on_trajectory_start')
+        self._has_end = _overrides(inner, 'on_trajectory_end')
         self._has_finished = _overrides(inner, 'on_request_finished')
         self._lock = threading.Lock()
         # id(request) -> (request, turn, checked): the decision on_turn_end made, for check_finished
@@ -279,18 +280,18 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
                 raise TypeError(f'{type(self.inner).__name__}.on_turn_end must return a dict, got '
                                 f'{type(out).__name__} (request {self._key(infer_request)}, turn {current_turn})')
             result = dict(out or {})
-        # Decide now what the driver will decide (it calls check_finished next, within the same
-        # materialized view): the hook's 'done' wins, else check_finished, then max_turns.
-        checked, reason = await self._check(infer_request, response_choice, current_turn)
-        if 'done' in result:
-            stop = bool(result['done'])
-            reason = result.get('finish_reason') or M.DONE_BY_HOOK
-        else:
-            stop = checked
-        if not stop and self.max_turns and current_turn >= self.max_turns:
-            stop, reason = True, M.MAX_TURNS
+        # Decide now, with the one stop rule (mtflow.stop.decide_stop), what the driver will do:
+        # the hook's 'done' wins, else check_finished, then max_turns. The decision is handed to
+        # the driver as 'done' (and to check_finished, which it calls too), so that the driver
+        # finishes the request exactly when the mtflow scheduler's on_request_finished runs, even
+        # when the bound is the mtflow scheduler's own max_turns.
+        checked, check_reason = await self._check(infer_request, response_choice, current_turn)
+        stop, reason = decide_stop(result, checked, check_reason, current_turn, self.max_turns)
+        result['done'] = stop
+        if stop:
+            result['finish_reason'] = reason
         with self._lock:
-            self._decided[id(infer_request)] = (infer_request, current_turn, checked)
+            self._decided[id(infer_request)] = (infer_request, current_turn, stop)
             while len(self._decided) > 65536:  # entries left by a batch that raised mid-turn
                 self._decided.popitem(last=False)
         if stop:
@@ -314,6 +315,14 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
         if decided is not None and decided[0] is infer_request and decided[1] == current_turn:
             return decided[2]
         return _run_coroutine(self._check(infer_request, response_choice, current_turn))[0]
+
+    async def on_trajectory_end(self, requests: List[Any], error: Optional[BaseException]) -> None:
+        """Forwarded to the mtflow scheduler (newer ms-swift and mtflow's executor call it after
+        a batch, so environments close)."""
+        if self._has_end:
+            result = self.inner.on_trajectory_end(requests, error)
+            if inspect.isawaitable(result):
+                await result
 
     def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
         try:
@@ -479,6 +488,14 @@ def _keep_run(state: Optional['InstallState'], rank: int, result: Any) -> None:
             state.on_trace(result.trace)
 
 
+def _accounting_for(scheduler: Any) -> Any:
+    """ms-swift 4.6's accounting for schedulers that keep assistant messages as ids (every
+    ``MultiTurnScheduler``), else the contract's (the executor's default)."""
+    if callable(getattr(type(scheduler), 'append_assistant_completion', None)):
+        return Swift46Accounting(scheduler)
+    return None
+
+
 def mtflow_run_multi_turn(requests: List[Any],
                           first_turn_outputs: List[Any],
                           scheduler: Any,
@@ -499,7 +516,9 @@ def mtflow_run_multi_turn(requests: List[Any],
         trace=state.trace if state else True,
         on_error=state.on_error if state else 'raise',
         rank=_rank(),
-        output_cls=_sp.RolloutOutput)
+        output_cls=_sp.RolloutOutput,
+        accounting=_accounting_for(scheduler),
+        scheduler_bounds_run=False)  # ms-swift's semantics: the caller's max_turns bounds the driver
     try:
         result = ex.run(requests, first_turn_outputs)
     except MultiTurnRolloutError as err:  # the run is complete: keep its trace, then raise

@@ -11,8 +11,9 @@ while text-oriented hooks run (``snapshot_and_materialize_assistant_messages`` /
 :class:`Swift46Accounting` is that behaviour behind the interface of
 :class:`mtflow.segments.ContractAccounting`, so mtflow's executor produces, field for field, what
 the installed ms-swift driver produces for such a scheduler (``tests/swift/test_differential.py``
-checks it against the real package). The executor picks it automatically for any scheduler whose
-class has ``append_assistant_completion``.
+checks it against the real package). Importing this module registers it
+(:func:`mtflow.segments.register_accounting`) for every scheduler whose class has
+``append_assistant_completion``, so the executor picks it for them; the core never imports it.
 
 It never imports ms-swift: everything goes through the scheduler's own methods, so it works for
 ms-swift's classes and for any object that implements the same methods.
@@ -24,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..errors import SchedulerResultError
 from ..machine import RequestRecord
 from ..protocol import extract_logprobs
-from ..segments import check_step_result, join_final, join_step_logprobs
+from ..segments import check_step_result, join_final, join_step_logprobs, keeps_messages_as_ids, register_accounting
 
 __all__ = ['Swift46Accounting']
 
@@ -151,3 +152,6 @@ class Swift46Accounting:
 
 _REQUIRED = ('append_assistant_completion', 'get_response_token_data', 'set_assistant_message_token_ids',
              'snapshot_and_materialize_assistant_messages', 'restore_assistant_message_snapshots')
+
+
+register_accounting(keeps_messages_as_ids, Swift46Accounting)
