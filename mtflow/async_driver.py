@@ -158,6 +158,7 @@ class AsyncRun(BatchRun):
         self.max_in_flight = 0  # rollout_fn calls in flight at once (tests read it)
         self.completions: Deque[Tuple[str, RequestRecord, int, Any]] = deque()
         self.wake: Optional[asyncio.Event] = None
+        self.waiter: Optional[asyncio.Task] = None
         self.tasks: Dict[int, asyncio.Task] = {}
         self.kinds: Dict[int, str] = {}
         self.held: Dict[int, Move] = {}  # admitted on a free slot
@@ -183,9 +184,13 @@ class AsyncRun(BatchRun):
                     self.fill_slots()
                 if not self.tasks and not self.completions:
                     break  # every request finished, or was parked by the budget
-                batch = loop.run_until_complete(self.next_completions())
+                self.waiter = loop.create_task(self.next_completions())
+                batch = loop.run_until_complete(self.waiter)
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
                     self.on_completion(kind, rec, turn, outcome)
+        except BaseException:  # an interrupt (or a bug): nothing of ours is left running
+            self.cancel_all()
+            raise
         finally:
             for pool in (self.rollout_pool, self.step_pool):
                 if pool is not None:
@@ -266,14 +271,14 @@ class AsyncRun(BatchRun):
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         t = perf_counter()
+        call = None
         try:
             if self.rollout_is_async:
                 call = ex.rollout_fn([rec.request], ex.request_config)
             else:
                 call = asyncio.wrap_future(self._rollout_threads().submit(ex.rollout_fn, [rec.request],
                                                                           ex.request_config))
-            timeout = ex.rollout_timeout_s
-            value = await (_await_result(call) if timeout is None else asyncio.wait_for(_await_result(call), timeout))
+            value = await _bounded(call, ex.rollout_timeout_s)
         except asyncio.TimeoutError:
             return Outcome(TIMED_OUT, ex.rollout_timeout_s, perf_counter() - t)
         except Exception as exc:
@@ -298,7 +303,7 @@ class AsyncRun(BatchRun):
                 if self.step_pool is None:  # one at a time, as the lockstep driver runs sync steps
                     self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
                 call = asyncio.wrap_future(self.step_pool.submit(hooks.step, rec.request, rec.choice, turn))
-            value = await (_await_result(call) if timeout is None else asyncio.wait_for(_await_result(call), timeout))
+            value = await _bounded(call, timeout)
         except asyncio.TimeoutError:
             return Outcome(TIMED_OUT, timeout, perf_counter() - t)
         except Exception as exc:
@@ -367,6 +372,25 @@ class AsyncRun(BatchRun):
         """Stopped by the budget in ``generating``/``continuing``: handed back unfinished."""
         self.active -= 1
 
+    def cancel_all(self) -> None:
+        """Cancel every task of this run and let them unwind. A task whose coroutine raised an
+        interrupt re-raises it while unwinding; that is swallowed here (the first one is already on
+        its way up), so the loop closes clean."""
+        tasks = [t for t in list(self.tasks.values()) + [self.waiter] if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        for _ in range(5):
+            pending = [t for t in tasks if not t.done()]
+            if not pending:
+                break
+            try:
+                self.loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+            except BaseException:  # noqa: BLE001 - see the docstring
+                continue
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: no "exception was never retrieved" at exit
+
     # ---- the budget ------------------------------------------------------------------------------
     def budget_left(self) -> Optional[float]:
         if self.until is None or self.until.seconds is None or self.stopping:
@@ -415,6 +439,20 @@ class AsyncRun(BatchRun):
 def _is_async_callable(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
         inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
+
+
+async def _bounded(call: Any, timeout: Optional[float]) -> Any:
+    """Await ``call`` (a coroutine, a future, or a plain value) within ``timeout``. A coroutine
+    that a cancellation or the deadline stops before it ever ran is closed (no "never awaited"
+    warning)."""
+    try:
+        if timeout is None:
+            return await _await_result(call)
+        return await asyncio.wait_for(_await_result(call), timeout)
+    except BaseException:
+        if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
+            call.close()
+        raise
 
 
 async def _await_result(value: Any) -> Any:

@@ -162,11 +162,11 @@ def state_spans(events: Sequence[TraceEvent], t0: Optional[float] = None) -> Lis
 
 def time_per_state(views: Sequence['RequestView'], t0: Optional[float] = None) -> Dict[str, StateTime]:
     """Per state (in the graph's order), the wall time requests spent in it."""
-    per: Dict[str, Dict[str, float]] = {}
-    for v in views:
+    per: Dict[str, Dict[int, float]] = {}  # state -> view number -> seconds (a uuid may recur across runs)
+    for k, v in enumerate(views):
         for sp in state_spans(v.events, t0):
-            per.setdefault(sp.state, {}).setdefault(v.uuid, 0.0)
-            per[sp.state][v.uuid] += sp.seconds
+            per.setdefault(sp.state, {}).setdefault(k, 0.0)
+            per[sp.state][k] += sp.seconds
     order = [PENDING, GENERATING, CONTINUING, TOOL_STEP]
     out: Dict[str, StateTime] = {}
     for state in order + sorted(set(per) - set(order)):
@@ -175,7 +175,7 @@ def time_per_state(views: Sequence['RequestView'], t0: Optional[float] = None) -
         by_req = per[state]
         top = max(by_req, key=by_req.get)
         total = sum(by_req.values())
-        out[state] = StateTime(state, total, len(by_req), total / len(by_req), by_req[top], top)
+        out[state] = StateTime(state, total, len(by_req), total / len(by_req), by_req[top], views[top].uuid)
     return out
 
 
