@@ -111,3 +111,10 @@ def test_the_time_axis_in_a_browser(lockstep_trace, tmp_path):
             assert not errors
         finally:
             browser.close()
+
+
+def test_an_async_run_has_no_turn_barrier():
+    result = Executor(LongTailScheduler(FAST), SimEngine(FAST, decode_s=0.002), mode="async").run(FAST.requests(6))
+    marks = page_data(render_html(result.trace))['turn_marks']
+    assert any(not m['barrier'] for m in marks if m['n'] > 1), 'outputs of a turn arrive spread over the run'
+    assert 'time per state' in __import__('mtflow.viewer.terminal', fromlist=['x']).format_trace(result.trace)
