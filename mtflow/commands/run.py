@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--temperature', type=float, help='request_config.temperature')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
+    p.add_argument('--mode', choices=('lockstep', 'async'),
+                   help="executor driver: lockstep (a turn at a time) or async (each request on its own)")
+    p.add_argument('--max-concurrency', type=int, metavar='N', help='async mode: requests in flight at once')
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
@@ -66,6 +69,8 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         'batch_size': args.batch_size,
         'seed': args.seed,
         'limit': args.limit,
+        'mode': getattr(args, 'mode', None),
+        'max_concurrency': getattr(args, 'max_concurrency', None),
     }
 
 
@@ -244,12 +249,55 @@ def run_batches(cfg: Any, scheduler: Any, backend: Any, requests: List[Any], out
                 progress: Any = None) -> Dict[str, Any]:
     """Run every batch; stream trajectories and the trace to ``out_dir``; return the tallies."""
     from ..executor import Executor
-    from ..trajectories import trajectory_from_output, write_trajectories
 
     request_config = cfg.make_request_config()
     task = progress.add_task('starting', total=len(requests)) if progress is not None else None
-    counting = _Counting(backend, progress, task)
-    executor = Executor(scheduler, counting, request_config, max_turns=cfg.max_turns or None, on_error='return')
+    if cfg.mode == 'async':
+        executor, counting, closing = _async_executor(cfg, scheduler, backend, request_config, progress, task)
+    else:
+        counting, closing = _Counting(backend, progress, task), None
+        executor = Executor(scheduler, counting, request_config, max_turns=cfg.max_turns or None, on_error='return')
+    try:
+        return _run_batches(cfg, executor, counting, requests, out_dir, progress, task)
+    finally:
+        if closing is not None:
+            closing()
+
+
+def _async_executor(cfg: Any, scheduler: Any, backend: Any, request_config: Any, progress: Any, task: Any) -> tuple:
+    """``--mode async``: the backend's async ``rollout_fn`` (its own concurrent path, or a dynamic
+    batcher over its batch calls, ``docs/backends.md``); progress advances per finished request."""
+    from ..executor import Executor
+
+    make = getattr(backend, 'async_rollout_fn', None)
+    rollout_fn = make() if callable(make) else backend
+    counting = _AsyncProgress(progress, task)
+    executor = Executor(scheduler, rollout_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
+                        mode='async', max_concurrency=cfg.max_concurrency, on_finished=counting.finished)
+    close = getattr(rollout_fn, 'close', None) if rollout_fn is not backend else None  # a batcher's threads
+    return executor, counting, close
+
+
+class _AsyncProgress:
+    """The progress bar in async mode: one tick per finished request (there are no turns)."""
+
+    def __init__(self, progress: Any, task: Any) -> None:
+        self.progress, self.task = progress, task
+        self.done = 0
+
+    def start_batch(self, size: int, done_before: int) -> None:
+        self.done = done_before
+
+    def finished(self, request: Any) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress.update(self.task, completed=self.done, description=f'{request.uuid} {request.finish_reason}')
+
+
+def _run_batches(cfg: Any, executor: Any, counting: Any, requests: List[Any], out_dir: Path, progress: Any,
+                 task: Any) -> Dict[str, Any]:
+    from ..trajectories import trajectory_from_output, write_trajectories
+
     tallies: Dict[str, Any] = {'reasons': Counter(), 'turns': [], 'failures': [], 'infos': [], 'rollout_fn_calls': 0,
                                'trace_tokens': 0, 'tool_calls': 0, 'tool_errors': 0}
     t_run = time.perf_counter()
