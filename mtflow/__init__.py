@@ -6,6 +6,7 @@ ms-swift) are imported only by the backends and integrations that need them.
 from .errors import (IllegalTransition, MtflowError, MultiTurnRolloutError, RequestError, RequestFailure,
                      RolloutFnError, RolloutInterrupted, SchedulerResultError, StepTimeout)
 from .executor import Executor, RunResult, identity_gather, run_multi_turn
+from .async_driver import UnfinishedRequest, Until
 from .machine import StateGraph
 from .records import FinishedRequest
 from .protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
@@ -20,5 +21,5 @@ __all__ = [
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
     'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
-    '__version__'
+    'Until', 'UnfinishedRequest', '__version__'
 ]
