@@ -8,6 +8,7 @@ run in the same process, interleaved (A B A B ...), and the best of the repeats 
     .venv/bin/python benchmarks/overhead.py                 # N = 1000, 4000, 16000; T = 8
     .venv/bin/python benchmarks/overhead.py --n 4000 --turns 8 --repeats 5
     .venv/bin/python benchmarks/overhead.py --no-trace      # mtflow with tracing off
+    .venv/bin/python benchmarks/overhead.py --shape realistic --n 4000   # the issue-9 target shape
 """
 from __future__ import annotations
 
@@ -33,6 +34,31 @@ class Trivial(mtflow.Scheduler):
         return {'infer_request': infer_request}
 
 
+class Realistic(mtflow.Scheduler):
+    """The shape real schedulers have: an ``async on_turn_end`` that inspects the output and
+    returns infos (it completes without awaiting anything, like most), and a ``step`` that
+    appends an observation and returns ids (the model's plus the observation's), a mask,
+    logprobs and infos."""
+    OBS_IDS = [1, 2, 3]
+
+    async def on_turn_end(self, infer_request, response_choice, current_turn):
+        return {'rollout_infos': {'last_len': len(response_choice.message.content)}}
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'observation'})
+        ids = response_choice.token_ids
+        return {
+            'infer_request': infer_request,
+            'response_token_ids': ids + self.OBS_IDS,
+            'response_loss_mask': [1] * len(ids) + [0] * len(self.OBS_IDS),
+            'rollout_logprobs': [item['logprob'] for item in response_choice.logprobs['content']],
+            'rollout_infos': {'tool_calls': current_turn},
+        }
+
+
+SHAPES = {'trivial': Trivial, 'realistic': Realistic}
+
+
 def prebuilt(n_tokens: int = 8) -> RolloutOutput:
     ids = list(range(n_tokens))
     return RolloutOutput(response=make_response(make_choice('x' * n_tokens, ids, [-0.5] * n_tokens)))
@@ -44,13 +70,13 @@ def make_inputs(n: int) -> tuple:
     return requests, [output] * n, output
 
 
-def time_one(driver: str, n: int, turns: int, trace: bool) -> float:
+def time_one(driver: str, n: int, turns: int, trace: bool, shape: str = 'trivial') -> float:
     requests, firsts, output = make_inputs(n)
 
     def rollout_fn(reqs: List[Any], config: Any) -> List[Any]:
         return [output] * len(reqs)
 
-    sched = Trivial()
+    sched = SHAPES[shape]()
     gc.collect()
     gc.disable()
     try:
@@ -85,11 +111,11 @@ def peak_memory(driver: str, n: int, turns: int, trace: bool) -> float:
         tracemalloc.stop()
 
 
-def measure(n: int, turns: int, repeats: int, trace: bool) -> Dict[str, float]:
+def measure(n: int, turns: int, repeats: int, trace: bool, shape: str = 'trivial') -> Dict[str, float]:
     best = {'reference': float('inf'), 'mtflow': float('inf')}
     for _ in range(repeats):
         for driver in ('reference', 'mtflow'):
-            best[driver] = min(best[driver], time_one(driver, n, turns, trace))
+            best[driver] = min(best[driver], time_one(driver, n, turns, trace, shape))
     return best
 
 
@@ -99,14 +125,17 @@ def main(argv: List[str] = None) -> None:
     p.add_argument('--turns', type=int, default=8)
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--no-trace', action='store_true')
+    p.add_argument('--shape', choices=sorted(SHAPES), default='trivial',
+                   help='trivial: a bare step; realistic: async on_turn_end, step with ids/mask/logprobs/infos')
     p.add_argument('--memory', action='store_true', help='also report peak memory per request (tracemalloc)')
     args = p.parse_args(argv)
     trace = not args.no_trace
-    print(f'# driver overhead, T={args.turns} turns, best of {args.repeats}, mtflow tracing {"on" if trace else "off"}')
+    print(f'# driver overhead, {args.shape} scheduler, T={args.turns} turns, best of {args.repeats}, '
+          f'mtflow tracing {"on" if trace else "off"}')
     print(f'| {"N":>6} | {"reference us/req-turn":>22} | {"mtflow us/req-turn":>19} | {"ratio":>6} |')
     print(f'|{"-" * 8}|{"-" * 24}|{"-" * 21}|{"-" * 8}|')
     for n in args.n:
-        best = measure(n, args.turns, args.repeats, trace)
+        best = measure(n, args.turns, args.repeats, trace, args.shape)
         per = {k: v / (n * args.turns) * 1e6 for k, v in best.items()}
         print(f'| {n:>6} | {per["reference"]:>22.2f} | {per["mtflow"]:>19.2f} | {per["mtflow"] / per["reference"]:>6.3f} |',
               flush=True)

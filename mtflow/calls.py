@@ -83,12 +83,13 @@ class Caller:
 
     # ---- one batch -----------------------------------------------------------------------------
     def batch(self, fn: Callable[..., Any], args: Sequence[tuple], is_async: bool,
-              timeout: Optional[float]) -> List[Outcome]:
-        """``fn(*a)`` for every ``a`` in ``args``; one :class:`Outcome` each, in order."""
+              timeout: Optional[float], timed: bool = True) -> List[Outcome]:
+        """``fn(*a)`` for every ``a`` in ``args``; one :class:`Outcome` each, in order.
+        ``timed=False``: durations of calls that finish at once are not measured (0)."""
         if not args:
             return []
         if is_async:
-            return self._coroutines(fn, args, timeout)
+            return self._coroutines(fn, args, timeout, timed)
         if timeout is None:
             return self._inline(fn, args)
         return self._threaded(fn, args, timeout)
@@ -135,7 +136,8 @@ class Caller:
         return results  # type: ignore[return-value]
 
     # ---- async -------------------------------------------------------------------------------
-    def _coroutines(self, fn: Callable[..., Any], args: Sequence[tuple], timeout: Optional[float]) -> List[Outcome]:
+    def _coroutines(self, fn: Callable[..., Any], args: Sequence[tuple], timeout: Optional[float],
+                    timed: bool = True) -> List[Outcome]:
         results: List[Optional[Outcome]] = [None] * len(args)
         suspended: List[Tuple[int, Any, Any]] = []
         t0 = perf_counter()
@@ -143,26 +145,28 @@ class Caller:
         previous = _events._get_running_loop()
         _events._set_running_loop(self.loop)
         try:
+            clock = perf_counter if timed else _zero
             for k, a in enumerate(args):
-                t = perf_counter()
+                t = clock()
                 try:
                     coro = fn(*a)
                 except Exception as exc:
-                    results[k] = Outcome(RAISED, exc, perf_counter() - t)
+                    results[k] = Outcome(RAISED, exc, clock() - t)
                     continue
-                if not eager or not hasattr(coro, 'send'):
+                send = getattr(coro, 'send', None) if eager else None
+                if send is None:
                     if not inspect.isawaitable(coro):  # declared async but returned a value
-                        results[k] = Outcome(OK, coro, perf_counter() - t)
-                        continue
-                    suspended.append((k, coro, _NOT_STARTED))
+                        results[k] = Outcome(OK, coro, clock() - t)
+                    else:
+                        suspended.append((k, coro, _NOT_STARTED))
                     continue
                 try:
-                    first = coro.send(None)
+                    first = send(None)
                 except StopIteration as stop:
-                    results[k] = Outcome(OK, stop.value, perf_counter() - t)
+                    results[k] = Outcome(OK, stop.value, clock() - t)
                     continue
                 except Exception as exc:
-                    results[k] = Outcome(RAISED, exc, perf_counter() - t)
+                    results[k] = Outcome(RAISED, exc, clock() - t)
                     continue
                 except BaseException:  # an interrupt: nothing else of this batch starts
                     for _, pending, _ in suspended:
@@ -219,6 +223,10 @@ class Caller:
 
 
 _NOT_STARTED = object()
+
+
+def _zero() -> float:
+    return 0.0
 
 
 class _Worker:

@@ -40,7 +40,7 @@ from .calls import OK, RAISED, TIMED_OUT, Caller, Outcome
 from .errors import (MtflowError, MultiTurnRolloutError, RequestFailure, RolloutFnError, RolloutInterrupted,
                      SchedulerResultError, StepTimeout)
 from .machine import RequestRecord, StateGraph
-from .protocol import RolloutOutput
+from .protocol import OutputBuilder, RolloutOutput
 from .records import FinishedRequest, Move
 from .scheduler import HookSet
 from .segments import accounting_for, checked_logprobs, is_continuation_of
@@ -142,9 +142,9 @@ class Executor:
         rank: written into trace events.
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
-        accounting: how ids/masks/logprobs accumulate (default: the contract's rules, or one an
-            integration registered for this kind of scheduler, see
-            :func:`mtflow.segments.register_accounting`).
+        accounting: how ids/masks/logprobs accumulate (default:
+            :func:`mtflow.segments.accounting_for`: ms-swift 4.6's rules for schedulers that keep
+            assistant messages as token ids, else the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
             raises becomes that request's failure (phase ``on_finished``), never swallowed.
@@ -399,6 +399,7 @@ class BatchRun:
             self.output_cls = type(first_turn_outputs[0])
         else:
             self.output_cls = RolloutOutput
+        self.builder = OutputBuilder(self.output_cls)
         self.handlers: Dict[str, Callable[[List[RequestRecord], int], List[Move]]] = {
             'waiting': self.handle_waiting,
             'tool_step': self.handle_tool_step,
@@ -505,6 +506,9 @@ class BatchRun:
             response_loss_mask=rec.mask,
             rollout_infos=infos,
             rollout_logprobs=logprobs)
+        built = self.builder.build(fields)
+        if built is not None:
+            return built
         try:
             return self.output_cls(**fields)
         except Exception as exc:  # e.g. ms-swift's class requires a response the request never got
@@ -675,7 +679,7 @@ class BatchRun:
         going = applied
         if on_turn_end is not None and going:
             outcomes = caller.batch(on_turn_end, [(r.request, r.choice, turn) for r in going],
-                                    hooks.on_turn_end_is_async, timeout)
+                                    hooks.on_turn_end_is_async, timeout, timed=False)
             kept = []
             for rec, outcome in zip(going, outcomes):
                 if outcome.kind != OK:

@@ -52,8 +52,8 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
     (DONE_BY_HOOK, 'ok', '`on_turn_end` returned a truthy `done` (a hook may name its own reason with the mtflow '
      'extension key `finish_reason`, e.g. a YAML stop rule\'s `stop_rule:<name>`)'),
     (CHECK_FINISHED, 'ok', 'the scheduler\'s own `check_finished` returned true (and `on_turn_end` had no `done` key)'),
-    (MAX_TURNS, 'limit', 'a turn bound was reached: the executor\'s `max_turns`, the scheduler\'s own `max_turns`, '
-     'or the safety cap of a run with no bound'),
+    (MAX_TURNS, 'limit', 'a turn bound was reached: the executor\'s `max_turns`, or the scheduler\'s own '
+     '`max_turns` (native API: whatever hooks it overrides; `run_multi_turn`: through the default `check_finished`)'),
     (LENGTH, 'limit', 'the default `check_finished` stopped because the output\'s `finish_reason` was `\'length\'`'),
     (ERROR, 'error', 'the request failed; the failure (phase, turn, exception) is kept, see `docs/executor.md`'),
     (TIMEOUT, 'error', 'a step ran past `step_timeout_s`, or the `rollout_fn` call serving it past `rollout_timeout_s`'),
@@ -66,6 +66,16 @@ FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
 FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')
 STOP_RULE_PREFIX = 'stop_rule:'
 _REASON_KINDS: Dict[str, str] = {row[0]: row[1] for row in FINISH_REASON_TABLE}
+
+
+def finish_reasons_markdown() -> str:
+    """The finish-reason table of ``docs/state-machine.md``, generated from
+    :data:`FINISH_REASON_TABLE` (a test keeps the page equal to it)."""
+    rows = ['| reason | kind | set when |', '|---|---|---|']
+    rows += [f'| `{reason}` | {kind} | {when} |' for reason, kind, when in FINISH_REASON_TABLE]
+    rows.append(f'| `{STOP_RULE_PREFIX}<name>` | ok | a declarative scheduler\'s stop rule matched (see '
+                '`docs/declarative.md`) |')
+    return '\n'.join(rows) + '\n'
 
 
 def reason_kind(reason: Optional[str]) -> str:

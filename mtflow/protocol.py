@@ -197,3 +197,92 @@ def make_response(choice: ChatCompletionResponseChoice,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens))
+
+
+class OutputBuilder:
+    """Builds outputs of one pydantic output class from values the executor has already checked,
+    without running pydantic's validation again (validating every token id, mask value and
+    message of every output costs more than the rest of the driver).
+
+    It builds exactly what ``cls(**fields)`` builds for such values: the same field values,
+    the messages copied one level (as validation copies them), ``fields_set`` as given. Anything
+    it cannot vouch for (another kind of class, validators it does not know, a response of
+    another type, unusual messages or infos) makes :meth:`build` return ``None``: the caller
+    then validates as usual."""
+
+    #: field validators known to be no-ops for checked values (ms-swift's and mtflow's wrap a flat list)
+    KNOWN_VALIDATORS = frozenset(('_wrap_flat_list', ))
+    FIELDS = ('response', 'messages', 'response_token_ids', 'response_loss_mask', 'rollout_infos', 'rollout_logprobs')
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.ok = False
+        fields = getattr(cls, '__pydantic_fields__', None)
+        decorators = getattr(cls, '__pydantic_decorators__', None)
+        if not fields or decorators is None or getattr(cls, '__pydantic_root_model__', True):
+            return
+        if decorators.model_validators or decorators.root_validators or set(
+                decorators.field_validators) - self.KNOWN_VALIDATORS:
+            return
+        self.post_init = bool(getattr(cls, '__pydantic_post_init__', None))  # run, as validation runs it
+        if any(f.alias is not None or f.validation_alias is not None for f in fields.values()):
+            return
+        if not set(self.FIELDS) <= set(fields):
+            return
+        response = fields['response'].annotation
+        args = [a for a in getattr(response, '__args__', ()) if a is not type(None)]
+        self.response_cls = args[0] if len(args) == 1 else response
+        if self.response_cls is Any:
+            self.response_cls = object
+        self.response_required = fields['response'].is_required()
+        if not isinstance(self.response_cls, type) or getattr(self.response_cls, '__origin__', None) is not None:
+            return
+        try:
+            isinstance(None, self.response_cls)
+        except TypeError:
+            return
+        others = [(name, f) for name, f in fields.items() if name not in self.FIELDS]
+        if any(f.is_required() for _, f in others):
+            return
+        # defaults: immutable ones once, factories per output
+        self.constants = {n: f.default for n, f in others
+                          if f.default_factory is None and isinstance(f.default, (type(None), str, int, float, bool, tuple))}
+        self.factories = [(n, f) for n, f in others if n not in self.constants]
+        self.extra = {} if cls.model_config.get('extra') == 'allow' else None
+        self.ok = True
+
+    def build(self, fields: Dict[str, Any]) -> Optional[Any]:
+        if not self.ok:
+            return None
+        response = fields['response']
+        if response is None:
+            if self.response_required:
+                return None
+        elif not isinstance(response, self.response_cls):
+            return None
+        messages = fields['messages']
+        if messages is not None:
+            if messages.__class__ is not list:
+                return None
+            copied = []
+            for m in messages:
+                if m.__class__ is not dict:
+                    return None
+                copied.append(m.copy())
+            messages = copied
+        infos = fields['rollout_infos']
+        if infos.__class__ is not dict or not all(k.__class__ is str for k in infos):
+            return None
+        values = dict(fields)
+        values['messages'] = messages
+        values.update(self.constants)
+        for name, f in self.factories:
+            values[name] = f.get_default(call_default_factory=True)
+        obj = self.cls.__new__(self.cls)
+        object.__setattr__(obj, '__dict__', values)
+        object.__setattr__(obj, '__pydantic_fields_set__', set(fields))
+        object.__setattr__(obj, '__pydantic_extra__', None if self.extra is None else {})
+        object.__setattr__(obj, '__pydantic_private__', None)
+        if self.post_init:
+            obj.model_post_init(None)
+        return obj

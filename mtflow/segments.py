@@ -10,23 +10,13 @@ it was, and the request's partial output loses nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from collections import abc
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .errors import SchedulerResultError
 from .machine import RequestRecord
 from .protocol import extract_logprobs
 from .validate import check_ids, check_infos, check_logprobs, check_mask
-
-#: accountings that integrations registered: ``(applies(scheduler) -> bool, factory(scheduler))``
-_REGISTERED: List[Tuple[Callable[[Any], bool], Callable[[Any], Any]]] = []
-
-
-def register_accounting(applies: Callable[[Any], bool], factory: Callable[[Any], Any]) -> None:
-    """Let an integration supply the accounting for the schedulers it recognises (e.g. the
-    ms-swift integration for schedulers that keep assistant messages as token ids). The core
-    never imports integrations; they plug in here (the latest registration wins)."""
-    _REGISTERED.append((applies, factory))
-
 
 def keeps_messages_as_ids(scheduler: Any) -> bool:
     """ms-swift 4.6's shape: the scheduler's class has ``append_assistant_completion``."""
@@ -34,17 +24,12 @@ def keeps_messages_as_ids(scheduler: Any) -> bool:
 
 
 def accounting_for(scheduler: Any) -> Any:
-    """The accounting an executor uses for ``scheduler`` when none is passed: a registered one
-    that applies, else the contract's. A scheduler that keeps assistant messages as token ids
-    with no accounting registered for it is an error (the contract's rules would silently
-    produce other token ids)."""
-    for applies, factory in reversed(_REGISTERED):
-        if applies(scheduler):
-            return factory(scheduler)
+    """The accounting an executor uses for ``scheduler`` when none is passed: ms-swift 4.6's
+    (:class:`mtflow.id_accounting.Swift46Accounting`) for schedulers that keep assistant
+    messages as token ids, else the contract's."""
     if keeps_messages_as_ids(scheduler):
-        raise TypeError(f'{type(scheduler).__name__} keeps assistant messages as token ids (ms-swift 4.6); '
-                        f'import mtflow.integrations.swift_accounting (it registers the accounting) or pass '
-                        f'accounting=Swift46Accounting(scheduler)')
+        from .id_accounting import Swift46Accounting  # it imports this module
+        return Swift46Accounting(scheduler)
     return ContractAccounting()
 
 
@@ -129,14 +114,26 @@ class ContractAccounting:
                     turn=turn,
                     field='response_loss_mask')
 
-        continuing = record.is_continuation
+        # extend_or_append and join_step_logprobs, inlined: this runs once per request and turn
+        extend = record.is_continuation
         if ids is not None:
-            extend_or_append(record.ids, ids, continuing)
+            if extend and record.ids:
+                record.ids[-1].extend(ids)
+            else:
+                record.ids.append(list(ids))
         if mask is not None:
-            extend_or_append(record.mask, mask, continuing)
+            if extend and record.mask:
+                record.mask[-1].extend(mask)
+            else:
+                record.mask.append(list(mask))
         if infos:
             record.infos.update(infos)
-        join_step_logprobs(record, choice, result)
+        logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
+        if logprobs:
+            if extend and record.logprobs:
+                record.logprobs[-1].extend(logprobs)
+            else:
+                record.logprobs.append(list(logprobs))
         return next_request
 
 
@@ -208,13 +205,14 @@ def check_step_result(record: RequestRecord, result: Any, turn: int) -> Tuple[An
         raise SchedulerResultError(
             'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
     infos = result.get('rollout_infos')
-    if infos is not None and not isinstance(infos, Mapping):
+    if infos is not None and infos.__class__ is not dict and not isinstance(infos, abc.Mapping):
         try:
             infos = check_infos(infos, uuid, turn)  # key/value pairs, as dict.update takes them
         except SchedulerResultError as exc:
             raise SchedulerResultError(f'rollout_infos {exc.detail}', uuid=uuid, turn=turn,
                                        field='rollout_infos') from None
-    check_ids(result.get('response_token_ids'), uuid, turn, 'response_token_ids')
-    check_mask(result.get('response_loss_mask'), uuid, turn, 'response_loss_mask')
-    check_logprobs(result.get('rollout_logprobs'), uuid, turn, 'rollout_logprobs')
+    if len(result) > 1:
+        check_ids(result.get('response_token_ids'), uuid, turn, 'response_token_ids')
+        check_mask(result.get('response_loss_mask'), uuid, turn, 'response_loss_mask')
+        check_logprobs(result.get('rollout_logprobs'), uuid, turn, 'rollout_logprobs')
     return next_request, infos

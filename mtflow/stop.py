@@ -30,7 +30,7 @@ def default_check(choice_finish_reason: Optional[str], turn: int, max_turns: Opt
     length limit (``length``), or the scheduler's own ``max_turns`` (``max_turns``)."""
     if choice_finish_reason == 'length':
         return True, LENGTH
-    if turn_limit_reached(turn, max_turns):
+    if max_turns and turn >= max_turns:  # turn_limit_reached, inlined (hot path)
         return True, MAX_TURNS
     return False, CHECK_FINISHED
 
@@ -55,6 +55,6 @@ def decide_stop(turn_result: Optional[Mapping[str, Any]],
         reason = turn_result.get('finish_reason') or DONE_BY_HOOK
     else:
         stop, reason = checked, check_reason
-    if not stop and turn_limit_reached(turn, max_turns):
+    if not stop and max_turns and turn >= max_turns:  # turn_limit_reached, inlined (hot path)
         return True, limit_reason
     return stop, reason

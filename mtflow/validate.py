@@ -8,8 +8,10 @@ request and turn.
 """
 from __future__ import annotations
 
+from array import array
+from collections.abc import Mapping
 from numbers import Integral, Real
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 from .errors import RequestError, RolloutFnError, SchedulerResultError
 
@@ -27,6 +29,12 @@ def check_ids(value: Any, uuid: str, turn: Optional[int], field: str,
     """``None`` or a list of ints (token ids)."""
     if value is None:
         return None
+    if value.__class__ is list:  # the common case, checked at C speed (ints that fit 64 bits)
+        try:
+            array('q', value)  # raises for anything but ints
+            return value
+        except (TypeError, OverflowError):
+            pass
     if not isinstance(value, (list, tuple)):
         raise _fail(cls, f'must be a list of ints, got {type(value).__name__}', uuid, turn, field)
     for k, v in enumerate(value):
@@ -39,6 +47,12 @@ def check_mask(value: Any, uuid: str, turn: Optional[int], field: str) -> Option
     """``None`` or a list of 0/1 values (a loss mask)."""
     if value is None:
         return None
+    if value.__class__ is list:
+        try:
+            if set(value) <= _ZERO_ONE:
+                return value
+        except TypeError:  # unhashable items
+            pass
     if not isinstance(value, (list, tuple)):
         raise _fail(SchedulerResultError, f'must be a list of 0/1, got {type(value).__name__}', uuid, turn, field)
     for k, v in enumerate(value):
@@ -51,6 +65,12 @@ def check_logprobs(value: Any, uuid: str, turn: Optional[int], field: str) -> Op
     """``None`` or a list of numbers (per-token logprobs)."""
     if value is None:
         return None
+    if value.__class__ is list:
+        try:
+            array('d', value)  # raises for anything but numbers
+            return value
+        except TypeError:
+            pass
     if not isinstance(value, (list, tuple)):
         raise _fail(SchedulerResultError, f'must be a list of floats, got {type(value).__name__}', uuid, turn,
                     field)
@@ -63,7 +83,7 @@ def check_logprobs(value: Any, uuid: str, turn: Optional[int], field: str) -> Op
 def check_infos(value: Any, uuid: str, turn: Optional[int], field: str = 'rollout_infos') -> Optional[Mapping]:
     """``None``, a mapping, or what ``dict.update`` takes (an iterable of key/value pairs, as
     ms-swift's driver accepts it), returned as a mapping."""
-    if value is None or isinstance(value, Mapping):
+    if value is None or value.__class__ is dict or isinstance(value, Mapping):
         return value
     if isinstance(value, (str, bytes)) or not hasattr(value, '__iter__'):
         raise _fail(SchedulerResultError, f'must be a dict, got {type(value).__name__}', uuid, turn, field)
@@ -87,6 +107,7 @@ def check_bool(value: Any, uuid: str, turn: Optional[int], field: str) -> bool:
 
 
 _EMPTY: Dict[str, Any] = {}
+_ZERO_ONE = frozenset((0, 1))
 
 
 def check_turn_result(value: Any, uuid: str, turn: int) -> Mapping[str, Any]:
@@ -116,7 +137,7 @@ def check_turn_result(value: Any, uuid: str, turn: int) -> Mapping[str, Any]:
         raise _fail(SchedulerResultError, f'must be a non-empty str, got {type(reason).__name__} {reason!r:.40}', uuid,
                     turn, 'finish_reason')
     infos = value.get('rollout_infos')
-    if infos is not None:
+    if infos is not None and infos.__class__ is not dict:
         mapped = check_infos(infos, uuid, turn)
         if mapped is not infos:
             checked = checked or dict(value)
@@ -144,11 +165,12 @@ def check_output(output: Any, uuid: str, turn: int) -> Tuple[Any, Any]:
     except Exception as exc:
         raise _fail(RolloutFnError, f'cannot read the output: {type(exc).__name__}: {exc}', uuid, turn,
                     'response') from None
-    if not isinstance(content, str):
+    if content.__class__ is not str and not isinstance(content, str):
         raise _fail(RolloutFnError, f'must be a str, got {type(content).__name__}', uuid, turn,
                     'response.choices[0].message.content')
-    check_ids(ids, uuid, turn, 'response.choices[0].token_ids', RolloutFnError)
-    if finish_reason is not None and not isinstance(finish_reason, str):
+    if ids is not None:
+        check_ids(ids, uuid, turn, 'response.choices[0].token_ids', RolloutFnError)
+    if finish_reason is not None and finish_reason.__class__ is not str and not isinstance(finish_reason, str):
         raise _fail(RolloutFnError, f'must be a str or None, got {type(finish_reason).__name__}', uuid, turn,
                     'response.choices[0].finish_reason')
     if logprobs is not None:
@@ -157,12 +179,15 @@ def check_output(output: Any, uuid: str, turn: int) -> Tuple[Any, Any]:
                         'response.choices[0].logprobs')
         items = logprobs.get('content')
         if items is not None:
-            if not isinstance(items, list):
+            if items.__class__ is not list:
                 raise _fail(RolloutFnError, f"'content' must be a list, got {type(items).__name__}", uuid, turn,
                             'response.choices[0].logprobs')
-            for k, item in enumerate(items):
-                lp = item.get('logprob') if isinstance(item, dict) else None
-                if type(lp) is not float and (not isinstance(lp, Real) or isinstance(lp, bool)):
-                    raise _fail(RolloutFnError, f"item {k} has no number 'logprob'", uuid, turn,
-                                'response.choices[0].logprobs')
+            try:
+                array('d', [item['logprob'] for item in items])
+                bad = False
+            except (TypeError, KeyError, IndexError):
+                bad = True
+            if bad:
+                raise _fail(RolloutFnError, "every item of 'content' must be a dict with a number 'logprob'", uuid,
+                            turn, 'response.choices[0].logprobs')
     return response, choice

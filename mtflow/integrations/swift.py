@@ -37,7 +37,7 @@ from .. import protocol as _mp
 from ..errors import MultiTurnRolloutError
 from ..executor import Executor, identity_gather
 from ..stop import decide_stop, default_check
-from .swift_accounting import Swift46Accounting
+from ..id_accounting import Swift46Accounting
 
 __all__ = [
     'to_swift', 'from_swift', 'SwiftSchedulerAdapter', 'as_swift_scheduler', 'register', 'install', 'uninstall',

@@ -13,7 +13,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..machine import ERROR, FINISH_REASONS, FINISHED, StateGraph
+from ..machine import FINISH_REASONS, FINISHED, StateGraph, reason_kind
 from ..trace import Trace
 from ..trajectories import Trajectory
 from .model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
@@ -105,12 +105,11 @@ def _graph_for(trace: Trace) -> StateGraph:
     return StateGraph(tuple(FINISH_REASONS) + tuple(dict.fromkeys(seen)), name='mtflow')
 
 
+_KIND_COLORS = {'error': '#ef4444', 'limit': '#eab308', 'ok': '#22c55e'}
+
+
 def _reason_color(reason: str) -> str:
-    if reason == ERROR:
-        return '#ef4444'
-    if reason in ('max_turns', 'length'):
-        return '#eab308'
-    return '#22c55e'
+    return _KIND_COLORS.get(reason_kind(reason), _KIND_COLORS['ok'])
 
 
 def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]] = None, tokenizer: Any = None,
@@ -130,6 +129,8 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         'trajectories': {u: _trajectory_dict(t, tokenizer) for u, t in trajectories.items() if u in wanted},
         'decoded': tokenizer is not None,
         'max_turn': summary.max_turn,
+        # how each finish reason is coloured: one table, mtflow.machine.FINISH_REASON_TABLE
+        'reason_kinds': {r: reason_kind(r) for r in dict.fromkeys(tuple(FINISH_REASONS) + tuple(summary.finish_reasons))},
     }
     counts: Dict[Any, int] = Counter((e.src, e.dst) for e in trace.events)
     for reason, n in summary.finish_reasons.items():
@@ -162,6 +163,8 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
             .replace('%STATS%', stats_html).replace('%REASONS%', reasons_opts)
             .replace('%GRAPH%', graph_svg).replace('%CHARTS%', ''.join(charts)).replace('%PROBLEMS%', problems)
             .replace('%TIMETABLE%', _time_table_html(summary))
+            .replace('%LIMIT_REASONS%', '/'.join(r for r in FINISH_REASONS if reason_kind(r) == 'limit'))
+            .replace('%ERROR_REASONS%', '/'.join(r for r in FINISH_REASONS if reason_kind(r) == 'error'))
             .replace('%SCRIPT%', _SCRIPT).replace('%DATA%', payload))
 
 
@@ -303,8 +306,8 @@ i.sw.tool_step{background:var(--tool-step)}
 <div class="legend"><span><i style="background:var(--generating)"></i>generating</span>
 <span><i style="background:var(--continuing)"></i>continuing</span><span><i style="background:var(--tool-step)"></i>tool_step</span>
 <span><i style="background:repeating-linear-gradient(45deg,var(--tool-step) 0 4px,var(--error) 4px 7px)"></i>tool error</span>
-<span><i style="background:var(--ok)"></i>finished</span><span><i style="background:var(--warn)"></i>max_turns/length</span>
-<span><i style="background:var(--error)"></i>error</span></div>
+<span><i style="background:var(--ok)"></i>finished</span><span><i style="background:var(--warn)"></i>%LIMIT_REASONS%</span>
+<span><i style="background:var(--error)"></i>%ERROR_REASONS%</span></div>
 </div>
 </header>
 <main>
@@ -332,7 +335,7 @@ _SCRIPT = r'''
 'use strict';
 var DATA = JSON.parse(document.getElementById('mtflow-data').textContent);
 function el(tag, cls, text){var e=document.createElement(tag); if(cls) e.className=cls; if(text!==undefined&&text!==null) e.textContent=String(text); return e;}
-function reasonClass(r){ if(r===null||r===undefined) return 'none'; if(r==='error') return 'error'; if(r==='max_turns'||r==='length') return 'limit'; return 'ok'; }
+function reasonClass(r){ if(r===null||r===undefined) return 'none'; return DATA.reason_kinds[r] || 'ok'; }
 function ms(s){ if(s===null||s===undefined) return ''; return s<1 ? (s*1000).toFixed(1)+' ms' : s.toFixed(2)+' s'; }
 var lanes = document.getElementById('lanes');
 var head = el('div','lanehead'); head.appendChild(el('div','who','request')); head.appendChild(el('div','why','finish'));

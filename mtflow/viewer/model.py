@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..machine import CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES
+from ..machine import CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES, reason_kind
 from ..trace import Trace, TraceEvent
 
 #: One-letter marks of the states in a turn cell.
@@ -51,7 +51,7 @@ class TurnCell:
         if self.stepped:
             s += 'T' + (TOOL_ERROR_MARK if self.tool_errors else '')
         if self.finished is not None:
-            s += ERROR_MARK if self.finished == ERROR else OK_MARK
+            s += ERROR_MARK if reason_kind(self.finished) == 'error' else OK_MARK
         return s
 
 
@@ -286,7 +286,7 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
                 c.stepped = True
             if e.extra and isinstance(e.extra.get('error'), dict):
                 c.error = e.extra['error']
-            elif c.finished == ERROR:
+            elif reason_kind(c.finished) == 'error':
                 c.error = {'message': 'no details recorded'}
         if e.dst in (TOOL_STEP, FINISHED) and e.tokens:
             tokens += e.tokens

@@ -14,7 +14,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..machine import CONTINUING, ERROR, GENERATING, TOOL_STEP
+from ..machine import CONTINUING, FINISH_REASONS, GENERATING, TOOL_STEP, reason_kind
 from ..trace import Trace
 from ..trajectories import Trajectory
 from .model import ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views, summarize
@@ -23,7 +23,7 @@ from .tokens import token_texts
 CELL = 4  # characters per turn in the timeline (the widest cell, 'GT!✗', is 4)
 STYLES = {GENERATING: 'bold blue', CONTINUING: 'bold cyan', TOOL_STEP: 'yellow'}
 LEGEND = (f'G generating  C continuing  T tool_step  {TOOL_ERROR_MARK} tool error  '
-          f'{OK_MARK} finished  {ERROR_MARK} failed (error)')
+          f'{OK_MARK} finished  {ERROR_MARK} failed ({"/".join(r for r in FINISH_REASONS if reason_kind(r) == "error")})')
 
 
 def fmt_s(seconds: Optional[float]) -> str:
@@ -33,14 +33,12 @@ def fmt_s(seconds: Optional[float]) -> str:
     return f'{seconds * 1000:.1f} ms' if seconds < 1 else f'{seconds:.2f} s'
 
 
+_KIND_STYLES = {'none': 'magenta', 'error': 'bold red', 'limit': 'yellow', 'ok': 'green'}
+
+
 def reason_style(reason: Optional[str]) -> str:
-    if reason is None:
-        return 'magenta'
-    if reason == ERROR:
-        return 'bold red'
-    if reason in ('max_turns', 'length'):
-        return 'yellow'
-    return 'green'
+    """The colour of a finish reason, by its kind in :data:`mtflow.machine.FINISH_REASON_TABLE`."""
+    return _KIND_STYLES[reason_kind(reason)]
 
 
 def cell_text(view: RequestView, turn_index: int) -> Text:
@@ -55,7 +53,7 @@ def cell_text(view: RequestView, turn_index: int) -> Text:
         if c.tool_errors:
             t.append(TOOL_ERROR_MARK, 'bold red')
     if c.finished is not None:
-        t.append(ERROR_MARK if c.finished == ERROR else OK_MARK, reason_style(c.finished))
+        t.append(ERROR_MARK if reason_kind(c.finished) == 'error' else OK_MARK, reason_style(c.finished))
     return t
 
 
