@@ -223,16 +223,14 @@ class AsyncRun(BatchRun):
                 self.apply([_fail_move(r, 1, 'rollout_fn', err) for r in self.records if r.state != M.FINISHED])
                 self.held.clear()
                 return
-        for rec in self.records:
-            if rec.state == M.FINISHED:
-                continue
-            self.queue.append(rec)
-        if outputs is not None:  # the first turn is already generated: every request starts at once
-            for rec in list(self.queue):
-                self.queue.remove(rec)
-                self.active += 1
-                self.apply([self.held.pop(rec.index)])
-                self.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
+        live = [rec for rec in self.records if rec.state != M.FINISHED]
+        if outputs is None:
+            self.queue.extend(live)
+            return
+        for rec in live:  # the first turn is already generated: every request starts at once
+            self.active += 1
+            self.apply([self.held.pop(rec.index)])
+            self.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
 
     def fill_slots(self) -> None:
         while self.queue and self.active < self.max_concurrency:
