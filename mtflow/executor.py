@@ -31,7 +31,7 @@ import inspect
 import traceback as _traceback
 import warnings
 from collections import Counter
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 from . import machine as M
 from . import trace as _trace
@@ -157,6 +157,11 @@ class Executor:
             (``accelerate.utils.gather_object`` does).
         eager_coroutines: drive async hooks directly until they first suspend (fast); ``False``
             gives each its own task from the start.
+        mode: ``'lockstep'`` (default: every live request moves one turn together, the contract's
+            driver) or ``'async'``: every request advances on its own, ``rollout_fn`` called with
+            one-request lists concurrently (:mod:`mtflow.async_driver`, ``docs/executor.md``).
+        max_concurrency: async mode: the most requests in flight at once (admitted and not
+            finished; so also the most ``rollout_fn`` calls in flight); ``None``: all.
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -182,7 +187,9 @@ class Executor:
                  scheduler_bounds_run: bool = True,
                  check_ranks: bool = False,
                  unique_uuids: Optional[bool] = None,
-                 eager_coroutines: bool = True) -> None:
+                 eager_coroutines: bool = True,
+                 mode: str = 'lockstep',
+                 max_concurrency: Optional[int] = None) -> None:
         if on_error not in ('raise', 'return'):
             raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
         if max_turns is not None and (not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 0):
@@ -191,6 +198,16 @@ class Executor:
             raise ValueError(f'turn_cap must be an int >= 1, not {turn_cap!r}')
         if on_finished is not None and not callable(on_finished):
             raise TypeError(f'on_finished must be callable, not {type(on_finished).__name__}')
+        if mode not in ('lockstep', 'async'):
+            raise ValueError(f"mode must be 'lockstep' or 'async', not {mode!r}")
+        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                                            or max_concurrency < 1):
+            raise ValueError(f'max_concurrency must be None or an int >= 1, not {max_concurrency!r}')
+        if max_concurrency is not None and mode != 'async':
+            raise ValueError("max_concurrency applies to mode='async' only (lockstep sends every live request "
+                             'in one rollout_fn call)')
+        self.mode = mode
+        self.max_concurrency = max_concurrency
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -222,7 +239,8 @@ class Executor:
         self.unbounded = not max_turns and own is None
 
     # ---- entry points ------------------------------------------------------------------------
-    def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
+    def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None, *,
+            until: Any = None) -> RunResult:
         """Roll out ``requests`` to the end. Without ``first_turn_outputs`` the executor calls
         ``on_trajectory_start`` and generates the first turn itself.
 
@@ -234,7 +252,7 @@ class Executor:
                           RuntimeWarning, stacklevel=2)
         loop = asyncio.new_event_loop()
         try:
-            run = BatchRun(self, loop, requests, first_turn_outputs)
+            run = self._batch_run(loop, requests, first_turn_outputs, until)
             try:
                 result = run.drive()
             except KeyboardInterrupt as exc:
@@ -260,10 +278,24 @@ class Executor:
             raise error
         return result
 
-    async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
+    def _batch_run(self, loop: asyncio.AbstractEventLoop, requests: List[Any],
+                   first_turn_outputs: Optional[Sequence[Any]], until: Any) -> 'BatchRun':
+        """The driver of one run: lockstep (:class:`BatchRun`), or async mode's, which drives the
+        same handlers per request (:class:`mtflow.async_driver.AsyncRun`; partial rollouts with
+        ``until`` and resumed :class:`~mtflow.async_driver.UnfinishedRequest` items need it)."""
+        if self.mode == 'async':
+            from .async_driver import AsyncRun, Until
+
+            return AsyncRun(self, loop, requests, first_turn_outputs, Until.coerce(until))
+        if until is not None or any(type(r).__name__ == 'UnfinishedRequest' for r in requests):
+            raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
+        return BatchRun(self, loop, requests, first_turn_outputs)
+
+    async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None, *,
+                   until: Any = None) -> RunResult:
         """:meth:`run` from inside a running event loop (server mode): the synchronous driver runs
         in a worker thread so that blocking engines and sync hooks never stall the caller's loop."""
-        return await asyncio.to_thread(self.run, requests, first_turn_outputs)
+        return await asyncio.to_thread(self.run, requests, first_turn_outputs, until=until)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -691,21 +723,38 @@ class BatchRun:
         """``tool_step``: run the scheduler's ``step`` for every record (async ones concurrently,
         sync ones in order, each under ``step_timeout_s``), apply each result through the
         accounting, and return ``generate`` / ``continue_message`` (by the next request's
-        messages) or ``fail`` per record, in order."""
-        accounting, hooks = self.accounting, self.hooks
-        moves: Dict[int, Move] = {}
-        before = getattr(accounting, 'before_step', None)
-        going = []
+        messages) or ``fail`` per record, in order.
+
+        Two halves, so that a driver that runs each step on its own (async mode) applies the
+        same rules: :meth:`begin_steps` (before any step runs) and :meth:`end_steps` (the step
+        outcomes applied)."""
+        going, failed = self.begin_steps(records, turn)
+        outcomes = self.caller.batch(self.hooks.step, [(r.request, r.choice, turn) for r in going],
+                                     self.hooks.step_is_async, self.ex.step_timeout_s)
+        return self.end_steps(records, turn, outcomes, going, failed)
+
+    def begin_steps(self, records: List[RequestRecord], turn: int) -> Tuple[List[RequestRecord], List[Move]]:
+        """The accounting's ``before_step`` for each record: the records whose step may run, and
+        the ``fail`` moves of the others."""
+        before = getattr(self.accounting, 'before_step', None)
+        going, failed = [], []
         for rec in records:
             if before is not None:
                 try:
                     before(rec, rec.choice, turn)
                 except Exception as exc:
-                    moves[rec.index] = _fail_move(rec, turn, 'step', exc)
+                    failed.append(_fail_move(rec, turn, 'step', exc))
                     continue
             going.append(rec)
-        outcomes = self.caller.batch(hooks.step, [(r.request, r.choice, turn) for r in going], hooks.step_is_async,
-                                     self.ex.step_timeout_s)
+        return going, failed
+
+    def end_steps(self, records: List[RequestRecord], turn: int, outcomes: Sequence[Outcome],
+                  going: Optional[List[RequestRecord]] = None, failed: Sequence[Move] = ()) -> List[Move]:
+        """Apply each step outcome (``going[k]``'s is ``outcomes[k]``; ``going`` defaults to
+        ``records``); return one move per record, in order."""
+        accounting = self.accounting
+        moves: Dict[int, Move] = {mv.record.index: mv for mv in failed}
+        going = records if going is None else going
         replace = self.requests.__class__ is list
         for rec, outcome in zip(going, outcomes):
             if outcome.kind != OK:

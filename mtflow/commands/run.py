@@ -64,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='write and fsync finished requests in groups of N (default 256) ...')
     p.add_argument('--flush-interval', type=float, default=2.0, metavar='S',
                    help='... or when the oldest one has waited S seconds (default 2)')
+    p.add_argument('--mode', choices=('lockstep', 'async'),
+                   help="executor driver: lockstep (a turn at a time) or async (each request on its own)")
+    p.add_argument('--max-concurrency', type=int, metavar='N', help='async mode: requests in flight at once')
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
@@ -80,6 +83,8 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         'batch_size': args.batch_size,
         'seed': args.seed,
         'limit': args.limit,
+        'mode': getattr(args, 'mode', None),
+        'max_concurrency': getattr(args, 'max_concurrency', None),
     }
 
 
@@ -271,7 +276,19 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
 
     request_config = cfg.make_request_config()
 
+    closing: List[Callable[[], None]] = []
+
     def make_executor(rollout_fn: Any, on_finished: Any) -> Any:
+        if cfg.mode == 'async':
+            # the backend's async rollout_fn (its own concurrent path, or a dynamic batcher over
+            # its batch calls, docs/backends.md); there are no turns to count
+            make = getattr(backend, 'async_rollout_fn', None)
+            async_fn = make() if callable(make) else backend
+            close = getattr(async_fn, 'close', None) if async_fn is not backend else None  # a batcher's threads
+            if callable(close):
+                closing.append(close)
+            return Executor(scheduler, async_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
+                            on_finished=on_finished, mode='async', max_concurrency=cfg.max_concurrency)
         return Executor(scheduler, rollout_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
                         on_finished=on_finished)
 
@@ -289,6 +306,8 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
         # checked in full before the run (count_prompts); the store refuses a uuid written twice
         run.run(iter_prompts(cfg.dataset_path(), limit=cfg.limit, check_unique=False))
     finally:
+        for close in closing:
+            close()
         if progress is not None:
             progress.stop()
         figures.update(run.figures())
