@@ -392,7 +392,12 @@ class BatchRun:
             'waiting': self.handle_waiting,
             'tool_step': self.handle_tool_step,
         }
-        self.phases = [(name, frozenset(states), self.handlers[name]) for name, states in M.TURN_PHASES]
+        #: what the lockstep loop calls per phase: the handler with its moves carried out
+        self.runners: Dict[str, Callable[[List[RequestRecord], int], None]] = {
+            'waiting': self.run_waiting,
+            'tool_step': self.run_tool_step,
+        }
+        self.phases = [(name, frozenset(states), self.runners[name]) for name, states in M.TURN_PHASES]
 
     # ---- moves -------------------------------------------------------------------------------
     def apply(self, moves: List[Move]) -> None:
@@ -615,20 +620,41 @@ class BatchRun:
             rec.incoming = out
 
     # ---- handlers ----------------------------------------------------------------------------
+    # Each handler has a public form that returns one Move per record (the handler API, used by
+    # other drivers) and a lean core used by the lockstep loop: the core returns, per record,
+    # either a Move (finish, fail: rare) or a compact entry for the common move (``None``:
+    # ``run_step``; ``(trigger, duration, extra)``: back to generating/continuing), which
+    # :meth:`run_waiting` / :meth:`run_tool_step` hand straight to :meth:`StateGraph.move`.
+    # Both forms make the same moves with the same trace events, in the same order.
     def handle_waiting(self, records: List[RequestRecord], turn: int) -> List[Move]:
         """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
         ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
         ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
-        accounting, uuid_turn = self.accounting, turn
+        return [Move(rec, M.RUN_STEP, turn, tokens=rec.tokens) if mv is None else mv
+                for rec, mv in zip(records, self._waiting(records, turn))]
+
+    def run_waiting(self, records: List[RequestRecord], turn: int) -> None:
+        """:meth:`handle_waiting` and its moves carried out (``apply(handle_waiting(...))``)."""
+        move, recorder, run_step = self.graph.move, self.recorder, M.RUN_STEP
+        for rec, mv in zip(records, self._waiting(records, turn)):
+            if mv is None:
+                move(rec, run_step, turn, recorder, rec.tokens)
+            else:
+                self.apply([mv])
+
+    def _waiting(self, records: List[RequestRecord], turn: int) -> List[Optional[Move]]:
+        """The core of :meth:`handle_waiting`: per record a Move, or ``None`` for ``run_step``."""
+        accounting = self.accounting
+        append_completion, check_output = accounting.append_completion, V.check_output
         moves: Dict[int, Move] = {}
         applied: List[RequestRecord] = []
         for rec in records:
             out, rec.incoming = rec.incoming, None
             rec.tokens = 0
             try:
-                response, choice = V.check_output(out, rec.uuid, uuid_turn)
+                response, choice = check_output(out, rec.uuid, turn)
                 rec.response = response
-                rec.is_continuation = accounting.append_completion(rec, choice.message.content)
+                rec.is_continuation = append_completion(rec, choice.message.content)
             except Exception as exc:
                 if not isinstance(exc, RolloutFnError):
                     exc = RolloutFnError(f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid,
@@ -651,45 +677,54 @@ class BatchRun:
                     moves[rec.index] = _fail_move(rec, turn, 'materialize', exc, tokens=rec.tokens)
                     applied.remove(rec)
         try:
-            decided = self._decide(applied, turn, moves)
+            stops = self._decide(applied, turn, moves)
         finally:
-            for rec in records:
-                snap = snapshots.get(rec.index)
-                if snap is not None:
-                    try:
-                        accounting.restore(snap)
-                    except Exception as exc:
-                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
-        for rec, stop, reason in decided:
-            if rec.index in moves:
-                continue
-            if stop:
-                moves[rec.index] = Move(rec, M.FINISH, turn, tokens=rec.tokens, reason=reason)
-            else:
-                moves[rec.index] = Move(rec, M.RUN_STEP, turn, tokens=rec.tokens)
-        return [moves[rec.index] for rec in records]
+            if snapshots:
+                for rec in records:
+                    snap = snapshots.get(rec.index)
+                    if snap is not None:
+                        try:
+                            accounting.restore(snap)
+                        except Exception as exc:
+                            moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
+        out: List[Optional[Move]] = []
+        if not moves and not stops:
+            return [None] * len(records)
+        for rec in records:
+            index = rec.index
+            mv = moves.get(index)
+            if mv is None:
+                reason = stops.get(index)
+                if reason is not None:
+                    mv = Move(rec, M.FINISH, turn, tokens=rec.tokens, reason=reason)
+            out.append(mv)
+        return out
 
-    def _decide(self, applied: List[RequestRecord], turn: int, moves: Dict[int, Move]) -> List[tuple]:
+    def _decide(self, applied: List[RequestRecord], turn: int, moves: Dict[int, Move]) -> Dict[int, str]:
+        """``on_turn_end``, ``check_finished`` and the stop decision for the applied records:
+        the records that stop (index -> reason); failures go into ``moves``."""
         hooks, caller, timeout = self.hooks, self.caller, self.ex.step_timeout_s
         on_turn_end = hooks.on_turn_end
         going = applied
         if on_turn_end is not None and going:
-            outcomes = caller.batch(on_turn_end, [(r.request, r.choice, turn) for r in going],
-                                    hooks.on_turn_end_is_async, timeout, timed=False)
+            values, problems, _ = caller.values(on_turn_end, [(r.request, r.choice, turn) for r in going],
+                                                hooks.on_turn_end_is_async, timeout, timed=False)
             kept = []
-            for rec, outcome in zip(going, outcomes):
-                if outcome.kind != OK:
-                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome, rec.tokens)
+            check_turn_result = V.check_turn_result
+            for k, rec in enumerate(going):
+                if problems is not None and k in problems:
+                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', problems[k], rec.tokens)
                     continue
                 try:
-                    tr = V.check_turn_result(outcome.value, rec.uuid, turn)
+                    tr = check_turn_result(values[k], rec.uuid, turn)
                 except Exception as exc:
                     moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc, tokens=rec.tokens)
                     continue
                 rec.turn_result = tr
-                infos = tr.get('rollout_infos') if tr else None
-                if infos:
-                    rec.infos.update(infos)
+                if tr:
+                    infos = tr.get('rollout_infos')
+                    if infos:
+                        rec.infos.update(infos)
                 kept.append(rec)
             going = kept
         check = hooks.check_finished
@@ -700,7 +735,7 @@ class BatchRun:
                                   timeout if hooks.check_is_async else None)
         default_max = self.hooks.default_max_turns
         limit, limit_reason = self.limit, self.limit_reason
-        decided = []
+        stops: Dict[int, str] = {}
         for k, rec in enumerate(going):
             if checks is not None:
                 outcome = checks[k]
@@ -716,8 +751,9 @@ class BatchRun:
             else:
                 checked, check_reason = default_check(rec.choice.finish_reason, turn, default_max)
             stop, reason = decide_stop(rec.turn_result, checked, check_reason, turn, limit, limit_reason)
-            decided.append((rec, stop, reason))
-        return decided
+            if stop:
+                stops[rec.index] = reason
+        return stops
 
     def handle_tool_step(self, records: List[RequestRecord], turn: int) -> List[Move]:
         """``tool_step``: run the scheduler's ``step`` for every record (async ones concurrently,
@@ -728,23 +764,42 @@ class BatchRun:
         Two halves, so that a driver that runs each step on its own (async mode) applies the
         same rules: :meth:`begin_steps` (before any step runs) and :meth:`end_steps` (the step
         outcomes applied)."""
+        return [self._entry_move(rec, turn, e) for rec, e in zip(records, self._tool_step(records, turn))]
+
+    def run_tool_step(self, records: List[RequestRecord], turn: int) -> None:
+        """:meth:`handle_tool_step` and its moves carried out (``apply(handle_tool_step(...))``)."""
+        move, recorder = self.graph.move, self.recorder
+        for rec, e in zip(records, self._tool_step(records, turn)):
+            if e.__class__ is tuple:
+                move(rec, e[0], turn, recorder, None, e[1], e[2])
+            else:
+                self.apply([e])
+
+    def _tool_step(self, records: List[RequestRecord], turn: int) -> List[Any]:
         going, failed = self.begin_steps(records, turn)
-        outcomes = self.caller.batch(self.hooks.step, [(r.request, r.choice, turn) for r in going],
-                                     self.hooks.step_is_async, self.ex.step_timeout_s)
-        return self.end_steps(records, turn, outcomes, going, failed)
+        values, problems, durations = self.caller.values(self.hooks.step, [(r.request, r.choice, turn) for r in going],
+                                                         self.hooks.step_is_async, self.ex.step_timeout_s)
+        return self._stepped(records, turn, going, values, problems, durations, failed)
+
+    @staticmethod
+    def _entry_move(rec: RequestRecord, turn: int, entry: Any) -> Move:
+        if entry.__class__ is tuple:
+            return Move(rec, entry[0], turn, duration=entry[1], extra=entry[2])
+        return entry
 
     def begin_steps(self, records: List[RequestRecord], turn: int) -> Tuple[List[RequestRecord], List[Move]]:
         """The accounting's ``before_step`` for each record: the records whose step may run, and
         the ``fail`` moves of the others."""
         before = getattr(self.accounting, 'before_step', None)
+        if before is None:
+            return records, []
         going, failed = [], []
         for rec in records:
-            if before is not None:
-                try:
-                    before(rec, rec.choice, turn)
-                except Exception as exc:
-                    failed.append(_fail_move(rec, turn, 'step', exc))
-                    continue
+            try:
+                before(rec, rec.choice, turn)
+            except Exception as exc:
+                failed.append(_fail_move(rec, turn, 'step', exc))
+                continue
             going.append(rec)
         return going, failed
 
@@ -752,29 +807,46 @@ class BatchRun:
                   going: Optional[List[RequestRecord]] = None, failed: Sequence[Move] = ()) -> List[Move]:
         """Apply each step outcome (``going[k]``'s is ``outcomes[k]``; ``going`` defaults to
         ``records``); return one move per record, in order."""
-        accounting = self.accounting
-        moves: Dict[int, Move] = {mv.record.index: mv for mv in failed}
         going = records if going is None else going
-        replace = self.requests.__class__ is list
-        for rec, outcome in zip(going, outcomes):
-            if outcome.kind != OK:
-                moves[rec.index] = _outcome_move(rec, turn, 'step', outcome)
+        values = [o.value if o.kind == OK else None for o in outcomes]
+        problems = {k: o for k, o in enumerate(outcomes) if o.kind != OK} or None
+        durations = [o.duration for o in outcomes]
+        entries = self._stepped(records, turn, going, values, problems, durations, failed)
+        return [self._entry_move(rec, turn, e) for rec, e in zip(records, entries)]
+
+    def _stepped(self, records: List[RequestRecord], turn: int, going: List[RequestRecord], values: List[Any],
+                 problems: Optional[Dict[int, Outcome]], durations: Optional[List[float]],
+                 failed: Sequence[Move] = ()) -> List[Any]:
+        """The step results applied: per record a Move (``fail``) or ``(trigger, duration,
+        extra)`` for its move back into ``generating``/``continuing``."""
+        accumulate = self.accounting.accumulate_step
+        entries: Dict[int, Any] = {mv.record.index: mv for mv in failed} if failed else {}
+        requests = self.requests if self.requests.__class__ is list else None
+        generate, continue_message = M.GENERATE, M.CONTINUE
+        for k, rec in enumerate(going):
+            duration = durations[k] if durations is not None else None
+            if problems is not None and k in problems:
+                entries[rec.index] = _outcome_move(rec, turn, 'step', problems[k])
                 continue
-            result = outcome.value
+            result = values[k]
             try:
-                next_request = accounting.accumulate_step(rec, rec.choice, result, turn)
+                next_request = accumulate(rec, rec.choice, result, turn)
                 extra = result.get('trace_info')
-                if extra is not None and not isinstance(extra, dict):
+                if extra is not None and extra.__class__ is not dict and not isinstance(extra, dict):
                     raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}',
                                                uuid=rec.uuid, turn=turn, field='trace_info')
             except Exception as exc:
-                moves[rec.index] = _fail_move(rec, turn, 'step', exc)
+                entries[rec.index] = _fail_move(rec, turn, 'step', exc)
                 continue
             rec.request = next_request
-            if replace:
-                self.requests[rec.index] = next_request
-            moves[rec.index] = self.wait_move(rec, turn, outcome.duration, extra)
-        return [moves[rec.index] for rec in records]
+            if requests is not None:
+                requests[rec.index] = next_request
+            try:  # wait_move's continuation rule, without a Move
+                entry = (continue_message if is_continuation_of(next_request.messages) else generate, duration, extra)
+            except Exception:
+                entry = self.wait_move(rec, turn, duration, extra)  # the fail move, with its error
+            entries[rec.index] = entry
+        return [entries[rec.index] for rec in records]
 
     # ---- ranks -------------------------------------------------------------------------------
     def ranks_have_work(self, live: List[RequestRecord], turn: int) -> bool:
@@ -827,10 +899,10 @@ class BatchRun:
             self.loops += 1
             if live:
                 self.deliver(live, outputs, turn)
-            for _name, states, handler in phases:
+            for _name, states, run_phase in phases:
                 batch = [r for r in live if r.state in states]
                 if batch:
-                    self.apply(handler(batch, turn))
+                    run_phase(batch, turn)
             live = [r for r in live if r.state in M.WAITING_STATES]
             turn += 1
             self.turn = turn
