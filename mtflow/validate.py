@@ -169,12 +169,15 @@ def check_output(output: Any, uuid: str, turn: int) -> Tuple[Any, Any]:
         raise _fail(RolloutFnError, f'must be a str, got {type(content).__name__}', uuid, turn,
                     'response.choices[0].message.content')
     if ids is not None:
-        check_ids(ids, uuid, turn, 'response.choices[0].token_ids', RolloutFnError)
+        try:
+            array('q').fromlist(ids)  # check_ids' fast path, inlined (once per request and turn)
+        except (TypeError, OverflowError):
+            check_ids(ids, uuid, turn, 'response.choices[0].token_ids', RolloutFnError)
     if finish_reason is not None and finish_reason.__class__ is not str and not isinstance(finish_reason, str):
         raise _fail(RolloutFnError, f'must be a str or None, got {type(finish_reason).__name__}', uuid, turn,
                     'response.choices[0].finish_reason')
     if logprobs is not None:
-        if not isinstance(logprobs, dict):
+        if logprobs.__class__ is not dict and not isinstance(logprobs, dict):
             raise _fail(RolloutFnError, f'must be a dict or None, got {type(logprobs).__name__}', uuid, turn,
                         'response.choices[0].logprobs')
         items = logprobs.get('content')
