@@ -116,6 +116,8 @@ def check_turn_result(value: Any, uuid: str, turn: int) -> Mapping[str, Any]:
     ``response_token_ids``/``response_loss_mask``/``rollout_logprobs`` lists)."""
     if value is None:
         return _EMPTY
+    if value.__class__ is dict and len(value) == 1 and value.get('rollout_infos').__class__ is dict:
+        return value  # the common shape, {'rollout_infos': {...}}: nothing else to check
     if not isinstance(value, dict):
         if isinstance(value, Mapping):
             value = dict(value)
