@@ -630,20 +630,28 @@ class BatchRun:
         """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
         ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
         ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
+        entries = self._waiting(records, turn)
+        if entries is None:
+            return [Move(rec, M.RUN_STEP, turn, tokens=rec.tokens) for rec in records]
         return [Move(rec, M.RUN_STEP, turn, tokens=rec.tokens) if mv is None else mv
-                for rec, mv in zip(records, self._waiting(records, turn))]
+                for rec, mv in zip(records, entries)]
 
     def run_waiting(self, records: List[RequestRecord], turn: int) -> None:
         """:meth:`handle_waiting` and its moves carried out (``apply(handle_waiting(...))``)."""
         move, recorder, run_step = self.graph.move, self.recorder, M.RUN_STEP
-        for rec, mv in zip(records, self._waiting(records, turn)):
+        entries = self._waiting(records, turn)
+        if entries is None:  # every record runs its step: one pass
+            self.graph.move_all(records, (run_step, ) * len(records), turn, recorder, [r.tokens for r in records])
+            return
+        for rec, mv in zip(records, entries):
             if mv is None:
                 move(rec, run_step, turn, recorder, rec.tokens)
             else:
                 self.apply([mv])
 
-    def _waiting(self, records: List[RequestRecord], turn: int) -> List[Optional[Move]]:
-        """The core of :meth:`handle_waiting`: per record a Move, or ``None`` for ``run_step``."""
+    def _waiting(self, records: List[RequestRecord], turn: int) -> Optional[List[Optional[Move]]]:
+        """The core of :meth:`handle_waiting`: per record a Move, or ``None`` for ``run_step``
+        (the whole list ``None`` when every record runs its step)."""
         accounting = self.accounting
         append_completion, check_output = accounting.append_completion, V.check_output
         moves: Dict[int, Move] = {}
@@ -689,7 +697,7 @@ class BatchRun:
                             moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
         out: List[Optional[Move]] = []
         if not moves and not stops:
-            return [None] * len(records)
+            return None
         for rec in records:
             index = rec.index
             mv = moves.get(index)
@@ -769,7 +777,12 @@ class BatchRun:
     def run_tool_step(self, records: List[RequestRecord], turn: int) -> None:
         """:meth:`handle_tool_step` and its moves carried out (``apply(handle_tool_step(...))``)."""
         move, recorder = self.graph.move, self.recorder
-        for rec, e in zip(records, self._tool_step(records, turn)):
+        entries = self._tool_step(records, turn)
+        if all(e.__class__ is tuple for e in entries):  # every step went back to the model: one pass
+            triggers, durations, extras = zip(*entries)
+            self.graph.move_all(records, triggers, turn, recorder, None, durations, extras)
+            return
+        for rec, e in zip(records, entries):
             if e.__class__ is tuple:
                 move(rec, e[0], turn, recorder, None, e[1], e[2])
             else:
