@@ -25,7 +25,7 @@ import random
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List
 
 from mtflow import RolloutInferRequest, Scheduler
 from mtflow.protocol import RolloutOutput, make_choice, make_response

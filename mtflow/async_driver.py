@@ -47,7 +47,7 @@ from . import machine as M
 from . import trace as _trace
 from .calls import OK, RAISED, TIMED_OUT, Outcome
 from .errors import MtflowError, RolloutFnError, StepTimeout
-from .executor import BatchRun, RunResult, _fail_move, _outcome_move
+from .executor import BatchRun, RunResult, _fail_move
 from .machine import RequestRecord
 from .records import Move
 

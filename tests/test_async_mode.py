@@ -339,3 +339,15 @@ def test_bad_options():
         Until()
     with pytest.raises(ValueError, match='unknown key'):
         Executor(Steps(), Replies(), mode='async').run([req('r0')], until={'requests': 3})
+
+
+def test_the_async_driver_is_core_and_imports_no_outer_layer():
+    import ast
+    from pathlib import Path
+
+    from tests.executor.test_one_source import OUTER
+
+    tree = ast.parse((Path(mtflow.__file__).parent / 'async_driver.py').read_text())
+    names = {n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in names if m.split('.')[0] in OUTER or m.startswith('mtflow.') and m.split('.')[1] in OUTER}
