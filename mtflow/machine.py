@@ -166,7 +166,8 @@ class StateGraph:
         return dest
 
     def move_all(self, records: Sequence['RequestRecord'], triggers: Sequence[str], turn: int, recorder: Any = None,
-                 tokens: Optional[Sequence[Optional[int]]] = None, durations: Optional[Sequence[Optional[float]]] = None,
+                 tokens: Optional[Sequence[Optional[int]]] = None,
+                 durations: Optional[Sequence[Optional[float]]] = None,
                  extras: Optional[Sequence[Optional[dict]]] = None) -> None:
         """:meth:`move` for each record in turn (``triggers[k]``, ``tokens[k]``, ... for
         ``records[k]``; ``None`` lists: ``None`` for each): the same checks, the same events in
