@@ -7,6 +7,7 @@ from .errors import (DuplicateUuidError, IllegalTransition, MtflowError, MultiTu
                      RequestError, RequestFailure, RolloutFnError, RolloutInterrupted, SchedulerResultError,
                      StepTimeout)
 from .executor import Executor, RunResult, identity_gather, run_multi_turn
+from .async_driver import UnfinishedRequest, Until
 from .machine import StateGraph
 from .records import FinishedRequest
 from .protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
@@ -20,6 +21,6 @@ __all__ = [
     'Executor', 'RunResult', 'run_multi_turn', 'identity_gather', 'Scheduler', 'StateGraph', 'Trace', 'TraceEvent',
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
-    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest', 'DuplicateUuidError', 'RankMismatchError',
-    '__version__'
+    'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
+    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', '__version__'
 ]

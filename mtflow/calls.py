@@ -27,9 +27,10 @@ import inspect
 import threading
 from asyncio import events as _events
 from time import perf_counter
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from types import CoroutineType as _CoroutineType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ['Outcome', 'Caller', 'RAISED', 'TIMED_OUT', 'OK']
+__all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK']
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
 
@@ -44,6 +45,10 @@ class Outcome:
 
     def __repr__(self) -> str:
         return f'Outcome({("ok", "raised", "timed out")[self.kind]}, {self.value!r:.60}, {self.duration:.3f}s)'
+
+
+#: what :meth:`Caller.values` returns: ``(values, problems, durations)``
+Results = Tuple[List[Any], Optional[Dict[int, Outcome]], Optional[List[float]]]
 
 
 class _Resume:
@@ -86,8 +91,25 @@ class Caller:
               timeout: Optional[float], timed: bool = True) -> List[Outcome]:
         """``fn(*a)`` for every ``a`` in ``args``; one :class:`Outcome` each, in order.
         ``timed=False``: durations of calls that finish at once are not measured (0)."""
+        values, problems, durations = self.values(fn, args, is_async, timeout, timed)
+        if durations is None:
+            out = [Outcome(OK, v, 0.0) for v in values]
+        else:
+            out = [Outcome(OK, v, d) for v, d in zip(values, durations)]
+        if problems:
+            for k, outcome in problems.items():
+                out[k] = outcome
+        return out
+
+    def values(self, fn: Callable[..., Any], args: Sequence[tuple], is_async: bool, timeout: Optional[float],
+               timed: bool = True) -> Results:
+        """:meth:`batch` without an :class:`Outcome` per call (the executor's hot path):
+        ``(values, problems, durations)``: ``values[k]`` is what call ``k`` returned (``None``
+        where it did not return), ``problems`` maps the index of each call that raised or timed
+        out to its :class:`Outcome` (``None`` when there is none), ``durations[k]`` its wall time
+        (``None`` when ``timed=False``: calls that finish at once are not measured)."""
         if not args:
-            return []
+            return [], None, [] if timed else None
         if is_async:
             return self._coroutines(fn, args, timeout, timed)
         if timeout is None:
@@ -105,7 +127,7 @@ class Caller:
             except Exception as exc:
                 return Outcome(RAISED, exc, perf_counter() - t)
             return Outcome(OK, value, perf_counter() - t)
-        [outcome] = self._threaded(fn, [args], timeout)
+        [outcome] = self.batch(fn, [args], False, timeout)
         if outcome.kind == OK and inspect.isawaitable(outcome.value):
             t = perf_counter()
             left = max(timeout - outcome.duration, 0.001)
@@ -116,73 +138,104 @@ class Caller:
 
     # ---- sync --------------------------------------------------------------------------------
     @staticmethod
-    def _inline(fn: Callable[..., Any], args: Sequence[tuple]) -> List[Outcome]:
-        out = []
-        for a in args:
-            t = perf_counter()
+    def _inline(fn: Callable[..., Any], args: Sequence[tuple]) -> Results:
+        values: List[Any] = []
+        durations: List[float] = []
+        problems: Optional[Dict[int, Outcome]] = None
+        t = perf_counter()
+        for k, a in enumerate(args):
             try:
-                out.append(Outcome(OK, fn(*a), perf_counter() - t))
+                values.append(fn(*a))
             except Exception as exc:
-                out.append(Outcome(RAISED, exc, perf_counter() - t))
-        return out
+                values.append(None)
+                if problems is None:
+                    problems = {}
+                problems[k] = Outcome(RAISED, exc, perf_counter() - t)
+            t1 = perf_counter()
+            durations.append(t1 - t)
+            t = t1
+        return values, problems, durations
 
-    def _threaded(self, fn: Callable[..., Any], args: Sequence[tuple], timeout: float) -> List[Outcome]:
-        results: List[Optional[Outcome]] = [None] * len(args)
+    def _threaded(self, fn: Callable[..., Any], args: Sequence[tuple], timeout: float) -> Results:
+        n = len(args)
+        values: List[Any] = [None] * n
+        durations: List[float] = [0.0] * n
+        problems: Dict[int, Outcome] = {}
         start = 0
-        while start < len(args):
-            worker = _Worker(fn, args, start, results, contextvars.copy_context())
+        while start < n:
+            worker = _Worker(fn, args, start, values, durations, problems, contextvars.copy_context())
             worker.thread.start()
             start = worker.wait(timeout)
-        return results  # type: ignore[return-value]
+        return values, problems or None, durations
 
     # ---- async -------------------------------------------------------------------------------
     def _coroutines(self, fn: Callable[..., Any], args: Sequence[tuple], timeout: Optional[float],
-                    timed: bool = True) -> List[Outcome]:
-        results: List[Optional[Outcome]] = [None] * len(args)
+                    timed: bool = True) -> Results:
+        """Drive each coroutine directly (``send(None)``); resume those that suspend as tasks."""
+        n = len(args)
+        values: List[Any] = [None] * n
+        durations: Optional[List[float]] = [0.0] * n if timed else None
+        problems: Optional[Dict[int, Outcome]] = None
         suspended: List[Tuple[int, Any, Any]] = []
         t0 = perf_counter()
         eager = self.eager
         previous = _events._get_running_loop()
         _events._set_running_loop(self.loop)
         try:
-            clock = perf_counter if timed else _zero
+            t = t0
             for k, a in enumerate(args):
-                t = clock()
                 try:
                     coro = fn(*a)
-                except Exception as exc:
-                    results[k] = Outcome(RAISED, exc, clock() - t)
-                    continue
-                send = getattr(coro, 'send', None) if eager else None
-                if send is None:
-                    if not inspect.isawaitable(coro):  # declared async but returned a value
-                        results[k] = Outcome(OK, coro, clock() - t)
+                    if eager and coro.__class__ is _CoroutineType:
+                        try:
+                            first = coro.send(None)
+                        except StopIteration as stop:
+                            values[k] = stop.value
+                        else:
+                            suspended.append((k, coro, first))
                     else:
-                        suspended.append((k, coro, _NOT_STARTED))
-                    continue
-                try:
-                    first = send(None)
-                except StopIteration as stop:
-                    results[k] = Outcome(OK, stop.value, clock() - t)
-                    continue
+                        send = getattr(coro, 'send', None) if eager else None
+                        if send is None:
+                            if not inspect.isawaitable(coro):  # declared async but returned a value
+                                values[k] = coro
+                            else:
+                                suspended.append((k, coro, _NOT_STARTED))
+                        else:
+                            try:
+                                first = send(None)
+                            except StopIteration as stop:
+                                values[k] = stop.value
+                            else:
+                                suspended.append((k, coro, first))
                 except Exception as exc:
-                    results[k] = Outcome(RAISED, exc, clock() - t)
-                    continue
+                    if problems is None:
+                        problems = {}
+                    problems[k] = Outcome(RAISED, exc, (perf_counter() - t) if timed else 0.0)
                 except BaseException:  # an interrupt: nothing else of this batch starts
                     for _, pending, _ in suspended:
                         getattr(pending, 'close', lambda: None)()
                     raise
-                suspended.append((k, coro, first))
+                if timed:
+                    t1 = perf_counter()
+                    durations[k] = t1 - t  # type: ignore[index]
+                    t = t1
         finally:
             _events._set_running_loop(previous)
         if suspended:
             left = None if timeout is None else max(timeout - (perf_counter() - t0), 0.001)
             awaitables = [c if first is _NOT_STARTED else _resumed(c, first) for _, c, first in suspended]
             for (k, _, _), outcome in zip(suspended, self._awaitables(awaitables, t0, left)):
+                if outcome.kind == OK:
+                    values[k] = outcome.value
+                    if timed:
+                        durations[k] = outcome.duration  # type: ignore[index]
+                    continue
                 if outcome.kind == TIMED_OUT:
                     outcome.value = timeout  # the deadline, not what was left of it
-                results[k] = outcome
-        return results  # type: ignore[return-value]
+                if problems is None:
+                    problems = {}
+                problems[k] = outcome
+        return values, problems, durations
 
     def _awaitables(self, awaitables: List[Any], t0: float, timeout: Optional[float]) -> List[Outcome]:
         """Run ``awaitables`` concurrently on the private loop; cancel those past ``timeout``."""
@@ -225,16 +278,17 @@ class Caller:
 _NOT_STARTED = object()
 
 
-def _zero() -> float:
-    return 0.0
-
-
 class _Worker:
-    """Runs ``fn(*args[k])`` for ``k >= start`` in a daemon thread, stopping when abandoned."""
+    """Runs ``fn(*args[k])`` for ``k >= start`` in a daemon thread, stopping when abandoned.
 
-    def __init__(self, fn: Callable[..., Any], args: Sequence[tuple], start: int, results: List[Optional[Outcome]],
-                 context: contextvars.Context) -> None:
-        self.fn, self.args, self.results, self.context = fn, args, results, context
+    It writes ``values[k]``/``durations[k]`` (and ``problems[k]`` for a call that raised); the
+    lock makes "call ``k`` finished" and "call ``k`` is abandoned" exclude each other, so an
+    abandoned call's late result is never written and no call runs twice."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[tuple], start: int, values: List[Any],
+                 durations: List[float], problems: Dict[int, Outcome], context: contextvars.Context) -> None:
+        self.fn, self.args, self.context = fn, args, context
+        self.values, self.durations, self.problems = values, durations, problems
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.current = start
@@ -244,27 +298,33 @@ class _Worker:
         self.thread = threading.Thread(target=self.context.run, args=(self.body, ), name='mtflow-step', daemon=True)
 
     def body(self) -> None:
-        fn, args, n = self.fn, self.args, len(self.args)
+        fn, args, n, lock = self.fn, self.args, len(self.args), self.lock
+        values, durations, problems = self.values, self.durations, self.problems
         k = self.current
+        t = perf_counter()
         while k < n:
-            t = perf_counter()
+            failed = None
             try:
-                outcome = Outcome(OK, fn(*args[k]), 0.0)
+                value = fn(*args[k])
             except Exception as exc:
-                outcome = Outcome(RAISED, exc, 0.0)
+                value, failed = None, exc
             except BaseException as exc:  # KeyboardInterrupt/SystemExit from the call: the driver re-raises
-                with self.lock:
+                with lock:
                     if not self.abandoned:
                         self.interrupt = exc
                 self.done.set()
                 return
-            outcome.duration = perf_counter() - t
-            with self.lock:
+            t1 = perf_counter()
+            with lock:
                 if self.abandoned:
                     return
-                self.results[k] = outcome
+                values[k] = value
+                durations[k] = t1 - t
+                if failed is not None:
+                    problems[k] = Outcome(RAISED, failed, t1 - t)
                 k += 1
-                self.current, self.started = k, perf_counter()
+                self.current, self.started = k, t1
+            t = t1
         self.done.set()
 
     def wait(self, timeout: float) -> int:
@@ -280,7 +340,8 @@ class _Worker:
                     with self.lock:
                         if self.current == k and not self.done.is_set():
                             self.abandoned = True
-                            self.results[k] = Outcome(TIMED_OUT, timeout, perf_counter() - started)
+                            self.durations[k] = perf_counter() - started
+                            self.problems[k] = Outcome(TIMED_OUT, timeout, self.durations[k])
                             return k + 1
                     continue
                 if self.done.wait(left):

@@ -31,7 +31,7 @@ import inspect
 import traceback as _traceback
 import warnings
 from collections import Counter
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 from . import machine as M
 from . import trace as _trace
@@ -157,6 +157,11 @@ class Executor:
             (``accelerate.utils.gather_object`` does).
         eager_coroutines: drive async hooks directly until they first suspend (fast); ``False``
             gives each its own task from the start.
+        mode: ``'lockstep'`` (default: every live request moves one turn together, the contract's
+            driver) or ``'async'``: every request advances on its own, ``rollout_fn`` called with
+            one-request lists concurrently (:mod:`mtflow.async_driver`, ``docs/executor.md``).
+        max_concurrency: async mode: the most requests in flight at once (admitted and not
+            finished; so also the most ``rollout_fn`` calls in flight); ``None``: all.
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -182,7 +187,9 @@ class Executor:
                  scheduler_bounds_run: bool = True,
                  check_ranks: bool = False,
                  unique_uuids: Optional[bool] = None,
-                 eager_coroutines: bool = True) -> None:
+                 eager_coroutines: bool = True,
+                 mode: str = 'lockstep',
+                 max_concurrency: Optional[int] = None) -> None:
         if on_error not in ('raise', 'return'):
             raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
         if max_turns is not None and (not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 0):
@@ -191,6 +198,16 @@ class Executor:
             raise ValueError(f'turn_cap must be an int >= 1, not {turn_cap!r}')
         if on_finished is not None and not callable(on_finished):
             raise TypeError(f'on_finished must be callable, not {type(on_finished).__name__}')
+        if mode not in ('lockstep', 'async'):
+            raise ValueError(f"mode must be 'lockstep' or 'async', not {mode!r}")
+        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                                            or max_concurrency < 1):
+            raise ValueError(f'max_concurrency must be None or an int >= 1, not {max_concurrency!r}')
+        if max_concurrency is not None and mode != 'async':
+            raise ValueError("max_concurrency applies to mode='async' only (lockstep sends every live request "
+                             'in one rollout_fn call)')
+        self.mode = mode
+        self.max_concurrency = max_concurrency
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -222,7 +239,8 @@ class Executor:
         self.unbounded = not max_turns and own is None
 
     # ---- entry points ------------------------------------------------------------------------
-    def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
+    def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None, *,
+            until: Any = None) -> RunResult:
         """Roll out ``requests`` to the end. Without ``first_turn_outputs`` the executor calls
         ``on_trajectory_start`` and generates the first turn itself.
 
@@ -234,7 +252,7 @@ class Executor:
                           RuntimeWarning, stacklevel=2)
         loop = asyncio.new_event_loop()
         try:
-            run = BatchRun(self, loop, requests, first_turn_outputs)
+            run = self._batch_run(loop, requests, first_turn_outputs, until)
             try:
                 result = run.drive()
             except KeyboardInterrupt as exc:
@@ -260,10 +278,24 @@ class Executor:
             raise error
         return result
 
-    async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None) -> RunResult:
+    def _batch_run(self, loop: asyncio.AbstractEventLoop, requests: List[Any],
+                   first_turn_outputs: Optional[Sequence[Any]], until: Any) -> 'BatchRun':
+        """The driver of one run: lockstep (:class:`BatchRun`), or async mode's, which drives the
+        same handlers per request (:class:`mtflow.async_driver.AsyncRun`; partial rollouts with
+        ``until`` and resumed :class:`~mtflow.async_driver.UnfinishedRequest` items need it)."""
+        if self.mode == 'async':
+            from .async_driver import AsyncRun, Until
+
+            return AsyncRun(self, loop, requests, first_turn_outputs, Until.coerce(until))
+        if until is not None or any(type(r).__name__ == 'UnfinishedRequest' for r in requests):
+            raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
+        return BatchRun(self, loop, requests, first_turn_outputs)
+
+    async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None, *,
+                   until: Any = None) -> RunResult:
         """:meth:`run` from inside a running event loop (server mode): the synchronous driver runs
         in a worker thread so that blocking engines and sync hooks never stall the caller's loop."""
-        return await asyncio.to_thread(self.run, requests, first_turn_outputs)
+        return await asyncio.to_thread(self.run, requests, first_turn_outputs, until=until)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -360,7 +392,12 @@ class BatchRun:
             'waiting': self.handle_waiting,
             'tool_step': self.handle_tool_step,
         }
-        self.phases = [(name, frozenset(states), self.handlers[name]) for name, states in M.TURN_PHASES]
+        #: what the lockstep loop calls per phase: the handler with its moves carried out
+        self.runners: Dict[str, Callable[[List[RequestRecord], int], None]] = {
+            'waiting': self.run_waiting,
+            'tool_step': self.run_tool_step,
+        }
+        self.phases = [(name, frozenset(states), self.runners[name]) for name, states in M.TURN_PHASES]
 
     # ---- moves -------------------------------------------------------------------------------
     def apply(self, moves: List[Move]) -> None:
@@ -583,20 +620,49 @@ class BatchRun:
             rec.incoming = out
 
     # ---- handlers ----------------------------------------------------------------------------
+    # Each handler has a public form that returns one Move per record (the handler API, used by
+    # other drivers) and a lean core used by the lockstep loop: the core returns, per record,
+    # either a Move (finish, fail: rare) or a compact entry for the common move (``None``:
+    # ``run_step``; ``(trigger, duration, extra)``: back to generating/continuing), which
+    # :meth:`run_waiting` / :meth:`run_tool_step` hand straight to :meth:`StateGraph.move`.
+    # Both forms make the same moves with the same trace events, in the same order.
     def handle_waiting(self, records: List[RequestRecord], turn: int) -> List[Move]:
         """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
         ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
         ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
-        accounting, uuid_turn = self.accounting, turn
+        entries = self._waiting(records, turn)
+        if entries is None:
+            return [Move(rec, M.RUN_STEP, turn, tokens=rec.tokens) for rec in records]
+        return [Move(rec, M.RUN_STEP, turn, tokens=rec.tokens) if mv is None else mv
+                for rec, mv in zip(records, entries)]
+
+    def run_waiting(self, records: List[RequestRecord], turn: int) -> None:
+        """:meth:`handle_waiting` and its moves carried out (``apply(handle_waiting(...))``)."""
+        move, recorder, run_step = self.graph.move, self.recorder, M.RUN_STEP
+        entries = self._waiting(records, turn)
+        if entries is None:  # every record runs its step: one pass
+            self.graph.move_all(records, (run_step, ) * len(records), turn, recorder, [r.tokens for r in records])
+            return
+        for rec, mv in zip(records, entries):
+            if mv is None:
+                move(rec, run_step, turn, recorder, rec.tokens)
+            else:
+                self.apply([mv])
+
+    def _waiting(self, records: List[RequestRecord], turn: int) -> Optional[List[Optional[Move]]]:
+        """The core of :meth:`handle_waiting`: per record a Move, or ``None`` for ``run_step``
+        (the whole list ``None`` when every record runs its step)."""
+        accounting = self.accounting
+        append_completion, check_output = accounting.append_completion, V.check_output
         moves: Dict[int, Move] = {}
         applied: List[RequestRecord] = []
         for rec in records:
             out, rec.incoming = rec.incoming, None
             rec.tokens = 0
             try:
-                response, choice = V.check_output(out, rec.uuid, uuid_turn)
+                response, choice = check_output(out, rec.uuid, turn)
                 rec.response = response
-                rec.is_continuation = accounting.append_completion(rec, choice.message.content)
+                rec.is_continuation = append_completion(rec, choice.message.content)
             except Exception as exc:
                 if not isinstance(exc, RolloutFnError):
                     exc = RolloutFnError(f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid,
@@ -619,45 +685,54 @@ class BatchRun:
                     moves[rec.index] = _fail_move(rec, turn, 'materialize', exc, tokens=rec.tokens)
                     applied.remove(rec)
         try:
-            decided = self._decide(applied, turn, moves)
+            stops = self._decide(applied, turn, moves)
         finally:
-            for rec in records:
-                snap = snapshots.get(rec.index)
-                if snap is not None:
-                    try:
-                        accounting.restore(snap)
-                    except Exception as exc:
-                        moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
-        for rec, stop, reason in decided:
-            if rec.index in moves:
-                continue
-            if stop:
-                moves[rec.index] = Move(rec, M.FINISH, turn, tokens=rec.tokens, reason=reason)
-            else:
-                moves[rec.index] = Move(rec, M.RUN_STEP, turn, tokens=rec.tokens)
-        return [moves[rec.index] for rec in records]
+            if snapshots:
+                for rec in records:
+                    snap = snapshots.get(rec.index)
+                    if snap is not None:
+                        try:
+                            accounting.restore(snap)
+                        except Exception as exc:
+                            moves[rec.index] = _fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
+        out: List[Optional[Move]] = []
+        if not moves and not stops:
+            return None
+        for rec in records:
+            index = rec.index
+            mv = moves.get(index)
+            if mv is None:
+                reason = stops.get(index)
+                if reason is not None:
+                    mv = Move(rec, M.FINISH, turn, tokens=rec.tokens, reason=reason)
+            out.append(mv)
+        return out
 
-    def _decide(self, applied: List[RequestRecord], turn: int, moves: Dict[int, Move]) -> List[tuple]:
+    def _decide(self, applied: List[RequestRecord], turn: int, moves: Dict[int, Move]) -> Dict[int, str]:
+        """``on_turn_end``, ``check_finished`` and the stop decision for the applied records:
+        the records that stop (index -> reason); failures go into ``moves``."""
         hooks, caller, timeout = self.hooks, self.caller, self.ex.step_timeout_s
         on_turn_end = hooks.on_turn_end
         going = applied
         if on_turn_end is not None and going:
-            outcomes = caller.batch(on_turn_end, [(r.request, r.choice, turn) for r in going],
-                                    hooks.on_turn_end_is_async, timeout, timed=False)
+            values, problems, _ = caller.values(on_turn_end, [(r.request, r.choice, turn) for r in going],
+                                                hooks.on_turn_end_is_async, timeout, timed=False)
             kept = []
-            for rec, outcome in zip(going, outcomes):
-                if outcome.kind != OK:
-                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', outcome, rec.tokens)
+            check_turn_result = V.check_turn_result
+            for k, rec in enumerate(going):
+                if problems is not None and k in problems:
+                    moves[rec.index] = _outcome_move(rec, turn, 'on_turn_end', problems[k], rec.tokens)
                     continue
                 try:
-                    tr = V.check_turn_result(outcome.value, rec.uuid, turn)
+                    tr = check_turn_result(values[k], rec.uuid, turn)
                 except Exception as exc:
                     moves[rec.index] = _fail_move(rec, turn, 'on_turn_end', exc, tokens=rec.tokens)
                     continue
                 rec.turn_result = tr
-                infos = tr.get('rollout_infos') if tr else None
-                if infos:
-                    rec.infos.update(infos)
+                if tr:
+                    infos = tr.get('rollout_infos')
+                    if infos:
+                        rec.infos.update(infos)
                 kept.append(rec)
             going = kept
         check = hooks.check_finished
@@ -668,7 +743,7 @@ class BatchRun:
                                   timeout if hooks.check_is_async else None)
         default_max = self.hooks.default_max_turns
         limit, limit_reason = self.limit, self.limit_reason
-        decided = []
+        stops: Dict[int, str] = {}
         for k, rec in enumerate(going):
             if checks is not None:
                 outcome = checks[k]
@@ -684,48 +759,107 @@ class BatchRun:
             else:
                 checked, check_reason = default_check(rec.choice.finish_reason, turn, default_max)
             stop, reason = decide_stop(rec.turn_result, checked, check_reason, turn, limit, limit_reason)
-            decided.append((rec, stop, reason))
-        return decided
+            if stop:
+                stops[rec.index] = reason
+        return stops
 
     def handle_tool_step(self, records: List[RequestRecord], turn: int) -> List[Move]:
         """``tool_step``: run the scheduler's ``step`` for every record (async ones concurrently,
         sync ones in order, each under ``step_timeout_s``), apply each result through the
         accounting, and return ``generate`` / ``continue_message`` (by the next request's
-        messages) or ``fail`` per record, in order."""
-        accounting, hooks = self.accounting, self.hooks
-        moves: Dict[int, Move] = {}
-        before = getattr(accounting, 'before_step', None)
-        going = []
+        messages) or ``fail`` per record, in order.
+
+        Two halves, so that a driver that runs each step on its own (async mode) applies the
+        same rules: :meth:`begin_steps` (before any step runs) and :meth:`end_steps` (the step
+        outcomes applied)."""
+        return [self._entry_move(rec, turn, e) for rec, e in zip(records, self._tool_step(records, turn))]
+
+    def run_tool_step(self, records: List[RequestRecord], turn: int) -> None:
+        """:meth:`handle_tool_step` and its moves carried out (``apply(handle_tool_step(...))``)."""
+        move, recorder = self.graph.move, self.recorder
+        entries = self._tool_step(records, turn)
+        if all(e.__class__ is tuple for e in entries):  # every step went back to the model: one pass
+            triggers, durations, extras = zip(*entries)
+            self.graph.move_all(records, triggers, turn, recorder, None, durations, extras)
+            return
+        for rec, e in zip(records, entries):
+            if e.__class__ is tuple:
+                move(rec, e[0], turn, recorder, None, e[1], e[2])
+            else:
+                self.apply([e])
+
+    def _tool_step(self, records: List[RequestRecord], turn: int) -> List[Any]:
+        going, failed = self.begin_steps(records, turn)
+        values, problems, durations = self.caller.values(self.hooks.step, [(r.request, r.choice, turn) for r in going],
+                                                         self.hooks.step_is_async, self.ex.step_timeout_s)
+        return self._stepped(records, turn, going, values, problems, durations, failed)
+
+    @staticmethod
+    def _entry_move(rec: RequestRecord, turn: int, entry: Any) -> Move:
+        if entry.__class__ is tuple:
+            return Move(rec, entry[0], turn, duration=entry[1], extra=entry[2])
+        return entry
+
+    def begin_steps(self, records: List[RequestRecord], turn: int) -> Tuple[List[RequestRecord], List[Move]]:
+        """The accounting's ``before_step`` for each record: the records whose step may run, and
+        the ``fail`` moves of the others."""
+        before = getattr(self.accounting, 'before_step', None)
+        if before is None:
+            return records, []
+        going, failed = [], []
         for rec in records:
-            if before is not None:
-                try:
-                    before(rec, rec.choice, turn)
-                except Exception as exc:
-                    moves[rec.index] = _fail_move(rec, turn, 'step', exc)
-                    continue
-            going.append(rec)
-        outcomes = self.caller.batch(hooks.step, [(r.request, r.choice, turn) for r in going], hooks.step_is_async,
-                                     self.ex.step_timeout_s)
-        replace = self.requests.__class__ is list
-        for rec, outcome in zip(going, outcomes):
-            if outcome.kind != OK:
-                moves[rec.index] = _outcome_move(rec, turn, 'step', outcome)
-                continue
-            result = outcome.value
             try:
-                next_request = accounting.accumulate_step(rec, rec.choice, result, turn)
+                before(rec, rec.choice, turn)
+            except Exception as exc:
+                failed.append(_fail_move(rec, turn, 'step', exc))
+                continue
+            going.append(rec)
+        return going, failed
+
+    def end_steps(self, records: List[RequestRecord], turn: int, outcomes: Sequence[Outcome],
+                  going: Optional[List[RequestRecord]] = None, failed: Sequence[Move] = ()) -> List[Move]:
+        """Apply each step outcome (``going[k]``'s is ``outcomes[k]``; ``going`` defaults to
+        ``records``); return one move per record, in order."""
+        going = records if going is None else going
+        values = [o.value if o.kind == OK else None for o in outcomes]
+        problems = {k: o for k, o in enumerate(outcomes) if o.kind != OK} or None
+        durations = [o.duration for o in outcomes]
+        entries = self._stepped(records, turn, going, values, problems, durations, failed)
+        return [self._entry_move(rec, turn, e) for rec, e in zip(records, entries)]
+
+    def _stepped(self, records: List[RequestRecord], turn: int, going: List[RequestRecord], values: List[Any],
+                 problems: Optional[Dict[int, Outcome]], durations: Optional[List[float]],
+                 failed: Sequence[Move] = ()) -> List[Any]:
+        """The step results applied: per record a Move (``fail``) or ``(trigger, duration,
+        extra)`` for its move back into ``generating``/``continuing``."""
+        accumulate = self.accounting.accumulate_step
+        entries: Dict[int, Any] = {mv.record.index: mv for mv in failed} if failed else {}
+        requests = self.requests if self.requests.__class__ is list else None
+        generate, continue_message = M.GENERATE, M.CONTINUE
+        for k, rec in enumerate(going):
+            duration = durations[k] if durations is not None else None
+            if problems is not None and k in problems:
+                entries[rec.index] = _outcome_move(rec, turn, 'step', problems[k])
+                continue
+            result = values[k]
+            try:
+                next_request = accumulate(rec, rec.choice, result, turn)
                 extra = result.get('trace_info')
-                if extra is not None and not isinstance(extra, dict):
+                if extra is not None and extra.__class__ is not dict and not isinstance(extra, dict):
                     raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}',
                                                uuid=rec.uuid, turn=turn, field='trace_info')
             except Exception as exc:
-                moves[rec.index] = _fail_move(rec, turn, 'step', exc)
+                entries[rec.index] = _fail_move(rec, turn, 'step', exc)
                 continue
             rec.request = next_request
-            if replace:
-                self.requests[rec.index] = next_request
-            moves[rec.index] = self.wait_move(rec, turn, outcome.duration, extra)
-        return [moves[rec.index] for rec in records]
+            if requests is not None:
+                requests[rec.index] = next_request
+            try:  # wait_move's continuation rule, without a Move
+                entry = (continue_message if is_continuation_of(next_request.messages) else generate, duration, extra)
+            except Exception:
+                entry = self.wait_move(rec, turn, duration, extra)  # the fail move, with its error
+            entries[rec.index] = entry
+        return [entries[rec.index] for rec in records]
 
     # ---- ranks -------------------------------------------------------------------------------
     def ranks_have_work(self, live: List[RequestRecord], turn: int) -> bool:
@@ -778,10 +912,10 @@ class BatchRun:
             self.loops += 1
             if live:
                 self.deliver(live, outputs, turn)
-            for _name, states, handler in phases:
+            for _name, states, run_phase in phases:
                 batch = [r for r in live if r.state in states]
                 if batch:
-                    self.apply(handler(batch, turn))
+                    run_phase(batch, turn)
             live = [r for r in live if r.state in M.WAITING_STATES]
             turn += 1
             self.turn = turn

@@ -165,6 +165,33 @@ class StateGraph:
                 record.events.append(event)
         return dest
 
+    def move_all(self, records: Sequence['RequestRecord'], triggers: Sequence[str], turn: int, recorder: Any = None,
+                 tokens: Optional[Sequence[Optional[int]]] = None,
+                 durations: Optional[Sequence[Optional[float]]] = None,
+                 extras: Optional[Sequence[Optional[dict]]] = None) -> None:
+        """:meth:`move` for each record in turn (``triggers[k]``, ``tokens[k]``, ... for
+        ``records[k]``; ``None`` lists: ``None`` for each): the same checks, the same events in
+        the same order, without a call per record (the lockstep loop's common moves)."""
+        table = self.table
+        n = len(records)
+        tokens = tokens if tokens is not None else (None, ) * n
+        durations = durations if durations is not None else (None, ) * n
+        extras = extras if extras is not None else (None, ) * n
+        raw = recorder.raw if recorder is not None else None
+        t0 = recorder.t0 if recorder is not None else 0.0
+        for record, trigger, tok, dur, extra in zip(records, triggers, tokens, durations, extras):
+            src = record.state
+            dest = table[src].get(trigger)
+            if dest is None:
+                raise IllegalTransition(record.uuid, src, trigger)
+            record.state = dest
+            if raw is not None:
+                event = (record.index, turn, src, dest, trigger, record.reason if dest == FINISHED else None, tok, dur,
+                         perf_counter() - t0, extra)
+                raw.append(event)
+                if record.events is not None:
+                    record.events.append(event)
+
     def mermaid(self) -> str:
         """The graph as mermaid ``stateDiagram-v2`` text, drawn by ``transitions``' own mermaid engine
         from the same declaration, with the finish reasons noted on ``finished``."""

@@ -16,6 +16,8 @@
     seed: 0                                   # seeds Python's and torch's RNGs (and the backend)
     limit: null                               # only the first N prompts
     request_config: {max_tokens: 48, temperature: 0.7, logprobs: true}
+    mode: lockstep                            # lockstep | async (each request on its own)
+    max_concurrency: null                     # async: requests in flight at once; null: the batch
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -27,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -71,6 +73,10 @@ class RunConfig(BaseModel):
     limit: Optional[int] = Field(None, ge=1, description='Roll out only the first N prompts.')
     request_config: Dict[str, Any] = Field(default_factory=dict,
                                            description='Sampling parameters (mtflow.RequestConfig fields).')
+    mode: Literal['lockstep', 'async'] = Field('lockstep', description="The executor's driver: 'lockstep' (every "
+                                               "request a turn at a time) or 'async' (each on its own).")
+    max_concurrency: Optional[int] = Field(None, ge=1, description='Async mode: requests in flight at once; null: '
+                                           'the whole batch.')
 
     #: the directory of the config file (for relative paths); not a YAML key
     base_dir: Optional[Path] = Field(None, exclude=True)

@@ -98,8 +98,9 @@ class ContractAccounting:
         """The request goes on: apply the step's ids, mask, infos and logprobs; return the next
         request. Raises :class:`SchedulerResultError` (record untouched) on a bad result."""
         next_request, infos = check_step_result(record, result, turn)
-        ids: Optional[List[int]] = result.get('response_token_ids')
-        mask: Optional[List[int]] = result.get('response_loss_mask')
+        get = result.get
+        ids: Optional[List[int]] = get('response_token_ids')
+        mask: Optional[List[int]] = get('response_loss_mask')
         if mask is not None:
             if ids is None:
                 raise SchedulerResultError(
@@ -117,23 +118,26 @@ class ContractAccounting:
         # extend_or_append and join_step_logprobs, inlined: this runs once per request and turn
         extend = record.is_continuation
         if ids is not None:
-            if extend and record.ids:
-                record.ids[-1].extend(ids)
+            segments = record.ids
+            if extend and segments:
+                segments[-1].extend(ids)
             else:
-                record.ids.append(list(ids))
+                segments.append(list(ids))
         if mask is not None:
-            if extend and record.mask:
-                record.mask[-1].extend(mask)
+            segments = record.mask
+            if extend and segments:
+                segments[-1].extend(mask)
             else:
-                record.mask.append(list(mask))
+                segments.append(list(mask))
         if infos:
             record.infos.update(infos)
-        logprobs = result.get('rollout_logprobs') or extract_logprobs(choice)
+        logprobs = get('rollout_logprobs') or extract_logprobs(choice)
         if logprobs:
-            if extend and record.logprobs:
-                record.logprobs[-1].extend(logprobs)
+            segments = record.logprobs
+            if extend and segments:
+                segments[-1].extend(logprobs)
             else:
-                record.logprobs.append(list(logprobs))
+                segments.append(list(logprobs))
         return next_request
 
 
@@ -186,33 +190,40 @@ def check_step_result(record: RequestRecord, result: Any, turn: int) -> Tuple[An
     """The envelope every step result must have: a dict with a usable ``infer_request`` and, if
     present, dict ``rollout_infos``. Returns ``(next_request, infos)``; raises
     :class:`SchedulerResultError` naming the request, the turn and the field."""
-    uuid = record.uuid
-    if not isinstance(result, dict):
+    if result.__class__ is not dict and not isinstance(result, dict):
         hint = ''
         if hasattr(result, '__await__'):
             hint = ' (declare step as async def, or return a dict)'
             getattr(result, 'close', lambda: None)()  # never awaited: close it quietly
         raise SchedulerResultError(
-            f'step() must return a dict, got {type(result).__name__}{hint}', uuid=uuid, turn=turn, field='step')
-    next_request = result.get('infer_request')
+            f'step() must return a dict, got {type(result).__name__}{hint}', uuid=record.uuid, turn=turn, field='step')
+    get = result.get
+    next_request = get('infer_request')
     if next_request is None:
         raise SchedulerResultError(
             'step() result has no infer_request (the request for the next turn)',
-            uuid=uuid,
+            uuid=record.uuid,
             turn=turn,
             field='infer_request')
-    if not isinstance(getattr(next_request, 'messages', None), list) or not next_request.messages:
+    messages = getattr(next_request, 'messages', None)
+    if (messages.__class__ is not list and not isinstance(messages, list)) or not messages:
         raise SchedulerResultError(
-            'infer_request must have a non-empty messages list', uuid=uuid, turn=turn, field='infer_request')
-    infos = result.get('rollout_infos')
+            'infer_request must have a non-empty messages list', uuid=record.uuid, turn=turn, field='infer_request')
+    infos = get('rollout_infos')
     if infos is not None and infos.__class__ is not dict and not isinstance(infos, abc.Mapping):
         try:
-            infos = check_infos(infos, uuid, turn)  # key/value pairs, as dict.update takes them
+            infos = check_infos(infos, record.uuid, turn)  # key/value pairs, as dict.update takes them
         except SchedulerResultError as exc:
-            raise SchedulerResultError(f'rollout_infos {exc.detail}', uuid=uuid, turn=turn,
+            raise SchedulerResultError(f'rollout_infos {exc.detail}', uuid=record.uuid, turn=turn,
                                        field='rollout_infos') from None
     if len(result) > 1:
-        check_ids(result.get('response_token_ids'), uuid, turn, 'response_token_ids')
-        check_mask(result.get('response_loss_mask'), uuid, turn, 'response_loss_mask')
-        check_logprobs(result.get('rollout_logprobs'), uuid, turn, 'rollout_logprobs')
+        value = get('response_token_ids')
+        if value is not None:
+            check_ids(value, record.uuid, turn, 'response_token_ids')
+        value = get('response_loss_mask')
+        if value is not None:
+            check_mask(value, record.uuid, turn, 'response_loss_mask')
+        value = get('rollout_logprobs')
+        if value is not None:
+            check_logprobs(value, record.uuid, turn, 'rollout_logprobs')
     return next_request, infos

@@ -22,6 +22,7 @@ which checks them once and names the field that is wrong.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -30,7 +31,7 @@ from ..protocol import RequestConfig, RolloutOutput, make_choice, make_response
 
 __all__ = [
     'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output'
+    'build_output', 'async_seed_index'
 ]
 
 
@@ -163,6 +164,20 @@ class BackendStats:
         self.generate_s += seconds
 
 
+def async_seed_index(request: Any, position: int = 0) -> int:
+    """The offset added to a request-config ``seed`` for one request of an async-mode call.
+
+    A lockstep call gives its i-th request ``seed + i`` (as ms-swift), so the copies of a prompt in
+    one batch (a GRPO group) do not sample identically. An async driver sends one request per call,
+    where that index would always be 0; the offset is derived from the request's uuid instead
+    (stable whatever the timing, distinct across a group's uuids), plus ``position`` within the
+    call. Requests without a uuid keep ``position``."""
+    uuid = getattr(request, 'uuid', None)
+    if not uuid:
+        return position
+    return (zlib.crc32(str(uuid).encode()) % 1_000_003) + position
+
+
 def build_output(text: str,
                  token_ids: Optional[List[int]],
                  finish_reason: Optional[str],
@@ -210,14 +225,50 @@ class Backend:
         t0 = time.perf_counter()
         outputs = self.generate(list(requests), options)
         seconds = time.perf_counter() - t0
+        self._record(outputs, seconds)
+        return outputs
+
+    def _record(self, outputs: List[Any], seconds: float) -> None:
         prompt = completion = 0
         for out in outputs:
             usage = out.response.usage if out.response is not None else None
             if usage is not None:
                 prompt += usage.prompt_tokens
                 completion += usage.completion_tokens
-        self.stats.add(len(requests), prompt, completion, seconds)
+        self.stats.add(len(outputs), prompt, completion, seconds)
+
+    # ---- async mode -------------------------------------------------------------------------------
+    #: whether :meth:`agenerate` serves requests concurrently on its own (servers, async engines);
+    #: the others are batch engines and get a :class:`~mtflow.backends.batcher.DynamicBatcher`
+    native_async = False
+
+    async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
+        """Native async generation, awaitable from any event loop (``native_async`` backends)."""
+        raise NotImplementedError(f'{type(self).__name__} has no native async path; use async_rollout_fn()')
+
+    async def acall(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
+        """``await backend.acall(requests, config)``: :meth:`__call__` for ``native_async``
+        backends, with the same checks and counters (``stats.generate_s`` then sums overlapping
+        calls)."""
+        if not requests:
+            return []
+        options = sampling_options(request_config, self.default_max_tokens)
+        t0 = time.perf_counter()
+        outputs = await self.agenerate(list(requests), options)
+        self._record(outputs, time.perf_counter() - t0)
         return outputs
+
+    def async_rollout_fn(self, *, max_batch_size: Optional[int] = None, max_wait_s: float = 0.005) -> Any:
+        """The ``rollout_fn`` for ``Executor(..., mode='async')``: :meth:`acall` when the backend
+        serves single requests concurrently itself, else a dynamic batcher that groups the
+        concurrent single-request calls into batch calls of this backend (``max_batch_size``:
+        default the backend's own, else 16). Close a batcher when done (it is a context manager)."""
+        if self.native_async:
+            return self.acall
+        from .batcher import DynamicBatcher
+
+        size = max_batch_size or getattr(self, 'max_batch_size', None) or 16
+        return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s)
 
     def close(self) -> None:
         """Release what the backend holds (connections, engines). Safe to call twice."""

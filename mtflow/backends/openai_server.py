@@ -9,7 +9,10 @@ request uuid, the status and the server's message. Other 4xx answers are not ret
 
 The HTTP client runs on a private event loop in a background thread, so the backend is a plain
 synchronous ``rollout_fn`` that works from any thread (the executor's driver, a trainer, a
-notebook with its own running loop).
+notebook with its own running loop). For ``Executor(..., mode='async')``,
+``backend.async_rollout_fn()`` is ``backend.acall``: each single-request call is awaited from the
+driver's loop while its HTTP request runs on the private loop, so a reply arrives in its
+request's state machine the moment the server sends it.
 
 What is sent depends on ``flavor`` (what the server understands beyond OpenAI's fields):
 
@@ -45,11 +48,11 @@ import asyncio
 import json
 import os
 import random
-import threading
 import warnings
 from typing import Any, Dict, List, Optional
 
-from .base import Backend, BackendError, SamplingOptions, prepare_chat
+from .base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
+from .loop_thread import LoopThread
 from .tokens import TokenPrompter, commit_outputs
 from ..protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
 
@@ -256,25 +259,6 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     return RolloutOutput(response=response)
 
 
-class _LoopThread:
-    """A private event loop in a daemon thread: sync callers submit coroutines and wait."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name='mtflow-openai', daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=5)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
 class OpenAIBackend(Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
@@ -343,9 +327,10 @@ class OpenAIBackend(Backend):
         key = api_key if api_key is not None else os.environ.get('OPENAI_API_KEY')
         self._headers = {'Authorization': f'Bearer {key}'} if key else {}
         self._httpx = httpx
-        self._runner = _LoopThread()
+        self._runner = LoopThread('mtflow-openai')
         self._client: Any = None
         self._sem: Optional[asyncio.Semaphore] = None
+        self._model_lock: Optional[asyncio.Lock] = None
         self.retries = 0  # total retries made (for tests and the summary)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
@@ -383,12 +368,16 @@ class OpenAIBackend(Backend):
 
     async def _resolve_model(self) -> str:
         if self.served_model is None:
-            data = await self._send('GET', '/models', None, 'GET /models')
-            models = [m.get('id') for m in (data.get('data') or []) if isinstance(m, dict) and m.get('id')]
-            if not models:
-                raise BackendError(f'openai backend: {self.base_url}/models lists no model; set model=')
-            self.served_model = models[0]
-            self.model_name = models[0]
+            if self._model_lock is None:  # created on the private loop, where it is used
+                self._model_lock = asyncio.Lock()
+            async with self._model_lock:  # concurrent first calls ask the server once
+                if self.served_model is None:
+                    data = await self._send('GET', '/models', None, 'GET /models')
+                    models = [m.get('id') for m in (data.get('data') or []) if isinstance(m, dict) and m.get('id')]
+                    if not models:
+                        raise BackendError(f'openai backend: {self.base_url}/models lists no model; set model=')
+                    self.served_model = models[0]
+                    self.model_name = models[0]
         return self.served_model
 
     async def _send(self, method: str, path: str, body: Optional[Dict[str, Any]], where: str) -> Dict[str, Any]:
@@ -432,8 +421,9 @@ class OpenAIBackend(Backend):
         body = build_body(request, options, model, self.flavor, self.extra_body, index)
         return parse_choice(await self._send('POST', '/chat/completions', body, where), where)
 
-    async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
-        """All requests of one call, concurrently, in request order."""
+    async def _gather(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[RolloutOutput]:
+        """All requests of one call, concurrently, in request order (on the private loop). In token
+        mode each prompt is planned from the request's token record and committed afterwards."""
         model = await self._resolve_model()
         if self.seed is not None and options.seed is None:
             import dataclasses
@@ -441,10 +431,10 @@ class OpenAIBackend(Backend):
             options = dataclasses.replace(options, seed=self.seed + self._seeded)
             self._seeded += len(requests)
         if self.prompter is None:
-            return list(await asyncio.gather(*(self._one(r, options, model, i) for i, r in enumerate(requests))))
+            return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
         plans = [self.prompter.plan(r) for r in requests]
         outputs = list(await asyncio.gather(*(self._one(r, options, model, i, p.ids)
-                                              for i, (r, p) in enumerate(zip(requests, plans)))))
+                                              for r, i, p in zip(requests, seed_index, plans))))
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
@@ -452,7 +442,23 @@ class OpenAIBackend(Backend):
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
         if self._runner is None:
             raise BackendError('openai backend: used after close()')
-        return self._runner.run(self.agenerate(requests, options))
+        return self._runner.run(self._gather(requests, options, list(range(len(requests)))))
+
+    #: async mode calls :meth:`acall` with single requests: each is its own HTTP request at once
+    native_async = True
+
+    async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
+        """The requests of one async-mode call (usually one), awaitable from any event loop: the
+        HTTP requests run on the backend's private loop, at most ``max_connections`` at a time
+        across all concurrent calls. A seed is offset per request by :func:`async_seed_index`."""
+        if self._runner is None:
+            raise BackendError('openai backend: used after close()')
+        seeds = [async_seed_index(r, i) for i, r in enumerate(requests)]
+        if self.seed is not None and options.seed is None:  # fixed: a per-call counter would depend on timing
+            import dataclasses
+
+            options = dataclasses.replace(options, seed=self.seed)
+        return await self._runner.wrap(self._gather(requests, options, seeds))
 
     def close(self) -> None:
         runner, self._runner = self._runner, None

@@ -23,14 +23,26 @@ OpenAI's shape, and ``finish_reason`` ``'stop'`` or ``'length'``.
 ``vllm`` is imported only when the backend builds its own engine; pass an ``LLM`` object (or
 anything with its methods) as ``model`` to share an engine with a trainer. ``model='embedded'``
 serves the converted copy of the embedded SmolLM2 (``mtflow.backends.models``).
+
+**Async engine** (``engine='async'``, or an ``AsyncLLM``/``AsyncLLMEngine`` object as ``model``):
+every request is its own ``AsyncLLM.generate(prompt, sampling_params, request_id)`` stream, so
+vLLM's continuous batching schedules requests as they come and each one's output is handed to
+its state machine the moment that request finishes (``Executor(..., mode='async')`` with
+``backend.async_rollout_fn()``). The engine lives on a private event loop of the backend
+(``AsyncLLM`` belongs to the loop it first runs on); a lockstep call sends the turn's requests
+as concurrent streams and waits for all. Token prompts only (``AsyncLLM`` has no ``chat``). A
+cancelled call (interrupt, deadline) aborts its vLLM requests.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
+import itertools
 import json
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+from .base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
 from .tokens import TokenPrompter, commit_outputs
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
@@ -136,6 +148,9 @@ class VLLMBackend(Backend):
             and the same data sample the same tokens.
         exact_ids, prefix_policy: token mode, as the HF backend (``exact_ids=False`` re-renders
             every turn from text).
+        engine: ``'llm'`` (``vllm.LLM``), ``'async'`` (``AsyncLLM``: one stream per request) or
+            ``'auto'`` (default: ``'async'`` for an object whose ``generate`` is an async
+            generator, else ``'llm'``).
     """
     name = 'vllm'
 
@@ -149,11 +164,31 @@ class VLLMBackend(Backend):
                  sampling_params_cls: Optional[Callable[..., Any]] = None,
                  seed: Optional[int] = None,
                  exact_ids: bool = True,
-                 prefix_policy: str = 'exact') -> None:
+                 prefix_policy: str = 'exact',
+                 engine: str = 'auto') -> None:
         super().__init__()
         if prompt_mode not in ('tokens', 'chat'):
             raise BackendError(f"vllm backend: prompt_mode must be 'tokens' or 'chat', not {prompt_mode!r}")
-        if isinstance(model, str) or model is None:
+        if engine not in ('auto', 'llm', 'async'):
+            raise BackendError(f"vllm backend: engine must be 'auto', 'llm' or 'async', not {engine!r}")
+        given = not (isinstance(model, str) or model is None)
+        self.is_async = engine == 'async' or (engine == 'auto' and given and _is_async_engine(model))
+        if self.is_async and prompt_mode != 'tokens':
+            raise BackendError("vllm backend: the async engine takes token prompts only (prompt_mode='tokens')")
+        if given and self.is_async and not _is_async_engine(model):
+            raise BackendError(f'vllm backend: engine=\'async\' needs an AsyncLLM (an async generate), '
+                               f'got {type(model).__name__}')
+        self._runner: Any = None
+        self._owns_engine = not given
+        self._request_ids = itertools.count()
+        if self.is_async:
+            from .loop_thread import LoopThread
+
+            self._runner = LoopThread('mtflow-vllm-async')
+        if self.is_async and not given:
+            self.llm, self.model_name, sampling_params_cls = self._build_async_engine(
+                model, engine_kwargs, seed, sampling_params_cls)
+        elif not given:
             try:
                 import vllm
             except ImportError as exc:
@@ -176,10 +211,9 @@ class VLLMBackend(Backend):
             sampling_params_cls = sampling_params_cls or vllm.SamplingParams
         else:
             self.llm = model
-            try:
-                self.model_name = str(model.llm_engine.model_config.model)
-            except AttributeError:
-                self.model_name = type(model).__name__
+            config = getattr(getattr(model, 'llm_engine', None), 'model_config', None) or getattr(
+                model, 'model_config', None)
+            self.model_name = str(getattr(config, 'model', None) or type(model).__name__)
             if sampling_params_cls is None:
                 try:
                     from vllm import SamplingParams as sampling_params_cls  # type: ignore[no-redef]
@@ -189,7 +223,10 @@ class VLLMBackend(Backend):
         self.prompt_mode = prompt_mode
         self.chat_template = chat_template
         self.default_max_tokens = default_max_tokens
-        self.tokenizer = self.llm.get_tokenizer()
+        tokenizer = self.llm.get_tokenizer()
+        if inspect.isawaitable(tokenizer):  # AsyncLLM.get_tokenizer is a coroutine
+            tokenizer = self._runner.run(_awaited(tokenizer))
+        self.tokenizer = tokenizer
         self.seed = seed
         self._seeded = 0  # requests generated with the backend's seed
         self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids)
@@ -198,19 +235,54 @@ class VLLMBackend(Backend):
                           "turn, so the model is not guaranteed the exact ids it sampled; use prompt_mode='tokens'",
                           stacklevel=2)
 
-    def _params(self, options: SamplingOptions, index: int = 0) -> Any:
+    def _build_async_engine(self, model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
+                            sampling_params_cls: Any) -> Tuple[Any, str, Any]:
+        try:
+            import vllm
+        except ImportError as exc:
+            self._runner.stop()
+            raise BackendError("the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)") from exc
+        try:
+            from vllm.v1.engine.async_llm import AsyncLLM as engine_cls
+        except ImportError:  # older vLLM: the V0 engine
+            engine_cls = vllm.AsyncLLMEngine
+        from .models import EMBEDDED_NAMES, embedded_model_dir
+
+        name = model or 'embedded'
+        path = name
+        if name in EMBEDDED_NAMES:
+            path, name = str(embedded_model_dir()), 'SmolLM2-135M-Instruct'
+        kwargs = dict(engine_kwargs or {})
+        if seed is not None:
+            kwargs.setdefault('seed', seed)
+
+        async def build() -> Any:  # on the private loop: the engine binds to it
+            return engine_cls.from_engine_args(vllm.AsyncEngineArgs(model=path, **kwargs))
+
+        try:
+            llm = self._runner.run(build())
+        except Exception as exc:
+            self._runner.stop()
+            raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
+        return llm, name, sampling_params_cls or vllm.SamplingParams
+
+    def _params(self, options: SamplingOptions, index: int = 0, per_request: bool = False) -> Any:
         """``SamplingParams`` for the ``index``-th request of a call. A request-config ``seed``
         becomes ``seed + index``, as ms-swift's vLLM engine does: with one seed for all, vLLM
         samples every copy of a repeated prompt (a GRPO group) identically."""
         kwargs = sampling_kwargs(options)
         if kwargs.get('seed') is not None:
             kwargs['seed'] += index
+        elif self.seed is not None and per_request:  # a stream's own offset (a counter would follow timing)
+            kwargs['seed'] = self.seed + index
         elif self.seed is not None:
             kwargs['seed'] = self.seed + self._seeded
             self._seeded += 1
         return self.sampling_params_cls(**kwargs)
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        if self.is_async:
+            return self._live_runner().run(self._streams(requests, options, list(range(len(requests)))))
         if self.prompt_mode == 'tokens':
             return self._generate_tokens(requests, options)
         return self._generate_chat(requests, options)
@@ -256,5 +328,76 @@ class VLLMBackend(Backend):
                                                     self.model_name, self.tokenizer)
         return outputs
 
+    # ---- the async engine --------------------------------------------------------------------------
+    @property
+    def native_async(self) -> bool:  # type: ignore[override]
+        return self.is_async
+
+    def _live_runner(self) -> Any:
+        if self._runner is None:
+            raise BackendError('vllm backend: used after close()')
+        return self._runner
+
+    async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        """An async-mode call (usually one request), awaitable from any loop: one engine stream per
+        request on the backend's loop; a seed is offset per request by :func:`async_seed_index`."""
+        if not self.is_async:
+            return await super().agenerate(requests, options)
+        seeds = [async_seed_index(r, i) for i, r in enumerate(requests)]
+        return await self._live_runner().wrap(self._streams(requests, options, seeds))
+
+    async def _streams(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[Any]:
+        plans = [self.prompter.plan(r) for r in requests]  # exact ids from each request's token record
+        outputs = list(await asyncio.gather(*(self._stream(r, p.ids, options, i)
+                                              for r, p, i in zip(requests, plans, seed_index))))
+        commit_outputs(self.prompter, requests, plans, outputs)
+        return outputs
+
+    async def _stream(self, request: Any, prompt: List[int], options: SamplingOptions, seed_index: int) -> Any:
+        """One request's stream: consumed as vLLM produces it; its last (cumulative) output is the
+        request's output. Cancelled: the vLLM request is aborted."""
+        request_id = f'mtflow-{getattr(request, "uuid", None) or "request"}-{next(self._request_ids)}'
+        last = None
+        try:
+            async for out in self.llm.generate({'prompt_token_ids': prompt}, self._params(options, seed_index, per_request=True),
+                                               request_id):
+                last = out
+        except (asyncio.CancelledError, GeneratorExit):
+            abort = getattr(self.llm, 'abort', None)
+            if abort is not None:
+                result = abort(request_id)
+                if inspect.isawaitable(result):
+                    await asyncio.shield(_awaited(result))
+            raise
+        if last is None or not last.outputs:
+            raise BackendError(f'vllm stream {request_id} ended without an output')
+        if getattr(last, 'finished', True) is False:
+            raise BackendError(f'vllm stream {request_id} ended before the request finished')
+        return choice_from_completion(last.outputs[0], prompt, options, self.model_name, self.tokenizer)
+
+    def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        if self._owns_engine:
+            shutdown = getattr(self.llm, 'shutdown', None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception:  # pragma: no cover - closing is best effort
+                    pass
+        runner.stop()
+
     def describe(self) -> str:
+        if self.is_async:
+            return f'vllm ({self.model_name}, async engine)'
         return f'vllm ({self.model_name}, prompt_mode {self.prompt_mode})'
+
+
+def _is_async_engine(engine: Any) -> bool:
+    """``AsyncLLM``/``AsyncLLMEngine``: ``generate`` is an async generator."""
+    return inspect.isasyncgenfunction(getattr(engine, 'generate', None))
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

@@ -71,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--ray-address', metavar='ADDR',
                    help="with --ray: join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') "
                    'instead of starting a local one')
+    p.add_argument('--mode', choices=('lockstep', 'async'),
+                   help="executor driver: lockstep (a turn at a time) or async (each request on its own)")
+    p.add_argument('--max-concurrency', type=int, metavar='N', help='async mode: requests in flight at once')
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
@@ -87,6 +90,8 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         'batch_size': args.batch_size,
         'seed': args.seed,
         'limit': args.limit,
+        'mode': getattr(args, 'mode', None),
+        'max_concurrency': getattr(args, 'max_concurrency', None),
     }
 
 
@@ -286,7 +291,20 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
 
     from ..token_record import record_accounting
 
+    closing: List[Callable[[], None]] = []
+
     def make_executor(rollout_fn: Any, on_finished: Any) -> Any:
+        if cfg.mode == 'async':
+            # the backend's async rollout_fn (its own concurrent path, or a dynamic batcher over
+            # its batch calls, docs/backends.md); there are no turns to count
+            make = getattr(backend, 'async_rollout_fn', None)
+            async_fn = make() if callable(make) else backend
+            close = getattr(async_fn, 'close', None) if async_fn is not backend else None  # a batcher's threads
+            if callable(close):
+                closing.append(close)
+            return Executor(scheduler, async_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
+                            on_finished=on_finished, mode='async', max_concurrency=cfg.max_concurrency,
+                            accounting=record_accounting(scheduler))
         return Executor(scheduler, rollout_fn, request_config, max_turns=cfg.max_turns or None, on_error='return',
                         on_finished=on_finished, accounting=record_accounting(scheduler))  # ids/masks from the exact token record
 
@@ -304,6 +322,8 @@ def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show
         # checked in full before the run (count_prompts); the store refuses a uuid written twice
         run.run(iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False))
     finally:
+        for close in closing:
+            close()
         if progress is not None:
             progress.stop()
         figures.update(run.figures())

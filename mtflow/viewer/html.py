@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from ..machine import FINISH_REASONS, FINISHED, StateGraph, reason_kind
 from ..trace import Trace
 from ..trajectories import Trajectory
-from .model import RequestView, request_views, summarize
+from .model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
 from .svg import STATE_COLORS, bar_chart_svg, state_graph_svg
 from .tokens import token_texts
 
@@ -35,13 +35,56 @@ def _cell_dict(c: Any) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None and v is not False and v != []}
 
 
-def _request_dict(v: RequestView) -> Dict[str, Any]:
+def _request_dict(v: RequestView, t0: Optional[float]) -> Dict[str, Any]:
     events = [[e.turn, e.src, e.dst, e.trigger, e.reason, e.tokens,
                None if e.duration_s is None else round(e.duration_s, 6), e.extra] for e in v.events]
+    # [state, start, end, turn] in seconds since the run's first event: the time axis' blocks
+    spans = [[sp.state, round(sp.start - t0, 5), round(sp.end - t0, 5), sp.turn]
+             for sp in state_spans(v.events, t0)] if t0 is not None else []
     return {
         'uuid': v.uuid, 'index': v.index, 'rank': v.rank, 'reason': v.reason, 'turns': v.turns, 'tokens': v.tokens,
-        'path': v.path, 'cells': [_cell_dict(c) for c in v.cells], 'events': events
+        'path': v.path, 'cells': [_cell_dict(c) for c in v.cells], 'events': events, 'spans': spans,
+        'end': round(v.events[-1].t - t0, 5) if t0 is not None and v.events[-1].t is not None else None
     }
+
+
+#: a turn whose outputs were all applied within this share of the run's wall time (and at
+#: least 1 ms) is drawn as a barrier line: every request waited for that turn's slowest work
+BARRIER_SHARE = 0.004
+
+
+def _turn_marks(views: List[RequestView], t0: Optional[float], wall: Optional[float]) -> List[Dict[str, Any]]:
+    """One mark per turn for the time axis: when its outputs were applied, and whether that was a
+    barrier (lockstep) or spread out (async)."""
+    if t0 is None or not wall:
+        return []
+    marks = []
+    for turn, (first, last, n) in turn_windows(views).items():
+        barrier = n > 1 and last - first <= max(BARRIER_SHARE * wall, 0.001)
+        marks.append({'turn': turn, 'first': round(first - t0, 5), 'last': round(last - t0, 5), 'n': n,
+                      'barrier': barrier})
+    return marks
+
+
+def _time_table_html(summary: Any) -> str:
+    """Wall time per state (the terminal's ``time per state`` table)."""
+    if not summary.time_per_state:
+        return ''
+    grand = sum(st.total_s for st in summary.time_per_state.values()) or 1.0
+    rows = ''.join(
+        f'<tr class="open" data-uuid="{escape(st.max_uuid)}"><td><i class="sw {escape(st.state)}"></i>'
+        f'{escape(st.state)}</td><td>{_fmt_s(st.total_s)}</td><td>{100 * st.total_s / grand:.0f}%</td>'
+        f'<td>{st.requests}</td><td>{_fmt_s(st.mean_s)}</td><td>{_fmt_s(st.max_s)}</td><td>{escape(st.max_uuid)}</td></tr>'
+        for st in summary.time_per_state.values())
+    return ('<div class="card time-per-state"><h3>Time per state</h3><table class="events"><tr><th>state</th>'
+            '<th>total</th><th>share</th><th>requests</th><th>mean</th><th>max</th><th>slowest request</th></tr>'
+            f'{rows}</table></div>')
+
+
+def _fmt_s(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return ''
+    return f'{seconds * 1000:.1f} ms' if seconds < 1 else f'{seconds:.2f} s'
 
 
 def _trajectory_dict(t: Trajectory, tokenizer: Any) -> Dict[str, Any]:
@@ -77,9 +120,12 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
     summary = summarize(views, len(trace.events))
     trajectories = trajectories or {}
     wanted = {v.uuid for v in views}
+    t0 = trace_t0(trace.events)
     data = {
         'title': title,
-        'requests': [_request_dict(v) for v in views],
+        'requests': [_request_dict(v, t0) for v in views],
+        'wall': None if summary.wall_s is None else round(summary.wall_s, 5),
+        'turn_marks': _turn_marks(views, t0, summary.wall_s),
         'trajectories': {u: _trajectory_dict(t, tokenizer) for u, t in trajectories.items() if u in wanted},
         'decoded': tokenizer is not None,
         'max_turn': summary.max_turn,
@@ -106,6 +152,8 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         ('completion tokens', summary.tokens), ('tool calls', summary.tool_calls),
         ('tool errors', len(summary.tool_errors)), ('errors', len(summary.errors))
     ]
+    if summary.wall_s is not None:
+        stats.append(('wall time', _fmt_s(summary.wall_s)))
     if len(summary.ranks) > 1:
         stats.append(('ranks', len(summary.ranks)))
     stats_html = ''.join(f'<div class="stat"><b>{n}</b><span>{escape(label)}</span></div>' for label, n in stats)
@@ -116,6 +164,7 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
     return (_TEMPLATE.replace('%TITLE%', escape(title)).replace('%CSSVARS%', css_vars)
             .replace('%STATS%', stats_html).replace('%REASONS%', reasons_opts)
             .replace('%GRAPH%', graph_svg).replace('%CHARTS%', ''.join(charts)).replace('%PROBLEMS%', problems)
+            .replace('%TIMETABLE%', _time_table_html(summary))
             .replace('%LIMIT_REASONS%', '/'.join(r for r in FINISH_REASONS if reason_kind(r) == 'limit'))
             .replace('%ERROR_REASONS%', '/'.join(r for r in FINISH_REASONS if reason_kind(r) == 'error'))
             .replace('%SCRIPT%', _SCRIPT).replace('%DATA%', payload))
@@ -224,6 +273,28 @@ table.events td.extra{font-family:ui-monospace,monospace;word-break:break-word}
 .err{color:var(--error);font-weight:600}
 tr.open{cursor:pointer}tr.open:hover{background:#eff6ff}.card h3{margin:2px 0 6px;font-size:14px}
 .muted{color:var(--muted)}
+#timeaxis{background:#fff;border:1px solid var(--line);border-radius:8px;overflow:auto;max-height:60vh}
+.tlane{display:flex;align-items:center;border-bottom:1px solid #f1f5f9;cursor:pointer;min-width:900px}
+.tlane:hover,.tlane.selected{background:#eff6ff}
+.tlane .who{width:220px;flex:none;padding:2px 8px;font-family:ui-monospace,monospace;font-size:12px;
+  white-space:nowrap;overflow:hidden;text-overflow:ellipsis;position:sticky;left:0;background:inherit;z-index:1}
+.ttrack{position:relative;flex:1;height:14px;margin:2px 10px 2px 4px}
+.tspan{position:absolute;top:1px;bottom:1px;min-width:1px;border-radius:2px}
+.tspan.pending{background:#e2e8f0}.tspan.generating{background:var(--generating)}
+.tspan.continuing{background:var(--continuing)}.tspan.tool_step{background:var(--tool-step)}
+.tend{position:absolute;top:0;bottom:0;width:3px;border-radius:1px;background:var(--ok)}
+.tend.error{background:var(--error)}.tend.limit{background:var(--warn)}.tend.none{background:#a855f7}
+.tbar{position:absolute;top:-2px;bottom:-2px;width:0;border-left:1px dashed #0f172a;opacity:.55;pointer-events:none}
+.taxis{display:flex;position:sticky;top:0;background:#fff;border-bottom:1px solid var(--line);z-index:2;min-width:900px}
+.taxis .who{width:220px;flex:none;padding:4px 8px;font-size:12px;font-weight:600;position:sticky;left:0;background:#fff}
+.taxis .ttrack{height:34px}
+.tick{position:absolute;top:0;font-size:11px;color:var(--muted);border-left:1px solid var(--line);padding-left:3px;height:16px}
+.tturn{position:absolute;top:17px;height:14px;font-size:10px;line-height:14px;color:#fff;background:#475569;
+  border-radius:3px;padding:0 3px;white-space:nowrap;min-width:2px;opacity:.8}
+.tturn.spread{background:#cbd5e1;color:#0f172a}
+i.sw{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
+i.sw.pending{background:#e2e8f0}i.sw.generating{background:var(--generating)}i.sw.continuing{background:var(--continuing)}
+i.sw.tool_step{background:var(--tool-step)}
 </style>
 </head>
 <body>
@@ -244,6 +315,12 @@ tr.open{cursor:pointer}tr.open:hover{background:#eff6ff}.card h3{margin:2px 0 6p
 <main>
 <h2>Requests</h2>
 <div id="lanes" role="list"></div>
+<h2>Time axis</h2>
+<p class="muted" id="timeaxis-note">Each request's states drawn by wall time. Dashed lines: a turn barrier (every request
+applied that turn's output at the same moment, waiting for the slowest generation and tool of the batch: a lockstep run).
+Grey bands: turns whose outputs arrived spread over time (async mode).</p>
+<div id="timeaxis" role="list"></div>
+<div class="panels">%TIMETABLE%</div>
 <h2>State graph and charts</h2>
 <div class="panels"><div class="card">%GRAPH%</div><div class="card">%CHARTS%</div></div>
 %PROBLEMS%
@@ -292,12 +369,48 @@ DATA.requests.forEach(function(r, ri){
   lane.addEventListener('click', function(){ openDetail(ri); });
   lanes.appendChild(lane); laneEls.push(lane);
 });
+var timeEls = [];
+(function timeAxis(){
+  var box = document.getElementById('timeaxis'), wall = DATA.wall;
+  if(!wall || wall <= 0){ box.appendChild(el('p','muted','The trace has no event times: no time axis.')); return; }
+  function pct(t){ return (100 * t / wall).toFixed(3) + '%'; }
+  var axis = el('div','taxis'); axis.appendChild(el('div','who','request / wall time'));
+  var at = el('div','ttrack');
+  for(var k=0;k<=4;k++){ var tk = el('div','tick', ms(wall*k/4)); tk.style.left = pct(wall*k/4); if(k===4){ tk.style.left=''; tk.style.right='0'; } at.appendChild(tk); }
+  var barriers = [];
+  (DATA.turn_marks||[]).forEach(function(m){
+    var b = el('div', 'tturn' + (m.barrier ? '' : ' spread'), m.barrier ? String(m.turn) : 't' + m.turn);
+    b.style.left = pct(m.first); if(!m.barrier) b.style.width = 'calc(' + pct(Math.max(m.last - m.first, 0)) + ' + 2px)';
+    b.title = 'turn ' + m.turn + ': ' + m.n + ' outputs applied between ' + ms(m.first) + ' and ' + ms(m.last) +
+      (m.barrier ? ' (a turn barrier)' : '');
+    at.appendChild(b); if(m.barrier) barriers.push(m.first);
+  });
+  axis.appendChild(at); box.appendChild(axis);
+  DATA.requests.forEach(function(r, ri){
+    var lane = el('div','tlane'); lane.setAttribute('role','listitem'); lane.dataset.uuid = r.uuid;
+    lane.dataset.reason = r.reason===null?'__none':r.reason;
+    lane.appendChild(el('div','who', r.uuid));
+    var tr = el('div','ttrack');
+    r.spans.forEach(function(sp){
+      var b = el('div','tspan '+sp[0]); b.style.left = pct(sp[1]); b.style.width = pct(Math.max(sp[2]-sp[1], 0));
+      b.title = sp[0] + ' · turn ' + sp[3] + ' · ' + ms(sp[2]-sp[1]) + ' (' + ms(sp[1]) + ' → ' + ms(sp[2]) + ')';
+      tr.appendChild(b); });
+    if(r.end !== null && r.end !== undefined){ var e = el('div','tend '+reasonClass(r.reason)); e.style.left = 'calc(' + pct(r.end) + ' - 1px)';
+      e.title = (r.reason===null?'unfinished':'finished('+r.reason+')') + ' at ' + ms(r.end); tr.appendChild(e); }
+    barriers.forEach(function(t){ var bl = el('div','tbar'); bl.style.left = pct(t); tr.appendChild(bl); });
+    lane.appendChild(tr);
+    lane.addEventListener('click', function(){ openDetail(ri); });
+    box.appendChild(lane); timeEls.push(lane);
+  });
+})();
 var byUuid = {}; DATA.requests.forEach(function(r, ri){ if(!(r.uuid in byUuid)) byUuid[r.uuid]=ri; });
 var filter = document.getElementById('filter'), reasonSel = document.getElementById('reason'), shown = document.getElementById('shown');
 function applyFilter(){
   var q = filter.value.trim().toLowerCase(), rs = reasonSel.value, n = 0;
   laneEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs);
     l.style.display = ok ? '' : 'none'; if(ok) n++; });
+  timeEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs);
+    l.style.display = ok ? '' : 'none'; });
   shown.textContent = n + ' of ' + laneEls.length + ' requests shown';
 }
 filter.addEventListener('input', applyFilter); reasonSel.addEventListener('change', applyFilter); applyFilter();
@@ -307,6 +420,7 @@ function section(title){ var h = el('h3', null, title); body.appendChild(h); ret
 function openDetail(ri){
   var r = DATA.requests[ri], uuid = r.uuid, tr = DATA.trajectories[uuid];
   laneEls.forEach(function(l, li){ l.classList.toggle('selected', li===ri); });
+  timeEls.forEach(function(l, li){ l.classList.toggle('selected', li===ri); });
   body.textContent = '';
   body.appendChild(el('h2', null, uuid));
   if(r){
@@ -355,7 +469,7 @@ function openDetail(ri){
   detail.hidden = false;
   if(location.hash !== '#'+encodeURIComponent(uuid)) history.replaceState(null,'','#'+encodeURIComponent(uuid));
 }
-function closeDetail(){ detail.hidden = true; laneEls.forEach(function(l){ l.classList.remove('selected'); });
+function closeDetail(){ detail.hidden = true; laneEls.concat(timeEls).forEach(function(l){ l.classList.remove('selected'); });
   history.replaceState(null,'',location.pathname+location.search); }
 detail.querySelector('.close').addEventListener('click', closeDetail);
 document.addEventListener('keydown', function(e){ if(e.key==='Escape') closeDetail(); });

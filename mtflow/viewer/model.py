@@ -112,6 +112,89 @@ class Summary:
     tokens: int
     unfinished: List[str]
     tool_error_kinds: Dict[str, int] = field(default_factory=dict)  # error_kind -> failed calls
+    #: wall time per state across the requests (empty when the events carry no times)
+    time_per_state: Dict[str, 'StateTime'] = field(default_factory=dict)
+    wall_s: Optional[float] = None  # from the first event to the last
+
+
+@dataclass
+class Span:
+    """A request in one state from ``start`` to ``end`` (seconds since the run started, the
+    events' ``t``); ``turn`` is the turn of the event that entered it."""
+    state: str
+    start: float
+    end: float
+    turn: int
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class StateTime:
+    """Wall time spent in one state, summed over requests, with the mean and the largest single
+    request's share (a straggler shows as a large ``max_s`` against ``mean_s``)."""
+    state: str
+    total_s: float
+    requests: int
+    mean_s: float
+    max_s: float
+    max_uuid: str
+
+
+def state_spans(events: Sequence[TraceEvent], t0: Optional[float] = None) -> List[Span]:
+    """The time a request spent in each state, from its events' ``t``: a state lasts from the
+    event that entered it to the next one. ``pending`` starts at ``t0`` (the run's first event)
+    when given. Events without times give no spans."""
+    spans: List[Span] = []
+    timed = [e for e in events if e.t is not None]
+    if not timed:
+        return spans
+    first = timed[0]
+    if t0 is not None and first.src == PENDING and first.t > t0:
+        spans.append(Span(PENDING, t0, first.t, first.turn))
+    for e, nxt in zip(timed, timed[1:]):
+        # the event leaving tool_step carries its step's turn and opens the next one
+        turn = e.turn + 1 if e.src == TOOL_STEP and e.dst in WAITING_STATES else e.turn
+        spans.append(Span(e.dst, e.t, nxt.t, turn))
+    return spans
+
+
+def time_per_state(views: Sequence['RequestView'], t0: Optional[float] = None) -> Dict[str, StateTime]:
+    """Per state (in the graph's order), the wall time requests spent in it."""
+    per: Dict[str, Dict[int, float]] = {}  # state -> view number -> seconds (a uuid may recur across runs)
+    for k, v in enumerate(views):
+        for sp in state_spans(v.events, t0):
+            per.setdefault(sp.state, {}).setdefault(k, 0.0)
+            per[sp.state][k] += sp.seconds
+    order = [PENDING, GENERATING, CONTINUING, TOOL_STEP]
+    out: Dict[str, StateTime] = {}
+    for state in order + sorted(set(per) - set(order)):
+        if state not in per:
+            continue
+        by_req = per[state]
+        top = max(by_req, key=by_req.get)
+        total = sum(by_req.values())
+        out[state] = StateTime(state, total, len(by_req), total / len(by_req), by_req[top], views[top].uuid)
+    return out
+
+
+def trace_t0(events: Sequence[TraceEvent]) -> Optional[float]:
+    return min((e.t for e in events if e.t is not None), default=None)
+
+
+def turn_windows(views: Sequence['RequestView']) -> Dict[int, tuple]:
+    """Per turn, ``(first, last, n)``: when the first and the last request applied that turn's
+    output (``t`` of the events leaving ``generating``/``continuing``), and how many did. In a
+    lockstep run every request applies a turn's output at the same moment (the turn barrier: the
+    window is a line); in async mode the window spreads over the run."""
+    seen: Dict[int, List[float]] = {}
+    for v in views:
+        for e in v.events:
+            if e.src in WAITING_STATES and e.t is not None:
+                seen.setdefault(e.turn, []).append(e.t)
+    return {turn: (min(ts), max(ts), len(ts)) for turn, ts in sorted(seen.items())}
 
 
 def _tool_info(extra: Optional[Dict[str, Any]]) -> tuple:
@@ -249,6 +332,9 @@ def summarize(views: Sequence[RequestView], n_events: Optional[int] = None, slow
             if c.error:
                 errors.append({'uuid': v.uuid, 'turn': c.turn, **c.error})
     reasons = Counter(v.reason for v in views if v.reason)
+    events = [e for v in views for e in v.events]
+    t0 = trace_t0(events)
+    t1 = max((e.t for e in events if e.t is not None), default=None)
     return Summary(
         requests=len(views),
         events=n_events if n_events is not None else sum(len(v.events) for v in views),
@@ -264,7 +350,9 @@ def summarize(views: Sequence[RequestView], n_events: Optional[int] = None, slow
         tokens=sum(v.tokens for v in views),
         unfinished=[v.uuid for v in views if v.reason is None],
         tool_error_kinds=dict(Counter(kind for v in views for c in v.cells for kind in _error_kinds(c.step_extra))
-                              .most_common()))
+                              .most_common()),
+        time_per_state=time_per_state(views, t0),
+        wall_s=None if t0 is None else t1 - t0)
 
 
 def _error_kinds(extra: Optional[Dict[str, Any]]) -> List[str]:

@@ -127,6 +127,8 @@ def summary_renderable(s: Summary) -> RenderableType:
     parts.append(histogram('finish reasons', 'reason', s.finish_reasons, {r: reason_style(r) for r in s.finish_reasons}))
     if s.tool_error_kinds:
         parts.append(histogram('tool error kinds', 'kind', s.tool_error_kinds, {k: 'red' for k in s.tool_error_kinds}))
+    if s.time_per_state:
+        parts.append(time_per_state_table(s))
     if s.errors:
         table = Table(title='errors', title_justify='left', title_style='bold red', box=None, padding=(0, 2, 0, 0))
         for col in ('request', 'turn', 'phase', 'error'):
@@ -153,6 +155,21 @@ def summary_renderable(s: Summary) -> RenderableType:
             table.add_row(st.uuid, str(st.turn), fmt_s(st.duration_s), ', '.join(st.tools))
         parts.append(table)
     return Group(*[p for part in parts for p in (part, Text(''))][:-1])
+
+
+def time_per_state_table(s: Summary) -> Table:
+    """Wall time per state, summed over requests (``docs/viewer.md``): where the run's time went,
+    and the request that spent the most in each state."""
+    wall = f' (run wall time {fmt_s(s.wall_s)})' if s.wall_s is not None else ''
+    table = Table(title=f'time per state{wall}', title_justify='left', title_style='bold', box=None,
+                  padding=(0, 2, 0, 0), pad_edge=False)
+    for col in ('state', 'total', 'share', 'requests', 'mean', 'max', 'slowest request'):
+        table.add_column(col, justify='left' if col in ('state', 'slowest request') else 'right', no_wrap=True)
+    grand = sum(st.total_s for st in s.time_per_state.values()) or 1.0
+    for st in s.time_per_state.values():
+        table.add_row(Text(st.state, STYLES.get(st.state, '')), fmt_s(st.total_s), f'{100 * st.total_s / grand:.0f}%',
+                      str(st.requests), fmt_s(st.mean_s), fmt_s(st.max_s), st.max_uuid)
+    return table
 
 
 def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = None,

@@ -151,3 +151,73 @@ class FakeLLM:
         out = CompletionOutput(0, text, ids, None, steps if sp.logprobs is not None else None,
                                self.finish_reason_override or reason)
         return RequestOutput(str(index), None, list(prompt), None, [out])
+
+
+@dataclass
+class FakeAsyncLLM:
+    """A stand-in with ``vllm.v1.engine.async_llm.AsyncLLM``'s methods and signatures:
+    ``generate(prompt, sampling_params, request_id, ...)`` is an async generator that yields
+    cumulative ``RequestOutput``s (vLLM's default ``output_kind``), one per generated token,
+    ``finished=True`` on the last; ``abort``/``get_tokenizer`` are coroutines. Like the real engine
+    it belongs to the first event loop it runs on (a call from another loop fails), and it counts
+    the streams in flight. ``delay_per_token`` (seconds, for request ids containing a key) makes a
+    request slow without blocking the loop; ``hold`` (a ``threading.Event`` per key) keeps such a
+    request from finishing until the test sets it."""
+    model: Any
+    tokenizer: Any
+    delay_per_token: Dict[str, float] = field(default_factory=dict)
+    hold: Dict[str, Any] = field(default_factory=dict)
+    requests: List[Dict[str, Any]] = field(default_factory=list)
+    aborted: List[str] = field(default_factory=list)
+    finished_order: List[str] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    _loop: Any = None
+
+    def _check_loop(self) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        assert loop is self._loop, 'AsyncLLM is bound to the event loop it first ran on'
+
+    async def get_tokenizer(self, lora_request: Any = None) -> Any:
+        return self.tokenizer
+
+    async def abort(self, request_id: Union[str, List[str]]) -> None:
+        self.aborted.extend([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def shutdown(self) -> None:
+        pass
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, lora_request: Any = None,
+                       tokenization_kwargs: Optional[Dict[str, Any]] = None, trace_headers: Any = None,
+                       priority: int = 0, data_parallel_rank: Optional[int] = None):
+        import asyncio
+
+        self._check_loop()
+        assert isinstance(prompt, dict) and 'prompt_token_ids' in prompt, 'a TokensPrompt'
+        self.requests.append({'request_id': request_id, 'prompt': prompt, 'params': sampling_params})
+        full = FakeLLM(self.model, self.tokenizer)._one(0, prompt['prompt_token_ids'], sampling_params)
+        done = full.outputs[0]
+        delay = next((d for k, d in self.delay_per_token.items() if k in request_id), 0.0)
+        gate = next((g for k, g in self.hold.items() if k in request_id), None)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            for n in range(1, len(done.token_ids) + 1):
+                await asyncio.sleep(delay)
+                last = n == len(done.token_ids)
+                while last and gate is not None and not gate.is_set():
+                    await asyncio.sleep(0.005)
+                ids = done.token_ids[:n]
+                text = done.text if last else self.tokenizer.decode(ids, skip_special_tokens=True)
+                out = CompletionOutput(0, text, list(ids), None,
+                                       None if done.logprobs is None else done.logprobs[:n],
+                                       done.finish_reason if last else None)
+                if last:
+                    self.finished_order.append(request_id)
+                yield RequestOutput(request_id, None, list(prompt['prompt_token_ids']), None, [out], finished=last)
+        finally:
+            self.in_flight -= 1
