@@ -69,23 +69,7 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     A request-config ``seed`` is sent as ``seed + index`` (as ms-swift and mtflow's vLLM backend
     do): with one seed for all, a server samples every copy of a repeated prompt identically."""
     chat = prepare_chat(request)
-    body: Dict[str, Any] = {
-        'model': model,
-        'messages': chat.messages,
-        'max_tokens': options.max_tokens,
-        'temperature': options.temperature,
-        'top_p': options.top_p,
-        'n': 1,
-        'stream': False,
-    }
-    if options.stop:
-        body['stop'] = list(options.stop)
-    if options.seed is not None:
-        body['seed'] = options.seed + index
-    if options.presence_penalty:
-        body['presence_penalty'] = options.presence_penalty
-    if options.frequency_penalty:
-        body['frequency_penalty'] = options.frequency_penalty
+    body = _sampling_body(model, options, index, messages=chat.messages)
     if options.logprobs:
         body['logprobs'] = True
         if options.top_logprobs:
@@ -117,12 +101,12 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     return body
 
 
-def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model: str, flavor: str = 'vllm',
-                          extra_body: Optional[Dict[str, Any]] = None, index: int = 0) -> Dict[str, Any]:
-    """The JSON body of ``/v1/completions`` with a token prompt (token mode)."""
+def _sampling_body(model: str, options: SamplingOptions, index: int, **prompt: Any) -> Dict[str, Any]:
+    """The fields both endpoints share: the prompt (``messages`` or ``prompt``) and the OpenAI
+    sampling options; a seed becomes ``seed + index``."""
     body: Dict[str, Any] = {
         'model': model,
-        'prompt': list(prompt_ids),
+        **prompt,
         'max_tokens': options.max_tokens,
         'temperature': options.temperature,
         'top_p': options.top_p,
@@ -137,6 +121,13 @@ def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model
         body['presence_penalty'] = options.presence_penalty
     if options.frequency_penalty:
         body['frequency_penalty'] = options.frequency_penalty
+    return body
+
+
+def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model: str, flavor: str = 'vllm',
+                          extra_body: Optional[Dict[str, Any]] = None, index: int = 0) -> Dict[str, Any]:
+    """The JSON body of ``/v1/completions`` with a token prompt (token mode)."""
+    body = _sampling_body(model, options, index, prompt=list(prompt_ids))
     if options.logprobs:
         body['logprobs'] = options.top_logprobs or 0  # completions API: the number of alternatives
     if options.top_k:
