@@ -416,6 +416,8 @@ class BatchRun:
             extra = mv.extra
             if mv.failure is not None:
                 extra = {'error': mv.failure.to_dict()}
+            if rec.finalize_trace is not None:  # what finalize_output asked the finish event to carry
+                extra = {**(extra or {}), **rec.finalize_trace}
             graph.move(rec, trigger, mv.turn, recorder, mv.tokens, mv.duration, extra)
             if rec.state == M.FINISHED:
                 self.notify_finished(rec)
@@ -460,6 +462,14 @@ class BatchRun:
             replaced = hook(output, rec.reason, turn)
             if inspect.isawaitable(replaced):
                 replaced = self._await(replaced)
+            if isinstance(replaced, dict):  # {'output': ..., 'trace_info': {...}}, as steps annotate the trace
+                trace_info = replaced.get('trace_info')
+                if trace_info is not None and not isinstance(trace_info, dict):
+                    raise SchedulerResultError(
+                        f'finalize_output: trace_info must be a dict, got {type(trace_info).__name__}',
+                        uuid=rec.uuid, turn=turn, field='finalize_output.trace_info')
+                rec.finalize_trace = trace_info or None
+                replaced = replaced.get('output')
             if replaced is not None and not isinstance(replaced, type(output)) and not (
                     hasattr(replaced, 'messages') and hasattr(replaced, 'rollout_infos')):
                 raise SchedulerResultError(
@@ -934,7 +944,7 @@ class BatchRun:
                 self._failing(mv)
             except BaseException:  # pragma: no cover - a second interrupt: keep what can be built
                 rec.output = RolloutOutput.model_construct(messages=getattr(rec.request, 'messages', None))
-            self.graph.move(rec, M.INTERRUPT, rec.turns, self.recorder)
+            self.graph.move(rec, M.INTERRUPT, rec.turns, self.recorder, extra=rec.finalize_trace)
             try:
                 self.notify_finished(rec)
             except BaseException:  # pragma: no cover - a second interrupt while notifying

@@ -219,7 +219,8 @@ class RequestRecord:
     ``response_loss_mask`` and ``rollout_logprobs``; ``infos`` becomes ``rollout_infos``.
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
-                 'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result')
+                 'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result',
+                 'finalize_trace')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -242,6 +243,7 @@ class RequestRecord:
         self.choice: Any = None  # the applied output's choice (tool_step, finishing)
         self.tokens = 0  # completion tokens of the applied output
         self.turn_result: Any = None  # what on_turn_end returned (validated)
+        self.finalize_trace: Optional[Dict[str, Any]] = None  # finalize_output's trace_info, for the finish event
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

@@ -45,7 +45,7 @@ from ..tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
 from ..tools.runner import ToolResult, ToolRunner, truncate
 from .envs import make_env_factory, normalize_step
 from .parsers import ToolCall, foreign_format, get_parser
-from .policy import FinishPolicy, apply_policy
+from .policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
 from .schema import SchedulerConfig, TipConfig
 from .templates import render
 
@@ -231,7 +231,9 @@ class YamlScheduler(Scheduler):
         stop rules, ``length``, ``max_turns``, errors, timeouts, interrupts)."""
         if self.finish_policy is None:
             return None
-        return apply_policy(self.finish_policy, output, finish_reason)
+        output = apply_policy(self.finish_policy, output, finish_reason)
+        # the same record on the finish event of the trace (``finish_policy`` in its extra)
+        return {'output': output, 'trace_info': {'finish_policy': output.rollout_infos.get(POLICY_INFO_KEY)}}
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         st = self._states.pop(self._key(infer_request), None)

@@ -63,6 +63,27 @@ def test_stop_rule_star_keeps_and_records():
     assert o.response_loss_mask == [[1] * len(ids_of('The answer is 2.'))]
 
 
+def test_the_policy_record_is_on_the_finish_event_of_the_trace():
+    res = run(scheduler(), {'a': ['The answer is 2.']})
+    (finish, ) = [e for e in res.trace.events if e.dst == 'finished']
+    assert finish.extra == {'finish_policy': res.outputs[0].rollout_infos['mtflow_policy']}
+
+
+def test_interrupted_policy_is_on_the_finish_event_too():
+    calls = []
+
+    def rollout(requests, config):
+        calls.append(len(requests))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return [model_out(CALL) for _ in requests]
+
+    with pytest.raises(RolloutInterrupted) as info:
+        Executor(scheduler(), rollout).run([req('a')])
+    (finish, ) = [e for e in info.value.result.trace.events if e.dst == 'finished']
+    assert finish.extra['finish_policy']['rule'] == 'interrupted'
+
+
 def test_length_masks_the_whole_trajectory():
     res = run(scheduler(), {'a': [CALL, model_out('Still thinking and', finish_reason='length')]})
     o = res.outputs[0]
