@@ -69,7 +69,8 @@ def test_the_policy_record_is_on_the_finish_event_of_the_trace():
     assert finish.extra == {'finish_policy': res.outputs[0].rollout_infos['mtflow_policy']}
 
 
-def test_interrupted_policy_is_on_the_finish_event_too():
+def interrupted_run():
+    """One request interrupted by Ctrl-C in its second rollout_fn call: the RunResult so far."""
     calls = []
 
     def rollout(requests, config):
@@ -80,7 +81,11 @@ def test_interrupted_policy_is_on_the_finish_event_too():
 
     with pytest.raises(RolloutInterrupted) as info:
         Executor(scheduler(), rollout).run([req('a')])
-    (finish, ) = [e for e in info.value.result.trace.events if e.dst == 'finished']
+    return info.value.result
+
+
+def test_interrupted_policy_is_on_the_finish_event_too():
+    (finish, ) = [e for e in interrupted_run().trace.events if e.dst == 'finished']
     assert finish.extra['finish_policy']['rule'] == 'interrupted'
 
 
@@ -121,19 +126,9 @@ def test_tool_error_kind_rule():
 
 
 def test_interrupted_is_dropped():
-    s = scheduler()
-    calls = []
-
-    def rollout(requests, config):
-        calls.append(len(requests))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return [model_out(CALL) for _ in requests]
-
-    with pytest.raises(RolloutInterrupted) as info:
-        Executor(s, rollout).run([req('a')])
-    (o, ) = info.value.result.outputs
-    assert info.value.result.finish_reasons == ['interrupted']
+    result = interrupted_run()
+    (o, ) = result.outputs
+    assert result.finish_reasons == ['interrupted']
     assert o.rollout_infos['mtflow_drop'] is True and o.rollout_infos['mtflow_policy']['rule'] == 'interrupted'
 
 
