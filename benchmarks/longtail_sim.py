@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -147,16 +148,17 @@ class SimEngine:
 
     def __init__(self, workload: Workload, decode_s: float = 0.0005, slots: int = 256) -> None:
         self.workload, self.decode_s, self.slots = workload, decode_s, slots
-        self._cores: Dict[int, _Core] = {}
+        # by loop object, not id(): a closed loop's id recurs, and its core's state must not carry over
+        self._cores: 'weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Core]' = weakref.WeakKeyDictionary()
         self.calls: List[int] = []  # requests per call
         self.in_flight = 0
         self.max_in_flight = 0
 
     def core(self) -> _Core:
         loop = asyncio.get_running_loop()
-        core = self._cores.get(id(loop))
+        core = self._cores.get(loop)
         if core is None:
-            core = self._cores[id(loop)] = _Core(self.decode_s, self.slots)
+            core = self._cores[loop] = _Core(self.decode_s, self.slots)
         return core
 
     def reply(self, request: Any) -> RolloutOutput:

@@ -248,24 +248,34 @@ class AsyncRun(BatchRun):
 
     # ---- issuing work --------------------------------------------------------------------------
     def generate(self, rec: RequestRecord, turn: int) -> None:
-        self.rollout_calls += 1
         self.launch('generate', rec, turn, self._rollout(rec, turn))
 
     def launch(self, kind: str, rec: RequestRecord, turn: int, coro: Any) -> None:
-        async def tracked() -> None:
-            try:
-                outcome = await coro
-            except asyncio.CancelledError:
-                outcome = Outcome(RAISED, _Stopped('cancelled'), 0.0)
-            self.tasks.pop(rec.index, None)
-            self.completions.append((kind, rec, turn, outcome))
-            self.wake.set()
+        """Start ``coro`` as a task whose end, however it comes, posts exactly one completion.
 
-        self.tasks[rec.index] = self.loop.create_task(tracked())
+        The completion is posted by a done callback, not by code inside the task: a task that
+        :meth:`stop` cancels before it ever ran never executes a line of its coroutine, and it
+        must still leave :attr:`tasks` and report (as a stopped generation), or the driver would
+        wait for it forever."""
+        task = self.loop.create_task(coro)
+        self.tasks[rec.index] = task
         self.kinds[rec.index] = kind
+        task.add_done_callback(lambda done: self.landed(kind, rec, turn, done))
+
+    def landed(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
+        if self.tasks.get(rec.index) is task:
+            del self.tasks[rec.index]
+        if task.cancelled():
+            outcome = Outcome(RAISED, _Stopped('cancelled'), 0.0)
+        else:
+            exc = task.exception()  # an interrupt raised in a step: the driver is unwinding already
+            outcome = Outcome(RAISED, exc, 0.0) if exc is not None else task.result()
+        self.completions.append((kind, rec, turn, outcome))
+        self.wake.set()
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
         ex = self.ex
+        self.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         t = perf_counter()
