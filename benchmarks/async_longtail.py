@@ -28,7 +28,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,6 +88,37 @@ def bench_sim(args: argparse.Namespace) -> None:
     print('ideal: the longest request\'s own work; thruput: total tokens x decode time / slots (the engine\'s bound);')
     print('async/ideal divides by the larger of the two; us/rt: microseconds per request-turn of the same run with no '
           'decode time and no tool waits (driver, output building, engine bookkeeping)')
+
+
+def bench_cost(args: argparse.Namespace) -> None:
+    """The drivers' own cost per request-turn (no decode time, no tool waits) across sizes, with
+    Python's cyclic GC on and off: whether async mode's cost stays flat as requests grow."""
+    import gc
+
+    zero = Workload(seed=args.seed, tool_median_s=1e-9)
+    print(f'driver cost per request-turn (us), no decode time and no tool waits, best of {args.repeats}; '
+          'gc off: gc.disable() around each run')
+    head = f'{"requests":>8} {"turns":>6} {"lockstep":>9} {"async":>7} {"lockstep gc off":>15} {"async gc off":>12}'
+    print(head)
+    print('-' * len(head))
+    for n in args.n:
+        request_turns = sum(zero.turns(f'r{i:04d}') for i in range(n))
+        best: Dict[Tuple[str, bool], float] = {}
+        for _ in range(args.repeats):
+            for gc_on in (True, False):
+                for mode in ('lockstep', 'async'):
+                    gc.collect()
+                    if not gc_on:
+                        gc.disable()
+                    try:
+                        wall = run_mode(mode, LongTailScheduler(zero, tool_sleep=False), SimEngine(zero, 1e-9, 1 << 20),
+                                        zero.requests(n))['wall']
+                    finally:
+                        gc.enable()
+                    key = (mode, gc_on)
+                    best[key] = min(best.get(key, float('inf')), wall / request_turns * 1e6)
+        print(f'{n:>8} {request_turns:>6} {best["lockstep", True]:>9.0f} {best["async", True]:>7.0f} '
+              f'{best["lockstep", False]:>15.0f} {best["async", False]:>12.0f}', flush=True)
 
 
 # ---- real backends ------------------------------------------------------------------------------------
@@ -224,8 +255,13 @@ def main() -> None:
     p.add_argument('--long-tokens', type=int, default=96)
     p.add_argument('--max-turns', type=int, default=3, help='hf/openai: turns per request (2..this)')
     p.add_argument('--max-concurrency', type=int, default=None, help='hf/openai: async mode bound')
+    p.add_argument('--cost-only', action='store_true',
+                   help='sim: only the drivers\' own cost per request-turn, with the GC on and off (flatness)')
     args = p.parse_args()
-    if args.engine == 'sim':
+    if args.engine == 'sim' and args.cost_only:
+        args.n = args.n or [64, 256, 1024, 4096]
+        bench_cost(args)
+    elif args.engine == 'sim':
         args.n = args.n or [64, 256, 1024]
         bench_sim(args)
     else:
