@@ -166,7 +166,7 @@ def main(argv: List[str] = None) -> None:
     print(f'# driver overhead, {args.shape} scheduler, T={args.turns} turns, best of {args.repeats}, '
           f'mtflow tracing {"on" if trace else "off"}, {args.clock} clock')
     print('# us per request-turn. hooks: the scheduler\'s own hooks alone; floor: the reference loop with')
-    print('# on_turn_end driven directly (no event loop), no checks, no trace; ratio: mtflow / reference')
+    print('# on_turn_end driven directly (no event loop), outputs not validated, no checks, no trace; ratio: mtflow / reference')
     print(f'| {"N":>6} | {"hooks":>6} | {"floor":>6} | {"reference":>9} | {"mtflow":>7} | {"ratio":>6} | {"floor ratio":>11} |')
     print(f'|{"-" * 8}|{"-" * 8}|{"-" * 8}|{"-" * 11}|{"-" * 9}|{"-" * 8}|{"-" * 13}|')
     for n in args.n:

@@ -38,9 +38,10 @@ def reference_run_multi_turn(requests: List[Any],
                              gather_fn: Callable[[List[bool]], List[bool]] = lambda v: list(v),
                              drive: str = 'gather') -> List[Any]:
     """``drive='gather'``: ``on_turn_end`` coroutines are gathered on an event loop, as the
-    contract's driver does. ``drive='direct'``: each one is driven by ``send(None)`` (falling back
-    to nothing: the hook must not suspend), which is what mtflow does first; this variant is the floor of the
-    overhead benchmark: the contract's bookkeeping with no loop cost, no checks, no trace."""
+    contract's driver does. ``drive='direct'``: each one is driven by ``send(None)`` (the hook must
+    not suspend), which is what mtflow does first, and outputs are built without validation
+    (``model_construct``), as mtflow builds them. That variant is the floor of the overhead
+    benchmark: the contract's bookkeeping, with no loop cost, no checks and no trace."""
     loop = asyncio.new_event_loop()
     try:
         n = len(requests)
@@ -54,6 +55,7 @@ def reference_run_multi_turn(requests: List[Any],
         outputs = first_turn_outputs
         turn = 1
         out_cls = type(first_turn_outputs[0]) if first_turn_outputs else None
+        make_output = out_cls if drive == 'gather' else getattr(out_cls, 'model_construct', out_cls)
         while True:
             local = len(pending) > 0
             if not any(gather_fn([local])):
@@ -121,7 +123,7 @@ def reference_run_multi_turn(requests: List[Any],
                                 kept = []
                         else:
                             kept = []
-                    results[i] = out_cls(
+                    results[i] = make_output(
                         response=out.response,
                         messages=requests[i].messages,
                         response_token_ids=seg_ids[i],
