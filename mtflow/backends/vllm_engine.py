@@ -281,6 +281,8 @@ class VLLMBackend(Backend):
         return self.sampling_params_cls(**kwargs)
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        if getattr(self, '_closed', False):
+            raise BackendError('vllm backend: used after close()')
         if self.is_async:
             return self._live_runner().run(self._streams(requests, options, list(range(len(requests)))))
         if self.prompt_mode == 'tokens':
@@ -376,17 +378,23 @@ class VLLMBackend(Backend):
         return choice_from_completion(last.outputs[0], prompt, options, self.model_name, self.tokenizer)
 
     def close(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is None:
+        """Shut down an engine this backend built (its engine process stops now, not when the
+        interpreter exits), and the async engine's loop thread. Safe to call twice."""
+        if getattr(self, '_closed', False):
             return
+        self._closed = True
+        runner, self._runner = self._runner, None
         if self._owns_engine:
-            shutdown = getattr(self.llm, 'shutdown', None)
+            # AsyncLLM.shutdown; vllm.LLM has none, its engine core client does
+            shutdown = getattr(self.llm, 'shutdown', None) or getattr(
+                getattr(getattr(self.llm, 'llm_engine', None), 'engine_core', None), 'shutdown', None)
             if callable(shutdown):
                 try:
                     shutdown()
                 except Exception:  # pragma: no cover - closing is best effort
                     pass
-        runner.stop()
+        if runner is not None:
+            runner.stop()
 
     def describe(self) -> str:
         if self.is_async:
