@@ -263,12 +263,15 @@ class AsyncRun(BatchRun):
         task.add_done_callback(lambda done: self.landed(kind, rec, turn, done))
 
     def landed(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
+        """A task ended: post its completion. Cancelled (by the budget, or while unwinding an
+        interrupt): a stopped generation; an interrupt raised inside it: that exception, which the
+        driver is already unwinding (retrieved here, so it is never reported as unretrieved)."""
         if self.tasks.get(rec.index) is task:
             del self.tasks[rec.index]
         if task.cancelled():
             outcome = Outcome(RAISED, _Stopped('cancelled'), 0.0)
         else:
-            exc = task.exception()  # an interrupt raised in a step: the driver is unwinding already
+            exc = task.exception()
             outcome = Outcome(RAISED, exc, 0.0) if exc is not None else task.result()
         self.completions.append((kind, rec, turn, outcome))
         self.wake.set()
