@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List
 
+from mtflow import Scheduler
+from tests.helpers import out
+
 
 class BarrierGather:
 
@@ -52,3 +55,24 @@ def run_ranks(world_size: int, target: Callable[[int, Callable], Any], timeout: 
     if errors:
         raise errors[0]
     return results
+
+
+# ---- the rank scenario shared by the threaded tests (tests/test_ranks.py) and the spawned gloo
+# ranks (tests/distributed/workers.py): request ``rK-n`` takes n turns
+class StopAfter(Scheduler):
+    """Request ``rK-n`` finishes after n turns; steps add an observation."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': f'obs {current_turn}'})
+        return {'infer_request': infer_request, 'rollout_infos': {'last_step': current_turn}}
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= int(infer_request.uuid.split('-')[1])
+
+
+def make_output(r, n):
+    return out(f'{r.uuid} turn {n + 1}', [n + 1, n + 2], [-.5, -.25])
+
+
+def first_outputs(requests):
+    return [out(f'{r.uuid} turn 1', [1, 2], [-.5, -.25]) for r in requests]

@@ -5,28 +5,8 @@ from __future__ import annotations
 import pytest
 
 import mtflow
-from mtflow import Scheduler
-from tests.helpers import Counter, clone, dump, out, req
-from tests.ranks import run_ranks
-
-
-class StopAfter(Scheduler):
-    """Request ``rK-n`` finishes after n turns; steps add an observation."""
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({'role': 'user', 'content': f'obs {current_turn}'})
-        return {'infer_request': infer_request, 'rollout_infos': {'last_step': current_turn}}
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= int(infer_request.uuid.split('-')[1])
-
-
-def make_output(r, n):
-    return out(f'{r.uuid} turn {n + 1}', [n + 1, n + 2], [-.5, -.25])
-
-
-def first_outputs(requests):
-    return [out(f'{r.uuid} turn 1', [1, 2], [-.5, -.25]) for r in requests]
+from tests.helpers import Counter, clone, dump, req
+from tests.ranks import StopAfter, first_outputs, make_output, run_ranks
 
 
 # rank -> request uuids (the number after the dash is how many turns that request takes)

@@ -15,9 +15,9 @@ pytest.importorskip('torch.distributed')
 
 import mtflow  # noqa: E402
 from tests.distributed.procs import launch  # noqa: E402
-from tests.distributed.workers import (LAYOUTS, MAX_TURNS, RAISING, StopAfter, first_outputs, make_output,  # noqa: E402
-                                       rank_main)
+from tests.distributed.workers import LAYOUTS, MAX_TURNS, RAISING, rank_main  # noqa: E402
 from tests.helpers import Counter, dump, req  # noqa: E402
+from tests.ranks import StopAfter, first_outputs, make_output  # noqa: E402
 
 
 def run_group(tmp: Path, world: int, scenarios: List[str], kind: str = 'torch', env: Dict[str, str] = None,

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import mtflow
-from mtflow import Scheduler
-from tests.helpers import Counter, dump, out, req
+from tests.helpers import Counter, dump, req
+from tests.ranks import StopAfter, first_outputs, make_output
 
 #: a bound above every request's own turn count (the requests stop themselves)
 MAX_TURNS = 10
@@ -38,17 +38,6 @@ LAYOUTS: Dict[int, Dict[str, List[List[str]]]] = {
 RAISING = {2: [['r0-1', 'r0-4'], ['r1-2', 'r1-6', 'r1-3']], 3: [['r0-1', 'r0-4'], ['r1-2', 'r1-5'], ['r2-3']]}
 
 
-class StopAfter(Scheduler):
-    """Request ``rK-n`` finishes after n turns; steps add an observation."""
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({'role': 'user', 'content': f'obs {current_turn}'})
-        return {'infer_request': infer_request, 'rollout_infos': {'last_step': current_turn}}
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= int(infer_request.uuid.split('-')[1])
-
-
 class RaisingOnRank(StopAfter):
     """On the chosen rank every hook call raises from turn 2 on (a broken environment)."""
 
@@ -70,14 +59,6 @@ class Escaping(StopAfter):
         if current_turn == 2:
             raise SystemExit(3)
         return super().step(infer_request, response_choice, current_turn)
-
-
-def make_output(r, n):
-    return out(f'{r.uuid} turn {n + 1}', [n + 1, n + 2], [-.5, -.25])
-
-
-def first_outputs(requests):
-    return [out(f'{r.uuid} turn 1', [1, 2], [-.5, -.25]) for r in requests]
 
 
 def run_shard(uuids: List[str], scheduler: Any, gather_fn: Any, rank: int, on_error: str = 'raise') -> tuple:
