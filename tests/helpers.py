@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
@@ -71,3 +73,20 @@ def clone(objs: Any) -> Any:
 
 
 _ids = itertools.count(1000)
+
+
+# ---- a finished `mtflow run` directory ------------------------------------------------------------
+def jsonl_lines(path: Path) -> List[Any]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_contents(out: Path) -> tuple:
+    """A run directory's trajectories by uuid (no uuid written twice), and each request's trace
+    events without the times: what two runs that should agree are compared by."""
+    trajectories = jsonl_lines(out / 'trajectories.jsonl')
+    uuids = [t['uuid'] for t in trajectories]
+    assert len(uuids) == len(set(uuids)), f'a uuid written twice: {uuids}'
+    events: Dict[str, List[Dict[str, Any]]] = {}
+    for e in jsonl_lines(out / 'trace.jsonl'):
+        events.setdefault(e['uuid'], []).append({k: v for k, v in e.items() if k not in ('t', 'duration_s')})
+    return {t['uuid']: t for t in trajectories}, events

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mtflow.cli import main
+from tests.helpers import jsonl_lines, run_contents
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def baseline(project):
     """The files of an uninterrupted run."""
     out = project / 'baseline'
     assert _run(project, ['--out', str(out)]).returncode == 0
-    return _contents(out)
+    return run_contents(out)
 
 
 def _env(extra=None):
@@ -148,26 +149,11 @@ def _finish(proc, sig):
     return proc.returncode, err
 
 
-def _lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _contents(out):
-    """Trajectories by uuid, and each request's trace events without the times."""
-    trajectories = _lines(out / 'trajectories.jsonl')
-    uuids = [t['uuid'] for t in trajectories]
-    assert len(uuids) == len(set(uuids)), f'a uuid written twice: {uuids}'
-    events = {}
-    for e in _lines(out / 'trace.jsonl'):
-        events.setdefault(e['uuid'], []).append({k: v for k, v in e.items() if k not in ('t', 'duration_s')})
-    return {t['uuid']: t for t in trajectories}, events
-
-
 def _consistent_on_disk(out):
     """The invariant a kill may never break: the two files agree on which requests are done."""
-    done = {t['uuid'] for t in _lines(out / 'trajectories.jsonl')}
-    finished = {e['uuid'] for e in _lines(out / 'trace.jsonl') if e['to'] == 'finished'}
-    traced = {e['uuid'] for e in _lines(out / 'trace.jsonl')}
+    done = {t['uuid'] for t in jsonl_lines(out / 'trajectories.jsonl')}
+    finished = {e['uuid'] for e in jsonl_lines(out / 'trace.jsonl') if e['to'] == 'finished'}
+    traced = {e['uuid'] for e in jsonl_lines(out / 'trace.jsonl')}
     assert done == finished == traced, (done, finished, traced)
     return done
 
@@ -205,7 +191,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(project, baseline, tmp_
     assert not (out / 'summary.json').exists()
     res = _run(project, ['--out', str(out), '--resume'])
     assert res.returncode == 0, res.stderr
-    assert _contents(out) == baseline
+    assert run_contents(out) == baseline
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['status'] == 'complete' and summary['written'] == 12 and summary['remaining'] == 0
     assert summary['resumed_from'] == len(done_at_kill) and summary['attempts'] == 2
@@ -233,7 +219,7 @@ def test_killed_twice_then_a_torn_last_line(project, baseline, tmp_path):
     assert 'dropped a torn last line of trajectories.jsonl' in res.stderr
     assert 'dropped a torn last line of trace.jsonl' in res.stderr
     assert 'status' in res.stdout and 'complete' in res.stdout
-    assert _contents(out) == baseline
+    assert run_contents(out) == baseline
     info = json.loads((out / 'run.json').read_text())
     assert [a['status'] for a in info['attempts']] == ['running', 'running', 'complete'], 'two were killed'
     assert [a['done_at_start'] for a in info['attempts']] == [0, 1, len(done)]
@@ -248,7 +234,7 @@ def test_a_signal_stops_cleanly_and_resume_finishes(project, baseline, tmp_path,
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['status'] == 'interrupted'
     done = _between(_consistent_on_disk(out), {'p0', 'p1', 'p2', 'p3', 'p4'}, {'p7'})  # all finished is on disk
-    cut = {t['uuid']: t for t in _lines(out / 'interrupted.jsonl')}
+    cut = {t['uuid']: t for t in jsonl_lines(out / 'interrupted.jsonl')}
     assert set(cut) | done == FIRST_EIGHT and not set(cut) & done, 'the batch in flight: finished or interrupted'
     assert all(t['finish_reason'] == 'interrupted' and t['trace'][-1]['to'] == 'finished' for t in cut.values())
     assert summary['written'] == len(done) and summary['interrupted'] == len(cut)
@@ -257,7 +243,7 @@ def test_a_signal_stops_cleanly_and_resume_finishes(project, baseline, tmp_path,
     assert info['attempts'][-1]['status'] == 'interrupted' and info['attempts'][-1]['written'] == len(done)
     res = _run(project, ['--out', str(out), '--resume'])
     assert res.returncode == 0, res.stderr
-    assert _contents(out) == baseline
+    assert run_contents(out) == baseline
     assert not (out / 'interrupted.jsonl').exists(), 'the interrupted requests ran again'
 
 
@@ -273,7 +259,7 @@ def test_a_second_ctrl_c_exits_at_once(project, baseline, tmp_path):
     _between(_consistent_on_disk(out), {'p0', 'p1', 'p2', 'p3', 'p4'}, {'p7'})
     res = _run(project, ['--out', str(out), '--resume'])
     assert res.returncode == 0, res.stderr
-    assert _contents(out) == baseline
+    assert run_contents(out) == baseline
 
 
 def _snapshot(out):
@@ -284,7 +270,7 @@ def test_a_rerun_without_resume_is_refused_and_touches_nothing(project, tmp_path
     out = tmp_path / 'out'
     _kill(_start_paused(project, ['--out', str(out), '--flush-every', '1'], 'p5:1', tmp_path))
     before = _snapshot(out)
-    n = len(_lines(out / 'trajectories.jsonl'))
+    n = len(jsonl_lines(out / 'trajectories.jsonl'))
     res = _run(project, ['--out', str(out)])
     assert res.returncode == 2 and res.stderr.count('\n') == 1, res.stderr
     assert f'{out} already holds a run ({n} trajectories): pass --resume to continue it, or --overwrite' in res.stderr
@@ -314,12 +300,12 @@ def test_overwrite_moves_the_old_run_aside(project, baseline, tmp_path):
     before = _snapshot(out)
     res = _run(project, ['--out', str(out), '--overwrite'])
     assert res.returncode == 0, res.stderr
-    assert _contents(out) == baseline
+    assert run_contents(out) == baseline
     aside = [p for p in tmp_path.iterdir() if p.name.startswith('out.old-')]
     assert len(aside) == 1 and _snapshot(aside[0]) == {k: v for k, v in before.items() if k != 'run.lock'}
     res = _run(project, ['--out', str(out), '--overwrite', '--delete-old'])
     assert res.returncode == 0, res.stderr
-    assert _contents(out) == baseline
+    assert run_contents(out) == baseline
     assert len([p for p in tmp_path.iterdir() if p.name.startswith('out.old-')]) == 1, 'deleted, not moved'
 
 

@@ -16,6 +16,7 @@ pytest.importorskip('reasoning_gym', reason="needs the 'reasoning-gym' extra")
 from mtflow.cli import main
 from mtflow.data.reasoning_gym import ReasoningGymSpec
 from mtflow.data.sources import count_requests, iter_requests
+from tests.helpers import run_contents
 
 ROOT = Path(__file__).resolve().parents[2]
 EASY = {'min_terms': 2, 'max_terms': 2, 'min_digits': 1, 'max_digits': 1, 'operators': ['+', '-'],
@@ -46,20 +47,6 @@ def _write_project(d: Path, dataset=DATASET, num_generations=N) -> None:
         '''))
 
 
-def _lines(path: Path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _contents(out: Path):
-    trajectories = _lines(out / 'trajectories.jsonl')
-    uuids = [t['uuid'] for t in trajectories]
-    assert len(uuids) == len(set(uuids)), f'a uuid written twice: {uuids}'
-    events = {}
-    for e in _lines(out / 'trace.jsonl'):
-        events.setdefault(e['uuid'], []).append({k: v for k, v in e.items() if k not in ('t', 'duration_s')})
-    return {t['uuid']: t for t in trajectories}, events
-
-
 def _expected_groups():
     groups = []
     for index in range(4):
@@ -81,7 +68,7 @@ def test_cut_short_then_resumed_equals_one_run_with_the_same_group_spread(tmp_pa
     monkeypatch.chdir(tmp_path)
     _write_project(tmp_path)
     assert main(['run', 'run.yaml', '--out', 'whole', '-q']) == 0
-    whole = _contents(tmp_path / 'whole')
+    whole = run_contents(tmp_path / 'whole')
     summary = json.loads((tmp_path / 'whole' / 'summary.json').read_text())
     spread = summary['reward_groups']
     expected = _expected_groups()
@@ -99,7 +86,7 @@ def test_cut_short_then_resumed_equals_one_run_with_the_same_group_spread(tmp_pa
     path.write_text(''.join(lines[:5]) + lines[5][:len(lines[5]) // 2])
     (tmp_path / 'cut' / 'summary.json').unlink()
     assert main(['run', 'run.yaml', '--out', 'cut', '--resume', '-q']) == 0
-    assert _contents(tmp_path / 'cut') == whole
+    assert run_contents(tmp_path / 'cut') == whole
     resumed = json.loads((tmp_path / 'cut' / 'summary.json').read_text())
     assert resumed['resumed_from'] == 5 and resumed['written'] == 12
     assert resumed['reward_groups'] == spread  # rebuilt from the 5 kept lines, then fed the other 7
@@ -112,7 +99,7 @@ def test_cut_short_then_resumed_equals_one_run_with_the_same_group_spread(tmp_pa
     assert 'basic_arithmetic-3-0 0.3333±0.4714' in shown
     again = json.loads((tmp_path / 'cut' / 'summary.json').read_text())
     assert again['reward_groups'] == spread and again['rollout_fn_calls'] == 0
-    assert _contents(tmp_path / 'cut') == whole
+    assert run_contents(tmp_path / 'cut') == whole
 
 
 @pytest.mark.parametrize('change, named', [
@@ -141,8 +128,8 @@ def test_ray_fan_out_of_a_generated_dataset_in_groups_equals_the_local_run(tmp_p
     _write_project(tmp_path)
     assert main(['run', 'run.yaml', '--out', 'local', '-q']) == 0
     assert main(['run', 'run.yaml', '--out', 'ray', '--ray', '2', '-q']) == 0
-    local, _ = _contents(tmp_path / 'local')
-    fanned, _ = _contents(tmp_path / 'ray')
+    local, _ = run_contents(tmp_path / 'local')
+    fanned, _ = run_contents(tmp_path / 'ray')
     strip = lambda ts: {u: {k: v for k, v in t.items() if k != 'rank'} for u, t in ts.items()}  # noqa: E731
     assert strip(fanned) == strip(local) and len(local) == 12
     groups = [json.loads((tmp_path / d / 'summary.json').read_text())['reward_groups'] for d in ('local', 'ray')]
