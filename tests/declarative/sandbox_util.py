@@ -14,6 +14,24 @@ from mtflow.tools.sandbox import run_python
 
 KINDS = ('bwrap', 'unshare')
 
+#: 40 forks, each child alive for the whole loop: under ``max_processes=8`` it prints ``7 33`` (7
+#: children + the program itself), which shows the process limit binds in that sandbox
+BOUNDED_FORKS = '''
+import os, time
+kids, failed = [], 0
+for _ in range(40):
+    try:
+        pid = os.fork()
+    except OSError:
+        failed += 1
+        continue
+    if pid == 0:
+        time.sleep(60)  # alive for the whole loop, however slow the machine; killed with the namespace
+        os._exit(0)
+    kids.append(pid)
+print(len(kids), failed)
+'''
+
 
 @functools.lru_cache(maxsize=None)
 def why_unavailable(kind: str):

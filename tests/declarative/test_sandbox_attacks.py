@@ -18,7 +18,7 @@ import pytest
 from mtflow.tools import ToolRunner, isolation, tool_from_callable
 from mtflow.tools.sandbox import make_python_tool, run_python
 
-from .sandbox_util import KINDS, assert_nothing_survives, processes_with, require, run
+from .sandbox_util import BOUNDED_FORKS, KINDS, assert_nothing_survives, processes_with, require, run
 
 pytestmark = pytest.mark.parametrize('kind', KINDS)
 
@@ -46,22 +46,6 @@ def test_cpu_time_limit_is_a_timeout(kind):
     assert_nothing_survives(r)
 
 
-_BOUNDED_FORKS = '''
-import os, time
-kids, failed = [], 0
-for _ in range(40):
-    try:
-        pid = os.fork()
-    except OSError:
-        failed += 1
-        continue
-    if pid == 0:
-        time.sleep(60)  # alive for the whole loop, however slow the machine; killed with the namespace
-        os._exit(0)
-    kids.append(pid)
-print(len(kids), failed)
-'''
-
 _FORK_BOMB = '''
 import os
 told = False
@@ -77,7 +61,7 @@ while True:
 
 def test_fork_bomb_is_stopped_by_the_process_limit(kind):
     # first a bounded program shows the limit binds in this sandbox; only then the real bomb
-    probe = run(_BOUNDED_FORKS, kind, max_processes=8, timeout_s=20)
+    probe = run(BOUNDED_FORKS, kind, max_processes=8, timeout_s=20)
     assert probe.output.split() == ['7', '33'], probe.output  # 7 children + the program itself = 8
     assert_nothing_survives(probe)
     r = run(_FORK_BOMB, kind, max_processes=8, timeout_s=5)

@@ -14,6 +14,8 @@ import pytest
 
 from mtflow.tools import isolation
 
+from .sandbox_util import BOUNDED_FORKS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent('''
@@ -24,21 +26,7 @@ SCRIPT = textwrap.dedent('''
     print("probe unshare:", isolation.probe("unshare"))
     r = asyncio.run(run_python("import os; print(os.getuid(), sorted(os.listdir('/')))", isolation="bwrap"))
     print("benign:", r.error_kind or "ok", r.output.strip())
-    forks = """
-    import os, time
-    kids, failed = [], 0
-    for _ in range(40):
-        try:
-            pid = os.fork()
-        except OSError:
-            failed += 1
-            continue
-        if pid == 0:
-            time.sleep(60)
-            os._exit(0)
-        kids.append(pid)
-    print(len(kids), failed)
-    """
+    forks = sys.argv[2]  # sandbox_util.BOUNDED_FORKS
     r = asyncio.run(run_python(forks, isolation="bwrap", max_processes=8, timeout_s=60))
     print("forks:", r.output.strip())
     marker = sys.argv[1]
@@ -76,7 +64,7 @@ def test_rootless_bwrap_isolates_and_limits_processes():
             pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
         marker = 'mtflow-' + uuid.uuid4().hex
         proc = subprocess.run(['setpriv', f'--reuid={lease.uid}', f'--regid={lease.uid}', '--clear-groups', '--',
-                               exe, '-c', SCRIPT, marker], env=env, capture_output=True, text=True, timeout=300,
+                               exe, '-c', SCRIPT, marker, BOUNDED_FORKS], env=env, capture_output=True, text=True, timeout=300,
                               cwd='/')
         out = proc.stdout
         assert proc.returncode == 0, proc.stderr
