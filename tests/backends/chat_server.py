@@ -111,15 +111,7 @@ class ChatServer:
             return 400, {'error': {'message': 'continue_final_message needs add_generation_prompt=false'}}
         request = RolloutInferRequest(messages=messages, tools=body.get('tools'),
                                       chat_template_kwargs=body.get('chat_template_kwargs') or {})
-        config = RequestConfig(
-            max_tokens=body.get('max_tokens'),
-            temperature=body.get('temperature'),
-            top_p=body.get('top_p'),
-            top_k=body.get('top_k'),
-            stop=body.get('stop'),
-            seed=body.get('seed'),
-            logprobs=bool(body.get('logprobs')),
-            top_logprobs=body.get('top_logprobs'))
+        config = _request_config(body, logprobs=bool(body.get('logprobs')), top_logprobs=body.get('top_logprobs'))
         with self._lock:
             out = self.backend([request], config)[0]
         choice = out.response.choices[0]
@@ -158,15 +150,7 @@ class ChatServer:
         else:
             return 400, {'error': {'message': 'prompt must be a non-empty string or list of token ids'}}
         top = body.get('logprobs')
-        config = RequestConfig(
-            max_tokens=body.get('max_tokens'),
-            temperature=body.get('temperature'),
-            top_p=body.get('top_p'),
-            top_k=body.get('top_k'),
-            stop=body.get('stop'),
-            seed=body.get('seed'),
-            logprobs=top is not None,
-            top_logprobs=top or None)
+        config = _request_config(body, logprobs=top is not None, top_logprobs=top or None)
         with self._lock:
             out = self.backend.generate_ids([ids], sampling_options(config, 16))[0]
         choice = out.response.choices[0]
@@ -196,3 +180,10 @@ class ChatServer:
     def __exit__(self, *exc: Any) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _request_config(body: Dict[str, Any], logprobs: bool, top_logprobs: Any) -> RequestConfig:
+    """The sampling fields both endpoints read alike; they differ in how they ask for logprobs."""
+    return RequestConfig(max_tokens=body.get('max_tokens'), temperature=body.get('temperature'),
+                         top_p=body.get('top_p'), top_k=body.get('top_k'), stop=body.get('stop'),
+                         seed=body.get('seed'), logprobs=logprobs, top_logprobs=top_logprobs)
