@@ -143,20 +143,32 @@ class MixedMaxTokens:
     def budget(self, request: Any) -> int:
         return self.long if int(str(request.uuid)[1:]) % 10 == 0 else self.short
 
-    async def __call__(self, requests: List[Any], config: Any) -> List[Any]:
+    def groups(self, requests: List[Any]) -> Dict[int, List[int]]:
+        """The indexes of ``requests`` by their ``max_tokens`` budget."""
         groups: Dict[int, List[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(self.budget(r), []).append(i)
-        outputs: List[Any] = [None] * len(requests)
-        for budget, idx in groups.items():
-            batch = [requests[i] for i in idx]
-            if self.batcher is not None:
-                got = await self.batcher(batch, self.configs[budget])
-            else:
-                got = self.backend(batch, self.configs[budget])
+        return groups
+
+    @staticmethod
+    def in_order(n: int, groups: Dict[int, List[int]], results: List[List[Any]]) -> List[Any]:
+        """Each group's outputs (``results``, in the order of ``groups``) back in request order."""
+        outputs: List[Any] = [None] * n
+        for idx, got in zip(groups.values(), results):
             for i, o in zip(idx, got):
                 outputs[i] = o
         return outputs
+
+    async def __call__(self, requests: List[Any], config: Any) -> List[Any]:
+        groups = self.groups(requests)
+        results = []
+        for budget, idx in groups.items():  # one budget after the other: one generate at a time
+            batch = [requests[i] for i in idx]
+            if self.batcher is not None:
+                results.append(await self.batcher(batch, self.configs[budget]))
+            else:
+                results.append(self.backend(batch, self.configs[budget]))
+        return self.in_order(len(requests), groups, results)
 
     def close(self) -> None:
         if self.batcher is not None and hasattr(self.batcher, 'close'):
@@ -262,16 +274,10 @@ class _StreamsMixed(MixedMaxTokens):
     async def __call__(self, requests: List[Any], config: Any) -> List[Any]:
         import asyncio
 
-        groups: Dict[int, List[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(self.budget(r), []).append(i)
-        got = await asyncio.gather(*(self.backend.acall([requests[i] for i in idx], self.configs[budget])
-                                     for budget, idx in groups.items()))
-        outputs: List[Any] = [None] * len(requests)
-        for idx, outs in zip(groups.values(), got):
-            for i, o in zip(idx, outs):
-                outputs[i] = o
-        return outputs
+        groups = self.groups(requests)
+        results = await asyncio.gather(*(self.backend.acall([requests[i] for i in idx], self.configs[budget])
+                                         for budget, idx in groups.items()))
+        return self.in_order(len(requests), groups, list(results))
 
 
 def main() -> None:

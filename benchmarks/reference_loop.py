@@ -15,7 +15,7 @@ def _logprobs_of(choice: Any) -> List[float]:
     return [item['logprob'] for item in lp['content']]
 
 
-def _drive_directly(loop: asyncio.AbstractEventLoop, coros: List[Any]) -> List[Any]:
+def _drive_directly(coros: List[Any]) -> List[Any]:
     """The benchmark's hooks never suspend; this yardstick does not handle those that do."""
     values = []
     for coro in coros:
@@ -78,7 +78,7 @@ def reference_run_multi_turn(requests: List[Any],
                     scheduler.on_turn_end(r, o.response.choices[0], turn) for r, o in zip(live_reqs, outputs)])
 
             ends = loop.run_until_complete(hooks()) if drive == 'gather' else _drive_directly(
-                loop, [scheduler.on_turn_end(r, o.response.choices[0], turn) for r, o in zip(live_reqs, outputs)])
+                [scheduler.on_turn_end(r, o.response.choices[0], turn) for r, o in zip(live_reqs, outputs)])
             for i, tr in zip(pending, ends):
                 if tr.get('rollout_infos'):
                     infos[i].update(tr['rollout_infos'])

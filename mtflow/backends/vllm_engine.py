@@ -179,6 +179,7 @@ class VLLMBackend(Backend):
             raise BackendError(f'vllm backend: engine=\'async\' needs an AsyncLLM (an async generate), '
                                f'got {type(model).__name__}')
         self._runner: Any = None
+        self._closed = False
         self._owns_engine = not given
         self._request_ids = itertools.count()
         if self.is_async:
@@ -281,7 +282,7 @@ class VLLMBackend(Backend):
         return self.sampling_params_cls(**kwargs)
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
-        if getattr(self, '_closed', False):
+        if self._closed:
             raise BackendError('vllm backend: used after close()')
         if self.is_async:
             return self._live_runner().run(self._streams(requests, options, list(range(len(requests)))))
@@ -380,7 +381,7 @@ class VLLMBackend(Backend):
     def close(self) -> None:
         """Shut down an engine this backend built (its engine process stops now, not when the
         interpreter exits), and the async engine's loop thread. Safe to call twice."""
-        if getattr(self, '_closed', False):
+        if self._closed:
             return
         self._closed = True
         runner, self._runner = self._runner, None
