@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtflow  # noqa: E402
-from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
 
 
 # ---- shared pieces ------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def bench_ray(n: int, batch_size: int) -> None:
     import ray
 
     from mtflow.distributed import WorkerSpec, ray_run
-    from mtflow.run_store import finished_to_record
+    from mtflow.run.store import finished_to_record
 
     rows = []
 

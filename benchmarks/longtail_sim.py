@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List
 
 from mtflow import RolloutInferRequest, Scheduler
-from mtflow.protocol import RolloutOutput, make_choice, make_response
+from mtflow.core.protocol import RolloutOutput, make_choice, make_response
 
 
 _CACHE: Dict[Any, Dict[tuple, Any]] = {}  # drawn values per workload: the same draws, computed once

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtflow  # noqa: E402
 from benchmarks.reference_loop import reference_run_multi_turn  # noqa: E402
-from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
 
 
 class Trivial(mtflow.Scheduler):

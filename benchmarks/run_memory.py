@@ -87,7 +87,7 @@ def child_main(argv: List[str]) -> int:
     """``--child [--no-fsync] run ...``: the command line, with fsync off when asked."""
     if argv and argv[0] == '--no-fsync':
         argv = argv[1:]
-        from mtflow import run_store
+        from mtflow.run import store as run_store
 
         real_open = run_store.RunStore.open.__func__
 

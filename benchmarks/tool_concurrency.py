@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.reference_loop import reference_run_multi_turn  # noqa: E402
 from mtflow import Executor  # noqa: E402
 from mtflow.declarative import load_scheduler  # noqa: E402
-from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response  # noqa: E402
 
 DELAY_S = 0.05
 

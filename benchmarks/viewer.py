@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import mtflow
-from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
-from mtflow.trace import Trace
-from mtflow.trajectories import read_trajectories, trajectories_from_result, write_trajectories
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import read_trajectories, trajectories_from_result, write_trajectories
 from mtflow.viewer.html import render_html
 from mtflow.viewer.terminal import format_trace
 

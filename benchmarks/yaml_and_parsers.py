@@ -1,6 +1,6 @@
 """Cost of the hostile-YAML reader and the tool-call parsers.
 
-Table 1: reading scheduler-sized documents and alias bombs with ``mtflow.safe_yaml.load_yaml``
+Table 1: reading scheduler-sized documents and alias bombs with ``mtflow.core.safe_yaml.load_yaml``
 against ``yaml.safe_load`` (the baseline, same process), and what a consumer that walks the data
 (as the line map and pydantic do) costs after each: for bombs the baseline walk is capped at 2 s
 and reported as "> 2 s" (uncapped it runs for hours and grows past 10 GB).
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from mtflow.declarative.parsers import get_parser  # noqa: E402
-from mtflow.safe_yaml import YamlLoadError, load_yaml  # noqa: E402
+from mtflow.core.safe_yaml import YamlLoadError, load_yaml  # noqa: E402
 
 
 def bomb(width: int, depth: int) -> str:

@@ -3,17 +3,20 @@
 ``import mtflow`` is light (pydantic, transitions); engines (torch, transformers, vLLM,
 ms-swift) are imported only by the backends and integrations that need them.
 """
-from .errors import (DuplicateUuidError, IllegalTransition, MtflowError, MultiTurnRolloutError, RankMismatchError,
+from mtflow.core.errors import (DuplicateUuidError, IllegalTransition, MtflowError, MultiTurnRolloutError, RankMismatchError,
                      RequestError, RequestFailure, RolloutFnError, RolloutInterrupted, SchedulerResultError,
                      StepTimeout)
-from .executor import Executor, RunResult, identity_gather, run_multi_turn
-from .async_driver import UnfinishedRequest, Until
-from .machine import StateGraph
-from .records import FinishedRequest
-from .protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
+from mtflow.engine.executor import Executor, RunResult, identity_gather, run_multi_turn
+from mtflow.engine.async_driver import UnfinishedRequest, Until
+from mtflow.core.machine import StateGraph
+from mtflow.core.records import FinishedRequest
+from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
                        RolloutInferRequest, RolloutOutput, UsageInfo)
-from .scheduler import Scheduler
-from .trace import Trace, TraceEvent
+from mtflow.core.scheduler import Scheduler
+from mtflow.core.trace import Trace, TraceEvent
+from mtflow import _compat
+
+_compat.install()
 
 __version__ = '0.1.0'
 

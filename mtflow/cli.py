@@ -33,7 +33,7 @@ class CLIError(Exception):
 
 
 def _build_parser(argv: List[str]) -> argparse.ArgumentParser:
-    from . import __version__
+    from mtflow import __version__
 
     parser = argparse.ArgumentParser(prog='mtflow', description='Multi-turn LLM rollouts as explicit state machines.')
     parser.add_argument('--version', action='version', version=f'mtflow {__version__}')

@@ -58,15 +58,15 @@ def entry_point_names(group: str) -> List[str]:
 
 def _register(group: str, name: str, obj: Any) -> None:
     if group == 'mtflow.tools':
-        from .tools.registry import _REGISTRY, register_tool
+        from mtflow.tools.registry import _REGISTRY, register_tool
         if name not in _REGISTRY:
             register_tool(name)(obj)
     elif group == 'mtflow.parsers':
-        from .declarative.parsers import _PARSERS, register_parser
+        from mtflow.declarative.parsers import _PARSERS, register_parser
         if name not in _PARSERS:
             register_parser(name, obj)
     elif group == 'mtflow.envs':
-        from .declarative.gym import _ENVS, register_env
+        from mtflow.declarative.gym import _ENVS, register_env
         if name not in _ENVS:
             register_env(name, obj)
 
@@ -101,7 +101,7 @@ def loaded_entry_points() -> Dict[Tuple[str, str], str]:
 def import_plugins(modules: List[str], base_dir: Optional[str] = None) -> List[Tuple[int, str]]:
     """Import each plugin module (``plugins:`` of a YAML file); ``[(index, problem)]`` for those
     that cannot be imported or raise while importing."""
-    from .tools.registry import import_module
+    from mtflow.tools.registry import import_module
     problems = []
     for i, module in enumerate(modules):
         try:

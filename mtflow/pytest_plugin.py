@@ -1,7 +1,7 @@
 """mtflow's pytest plugin (registered through the ``pytest11`` entry point ``mtflow``).
 
 While a test runs, every :class:`mtflow.Executor` run it makes publishes its trace (see
-:func:`mtflow.trace.add_listener`); the plugin keeps them for that test only, and:
+:func:`mtflow.core.trace.add_listener`); the plugin keeps them for that test only, and:
 
 * the ``mtflow_trace`` fixture gives them to the test to assert on::
 
@@ -32,7 +32,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import pytest
 
-from .trace import Trace, add_listener, remove_listener
+from mtflow.core.trace import Trace, add_listener, remove_listener
 
 #: At most this many requests are printed under a failure (the HTML page has them all).
 MAX_REQUESTS = 40
@@ -97,7 +97,7 @@ class TraceCapture:
 
     def format(self, uuids: Optional[Sequence[str]] = None, color: bool = False) -> str:
         """The terminal timeline and summary of these requests (all when ``None``)."""
-        from .viewer.terminal import format_trace
+        from mtflow.viewer.terminal import format_trace
 
         return format_trace(self.trace, uuids, color=color)
 
@@ -139,7 +139,7 @@ def mtflow_check_tokens() -> Any:
     table of checks and what failed unless every check passed (a run that checks nothing fails)."""
 
     def check(backend: Any, template: Optional[str] = None, **kw: Any) -> Any:
-        from .backends.conformance import check_tokens, format_report, resolve_template
+        from mtflow.backends.conformance import check_tokens, format_report, resolve_template
 
         name, text = resolve_template(template)
         report = check_tokens(backend, template=text, template_name=name, **kw)
@@ -182,7 +182,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 def _report_failure(item: pytest.Item, report: pytest.TestReport, capture: TraceCapture) -> None:
-    from .viewer.terminal import format_trace
+    from mtflow.viewer.terminal import format_trace
 
     trace = capture.trace
     uuids = involved_uuids(capture, str(report.longrepr or ''))
@@ -203,7 +203,7 @@ def _report_failure(item: pytest.Item, report: pytest.TestReport, capture: Trace
 
 
 def _write_page(out_dir: Path, nodeid: str, when: str, trace: Trace) -> Path:
-    from .viewer.html import write_html
+    from mtflow.viewer.html import write_html
 
     out_dir.mkdir(parents=True, exist_ok=True)
     name = re.sub(r'[^\w.-]+', '_', nodeid).strip('_')[:150]

@@ -7,7 +7,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow import Scheduler
-from mtflow.protocol import extract_logprobs
+from mtflow.core.protocol import extract_logprobs
 
 _ANSWER = re.compile(r'<answer>(.*?)</answer>|\\boxed\{([^{}]*)\}', re.DOTALL)
 

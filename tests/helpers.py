@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
 
 
 def req(uuid: str, *messages: Dict[str, Any], **kw: Any) -> RolloutInferRequest:

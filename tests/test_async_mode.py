@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import mtflow
 from benchmarks.longtail_sim import LongTailScheduler, SimEngine, Workload
 from mtflow import Executor, RolloutInterrupted, Scheduler
-from mtflow.async_driver import UnfinishedRequest, Until
+from mtflow.engine.async_driver import UnfinishedRequest, Until
 from tests.helpers import clone, dump, out, req
 from tests.test_properties import PlanScheduler, build, plans_st
 

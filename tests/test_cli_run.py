@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mtflow.cli import main
-from mtflow.trace import Trace
-from mtflow.trajectories import read_trajectories
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import read_trajectories
 
 SCHEDULER = '''
 import re

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from mtflow.cli import main
-from mtflow.trace import Trace
-from mtflow.trajectories import read_trajectories
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import read_trajectories
 from tests.test_cli_run import model_dir, project  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.hf

@@ -7,7 +7,7 @@ import pytest
 
 import mtflow
 from mtflow import Scheduler
-from mtflow.protocol import RolloutInferRequest, RolloutOutput
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput
 from tests.helpers import Counter, Scripted, out, req
 
 

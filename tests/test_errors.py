@@ -5,8 +5,8 @@ import pytest
 
 import mtflow
 from mtflow import MultiTurnRolloutError, Scheduler
-from mtflow.errors import IllegalTransition
-from mtflow.machine import FINISH, RequestRecord, StateGraph
+from mtflow.core.errors import IllegalTransition
+from mtflow.core.machine import FINISH, RequestRecord, StateGraph
 from tests.helpers import Counter, out, req
 
 

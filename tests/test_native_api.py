@@ -8,7 +8,7 @@ import sys
 
 import mtflow
 from mtflow import Scheduler, StateGraph
-from mtflow import trace as trace_mod
+from mtflow.core import trace as trace_mod
 from tests.helpers import Counter, out, req
 
 

@@ -1,11 +1,11 @@
-"""The crash-safe run directory (``mtflow/run_store.py``) on its own: new / resume / overwrite,
+"""The crash-safe run directory (``mtflow/run/store.py``) on its own: new / resume / overwrite,
 whole lines, torn-line repair, the fingerprint check, the directory lock."""
 import json
 import os
 
 import pytest
 
-from mtflow.run_store import (INTERRUPTED, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, FingerprintMismatch, RunDirError,
+from mtflow.run.store import (INTERRUPTED, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, FingerprintMismatch, RunDirError,
                               RunStore, finished_to_record, fingerprint_changes)
 
 FP = {'config': {'seed': 0, 'request_config': {'temperature': 0.7}}, 'files': {'dataset': 'sha256:aa'}}
@@ -202,7 +202,7 @@ def test_a_full_disk_leaves_no_half_group(tmp_path, monkeypatch):
 
 def test_finished_to_record_renumbers_and_shifts_times():
     from mtflow import RolloutOutput
-    from mtflow.trace import TraceEvent
+    from mtflow.core.trace import TraceEvent
 
     class Finished:
         index, uuid, finish_reason = 2, 'q7', 'max_turns'
@@ -224,7 +224,7 @@ def test_a_signal_during_a_group_write_waits_for_the_group(tmp_path):
     """The first SIGINT/SIGTERM is held back while a group is written, then raised."""
     import signal
 
-    from mtflow.run_signals import StopRequested, StopSignals, deferred_interrupts, exit_code_for
+    from mtflow.run.signals import StopRequested, StopSignals, deferred_interrupts, exit_code_for
 
     previous = signal.getsignal(signal.SIGTERM)
     with StopSignals(message=None) as signals:

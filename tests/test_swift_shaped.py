@@ -142,7 +142,7 @@ def test_an_ms_swift_shaped_subclass_runs_unchanged():
 
 
 def test_hooks_the_subclass_does_not_override_are_not_called():
-    from mtflow.scheduler import HookSet
+    from mtflow.core.scheduler import HookSet
 
     class Plain(MultiTurnScheduler):
 

@@ -19,7 +19,7 @@ import importlib
 import inspect
 from typing import Any, Dict, Optional, Tuple
 
-from .base import Backend, BackendError, BackendStats, SamplingOptions, build_output, prepare_chat, sampling_options
+from mtflow.backends.base import Backend, BackendError, BackendStats, SamplingOptions, build_output, prepare_chat, sampling_options
 
 __all__ = ['BACKENDS', 'Backend', 'BackendError', 'BackendStats', 'SamplingOptions', 'build_output', 'make_backend',
            'prepare_chat', 'sampling_options', 'backend_names', 'backend_options', 'split_options']

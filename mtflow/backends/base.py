@@ -26,8 +26,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..errors import MtflowError
-from ..protocol import RequestConfig, RolloutOutput, make_choice, make_response
+from mtflow.core.errors import MtflowError
+from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make_response
 
 __all__ = [
     'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
@@ -265,7 +265,7 @@ class Backend:
         default the backend's own, else 16). Close a batcher when done (it is a context manager)."""
         if self.native_async:
             return self.acall
-        from .batcher import DynamicBatcher
+        from mtflow.backends.batcher import DynamicBatcher
 
         size = max_batch_size or getattr(self, 'max_batch_size', None) or 16
         return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s)

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..protocol import RequestConfig, RolloutInferRequest, extract_logprobs
-from ..scheduler import Scheduler
-from ..token_record import RecordAccounting, record_of
-from .tokens import render_text
-from .base import prepare_chat
+from mtflow.core.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
+from mtflow.core.scheduler import Scheduler
+from mtflow.accounting.token_record import RecordAccounting, record_of
+from mtflow.backends.tokens import render_text
+from mtflow.backends.base import prepare_chat
 
 __all__ = ['BUNDLED', 'SCENARIOS', 'CHECKS', 'Scenario', 'TemplateReport', 'bundled_template', 'check_tokens',
            'format_report', 'resolve_template']
@@ -191,7 +191,7 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
                  scheduler: Any = None, requests: Optional[List[Any]] = None, max_turns: int = 4) -> TemplateReport:
     """Run ``scenarios`` (or ``requests`` under ``scheduler``) through ``backend`` with chat
     template ``template`` (``None``: the backend's) and check every turn transition."""
-    from ..executor import Executor
+    from mtflow.engine.executor import Executor
 
     prompter = getattr(backend, 'prompter', None)
     if prompter is None:
@@ -223,7 +223,7 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
                 _collect_failures(report, result)
                 outputs.update({r.uuid: o for r, o in zip(group, result.outputs)})
         else:
-            from ..token_record import record_accounting
+            from mtflow.accounting.token_record import record_accounting
             result = Executor(scheduler, probe, RequestConfig(max_tokens=16, temperature=temperature, seed=seed,
                                                               logprobs=True),
                               accounting=record_accounting(scheduler), max_turns=max_turns,

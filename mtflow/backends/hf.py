@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
-from .tokens import TokenPrompter, commit_outputs
+from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
 __all__ = ['HFBackend', 'render_prompt']
 
@@ -122,7 +122,7 @@ class HFBackend(Backend):
             raise BackendError(f'hf backend: max_batch_size must be a positive int, not {max_batch_size!r}')
         self.load_info: Dict[str, Any] = {}
         if isinstance(model, (str, type(None))):
-            from .models import load_model
+            from mtflow.backends.models import load_model
 
             loaded = load_model(model or 'embedded', device=device, dtype=dtype)
             model, tokenizer, self.load_info = loaded.model, tokenizer or loaded.tokenizer, loaded.info

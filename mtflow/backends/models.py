@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
-from .base import BackendError
+from mtflow.backends.base import BackendError
 
 __all__ = ['EMBEDDED_NAMES', 'EMBEDDED_PACKAGE', 'EMBEDDED_FILE', 'LoadedModel', 'cache_dir', 'converted_dir',
            'embedded_gguf_path', 'embedded_model_dir', 'load_model', 'load_gguf']

@@ -51,10 +51,10 @@ import random
 import warnings
 from typing import Any, Dict, List, Optional
 
-from .base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
-from .loop_thread import LoopThread
-from .tokens import TokenPrompter, commit_outputs
-from ..protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
+from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
+from mtflow.backends.loop_thread import LoopThread
+from mtflow.backends.tokens import TokenPrompter, commit_outputs
+from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
 
 __all__ = ['OpenAIBackend', 'build_body', 'build_completion_body', 'parse_choice', 'parse_completion', 'FLAVORS']
 

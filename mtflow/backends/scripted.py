@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
-from .base import Backend, BackendError, SamplingOptions, build_output
+from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output
 
 __all__ = ['ScriptedBackend', 'read_script']
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any, List, Literal, Optional
 
-from .base import BackendError
+from mtflow.backends.base import BackendError
 
 __all__ = ['SwiftBackend']
 
@@ -93,7 +93,7 @@ class SwiftBackend:
         """ms-swift's ``RequestConfig`` for one call (a copy: the caller's is never changed)."""
         from swift.infer_engine.protocol import RequestConfig
 
-        from ..integrations.swift import to_swift
+        from mtflow.integrations.swift import to_swift
         config = request_config if request_config is not None else self.request_config
         config = RequestConfig() if config is None else copy.copy(to_swift(config))
         if self.return_details and not config.return_details:
@@ -110,8 +110,8 @@ class SwiftBackend:
         self.calls += 1  # engine calls
         from swift.infer_engine.protocol import RolloutOutput as SwiftOutput
 
-        from ..integrations.swift import from_swift, to_swift
-        from ..protocol import RolloutOutput
+        from mtflow.integrations.swift import from_swift, to_swift
+        from mtflow.core.protocol import RolloutOutput
         swift_requests = to_swift(list(requests))
         config = self.swift_config(request_config)
         try:

@@ -2,7 +2,7 @@
 previous turn + the template's delta for what was appended after them, tokenized alone.
 
 :class:`TokenPrompter` is what the HF and vLLM backends (and the OpenAI backend's token mode) use
-to build prompts. For each request it reads the :class:`~mtflow.token_record.TokenRecord` the
+to build prompts. For each request it reads the :class:`~mtflow.accounting.token_record.TokenRecord` the
 request carries (or, when a scheduler returned a new request object, the one kept for its uuid)
 and checks that the new messages extend the history the model saw, with the last completion
 applied. Then:
@@ -33,8 +33,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from ..token_record import RECORD_ATTR, TokenRecord, TokenTurn, record_of
-from .base import BackendError, Chat, prepare_chat
+from mtflow.accounting.token_record import RECORD_ATTR, TokenRecord, TokenTurn, record_of
+from mtflow.backends.base import BackendError, Chat, prepare_chat
 
 __all__ = ['TokenPrompter', 'PromptPlan', 'POLICIES', 'render_text']
 
@@ -269,7 +269,7 @@ def _extension(history: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> Opti
 
 def commit_outputs(prompter: TokenPrompter, requests: List[Any], plans: List[PromptPlan], outputs: List[Any]) -> None:
     """Record every generated turn (the outputs of one call, in request order)."""
-    from ..protocol import extract_logprobs
+    from mtflow.core.protocol import extract_logprobs
 
     for request, plan, out in zip(requests, plans, outputs):
         choice = out.response.choices[0]

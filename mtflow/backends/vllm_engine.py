@@ -42,8 +42,8 @@ import json
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
-from .tokens import TokenPrompter, commit_outputs
+from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
+from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
 
@@ -183,7 +183,7 @@ class VLLMBackend(Backend):
         self._owns_engine = not given
         self._request_ids = itertools.count()
         if self.is_async:
-            from .loop_thread import LoopThread
+            from mtflow.backends.loop_thread import LoopThread
 
             self._runner = LoopThread('mtflow-vllm-async')
         if self.is_async and not given:
@@ -196,7 +196,7 @@ class VLLMBackend(Backend):
                 raise BackendError("the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)") from exc
             name = model or 'embedded'
             path = name
-            from .models import EMBEDDED_NAMES, embedded_model_dir
+            from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 
             if name in EMBEDDED_NAMES:
                 path = str(embedded_model_dir())
@@ -247,7 +247,7 @@ class VLLMBackend(Backend):
             from vllm.v1.engine.async_llm import AsyncLLM as engine_cls
         except ImportError:  # older vLLM: the V0 engine
             engine_cls = vllm.AsyncLLMEngine
-        from .models import EMBEDDED_NAMES, embedded_model_dir
+        from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 
         name = model or 'embedded'
         path = name

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, List
 
-from ..cli import CLIError
+from mtflow.cli import CLIError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _templates(specs: List[str]) -> List[tuple]:
-    from ..backends.conformance import BUNDLED, resolve_template
+    from mtflow.backends.conformance import BUNDLED, resolve_template
 
     names: List[str] = []
     for spec in specs or ['model']:
@@ -64,11 +64,11 @@ def _templates(specs: List[str]) -> List[tuple]:
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..backends import BackendError, make_backend
-    from ..backends.conformance import check_tokens, format_report
-    from .run import _parse_options, seed_everything
+    from mtflow.backends import BackendError, make_backend
+    from mtflow.backends.conformance import check_tokens, format_report
+    from mtflow.commands.run import _parse_options, seed_everything
 
-    from ..backends.conformance import SCENARIOS
+    from mtflow.backends.conformance import SCENARIOS
 
     templates = _templates(args.template)
     scenarios = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
@@ -81,9 +81,9 @@ def main(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
     requests, make_scheduler = None, None
     if args.scheduler:
-        from ..data import DatasetError, read_prompts
-        from ..run_config import RunConfig
-        from .run import scheduler_factory
+        from mtflow.data import DatasetError, read_prompts
+        from mtflow.run.config import RunConfig
+        from mtflow.commands.run import scheduler_factory
 
         cfg = RunConfig(scheduler=args.scheduler, dataset=args.dataset, limit=args.limit)
         make_scheduler = scheduler_factory(cfg)

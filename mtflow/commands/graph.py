@@ -1,12 +1,12 @@
 """``mtflow graph [CONFIG] [--format mermaid|svg] [-o FILE]``: a scheduler's state graph, drawn from
-the same declaration the executor uses (:class:`mtflow.machine.StateGraph`)."""
+the same declaration the executor uses (:class:`mtflow.core.machine.StateGraph`)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import Any
 
-from ..cli import CLIError
+from mtflow.cli import CLIError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def graph_for_scheduler(scheduler: Any) -> Any:
     """The graph an :class:`mtflow.Executor` builds for ``scheduler``: core reasons plus its own."""
-    from ..scheduler import HookSet
+    from mtflow.core.scheduler import HookSet
 
     return HookSet(scheduler).graph()
 
@@ -30,12 +30,12 @@ def graph_for_config(config: str) -> Any:
     if not Path(config).exists():
         raise CLIError(f'no such config file: {config}')
     try:
-        from ..declarative import load_scheduler
+        from mtflow.declarative import load_scheduler
     except ImportError as exc:
         raise CLIError(f'cannot read scheduler configs in this build: {exc}') from exc
-    from ..declarative.loader import ConfigError
+    from mtflow.declarative.loader import ConfigError
 
-    from ..run_config import RunConfigError, is_run_config, load_run_config
+    from mtflow.run.config import RunConfigError, is_run_config, load_run_config
 
     if is_run_config(config):  # a run config: draw the scheduler it runs
         try:
@@ -53,11 +53,11 @@ def graph_for_config(config: str) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..machine import StateGraph
+    from mtflow.core.machine import StateGraph
 
     graph = graph_for_config(args.config) if args.config else StateGraph()
     if args.format == 'svg':
-        from ..viewer.svg import state_graph_svg
+        from mtflow.viewer.svg import state_graph_svg
 
         text = '<?xml version="1.0" encoding="UTF-8"?>\n' + state_graph_svg(graph, title=graph.name) + '\n'
     else:

@@ -1,15 +1,15 @@
 """``mtflow run CONFIG``: roll out a scheduler over a prompt dataset with a model.
 
-Reads the run config (``mtflow/run_config.py``), applies the command-line overrides, checks the
-whole dataset, opens the output directory (``mtflow/run_store.py``: new, ``--resume`` or
+Reads the run config (``mtflow/run/config.py``), applies the command-line overrides, checks the
+whole dataset, opens the output directory (``mtflow/run/store.py``: new, ``--resume`` or
 ``--overwrite``; a refusal comes before the slow model load), builds the backend
 (``mtflow/backends``) and the scheduler, then streams the prompts (a JSONL file or generated
 reasoning-gym tasks, ``num_generations`` copies each: ``mtflow/data/sources.py``) through
 ``mtflow.Executor`` in batches of ``batch_size`` (``on_error='return'``: a failing request is
-recorded, the others go on; ``mtflow/run_driver.py``). Each request is written the moment it finishes, in the output
+recorded, the others go on; ``mtflow/run/driver.py``). Each request is written the moment it finishes, in the output
 directory:
 
-* ``trajectories.jsonl``: one line per finished request (``mtflow/trajectories.py`` format:
+* ``trajectories.jsonl``: one line per finished request (``mtflow/run/trajectories.py`` format:
   messages, token id segments, loss masks, logprobs, infos, finish reason, turns);
 * ``trace.jsonl``: the state transitions of those requests (``docs/trace-format.md``), indices
   and times continuous across batches and attempts, so ``mtflow trace show`` reads the whole run;
@@ -19,7 +19,7 @@ directory:
   (``complete``/``interrupted``);
 * ``run.json`` (fingerprint, attempts), ``interrupted.jsonl`` after a stop by signal.
 
-SIGINT/SIGTERM stop cleanly (``mtflow/run_signals.py``), exit 130/143. A progress bar (on
+SIGINT/SIGTERM stop cleanly (``mtflow/run/signals.py``), exit 130/143. A progress bar (on
 stderr) follows requests as they finish, turn by turn. Every user error (a missing file, a bad
 config, an unknown backend, a model that cannot be loaded, a non-empty output directory) is one
 line.
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ..cli import CLIError
+from mtflow.cli import CLIError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,7 +96,7 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _parse_options(items: List[str]) -> Dict[str, Any]:
-    from ..safe_yaml import YamlLoadError, load_yaml  # the scalar rules of config files (yes is a string)
+    from mtflow.core.safe_yaml import YamlLoadError, load_yaml  # the scalar rules of config files (yes is a string)
 
     opts = {}
     for item in items:
@@ -111,7 +111,7 @@ def _parse_options(items: List[str]) -> Dict[str, Any]:
 
 
 def load_config(args: argparse.Namespace) -> Any:
-    from ..run_config import RunConfigError, load_run_config
+    from mtflow.run.config import RunConfigError, load_run_config
 
     overrides = _overrides(args)
     backend = overrides.pop('backend')
@@ -120,12 +120,12 @@ def load_config(args: argparse.Namespace) -> Any:
     except RunConfigError as exc:
         raise CLIError(str(exc)) from None
     if backend is not None and backend != cfg.backend:
-        from ..backends import ALIASES, BACKENDS
+        from mtflow.backends import ALIASES, BACKENDS
 
         if backend not in BACKENDS and backend not in ALIASES:
             raise CLIError(f'unknown backend {backend!r}; choose one of: {", ".join(BACKENDS)}')
         # keep the config's backend_options that the new backend takes; say which are dropped
-        from ..backends import split_options
+        from mtflow.backends import split_options
 
         kept, dropped = split_options(backend, dict(cfg.backend_options))
         if dropped:
@@ -152,7 +152,7 @@ def seed_everything(seed: Optional[int]) -> None:
 
 
 def build_backend(cfg: Any) -> Any:
-    from ..backends import BackendError, backend_options, make_backend
+    from mtflow.backends import BackendError, backend_options, make_backend
 
     options = cfg.resolved_backend_options()
     try:
@@ -203,7 +203,7 @@ def scheduler_factory(cfg: Any) -> Callable[[Any], Any]:
         if not path.is_file():
             raise CLIError(f'scheduler file not found: {cfg.scheduler}')
         try:
-            from ..declarative import load_scheduler
+            from mtflow.declarative import load_scheduler
         except ImportError as exc:
             raise CLIError(f'YAML schedulers are not available in this build ({exc})') from None
 
@@ -239,7 +239,7 @@ def scheduler_factory(cfg: Any) -> Callable[[Any], Any]:
 
 def _preflight(cfg: Any) -> None:
     """Raise one :class:`CLIError` listing every problem ``mtflow validate`` would report."""
-    from .preflight import check_run_config
+    from mtflow.run.preflight import check_run_config
 
     if cfg.scheduler_is_yaml() and not cfg.scheduler_path().is_file():
         return  # scheduler_factory says so
@@ -263,7 +263,7 @@ def _progress(enabled: bool) -> Any:
 def open_store(cfg: Any, args: argparse.Namespace, fingerprint: Dict[str, Any]) -> Any:
     """The run directory, opened as the flags say (``--resume``, ``--overwrite``), before the
     backend loads: a refusal costs no model load."""
-    from ..run_store import RunDirError, RunStore
+    from mtflow.run.store import RunDirError, RunStore
 
     if args.resume and args.overwrite:
         raise CLIError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
@@ -281,15 +281,15 @@ def open_store(cfg: Any, args: argparse.Namespace, fingerprint: Dict[str, Any]) 
 
 def rollout(cfg: Any, scheduler: Any, backend: Any, store: Any, total: int, show: bool,
             figures: Dict[str, Any]) -> None:
-    """Stream every prompt the store does not have through the executor (``mtflow/run_driver.py``);
+    """Stream every prompt the store does not have through the executor (``mtflow/run/driver.py``);
     this attempt's figures go into ``figures``, also when a signal stops it."""
-    from ..data.sources import iter_requests
-    from ..executor import Executor
-    from ..run_driver import StreamingRun
+    from mtflow.data.sources import iter_requests
+    from mtflow.engine.executor import Executor
+    from mtflow.run.driver import StreamingRun
 
     request_config = cfg.make_request_config()
 
-    from ..token_record import record_accounting
+    from mtflow.accounting.token_record import record_accounting
 
     closing: List[Callable[[], None]] = []
 
@@ -407,7 +407,7 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     if summary.get('finish_policy'):
         table.add_row('finish policy', ', '.join(f'{k} {v}' for k, v in summary['finish_policy'].items()))
     if summary.get('reward_groups'):
-        from .reward_spread import spread_rows
+        from mtflow.run.reward_spread import spread_rows
         for label, text in spread_rows(summary['reward_groups']):
             table.add_row(label, text)
     errors = summary['errors']
@@ -430,7 +430,7 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
 def dataset_file(cfg: Any) -> Optional[Path]:
     """The JSONL file a run reads (the bundled one for ``dataset: null``), or ``None`` for a
     generated dataset (its spec is in the fingerprint instead)."""
-    from ..data import bundled_dataset
+    from mtflow.data import bundled_dataset
 
     if isinstance(cfg.dataset, dict):
         return None
@@ -442,11 +442,11 @@ def _say(message: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..data import DatasetError
-    from ..data.sources import count_requests
-    from ..run_fingerprint import run_fingerprint
-    from ..run_signals import StopSignals, exit_code_for
-    from ..run_store import RunDirError
+    from mtflow.data import DatasetError
+    from mtflow.data.sources import count_requests
+    from mtflow.run.fingerprint import run_fingerprint
+    from mtflow.run.signals import StopSignals, exit_code_for
+    from mtflow.run.store import RunDirError
 
     cfg = load_config(args)
     try:  # every line (or a generated dataset's spec) checked before anything starts
@@ -476,7 +476,7 @@ def main(args: argparse.Namespace) -> int:
                  + (f' ({notes})' if notes else ''))
         try:
             if args.ray is not None:  # the actors build backend and scheduler (mtflow/distributed/ray_cli.py)
-                from ..distributed.ray_cli import RayRollout
+                from mtflow.distributed.ray_cli import RayRollout
 
                 fan_out = RayRollout(cfg, args, store, total, show)
                 backend = fan_out.backend

@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..declarative import json_schema
+    from mtflow.declarative import json_schema
 
     text = json.dumps(json_schema(), indent=2, ensure_ascii=False) + '\n'
     if args.output:

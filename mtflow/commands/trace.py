@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..cli import CLIError
+from mtflow.cli import CLIError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,8 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple:
-    from ..trace import Trace
-    from ..trajectories import read_trajectories
+    from mtflow.core.trace import Trace
+    from mtflow.run.trajectories import read_trajectories
 
     path = Path(args.file)
     if not path.exists():
@@ -80,7 +80,7 @@ def _load(args: argparse.Namespace) -> tuple:
             raise CLIError(f'{tpath}: cannot read: {exc}') from exc
     tokenizer = None
     if args.tokenizer:
-        from ..viewer.tokens import load_tokenizer
+        from mtflow.viewer.tokens import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(args.tokenizer)
@@ -90,8 +90,8 @@ def _load(args: argparse.Namespace) -> tuple:
 
 
 def _views(trace: Any, args: argparse.Namespace) -> List[Any]:
-    from ..machine import STATES
-    from ..viewer.model import request_views, select_views
+    from mtflow.core.machine import STATES
+    from mtflow.viewer.model import request_views, select_views
 
     unknown = [s for s in args.state if s not in STATES]
     if unknown:
@@ -109,13 +109,13 @@ def main(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..viewer.model import summarize
-    from ..viewer.terminal import detail_renderable, needed_width, summary_line, trace_renderable
+    from mtflow.viewer.model import summarize
+    from mtflow.viewer.terminal import detail_renderable, needed_width, summary_line, trace_renderable
 
     trace, trajectories, tokenizer = _load(args)
     force: Optional[bool] = {'always': True, 'never': False}.get(args.color)
     if args.detail:
-        from ..viewer.model import request_views
+        from mtflow.viewer.model import request_views
 
         views = {v.uuid: v for v in request_views(trace)}
         view, traj = views.get(args.detail), trajectories.get(args.detail)
@@ -140,7 +140,7 @@ def show(args: argparse.Namespace) -> int:
 
 
 def html(args: argparse.Namespace) -> int:
-    from ..viewer.html import render_html
+    from mtflow.viewer.html import render_html
 
     trace, trajectories, tokenizer = _load(args)
     views = _views(trace, args)
@@ -148,7 +148,7 @@ def html(args: argparse.Namespace) -> int:
         raise CLIError('no request matches the filters')
     graph = None
     if args.config:
-        from .graph import graph_for_config
+        from mtflow.commands.graph import graph_for_config
 
         graph = graph_for_config(args.config)
     page = render_html(trace.select([v.uuid for v in views]), trajectories=trajectories, tokenizer=tokenizer,

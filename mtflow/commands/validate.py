@@ -4,8 +4,8 @@ its calls get on this machine (``docs/sandbox.md``); one that is unavailable is 
 config is valid; the machine lacks bubblewrap/unshare), not a problem.
 
 A file is a scheduler YAML, or a run config (it has a ``scheduler:`` key, see
-``mtflow/run_config.py``): then the run config is checked, and what it names too (the scheduler
-YAML or Python class, the dataset; see :mod:`mtflow.commands.preflight`). For each file the
+``mtflow/run/config.py``): then the run config is checked, and what it names too (the scheduler
+YAML or Python class, the dataset; see :mod:`mtflow.run.preflight`). For each file the
 Python code it makes mtflow import is listed (``imports:``): it runs with your rights."""
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]]]:
     """``(problems, imports)`` of one file: a scheduler YAML, or a run config and what it names."""
-    from ..declarative import inspect_file
-    from ..run_config import RunConfigError, is_run_config, load_run_config
-    from .preflight import check_run_config
+    from mtflow.declarative import inspect_file
+    from mtflow.run.config import RunConfigError, is_run_config, load_run_config
+    from mtflow.run.preflight import check_run_config
 
     if not is_run_config(path):
         report = inspect_file(path)
@@ -54,9 +54,9 @@ def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:
 def isolation_report(path: str) -> List[str]:
     """One line per ``python`` tool of a valid scheduler YAML (or the one a run config names):
     the isolation its calls get here; unavailable ones start with ``warning:``."""
-    from ..declarative.loader import read_yaml
-    from ..run_config import RunConfigError, is_run_config, load_run_config
-    from ..tools.isolation import ISOLATION_CHOICES, resolve_isolation
+    from mtflow.declarative.loader import read_yaml
+    from mtflow.run.config import RunConfigError, is_run_config, load_run_config
+    from mtflow.tools.isolation import ISOLATION_CHOICES, resolve_isolation
 
     if is_run_config(path):
         try:

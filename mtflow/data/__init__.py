@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-from ..errors import MtflowError
-from ..protocol import RolloutInferRequest
+from mtflow.core.errors import MtflowError
+from mtflow.core.protocol import RolloutInferRequest
 
 __all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'count_prompts']
 

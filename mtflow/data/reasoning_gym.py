@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..protocol import RolloutInferRequest
+from mtflow.core.protocol import RolloutInferRequest
 
 __all__ = ['ReasoningGymSpec', 'check_spec', 'make_requests', 'score', 'is_correct', 'reward', 'entry_of']
 

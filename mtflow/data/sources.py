@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
-from ..protocol import RolloutInferRequest
-from . import DatasetError, count_prompts, iter_prompts
+from mtflow.core.protocol import RolloutInferRequest
+from mtflow.data import DatasetError, count_prompts, iter_prompts
 
 __all__ = ['DATASET_KINDS', 'check_dataset_mapping', 'load_requests', 'count_requests', 'iter_requests',
            'expand_groups', 'iter_groups', 'group_of']
@@ -25,7 +25,7 @@ def check_dataset_mapping(value: Dict[str, Any]) -> Dict[str, Any]:
     if set(value) - set(DATASET_KINDS) or len(value) != 1:
         raise ValueError(f'a dataset mapping has one key, one of: {", ".join(DATASET_KINDS)} (got '
                          f'{", ".join(map(str, value)) or "none"}); a JSONL file is given as a path')
-    from .reasoning_gym import check_spec
+    from mtflow.data.reasoning_gym import check_spec
     try:
         check_spec(value['reasoning_gym'])
     except ImportError as exc:
@@ -42,7 +42,7 @@ def load_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = None
 
 
 def _spec(dataset: Dict[str, Any]) -> Any:
-    from .reasoning_gym import check_spec
+    from mtflow.data.reasoning_gym import check_spec
     try:
         return check_spec(dataset['reasoning_gym'])
     except (ValueError, ImportError) as exc:
@@ -54,7 +54,7 @@ def count_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = Non
     by line (a bad line is reported before the run starts); a generated dataset is checked by its
     spec (nothing is generated)."""
     if isinstance(dataset, dict):
-        from .reasoning_gym import count_requests as count_generated
+        from mtflow.data.reasoning_gym import count_requests as count_generated
         prompts = count_generated(_spec(dataset), limit)
     else:
         prompts = count_prompts(path, limit)
@@ -68,7 +68,7 @@ def iter_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = None
     ``check_unique=False`` skips the uuid table of a JSONL file already checked by
     :func:`count_requests`."""
     if isinstance(dataset, dict):
-        from .reasoning_gym import iter_requests as iter_generated
+        from mtflow.data.reasoning_gym import iter_requests as iter_generated
         prompts: Iterable[RolloutInferRequest] = iter_generated(_spec(dataset), limit)
     else:
         prompts = iter_prompts(path, limit=limit, check_unique=check_unique)

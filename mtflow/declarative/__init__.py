@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional, Union
 
-from .gym import Env, GuessNumberEnv, register_env
-from .loader import ConfigError, FileReport, Problem, inspect_file, load_config, validate_file
-from .parsers import ToolCall, ToolCallParser, get_parser, register_parser
-from .schema import SchedulerConfig
-from .scheduler import ToolCallError, YamlScheduler
+from mtflow.declarative.gym import Env, GuessNumberEnv, register_env
+from mtflow.declarative.loader import ConfigError, FileReport, Problem, inspect_file, load_config, validate_file
+from mtflow.declarative.parsers import ToolCall, ToolCallParser, get_parser, register_parser
+from mtflow.declarative.schema import SchedulerConfig
+from mtflow.declarative.scheduler import ToolCallError, YamlScheduler
 
 
 def load_scheduler(source: Union[str, os.PathLike, Dict[str, Any], SchedulerConfig], tokenizer: Any = None,
@@ -31,7 +31,7 @@ def load_scheduler(source: Union[str, os.PathLike, Dict[str, Any], SchedulerConf
     config, base_dir = load_config(source, kwargs.pop('base_dir', None))
     cls: Any = YamlScheduler
     if config.scheduler_class:
-        from ..tools.registry import resolve_ref
+        from mtflow.tools.registry import resolve_ref
         cls = resolve_ref(config.scheduler_class, base_dir)
         if not (isinstance(cls, type) and issubclass(cls, YamlScheduler)):
             raise ConfigError([Problem(str(source) if not isinstance(source, dict) else '<dict>', None,

@@ -102,19 +102,19 @@ def register_env(name: str, factory: Callable[..., Any]) -> None:
 def builtin_envs() -> List[str]:
     """Registered environments, and those installed packages declare (``mtflow.envs`` entry
     points, imported only when a config names one)."""
-    from ..plugins import entry_point_names
+    from mtflow.plugins import entry_point_names
     return sorted(set(_ENVS) | set(entry_point_names('mtflow.envs')))
 
 
 def make_env_factory(impl: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> Callable[[], Any]:
     """A zero-argument callable making a fresh environment per request."""
     if impl not in _ENVS and ':' not in impl:
-        from ..plugins import load_entry_point
+        from mtflow.plugins import load_entry_point
         load_entry_point('mtflow.envs', impl)
     if impl in _ENVS:
         cls = _ENVS[impl]
     else:
-        from ..tools.registry import resolve_ref
+        from mtflow.tools.registry import resolve_ref
         cls = resolve_ref(impl, base_dir)
     kwargs = dict(kwargs)
     cls(**kwargs)  # fail at load time, not at the first turn, on bad kwargs

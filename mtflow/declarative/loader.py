@@ -1,7 +1,7 @@
 """Loading and validating scheduler YAML, so that every problem names its file, line and field
 path, and every problem of a file is reported at once, before anything runs.
 
-The file is read by :mod:`mtflow.safe_yaml` (bounded aliases, duplicate keys, UTF-8, YAML 1.2
+The file is read by :mod:`mtflow.core.safe_yaml` (bounded aliases, duplicate keys, UTF-8, YAML 1.2
 scalars, a size limit); its node tree gives the line numbers. Then, in order: the ``plugins:``
 modules are imported (their ``register_*`` calls must run before names are checked), the schema
 is validated (pydantic, strict types), the sections are checked against each other, and what
@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import yaml
 from pydantic import ValidationError
 
-from ..safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
-from .schema import SchedulerConfig, cross_problems
+from mtflow.core.safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
+from mtflow.declarative.schema import SchedulerConfig, cross_problems
 
 Loc = Tuple[Union[str, int], ...]
 
@@ -139,7 +139,7 @@ def _plugin_problems(data: Dict[str, Any], base_dir: Optional[str]) -> List[Tupl
     plugins = data.get('plugins')
     if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
         return []  # the schema reports the type
-    from ..plugins import import_plugins
+    from mtflow.plugins import import_plugins
     return [(('plugins', i), msg) for i, msg in import_plugins(plugins, base_dir)]
 
 
@@ -172,8 +172,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
     """What only building finds, tried section by section on the raw mapping (a section the
     schema already flagged is skipped): a built-in's options, a parser's options, an
     environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
-    from ..tools.registry import builtin_names, check_builtin_options, make_builtin, resolve_ref
-    from .parsers import get_parser
+    from mtflow.tools.registry import builtin_names, check_builtin_options, make_builtin, resolve_ref
+    from mtflow.declarative.parsers import get_parser
 
     out: List[Tuple[Loc, str]] = []
     tools = data.get('tools') if isinstance(data.get('tools'), list) else []
@@ -211,7 +211,7 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
         out += _env_problems(env, base_dir)
     ref = data.get('scheduler_class')
     if isinstance(ref, str) and not _under(('scheduler_class', ), found):
-        from .scheduler import YamlScheduler
+        from mtflow.declarative.scheduler import YamlScheduler
         try:
             cls = resolve_ref(ref, base_dir)
         except Exception:
@@ -226,8 +226,8 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
     """Build the ``env`` section's factory once, whatever its kind (impl, gym, openenv,
     textarena), as the scheduler will: the class's kwargs, a textarena game id, a missing extra.
     Nothing is launched or connected (an OpenEnv pool starts its servers at the first session)."""
-    from .envs import env_kind, make_env_factory
-    from .schema import EnvConfig
+    from mtflow.declarative.envs import env_kind, make_env_factory
+    from mtflow.declarative.schema import EnvConfig
     try:
         env_cfg = EnvConfig.model_validate(env, context={'base_dir': base_dir, 'resolve': True})
     except ValidationError:
@@ -297,7 +297,7 @@ class FileReport:
 
 def inspect_file(path: Union[str, os.PathLike]) -> FileReport:
     """Every problem of a scheduler YAML file and every Python reference it names."""
-    from ..plugins import loaded_entry_points
+    from mtflow.plugins import loaded_entry_points
 
     path = os.fspath(path)
     try:

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..machine import FINISH_REASONS, STOP_RULE_PREFIX
+from mtflow.core.machine import FINISH_REASONS, STOP_RULE_PREFIX
 
 #: kinds of tool error the YAML scheduler and its runner count (``rollout_infos['tool_error_kinds']``);
 #: tools may add their own, so a policy may name any kind

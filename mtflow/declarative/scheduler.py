@@ -36,18 +36,18 @@ from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import RequestError
-from ..machine import MAX_TURNS
-from ..stop import turn_limit_reached
-from ..protocol import extract_logprobs
-from ..scheduler import Scheduler
-from ..tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
-from ..tools.runner import ToolResult, ToolRunner, truncate
-from .envs import make_env_factory, normalize_step
-from .parsers import ToolCall, foreign_format, get_parser
-from .policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
-from .schema import SchedulerConfig, TipConfig
-from .templates import render
+from mtflow.core.errors import RequestError
+from mtflow.core.machine import MAX_TURNS
+from mtflow.core.stop import turn_limit_reached
+from mtflow.core.protocol import extract_logprobs
+from mtflow.core.scheduler import Scheduler
+from mtflow.tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
+from mtflow.tools.runner import ToolResult, ToolRunner, truncate
+from mtflow.declarative.envs import make_env_factory, normalize_step
+from mtflow.declarative.parsers import ToolCall, foreign_format, get_parser
+from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
+from mtflow.declarative.schema import SchedulerConfig, TipConfig
+from mtflow.declarative.templates import render
 
 
 class ToolCallError(RequestError):
@@ -358,7 +358,7 @@ class YamlScheduler(Scheduler):
                     break
         if reason is None and st.env_obs is None and st.tip is None and not calls:
             reason = f'stop_rule:{self.idle_rule}'
-        if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.stop
+        if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.core.stop
             reason = MAX_TURNS
         st.calls = calls if reason is None and st.tip is None and st.env_obs is None else []
 

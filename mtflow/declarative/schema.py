@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Annotated
 
-from .policy import PolicyAction, check_key
-from .templates import FIELDS, check_template
-from .envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.declarative.policy import PolicyAction, check_key
+from mtflow.declarative.templates import FIELDS, check_template
+from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
 
 
 class _Strict(BaseModel):
@@ -30,7 +30,7 @@ def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
         return value
     ctx = info.context or {}
     if ctx.get('resolve', True):
-        from ..tools.registry import resolve_ref
+        from mtflow.tools.registry import resolve_ref
         try:
             obj = resolve_ref(value, ctx.get('base_dir'))
         except (ImportError, AttributeError) as exc:
@@ -94,7 +94,7 @@ class ToolConfig(_Strict):
 
     @model_validator(mode='after')
     def _one_source(self) -> 'ToolConfig':
-        from ..tools.registry import builtin_names
+        from mtflow.tools.registry import builtin_names
         if self.builtin and self.impl:
             raise ValueError('give either builtin or impl, not both')
         if not self.impl:
@@ -244,7 +244,7 @@ class EnvConfig(_Strict):
     @field_validator('impl')
     @classmethod
     def _impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        from .gym import builtin_envs
+        from mtflow.declarative.gym import builtin_envs
         if v is None or v in builtin_envs():
             return v
         if ':' not in v:
@@ -320,7 +320,7 @@ class SchedulerConfig(_Strict):
     @field_validator('parser')
     @classmethod
     def _parser(cls, v: str, info: ValidationInfo) -> str:
-        from .parsers import parser_names
+        from mtflow.declarative.parsers import parser_names
         if v in parser_names():
             return v
         if ':' not in v:

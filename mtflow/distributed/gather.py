@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-from ..errors import MtflowError
+from mtflow.core.errors import MtflowError
 
 __all__ = ['torch_gather', 'accelerate_gather', 'GatherError']
 

@@ -2,7 +2,7 @@
 over N Ray actors (:func:`mtflow.distributed.ray_run`).
 
 Everything around the rollout is the local run's: the config and its overrides, the run
-directory (``mtflow/run_store.py``: ``--resume``, ``--overwrite``, whole lines, grouped fsync),
+directory (``mtflow/run/store.py``: ``--resume``, ``--overwrite``, whole lines, grouped fsync),
 the progress bar, the summary. What changes: the backend and the scheduler are built inside
 each actor from the same config (each actor loads its own model), and the driver writes every
 trajectory the moment an actor streams it back. The uuids already in the directory are never
@@ -18,7 +18,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Dict, Optional
 
-from ..cli import CLIError
+from mtflow.cli import CLIError
 
 __all__ = ['RayRollout', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
 
@@ -26,7 +26,7 @@ __all__ = ['RayRollout', 'actor_setup', 'backend_from_config', 'scheduler_from_c
 def actor_setup(cwd: str, seed: Optional[int]) -> None:
     """First thing in each actor: the driver's directory (relative paths in the config resolve
     as they did on the driver) and the config's seed."""
-    from ..commands.run import seed_everything
+    from mtflow.commands.run import seed_everything
 
     if os.path.isdir(cwd):
         os.chdir(cwd)
@@ -34,13 +34,13 @@ def actor_setup(cwd: str, seed: Optional[int]) -> None:
 
 
 def backend_from_config(cfg: Any) -> Any:
-    from ..commands.run import build_backend
+    from mtflow.commands.run import build_backend
 
     return build_backend(cfg)
 
 
 def scheduler_from_config(cfg: Any, tokenizer: Any) -> Any:
-    from ..commands.run import scheduler_factory
+    from mtflow.commands.run import scheduler_factory
 
     return scheduler_factory(cfg)(tokenizer)
 
@@ -73,8 +73,8 @@ class RayRollout:
         self.result: Any = None
 
     def spec(self) -> Any:
-        from ..token_record import record_accounting
-        from .ray_fanout import WorkerSpec
+        from mtflow.accounting.token_record import record_accounting
+        from mtflow.distributed.ray_fanout import WorkerSpec
 
         cfg = self.cfg
         return WorkerSpec(make_backend=functools.partial(backend_from_config, cfg),
@@ -86,11 +86,11 @@ class RayRollout:
     def run(self, figures: Dict[str, Any]) -> None:
         """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
         when a signal stops it."""
-        from ..commands.run import _progress
-        from ..data.sources import iter_requests
-        from ..machine import INTERRUPTED
-        from ..run_store import RunDirError
-        from .ray_fanout import RayRunError, RayRunResult, ray_run
+        from mtflow.commands.run import _progress
+        from mtflow.data.sources import iter_requests
+        from mtflow.core.machine import INTERRUPTED
+        from mtflow.run.store import RunDirError
+        from mtflow.distributed.ray_fanout import RayRunError, RayRunResult, ray_run
 
         store = self.store
         progress = _progress(self.show)

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ..errors import MtflowError
+from mtflow.core.errors import MtflowError
 
 __all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
 
@@ -71,7 +71,7 @@ class WorkerSpec:
 @dataclass
 class RayRecord:
     """One finished request as the driver receives it: plain data (what
-    :func:`mtflow.run_store.finished_to_record` makes), plus where it ran."""
+    :func:`mtflow.run.store.finished_to_record` makes), plus where it ran."""
     index: int  # position in the dataset
     uuid: str
     finish_reason: str
@@ -150,8 +150,8 @@ class ShardWorker:
         generator yields ``('finished', [records])`` with every request finished so far (Ray
         streams each yield to the driver), then ``('done', figures)``. Event times
         are shifted to count from ``t_offset_from`` (a ``time.time()`` of the driver)."""
-        from ..executor import Executor
-        from ..run_store import finished_to_record
+        from mtflow.engine.executor import Executor
+        from mtflow.run.store import finished_to_record
 
         indices = [i for i, _ in shard]
         requests = [r for _, r in shard]

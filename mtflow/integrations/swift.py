@@ -32,12 +32,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import swift.infer_engine.protocol as _sp
 from swift.rollout.multi_turn import MultiTurnScheduler
 
-from .. import machine as M
-from .. import protocol as _mp
-from ..errors import MultiTurnRolloutError
-from ..executor import Executor, identity_gather
-from ..stop import decide_stop, default_check
-from ..id_accounting import Swift46Accounting
+from mtflow.core import machine as M
+from mtflow.core import protocol as _mp
+from mtflow.core.errors import MultiTurnRolloutError
+from mtflow.engine.executor import Executor, identity_gather
+from mtflow.core.stop import decide_stop, default_check
+from mtflow.accounting.swift46 import Swift46Accounting
 
 __all__ = [
     'to_swift', 'from_swift', 'SwiftSchedulerAdapter', 'as_swift_scheduler', 'register', 'install', 'uninstall',
@@ -168,7 +168,7 @@ def _base_check(choice: Any, turn: int, max_turns: Optional[int]) -> Tuple[bool,
 
 def _overrides(obj: Any, name: str) -> bool:
     """Whether ``obj``'s ``name`` hook is its own (not mtflow's or ms-swift's no-op default)."""
-    from ..scheduler import _is_base_impl
+    from mtflow.core.scheduler import _is_base_impl
     fn = getattr(obj, name, None)
     return fn is not None and not _is_base_impl(fn, name)
 
@@ -280,7 +280,7 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
                 raise TypeError(f'{type(self.inner).__name__}.on_turn_end must return a dict, got '
                                 f'{type(out).__name__} (request {self._key(infer_request)}, turn {current_turn})')
             result = dict(out or {})
-        # Decide now, with the one stop rule (mtflow.stop.decide_stop), what the driver will do:
+        # Decide now, with the one stop rule (mtflow.core.stop.decide_stop), what the driver will do:
         # the hook's 'done' wins, else check_finished, then max_turns. The decision is handed to
         # the driver as 'done' (and to check_finished, which it calls too), so that the driver
         # finishes the request exactly when the mtflow scheduler's on_request_finished runs, even
@@ -375,7 +375,7 @@ def _factory_for(source: Any, **options: Any) -> Callable[..., Any]:
         path = str(source)
 
         def from_yaml(**kw: Any) -> Any:
-            from ..declarative import load_scheduler
+            from mtflow.declarative import load_scheduler
             kw = {**kw, **options}
             max_turns = kw.pop('max_turns', None)  # the YAML's own max_turns, unless ms-swift sets one
             scheduler = load_scheduler(path, **{k: v for k, v in kw.items() if v is not None})

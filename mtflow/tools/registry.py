@@ -148,13 +148,13 @@ def register_tool(name: Optional[str] = None, *, factory: bool = False,
 def builtin_names() -> List[str]:
     """Registered built-in tools, and the tools installed packages declare (``mtflow.tools``
     entry points, not imported until a config names one)."""
-    from ..plugins import entry_point_names
+    from mtflow.plugins import entry_point_names
     return sorted(set(_REGISTRY) | set(entry_point_names('mtflow.tools')))
 
 
 def _lookup(name: str) -> Callable[[Dict[str, Any]], Callable[..., Any]]:
     if name not in _REGISTRY:
-        from ..plugins import load_entry_point
+        from mtflow.plugins import load_entry_point
         load_entry_point('mtflow.tools', name)
     try:
         return _REGISTRY[name]
@@ -240,14 +240,14 @@ def resolve_ref(ref: str, base_dir: Optional[str] = None) -> Any:
 
 # ---- the built-ins ------------------------------------------------------------------------------
 def _calculator_factory(options: Dict[str, Any]) -> Callable[..., Any]:
-    from .calculator import calculator
+    from mtflow.tools.calculator import calculator
     if options:
         raise ValueError(f'calculator takes no options, got {sorted(options)}')
     return calculator
 
 
 def _python_factory(options: Dict[str, Any]) -> Callable[..., Any]:
-    from .sandbox import make_python_tool
+    from mtflow.tools.sandbox import make_python_tool
     return make_python_tool(options)
 
 

@@ -42,9 +42,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
-from .isolation import (ISOLATION_CHOICES, IsolationUnavailable, SandboxCommand, UidLease, build_command,
+from mtflow.tools.isolation import (ISOLATION_CHOICES, IsolationUnavailable, SandboxCommand, UidLease, build_command,
                         current_interpreter, namespace_init, resolve_isolation, rootless, wait_uid_gone)
-from .runner import ToolError
+from mtflow.tools.runner import ToolError
 
 #: the launcher's exit status after a ``MemoryError`` (a program's own ``exit(117)`` becomes 1)
 MEMORY_STATUS = 117

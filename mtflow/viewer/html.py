@@ -13,12 +13,12 @@ from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..machine import FINISH_REASONS, FINISHED, StateGraph, reason_kind
-from ..trace import Trace
-from ..trajectories import Trajectory
-from .model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
-from .svg import STATE_COLORS, bar_chart_svg, state_graph_svg
-from .tokens import token_texts
+from mtflow.core.machine import FINISH_REASONS, FINISHED, StateGraph, reason_kind
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import Trajectory
+from mtflow.viewer.model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
+from mtflow.viewer.svg import STATE_COLORS, bar_chart_svg, state_graph_svg
+from mtflow.viewer.tokens import token_texts
 
 
 #: the columns of one event in the page (uuid, index and rank are the request's)
@@ -129,7 +129,7 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         'trajectories': {u: _trajectory_dict(t, tokenizer) for u, t in trajectories.items() if u in wanted},
         'decoded': tokenizer is not None,
         'max_turn': summary.max_turn,
-        # how each finish reason is coloured: one table, mtflow.machine.FINISH_REASON_TABLE
+        # how each finish reason is coloured: one table, mtflow.core.machine.FINISH_REASON_TABLE
         'reason_kinds': {r: reason_kind(r) for r in dict.fromkeys(tuple(FINISH_REASONS) + tuple(summary.finish_reasons))},
     }
     counts: Dict[Any, int] = Counter((e.src, e.dst) for e in trace.events)

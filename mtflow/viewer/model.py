@@ -1,4 +1,4 @@
-"""What the views show, computed once from a :class:`~mtflow.trace.Trace`.
+"""What the views show, computed once from a :class:`~mtflow.core.trace.Trace`.
 
 Both the terminal and the HTML views read these plain objects, so they always agree on what a
 request did in each turn and on the batch figures.
@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..machine import CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES, reason_kind
-from ..trace import Trace, TraceEvent
+from mtflow.core.machine import CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES, reason_kind
+from mtflow.core.trace import Trace, TraceEvent
 
 #: One-letter marks of the states in a turn cell.
 MARKS = {GENERATING: 'G', CONTINUING: 'C', TOOL_STEP: 'T', PENDING: '.', FINISHED: '#'}

@@ -1,6 +1,6 @@
 """SVG drawn by hand (no graphviz, no JS): the declared state graph and the small bar charts.
 
-The state graph comes from :meth:`mtflow.machine.StateGraph.edges` (the same declaration the
+The state graph comes from :meth:`mtflow.core.machine.StateGraph.edges` (the same declaration the
 executor fires), laid out in layers by distance from ``pending``: forward moves are gentle curves
 left to right, moves back (``tool_step -> generating``) and within a layer arc around, and
 parallel moves between the same two states share one arrow with their triggers joined.
@@ -11,7 +11,7 @@ import math
 from html import escape
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..machine import PENDING, StateGraph
+from mtflow.core.machine import PENDING, StateGraph
 
 STATE_COLORS = {
     'pending': '#9aa5b1',

@@ -14,11 +14,11 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..machine import CONTINUING, FINISH_REASONS, GENERATING, TOOL_STEP, reason_kind
-from ..trace import Trace
-from ..trajectories import Trajectory
-from .model import ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views, summarize
-from .tokens import token_texts
+from mtflow.core.machine import CONTINUING, FINISH_REASONS, GENERATING, TOOL_STEP, reason_kind
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import Trajectory
+from mtflow.viewer.model import ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views, summarize
+from mtflow.viewer.tokens import token_texts
 
 CELL = 4  # characters per turn in the timeline (the widest cell, 'GT!✗', is 4)
 STYLES = {GENERATING: 'bold blue', CONTINUING: 'bold cyan', TOOL_STEP: 'yellow'}
@@ -37,7 +37,7 @@ _KIND_STYLES = {'none': 'magenta', 'error': 'bold red', 'limit': 'yellow', 'ok':
 
 
 def reason_style(reason: Optional[str]) -> str:
-    """The colour of a finish reason, by its kind in :data:`mtflow.machine.FINISH_REASON_TABLE`."""
+    """The colour of a finish reason, by its kind in :data:`mtflow.core.machine.FINISH_REASON_TABLE`."""
     return _KIND_STYLES[reason_kind(reason)]
 
 

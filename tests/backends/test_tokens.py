@@ -21,7 +21,7 @@ from mtflow.backends.conformance import BUNDLED, SCENARIOS, check_tokens, resolv
 from mtflow.backends.hf import HFBackend, render_prompt  # noqa: E402
 from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
 from mtflow.backends.vllm_engine import VLLMBackend  # noqa: E402
-from mtflow.token_record import RecordAccounting, TokenRecord, record_of  # noqa: E402
+from mtflow.accounting.token_record import RecordAccounting, TokenRecord, record_of  # noqa: E402
 from tests.backends.chat_server import ChatServer  # noqa: E402
 from tests.backends.fake_vllm import FakeLLM, SamplingParams  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402

@@ -90,7 +90,7 @@ documents = st.one_of(
 @given(documents)
 def fuzz_yaml_documents(doc):
     from mtflow.declarative import inspect_file
-    from mtflow.run_config import RunConfigError, load_run_config
+    from mtflow.run.config import RunConfigError, load_run_config
 
     with tempfile.TemporaryDirectory() as d, bounded():
         path = os.path.join(d, 'f.yaml')
@@ -153,7 +153,7 @@ def fuzz_scheduler_turns(text, parser, finish_reason):
 def main() -> int:
     import mtflow.declarative  # noqa: F401  (everything the cases use, before imports are refused)
     import mtflow.declarative.parsers  # noqa: F401
-    import mtflow.run_config  # noqa: F401
+    import mtflow.run.config  # noqa: F401
     import mtflow.tools.calculator  # noqa: F401
     import tests.declarative.util  # noqa: F401
     import tests.helpers  # noqa: F401

@@ -10,7 +10,7 @@ import pytest
 from mtflow import Executor, RolloutInterrupted
 from mtflow.declarative import ConfigError, load_scheduler, validate_file
 from mtflow.declarative.policy import FinishPolicy, apply_policy, summarize_policy
-from mtflow.protocol import RolloutOutput
+from mtflow.core.protocol import RolloutOutput
 from tests.helpers import Scripted, req
 
 from .util import ids_of, model_out, tok

@@ -1,4 +1,4 @@
-"""The hostile-YAML reader (``mtflow.safe_yaml``) shared by scheduler files and run configs: alias
+"""The hostile-YAML reader (``mtflow.core.safe_yaml``) shared by scheduler files and run configs: alias
 bombs are refused while composing (by construction, before anything walks the data), duplicate
 keys name both lines, YAML 1.1 scalars stay strings, and the same rules hold for run configs and
 for ``mtflow validate`` / ``mtflow run`` on them."""
@@ -9,8 +9,8 @@ import textwrap
 import pytest
 
 from mtflow.cli import main as cli
-from mtflow.run_config import RunConfigError, load_run_config
-from mtflow.safe_yaml import YamlLoadError, load_yaml
+from mtflow.run.config import RunConfigError, load_run_config
+from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 
 
 def bomb(width: int = 9, depth: int = 9) -> str:

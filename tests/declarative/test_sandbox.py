@@ -15,7 +15,7 @@ from collections import Counter
 from rich.console import Console
 
 from mtflow import Executor
-from mtflow.run_tally import tool_error_kinds
+from mtflow.run.tally import tool_error_kinds
 from mtflow.cli import main as cli
 from mtflow.declarative import load_scheduler
 from mtflow.tools import ToolRunner, isolation, make_builtin, tool_from_callable

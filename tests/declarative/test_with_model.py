@@ -47,7 +47,7 @@ def test_guess_number_with_a_random_model(backend):
 
 def test_react_calculator_with_a_random_model_and_a_forced_call(backend):
     """The first turn is given (a real tool call); later turns are the model's own text."""
-    from mtflow.protocol import RolloutOutput, make_choice, make_response
+    from mtflow.core.protocol import RolloutOutput, make_choice, make_response
 
     tok = backend.tokenizer
     s = load_scheduler(schedulers.path('react_calculator'), tokenizer=tok)

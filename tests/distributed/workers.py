@@ -142,7 +142,7 @@ def scenario_check_ranks(rank: int, world: int, gather: Callable) -> Dict[str, A
     """Every rank holds the same requests (``Executor(check_ranks=True)``): agreeing ranks run
     as without the check; a rank that drifts makes every rank raise RankMismatchError at the
     same turn."""
-    from mtflow.executor import RankMismatchError
+    from mtflow.engine.executor import RankMismatchError
 
     uuids = ['r-1', 'r-5', 'r-3']
     report: Dict[str, Any] = {}

@@ -13,7 +13,7 @@ rg = pytest.importorskip('reasoning_gym', reason="needs the 'reasoning-gym' extr
 import schedulers
 from mtflow import Executor
 from mtflow.cli import main
-from mtflow.commands.reward_spread import reward_spread
+from mtflow.run.reward_spread import reward_spread
 from mtflow.data.reasoning_gym import ReasoningGymSpec, check_spec, make_requests, score
 from mtflow.data.sources import expand_groups
 from mtflow.declarative import load_scheduler
@@ -152,7 +152,7 @@ def test_mtflow_run_with_a_reasoning_gym_dataset_prints_the_group_spread(tmp_pat
 
 
 def test_run_config_dataset_errors_name_file_line_and_field(tmp_path):
-    from mtflow.run_config import RunConfigError, load_run_config
+    from mtflow.run.config import RunConfigError, load_run_config
     (tmp_path / 'run.yaml').write_text('scheduler: s.yaml\nbackend: scripted\ndataset:\n  reasoning_gym:\n'
                                        '    name: no_such_task\n')
     with pytest.raises(RunConfigError, match=r"run.yaml:3: dataset: .*unknown task 'no_such_task'"):
@@ -163,7 +163,7 @@ def test_run_config_dataset_errors_name_file_line_and_field(tmp_path):
 
 
 def test_spread_rows_without_groups_say_how_to_get_them():
-    from mtflow.commands.reward_spread import spread_rows
+    from mtflow.run.reward_spread import spread_rows
     rows = dict(spread_rows(reward_spread(['a', 'b'], [1.0, 0.0])))
     assert rows['rewarded requests'] == '1 of 2 (reward > 0)'
     assert rows['reward spread'] == 'one request per prompt: set num_generations for GRPO groups'

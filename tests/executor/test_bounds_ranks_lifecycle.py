@@ -8,7 +8,7 @@ import pytest
 
 import mtflow
 from mtflow import Scheduler
-from mtflow.executor import RankMismatchError
+from mtflow.engine.executor import RankMismatchError
 from tests.helpers import Counter, dump, out, req
 from tests.ranks import run_ranks
 

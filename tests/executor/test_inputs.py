@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import mtflow
 from mtflow import MultiTurnRolloutError, Scheduler
-from mtflow.executor import DuplicateUuidError
-from mtflow.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput
+from mtflow.engine.executor import DuplicateUuidError
+from mtflow.core.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput
 from tests.helpers import Counter, out, req
 
 

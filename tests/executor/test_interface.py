@@ -7,7 +7,7 @@ import pytest
 
 import mtflow
 from mtflow import FinishedRequest, RolloutInterrupted, Scheduler
-from mtflow import machine as M
+from mtflow.core import machine as M
 from tests.helpers import Counter, dump, out, req
 
 

@@ -1,5 +1,5 @@
-"""One source for each rule: finish reasons live in ``mtflow.machine.FINISH_REASON_TABLE`` (the
-docs and the viewer read it), the stop decision in ``mtflow.stop``, and the core never imports
+"""One source for each rule: finish reasons live in ``mtflow.core.machine.FINISH_REASON_TABLE`` (the
+docs and the viewer read it), the stop decision in ``mtflow.core.stop``, and the core never imports
 the outer layers."""
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ from pathlib import Path
 
 import mtflow
 from mtflow import Scheduler
-from mtflow import machine as M
-from mtflow.stop import decide_stop, default_check
+from mtflow.core import machine as M
+from mtflow.core.stop import decide_stop, default_check
 from mtflow.viewer.html import render_html
 from mtflow.viewer.model import request_views
 from mtflow.viewer.terminal import reason_style
 from tests.helpers import Counter, out, req
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = ('protocol', 'machine', 'scheduler', 'segments', 'executor', 'trace', 'stop', 'validate', 'calls', 'records',
-        'types', 'errors', 'id_accounting')
-OUTER = ('declarative', 'tools', 'backends', 'integrations', 'viewer', 'cli', 'commands')
+CORE = ('core/protocol', 'core/machine', 'core/scheduler', 'accounting/segments', 'engine/executor', 'core/trace',
+        'core/stop', 'core/validate', 'core/calls', 'core/records', 'core/types', 'core/errors', 'accounting/swift46')
+OUTER = ('declarative', 'tools', 'backends', 'integrations', 'viewer', 'cli', 'commands', 'run')
 
 
 def test_the_finish_reason_table_of_the_docs_is_generated_from_machine():
     page = (ROOT / 'docs' / 'state-machine.md').read_text()
-    begin = '<!-- generated from mtflow.machine.FINISH_REASON_TABLE: begin -->\n'
-    table = page[page.index(begin) + len(begin):page.index('<!-- generated from mtflow.machine.FINISH_REASON_TABLE: end')]
-    assert table == M.finish_reasons_markdown(), 'regenerate the table from mtflow.machine.finish_reasons_markdown()'
+    begin = '<!-- generated from mtflow.core.machine.FINISH_REASON_TABLE: begin -->\n'
+    table = page[page.index(begin) + len(begin):page.index('<!-- generated from mtflow.core.machine.FINISH_REASON_TABLE: end')]
+    assert table == M.finish_reasons_markdown(), 'regenerate the table from mtflow.core.machine.finish_reasons_markdown()'
     assert [row[0] for row in M.FINISH_REASON_TABLE] == list(M.FINISH_REASONS)
 
 
@@ -60,10 +60,10 @@ def test_one_stop_rule():
     assert decide_stop({}, True, M.CHECK_FINISHED, 1, None) == (True, M.CHECK_FINISHED)
     assert decide_stop({'done': False}, False, M.CHECK_FINISHED, 3, 3, M.TURN_CAP) == (True, M.TURN_CAP)
     # the YAML scheduler and the ms-swift adapter use it (no copy of the rule elsewhere)
-    for path in ('mtflow/declarative/scheduler.py', 'mtflow/integrations/swift.py', 'mtflow/scheduler.py'):
+    for path in ('mtflow/declarative/scheduler.py', 'mtflow/integrations/swift.py', 'mtflow/core/scheduler.py'):
         text = (ROOT / path).read_text()
         assert 'current_turn >= self.max_turns' not in text, path
-        assert 'from ..stop import' in text or 'from .stop import' in text, path
+        assert 'from mtflow.core.stop import' in text, path
 
 
 def test_the_core_never_imports_the_outer_layers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from mtflow.protocol import OutputBuilder, RolloutOutput, make_choice, make_response
+from mtflow.core.protocol import OutputBuilder, RolloutOutput, make_choice, make_response
 
 
 def fields(response):

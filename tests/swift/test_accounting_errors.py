@@ -12,8 +12,8 @@ from swift.rollout.agent_loop import run_multi_turn as swift_run
 from swift.rollout.multi_turn import MultiTurnScheduler
 
 import mtflow
-from mtflow.errors import SchedulerResultError
-from mtflow.integrations.swift_accounting import Swift46Accounting
+from mtflow.core.errors import SchedulerResultError
+from mtflow.accounting.swift46 import Swift46Accounting
 from tests.swift.swift_helpers import ScriptedSwift, sreq
 from tests.tiny_model import make_tokenizer
 
@@ -81,7 +81,7 @@ def test_needs_the_46_methods() -> None:
 
 
 def test_import_mtflow_does_not_import_swift() -> None:
-    code = ('import sys, mtflow, mtflow.integrations, mtflow.integrations.swift_accounting, '
+    code = ('import sys, mtflow, mtflow.integrations, mtflow.accounting.swift46, '
             'mtflow.backends.swift_engine; print(any(m == "swift" or m.startswith("swift.") for m in sys.modules))')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == 'False'

@@ -9,7 +9,7 @@ import pytest
 from swift.rollout.multi_turn import MultiTurnScheduler
 
 import mtflow
-from mtflow.segments import accounting_for
+from mtflow.accounting.segments import accounting_for
 from tests.swift.swift_helpers import ScriptedSwift, sreq
 from tests.tiny_model import make_tokenizer
 
@@ -43,8 +43,8 @@ def test_a_materialize_failure_fails_that_request_only() -> None:
 
 
 def test_the_46_accounting_lives_in_the_core_and_is_re_exported() -> None:
-    import mtflow.id_accounting as core
-    import mtflow.integrations.swift_accounting as integ
+    import mtflow.accounting.swift46 as core
+    import mtflow.accounting.swift46 as integ
     assert integ.Swift46Accounting is core.Swift46Accounting
     assert isinstance(accounting_for(Snap(tokenizer=TOK)), core.Swift46Accounting)
     assert type(accounting_for(mtflow.Scheduler())).__name__ == 'ContractAccounting'

@@ -11,7 +11,7 @@ import pytest
 from swift.rollout.multi_turn import GYMScheduler, MathTipsScheduler
 
 import mtflow
-from mtflow.executor import Executor
+from mtflow.engine.executor import Executor
 from tests.swift.swift_helpers import ScriptedSwift, dump
 from tests.swift.test_differential import (GYM_SCRIPT, MATH_SCRIPT, REACT_SCRIPT, TOK, ReActCalculator, gym_requests,
                                            math_requests, offline_gym, react_requests, start_gym)

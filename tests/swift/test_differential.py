@@ -11,8 +11,8 @@ import pytest
 from swift.rollout.agent_loop import invoke_async_hook
 from swift.rollout.multi_turn import GYMScheduler, MathTipsScheduler, MultiTurnScheduler
 
-from mtflow.executor import Executor
-from mtflow.integrations.swift_accounting import Swift46Accounting
+from mtflow.engine.executor import Executor
+from mtflow.accounting.swift46 import Swift46Accounting
 from tests.ranks import run_ranks
 from tests.swift.swift_helpers import assert_same, dump, run_both, sreq
 from tests.tiny_model import make_tokenizer

@@ -15,10 +15,10 @@ from swift.rollout.agent_loop import invoke_async_hook
 from swift.rollout.multi_turn import MultiTurnScheduler, multi_turns
 
 import mtflow
-from mtflow import protocol as mp
+from mtflow.core import protocol as mp
 from mtflow.integrations import swift as integ
 from mtflow.integrations.swift import FINISH_REASON_KEY, from_swift, register, to_swift
-from mtflow.segments import ContractAccounting
+from mtflow.accounting.segments import ContractAccounting
 from tests.swift.swift_helpers import ScriptedSwift, assert_same, dump, run_both, sreq
 from tests.tiny_model import make_tokenizer
 

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 INNER = '''
 import pytest
-from mtflow.errors import MultiTurnRolloutError
+from mtflow.core.errors import MultiTurnRolloutError
 from tests.viewer.viewer_scenario import run_scenario
 
 

@@ -11,7 +11,7 @@ import pytest
 from benchmarks.longtail_sim import LongTailScheduler, SimEngine, Workload
 from mtflow import Executor
 from mtflow.cli import main as cli
-from mtflow.trace import Trace, TraceEvent
+from mtflow.core.trace import Trace, TraceEvent
 from mtflow.viewer.html import render_html
 from mtflow.viewer.model import request_views, state_spans, summarize, time_per_state, turn_windows
 from tests.viewer.test_trace_html import page_data

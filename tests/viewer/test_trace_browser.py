@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mtflow.trace import Trace
-from mtflow.trajectories import read_trajectories
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import read_trajectories
 from mtflow.viewer.html import write_html
 from mtflow.viewer.tokens import load_tokenizer
 from tests.viewer.viewer_scenario import EXPECTED_PATHS

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mtflow.trace import EVENT_FIELDS, Trace, TraceEvent
-from mtflow.trajectories import (Trajectory, iter_trajectories, read_trajectories, trajectories_from_result,
+from mtflow.core.trace import EVENT_FIELDS, Trace, TraceEvent
+from mtflow.run.trajectories import (Trajectory, iter_trajectories, read_trajectories, trajectories_from_result,
                                  write_trajectories)
 from tests.viewer.viewer_scenario import EXPECTED_PATHS, run_scenario
 

@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 
 from mtflow.cli import main as cli
 from mtflow.commands.graph import graph_for_scheduler
-from mtflow.machine import STATES, StateGraph
-from mtflow.trace import Trace
-from mtflow.trajectories import read_trajectories
+from mtflow.core.machine import STATES, StateGraph
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import read_trajectories
 from mtflow.viewer.html import render_html
 from mtflow.viewer.svg import state_graph_svg
 from tests.viewer.viewer_scenario import EXPECTED_PATHS, ToolScheduler, make_tokenizer

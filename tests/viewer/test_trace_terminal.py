@@ -7,7 +7,7 @@ import re
 import pytest
 
 from mtflow.cli import main as cli
-from mtflow.trace import Trace
+from mtflow.core.trace import Trace
 from mtflow.viewer.model import request_views, select_views, summarize
 from mtflow.viewer.terminal import format_trace
 from tests.viewer.viewer_scenario import EXPECTED_PATHS, run_scenario
@@ -152,7 +152,7 @@ def test_tool_calls_and_errors_of_the_declarative_scheduler(mtflow_trace):
     """The YAML scheduler's trace_info (``calls`` per step plus running totals) is read per step."""
     from mtflow import Executor
     from mtflow.declarative import load_scheduler
-    from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+    from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
     from tests.viewer.viewer_scenario import REPO
 
     script = {'a': ['Action: calculator\nAction Input: {"expression": "2+2"}', 'Final Answer: 4'],
@@ -189,7 +189,7 @@ def test_detail_decodes_with_a_transformers_tokenizer_directory(tmp_path, capsys
     """``--tokenizer DIR`` loads a saved ``transformers`` tokenizer offline; byte-level tokens
     decode one by one to their text (``Ġquick`` shows as `` quick``)."""
     pytest.importorskip('transformers')
-    from mtflow.trajectories import Trajectory, write_trajectories
+    from mtflow.run.trajectories import Trajectory, write_trajectories
     from tests.tiny_model import make_tokenizer as make_bpe
 
     tok = make_bpe()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import mtflow
-from mtflow.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT: Dict[str, List[str]] = {
@@ -111,7 +111,7 @@ def run_scenario(max_turns: int = 3, on_error: str = 'return') -> Any:
 
 def write_scenario(directory: Path) -> Dict[str, Path]:
     """Run the scenario and write its trace, trajectories and tokenizer files into ``directory``."""
-    from mtflow.trajectories import trajectories_from_result, write_trajectories
+    from mtflow.run.trajectories import trajectories_from_result, write_trajectories
 
     result, requests, tok = run_scenario()
     paths = {'trace': directory / 'trace.jsonl', 'trajectories': directory / 'trajectories.jsonl',

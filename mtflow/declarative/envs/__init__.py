@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
-from .config import ENV_KINDS, OpenEnvConfig, TextArenaConfig, env_kind
+from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig, env_kind
 
 __all__ = ['StepOutcome', 'normalize_step', 'make_env_factory', 'request_seed', 'ENV_KINDS', 'OpenEnvConfig',
            'TextArenaConfig', 'env_kind', 'MissingExtra']
@@ -84,13 +84,13 @@ def make_env_factory(env: Any, base_dir: Optional[str] = None) -> Callable[[], A
     connection opened). A factory may have ``close()`` (the scheduler calls it when it closes)."""
     kind = env_kind(env)
     if kind == 'impl':
-        from ..gym import make_env_factory as make_impl
+        from mtflow.declarative.gym import make_env_factory as make_impl
         return make_impl(env.impl, env.kwargs, base_dir)
     if kind == 'gym':
-        from .gymnasium_env import gym_factory
+        from mtflow.declarative.envs.gymnasium_env import gym_factory
         return gym_factory(env.gym, env.kwargs, base_dir)
     if kind == 'openenv':
-        from .openenv_env import OpenEnvPool
+        from mtflow.declarative.envs.openenv_env import OpenEnvPool
         return OpenEnvPool(env.openenv, base_dir)
-    from .textarena_env import textarena_factory
+    from mtflow.declarative.envs.textarena_env import textarena_factory
     return textarena_factory(env.textarena)

@@ -43,9 +43,9 @@ import urllib.request
 import weakref
 from typing import Any, Dict, List, Optional
 
-from ...errors import MtflowError
-from . import MissingExtra, StepOutcome, request_seed
-from .config import OpenEnvConfig
+from mtflow.core.errors import MtflowError
+from mtflow.declarative.envs import MissingExtra, StepOutcome, request_seed
+from mtflow.declarative.envs.config import OpenEnvConfig
 
 __all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError', 'OpenEnvCapacityError',
            'OpenEnvLaunchError', 'OpenEnvServer']

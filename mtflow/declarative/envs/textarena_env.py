@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from . import StepOutcome, request_seed, require
-from .config import TextArenaConfig
+from mtflow.declarative.envs import StepOutcome, request_seed, require
+from mtflow.declarative.envs.config import TextArenaConfig
 
 
 class TextArenaEnv:

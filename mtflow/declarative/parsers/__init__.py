@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from .base import ToolCall, ToolCallParser, call_from_obj, loads_lenient, strip_thinking
-from .deepseek import DeepSeekParser
-from .detect import detect_formats, foreign_format
-from .hermes import HermesParser
-from .json_calls import JSONParser
-from .llama import Llama3JsonParser, PythonicParser
-from .mistral import MistralParser
-from .react import ReActParser
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, call_from_obj, loads_lenient, strip_thinking
+from mtflow.declarative.parsers.deepseek import DeepSeekParser
+from mtflow.declarative.parsers.detect import detect_formats, foreign_format
+from mtflow.declarative.parsers.hermes import HermesParser
+from mtflow.declarative.parsers.json_calls import JSONParser
+from mtflow.declarative.parsers.llama import Llama3JsonParser, PythonicParser
+from mtflow.declarative.parsers.mistral import MistralParser
+from mtflow.declarative.parsers.react import ReActParser
 
 _PARSERS: Dict[str, Callable[..., ToolCallParser]] = {
     'hermes': HermesParser,
@@ -53,7 +53,7 @@ def register_parser(name: str, factory: Callable[..., ToolCallParser]) -> None:
 
 def parser_names() -> List[str]:
     """Registered parsers, and those installed packages declare (``mtflow.parsers`` entry points)."""
-    from ...plugins import entry_point_names
+    from mtflow.plugins import entry_point_names
     return sorted(set(_PARSERS) | set(entry_point_names('mtflow.parsers')))
 
 
@@ -62,12 +62,12 @@ def get_parser(name: str, options: Optional[Dict[str, Any]] = None, base_dir: Op
     :class:`ToolCallParser` subclass, or any factory of an object with ``parse(text)``)."""
     options = dict(options or {})
     if name not in _PARSERS and ':' not in name:
-        from ...plugins import load_entry_point
+        from mtflow.plugins import load_entry_point
         load_entry_point('mtflow.parsers', name)
     if name in _PARSERS:
         return _PARSERS[name](**options)
     if ':' in name:
-        from ...tools.registry import resolve_ref
+        from mtflow.tools.registry import resolve_ref
         factory = resolve_ref(name, base_dir)
         parser = factory(**options)
         if not callable(getattr(parser, 'parse', None)):

@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any, Dict, List, Sequence
 
-from .base import ToolCall, ToolCallParser, json_values, strip_thinking
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, json_values, strip_thinking
 
 
 def _token(word: str) -> str:

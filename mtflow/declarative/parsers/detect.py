@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, List, Optional
 
-from .base import json_values, looks_like_call_object, strip_thinking
+from mtflow.declarative.parsers.base import json_values, looks_like_call_object, strip_thinking
 
 #: parser name -> formats it reads (a format detected but read by the configured parser is no mistake)
 READS = {

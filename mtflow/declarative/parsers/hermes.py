@@ -5,7 +5,7 @@ import json
 import re
 from typing import Any, Dict, List, Sequence
 
-from .base import ToolCall, ToolCallParser, calls_from_values, json_values, loads_lenient, strip_thinking
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, calls_from_values, json_values, loads_lenient, strip_thinking
 
 OPEN, CLOSE = '<tool_call>', '</tool_call>'
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import List
 
-from .base import ToolCall, ToolCallParser, calls_from_values, json_values, looks_like_call_object, strip_thinking
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, calls_from_values, json_values, looks_like_call_object, strip_thinking
 
 
 class JSONParser(ToolCallParser):

@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Sequence
 
-from .base import ToolCall, ToolCallParser, calls_from_values, json_values, looks_like_call_object, strip_thinking
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, calls_from_values, json_values, looks_like_call_object, strip_thinking
 
 PYTHON_TAG = '<|python_tag|>'
 _END_TOKENS = re.compile(r'<\|(?:eom_id|eot_id|end_of_text|python_end|eom|eot)\|>')

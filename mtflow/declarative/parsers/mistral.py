@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any, Dict, List, Sequence
 
-from .base import ToolCall, ToolCallParser, calls_from_values, json_values, looks_like_call_object, strip_thinking
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, calls_from_values, json_values, looks_like_call_object, strip_thinking
 
 MARK = '[TOOL_CALLS]'
 _V11 = re.compile(r'\s*([A-Za-z_][\w.\-]*)\s*(?:\[CALL_ID\]\s*([\w\-]+)\s*)?\[ARGS\]')

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .base import ToolCall, ToolCallParser, json_values, loads_lenient, strip_thinking
+from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, json_values, loads_lenient, strip_thinking
 
 _LABELS = ('action input', 'action_input', 'action', 'observation', 'thought', 'final answer', 'final_answer')
 _LABEL = re.compile(

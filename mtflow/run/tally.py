@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .data.sources import group_of
+from mtflow.data.sources import group_of
 
 __all__ = ['RunTally', 'tool_counts', 'tool_error_kinds']
 
@@ -67,12 +67,12 @@ class RunTally:
         self.info_error_kinds: Counter = Counter()  # the declarative scheduler's per-request totals
         self.reward_sum = 0.0
         self.reward_n = 0
-        from .commands.reward_spread import GroupRewards  # per GRPO group: n, sums, squares, min, max
+        from mtflow.run.reward_spread import GroupRewards  # per GRPO group: n, sums, squares, min, max
 
         self.groups = GroupRewards()
         self.errors = 0
         self.failures: List[Dict[str, Any]] = []
-        from .declarative.policy import PolicyTally  # what a YAML finish_policy did
+        from mtflow.declarative.policy import PolicyTally  # what a YAML finish_policy did
 
         self.policy = PolicyTally()
 

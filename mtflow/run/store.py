@@ -22,7 +22,7 @@ Files (``docs/cli.md``):
   partial trajectory with its events under ``trace``. They are not done; a resume runs them again
   (and starts this file afresh).
 * ``run.json``: the fingerprint of what the run rolls out (config and dataset, see
-  ``mtflow/run_fingerprint.py``) and one entry per attempt (started, ended, status, counts).
+  ``mtflow/run/fingerprint.py``) and one entry per attempt (started, ended, status, counts).
 * ``summary.json``: written by :meth:`RunStore.close` (atomically); absent while a run is going
   or after it was killed. Its ``status`` is ``complete``, ``interrupted`` or ``failed``.
 * ``run.lock``: held (``flock``) by the process writing the directory, so two runs never write
@@ -48,9 +48,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Union
 
-from .errors import MtflowError
-from .run_signals import deferred_interrupts
-from .run_tally import RunTally
+from mtflow.core.errors import MtflowError
+from mtflow.run.signals import deferred_interrupts
+from mtflow.run.tally import RunTally
 
 __all__ = [
     'RunStore', 'RunDirError', 'FingerprintMismatch', 'Recovery', 'finished_to_record', 'fingerprint_changes',
@@ -711,7 +711,7 @@ def finished_to_record(finished: Any, *, index: Optional[int] = None, rank: int 
     ``finish_reason`` and ``events``). ``index`` (default: the record's) replaces the batch
     index (a run numbers requests across batches by dataset position); ``t_offset`` is added to
     event times (seconds from the run's start to the batch's start)."""
-    from .trajectories import trajectory_from_output
+    from mtflow.run.trajectories import trajectory_from_output
 
     idx = finished.index if index is None else index
     traj = trajectory_from_output(finished.output, str(finished.uuid), index=idx, rank=rank,

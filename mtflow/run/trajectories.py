@@ -1,6 +1,6 @@
 """Trajectory files: the companion of a trace file, one JSON line per finished request.
 
-A trace (``mtflow/trace.py``) says *which states* each request went through; it deliberately
+A trace (``mtflow/core/trace.py``) says *which states* each request went through; it deliberately
 carries no messages or tokens (it must stay cheap enough to record always). The viewer's detail
 view needs the conversation and the token-level loss mask, so ``mtflow run`` (and anyone else)
 writes them here, keyed by the same ``uuid`` as the trace. Format: ``docs/trace-format.md``.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
-from .trace import open_text
+from mtflow.core.trace import open_text
 
 #: Keys of one line, in the order they are written.
 TRAJECTORY_FIELDS = ('uuid', 'index', 'rank', 'finish_reason', 'num_turns', 'messages', 'response_token_ids',

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Tuple
 
-from .machine import CHECK_FINISHED, DONE_BY_HOOK, LENGTH, MAX_TURNS
+from mtflow.core.machine import CHECK_FINISHED, DONE_BY_HOOK, LENGTH, MAX_TURNS
 
 __all__ = ['default_check', 'decide_stop', 'turn_limit_reached']
 

@@ -70,7 +70,7 @@ def _scheduler_file(cfg: Any) -> Optional[Path]:
 
 
 def run_fingerprint(cfg: Any, dataset_path: Optional[Path] = None) -> Dict[str, Any]:
-    """The fingerprint of a run config (``mtflow.run_config.RunConfig``, overrides applied) and
+    """The fingerprint of a run config (``mtflow.run.config.RunConfig``, overrides applied) and
     its dataset (``dataset_path``: the file actually read, the bundled one when the config has
     none)."""
     files: Dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
 The lockstep driver moves all live requests one turn together: each turn waits for the slowest
 generation and the slowest tool of the batch. This driver runs the *same* per-state handlers of
-:class:`mtflow.executor.BatchRun` (same states, triggers, trace events, outputs) on one request
+:class:`mtflow.engine.executor.BatchRun` (same states, triggers, trace events, outputs) on one request
 at a time, as soon as that request's own work completes:
 
 1. a request is admitted (``pending`` -> ``generating``/``continuing``) while fewer than
@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import machine as M
-from . import trace as _trace
-from .calls import OK, RAISED, TIMED_OUT, Outcome
-from .errors import MtflowError, RolloutFnError, StepTimeout
-from .executor import BatchRun, RunResult, _fail_move
-from .machine import RequestRecord
-from .records import Move
+from mtflow.core import machine as M
+from mtflow.core import trace as _trace
+from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
+from mtflow.core.errors import MtflowError, RolloutFnError, StepTimeout
+from mtflow.engine.executor import BatchRun, RunResult, _fail_move
+from mtflow.core.machine import RequestRecord
+from mtflow.core.records import Move
 
 __all__ = ['Until', 'UnfinishedRequest', 'AsyncRun', 'MODES']
 

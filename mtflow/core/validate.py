@@ -1,7 +1,7 @@
 """Checks for everything a scheduler hook or an engine hands the executor.
 
 Each check either returns the value in the shape the executor works with, or raises a
-:class:`~mtflow.errors.RequestError` subclass naming the request, the turn and the field. They
+:class:`~mtflow.core.errors.RequestError` subclass naming the request, the turn and the field. They
 run before anything is changed, so a rejected value leaves the request exactly as it was. They
 are cheap on the common path (one ``type() is`` test per value), because they run once per
 request and turn.
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from numbers import Integral, Real
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-from .errors import RequestError, RolloutFnError, SchedulerResultError
+from mtflow.core.errors import RequestError, RolloutFnError, SchedulerResultError
 
 __all__ = [
     'check_output', 'check_turn_result', 'check_bool', 'check_ids', 'check_mask', 'check_logprobs', 'check_infos'

@@ -1,7 +1,7 @@
 """The reward spread of a run, group by group: what GRPO learns from. A group is the requests of
 one prompt (``num_generations`` copies, see ``mtflow/data/sources.py``); advantages are rewards
 minus the group mean, so a group whose requests all earned the same reward teaches nothing.
-``mtflow run`` feeds a :class:`GroupRewards` through its run tally (``mtflow/run_tally.py``), puts
+``mtflow run`` feeds a :class:`GroupRewards` through its run tally (``mtflow/run/tally.py``), puts
 its summary in ``summary.json`` (``reward_groups``) and prints :func:`spread_rows`."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _is_reward(r: Any) -> bool:
 
 class GroupRewards:
     """Running per-group reward sums: ``group -> [n, sum, sum of squares, min, max, first
-    position]``, fed one finished request at a time (``mtflow.run_tally.RunTally`` feeds it from
+    position]``, fed one finished request at a time (``mtflow.run.tally.RunTally`` feeds it from
     each trajectory written, and again from the files on ``--resume``). A few numbers per group,
     never the rewards themselves; the groups are listed in dataset order (first position)."""
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import abc
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import SchedulerResultError
-from .machine import RequestRecord
-from .protocol import extract_logprobs
-from .validate import check_ids, check_infos, check_logprobs, check_mask
+from mtflow.core.errors import SchedulerResultError
+from mtflow.core.machine import RequestRecord
+from mtflow.core.protocol import extract_logprobs
+from mtflow.core.validate import check_ids, check_infos, check_logprobs, check_mask
 
 def keeps_messages_as_ids(scheduler: Any) -> bool:
     """ms-swift 4.6's shape: the scheduler's class has ``append_assistant_completion``."""
@@ -25,10 +25,10 @@ def keeps_messages_as_ids(scheduler: Any) -> bool:
 
 def accounting_for(scheduler: Any) -> Any:
     """The accounting an executor uses for ``scheduler`` when none is passed: ms-swift 4.6's
-    (:class:`mtflow.id_accounting.Swift46Accounting`) for schedulers that keep assistant
+    (:class:`mtflow.accounting.swift46.Swift46Accounting`) for schedulers that keep assistant
     messages as token ids, else the contract's."""
     if keeps_messages_as_ids(scheduler):
-        from .id_accounting import Swift46Accounting  # it imports this module
+        from mtflow.accounting.swift46 import Swift46Accounting  # it imports this module
         return Swift46Accounting(scheduler)
     return ContractAccounting()
 

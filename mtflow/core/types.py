@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from .machine import RequestRecord
+from mtflow.core.machine import RequestRecord
 
 __all__ = ['InferRequestLike', 'ChoiceLike', 'OutputLike', 'RolloutFn', 'GatherFn', 'Accounting', 'SchedulerLike',
            'StepResult', 'TurnResult']
@@ -52,7 +52,7 @@ GatherFn = Callable[[List[Any]], List[Any]]
 @runtime_checkable
 class Accounting(Protocol):
     """How a turn's messages, ids, mask and logprobs join a request's trajectory
-    (:class:`mtflow.segments.ContractAccounting` is the contract's; the ms-swift integration
+    (:class:`mtflow.accounting.segments.ContractAccounting` is the contract's; the ms-swift integration
     passes ms-swift 4.6's). Optional: ``before_step(record, choice, turn)``."""
     name: str
     materializes: bool

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .machine import FINISHED
+from mtflow.core.machine import FINISHED
 
 #: The fields of one event, in JSONL key order.
 EVENT_FIELDS = ('uuid', 'index', 'rank', 'turn', 'from', 'to', 'trigger', 'reason', 'tokens', 'duration_s', 't',

@@ -25,14 +25,14 @@ class Preflight:
     imports: List[Tuple[str, str]] = field(default_factory=list)
 
 
-#: the hooks a duck-typed scheduler class defines (at least one; see mtflow/scheduler.py)
+#: the hooks a duck-typed scheduler class defines (at least one; see mtflow/core/scheduler.py)
 HOOKS = ('step', 'check_finished', 'on_turn_end')
 
 
 def is_scheduler_class(obj: Any) -> bool:
     """An mtflow scheduler class, one that derives from ms-swift's scheduler classes (checked by
     name, without importing ms-swift), or a duck-typed class defining a scheduler hook."""
-    from ..scheduler import Scheduler
+    from mtflow.core.scheduler import Scheduler
     if not isinstance(obj, type):
         return False
     if issubclass(obj, Scheduler):
@@ -45,8 +45,8 @@ def is_scheduler_class(obj: Any) -> bool:
 
 def check_python_scheduler(ref: str, base_dir: Any, where: str) -> List[str]:
     """Problems of a ``module:Class`` scheduler: import, exceptions while importing, kind."""
-    from ..cli import CLIError
-    from .run import _import_ref
+    from mtflow.cli import CLIError
+    from mtflow.commands.run import _import_ref
     try:
         obj = _import_ref(ref, base_dir)
     except CLIError as exc:
@@ -64,9 +64,9 @@ def check_python_scheduler(ref: str, base_dir: Any, where: str) -> List[str]:
 
 
 def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
-    """Check a loaded :class:`mtflow.run_config.RunConfig` (the file already parsed)."""
-    from ..data import DatasetError
-    from ..data.sources import count_requests
+    """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed)."""
+    from mtflow.data import DatasetError
+    from mtflow.data.sources import count_requests
 
     where = cfg.source or '<run config>'
     out = Preflight()
@@ -75,7 +75,7 @@ def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
         if not Path(path).is_file():
             out.problems.append(f'{where}: scheduler: no such scheduler file: {cfg.scheduler}')
         else:
-            from ..declarative import inspect_file
+            from mtflow.declarative import inspect_file
             report = inspect_file(str(path))
             out.problems += [str(p) for p in report.problems]
             out.imports += [(f'{path}: {f}', ref) for f, ref in report.imports]

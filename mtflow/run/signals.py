@@ -5,7 +5,7 @@ exits at once.
 raises :class:`StopRequested` (a ``KeyboardInterrupt``, so the executor finishes the requests in
 flight as ``interrupted`` exactly as for Ctrl-C) and remembers which signal it was, so the command
 can exit with 130 (SIGINT) or 143 (SIGTERM). A second signal, while the run is still stopping,
-calls ``os._exit`` right away: whatever was already written stays whole (``mtflow/run_store.py``
+calls ``os._exit`` right away: whatever was already written stays whole (``mtflow/run/store.py``
 drops a torn last line on ``--resume``).
 
 Code that must not be cut in half by the first signal (the run store writing a group of lines)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .machine import RequestRecord
-from .segments import ContractAccounting
+from mtflow.core.machine import RequestRecord
+from mtflow.accounting.segments import ContractAccounting
 
 __all__ = ['TokenTurn', 'TokenRecord', 'RecordAccounting', 'record_of', 'record_accounting', 'RECORD_ATTR']
 

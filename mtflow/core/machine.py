@@ -15,7 +15,7 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import IllegalTransition
+from mtflow.core.errors import IllegalTransition
 
 # States (plain interned strings: cheap to compare and to write into traces).
 PENDING = 'pending'
@@ -149,7 +149,7 @@ class StateGraph:
              tokens: Optional[int] = None, duration: Optional[float] = None, extra: Optional[dict] = None) -> str:
         """The one way a request changes state: move ``record`` by ``trigger`` (raising
         :class:`IllegalTransition` if the declaration does not allow it) and, when ``recorder``
-        (a :class:`mtflow.trace.TraceRecorder`) is given, record the transition, also in the
+        (a :class:`mtflow.core.trace.TraceRecorder`) is given, record the transition, also in the
         record's own event list when it keeps one. A move into ``finished`` carries the record's
         ``reason``."""
         src = record.state

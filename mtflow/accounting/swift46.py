@@ -9,14 +9,14 @@ while text-oriented hooks run (``snapshot_and_materialize_assistant_messages`` /
 ``restore_assistant_message_snapshots``).
 
 :class:`Swift46Accounting` is that behaviour behind the interface of
-:class:`mtflow.segments.ContractAccounting`, so mtflow's executor produces, field for field, what
+:class:`mtflow.accounting.segments.ContractAccounting`, so mtflow's executor produces, field for field, what
 the installed ms-swift driver produces for such a scheduler (``tests/swift/test_differential.py``
 checks it against the real package). The executor picks it for any scheduler whose class has
-``append_assistant_completion`` (:func:`mtflow.segments.accounting_for`), so ``run_multi_turn``
+``append_assistant_completion`` (:func:`mtflow.accounting.segments.accounting_for`), so ``run_multi_turn``
 stays a drop-in for ms-swift schedulers; the ms-swift integration also passes it in explicitly.
 
 It is part of the core (not of ``mtflow.integrations``) because it is a set of rules over five
-scheduler methods, not ms-swift code; ``mtflow.integrations.swift_accounting`` re-exports it.
+scheduler methods, not ms-swift code; ``mtflow.accounting.swift46`` re-exports it.
 
 It never imports ms-swift: everything goes through the scheduler's own methods, so it works for
 ms-swift's classes and for any object that implements the same methods.
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .errors import SchedulerResultError
-from .machine import RequestRecord
-from .protocol import extract_logprobs
-from .segments import check_step_result, join_final, join_step_logprobs
+from mtflow.core.errors import SchedulerResultError
+from mtflow.core.machine import RequestRecord
+from mtflow.core.protocol import extract_logprobs
+from mtflow.accounting.segments import check_step_result, join_final, join_step_logprobs
 
 __all__ = ['Swift46Accounting']
 
@@ -36,7 +36,7 @@ __all__ = ['Swift46Accounting']
 class Swift46Accounting:
     """ms-swift 4.6's rules for messages and segments, driven by the scheduler's own methods.
 
-    Differences from the contract (:class:`~mtflow.segments.ContractAccounting`), all as in
+    Differences from the contract (:class:`~mtflow.accounting.segments.ContractAccounting`), all as in
     ms-swift 4.6:
 
     - the completion is applied by ``scheduler.append_assistant_completion`` (which decodes an
@@ -60,7 +60,7 @@ class Swift46Accounting:
         missing = [m for m in _REQUIRED if not callable(getattr(scheduler, m, None))]
         if missing:
             raise TypeError(f'{type(scheduler).__name__} lacks the ms-swift 4.6 method(s) {", ".join(missing)}; '
-                            f'use mtflow.segments.ContractAccounting for it')
+                            f'use mtflow.accounting.segments.ContractAccounting for it')
         self.scheduler = scheduler
         # (ids, mask) computed before each request's step, keyed by the record (id) until used
         self._pre_step: Dict[int, Tuple[List[int], List[int]]] = {}

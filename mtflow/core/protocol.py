@@ -73,7 +73,7 @@ class RolloutInferRequest(_Model):
 
     ``messages`` is a list of ``{'role', 'content'}`` dicts and is mutated in place by the
     executor, exactly as ms-swift's loop does. ``token_record`` is mtflow's own: the backend's
-    exact-id history of this request (see ``mtflow.token_record``).
+    exact-id history of this request (see ``mtflow.accounting.token_record``).
     """
     messages: Messages
     images: List[Any] = Field(default_factory=list)
@@ -84,7 +84,7 @@ class RolloutInferRequest(_Model):
     chat_template_kwargs: Dict[str, Any] = Field(default_factory=dict)
     data_dict: Dict[str, Any] = Field(default_factory=dict)
     uuid: Optional[str] = None
-    #: the exact token ids of the turns so far (:class:`mtflow.token_record.TokenRecord`), kept
+    #: the exact token ids of the turns so far (:class:`mtflow.accounting.token_record.TokenRecord`), kept
     #: by backends that generate from ids; never dumped, copied with the request
     token_record: Optional[Any] = Field(default=None, exclude=True, repr=False)
 

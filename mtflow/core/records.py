@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from .errors import RequestFailure
-from .trace import TraceEvent
+from mtflow.core.errors import RequestFailure
+from mtflow.core.trace import TraceEvent
 
 __all__ = ['FinishedRequest', 'Move']
 
@@ -37,10 +37,10 @@ class Move:
     """What a handler returns for one request: the trigger to fire, with what the trace records
     about it, and, for moves into ``finished``, the reason (and the failure, if any).
 
-    The handler decides; :meth:`mtflow.executor.BatchRun.apply` carries the moves out (builds the
+    The handler decides; :meth:`mtflow.engine.executor.BatchRun.apply` carries the moves out (builds the
     outputs of finishing requests, moves them through the graph, runs the finish hooks), so a
     handler never changes a state itself."""
-    record: Any  # mtflow.machine.RequestRecord
+    record: Any  # mtflow.core.machine.RequestRecord
     trigger: str
     turn: int
     tokens: Optional[int] = None

@@ -3,10 +3,10 @@
 One turn (see ``docs/executor.md``):
 
 1. ask every rank whether any has live requests (``gather_fn``); stop when none has;
-2. the graph dispatches: for each phase of :data:`mtflow.machine.TURN_PHASES`, the handler of
+2. the graph dispatches: for each phase of :data:`mtflow.core.machine.TURN_PHASES`, the handler of
    that phase takes the requests in its states and returns their moves (:class:`Move`):
    ``waiting`` (``generating``/``continuing``) applies the outputs, runs ``on_turn_end`` and
-   the stop decision (:func:`mtflow.stop.decide_stop`) -> ``finish`` / ``run_step`` / ``fail``;
+   the stop decision (:func:`mtflow.core.stop.decide_stop`) -> ``finish`` / ``run_step`` / ``fail``;
    ``tool_step`` runs the steps -> ``generate`` / ``continue_message`` / ``fail``;
    :meth:`BatchRun.apply` carries the moves out through :meth:`StateGraph.move`, which also
    records the trace;
@@ -15,7 +15,7 @@ One turn (see ``docs/executor.md``):
 
 The driver is synchronous, like ms-swift's: ``rollout_fn`` and sync hooks run outside any event
 loop (engines that start their own loop keep working); async hooks are driven directly and, if
-they suspend, on a private event loop (:mod:`mtflow.calls`). Every step has a deadline.
+they suspend, on a private event loop (:mod:`mtflow.core.calls`). Every step has a deadline.
 
 A failure in one request (a hook or step raising or missing its deadline, a bad result, a bad
 output) finishes that request (reason ``error`` or ``timeout``); the others go on, every rank
@@ -33,20 +33,20 @@ import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
-from . import machine as M
-from . import trace as _trace
-from . import validate as V
-from .calls import OK, RAISED, TIMED_OUT, Caller, Outcome
-from .errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RequestFailure, RolloutFnError,
+from mtflow.core import machine as M
+from mtflow.core import trace as _trace
+from mtflow.core import validate as V
+from mtflow.core.calls import OK, RAISED, TIMED_OUT, Caller, Outcome
+from mtflow.core.errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RequestFailure, RolloutFnError,
                      RolloutInterrupted, SchedulerResultError, StepTimeout)
-from .machine import RequestRecord, StateGraph
-from .protocol import OutputBuilder, RolloutOutput
-from .records import FinishedRequest, Move
-from .scheduler import HookSet
-from .segments import accounting_for, checked_logprobs, is_continuation_of
-from .stop import decide_stop, default_check
-from .trace import Trace, TraceEvent, TraceRecorder
-from .types import Accounting, GatherFn, RolloutFn, SchedulerLike
+from mtflow.core.machine import RequestRecord, StateGraph
+from mtflow.core.protocol import OutputBuilder, RolloutOutput
+from mtflow.core.records import FinishedRequest, Move
+from mtflow.core.scheduler import HookSet
+from mtflow.accounting.segments import accounting_for, checked_logprobs, is_continuation_of
+from mtflow.core.stop import decide_stop, default_check
+from mtflow.core.trace import Trace, TraceEvent, TraceRecorder
+from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
 
 OnError = Literal['raise', 'return']
 OnFinished = Callable[[FinishedRequest], None]
@@ -129,7 +129,7 @@ class Executor:
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
         accounting: how ids/masks/logprobs accumulate (default:
-            :func:`mtflow.segments.accounting_for`: ms-swift 4.6's rules for schedulers that keep
+            :func:`mtflow.accounting.segments.accounting_for`: ms-swift 4.6's rules for schedulers that keep
             assistant messages as token ids, else the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
@@ -159,7 +159,7 @@ class Executor:
             gives each its own task from the start.
         mode: ``'lockstep'`` (default: every live request moves one turn together, the contract's
             driver) or ``'async'``: every request advances on its own, ``rollout_fn`` called with
-            one-request lists concurrently (:mod:`mtflow.async_driver`, ``docs/executor.md``).
+            one-request lists concurrently (:mod:`mtflow.engine.async_driver`, ``docs/executor.md``).
         max_concurrency: async mode: the most requests in flight at once (admitted and not
             finished; so also the most ``rollout_fn`` calls in flight); ``None``: all.
 
@@ -281,10 +281,10 @@ class Executor:
     def _batch_run(self, loop: asyncio.AbstractEventLoop, requests: List[Any],
                    first_turn_outputs: Optional[Sequence[Any]], until: Any) -> 'BatchRun':
         """The driver of one run: lockstep (:class:`BatchRun`), or async mode's, which drives the
-        same handlers per request (:class:`mtflow.async_driver.AsyncRun`; partial rollouts with
-        ``until`` and resumed :class:`~mtflow.async_driver.UnfinishedRequest` items need it)."""
+        same handlers per request (:class:`mtflow.engine.async_driver.AsyncRun`; partial rollouts with
+        ``until`` and resumed :class:`~mtflow.engine.async_driver.UnfinishedRequest` items need it)."""
         if self.mode == 'async':
-            from .async_driver import AsyncRun, Until
+            from mtflow.engine.async_driver import AsyncRun, Until
 
             return AsyncRun(self, loop, requests, first_turn_outputs, Until.coerce(until))
         if until is not None or any(type(r).__name__ == 'UnfinishedRequest' for r in requests):
@@ -354,7 +354,7 @@ class BatchRun:
 
     ``handle_waiting`` needs ``record.incoming`` (the output of this turn, set by :meth:`rollout`
     or by the caller); ``handle_tool_step`` uses ``record.choice``, set by ``handle_waiting``.
-    :attr:`handlers` maps each phase name of :data:`mtflow.machine.TURN_PHASES` to its handler.
+    :attr:`handlers` maps each phase name of :data:`mtflow.core.machine.TURN_PHASES` to its handler.
     """
 
     def __init__(self, ex: Executor, loop: asyncio.AbstractEventLoop, requests: List[Any],

@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import MtflowError
-from .protocol import RequestConfig
+from mtflow.core.errors import MtflowError
+from mtflow.core.protocol import RequestConfig
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS']
 
@@ -96,14 +96,14 @@ class RunConfig(BaseModel):
     @classmethod
     def _dataset_kind(cls, value: Any) -> Any:
         if isinstance(value, dict):
-            from .data.sources import check_dataset_mapping
+            from mtflow.data.sources import check_dataset_mapping
             check_dataset_mapping(value)
         return value
 
     @field_validator('backend')
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        from .backends import ALIASES, BACKENDS
+        from mtflow.backends import ALIASES, BACKENDS
 
         if value not in BACKENDS and value not in ALIASES:
             raise ValueError(f'unknown backend {value!r}; choose one of: {", ".join(BACKENDS)}')
@@ -206,7 +206,7 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         raise RunConfigError(f'config file not found: {path}')
     if path.is_dir():
         raise RunConfigError(f'config path is a directory, not a YAML file: {path}')
-    from .safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
+    from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
 
     try:
         data, root, duplicates = load_yaml_file(str(path))
@@ -240,7 +240,7 @@ def default_out_name(path: Union[str, Path]) -> str:
 def is_run_config(path: Union[str, Path]) -> bool:
     """Whether a YAML file is a run config (it names a ``scheduler``) rather than a scheduler file.
     Unreadable or invalid YAML counts as not a run config (the scheduler loader reports it)."""
-    from .safe_yaml import YamlLoadError, load_yaml_file
+    from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
 
     try:
         data, _, _ = load_yaml_file(str(path))

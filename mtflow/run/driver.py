@@ -1,11 +1,11 @@
 """The rollout loop of ``mtflow run``: batches of prompts through the executor, every finished
-request streamed into a :class:`mtflow.run_store.RunStore` the moment it finishes.
+request streamed into a :class:`mtflow.run.store.RunStore` the moment it finishes.
 
 The prompts come from an iterator and each batch is dropped once it is done, so the run holds
 only the batch in flight (and the store's counters), whatever the dataset's size. Requests the
 store already has (an earlier attempt wrote them) are skipped, so ``--resume`` never runs or
 writes a uuid twice. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM through
-:class:`mtflow.run_signals.StopSignals`) reaches the executor, which finishes the requests in
+:class:`mtflow.run.signals.StopSignals`) reaches the executor, which finishes the requests in
 flight with reason ``interrupted``; they go to ``interrupted.jsonl`` and the interrupt goes on
 to the caller, which closes the store.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from .machine import INTERRUPTED
-from .run_store import RunDirError, RunStore, finished_to_record
+from mtflow.core.machine import INTERRUPTED
+from mtflow.run.store import RunDirError, RunStore, finished_to_record
 
 __all__ = ['StreamingRun']
 
@@ -107,7 +107,7 @@ class StreamingRun:
         return self.figures()
 
     def _run_batch(self, batch: List[Tuple[int, Any]]) -> None:
-        from .errors import RolloutInterrupted
+        from mtflow.core.errors import RolloutInterrupted
 
         self._indices = [i for i, _ in batch]
         self.counter.turn = 0

@@ -14,8 +14,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .machine import FINISH_REASONS, StateGraph
-from .stop import default_check
+from mtflow.core.machine import FINISH_REASONS, StateGraph
+from mtflow.core.stop import default_check
 
 StepResult = Dict[str, Any]
 
@@ -54,7 +54,7 @@ class Scheduler:
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
         """Default stop rule (as ms-swift's): the output hit the length limit, or ``max_turns``
-        (:func:`mtflow.stop.default_check`)."""
+        (:func:`mtflow.core.stop.default_check`)."""
         return default_check(response_choice.finish_reason, current_turn, self.max_turns)[0]
 
     async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
