@@ -18,21 +18,6 @@ from mtflow.core.machine import RequestRecord
 from mtflow.core.protocol import extract_logprobs
 from mtflow.core.validate import check_ids, check_infos, check_logprobs, check_mask
 
-def keeps_messages_as_ids(scheduler: Any) -> bool:
-    """ms-swift 4.6's shape: the scheduler's class has ``append_assistant_completion``."""
-    return callable(getattr(type(scheduler), 'append_assistant_completion', None))
-
-
-def accounting_for(scheduler: Any) -> Any:
-    """The accounting an executor uses for ``scheduler`` when none is passed: ms-swift 4.6's
-    (:class:`mtflow.accounting.swift46.Swift46Accounting`) for schedulers that keep assistant
-    messages as token ids, else the contract's."""
-    if keeps_messages_as_ids(scheduler):
-        from mtflow.accounting.swift46 import Swift46Accounting  # it imports this module
-        return Swift46Accounting(scheduler)
-    return ContractAccounting()
-
-
 def is_continuation_of(messages: List[Dict[str, Any]]) -> bool:
     """Whether the next output continues the last assistant message, judged the way the contract
     applies it: a trailing assistant placeholder (content ``None``) is dropped first."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.machine import RequestRecord
+from mtflow.accounting.choose import keeps_messages_as_ids
 from mtflow.accounting.segments import ContractAccounting
 
 __all__ = ['TokenTurn', 'TokenRecord', 'RecordAccounting', 'record_of', 'record_accounting', 'RECORD_ATTR']
@@ -182,6 +183,6 @@ def record_accounting(scheduler: Any) -> Optional[RecordAccounting]:
     """The accounting for ``mtflow run`` and other drivers: :class:`RecordAccounting`, except for
     ms-swift 4.6-style schedulers (``append_assistant_completion``), which keep their own exact-id
     semantics (``None``: the executor's default picks it)."""
-    if callable(getattr(type(scheduler), 'append_assistant_completion', None)):
+    if keeps_messages_as_ids(scheduler):
         return None
     return RecordAccounting()

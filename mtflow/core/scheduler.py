@@ -86,7 +86,7 @@ class Scheduler:
         return None
 
 
-def _is_base_impl(fn: Any, name: str) -> bool:
+def is_default_hook(fn: Any, name: str) -> bool:
     """True when ``fn`` is mtflow's or ms-swift's no-op/default implementation of hook ``name``.
 
     ms-swift is recognised by qualified name and module, without importing it."""
@@ -119,28 +119,28 @@ class HookSet:
 
         on_turn_end = getattr(scheduler, 'on_turn_end', None)
         self.on_turn_end: Optional[Callable[..., Any]] = (
-            None if on_turn_end is None or _is_base_impl(on_turn_end, 'on_turn_end') else on_turn_end)
+            None if on_turn_end is None or is_default_hook(on_turn_end, 'on_turn_end') else on_turn_end)
         self.on_turn_end_is_async = self.on_turn_end is not None and _is_async(self.on_turn_end)
 
         check = getattr(scheduler, 'check_finished', None)
         # The default rule is evaluated inline (same result, no call); a custom one is called.
         self.check_finished: Optional[Callable[..., Any]] = (
-            None if check is None or _is_base_impl(check, 'check_finished') else check)
+            None if check is None or is_default_hook(check, 'check_finished') else check)
         self.check_is_async = self.check_finished is not None and _is_async(self.check_finished)
 
         start = getattr(scheduler, 'on_trajectory_start', None)
-        self.on_trajectory_start = None if start is None or _is_base_impl(start, 'on_trajectory_start') else start
+        self.on_trajectory_start = None if start is None or is_default_hook(start, 'on_trajectory_start') else start
         self.on_trajectory_start_is_async = self.on_trajectory_start is not None and _is_async(start)
 
         end = getattr(scheduler, 'on_trajectory_end', None)
-        self.on_trajectory_end = None if end is None or _is_base_impl(end, 'on_trajectory_end') else end
+        self.on_trajectory_end = None if end is None or is_default_hook(end, 'on_trajectory_end') else end
 
         finalize = getattr(scheduler, 'finalize_output', None)
         self.finalize_output: Optional[Callable[..., Any]] = (
-            None if finalize is None or _is_base_impl(finalize, 'finalize_output') else finalize)
+            None if finalize is None or is_default_hook(finalize, 'finalize_output') else finalize)
 
         finished = getattr(scheduler, 'on_request_finished', None)
-        self.on_request_finished = None if finished is None or _is_base_impl(finished,
+        self.on_request_finished = None if finished is None or is_default_hook(finished,
                                                                              'on_request_finished') else finished
 
         extra = tuple(getattr(scheduler, 'finish_reasons', ()) or ())

@@ -43,7 +43,8 @@ from mtflow.core.machine import RequestRecord, StateGraph
 from mtflow.core.protocol import OutputBuilder, RolloutOutput
 from mtflow.core.records import FinishedRequest, Move
 from mtflow.core.scheduler import HookSet
-from mtflow.accounting.segments import accounting_for, checked_logprobs, is_continuation_of
+from mtflow.accounting.choose import accounting_for
+from mtflow.accounting.segments import checked_logprobs, is_continuation_of
 from mtflow.core.stop import decide_stop, default_check
 from mtflow.core.trace import Trace, TraceEvent, TraceRecorder
 from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
@@ -129,7 +130,7 @@ class Executor:
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
         accounting: how ids/masks/logprobs accumulate (default:
-            :func:`mtflow.accounting.segments.accounting_for`: ms-swift 4.6's rules for schedulers that keep
+            :func:`mtflow.accounting.accounting_for`: ms-swift 4.6's rules for schedulers that keep
             assistant messages as token ids, else the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it

@@ -37,6 +37,7 @@ from mtflow.core import protocol as _mp
 from mtflow.core.errors import MultiTurnRolloutError
 from mtflow.engine.executor import Executor, identity_gather
 from mtflow.core.stop import decide_stop, default_check
+from mtflow.accounting.choose import keeps_messages_as_ids
 from mtflow.accounting.swift46 import Swift46Accounting
 
 __all__ = [
@@ -168,9 +169,9 @@ def _base_check(choice: Any, turn: int, max_turns: Optional[int]) -> Tuple[bool,
 
 def _overrides(obj: Any, name: str) -> bool:
     """Whether ``obj``'s ``name`` hook is its own (not mtflow's or ms-swift's no-op default)."""
-    from mtflow.core.scheduler import _is_base_impl
+    from mtflow.core.scheduler import is_default_hook
     fn = getattr(obj, name, None)
-    return fn is not None and not _is_base_impl(fn, name)
+    return fn is not None and not is_default_hook(fn, name)
 
 
 class SwiftSchedulerAdapter(MultiTurnScheduler):
@@ -491,7 +492,7 @@ def _keep_run(state: Optional['InstallState'], rank: int, result: Any) -> None:
 def _accounting_for(scheduler: Any) -> Any:
     """ms-swift 4.6's accounting for schedulers that keep assistant messages as ids (every
     ``MultiTurnScheduler``), else the contract's (the executor's default)."""
-    if callable(getattr(type(scheduler), 'append_assistant_completion', None)):
+    if keeps_messages_as_ids(scheduler):
         return Swift46Accounting(scheduler)
     return None
 

@@ -9,7 +9,7 @@ import pytest
 from swift.rollout.multi_turn import MultiTurnScheduler
 
 import mtflow
-from mtflow.accounting.segments import accounting_for
+from mtflow.accounting import accounting_for
 from tests.swift.swift_helpers import ScriptedSwift, sreq
 from tests.tiny_model import make_tokenizer
 
