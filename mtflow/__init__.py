@@ -7,7 +7,7 @@ from mtflow.core.errors import (DuplicateUuidError, IllegalTransition, MtflowErr
                      RequestError, RequestFailure, RolloutFnError, RolloutInterrupted, SchedulerResultError,
                      StepTimeout)
 from mtflow.engine.executor import Executor, RunResult, identity_gather, run_multi_turn
-from mtflow.engine.async_driver import UnfinishedRequest, Until
+from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.core.machine import StateGraph
 from mtflow.core.records import FinishedRequest
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,

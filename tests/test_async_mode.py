@@ -375,7 +375,7 @@ def test_the_async_driver_is_core_and_imports_no_outer_layer():
 
     from tests.executor.test_one_source import OUTER
 
-    tree = ast.parse((Path(mtflow.__file__).parent / 'async_driver.py').read_text())
+    tree = ast.parse((Path(mtflow.__file__).parent / 'engine' / 'async_driver.py').read_text())
     names = {n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in names if m.split('.')[0] in OUTER or m.startswith('mtflow.') and m.split('.')[1] in OUTER}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtflow.core.types import Accounting
 from mtflow.accounting.segments import ContractAccounting
 from mtflow.accounting.swift46 import Swift46Accounting
 
@@ -16,7 +17,7 @@ def keeps_messages_as_ids(scheduler: Any) -> bool:
     return callable(getattr(type(scheduler), 'append_assistant_completion', None))
 
 
-def accounting_for(scheduler: Any) -> Any:
+def accounting_for(scheduler: Any) -> Accounting:
     """The accounting an executor uses for ``scheduler`` when none is passed: ms-swift 4.6's for
     schedulers that keep assistant messages as token ids, else the contract's."""
     if keeps_messages_as_ids(scheduler):

@@ -52,14 +52,15 @@ Results = Tuple[List[Any], Optional[Dict[int, Outcome]], Optional[List[float]]]
 
 
 class _Resume:
-    """Resumes, inside a task, a coroutine that the fast path started and that suspended."""
-    __slots__ = ('coro', 'first')
+    """Resumes, inside a task, a coroutine that the fast path started and that suspended
+    (``yielded``: what it yielded when it suspended, handed on to the task)."""
+    __slots__ = ('coro', 'yielded')
 
-    def __init__(self, coro: Any, first: Any) -> None:
-        self.coro, self.first = coro, first
+    def __init__(self, coro: Any, yielded: Any) -> None:
+        self.coro, self.yielded = coro, yielded
 
     def __await__(self) -> Any:
-        coro, value = self.coro, self.first
+        coro, value = self.coro, self.yielded
         while True:
             try:
                 sent = yield value
@@ -75,8 +76,8 @@ class _Resume:
                     return stop.value
 
 
-async def _resumed(coro: Any, first: Any) -> Any:
-    return await _Resume(coro, first)
+async def _resumed(coro: Any, yielded: Any) -> Any:
+    return await _Resume(coro, yielded)
 
 
 class Caller:
@@ -123,7 +124,7 @@ class Caller:
             try:
                 value = fn(*args)
                 if inspect.isawaitable(value):
-                    return self._awaitables([value], t, None)[0]
+                    return self.run_awaitables([value], t, None)[0]
             except Exception as exc:
                 return Outcome(RAISED, exc, perf_counter() - t)
             return Outcome(OK, value, perf_counter() - t)
@@ -131,7 +132,7 @@ class Caller:
         if outcome.kind == OK and inspect.isawaitable(outcome.value):
             t = perf_counter()
             left = max(timeout - outcome.duration, 0.001)
-            outcome = self._awaitables([outcome.value], t, left)[0]
+            outcome = self.run_awaitables([outcome.value], t, left)[0]
             if outcome.kind == TIMED_OUT:
                 outcome.value = timeout
         return outcome
@@ -176,7 +177,7 @@ class Caller:
         values: List[Any] = [None] * n
         durations: Optional[List[float]] = [0.0] * n if timed else None
         problems: Optional[Dict[int, Outcome]] = None
-        suspended: List[Tuple[int, Any, Any]] = []
+        suspended: List[Tuple[int, Any, Any]] = []  # (k, coroutine, what its first suspension yielded)
         t0 = perf_counter()
         eager = self.eager
         previous = _events._get_running_loop()
@@ -186,27 +187,15 @@ class Caller:
             for k, a in enumerate(args):
                 try:
                     coro = fn(*a)
-                    if eager and coro.__class__ is _CoroutineType:
+                    if eager and coro.__class__ is _CoroutineType:  # the common shape, inlined
                         try:
-                            first = coro.send(None)
+                            yielded = coro.send(None)
                         except StopIteration as stop:
                             values[k] = stop.value
                         else:
-                            suspended.append((k, coro, first))
+                            suspended.append((k, coro, yielded))
                     else:
-                        send = getattr(coro, 'send', None) if eager else None
-                        if send is None:
-                            if not inspect.isawaitable(coro):  # declared async but returned a value
-                                values[k] = coro
-                            else:
-                                suspended.append((k, coro, _NOT_STARTED))
-                        else:
-                            try:
-                                first = send(None)
-                            except StopIteration as stop:
-                                values[k] = stop.value
-                            else:
-                                suspended.append((k, coro, first))
+                        self._start_awaitable(k, coro, values, suspended)
                 except Exception as exc:
                     if problems is None:
                         problems = {}
@@ -222,22 +211,48 @@ class Caller:
         finally:
             _events._set_running_loop(previous)
         if suspended:
-            left = None if timeout is None else max(timeout - (perf_counter() - t0), 0.001)
-            awaitables = [c if first is _NOT_STARTED else _resumed(c, first) for _, c, first in suspended]
-            for (k, _, _), outcome in zip(suspended, self._awaitables(awaitables, t0, left)):
-                if outcome.kind == OK:
-                    values[k] = outcome.value
-                    if timed:
-                        durations[k] = outcome.duration  # type: ignore[index]
-                    continue
-                if outcome.kind == TIMED_OUT:
-                    outcome.value = timeout  # the deadline, not what was left of it
-                if problems is None:
-                    problems = {}
-                problems[k] = outcome
+            problems = self._resume_suspended(suspended, values, durations, problems, t0, timeout)
         return values, problems, durations
 
-    def _awaitables(self, awaitables: List[Any], t0: float, timeout: Optional[float]) -> List[Outcome]:
+    def _start_awaitable(self, k: int, value: Any, values: List[Any], suspended: List[Tuple[int, Any, Any]]) -> None:
+        """What an async hook returned when it is not a plain coroutine (or ``eager`` is off):
+        a value (declared async, returned at once), an awaitable to run as a task, or a
+        coroutine-like object driven directly like a coroutine."""
+        send = getattr(value, 'send', None) if self.eager else None
+        if send is None:
+            if not inspect.isawaitable(value):  # declared async but returned a value
+                values[k] = value
+            else:
+                suspended.append((k, value, _NOT_STARTED))
+            return
+        try:
+            yielded = send(None)
+        except StopIteration as stop:
+            values[k] = stop.value
+        else:
+            suspended.append((k, value, yielded))
+
+    def _resume_suspended(self, suspended: List[Tuple[int, Any, Any]], values: List[Any],
+                          durations: Optional[List[float]], problems: Optional[Dict[int, Outcome]], t0: float,
+                          timeout: Optional[float]) -> Optional[Dict[int, Outcome]]:
+        """Run the coroutines that suspended as tasks, under what is left of ``timeout``; their
+        values go into ``values``, their failures into the returned ``problems``."""
+        left = None if timeout is None else max(timeout - (perf_counter() - t0), 0.001)
+        awaitables = [c if yielded is _NOT_STARTED else _resumed(c, yielded) for _, c, yielded in suspended]
+        for (k, _, _), outcome in zip(suspended, self.run_awaitables(awaitables, t0, left)):
+            if outcome.kind == OK:
+                values[k] = outcome.value
+                if durations is not None:
+                    durations[k] = outcome.duration
+                continue
+            if outcome.kind == TIMED_OUT:
+                outcome.value = timeout  # the deadline, not what was left of it
+            if problems is None:
+                problems = {}
+            problems[k] = outcome
+        return problems
+
+    def run_awaitables(self, awaitables: List[Any], t0: float, timeout: Optional[float]) -> List[Outcome]:
         """Run ``awaitables`` concurrently on the private loop; cancel those past ``timeout``."""
 
         async def timed(aw: Any) -> Tuple[int, Any, float]:

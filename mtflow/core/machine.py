@@ -171,7 +171,8 @@ class StateGraph:
                  extras: Optional[Sequence[Optional[dict]]] = None) -> None:
         """:meth:`move` for each record in turn (``triggers[k]``, ``tokens[k]``, ... for
         ``records[k]``; ``None`` lists: ``None`` for each): the same checks, the same events in
-        the same order, without a call per record (the lockstep loop's common moves)."""
+        the same order, without a call per record (a handler's common moves,
+        :class:`mtflow.core.records.TurnMoves`)."""
         table = self.table
         n = len(records)
         tokens = tokens if tokens is not None else (None, ) * n

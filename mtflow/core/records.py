@@ -1,18 +1,20 @@
 """Small named records the executor hands around: to callers (:class:`FinishedRequest`) and
-between the phases of a turn.
+between the phases of a turn (:class:`Move`, :class:`TurnMoves`).
 
-They are plain slotted dataclasses: cheap to build once per request-turn, and self-describing
-where the first version passed 6-field tuples between phases.
+They are slotted: cheap to build once per request-turn, and each field named, so a phase's
+result says what it holds.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from mtflow.core.errors import RequestFailure
+from mtflow.core.machine import RequestRecord
 from mtflow.core.trace import TraceEvent
 
-__all__ = ['FinishedRequest', 'Move']
+__all__ = ['FinishedRequest', 'Move', 'TurnMoves']
 
 
 @dataclass(slots=True)
@@ -37,10 +39,10 @@ class Move:
     """What a handler returns for one request: the trigger to fire, with what the trace records
     about it, and, for moves into ``finished``, the reason (and the failure, if any).
 
-    The handler decides; :meth:`mtflow.engine.executor.BatchRun.apply` carries the moves out (builds the
-    outputs of finishing requests, moves them through the graph, runs the finish hooks), so a
-    handler never changes a state itself."""
-    record: Any  # mtflow.core.machine.RequestRecord
+    The handler decides; :func:`mtflow.engine.moves.apply_moves` carries the moves out (builds
+    the outputs of finishing requests, moves them through the graph, runs the finish hooks), so
+    a handler never changes a state itself."""
+    record: RequestRecord
     trigger: str
     turn: int
     tokens: Optional[int] = None
@@ -48,3 +50,44 @@ class Move:
     extra: Optional[dict] = None
     reason: Optional[str] = None
     failure: Optional[RequestFailure] = None
+
+
+class TurnMoves(Sequence):
+    """A handler's moves for a batch of records: one :class:`Move` per record, in order, kept as
+    columns (``triggers[k]``, ``tokens[k]``, ... for ``records[k]``; a ``None`` column: ``None``
+    for each).
+
+    Most moves of a turn only change the state (into ``tool_step``, back into ``generating``), and
+    columns let them go through the graph in one pass without an object per request and turn.
+    The rare moves that end a request are kept whole in ``ending`` (position -> :class:`Move`).
+    Indexing or iterating builds the :class:`Move` of each position."""
+    __slots__ = ('records', 'triggers', 'turn', 'tokens', 'durations', 'extras', 'ending')
+
+    def __init__(self, records: List[RequestRecord], triggers: List[str], turn: int,
+                 tokens: Optional[List[Optional[int]]] = None, durations: Optional[List[Optional[float]]] = None,
+                 extras: Optional[List[Optional[dict]]] = None, ending: Optional[Dict[int, Move]] = None) -> None:
+        self.records = records
+        self.triggers = triggers
+        self.turn = turn
+        self.tokens = tokens
+        self.durations = durations
+        self.extras = extras
+        self.ending = ending
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, position: int) -> Move:  # type: ignore[override]
+        if isinstance(position, slice):
+            return [self[k] for k in range(*position.indices(len(self.records)))]  # type: ignore[return-value]
+        if position < 0:
+            position += len(self.records)
+        if self.ending and position in self.ending:
+            return self.ending[position]
+        return Move(self.records[position], self.triggers[position], self.turn,
+                    self.tokens[position] if self.tokens is not None else None,
+                    self.durations[position] if self.durations is not None else None,
+                    self.extras[position] if self.extras is not None else None)
+
+    def __repr__(self) -> str:
+        return f'TurnMoves({list(self)!r})'

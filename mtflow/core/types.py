@@ -1,8 +1,9 @@
 """The shapes the executor works with, as ``typing.Protocol`` s (structural: nothing needs to
 subclass them; ms-swift's own objects satisfy them as they are).
 
-They document and type-check what the first version typed as ``Any``; the executor still reads
-requests, choices and outputs by attribute, so duck-typed objects pass through untouched.
+They name what each argument of the executor must offer, for the reader and the type checker;
+the executor reads requests, choices and outputs by attribute, never by class, so duck-typed
+objects (ms-swift's among them) pass through untouched.
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """The async driver (``Executor(..., mode='async')``): every request advances on its own.
 
 The lockstep driver moves all live requests one turn together: each turn waits for the slowest
-generation and the slowest tool of the batch. This driver runs the *same* per-state handlers of
-:class:`mtflow.engine.executor.BatchRun` (same states, triggers, trace events, outputs) on one request
-at a time, as soon as that request's own work completes:
+generation and the slowest tool of the batch. This driver runs the *same* per-state handlers
+(:mod:`mtflow.engine.handlers`: same states, triggers, trace events, outputs) on one request at
+a time, as soon as that request's own work completes:
 
 1. a request is admitted (``pending`` -> ``generating``/``continuing``) while fewer than
    ``max_concurrency`` requests are in flight, and its generation is issued at once:
    ``rollout_fn([request], request_config)``, awaited when it is async, run in a thread pool
    when it is sync (at most ``max_concurrency`` calls in flight);
-2. when its output arrives: ``handle_waiting([record])`` (the output is applied, ``on_turn_end``,
+2. when its output arrives: ``handle_waiting`` (the output is applied, ``on_turn_end``,
    ``check_finished``, the stop decision), then either it finishes (its slot goes to the next
    pending request) or its ``step`` starts: an ``async def`` step as a task on the driver's
    loop, a sync one in a worker thread (one at a time, as the lockstep driver runs them);
@@ -39,140 +39,87 @@ import asyncio
 import concurrent.futures as cf
 import inspect
 from collections import deque
-from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from mtflow.core import machine as M
-from mtflow.core import trace as _trace
 from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
-from mtflow.core.errors import MtflowError, RolloutFnError, StepTimeout
-from mtflow.engine.executor import BatchRun, RunResult, _fail_move
-from mtflow.core.machine import RequestRecord
+from mtflow.core.errors import MtflowError, RolloutFnError
+from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
 from mtflow.core.records import Move
+from mtflow.engine.driver import Driver, publish
+from mtflow.engine.handlers import begin_steps, check_uuids, end_steps, handle_waiting, start
+from mtflow.engine.model_call import deliver, model_failure_moves
+from mtflow.engine.moves import apply_moves, fail_move, wait_move
+from mtflow.engine.options import MODES
+from mtflow.engine.partial import UnfinishedRequest, Until
+from mtflow.engine.result import RunResult
+from mtflow.engine.run_state import RunState
 
-__all__ = ['Until', 'UnfinishedRequest', 'AsyncRun', 'MODES']
+__all__ = ['AsyncDriver', 'Until', 'UnfinishedRequest', 'MODES', 'resume_carried']
 
-MODES = ('lockstep', 'async')
 #: the most threads the driver starts for a synchronous ``rollout_fn`` (each call blocks one)
 MAX_ROLLOUT_THREADS = 256
 
-
-@dataclass(frozen=True)
-class Until:
-    """The budget of a partial rollout: stop once ``finished`` requests have finished in this
-    call, or ``seconds`` have passed, whichever comes first."""
-    finished: Optional[int] = None
-    seconds: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if self.finished is None and self.seconds is None:
-            raise ValueError('Until needs finished= (a number of requests) or seconds=')
-        if self.finished is not None and (isinstance(self.finished, bool) or not isinstance(self.finished, int)
-                                          or self.finished < 1):
-            raise ValueError(f'Until.finished must be an int >= 1, not {self.finished!r}')
-        if self.seconds is not None and (isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float))
-                                         or self.seconds <= 0):
-            raise ValueError(f'Until.seconds must be a number > 0, not {self.seconds!r}')
-
-    @classmethod
-    def coerce(cls, value: Any) -> Optional['Until']:
-        """``None``, an :class:`Until`, or a dict like ``{'finished': 48}`` / ``{'seconds': 30}``."""
-        if value is None or isinstance(value, Until):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {'finished', 'seconds'}
-            if unknown:
-                raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use finished= and/or seconds=')
-            return cls(**value)
-        raise TypeError(f'until must be None, mtflow.Until or a dict, not {type(value).__name__}')
-
-
-class UnfinishedRequest:
-    """A request a partial rollout handed back, with its machine state: pass it (in a list, in
-    any position, with new requests beside it) to ``Executor.run`` to resume it.
-
-    ``state`` is ``'pending'`` (never started) or ``'generating'``/``'continuing'`` (its next
-    generation was not done yet); ``turn`` is the turn that generation belongs to; ``request``
-    is what will be sent. The record keeps the token segments, loss masks, logprobs and infos
-    collected so far."""
-    __slots__ = ('record', 'started')
-
-    def __init__(self, record: RequestRecord, started: bool) -> None:
-        self.record = record
-        self.started = started  # on_trajectory_start already ran for it
-
-    @property
-    def uuid(self) -> str:
-        return self.record.uuid
-
-    @property
-    def state(self) -> str:
-        return self.record.state
-
-    @property
-    def turn(self) -> int:
-        return self.record.turns + 1
-
-    @property
-    def request(self) -> Any:
-        return self.record.request
-
-    @property
-    def messages(self) -> Any:  # so the request-shaped checks of the executor find them
-        return self.record.request.messages
-
-    def __repr__(self) -> str:
-        return f'<UnfinishedRequest {self.uuid} {self.state} turn {self.turn}>'
+#: one completion: (``'generate'`` or ``'step'``, the record, its turn, the call's outcome)
+Completion = Tuple[str, RequestRecord, int, Outcome]
 
 
 class _Stopped(MtflowError):
     """A generation cancelled by the partial-rollout budget (never a failure)."""
 
 
-class AsyncRun(BatchRun):
-    """One ``Executor.run`` in async mode: :class:`BatchRun`'s handlers, driven per request."""
+def resume_carried(run: RunState) -> Set[int]:
+    """Put the records of the :class:`UnfinishedRequest` items among the run's requests back in
+    their places (their machine state goes on); the indexes whose ``on_trajectory_start`` ran."""
+    started: Set[int] = set()
+    requests = run.requests
+    for i, item in enumerate(requests):
+        if not isinstance(item, UnfinishedRequest):
+            continue
+        rec = item.record
+        if rec.state == FINISHED:
+            raise ValueError(f'request {rec.uuid}: already finished, nothing to resume')
+        rec.index = i
+        rec.incoming = None
+        rec.events = [] if run.recorder is not None and run.options.on_finished is not None else None
+        run.records[i] = rec
+        if isinstance(requests, list):
+            requests[i] = rec.request
+        if item.started:
+            started.add(i)
+    return started
 
-    def __init__(self, ex: Any, loop: asyncio.AbstractEventLoop, requests: List[Any],
-                 first_turn_outputs: Optional[Sequence[Any]] = None, until: Optional[Until] = None) -> None:
-        carried = {i: item for i, item in enumerate(requests) if isinstance(item, UnfinishedRequest)}
-        if carried and first_turn_outputs is not None:
-            raise ValueError('first_turn_outputs cannot be given with unfinished requests to resume')
-        super().__init__(ex, loop, requests, first_turn_outputs)
+
+class AsyncDriver(Driver):
+    """One ``Executor.run`` in async mode: the shared handlers, driven per request."""
+
+    def __init__(self, run: RunState, until: Optional[Until] = None) -> None:
+        super().__init__(run)
         self.until = until
-        self.started: set = set()  # indexes whose on_trajectory_start already ran
-        for i, item in carried.items():
-            rec = item.record
-            if rec.state == M.FINISHED:
-                raise ValueError(f'request {rec.uuid}: already finished, nothing to resume')
-            rec.index = i
-            rec.incoming = None
-            rec.events = [] if self.recorder is not None and ex.on_finished is not None else None
-            self.records[i] = rec
-            if isinstance(requests, list):
-                requests[i] = rec.request
-            if item.started:
-                self.started.add(i)
-        self.max_concurrency = ex.max_concurrency or max(1, len(self.records))
+        self.started = resume_carried(run)  # indexes whose on_trajectory_start already ran
+        options = run.options
+        self.max_concurrency = options.max_concurrency or max(1, len(run.records))
         self.in_flight = 0
         self.max_in_flight = 0  # rollout_fn calls in flight at once (tests read it)
-        self.completions: Deque[Tuple[str, RequestRecord, int, Any]] = deque()
+        self.completions: Deque[Completion] = deque()
         self.wake: Optional[asyncio.Event] = None
         self.waiter: Optional[asyncio.Task] = None
         self.tasks: Dict[int, asyncio.Task] = {}
         self.kinds: Dict[int, str] = {}
-        self.held: Dict[int, Move] = {}  # admitted on a free slot
+        #: each admitted request's move into generating/continuing, carried out when it gets a slot
+        self.admission_moves: Dict[int, Move] = {}
         self.queue: Deque[RequestRecord] = deque()
         self.active = 0
         self.finished_here = 0
         self.stopping = False
+        self.t_start = 0.0
         self.rollout_pool: Optional[cf.ThreadPoolExecutor] = None
         self.step_pool: Optional[cf.ThreadPoolExecutor] = None
-        self.rollout_is_async = _is_async_callable(ex.rollout_fn)
+        self.rollout_is_async = _is_async_callable(run.settings.rollout_fn)
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> RunResult:
-        loop = self.loop
+        loop = self.run.loop
         self.wake = asyncio.Event()
         self.t_start = perf_counter()
         try:
@@ -183,7 +130,7 @@ class AsyncRun(BatchRun):
                 elif not self.stopping:
                     self.fill_slots()
                 if not self.tasks and not self.completions:
-                    break  # every request finished, or was parked by the budget
+                    break  # every request finished, or was handed back by the budget
                 self.waiter = loop.create_task(self.next_completions())
                 batch = loop.run_until_complete(self.waiter)
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
@@ -195,54 +142,51 @@ class AsyncRun(BatchRun):
             for pool in (self.rollout_pool, self.step_pool):
                 if pool is not None:
                     pool.shutdown(wait=False, cancel_futures=True)
-        self.ex.gather_fn([self.finished_here])  # ranks stay in step: once, at the end
+        self.run.settings.gather_fn([self.finished_here])  # ranks stay in step: once, at the end
         return self.result()
 
     def admit_all(self) -> None:
         """Fail duplicates, run ``on_trajectory_start`` once for every new request (as lockstep
-        does), hold their moves into ``generating``, and queue everything that will run."""
-        self.apply(self.check_uuids())
-        fresh = [r for r in self.records if r.state == M.PENDING and r.index not in self.started]
-        if self.first is not None:
-            moves = [self.wait_move(rec, 1) for rec in fresh]
-        else:
-            moves = self.start(fresh)
+        does), keep their moves into ``generating`` for when they get a slot, and queue
+        everything that will run."""
+        run = self.run
+        apply_moves(run, check_uuids(run))
+        fresh = [r for r in run.records if r.state == PENDING and r.index not in self.started]
+        first_outputs = run.first_turn_outputs
+        moves = [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else start(run, fresh)
         for mv in moves:
-            if mv.trigger in (M.GENERATE, M.CONTINUE):
-                self.held[mv.record.index] = mv
+            if mv.trigger in (GENERATE, CONTINUE):
+                self.admission_moves[mv.record.index] = mv
             else:
-                self.apply([mv])
-        for rec in fresh:
-            self.started.add(rec.index)
-        outputs = None
-        if self.first is not None:
-            outputs = list(self.first)
-            if len(outputs) != len(self.records):
-                err = RolloutFnError(f'{len(outputs)} first-turn output(s) for {len(self.records)} request(s)',
-                                     turn=1, field='first_turn_outputs')
-                self.apply([_fail_move(r, 1, 'rollout_fn', err) for r in self.records if r.state != M.FINISHED])
-                self.held.clear()
-                return
-        live = [rec for rec in self.records if rec.state != M.FINISHED]
-        if outputs is None:
+                apply_moves(run, [mv])
+        self.started.update(rec.index for rec in fresh)
+        live = [rec for rec in run.records if rec.state != FINISHED]
+        if first_outputs is None:
             self.queue.extend(live)
+            return
+        outputs = list(first_outputs)
+        if len(outputs) != len(run.records):
+            err = RolloutFnError(f'{len(outputs)} first-turn output(s) for {len(run.records)} request(s)',
+                                 turn=1, field='first_turn_outputs')
+            apply_moves(run, [fail_move(r, 1, 'rollout_fn', err) for r in run.records if r.state != FINISHED])
+            self.admission_moves.clear()
             return
         for rec in live:  # the first turn is already generated: every request starts at once
             self.active += 1
-            self.apply([self.held.pop(rec.index)])
+            apply_moves(run, [self.admission_moves.pop(rec.index)])
             self.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
 
     def fill_slots(self) -> None:
         while self.queue and self.active < self.max_concurrency:
             rec = self.queue.popleft()
             self.active += 1
-            held = self.held.pop(rec.index, None)
-            if rec.state == M.PENDING:
-                if held is None:  # carried from a partial run: on_trajectory_start already ran
-                    held = self.wait_move(rec, 1)
-                self.apply([held])
-                if rec.state == M.FINISHED:
-                    self.released(rec)
+            admission = self.admission_moves.pop(rec.index, None)
+            if rec.state == PENDING:
+                if admission is None:  # carried from a partial run: on_trajectory_start already ran
+                    admission = wait_move(rec, 1)
+                apply_moves(self.run, [admission])
+                if rec.state == FINISHED:
+                    self.release_finished(rec)
                     continue
             self.generate(rec, rec.turns + 1)
 
@@ -257,12 +201,12 @@ class AsyncRun(BatchRun):
         :meth:`stop` cancels before it ever ran never executes a line of its coroutine, and it
         must still leave :attr:`tasks` and report (as a stopped generation), or the driver would
         wait for it forever."""
-        task = self.loop.create_task(coro)
+        task = self.run.loop.create_task(coro)
         self.tasks[rec.index] = task
         self.kinds[rec.index] = kind
-        task.add_done_callback(lambda done: self.landed(kind, rec, turn, done))
+        task.add_done_callback(lambda done: self.post_completion(kind, rec, turn, done))
 
-    def landed(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
+    def post_completion(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
         """A task ended: post its completion. Cancelled (by the budget, or while unwinding an
         interrupt): a stopped generation; an interrupt raised inside it: that exception, which the
         driver is already unwinding (retrieved here, so it is never reported as unretrieved)."""
@@ -277,21 +221,21 @@ class AsyncRun(BatchRun):
         self.wake.set()
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
-        ex = self.ex
-        self.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
+        settings = self.run.settings
+        timeout = self.run.options.rollout_timeout_s
+        self.run.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         t = perf_counter()
-        call = None
         try:
             if self.rollout_is_async:
-                call = ex.rollout_fn([rec.request], ex.request_config)
+                call = settings.rollout_fn([rec.request], settings.request_config)
             else:
-                call = asyncio.wrap_future(self._rollout_threads().submit(ex.rollout_fn, [rec.request],
-                                                                          ex.request_config))
-            value = await _bounded(call, ex.rollout_timeout_s)
+                call = asyncio.wrap_future(self._rollout_threads().submit(settings.rollout_fn, [rec.request],
+                                                                          settings.request_config))
+            value = await _bounded(call, timeout)
         except asyncio.TimeoutError:
-            return Outcome(TIMED_OUT, ex.rollout_timeout_s, perf_counter() - t)
+            return Outcome(TIMED_OUT, timeout, perf_counter() - t)
         except Exception as exc:
             return Outcome(RAISED, exc, perf_counter() - t)
         finally:
@@ -305,7 +249,7 @@ class AsyncRun(BatchRun):
         return self.rollout_pool
 
     async def _step(self, rec: RequestRecord, turn: int) -> Outcome:
-        hooks, timeout = self.hooks, self.ex.step_timeout_s
+        hooks, timeout = self.run.hooks, self.run.options.step_timeout_s
         t = perf_counter()
         try:
             if hooks.step_is_async:
@@ -321,12 +265,11 @@ class AsyncRun(BatchRun):
             return Outcome(RAISED, exc, perf_counter() - t)
         return Outcome(OK, value, perf_counter() - t)
 
-    async def next_completions(self) -> List[Tuple[str, RequestRecord, int, Any]]:
+    async def next_completions(self) -> List[Completion]:
         if not self.completions:
             self.wake.clear()
-            left = self.budget_left()
             try:
-                await asyncio.wait_for(self.wake.wait(), left)
+                await asyncio.wait_for(self.wake.wait(), self.budget_left())
             except asyncio.TimeoutError:
                 pass
         batch = list(self.completions)
@@ -335,52 +278,45 @@ class AsyncRun(BatchRun):
 
     # ---- handling what completed ---------------------------------------------------------------
     def on_completion(self, kind: str, rec: RequestRecord, turn: int, outcome: Outcome) -> None:
+        run = self.run
         if kind == 'generate':
             if outcome.kind == RAISED and isinstance(outcome.value, _Stopped):
-                self.parked(rec)
+                self.hand_back(rec)
                 return
-            self.apply(self.rollout_moves([rec], turn, outcome))
-            if rec.state in M.WAITING_STATES:
-                self.apply(self.handle_waiting([rec], turn))
-            if rec.state == M.TOOL_STEP:
+            failed = model_failure_moves([rec], turn, outcome)
+            if failed:
+                apply_moves(run, failed)
+            else:
+                deliver(run, [rec], outcome.value, turn)
+            if rec.state in WAITING_STATES:
+                apply_moves(run, handle_waiting(run, [rec], turn))
+            if rec.state == TOOL_STEP:
                 self.begin_step(rec, turn)
         else:
-            self.apply(self.end_steps([rec], turn, [outcome]))
-            if rec.state in M.WAITING_STATES:
+            apply_moves(run, end_steps(run, [rec], turn, [outcome]))
+            if rec.state in WAITING_STATES:
                 if self.stopping:
-                    self.parked(rec)
+                    self.hand_back(rec)
                     return
                 self.generate(rec, turn + 1)
-        if rec.state == M.FINISHED:
-            self.released(rec)
-
-    def rollout_moves(self, records: List[RequestRecord], turn: int, outcome: Outcome) -> List[Move]:
-        """What a ``rollout_fn`` call's outcome does to the records it served (the lockstep
-        driver's rules: a failed or late call fails them; a good one is delivered)."""
-        if outcome.kind == TIMED_OUT:
-            err = StepTimeout(f'rollout_fn did not return within {outcome.value:g} s', turn=turn, field='rollout_fn')
-            return [_fail_move(rec, turn, 'rollout_fn', err, M.TIMEOUT) for rec in records]
-        if outcome.kind == RAISED:
-            exc = outcome.value
-            err = RolloutFnError(f'rollout_fn raised {type(exc).__name__}: {exc}', turn=turn, field='rollout_fn')
-            err.__cause__ = exc
-            return [_fail_move(rec, turn, 'rollout_fn', err) for rec in records]
-        self.deliver(records, outcome.value, turn)
-        return []
+        if rec.state == FINISHED:
+            self.release_finished(rec)
 
     def begin_step(self, rec: RequestRecord, turn: int) -> None:
-        going, moves = self.begin_steps([rec], turn)
+        going, moves = begin_steps(self.run, [rec], turn)
         if moves:
-            self.apply(moves)
+            apply_moves(self.run, moves)
         if going:
             self.launch('step', rec, turn, self._step(rec, turn))
 
-    def released(self, rec: RequestRecord) -> None:
+    def release_finished(self, rec: RequestRecord) -> None:
+        """A request finished: its slot is free."""
         self.active -= 1
         self.finished_here += 1
 
-    def parked(self, rec: RequestRecord) -> None:
-        """Stopped by the budget in ``generating``/``continuing``: handed back unfinished."""
+    def hand_back(self, rec: RequestRecord) -> None:
+        """Stopped by the budget in ``generating``/``continuing``: its slot is free, and it goes
+        back unfinished (:attr:`RunResult.unfinished`)."""
         self.active -= 1
 
     def cancel_all(self) -> None:
@@ -395,7 +331,7 @@ class AsyncRun(BatchRun):
             if not pending:
                 break
             try:
-                self.loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+                self.run.loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
             except BaseException:  # noqa: BLE001 - see the docstring
                 continue
         for task in tasks:
@@ -418,7 +354,7 @@ class AsyncRun(BatchRun):
 
     def stop(self) -> None:
         """Stop admitting and generating: cancel the generations in flight (their requests go
-        back unchanged), let the steps in flight finish (they park in their next state)."""
+        back unchanged), let the steps in flight finish (they stop in their next state)."""
         if self.stopping:
             return
         self.stopping = True
@@ -429,21 +365,21 @@ class AsyncRun(BatchRun):
 
     # ---- the result ------------------------------------------------------------------------------
     def result(self) -> RunResult:
-        parked = [r for r in self.records if r.state != M.FINISHED]
-        self.loops = max((r.turns for r in self.records), default=0)  # the deepest turn reached
+        run = self.run
+        run.loops = max((r.turns for r in run.records), default=0)  # the deepest turn reached
         if not self.stopping:
             return super().result()
         # a partial rollout: the unfinished requests go back with their state, never failed
         result = RunResult(
-            outputs=[r.output if r.state == M.FINISHED else None for r in self.records],
-            finish_reasons=[r.reason if r.state == M.FINISHED else None for r in self.records],
-            failures=self.failures,
-            recorder=self.recorder,
-            turns=self.loops,
-            rollout_fn_calls=self.rollout_calls)
-        result.unfinished = [UnfinishedRequest(r, r.index in self.started) for r in parked]
-        if self.recorder is not None and _trace.has_listeners():
-            _trace.publish(result.trace)
+            outputs=[r.output if r.state == FINISHED else None for r in run.records],
+            finish_reasons=[r.reason if r.state == FINISHED else None for r in run.records],
+            failures=run.failures,
+            recorder=run.recorder,
+            turns=run.loops,
+            rollout_fn_calls=run.rollout_calls)
+        result.unfinished = [UnfinishedRequest(r, r.index in self.started) for r in run.records
+                             if r.state != FINISHED]
+        publish(run, result)
         return result
 
 

@@ -1,0 +1,299 @@
+"""The per-state handlers: what happens to the requests in each state, one form each.
+
+A handler takes any subset of the records in its states (one record is fine) and the turn, and
+returns one :class:`~mtflow.core.records.Move` per record, in order (the turn's handlers return
+them as a :class:`~mtflow.core.records.TurnMoves`, so that the common moves cost no object per
+request); it never changes a state itself (:func:`mtflow.engine.moves.apply_moves` carries the
+moves out). Both drivers call the same handlers: lockstep with every live request of a turn,
+async mode with one request at a time.
+
+- ``pending``: :func:`check_uuids` and :func:`start` (``on_trajectory_start``, then into
+  ``generating``/``continuing``);
+- ``generating``/``continuing`` (phase ``waiting``): :func:`handle_waiting` applies the model's
+  output (``record.incoming``), runs ``on_turn_end`` and ``check_finished`` and the stop
+  decision -> ``finish`` / ``run_step`` / ``fail``;
+- ``tool_step``: :func:`handle_tool_step` runs the scheduler's ``step`` -> ``generate`` /
+  ``continue_message`` / ``fail``; its two halves, :func:`begin_steps` and :func:`end_steps`,
+  serve a driver that runs each step on its own.
+
+:data:`PHASE_HANDLERS` names the handler of each phase of :data:`mtflow.core.machine.TURN_PHASES`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from mtflow.core.calls import OK, Outcome
+from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResultError
+from mtflow.core.machine import CHECK_FINISHED, CONTINUE, FINISH, GENERATE, RUN_STEP, TURN_PHASES, RequestRecord
+from mtflow.core.records import Move, TurnMoves
+from mtflow.core.stop import decide_stop, default_check
+from mtflow.core.validate import check_bool, check_output, check_turn_result
+from mtflow.accounting.segments import is_continuation_of
+from mtflow.engine.moves import fail_move, outcome_move, wait_move
+from mtflow.engine.run_state import RunState
+
+__all__ = ['Handler', 'PHASE_HANDLERS', 'phases', 'check_uuids', 'start', 'handle_waiting', 'handle_tool_step',
+           'begin_steps', 'end_steps']
+
+Handler = Callable[[RunState, List[RequestRecord], int], Sequence[Move]]
+
+
+# ---- pending -------------------------------------------------------------------------------------
+def check_uuids(run: RunState) -> List[Move]:
+    """Duplicate uuids: every later copy fails before the first turn, with an error naming
+    both indexes (per-request scheduler state is keyed by uuid); the first copy runs."""
+    first_index: Dict[str, int] = {}
+    moves: List[Move] = []
+    if not run.settings.unique_uuids:
+        return moves
+    for rec in run.records:
+        earlier = first_index.setdefault(rec.uuid, rec.index)
+        if earlier != rec.index:
+            err = DuplicateUuidError(f'request {rec.uuid}: uuid used by index {earlier} and index {rec.index} '
+                                     f'of the same batch; give every request its own uuid')
+            moves.append(fail_move(rec, 1, 'input', err))
+    return moves
+
+
+def start(run: RunState, records: List[RequestRecord]) -> List[Move]:
+    """``pending``: ``on_trajectory_start`` for ``records`` (native API), then each enters
+    ``generating`` or ``continuing``."""
+    hooks = run.hooks
+    hook = hooks.on_trajectory_start
+    if hook is not None and records:
+        [outcome] = run.caller.batch(hook, [([r.request for r in records], )], hooks.on_trajectory_start_is_async,
+                                     run.options.step_timeout_s)
+        if outcome.kind != OK:
+            return [outcome_move(rec, 1, 'on_trajectory_start', outcome) for rec in records]
+    return [wait_move(rec, 1) for rec in records]
+
+
+# ---- generating / continuing ---------------------------------------------------------------------
+def handle_waiting(run: RunState, records: List[RequestRecord], turn: int) -> TurnMoves:
+    """``generating`` / ``continuing``: apply each record's ``incoming`` output, run
+    ``on_turn_end`` (all at once), ``check_finished`` and the stop decision; return
+    ``finish`` (with the reason), ``run_step`` or ``fail`` per record, in order."""
+    failed: Dict[int, Move] = {}  # record index -> its fail move
+    applied = _apply_outputs(run, records, turn, failed)
+    accounting = run.accounting
+    snapshots: Dict[int, Any] = {}
+    if accounting.materializes:  # ms-swift 4.6 decodes id-backed messages for the hooks
+        for rec in list(applied):
+            try:
+                snapshots[rec.index] = accounting.materialize([rec])
+            except Exception as exc:
+                failed[rec.index] = fail_move(rec, turn, 'materialize', exc, tokens=rec.tokens)
+                applied.remove(rec)
+    try:
+        stops = _stops(run, _turn_end(run, applied, turn, failed), turn, failed)
+    finally:
+        for rec in records if snapshots else ():
+            snapshot = snapshots.get(rec.index)
+            if snapshot is not None:
+                try:
+                    accounting.restore(snapshot)
+                except Exception as exc:
+                    failed[rec.index] = fail_move(rec, turn, 'restore', exc, tokens=rec.tokens)
+    tokens = [rec.tokens for rec in records]
+    if not failed and not stops:
+        return TurnMoves(records, [RUN_STEP] * len(records), turn, tokens)
+    triggers: List[str] = []
+    ending: Dict[int, Move] = {}
+    for k, rec in enumerate(records):
+        mv = failed.get(rec.index)
+        if mv is None:
+            reason = stops.get(rec.index)
+            if reason is None:
+                triggers.append(RUN_STEP)
+                continue
+            mv = Move(rec, FINISH, turn, rec.tokens, reason=reason)
+        ending[k] = mv
+        triggers.append(mv.trigger)
+    return TurnMoves(records, triggers, turn, tokens, ending=ending)
+
+
+def _apply_outputs(run: RunState, records: List[RequestRecord], turn: int,
+                   failed: Dict[int, Move]) -> List[RequestRecord]:
+    """Each record's output checked and applied to its messages: the records it applied to
+    (the ``fail`` moves of the others go into ``failed``)."""
+    append_completion = run.accounting.append_completion
+    applied: List[RequestRecord] = []
+    for rec in records:
+        out, rec.incoming = rec.incoming, None
+        rec.tokens = 0
+        try:
+            response, choice = check_output(out, rec.uuid, turn)
+            rec.response = response
+            rec.is_continuation = append_completion(rec, choice.message.content)
+        except Exception as exc:
+            if not isinstance(exc, RolloutFnError):
+                exc = RolloutFnError(f'cannot apply the output: {type(exc).__name__}: {exc}', uuid=rec.uuid,
+                                     turn=turn, field='response')
+            failed[rec.index] = fail_move(rec, turn, 'apply', exc)
+            continue
+        rec.turns = turn
+        rec.choice = choice
+        ids = choice.token_ids
+        rec.tokens = len(ids) if ids else 0
+        rec.turn_result = None
+        applied.append(rec)
+    return applied
+
+
+def _turn_end(run: RunState, applied: List[RequestRecord], turn: int,
+              failed: Dict[int, Move]) -> List[RequestRecord]:
+    """``on_turn_end`` for the applied records (all at once): those whose result is good, with
+    it kept in ``turn_result`` and its ``rollout_infos`` merged."""
+    hooks = run.hooks
+    on_turn_end = hooks.on_turn_end
+    if on_turn_end is None or not applied:
+        return applied
+    values, problems, _ = run.caller.values(on_turn_end, [(r.request, r.choice, turn) for r in applied],
+                                            hooks.on_turn_end_is_async, run.options.step_timeout_s, timed=False)
+    kept = []
+    for k, rec in enumerate(applied):
+        if problems is not None and k in problems:
+            failed[rec.index] = outcome_move(rec, turn, 'on_turn_end', problems[k], rec.tokens)
+            continue
+        try:
+            turn_result = check_turn_result(values[k], rec.uuid, turn)
+        except Exception as exc:
+            failed[rec.index] = fail_move(rec, turn, 'on_turn_end', exc, tokens=rec.tokens)
+            continue
+        rec.turn_result = turn_result
+        if turn_result:
+            infos = turn_result.get('rollout_infos')
+            if infos:
+                rec.infos.update(infos)
+        kept.append(rec)
+    return kept
+
+
+def _stops(run: RunState, going: List[RequestRecord], turn: int, failed: Dict[int, Move]) -> Dict[int, str]:
+    """``check_finished`` and the stop decision: the records that stop (index -> reason)."""
+    hooks = run.hooks
+    check = hooks.check_finished
+    checks: Optional[List[Outcome]] = None
+    if check is not None and going:
+        # a sync check_finished is a cheap predicate: called inline, in the driver's thread
+        checks = run.caller.batch(check, [(r.request, r.choice, turn) for r in going], hooks.check_is_async,
+                                  run.options.step_timeout_s if hooks.check_is_async else None)
+    default_max = hooks.default_max_turns
+    limit, limit_reason = run.limit, run.limit_reason
+    stops: Dict[int, str] = {}
+    for k, rec in enumerate(going):
+        if checks is not None:
+            outcome = checks[k]
+            if outcome.kind != OK:
+                failed[rec.index] = outcome_move(rec, turn, 'check_finished', outcome, rec.tokens)
+                continue
+            try:
+                checked = check_bool(outcome.value, rec.uuid, turn, 'check_finished')
+            except Exception as exc:
+                failed[rec.index] = fail_move(rec, turn, 'check_finished', exc, tokens=rec.tokens)
+                continue
+            check_reason = CHECK_FINISHED
+        else:
+            checked, check_reason = default_check(rec.choice.finish_reason, turn, default_max)
+        stop, reason = decide_stop(rec.turn_result, checked, check_reason, turn, limit, limit_reason)
+        if stop:
+            stops[rec.index] = reason
+    return stops
+
+
+# ---- tool_step -----------------------------------------------------------------------------------
+def handle_tool_step(run: RunState, records: List[RequestRecord], turn: int) -> Sequence[Move]:
+    """``tool_step``: run the scheduler's ``step`` for every record (async ones concurrently,
+    sync ones in order, each under ``step_timeout_s``), apply each result through the
+    accounting, and return ``generate`` / ``continue_message`` (by the next request's
+    messages) or ``fail`` per record, in order."""
+    going, failed = begin_steps(run, records, turn)
+    hooks = run.hooks
+    values, problems, durations = run.caller.values(hooks.step, [(r.request, r.choice, turn) for r in going],
+                                                    hooks.step_is_async, run.options.step_timeout_s)
+    return _step_moves(run, records, turn, going, values, problems, durations, failed)
+
+
+def begin_steps(run: RunState, records: List[RequestRecord], turn: int) -> Tuple[List[RequestRecord], List[Move]]:
+    """The first half of :func:`handle_tool_step`: the accounting's ``before_step`` for each
+    record; the records whose step may run, and the ``fail`` moves of the others."""
+    before = getattr(run.accounting, 'before_step', None)
+    if before is None:
+        return records, []
+    going, failed = [], []
+    for rec in records:
+        try:
+            before(rec, rec.choice, turn)
+        except Exception as exc:
+            failed.append(fail_move(rec, turn, 'step', exc))
+            continue
+        going.append(rec)
+    return going, failed
+
+
+def end_steps(run: RunState, records: List[RequestRecord], turn: int, outcomes: Sequence[Outcome],
+              going: Optional[List[RequestRecord]] = None, failed: Sequence[Move] = ()) -> Sequence[Move]:
+    """The second half of :func:`handle_tool_step`: each step's outcome applied (``going[k]``'s
+    is ``outcomes[k]``; ``going`` defaults to ``records``); one move per record, in order."""
+    going = records if going is None else going
+    values = [o.value if o.kind == OK else None for o in outcomes]
+    problems = {k: o for k, o in enumerate(outcomes) if o.kind != OK} or None
+    durations = [o.duration for o in outcomes]
+    return _step_moves(run, records, turn, going, values, problems, durations, failed)
+
+
+def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: List[RequestRecord],
+                values: List[Any], problems: Optional[Dict[int, Outcome]], durations: Optional[List[float]],
+                failed: Sequence[Move]) -> Sequence[Move]:
+    """The step results of ``going`` applied, each record's next request in place (also in the
+    caller's list): one move per record of ``records``, in order."""
+    accumulate = run.accounting.accumulate_step
+    requests = run.requests if run.requests.__class__ is list else None
+    n = len(going)
+    triggers: List[str] = [GENERATE] * n  # columns filled in place: no call per request
+    extras: List[Optional[dict]] = [None] * n
+    ending: Dict[int, Move] = {}
+    for k, rec in enumerate(going):
+        if problems is not None and k in problems:
+            mv = ending[k] = outcome_move(rec, turn, 'step', problems[k])
+            triggers[k] = mv.trigger
+            continue
+        result = values[k]
+        try:
+            next_request = accumulate(rec, rec.choice, result, turn)
+            extra = result.get('trace_info')
+            if extra is not None and extra.__class__ is not dict and not isinstance(extra, dict):
+                raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}',
+                                           uuid=rec.uuid, turn=turn, field='trace_info')
+        except Exception as exc:
+            mv = ending[k] = fail_move(rec, turn, 'step', exc)
+            triggers[k] = mv.trigger
+            continue
+        rec.request = next_request
+        if requests is not None:
+            requests[rec.index] = next_request
+        extras[k] = extra
+        try:  # wait_move's rule, inlined (once per request and turn); wait_move builds the fail move
+            if is_continuation_of(next_request.messages):
+                triggers[k] = CONTINUE
+        except Exception:
+            mv = ending[k] = wait_move(rec, turn, durations[k] if durations is not None else None, extra)
+            triggers[k] = mv.trigger
+    moves = TurnMoves(going, triggers, turn, None, durations, extras, ending or None)
+    if not failed:  # going is records
+        return moves
+    by_index = {mv.record.index: mv for mv in moves}
+    by_index.update((mv.record.index, mv) for mv in failed)
+    return [by_index[rec.index] for rec in records]
+
+
+#: the handler of each phase of :data:`mtflow.core.machine.TURN_PHASES`; a new phase adds its line
+PHASE_HANDLERS: Dict[str, Handler] = {
+    'waiting': handle_waiting,
+    'tool_step': handle_tool_step,
+}
+
+
+def phases() -> List[Tuple[str, frozenset, Handler]]:
+    """``(phase, states, handler)`` for each phase of a turn, in the order the turn runs them."""
+    return [(name, frozenset(states), PHASE_HANDLERS[name]) for name, states in TURN_PHASES]

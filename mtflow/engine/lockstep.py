@@ -1,0 +1,89 @@
+"""The lockstep driver (the default, the contract's): every live request moves one turn together.
+
+One turn (see ``docs/executor.md``):
+
+1. ask every rank whether any has live requests (``gather_fn``); stop when none has;
+2. hand the live requests their outputs, then, for each phase of
+   :data:`mtflow.core.machine.TURN_PHASES`, the phase's handler takes the requests in its states
+   and its moves are carried out (:mod:`mtflow.engine.handlers`, :mod:`mtflow.engine.moves`);
+3. ``rollout_fn`` once, with the requests that go on (``[]`` on a rank with nothing live while
+   another rank works), so every rank calls it the same number of times.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from typing import List
+
+from mtflow.core.errors import RankMismatchError
+from mtflow.core.machine import PENDING, WAITING_STATES, RequestRecord
+from mtflow.engine.driver import Driver
+from mtflow.engine.handlers import check_uuids, phases, start
+from mtflow.engine.model_call import call_model, deliver
+from mtflow.engine.moves import apply_moves, fail_move, wait_move
+from mtflow.engine.result import RunResult
+
+__all__ = ['LockstepDriver']
+
+
+class LockstepDriver(Driver):
+    """Every live request moves one turn together, on every rank alike."""
+
+    def drive(self) -> RunResult:
+        run = self.run
+        records = run.records
+        apply_moves(run, check_uuids(run))
+        pending = [r for r in records if r.state == PENDING]
+        if run.first_turn_outputs is None:
+            apply_moves(run, start(run, pending))
+            live = [r for r in pending if r.state in WAITING_STATES]
+            outputs = call_model(run, live, 1)
+        else:
+            apply_moves(run, [wait_move(rec, 1) for rec in pending])
+            live = [r for r in pending if r.state in WAITING_STATES]
+            outputs = run.first_turn_outputs
+            if len(live) != len(records) and len(outputs) == len(records):  # duplicates were failed
+                outputs = [outputs[r.index] for r in live]
+        turn = 1
+        turn_phases = phases()
+        while True:
+            live = [r for r in live if r.state in WAITING_STATES]
+            has_local = bool(live)
+            run.turn = turn
+            if not self.ranks_have_work(live, turn):
+                break
+            run.loops += 1
+            if live:
+                deliver(run, live, outputs, turn)
+            for _name, states, handler in turn_phases:
+                batch = [r for r in live if r.state in states]
+                if batch:
+                    apply_moves(run, handler(run, batch, turn))
+            live = [r for r in live if r.state in WAITING_STATES]
+            turn += 1
+            run.turn = turn
+            outputs = call_model(run, live if has_local else [], turn)
+        return self.result()
+
+    def ranks_have_work(self, live: List[RequestRecord], turn: int) -> bool:
+        """The turn's collective: does any rank have live requests? With ``check_ranks`` the
+        ranks also compare a fingerprint of their live sets."""
+        run = self.run
+        gather_fn = run.settings.gather_fn
+        if not run.options.check_ranks:
+            return any(gather_fn([bool(live)]))
+        digest = hashlib.blake2b('\x1f'.join(r.uuid for r in live).encode(), digest_size=8).hexdigest()
+        gathered = gather_fn([(bool(live), len(live), digest)])
+        prints = [tuple(g) if isinstance(g, (list, tuple)) else (bool(g), None, None) for g in gathered]
+        if len(set(prints)) > 1:
+            majority = Counter(prints).most_common(1)[0][0]
+            odd = [r for r, p in enumerate(prints) if p != majority]
+            same = [r for r, p in enumerate(prints) if p == majority]
+            detail = ', '.join(f'rank {r}: {prints[r][1]} live' for r in range(len(prints)))
+            err = RankMismatchError(
+                f'turn {turn}: ranks {odd} disagree with ranks {same} on the live set ({detail}); ranks that must '
+                f'hold the same requests made different stop decisions (is check_finished deterministic?)', turn, odd)
+            apply_moves(run, [fail_move(rec, turn, 'ranks', err) for rec in live])
+            err.result = self.result()
+            raise err
+        return any(p[0] for p in prints)

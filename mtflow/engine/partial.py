@@ -1,0 +1,81 @@
+"""Partial rollouts (async mode): the budget that stops a run early, and the requests it hands back.
+
+They live apart from the async driver because the executor reads them too: it rejects a budget,
+or a resumed request, in lockstep mode, and recognises a resumed request by its class.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mtflow.core.machine import RequestRecord
+
+__all__ = ['Until', 'UnfinishedRequest']
+
+
+@dataclass(frozen=True)
+class Until:
+    """The budget of a partial rollout: stop once ``finished`` requests have finished in this
+    call, or ``seconds`` have passed, whichever comes first."""
+    finished: Optional[int] = None
+    seconds: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.finished is None and self.seconds is None:
+            raise ValueError('Until needs finished= (a number of requests) or seconds=')
+        if self.finished is not None and (isinstance(self.finished, bool) or not isinstance(self.finished, int)
+                                          or self.finished < 1):
+            raise ValueError(f'Until.finished must be an int >= 1, not {self.finished!r}')
+        if self.seconds is not None and (isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float))
+                                         or self.seconds <= 0):
+            raise ValueError(f'Until.seconds must be a number > 0, not {self.seconds!r}')
+
+    @classmethod
+    def coerce(cls, value: Any) -> Optional['Until']:
+        """``None``, an :class:`Until`, or a dict like ``{'finished': 48}`` / ``{'seconds': 30}``."""
+        if value is None or isinstance(value, Until):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {'finished', 'seconds'}
+            if unknown:
+                raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use finished= and/or seconds=')
+            return cls(**value)
+        raise TypeError(f'until must be None, mtflow.Until or a dict, not {type(value).__name__}')
+
+
+class UnfinishedRequest:
+    """A request a partial rollout handed back, with its machine state: pass it (in a list, in
+    any position, with new requests beside it) to ``Executor.run`` to resume it.
+
+    ``state`` is ``'pending'`` (never started) or ``'generating'``/``'continuing'`` (its next
+    generation was not done yet); ``turn`` is the turn that generation belongs to; ``request``
+    is what will be sent. The record keeps the token segments, loss masks, logprobs and infos
+    collected so far."""
+    __slots__ = ('record', 'started')
+
+    def __init__(self, record: RequestRecord, started: bool) -> None:
+        self.record = record
+        self.started = started  # on_trajectory_start already ran for it
+
+    @property
+    def uuid(self) -> str:
+        return self.record.uuid
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    @property
+    def turn(self) -> int:
+        return self.record.turns + 1
+
+    @property
+    def request(self) -> Any:
+        return self.record.request
+
+    @property
+    def messages(self) -> Any:  # so the request-shaped checks of the executor find them
+        return self.record.request.messages
+
+    def __repr__(self) -> str:
+        return f'<UnfinishedRequest {self.uuid} {self.state} turn {self.turn}>'
