@@ -161,7 +161,7 @@ def bench_ray(n: int, batch_size: int) -> None:
     import ray
 
     from mtflow.distributed import WorkerSpec, ray_run
-    from mtflow.run.store import finished_to_record
+    from mtflow.run.trajectories import finished_to_record
 
     rows = []
 

@@ -87,15 +87,15 @@ def child_main(argv: List[str]) -> int:
     """``--child [--no-fsync] run ...``: the command line, with fsync off when asked."""
     if argv and argv[0] == '--no-fsync':
         argv = argv[1:]
-        from mtflow.run import store as run_store
+        from mtflow.run.store import RunStore
 
-        real_open = run_store.RunStore.open.__func__
+        real_open = RunStore.open.__func__
 
         def open_without_fsync(cls: Any, *a: Any, **kw: Any) -> Any:
             kw['fsync'] = False
             return real_open(cls, *a, **kw)
 
-        run_store.RunStore.open = classmethod(open_without_fsync)
+        RunStore.open = classmethod(open_without_fsync)
     from mtflow.cli import main
 
     return main(argv)

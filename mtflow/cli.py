@@ -2,8 +2,9 @@
 
 Each subcommand lives in ``mtflow/commands/<name>.py`` with ``add_parser(subparsers)`` and
 ``main(args) -> int``, and is imported only when used, so ``mtflow --help`` stays fast.
-Errors a user can fix (:class:`CLIError`, a missing file, a bad config) are printed as one clear
-line, never as a traceback; ``MTFLOW_DEBUG=1`` shows the traceback.
+Errors a user can fix (:class:`mtflow.core.errors.UserError` and its subclasses: a bad config or
+flag, a refused run directory; a missing file) are printed as one clear line, never as a
+traceback; ``MTFLOW_DEBUG=1`` shows the traceback of a missing file.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import importlib
 import os
 import sys
 from typing import List, Optional
+
+from mtflow import __version__
+from mtflow.core.errors import UserError
 
 #: subcommand -> (module, one-line help)
 COMMANDS = {
@@ -24,17 +28,12 @@ COMMANDS = {
 }
 
 
-class CLIError(Exception):
-    """An error for the user: printed as ``mtflow: <message>``, exit status 2 (or ``code``)."""
-
-    def __init__(self, message: str, code: int = 2) -> None:
-        super().__init__(message)
-        self.code = code
+#: an error for the user, printed as ``mtflow: <message>``, exit status 2 (or ``code``); the
+#: commands raise :class:`UserError` itself, and this name keeps code that catches it working
+CLIError = UserError
 
 
 def _build_parser(argv: List[str]) -> argparse.ArgumentParser:
-    from mtflow import __version__
-
     parser = argparse.ArgumentParser(prog='mtflow', description='Multi-turn LLM rollouts as explicit state machines.')
     parser.add_argument('--version', action='version', version=f'mtflow {__version__}')
     sub = parser.add_subparsers(dest='command', metavar='COMMAND')
@@ -42,12 +41,12 @@ def _build_parser(argv: List[str]) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         if wanted == name:
             try:
-                mod = importlib.import_module(module)
+                command = importlib.import_module(module)  # only the command asked for: --help stays fast
             except ModuleNotFoundError as exc:
                 if exc.name == module:
-                    raise CLIError(f"'{name}' is not available in this build") from exc
+                    raise UserError(f"'{name}' is not available in this build") from exc
                 raise
-            mod.add_parser(sub)
+            command.add_parser(sub)
         else:
             sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -62,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.print_help()
             return 0
         return int(args.func(args) or 0)
-    except CLIError as exc:
+    except UserError as exc:
         print(f'mtflow: {exc}', file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
@@ -75,9 +74,5 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
 
-if __name__ == '__main__':  # pragma: no cover
-    # `python -m mtflow.cli`: run the imported module's main, so that commands raising
-    # mtflow.cli.CLIError are caught by the same class (not this __main__ copy's).
-    from mtflow.cli import main as _main
-
-    sys.exit(_main())
+if __name__ == '__main__':  # pragma: no cover - `python -m mtflow.cli`
+    sys.exit(main())

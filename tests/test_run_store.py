@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from mtflow.run.store import (INTERRUPTED, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, FingerprintMismatch, RunDirError,
-                              RunStore, finished_to_record, fingerprint_changes)
+from mtflow.run.store import (INTERRUPTED_FILE, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, FingerprintMismatch,
+                              RunDirError, RunStore, finished_to_record, fingerprint_changes)
 
 FP = {'config': {'seed': 0, 'request_config': {'temperature': 0.7}}, 'files': {'dataset': 'sha256:aa'}}
 
@@ -85,14 +85,14 @@ def test_resume_repairs_torn_lines_and_drops_unfinished_events(tmp_path):
     with open(out / TRAJECTORIES, 'a') as f:
         f.write('{"uuid": "r3", "finish_rea')
     (out / SUMMARY).write_text('{"status": "interrupted"}')
-    (out / INTERRUPTED).write_text(json.dumps(_record('r5', 'interrupted')) + '\n')
+    (out / INTERRUPTED_FILE).write_text(json.dumps(_record('r5', 'interrupted')) + '\n')
     store = RunStore.open(out, 'resume', FP)
     assert store.done == {'r0', 'r1', 'r2'}
     rec = store.recovery
     assert rec.torn_trajectory_line and rec.torn_trace_line and rec.orphan_events == 2 and rec.interrupted == 1
     assert (out / TRAJECTORIES).read_text() == intact
     assert {e['uuid'] for e in _lines(out / TRACE)} == {'r0', 'r1', 'r2'}
-    assert not (out / SUMMARY).exists() and not (out / INTERRUPTED).exists(), 'stale files go'
+    assert not (out / SUMMARY).exists() and not (out / INTERRUPTED_FILE).exists(), 'stale files go'
     assert store.tally.requests == 3 and store.tally.trace_tokens == 18, 'the tally covers the earlier attempt'
     store.write(_record('r3'), _events('r3'))
     with pytest.raises(RunDirError, match='r1 is already written'):
@@ -168,7 +168,7 @@ def test_interrupted_requests_are_kept_apart(tmp_path):
     store.write(_record('r0'), _events('r0'))
     store.write_interrupted(_record('r1', 'interrupted'), _events('r1', 1))
     store.close(status='interrupted', summary={})
-    lines = _lines(out / INTERRUPTED)
+    lines = _lines(out / INTERRUPTED_FILE)
     assert [(t['uuid'], t['finish_reason'], len(t['trace'])) for t in lines] == [('r1', 'interrupted', 1)]
     assert [t['uuid'] for t in _lines(out / TRAJECTORIES)] == ['r0']
     assert json.loads((out / SUMMARY).read_text())['status'] == 'interrupted'

@@ -18,9 +18,18 @@ template that fails, are failures).
 from __future__ import annotations
 
 import argparse
-from typing import Any, List
+import copy
+from typing import Any, Dict, List, Optional, Tuple
 
-from mtflow.cli import CLIError
+from rich.console import Console
+
+from mtflow.backends import BackendError, make_backend
+from mtflow.backends.conformance import BUNDLED, SCENARIOS, check_tokens, format_report, resolve_template
+from mtflow.commands.run import parse_options
+from mtflow.core.errors import UserError
+from mtflow.data import read_prompts
+from mtflow.run.assembly import SchedulerFactory, scheduler_factory, seed_everything
+from mtflow.run.config import RunConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,77 +59,73 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _templates(specs: List[str]) -> List[tuple]:
-    from mtflow.backends.conformance import BUNDLED, resolve_template
-
     names: List[str] = []
     for spec in specs or ['model']:
         names.extend(BUNDLED if spec == 'bundled' else [spec])
     try:
         return [resolve_template(n) for n in names]
     except FileNotFoundError as exc:
-        raise CLIError(f'--template: {exc.strerror}: {exc.filename}') from None
+        raise UserError(f'--template: {exc.strerror}: {exc.filename}') from None
+
+
+def _scenarios(wanted: List[str]) -> List[Any]:
+    unknown = sorted(set(wanted) - {s.name for s in SCENARIOS})
+    if unknown:
+        raise UserError(f'--scenario: no scenario {", ".join(map(repr, unknown))}; '
+                        f'scenarios: {", ".join(s.name for s in SCENARIOS)}')
+    return [s for s in SCENARIOS if not wanted or s.name in wanted]
+
+
+def _your_scheduler(args: argparse.Namespace) -> Tuple[Optional[List[Any]], Optional[SchedulerFactory]]:
+    """``--scheduler`` (and its prompts) instead of the built-in scenarios, checked before the
+    model loads."""
+    if not args.scheduler:
+        return None, None
+    cfg = RunConfig(scheduler=args.scheduler, dataset=args.dataset, limit=args.limit)
+    make_scheduler = scheduler_factory(cfg)
+    return read_prompts(cfg.dataset_path(), limit=cfg.limit), make_scheduler
+
+
+def _check_template(console: Console, backend: Any, name: str, text: str, args: argparse.Namespace,
+                    checks: Dict[str, Any]) -> bool:
+    """One template/policy run; prints its table and problems; whether every check passed."""
+    try:
+        report = check_tokens(backend, template=text, template_name=name, temperature=args.temperature,
+                              seed=args.seed, **checks)
+    except BackendError as exc:
+        console.print(f'[red]template {name}: {exc}[/red]')
+        return False
+    console.print(format_report(report))
+    for problem in report.problems[:10]:
+        console.print(f'  [red]FAIL[/red] {problem}')
+    if len(report.problems) > 10:
+        console.print(f'  ... and {len(report.problems) - 10} more')
+    return report.ok
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from mtflow.backends import BackendError, make_backend
-    from mtflow.backends.conformance import check_tokens, format_report
-    from mtflow.commands.run import _parse_options, seed_everything
-
-    from mtflow.backends.conformance import SCENARIOS
-
     templates = _templates(args.template)
-    scenarios = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
-    unknown = sorted(set(args.scenario) - {s.name for s in SCENARIOS})
-    if unknown:
-        raise CLIError(f'--scenario: no scenario {", ".join(map(repr, unknown))}; '
-                       f'scenarios: {", ".join(s.name for s in SCENARIOS)}')
+    scenarios = _scenarios(args.scenario)
     policies = ['exact', 'rerender'] if args.policy == 'both' else [args.policy]
     seed_everything(args.seed)
-    options = _parse_options(args.option)
-    requests, make_scheduler = None, None
-    if args.scheduler:
-        from mtflow.data import DatasetError, read_prompts
-        from mtflow.run.config import RunConfig
-        from mtflow.commands.run import scheduler_factory
-
-        cfg = RunConfig(scheduler=args.scheduler, dataset=args.dataset, limit=args.limit)
-        make_scheduler = scheduler_factory(cfg)
-        try:
-            requests = read_prompts(cfg.dataset_path(), limit=cfg.limit)
-        except DatasetError as exc:
-            raise CLIError(str(exc)) from None
+    options = parse_options(args.option)
+    requests, make_scheduler = _your_scheduler(args)
     console = Console()
     failed = 0
-    backends: dict = {}
+    backends: Dict[str, Any] = {}
     try:
         for policy in policies:
             try:
                 backend = make_backend(args.backend, model=args.model, seed=args.seed, prefix_policy=policy, **options)
             except BackendError as exc:
-                raise CLIError(str(exc)) from None
+                raise UserError(str(exc)) from None
             backends[policy] = backend
             for name, text in templates:
-                kwargs: dict = {'scenarios': scenarios}
+                checks: Dict[str, Any] = {'scenarios': scenarios}
                 if make_scheduler is not None:
-                    import copy
-
-                    kwargs = dict(scheduler=make_scheduler(backend.tokenizer), requests=copy.deepcopy(requests),
+                    checks = dict(scheduler=make_scheduler(backend.tokenizer), requests=copy.deepcopy(requests),
                                   max_turns=args.max_turns)
-                try:
-                    report = check_tokens(backend, template=text, template_name=name, temperature=args.temperature,
-                                          seed=args.seed, **kwargs)
-                except BackendError as exc:
-                    console.print(f'[red]template {name}: {exc}[/red]')
-                    failed += 1
-                    continue
-                console.print(format_report(report))
-                for problem in report.problems[:10]:
-                    console.print(f'  [red]FAIL[/red] {problem}')
-                if len(report.problems) > 10:
-                    console.print(f'  ... and {len(report.problems) - 10} more')
-                failed += not report.ok
+                failed += not _check_template(console, backend, name, text, args, checks)
     finally:
         for backend in backends.values():
             getattr(backend, 'close', lambda: None)()

@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mtflow.cli import CLIError
+from mtflow.core.errors import UserError
+from mtflow.core.machine import StateGraph
+from mtflow.core.scheduler import HookSet
+from mtflow.declarative import load_scheduler
+from mtflow.declarative.loader import ConfigError
+from mtflow.run.config import is_run_config, load_run_config
+from mtflow.viewer.svg import state_graph_svg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,47 +24,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def graph_for_scheduler(scheduler: Any) -> Any:
+def graph_for_scheduler(scheduler: Any) -> StateGraph:
     """The graph an :class:`mtflow.Executor` builds for ``scheduler``: core reasons plus its own."""
-    from mtflow.core.scheduler import HookSet
-
     return HookSet(scheduler).graph()
 
 
-def graph_for_config(config: str) -> Any:
+def graph_for_config(config: str) -> StateGraph:
     """The graph of the scheduler a YAML config declares (its stop rules become finish reasons)."""
     if not Path(config).exists():
-        raise CLIError(f'no such config file: {config}')
-    try:
-        from mtflow.declarative import load_scheduler
-    except ImportError as exc:
-        raise CLIError(f'cannot read scheduler configs in this build: {exc}') from exc
-    from mtflow.declarative.loader import ConfigError
-
-    from mtflow.run.config import RunConfigError, is_run_config, load_run_config
-
+        raise UserError(f'no such config file: {config}')
     if is_run_config(config):  # a run config: draw the scheduler it runs
-        try:
-            cfg = load_run_config(config)
-        except RunConfigError as exc:
-            raise CLIError(str(exc)) from exc
+        cfg = load_run_config(config)
         if not cfg.scheduler_is_yaml():
-            raise CLIError(f'{config}: scheduler {cfg.scheduler!r} is Python; `mtflow graph` draws YAML schedulers')
+            raise UserError(f'{config}: scheduler {cfg.scheduler!r} is Python; `mtflow graph` draws YAML schedulers')
         config = str(cfg.scheduler_path())
     try:
         scheduler = load_scheduler(config)
     except ConfigError as exc:
-        raise CLIError(str(exc)) from exc
+        raise UserError(str(exc)) from exc
     return graph_for_scheduler(scheduler)
 
 
 def main(args: argparse.Namespace) -> int:
-    from mtflow.core.machine import StateGraph
-
     graph = graph_for_config(args.config) if args.config else StateGraph()
     if args.format == 'svg':
-        from mtflow.viewer.svg import state_graph_svg
-
         text = '<?xml version="1.0" encoding="UTF-8"?>\n' + state_graph_svg(graph, title=graph.name) + '\n'
     else:
         text = graph.mermaid()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mtflow.declarative import json_schema
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('schema', help='print the JSON Schema of scheduler YAML files')
@@ -13,8 +15,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mtflow.declarative import json_schema
-
     text = json.dumps(json_schema(), indent=2, ensure_ascii=False) + '\n'
     if args.output:
         with open(args.output, 'w', encoding='utf-8') as f:

@@ -10,7 +10,17 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mtflow.cli import CLIError
+from rich.console import Console
+
+from mtflow.commands.graph import graph_for_config
+from mtflow.core.errors import UserError
+from mtflow.core.machine import STATES
+from mtflow.core.trace import Trace
+from mtflow.run.trajectories import read_trajectories
+from mtflow.viewer.html import render_html
+from mtflow.viewer.model import request_views, select_views, summarize
+from mtflow.viewer.terminal import detail_renderable, needed_width, summary_line, trace_renderable
+from mtflow.viewer.tokens import load_tokenizer
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,53 +59,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple:
-    from mtflow.core.trace import Trace
-    from mtflow.run.trajectories import read_trajectories
-
     path = Path(args.file)
     if not path.exists():
-        raise CLIError(f'no such trace file: {path}')
+        raise UserError(f'no such trace file: {path}')
     try:
         trace = Trace.read_jsonl(path)
     except UnicodeDecodeError as exc:  # before ValueError: it is one
-        raise CLIError(f'{path}: not a UTF-8 text file ({exc.reason})') from exc
+        raise UserError(f'{path}: not a UTF-8 text file ({exc.reason})') from exc
     except ValueError as exc:
-        raise CLIError(str(exc)) from exc
+        raise UserError(str(exc)) from exc
     except (OSError, EOFError) as exc:  # e.g. a truncated or not-really-gzip .gz file
-        raise CLIError(f'{path}: cannot read: {exc}') from exc
+        raise UserError(f'{path}: cannot read: {exc}') from exc
     if not trace.events:
-        raise CLIError(f'{path}: no trace events')
+        raise UserError(f'{path}: no trace events')
     trajectories: Dict[str, Any] = {}
     if args.trajectories:
         tpath = Path(args.trajectories)
         if not tpath.exists():
-            raise CLIError(f'no such trajectories file: {tpath}')
+            raise UserError(f'no such trajectories file: {tpath}')
         try:
             trajectories = read_trajectories(tpath)
         except UnicodeDecodeError as exc:
-            raise CLIError(f'{tpath}: not a UTF-8 text file ({exc.reason})') from exc
+            raise UserError(f'{tpath}: not a UTF-8 text file ({exc.reason})') from exc
         except ValueError as exc:
-            raise CLIError(str(exc)) from exc
+            raise UserError(str(exc)) from exc
         except (OSError, EOFError) as exc:
-            raise CLIError(f'{tpath}: cannot read: {exc}') from exc
+            raise UserError(f'{tpath}: cannot read: {exc}') from exc
     tokenizer = None
     if args.tokenizer:
-        from mtflow.viewer.tokens import load_tokenizer
-
         try:
             tokenizer = load_tokenizer(args.tokenizer)
         except ValueError as exc:
-            raise CLIError(str(exc)) from exc
+            raise UserError(str(exc)) from exc
     return trace, trajectories, tokenizer
 
 
 def _views(trace: Any, args: argparse.Namespace) -> List[Any]:
-    from mtflow.core.machine import STATES
-    from mtflow.viewer.model import request_views, select_views
-
     unknown = [s for s in args.state if s not in STATES]
     if unknown:
-        raise CLIError(f'unknown state {unknown[0]!r}; states are: {", ".join(STATES)}')
+        raise UserError(f'unknown state {unknown[0]!r}; states are: {", ".join(STATES)}')
     views = request_views(trace)
     return select_views(views, uuids=args.uuid, states=args.state, reasons=args.reason, ranks=args.rank)
 
@@ -107,21 +109,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def show(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from mtflow.viewer.model import summarize
-    from mtflow.viewer.terminal import detail_renderable, needed_width, summary_line, trace_renderable
-
     trace, trajectories, tokenizer = _load(args)
     force: Optional[bool] = {'always': True, 'never': False}.get(args.color)
     if args.detail:
-        from mtflow.viewer.model import request_views
-
         views = {v.uuid: v for v in request_views(trace)}
         view, traj = views.get(args.detail), trajectories.get(args.detail)
         if view is None and traj is None:
             sample = ', '.join(list(views)[:5])
-            raise CLIError(f'no request {args.detail!r} in {args.file} (requests: {sample}'
+            raise UserError(f'no request {args.detail!r} in {args.file} (requests: {sample}'
                            f'{", ..." if len(views) > 5 else ""})')
         width = args.width or (None if sys.stdout.isatty() else 140)
         console = Console(force_terminal=force, no_color=args.color == 'never', width=width, highlight=False)
@@ -129,7 +124,7 @@ def show(args: argparse.Namespace) -> int:
         return 0
     views = _views(trace, args)
     if not views:
-        raise CLIError('no request matches the filters')
+        raise UserError('no request matches the filters')
     summary = None if args.no_summary else summarize(views)
     width = args.width
     if width is None and not sys.stdout.isatty():  # a file or a pipe: wide enough that nothing wraps
@@ -140,22 +135,18 @@ def show(args: argparse.Namespace) -> int:
 
 
 def html(args: argparse.Namespace) -> int:
-    from mtflow.viewer.html import render_html
-
     trace, trajectories, tokenizer = _load(args)
     views = _views(trace, args)
     if not views:
-        raise CLIError('no request matches the filters')
+        raise UserError('no request matches the filters')
     graph = None
     if args.config:
-        from mtflow.commands.graph import graph_for_config
-
         graph = graph_for_config(args.config)
     page = render_html(trace.select([v.uuid for v in views]), trajectories=trajectories, tokenizer=tokenizer,
                        graph=graph, title=args.title or Path(args.file).name)
     out = Path(args.output)
     if out.parent and not out.parent.exists():
-        raise CLIError(f'no such directory: {out.parent}')
+        raise UserError(f'no such directory: {out.parent}')
     out.write_text(page, encoding='utf-8')
     print(f'wrote {out} ({len(views)} requests, {len(page) // 1024} KiB)')
     return 0

@@ -13,6 +13,12 @@ import argparse
 import sys
 from typing import Any, List, Tuple
 
+from mtflow.declarative import inspect_file
+from mtflow.declarative.loader import read_yaml
+from mtflow.run.config import RunConfigError, is_run_config, load_run_config
+from mtflow.run.preflight import check_run_config
+from mtflow.tools.isolation import ISOLATION_CHOICES, resolve_isolation
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('validate', help='check scheduler YAML files and run configs; report every problem')
@@ -23,10 +29,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]]]:
     """``(problems, imports)`` of one file: a scheduler YAML, or a run config and what it names."""
-    from mtflow.declarative import inspect_file
-    from mtflow.run.config import RunConfigError, is_run_config, load_run_config
-    from mtflow.run.preflight import check_run_config
-
     if not is_run_config(path):
         report = inspect_file(path)
         return report.problems, report.imports
@@ -54,10 +56,6 @@ def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:
 def isolation_report(path: str) -> List[str]:
     """One line per ``python`` tool of a valid scheduler YAML (or the one a run config names):
     the isolation its calls get here; unavailable ones start with ``warning:``."""
-    from mtflow.declarative.loader import read_yaml
-    from mtflow.run.config import RunConfigError, is_run_config, load_run_config
-    from mtflow.tools.isolation import ISOLATION_CHOICES, resolve_isolation
-
     if is_run_config(path):
         try:
             cfg = load_run_config(path)

@@ -10,6 +10,22 @@ class MtflowError(Exception):
     """Base class of every error mtflow raises on purpose."""
 
 
+class UserError(MtflowError):
+    """A problem the user fixes: a bad config or flag, a missing file, a scheduler that does not
+    import, a run directory that cannot be opened as asked. The command line prints it as the one
+    line ``mtflow: <message>`` (no traceback) and exits with ``code``; the library raises a
+    subclass that says which part failed, so callers outside the command line can catch it."""
+
+    def __init__(self, message: str = '', code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RunSetupError(UserError):
+    """A run that cannot start as configured: its scheduler does not import or build, its
+    backend does not start, a run option is out of range. Raised before any request runs."""
+
+
 class IllegalTransition(MtflowError):
     """A move that the declared state graph does not allow."""
 

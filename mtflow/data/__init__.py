@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-from mtflow.core.errors import MtflowError
+from mtflow.core.errors import UserError
 from mtflow.core.protocol import RolloutInferRequest
 
 __all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'count_prompts']
@@ -27,7 +27,7 @@ __all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'c
 _KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
 
 
-class DatasetError(MtflowError):
+class DatasetError(UserError):
     """A dataset line that is not a request; the message names the file and line."""
 
 

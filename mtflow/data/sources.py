@@ -12,6 +12,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from mtflow.core.protocol import RolloutInferRequest
 from mtflow.data import DatasetError, count_prompts, iter_prompts
+from mtflow.data.reasoning_gym import ReasoningGymSpec, check_spec
+from mtflow.data.reasoning_gym import count_requests as count_generated_requests
+from mtflow.data.reasoning_gym import iter_requests as iter_generated_requests
 
 __all__ = ['DATASET_KINDS', 'check_dataset_mapping', 'load_requests', 'count_requests', 'iter_requests',
            'expand_groups', 'iter_groups', 'group_of']
@@ -25,7 +28,6 @@ def check_dataset_mapping(value: Dict[str, Any]) -> Dict[str, Any]:
     if set(value) - set(DATASET_KINDS) or len(value) != 1:
         raise ValueError(f'a dataset mapping has one key, one of: {", ".join(DATASET_KINDS)} (got '
                          f'{", ".join(map(str, value)) or "none"}); a JSONL file is given as a path')
-    from mtflow.data.reasoning_gym import check_spec
     try:
         check_spec(value['reasoning_gym'])
     except ImportError as exc:
@@ -41,8 +43,7 @@ def load_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = None
     return list(iter_requests(dataset, path, limit, num_generations))
 
 
-def _spec(dataset: Dict[str, Any]) -> Any:
-    from mtflow.data.reasoning_gym import check_spec
+def _spec(dataset: Dict[str, Any]) -> ReasoningGymSpec:
     try:
         return check_spec(dataset['reasoning_gym'])
     except (ValueError, ImportError) as exc:
@@ -54,8 +55,7 @@ def count_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = Non
     by line (a bad line is reported before the run starts); a generated dataset is checked by its
     spec (nothing is generated)."""
     if isinstance(dataset, dict):
-        from mtflow.data.reasoning_gym import count_requests as count_generated
-        prompts = count_generated(_spec(dataset), limit)
+        prompts = count_generated_requests(_spec(dataset), limit)
     else:
         prompts = count_prompts(path, limit)
     return prompts * max(num_generations, 1)
@@ -68,8 +68,7 @@ def iter_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = None
     ``check_unique=False`` skips the uuid table of a JSONL file already checked by
     :func:`count_requests`."""
     if isinstance(dataset, dict):
-        from mtflow.data.reasoning_gym import iter_requests as iter_generated
-        prompts: Iterable[RolloutInferRequest] = iter_generated(_spec(dataset), limit)
+        prompts: Iterable[RolloutInferRequest] = iter_generated_requests(_spec(dataset), limit)
     else:
         prompts = iter_prompts(path, limit=limit, check_unique=check_unique)
     return iter_groups(prompts, num_generations)

@@ -4,7 +4,8 @@ over N Ray actors (:func:`mtflow.distributed.ray_run`).
 Everything around the rollout is the local run's: the config and its overrides, the run
 directory (``mtflow/run/store.py``: ``--resume``, ``--overwrite``, whole lines, grouped fsync),
 the progress bar, the summary. What changes: the backend and the scheduler are built inside
-each actor from the same config (each actor loads its own model), and the driver writes every
+each actor from the same config, by the same code (``mtflow/run/assembly.py``; each actor loads
+its own model), and the driver writes every
 trajectory the moment an actor streams it back. The uuids already in the directory are never
 sent to an actor, and a uuid that arrives twice (an actor died after sending it) is written once.
 """
@@ -18,37 +19,22 @@ import time
 from types import SimpleNamespace
 from typing import Any, Dict, Optional
 
-from mtflow.cli import CLIError
+from mtflow.accounting.token_record import record_accounting
+from mtflow.core.errors import RunSetupError, UserError
+from mtflow.core.machine import INTERRUPTED
+from mtflow.data.sources import iter_requests
+from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
+from mtflow.run.assembly import ProgressBar, actor_setup, backend_from_config, scheduler_from_config
+from mtflow.run.config import RunConfig
+from mtflow.run.store import RunDirError, RunStore
 
 __all__ = ['RayRollout', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
-
-
-def actor_setup(cwd: str, seed: Optional[int]) -> None:
-    """First thing in each actor: the driver's directory (relative paths in the config resolve
-    as they did on the driver) and the config's seed."""
-    from mtflow.commands.run import seed_everything
-
-    if os.path.isdir(cwd):
-        os.chdir(cwd)
-    seed_everything(seed)
-
-
-def backend_from_config(cfg: Any) -> Any:
-    from mtflow.commands.run import build_backend
-
-    return build_backend(cfg)
-
-
-def scheduler_from_config(cfg: Any, tokenizer: Any) -> Any:
-    from mtflow.commands.run import scheduler_factory
-
-    return scheduler_factory(cfg)(tokenizer)
 
 
 class _FanOutBackend:
     """Stands in for the backend in the summary: the actors hold the real ones."""
 
-    def __init__(self, cfg: Any, actors: int) -> None:
+    def __init__(self, cfg: RunConfig, actors: int) -> None:
         self.cfg, self.actors = cfg, actors
         self.name: Optional[str] = None
         self.stats: Optional[SimpleNamespace] = None
@@ -62,20 +48,17 @@ class RayRollout:
     """One attempt of a run directory on Ray. ``backend`` is the summary's stand-in from the start
     (so an interrupted run still gets a summary); :meth:`run` fills in the attempt's figures."""
 
-    def __init__(self, cfg: Any, args: argparse.Namespace, store: Any, total: int, show: bool) -> None:
+    def __init__(self, cfg: RunConfig, args: argparse.Namespace, store: RunStore, total: int, show: bool) -> None:
         if args.ray < 1:
-            raise CLIError(f'--ray needs a number of actors >= 1, not {args.ray}')
+            raise RunSetupError(f'--ray needs a number of actors >= 1, not {args.ray}')
         if importlib.util.find_spec('ray') is None:
-            raise CLIError("--ray needs the 'ray' package: pip install 'mtflow[ray]'")
+            raise RunSetupError("--ray needs the 'ray' package: pip install 'mtflow[ray]'")
         self.cfg, self.args, self.store, self.total, self.show = cfg, args, store, total, show
         self.backend = _FanOutBackend(cfg, args.ray)
         self.load_s = 0.0
-        self.result: Any = None
+        self.result: Optional[RayRunResult] = None
 
-    def spec(self) -> Any:
-        from mtflow.accounting.token_record import record_accounting
-        from mtflow.distributed.ray_fanout import WorkerSpec
-
+    def spec(self) -> WorkerSpec:
         cfg = self.cfg
         return WorkerSpec(make_backend=functools.partial(backend_from_config, cfg),
                           make_scheduler=functools.partial(scheduler_from_config, cfg),
@@ -86,19 +69,11 @@ class RayRollout:
     def run(self, figures: Dict[str, Any]) -> None:
         """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
         when a signal stops it."""
-        from mtflow.commands.run import _progress
-        from mtflow.data.sources import iter_requests
-        from mtflow.core.machine import INTERRUPTED
-        from mtflow.run.store import RunDirError
-        from mtflow.distributed.ray_fanout import RayRunError, RayRunResult, ray_run
-
-        store = self.store
-        progress = _progress(self.show)
-        left = self.total - len(store.done)
-        task = progress.add_task('starting Ray', total=left) if progress is not None else None
+        store, cfg = self.store, self.cfg
+        progress = ProgressBar(self.show, self.total - len(store.done), 'starting Ray')
         write_error: Dict[str, RunDirError] = {}
 
-        def sink(rec: Any) -> None:
+        def sink(rec: RayRecord) -> None:
             if rec.finish_reason == INTERRUPTED:
                 store.write_interrupted(rec.trajectory, rec.events)
                 return
@@ -110,49 +85,47 @@ class RayRollout:
             store.tick()
 
         def on_progress(delivered: int, description: str) -> None:
-            if progress is not None:
-                progress.update(task, completed=delivered, description=description)
+            progress.update(delivered, description)
             store.tick()
 
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         self.result = RayRunResult()
-        if progress is not None:
-            progress.start()
+        progress.start()
         try:
-            cfg = self.cfg
             prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
                                     check_unique=False)  # checked in full by count_requests
             ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, batch_size=cfg.batch_size,
                     skip=set(store.done), address=self.args.ray_address, on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
-            if progress is not None:
-                progress.update(task, completed=self.result.delivered, description='')
+            progress.update(self.result.delivered, '')
         except RayRunError as exc:
-            raise CLIError(str(exc)) from None
+            raise UserError(str(exc)) from None
         finally:
-            if progress is not None:
-                progress.stop()
-            figures.update(self.figures(time.perf_counter() - t0))
+            progress.stop()
+            figures.update(self.figures(time.perf_counter() - started))
         if write_error:
             raise write_error['error']
 
     def figures(self, wall_s: float) -> Dict[str, Any]:
-        r = self.result
+        """This attempt's figures for ``run.json``; the summary's stand-in backend gets the
+        actors' description and generation figures."""
+        result = self.result
         store = self.store
         figures: Dict[str, Any] = {'wall_s': round(wall_s, 3), 'flushes': store.flushes,
                                    'write_s': round(store.fsync_s, 4)}
-        if r is None:
+        if result is None:
             return figures
-        self.backend.name = r.backend
-        if r.backend_stats:
-            self.backend.stats = SimpleNamespace(completion_tokens=int(r.backend_stats.get('completion_tokens', 0)),
-                                                 generate_s=r.backend_stats.get('generate_s'))
-        self.load_s = max(r.actor_load_s, default=0.0)
-        figures.update({'rollout_fn_calls': r.rollout_fn_calls, 'batches': r.shards, 'skipped': r.skipped,
-                        'finished': r.delivered,
-                        'ray': {'actors': self.args.ray, 'address': self.args.ray_address, 'deaths': r.actor_deaths,
-                                'restarts': r.restarts, 'retried': r.retried,
-                                'duplicates_dropped': r.duplicates_dropped, 'given_up': r.given_up,
-                                'per_actor': {str(k): v for k, v in sorted(r.per_actor.items())},
-                                'actor_load_s': r.actor_load_s}})
+        self.backend.name = result.backend
+        stats = result.backend_stats
+        if stats:
+            self.backend.stats = SimpleNamespace(completion_tokens=int(stats.get('completion_tokens', 0)),
+                                                 generate_s=stats.get('generate_s'))
+        self.load_s = max(result.actor_load_s, default=0.0)
+        figures.update({'rollout_fn_calls': result.rollout_fn_calls, 'batches': result.shards,
+                        'skipped': result.skipped, 'finished': result.delivered,
+                        'ray': {'actors': self.args.ray, 'address': self.args.ray_address,
+                                'deaths': result.actor_deaths, 'restarts': result.restarts, 'retried': result.retried,
+                                'duplicates_dropped': result.duplicates_dropped, 'given_up': result.given_up,
+                                'per_actor': {str(k): v for k, v in sorted(result.per_actor.items())},
+                                'actor_load_s': result.actor_load_s}})
         return figures

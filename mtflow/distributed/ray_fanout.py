@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from mtflow.core.errors import MtflowError
+from mtflow.engine.executor import Executor
+from mtflow.run.trajectories import finished_to_record
 
 __all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
 
@@ -71,7 +73,7 @@ class WorkerSpec:
 @dataclass
 class RayRecord:
     """One finished request as the driver receives it: plain data (what
-    :func:`mtflow.run.store.finished_to_record` makes), plus where it ran."""
+    :func:`mtflow.run.trajectories.finished_to_record` makes), plus where it ran."""
     index: int  # position in the dataset
     uuid: str
     finish_reason: str
@@ -150,30 +152,15 @@ class ShardWorker:
         generator yields ``('finished', [records])`` with every request finished so far (Ray
         streams each yield to the driver), then ``('done', figures)``. Event times
         are shifted to count from ``t_offset_from`` (a ``time.time()`` of the driver)."""
-        from mtflow.engine.executor import Executor
-        from mtflow.run.store import finished_to_record
-
         indices = [i for i, _ in shard]
         requests = [r for _, r in shard]
         t_offset = time.time() - t_offset_from if t_offset_from else 0.0
         out: 'queue.Queue[Tuple[str, Any]]' = queue.Queue()
-        slot = self.slot
 
         def on_finished(finished: Any) -> None:
-            record, events = finished_to_record(finished, index=indices[finished.index], rank=slot, t_offset=t_offset)
-            for e in events:
-                e['rank'] = slot
-            failure = finished.failure.to_dict() if finished.failure is not None else None
-            if failure is not None:
-                failure['index'] = indices[finished.index]
-            out.put(('finished', {'index': indices[finished.index], 'uuid': str(finished.uuid),
-                                  'finish_reason': finished.finish_reason, 'trajectory': record, 'events': events,
-                                  'failure': failure}))
+            out.put(('finished', self._plain_record(finished, indices[finished.index], t_offset)))
 
-        executor = Executor(self.scheduler, self.backend, self.spec.request_config, max_turns=self.spec.max_turns,
-                            on_error='return', rank=slot, on_finished=on_finished,
-                            accounting=self.spec.make_accounting(self.scheduler) if self.spec.make_accounting else None,
-                            **self.spec.executor_options)
+        executor = self._executor(on_finished)
 
         def body() -> None:
             try:
@@ -182,37 +169,61 @@ class ShardWorker:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the generator's thread
                 out.put(('raised', exc))
 
-        thread = threading.Thread(target=body, name=f'mtflow-shard-{slot}', daemon=True)
+        thread = threading.Thread(target=body, name=f'mtflow-shard-{self.slot}', daemon=True)
         thread.start()
         try:
-            while True:
-                kind, payload = out.get()
-                if kind == 'raised':
-                    raise payload
-                if kind == 'done':
-                    yield kind, payload
-                    return
-                # every request finished by now goes in one yield: one Ray object (and one
-                # round trip at the driver) per group of requests a turn finishes, not per request
-                batch = [payload]
-                tail = None
-                while tail is None:
-                    try:
-                        item = out.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item[0] == 'finished':
-                        batch.append(item[1])
-                    else:
-                        tail = item
-                yield 'finished', batch
-                if tail is not None:
-                    if tail[0] == 'raised':
-                        raise tail[1]
-                    yield tail
-                    return
+            yield from _stream_of(out)
         finally:
             thread.join(timeout=5)
+
+    def _executor(self, on_finished: Callable[[Any], None]) -> Executor:
+        spec = self.spec
+        return Executor(self.scheduler, self.backend, spec.request_config, max_turns=spec.max_turns,
+                        on_error='return', rank=self.slot, on_finished=on_finished,
+                        accounting=spec.make_accounting(self.scheduler) if spec.make_accounting else None,
+                        **spec.executor_options)
+
+    def _plain_record(self, finished: Any, index: int, t_offset: float) -> Dict[str, Any]:
+        """One finished request as plain data for the driver (a :class:`RayRecord`'s fields)."""
+        record, events = finished_to_record(finished, index=index, rank=self.slot, t_offset=t_offset)
+        for e in events:
+            e['rank'] = self.slot
+        failure = finished.failure.to_dict() if finished.failure is not None else None
+        if failure is not None:
+            failure['index'] = index
+        return {'index': index, 'uuid': str(finished.uuid), 'finish_reason': finished.finish_reason,
+                'trajectory': record, 'events': events, 'failure': failure}
+
+
+def _stream_of(out: 'queue.Queue[Tuple[str, Any]]') -> Iterator[Tuple[str, Any]]:
+    """What a shard's generator yields from the executor thread's queue: every request finished
+    by now in one ``('finished', [...])`` (one Ray object, and one round trip at the driver, per
+    group of requests a turn finishes, not per request), then ``('done', figures)``; an exception
+    of the executor thread is raised here."""
+    while True:
+        kind, payload = out.get()
+        if kind == 'raised':
+            raise payload
+        if kind == 'done':
+            yield kind, payload
+            return
+        batch = [payload]
+        tail = None
+        while tail is None:
+            try:
+                item = out.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == 'finished':
+                batch.append(item[1])
+            else:
+                tail = item
+        yield 'finished', batch
+        if tail is not None:
+            if tail[0] == 'raised':
+                raise tail[1]
+            yield tail
+            return
 
 
 def _actor_class() -> Any:
@@ -257,7 +268,7 @@ class _Slot:
 def _error_record(index: int, request: Any, slot: int, attempts: int, why: str) -> RayRecord:
     """The record of a request given up after ``attempts`` actors died with it in flight."""
     messages = [dict(m) for m in getattr(request, 'messages', None) or []]
-    uuid = str(getattr(request, 'uuid', None) or f'#{index}')
+    uuid = _uuid_of(index, request)
     failure = {'index': index, 'uuid': uuid, 'turn': 0, 'phase': 'ray_actor', 'type': 'ActorDiedError',
                'message': f'{attempts} actor(s) died with this request in flight; last: {why}'}
     trajectory = {'uuid': uuid, 'index': index, 'rank': slot, 'finish_reason': 'error', 'num_turns': 0,
@@ -300,19 +311,47 @@ def ray_run(requests: Iterable[Any],
             the figures so far).
     """
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
 
     if num_actors < 1:
         raise ValueError(f'num_actors must be >= 1, not {num_actors}')
     if batch_size < 1:
         raise ValueError(f'batch_size must be >= 1, not {batch_size}')
-    done: Set[str] = {str(u) for u in skip}
     result = result if result is not None else RayRunResult()
+    done: Set[str] = {str(u) for u in skip}
+    pending, attempts = _shards(requests, batch_size, done, result)
+    if not pending:
+        return result
+    started_ray = _start_ray(address, init_options)
+    t_start = time.perf_counter()
+    t0_unix = time.time()
+    fan_out = _FanOut(spec, result, pending, attempts, done, num_actors=num_actors, sink=sink,
+                      max_restarts=max_restarts, max_attempts=max_attempts, on_progress=on_progress,
+                      prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
+                      actor_options={'num_cpus': 1, **(actor_options or {})})
+    try:
+        fan_out.run(t0_unix, poll_s)
+        fan_out.collect_stats()
+    finally:
+        result.wall_s = round(time.perf_counter() - t_start, 3)
+        fan_out.shut_down()
+        if started_ray:
+            ray.shutdown()
+    return result
+
+
+def _uuid_of(index: int, request: Any) -> str:
+    return str(getattr(request, 'uuid', None) or f'#{index}')
+
+
+def _shards(requests: Iterable[Any], batch_size: int, done: Set[str],
+            result: RayRunResult) -> Tuple[Deque[List[Tuple[int, Any]]], Dict[str, int]]:
+    """The queue of shards (``(dataset index, request)`` lists of ``batch_size``) of the requests
+    not in ``done``, and each one's attempt count (1)."""
     pending: Deque[List[Tuple[int, Any]]] = deque()
     attempts: Dict[str, int] = {}
     shard: List[Tuple[int, Any]] = []
     for index, request in enumerate(requests):
-        uuid = str(getattr(request, 'uuid', None) or f'#{index}')
+        uuid = _uuid_of(index, request)
         if uuid in done:
             result.skipped += 1
             continue
@@ -324,163 +363,197 @@ def ray_run(requests: Iterable[Any],
     if shard:
         pending.append(shard)
     result.requests = sum(len(s) for s in pending)
-    if not pending:
-        return result
+    return pending, attempts
 
-    started_ray = False
-    if not ray.is_initialized():
-        if address is not None:
-            ray.init(address=address, **(init_options or {}))
-        else:
-            options = {'include_dashboard': False, '_node_ip_address': '127.0.0.1', 'log_to_driver': True,
-                       **_default_runtime_env(), **(init_options or {})}
-            ray.init(**options)
-        started_ray = True
 
-    t_start = time.perf_counter()
-    t0_unix = time.time()
-    prefix = name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}'
-    options = {'num_cpus': 1, **(actor_options or {})}
-    Actor = _actor_class()
-    restarts_left = num_actors if max_restarts is None else max_restarts
-    slots = [_Slot(i) for i in range(num_actors)]
-    generation = [0] * num_actors
+def _start_ray(address: Optional[str], init_options: Optional[Dict[str, Any]]) -> bool:
+    """Join ``address``, or start a local cluster, unless Ray is up already; whether we started it."""
+    import ray
 
-    def start(slot: _Slot, replacement: bool) -> None:
-        generation[slot.index] += 1
-        slot.name = f'{prefix}-{slot.index}' + (f'.{generation[slot.index]}' if generation[slot.index] > 1 else '')
-        slot.actor = Actor.options(name=slot.name, **options).remote(spec, slot.index)
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, **(init_options or {}))
+    else:
+        ray.init(**{'include_dashboard': False, '_node_ip_address': '127.0.0.1', 'log_to_driver': True,
+                    **_default_runtime_env(), **(init_options or {})})
+    return True
+
+
+class _FanOut:
+    """The driver's side of one :func:`ray_run`: the actor slots, the queue of shards, and the
+    uuids passed to the sink (``done``), which make every request reach the sink once."""
+
+    def __init__(self, spec: WorkerSpec, result: RayRunResult, pending: Deque[List[Tuple[int, Any]]],
+                 attempts: Dict[str, int], done: Set[str], *, num_actors: int,
+                 sink: Optional[Callable[[RayRecord], None]], max_restarts: Optional[int], max_attempts: int,
+                 on_progress: Optional[Callable[[int, str], None]], prefix: str, actor_options: Dict[str, Any]) -> None:
+        import ray
+
+        self.ray = ray
+        self.spec, self.result, self.pending, self.attempts, self.done = spec, result, pending, attempts, done
+        self.sink, self.max_attempts, self.on_progress = sink, max_attempts, on_progress
+        self.prefix, self.actor_options = prefix, actor_options
+        self.max_restarts = num_actors if max_restarts is None else max_restarts
+        self.restarts_left = self.max_restarts
+        self.actor_class = _actor_class()
+        self.slots = [_Slot(i) for i in range(num_actors)]
+        self.generation = [0] * num_actors  # actors started per slot (names the replacements)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self, t0_unix: float, poll_s: float) -> None:
+        """Hand out shards and take in what the actors stream back until every shard is done."""
+        for slot in self.slots:
+            self.start(slot, replacement=False)
+        self.progress(f'starting {len(self.slots)} actor(s)')
+        while True:
+            self.hand_out(t0_unix)
+            busy = [s for s in self.slots if s.state == 'busy']
+            starting = [s for s in self.slots if s.state == 'starting']
+            if not busy and not self.pending:
+                return
+            if not busy and not starting:
+                raise RayRunError(f'every Ray actor is gone and {sum(len(s) for s in self.pending)} request(s) are '
+                                  f'not run (max_restarts={self.max_restarts}); what finished has been written: run '
+                                  'again with --resume')
+            ready, _ = self.ray.wait([s.ready_ref for s in starting] + [s.gen for s in busy], num_returns=1,
+                                     timeout=poll_s)
+            for slot in starting:
+                if _among(slot.ready_ref, ready):
+                    self.on_ready(slot)
+            for slot in busy:
+                if _among(slot.gen, ready):
+                    self.on_streamed(slot)
+
+    def start(self, slot: _Slot, replacement: bool) -> None:
+        self.generation[slot.index] += 1
+        count = self.generation[slot.index]
+        slot.name = f'{self.prefix}-{slot.index}' + (f'.{count}' if count > 1 else '')
+        slot.actor = self.actor_class.options(name=slot.name, **self.actor_options).remote(self.spec, slot.index)
         slot.ready_ref = slot.actor.info.remote()
         slot.state, slot.gen, slot.shard, slot.replacement = 'starting', None, [], replacement
 
-    def progress(description: str) -> None:
-        if on_progress is not None:
-            on_progress(result.delivered, description)
+    def hand_out(self, t0_unix: float) -> None:
+        """The next shard to every idle actor."""
+        for slot in self.slots:
+            if slot.state == 'idle' and self.pending:
+                slot.shard = self.pending.popleft()
+                slot.gen = slot.actor.run_shard.remote(slot.shard, t0_unix)
+                slot.state = 'busy'
+                self.result.shards += 1
 
-    def deliver(rec: RayRecord) -> None:
-        if rec.uuid in done:
+    def on_ready(self, slot: _Slot) -> None:
+        """A starting actor answered: ready (it built its backend), or it failed to start."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            slot.info = self.ray.get(slot.ready_ref)
+        except (RayActorError, RayTaskError) as exc:
+            if not slot.replacement:
+                raise RayRunError(f'Ray actor {slot.index} could not start: {_cause(exc)}') from None
+            slot.state = 'dead'
+            self.progress(f'replacement actor {slot.index} could not start: {_cause(exc)}')
+            return
+        slot.state = 'idle'
+        self.result.actor_load_s.append(round(float(slot.info.get('load_s', 0.0)), 3))
+        if self.result.backend is None:
+            self.result.backend = slot.info.get('backend')
+        self.progress(f'actor {slot.index} ready')
+
+    def on_streamed(self, slot: _Slot) -> None:
+        """The next item of a busy actor's stream: finished requests, the shard's figures, its
+        end, or the actor's death."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            kind, payload = self.ray.get(next(slot.gen))
+        except StopIteration:
+            slot.state, slot.gen, slot.shard = 'idle', None, []
+            return
+        except (RayActorError, RayTaskError) as exc:  # a task error: the shard raised past the executor
+            self.lost(slot, _cause(exc))
+            return
+        if kind == 'finished':
+            for item in payload:
+                uuid = item['uuid']
+                self.deliver(RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'], item['events'],
+                                       slot.index, self.attempts.get(uuid, 1), item['failure']))
+            self.progress(f'{sum(1 for s in self.slots if s.state == "busy")} actor(s) busy')
+        elif kind == 'done':
+            self.result.rollout_fn_calls += int(payload.get('rollout_fn_calls', 0))
+
+    # ---- records and deaths -------------------------------------------------------------------
+    def progress(self, description: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.result.delivered, description)
+
+    def deliver(self, rec: RayRecord) -> None:
+        result = self.result
+        if rec.uuid in self.done:
             result.duplicates_dropped += 1
             return
-        done.add(rec.uuid)
+        self.done.add(rec.uuid)
         result.delivered += 1
         result.finish_reasons[rec.finish_reason] = result.finish_reasons.get(rec.finish_reason, 0) + 1
         result.per_actor[rec.actor] = result.per_actor.get(rec.actor, 0) + 1
-        if sink is not None:
-            sink(rec)
+        if self.sink is not None:
+            self.sink(rec)
 
-    def lost(slot: _Slot, why: str) -> None:
+    def lost(self, slot: _Slot, why: str) -> None:
         """The actor of ``slot`` died: requeue what it had not delivered, replace it."""
-        nonlocal restarts_left
-        result.actor_deaths += 1
-        left = [(i, r) for i, r in slot.shard if str(getattr(r, 'uuid', None) or f'#{i}') not in done]
+        self.result.actor_deaths += 1
+        undelivered = [(index, request) for index, request in slot.shard if _uuid_of(index, request) not in self.done]
         retry = []
-        for i, r in left:
-            uuid = str(getattr(r, 'uuid', None) or f'#{i}')
-            attempts[uuid] += 1
-            if attempts[uuid] > max_attempts:
-                result.given_up += 1
-                deliver(_error_record(i, r, slot.index, attempts[uuid] - 1, why))
+        for index, request in undelivered:
+            uuid = _uuid_of(index, request)
+            self.attempts[uuid] += 1
+            if self.attempts[uuid] > self.max_attempts:
+                self.result.given_up += 1
+                self.deliver(_error_record(index, request, slot.index, self.attempts[uuid] - 1, why))
             else:
-                retry.append((i, r))
+                retry.append((index, request))
         if retry:
-            result.retried += len(retry)
-            pending.appendleft(retry)
+            self.result.retried += len(retry)
+            self.pending.appendleft(retry)
         try:
-            ray.kill(slot.actor)
+            self.ray.kill(slot.actor)
         except Exception:  # already gone
             pass
         slot.state, slot.gen, slot.shard = 'dead', None, []
-        if restarts_left > 0 and (pending or any(s.state == 'busy' for s in slots)):
-            restarts_left -= 1
-            result.restarts += 1
-            start(slot, replacement=True)
-        progress(f'actor {slot.index} died ({why}); {len(retry)} request(s) requeued')
+        if self.restarts_left > 0 and (self.pending or any(s.state == 'busy' for s in self.slots)):
+            self.restarts_left -= 1
+            self.result.restarts += 1
+            self.start(slot, replacement=True)
+        self.progress(f'actor {slot.index} died ({why}); {len(retry)} request(s) requeued')
 
-    try:
-        for slot in slots:
-            start(slot, replacement=False)
-        progress(f'starting {num_actors} actor(s)')
-        while True:
-            for slot in slots:
-                if slot.state == 'idle' and pending:
-                    slot.shard = pending.popleft()
-                    slot.gen = slot.actor.run_shard.remote(slot.shard, t0_unix)
-                    slot.state = 'busy'
-                    result.shards += 1
-            busy = [s for s in slots if s.state == 'busy']
-            starting = [s for s in slots if s.state == 'starting']
-            if not busy and not pending:
-                break
-            if not busy and not starting:
-                raise RayRunError(f'every Ray actor is gone and {sum(len(s) for s in pending)} request(s) are not run '
-                                  f'(max_restarts={max_restarts if max_restarts is not None else num_actors}); '
-                                  'what finished has been written: run again with --resume')
-            waitables = [s.ready_ref for s in starting] + [s.gen for s in busy]
-            ready, _ = ray.wait(waitables, num_returns=1, timeout=poll_s)
-            for slot in starting:
-                if not _among(slot.ready_ref, ready):
-                    continue
-                try:
-                    slot.info = ray.get(slot.ready_ref)
-                except (RayActorError, RayTaskError) as exc:
-                    if not slot.replacement:
-                        raise RayRunError(f'Ray actor {slot.index} could not start: {_cause(exc)}') from None
-                    slot.state = 'dead'
-                    progress(f'replacement actor {slot.index} could not start: {_cause(exc)}')
-                    continue
-                slot.state = 'idle'
-                result.actor_load_s.append(round(float(slot.info.get('load_s', 0.0)), 3))
-                if result.backend is None:
-                    result.backend = slot.info.get('backend')
-                progress(f'actor {slot.index} ready')
-            for slot in busy:
-                if not _among(slot.gen, ready):
-                    continue
-                try:
-                    kind, payload = ray.get(next(slot.gen))
-                except StopIteration:
-                    slot.state, slot.gen, slot.shard = 'idle', None, []
-                    continue
-                except RayActorError as exc:
-                    lost(slot, _cause(exc))
-                    continue
-                except RayTaskError as exc:  # the shard raised past the executor: retry it elsewhere
-                    lost(slot, _cause(exc))
-                    continue
-                if kind == 'finished':
-                    for item in payload:
-                        uuid = item['uuid']
-                        deliver(RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'],
-                                          item['events'], slot.index, attempts.get(uuid, 1), item['failure']))
-                    progress(f'{sum(1 for s in slots if s.state == "busy")} actor(s) busy')
-                elif kind == 'done':
-                    result.rollout_fn_calls += int(payload.get('rollout_fn_calls', 0))
-        for slot in slots:  # backend figures of the actors still alive
+    # ---- the end ------------------------------------------------------------------------------
+    def collect_stats(self) -> None:
+        """Backend figures of the actors still alive, summed."""
+        stats = self.result.backend_stats
+        for slot in self.slots:
             if slot.state == 'idle':
                 try:
-                    for k, v in ray.get(slot.actor.stats.remote(), timeout=60).items():
-                        result.backend_stats[k] = result.backend_stats.get(k, 0.0) + v
+                    for k, v in self.ray.get(slot.actor.stats.remote(), timeout=60).items():
+                        stats[k] = stats.get(k, 0.0) + v
                 except Exception:  # an actor that died at the very end: its figures are lost, not its work
                     pass
-    finally:
-        result.wall_s = round(time.perf_counter() - t_start, 3)
-        # the live actors close their schedulers and backends first (bounded: a wedged actor is
-        # killed all the same); then every actor is killed
-        closing = [slot.actor.close.remote() for slot in slots if slot.actor is not None and slot.state != 'dead']
+
+    def shut_down(self) -> None:
+        """The live actors close their schedulers and backends first (bounded: a wedged actor is
+        killed all the same); then every actor is killed."""
+        ray = self.ray
+        closing = [s.actor.close.remote() for s in self.slots if s.actor is not None and s.state != 'dead']
         if closing:
             try:
                 ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
             except Exception:  # an actor gone meanwhile
                 pass
-        for slot in slots:
+        for slot in self.slots:
             if slot.actor is not None:
                 try:
                     ray.kill(slot.actor)
                 except Exception:
                     pass
-        if started_ray:
-            ray.shutdown()
-    return result
 
 
 def _among(item: Any, ready: List[Any]) -> bool:

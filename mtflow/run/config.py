@@ -34,8 +34,11 @@ from typing import Any, Dict, List, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mtflow.core.errors import MtflowError
+from mtflow.backends import ALIASES, BACKENDS
+from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
+from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
+from mtflow.data.sources import check_dataset_mapping
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS']
 
@@ -43,7 +46,7 @@ __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'P
 PATH_OPTIONS = ('path', )
 
 
-class RunConfigError(MtflowError):
+class RunConfigError(UserError):
     """A run config that cannot be used; the message names file, line and field."""
 
 
@@ -96,15 +99,12 @@ class RunConfig(BaseModel):
     @classmethod
     def _dataset_kind(cls, value: Any) -> Any:
         if isinstance(value, dict):
-            from mtflow.data.sources import check_dataset_mapping
             check_dataset_mapping(value)
         return value
 
     @field_validator('backend')
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        from mtflow.backends import ALIASES, BACKENDS
-
         if value not in BACKENDS and value not in ALIASES:
             raise ValueError(f'unknown backend {value!r}; choose one of: {", ".join(BACKENDS)}')
         return value
@@ -206,8 +206,6 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         raise RunConfigError(f'config file not found: {path}')
     if path.is_dir():
         raise RunConfigError(f'config path is a directory, not a YAML file: {path}')
-    from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
-
     try:
         data, root, duplicates = load_yaml_file(str(path))
     except YamlLoadError as exc:
@@ -240,8 +238,6 @@ def default_out_name(path: Union[str, Path]) -> str:
 def is_run_config(path: Union[str, Path]) -> bool:
     """Whether a YAML file is a run config (it names a ``scheduler``) rather than a scheduler file.
     Unreadable or invalid YAML counts as not a run config (the scheduler loader reports it)."""
-    from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
-
     try:
         data, _, _ = load_yaml_file(str(path))
     except (OSError, YamlLoadError):

@@ -14,10 +14,16 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from mtflow.accounting.token_record import record_accounting
+from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
+from mtflow.data.sources import iter_requests
+from mtflow.engine.executor import Executor
+from mtflow.run.assembly import ProgressBar
+from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
 
-__all__ = ['StreamingRun']
+__all__ = ['StreamingRun', 'roll_out']
 
 
 class _TurnCounter:
@@ -107,8 +113,6 @@ class StreamingRun:
         return self.figures()
 
     def _run_batch(self, batch: List[Tuple[int, Any]]) -> None:
-        from mtflow.core.errors import RolloutInterrupted
-
         self._indices = [i for i, _ in batch]
         self.counter.turn = 0
         self.batches += 1
@@ -132,3 +136,51 @@ class StreamingRun:
         return {'rollout_fn_calls': self.rollout_fn_calls, 'wall_s': round(self.wall_s, 3), 'batches': self.batches,
                 'skipped': self.skipped, 'finished': self.finished, 'flushes': self.store.flushes,
                 'write_s': round(self.store.fsync_s, 4)}
+
+
+class _ExecutorFactory:
+    """``make_executor`` of :class:`StreamingRun` for a run config: lockstep, or async with the
+    backend's async ``rollout_fn`` (its own concurrent path, or a dynamic batcher over its batch
+    calls, ``docs/backends.md``). Either way the ids and masks come from the exact token record,
+    and a failing request is recorded while the others go on (``on_error='return'``)."""
+
+    def __init__(self, cfg: RunConfig, scheduler: Any, backend: Any) -> None:
+        self.cfg, self.scheduler, self.backend = cfg, scheduler, backend
+        self.request_config = cfg.make_request_config()
+        self.closing: List[Callable[[], None]] = []  # a batcher's threads, stopped when the run ends
+
+    def __call__(self, rollout_fn: Any, on_finished: Callable[[Any], None]) -> Executor:
+        cfg = self.cfg
+        options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
+                                       accounting=record_accounting(self.scheduler))
+        if cfg.mode != 'async':
+            return Executor(self.scheduler, rollout_fn, self.request_config, **options)
+        # the async driver has no turns to count, so it gets the backend itself, not the counter
+        make = getattr(self.backend, 'async_rollout_fn', None)
+        async_fn = make() if callable(make) else self.backend
+        close = getattr(async_fn, 'close', None) if async_fn is not self.backend else None
+        if callable(close):
+            self.closing.append(close)
+        return Executor(self.scheduler, async_fn, self.request_config, mode='async',
+                        max_concurrency=cfg.max_concurrency, **options)
+
+    def close(self) -> None:
+        for close in self.closing:
+            close()
+
+
+def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: bool,
+             figures: Dict[str, Any]) -> None:
+    """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
+    process; this attempt's figures go into ``figures``, also when a signal stops it."""
+    make_executor = _ExecutorFactory(cfg, scheduler, backend)
+    progress = ProgressBar(show, total - len(store.done), 'starting')
+    run = StreamingRun(make_executor, backend, store, cfg.batch_size, progress.update if progress.enabled else None)
+    progress.start()
+    try:
+        # checked in full before the run (count_requests); the store refuses a uuid written twice
+        run.run(iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False))
+    finally:
+        make_executor.close()
+        progress.stop()
+        figures.update(run.figures())

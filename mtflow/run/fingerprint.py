@@ -2,10 +2,11 @@
 
 The fingerprint holds every config key that changes what a request's trajectory is (the
 scheduler and its arguments, the backend, its model and options, ``max_turns``, ``seed``,
-``limit``, the sampling parameters, ``num_generations``, a generated dataset's spec) and the content hashes of the files behind them (the
-dataset, a scheduler file, a model file or the small files of a model directory). It leaves out
-what only changes how the run goes: ``out``, ``batch_size``, progress and durability settings,
-so an interrupted run may be resumed with a smaller batch after an out-of-memory error.
+``limit``, the sampling parameters, ``num_generations``, a generated dataset's spec) and the
+content hashes of the files behind them (the dataset, a scheduler file, a model file or the
+small files of a model directory). It leaves out what only changes how the run goes: ``out``,
+``batch_size``, progress and durability settings, so an interrupted run may be resumed with a
+smaller batch after an out-of-memory error.
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from importlib import metadata
 from typing import Any, Dict, Optional, Union
+
+from mtflow.run.config import RunConfig
 
 __all__ = ['run_fingerprint', 'file_digest']
 
@@ -53,7 +57,7 @@ def _dir_identity(path: Path) -> Dict[str, str]:
     return out
 
 
-def _scheduler_file(cfg: Any) -> Optional[Path]:
+def _scheduler_file(cfg: RunConfig) -> Optional[Path]:
     if cfg.scheduler_is_yaml():
         path = cfg.scheduler_path()
         return path if path.is_file() else None
@@ -69,8 +73,8 @@ def _scheduler_file(cfg: Any) -> Optional[Path]:
     return Path(origin) if origin and os.path.isfile(origin) else None
 
 
-def run_fingerprint(cfg: Any, dataset_path: Optional[Path] = None) -> Dict[str, Any]:
-    """The fingerprint of a run config (``mtflow.run.config.RunConfig``, overrides applied) and
+def run_fingerprint(cfg: RunConfig, dataset_path: Optional[Path] = None) -> Dict[str, Any]:
+    """The fingerprint of a run config (overrides applied) and
     its dataset (``dataset_path``: the file actually read, the bundled one when the config has
     none)."""
     files: Dict[str, Any] = {}
@@ -99,10 +103,10 @@ def run_fingerprint(cfg: Any, dataset_path: Optional[Path] = None) -> Dict[str, 
     }
     # a generated dataset has no file: its spec (and the generator's version) says what it holds;
     # both keys only when set, so the fingerprint of a plain run stays what it was
-    if isinstance(getattr(cfg, 'dataset', None), dict):
+    if isinstance(cfg.dataset, dict):
         config['dataset'] = cfg.dataset
         config['dataset_generator'] = _generator_version(cfg.dataset)
-    if getattr(cfg, 'num_generations', 1) != 1:
+    if cfg.num_generations != 1:
         config['num_generations'] = cfg.num_generations
     return {'config': config, 'files': files}
 
@@ -110,11 +114,10 @@ def run_fingerprint(cfg: Any, dataset_path: Optional[Path] = None) -> Dict[str, 
 def _generator_version(dataset: Dict[str, Any]) -> Optional[str]:
     """``reasoning-gym <version>`` for a ``{reasoning_gym: ...}`` dataset: another version may
     generate other tasks from the same seed."""
-    from importlib.metadata import PackageNotFoundError, version
     for kind, dist in (('reasoning_gym', 'reasoning-gym'), ):
         if kind in dataset:
             try:
-                return f'{dist} {version(dist)}'
-            except PackageNotFoundError:
+                return f'{dist} {metadata.version(dist)}'
+            except metadata.PackageNotFoundError:
                 return None
     return None

@@ -16,11 +16,23 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
+
+from mtflow.core.errors import RunSetupError
+from mtflow.core.scheduler import Scheduler
+from mtflow.data import DatasetError
+from mtflow.data.sources import count_requests
+from mtflow.declarative import inspect_file
+from mtflow.run.assembly import load_python_scheduler
+from mtflow.run.config import RunConfig
+
+__all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
+           'check_before_load']
 
 
 @dataclass
 class Preflight:
+    """The problems of a run config (one line each) and the Python code it makes mtflow import."""
     problems: List[str] = field(default_factory=list)
     imports: List[Tuple[str, str]] = field(default_factory=list)
 
@@ -32,7 +44,6 @@ HOOKS = ('step', 'check_finished', 'on_turn_end')
 def is_scheduler_class(obj: Any) -> bool:
     """An mtflow scheduler class, one that derives from ms-swift's scheduler classes (checked by
     name, without importing ms-swift), or a duck-typed class defining a scheduler hook."""
-    from mtflow.core.scheduler import Scheduler
     if not isinstance(obj, type):
         return False
     if issubclass(obj, Scheduler):
@@ -43,13 +54,11 @@ def is_scheduler_class(obj: Any) -> bool:
     return any(callable(getattr(obj, hook, None)) for hook in HOOKS)
 
 
-def check_python_scheduler(ref: str, base_dir: Any, where: str) -> List[str]:
+def check_python_scheduler(ref: str, base_dir: Optional[Path], where: str) -> List[str]:
     """Problems of a ``module:Class`` scheduler: import, exceptions while importing, kind."""
-    from mtflow.cli import CLIError
-    from mtflow.commands.run import _import_ref
     try:
-        obj = _import_ref(ref, base_dir)
-    except CLIError as exc:
+        obj = load_python_scheduler(ref, base_dir)
+    except RunSetupError as exc:
         return [f'{where}: scheduler: {exc}']
     except Exception as exc:  # the module raised while importing
         return [f'{where}: scheduler: importing {ref!r} failed: {type(exc).__name__}: {exc}']
@@ -63,11 +72,8 @@ def check_python_scheduler(ref: str, base_dir: Any, where: str) -> List[str]:
     return []
 
 
-def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
+def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
     """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed)."""
-    from mtflow.data import DatasetError
-    from mtflow.data.sources import count_requests
-
     where = cfg.source or '<run config>'
     out = Preflight()
     if cfg.scheduler_is_yaml():
@@ -75,7 +81,6 @@ def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
         if not Path(path).is_file():
             out.problems.append(f'{where}: scheduler: no such scheduler file: {cfg.scheduler}')
         else:
-            from mtflow.declarative import inspect_file
             report = inspect_file(str(path))
             out.problems += [str(p) for p in report.problems]
             out.imports += [(f'{path}: {f}', ref) for f, ref in report.imports]
@@ -88,3 +93,14 @@ def check_run_config(cfg: Any, check_dataset: bool = True) -> Preflight:
         except DatasetError as exc:
             out.problems.append(f'{where}: dataset: {exc}')
     return out
+
+
+def check_before_load(cfg: RunConfig) -> None:
+    """Raise one :class:`RunSetupError` listing every problem ``mtflow validate`` would report,
+    the dataset aside (the caller has just read it): the start of ``mtflow run``, before the
+    slow backend load."""
+    if cfg.scheduler_is_yaml() and not cfg.scheduler_path().is_file():
+        return  # scheduler_factory says so, in the message a missing file always gets
+    problems = check_run_config(cfg, check_dataset=False).problems
+    if problems:
+        raise RunSetupError('\n'.join(map(str, problems)))

@@ -12,6 +12,8 @@ from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from mtflow.data.sources import group_of
+from mtflow.declarative.policy import PolicyTally
+from mtflow.run.reward_spread import GroupRewards
 
 __all__ = ['RunTally', 'tool_counts', 'tool_error_kinds']
 
@@ -67,14 +69,10 @@ class RunTally:
         self.info_error_kinds: Counter = Counter()  # the declarative scheduler's per-request totals
         self.reward_sum = 0.0
         self.reward_n = 0
-        from mtflow.run.reward_spread import GroupRewards  # per GRPO group: n, sums, squares, min, max
-
-        self.groups = GroupRewards()
+        self.groups = GroupRewards()  # per GRPO group: n, sums, squares, min, max
         self.errors = 0
         self.failures: List[Dict[str, Any]] = []
-        from mtflow.declarative.policy import PolicyTally  # what a YAML finish_policy did
-
-        self.policy = PolicyTally()
+        self.policy = PolicyTally()  # what a YAML finish_policy did
 
     def add(self, record: Dict[str, Any], events: Iterable[Dict[str, Any]] = ()) -> None:
         """One finished request: its trajectory line and its trace events."""

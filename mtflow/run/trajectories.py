@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from mtflow.core.trace import open_text
 
@@ -97,6 +97,26 @@ def trajectory_from_output(output: Any, uuid: str, *, index: int = -1, rank: int
         response_loss_mask=[list(s) for s in getattr(output, 'response_loss_mask', None) or []],
         rollout_logprobs=[list(s) for s in getattr(output, 'rollout_logprobs', None) or []],
         rollout_infos=infos)
+
+
+def finished_to_record(finished: Any, *, index: Optional[int] = None, rank: int = 0,
+                       t_offset: float = 0.0) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """A trajectory dict and its trace-event dicts from one finished request (an
+    ``mtflow.FinishedRequest``, or anything with ``uuid``, ``index``, ``output``,
+    ``finish_reason`` and ``events``). ``index`` (default: the record's) replaces the batch
+    index (a run numbers requests across batches by dataset position); ``t_offset`` is added to
+    event times (seconds from the run's start to the batch's start)."""
+    idx = finished.index if index is None else index
+    traj = trajectory_from_output(finished.output, str(finished.uuid), index=idx, rank=rank,
+                                  finish_reason=finished.finish_reason)
+    events = []
+    for e in getattr(finished, 'events', None) or ():
+        d = e.to_dict() if not isinstance(e, dict) else dict(e)
+        d['index'] = idx
+        if d.get('t') is not None:
+            d['t'] = round(d['t'] + t_offset, 6)
+        events.append(d)
+    return traj.to_dict(), events
 
 
 def trajectories_from_result(result: Any, requests: Optional[Sequence[Any]] = None, *,

@@ -17,7 +17,7 @@ psutil = pytest.importorskip('psutil')
 
 from mtflow import Executor  # noqa: E402
 from mtflow.distributed import RayRunError, WorkerSpec, ray_run  # noqa: E402
-from mtflow.run.store import finished_to_record  # noqa: E402
+from mtflow.run.trajectories import finished_to_record  # noqa: E402
 from tests.distributed import ray_helpers as H  # noqa: E402
 
 N = 12

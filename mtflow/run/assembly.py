@@ -1,0 +1,193 @@
+"""The pieces of one run, built from its :class:`~mtflow.run.config.RunConfig`: the backend, the
+scheduler, the seeds and the progress bar.
+
+``mtflow run`` builds them in its own process; with ``--ray`` every actor builds its own backend
+and scheduler from the same config (:func:`actor_setup`, :func:`backend_from_config`,
+:func:`scheduler_from_config` travel to the actors by reference), so a local run and a fan-out
+start the same way. Every problem is a :class:`~mtflow.core.errors.RunSetupError` with a
+one-line message, raised before the slow model load where it can be.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from mtflow import backends
+from mtflow.core.errors import RunSetupError, UserError
+from mtflow.core.registry import import_module
+from mtflow.declarative import load_scheduler
+from mtflow.run.config import RunConfig
+
+__all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'load_python_scheduler', 'scheduler_factory',
+           'ProgressBar', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
+
+#: ``make(tokenizer) -> scheduler``: the scheduler is built once the backend (and its tokenizer) is
+SchedulerFactory = Callable[[Any], Any]
+
+
+def seed_everything(seed: Optional[int]) -> None:
+    """Seed Python's RNG, and torch's when the backend imported torch (called once the backend is
+    built: importing torch only to seed it would cost a scripted or server run ~200 MB and
+    seconds)."""
+    if seed is None:
+        return
+    random.seed(seed)
+    torch = sys.modules.get('torch')
+    if torch is not None and hasattr(torch, 'manual_seed'):
+        torch.manual_seed(seed)
+
+
+def build_backend(cfg: RunConfig) -> Any:
+    """The config's backend, seeded with the run's seed when it takes one (``docs/cli.md``)."""
+    options = cfg.resolved_backend_options()
+    try:
+        if cfg.seed is not None and 'seed' not in options and 'seed' in backends.backend_options(cfg.backend)[0]:
+            options['seed'] = cfg.seed
+        return backends.make_backend(cfg.backend, model=cfg.resolved_model(), **options)
+    except backends.BackendError as exc:
+        raise RunSetupError(str(exc)) from None
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        first_line = (str(exc).strip().splitlines() or [''])[0]
+        raise RunSetupError(f'backend {cfg.backend!r} cannot start: {type(exc).__name__}: {first_line}') from None
+
+
+def _module_from_file(path: Path) -> Any:
+    """Execute a scheduler's ``.py`` file as a module of its own (it need not be on ``sys.path``)."""
+    spec = importlib.util.spec_from_file_location(f'_mtflow_user_{path.stem}', path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_python_scheduler(ref: str, base_dir: Optional[Path]) -> Any:
+    """The class or factory named by ``'package.module:Name'`` (imported as
+    :func:`mtflow.core.registry.import_module` imports every reference of a config) or by
+    ``'path/to/file.py:Name'`` (a file next to the config, or in the current directory).
+    An exception the module raises while it is imported propagates."""
+    target, sep, name = ref.rpartition(':')
+    if not sep or not target or not name:
+        raise RunSetupError(f"scheduler {ref!r}: expected a YAML file or 'module:Class'")
+    if target.endswith('.py'):
+        path = Path(target)
+        if not path.is_absolute() and base_dir is not None and (base_dir / path).is_file():
+            path = base_dir / path
+        if not path.is_file():
+            raise RunSetupError(f'scheduler file not found: {target}')
+        module = _module_from_file(path)
+    else:
+        try:
+            module = import_module(target, str(base_dir) if base_dir is not None else None)
+        except ImportError as exc:
+            reason = str(exc).removeprefix(f'cannot import module {target!r}: ')  # the message names it already
+            raise RunSetupError(f'scheduler {ref!r}: cannot import {target!r}: {reason}') from None
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise RunSetupError(f'scheduler {ref!r}: {target!r} has no {name!r}')
+    return obj
+
+
+def _yaml_scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
+    path = cfg.scheduler_path()
+    if not path.is_file():
+        raise RunSetupError(f'scheduler file not found: {cfg.scheduler}')
+
+    def make_yaml(tokenizer: Any) -> Any:
+        try:
+            return load_scheduler(str(path), tokenizer=tokenizer)
+        except UserError:
+            raise
+        except Exception as exc:  # the loader's errors already name file, line and field
+            raise RunSetupError(' '.join(str(exc).split()) or f'{path}: {type(exc).__name__}') from None
+
+    return make_yaml
+
+
+def _takes_tokenizer(factory: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return 'tokenizer' in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
+    """Check the scheduler before the (slow) model loads; return ``make(tokenizer)``.
+
+    A YAML file goes through :func:`mtflow.declarative.load_scheduler`; ``module:Class`` (or
+    ``file.py:Class``) is called with ``scheduler_args`` and, when it accepts one, the backend's
+    tokenizer."""
+    if cfg.scheduler_is_yaml():
+        return _yaml_scheduler_factory(cfg)
+    factory = load_python_scheduler(cfg.scheduler, cfg.base_dir)
+    if not callable(factory):
+        raise RunSetupError(f'scheduler {cfg.scheduler!r} is not a class or factory')
+    accepts_tokenizer = _takes_tokenizer(factory)
+
+    def make_python(tokenizer: Any) -> Any:
+        kwargs = dict(cfg.scheduler_args)
+        if accepts_tokenizer and 'tokenizer' not in kwargs and tokenizer is not None:
+            kwargs['tokenizer'] = tokenizer
+        try:
+            return factory(**kwargs)
+        except TypeError as exc:
+            raise RunSetupError(f'scheduler {cfg.scheduler!r}: bad scheduler_args: {exc}') from None
+
+    return make_python
+
+
+class ProgressBar:
+    """The rollout's progress bar on stderr (requests finished of ``total``), or nothing when
+    ``enabled`` is false: callers update it without checking which."""
+
+    def __init__(self, enabled: bool, total: int, description: str) -> None:
+        self.bar: Any = None
+        self.task: Any = None
+        if enabled:
+            # rich's progress module costs ~0.1 s to import; a quiet run never pays it
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn)
+
+            self.bar = Progress(SpinnerColumn(), TextColumn('[bold]rollout'), BarColumn(), MofNCompleteColumn(),
+                                TextColumn('{task.description}'), TimeElapsedColumn(), console=Console(stderr=True),
+                                transient=False)
+            self.task = self.bar.add_task(description, total=total)
+
+    @property
+    def enabled(self) -> bool:
+        return self.bar is not None
+
+    def update(self, completed: int, description: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=completed, description=description)
+
+    def start(self) -> None:
+        if self.bar is not None:
+            self.bar.start()
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# ---- what a Ray actor calls (mtflow/distributed/ray_cli.py ships these by reference) ----------------
+def actor_setup(cwd: str, seed: Optional[int]) -> None:
+    """First thing in each actor: the driver's directory (relative paths in the config resolve
+    as they did on the driver) and the config's seed."""
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+    seed_everything(seed)
+
+
+def backend_from_config(cfg: RunConfig) -> Any:
+    return build_backend(cfg)
+
+
+def scheduler_from_config(cfg: RunConfig, tokenizer: Any) -> Any:
+    return scheduler_factory(cfg)(tokenizer)

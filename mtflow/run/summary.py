@@ -1,0 +1,114 @@
+"""What ``summary.json`` holds and the table ``mtflow run`` prints at its end: the requests on
+disk (every attempt, from the run store's tally: finish reasons, turns, tool calls and errors,
+rewards and the per-group reward spread, generated tokens) and this attempt's timings. The same
+for a local run and a Ray fan-out (whose backend is a stand-in that reports the actors' figures).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+from rich.console import Console
+from rich.table import Table
+
+from mtflow.run.config import RunConfig
+from mtflow.run.reward_spread import spread_rows
+from mtflow.run.store import RunStore
+
+__all__ = ['summarize', 'print_summary']
+
+
+def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
+              load_s: float) -> Dict[str, Any]:
+    """The figures of ``summary.json``: the requests on disk (every attempt, from the store's
+    tally) and this attempt's timings."""
+    tally = store.tally
+    stats = getattr(backend, 'stats', None)
+    gen_s = stats.generate_s if stats is not None else None
+    attempt_tokens = stats.completion_tokens if stats is not None else None
+    wall_s = figures.get('wall_s') or 0.0
+    tool_calls, tool_errors = tally.tool_calls()
+    load_info = getattr(backend, 'load_info', {}) or {}
+    done = len(store.done)
+    return {
+        'config': cfg.source,
+        'backend': backend.describe() if hasattr(backend, 'describe') else cfg.backend,
+        'scheduler': cfg.scheduler,
+        'requests': total,
+        'written': done,
+        'interrupted': store.interrupted,
+        'remaining': max(total - done, 0),
+        'finish_reasons': dict(tally.reasons.most_common()),
+        'errors': tally.errors,
+        'turns': tally.turns_summary(),
+        'rollout_fn_calls': figures.get('rollout_fn_calls', 0),
+        'tool_calls': tool_calls,
+        'tool_errors': tool_errors,
+        'tool_error_kinds': tally.tool_error_kinds(),
+        'reward_mean': tally.reward_mean(),
+        'reward_groups': tally.reward_groups(),
+        'generated_tokens': tally.trace_tokens,
+        'generate_s': round(gen_s, 3) if gen_s is not None else None,
+        'wall_s': round(wall_s, 3),
+        'tokens_per_s': round((attempt_tokens if attempt_tokens is not None else tally.trace_tokens) / wall_s, 1)
+        if wall_s > 0 else None,
+        'model_load_s': round(load_s, 3),
+        'model_cached': load_info.get('cached'),
+        'attempts': len(store.info.get('attempts') or []),
+        'resumed_from': store.info['attempts'][-1].get('done_at_start', 0) if store.resumed else None,
+        'write_s': figures.get('write_s'),
+        'failures': tally.failures,
+        'finish_policy': tally.policy.summary(),
+    }
+
+
+def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
+    """The table ``mtflow run`` prints at the end, from the figures of :func:`summarize`."""
+
+    table = Table(title='mtflow run', show_header=False, title_justify='left')
+    table.add_column('', style='bold')
+    table.add_column('')
+    reasons = ', '.join(f'{k} {v}' for k, v in summary['finish_reasons'].items())
+    t = summary['turns']
+    hist = '  '.join(f'{k}:{v}' for k, v in t['histogram'].items())
+    status = summary.get('status', 'complete')
+    table.add_row('backend', summary['backend'])
+    table.add_row('scheduler', str(summary['scheduler']))
+    table.add_row('status', status if status == 'complete' else f'[yellow]{status}[/yellow]')
+    requests = str(summary['requests'])
+    if summary['written'] != summary['requests'] or summary['resumed_from']:
+        requests += f" ({summary['written']} written"
+        requests += f", {summary['resumed_from']} by earlier attempts" if summary['resumed_from'] else ''
+        requests += f", {summary['interrupted']} interrupted" if summary['interrupted'] else ''
+        requests += ')'
+    table.add_row('requests', requests)
+    table.add_row('finish reasons', reasons)
+    table.add_row('turns per request', f"min {t['min']}  mean {t['mean']}  max {t['max']}")
+    table.add_row('turns histogram', f'(turns:requests) {hist}')
+    table.add_row('multi-turn requests', f"{t['multi_turn_requests']} of {summary['written']} went past turn 1")
+    table.add_row('rollout_fn calls', str(summary['rollout_fn_calls']))
+    table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
+    if summary.get('tool_error_kinds'):
+        table.add_row('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items()))
+    if summary['reward_mean'] is not None:
+        table.add_row('mean reward', str(summary['reward_mean']))
+    if summary.get('finish_policy'):
+        table.add_row('finish policy', ', '.join(f'{k} {v}' for k, v in summary['finish_policy'].items()))
+    if summary.get('reward_groups'):
+        for label, text in spread_rows(summary['reward_groups']):
+            table.add_row(label, text)
+    errors = summary['errors']
+    table.add_row('request errors', f'[red]{errors}[/red]' if errors else '0')
+    table.add_row('generated tokens', str(summary['generated_tokens']))
+    tps = summary['tokens_per_s']
+    table.add_row('tokens/s', f"{tps} (wall {summary['wall_s']} s"
+                  + (f", generating {summary['generate_s']} s)" if summary['generate_s'] is not None else ')'))
+    cached = summary['model_cached']
+    table.add_row('model load', f"{summary['model_load_s']} s" +
+                  ('' if cached is None else ' (cached copy)' if cached else ' (converted, now cached)'))
+    table.add_row('output', f'{out_dir}/trajectories.jsonl, trace.jsonl, summary.json')
+    console = Console()
+    console.print(table)
+    for failure in summary['failures'][:3]:
+        console.print(f"[red]error[/red] request {failure.get('uuid')} turn {failure.get('turn')} "
+                      f"({failure.get('phase')}): {failure.get('type')}: {failure.get('message')}")
