@@ -4,15 +4,21 @@
 - :func:`validate_file` — every problem in a file, with file, line and field path
   (:func:`inspect_file` adds the Python code the file imports);
 - :func:`json_schema` — the JSON Schema of the YAML (``mtflow schema``);
-- :mod:`.parsers` (tool-call formats, :func:`register_parser`), :mod:`.gym` (environments).
+- :mod:`.parsers` (tool-call formats, :func:`register_parser`), :mod:`.gym` (the ``impl``
+  environments, :func:`register_env`), :mod:`.envs` (every environment kind).
+
+Reading a file: :mod:`.loader` (problems with lines) over :mod:`.schema` (the keys). Running it:
+:mod:`.scheduler` (the hooks), one module per section of the file (:mod:`.stop_rules`,
+:mod:`.answers`, :mod:`.tips`, :mod:`.tool_calls`, :mod:`.observations`, :mod:`.policy`).
 
 See ``docs/declarative.md``.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Union
 
+from mtflow.core.registry import resolve_reference
 from mtflow.declarative.gym import Env, GuessNumberEnv, register_env
 from mtflow.declarative.loader import ConfigError, FileReport, Problem, inspect_file, load_config, validate_file
 from mtflow.declarative.parsers import ToolCall, ToolCallParser, get_parser, register_parser
@@ -31,8 +37,7 @@ def load_scheduler(source: Union[str, os.PathLike, Dict[str, Any], SchedulerConf
     config, base_dir = load_config(source, kwargs.pop('base_dir', None))
     cls: Any = YamlScheduler
     if config.scheduler_class:
-        from mtflow.tools.registry import resolve_ref
-        cls = resolve_ref(config.scheduler_class, base_dir)
+        cls = resolve_reference(config.scheduler_class, base_dir)
         if not (isinstance(cls, type) and issubclass(cls, YamlScheduler)):
             raise ConfigError([Problem(str(source) if not isinstance(source, dict) else '<dict>', None,
                                        'scheduler_class', f'{config.scheduler_class} is not a YamlScheduler subclass')])

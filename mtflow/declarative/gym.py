@@ -14,6 +14,8 @@ import random
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from mtflow.core.registry import Registry
+
 StepOut = Tuple[str, float, bool, Dict[str, Any]]
 
 
@@ -91,31 +93,25 @@ class GuessNumberEnv(Env):
         self.closed = True
 
 
-_ENVS: Dict[str, Callable[..., Any]] = {'guess_number': GuessNumberEnv}
+#: name -> environment class (or factory), made with the YAML ``kwargs``
+ENVS = Registry('mtflow.envs', 'unknown environment {name} (built-in: {known}, or module:Class)',
+                builtins={'guess_number': GuessNumberEnv})
 
 
 def register_env(name: str, factory: Callable[..., Any]) -> None:
     """Make an environment available by name in YAML (``env: {impl: <name>}``)."""
-    _ENVS[name] = factory
+    ENVS.register(name, factory)
 
 
 def builtin_envs() -> List[str]:
     """Registered environments, and those installed packages declare (``mtflow.envs`` entry
     points, imported only when a config names one)."""
-    from mtflow.plugins import entry_point_names
-    return sorted(set(_ENVS) | set(entry_point_names('mtflow.envs')))
+    return ENVS.names()
 
 
 def make_env_factory(impl: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> Callable[[], Any]:
     """A zero-argument callable making a fresh environment per request."""
-    if impl not in _ENVS and ':' not in impl:
-        from mtflow.plugins import load_entry_point
-        load_entry_point('mtflow.envs', impl)
-    if impl in _ENVS:
-        cls = _ENVS[impl]
-    else:
-        from mtflow.tools.registry import resolve_ref
-        cls = resolve_ref(impl, base_dir)
+    cls = ENVS.get(impl, base_dir)
     kwargs = dict(kwargs)
     cls(**kwargs)  # fail at load time, not at the first turn, on bad kwargs
     return lambda: cls(**kwargs)

@@ -18,8 +18,14 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import yaml
 from pydantic import ValidationError
 
+from mtflow.core.registry import import_plugins, loaded_entry_points, resolve_reference
 from mtflow.core.safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
-from mtflow.declarative.schema import SchedulerConfig, cross_problems
+from mtflow.declarative.envs import env_kind, make_env_factory
+from mtflow.declarative.gym import ENVS
+from mtflow.declarative.parsers import PARSERS, get_parser
+from mtflow.declarative.scheduler import YamlScheduler
+from mtflow.declarative.schema import EnvConfig, SchedulerConfig, cross_problems
+from mtflow.tools.registry import TOOLS, check_builtin_options, make_builtin
 
 Loc = Tuple[Union[str, int], ...]
 
@@ -139,7 +145,6 @@ def _plugin_problems(data: Dict[str, Any], base_dir: Optional[str]) -> List[Tupl
     plugins = data.get('plugins')
     if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
         return []  # the schema reports the type
-    from mtflow.plugins import import_plugins
     return [(('plugins', i), msg) for i, msg in import_plugins(plugins, base_dir)]
 
 
@@ -172,16 +177,13 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
     """What only building finds, tried section by section on the raw mapping (a section the
     schema already flagged is skipped): a built-in's options, a parser's options, an
     environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
-    from mtflow.tools.registry import builtin_names, check_builtin_options, make_builtin, resolve_ref
-    from mtflow.declarative.parsers import get_parser
-
     out: List[Tuple[Loc, str]] = []
     tools = data.get('tools') if isinstance(data.get('tools'), list) else []
     for i, tc in enumerate(tools):
         if not isinstance(tc, dict) or tc.get('impl') or _under(('tools', i, 'options'), found):
             continue
         name, options = tc.get('builtin') or tc.get('name'), tc.get('options', {})
-        if not isinstance(name, str) or name not in builtin_names() or not isinstance(options, dict):
+        if not isinstance(name, str) or name not in TOOLS.names() or not isinstance(options, dict):
             continue
         try:
             bad = check_builtin_options(name, options)
@@ -211,9 +213,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
         out += _env_problems(env, base_dir)
     ref = data.get('scheduler_class')
     if isinstance(ref, str) and not _under(('scheduler_class', ), found):
-        from mtflow.declarative.scheduler import YamlScheduler
         try:
-            cls = resolve_ref(ref, base_dir)
+            cls = resolve_reference(ref, base_dir)
         except Exception:
             cls = None  # the schema reports it
         if cls is not None and not (isinstance(cls, type) and issubclass(cls, YamlScheduler)):
@@ -226,8 +227,6 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
     """Build the ``env`` section's factory once, whatever its kind (impl, gym, openenv,
     textarena), as the scheduler will: the class's kwargs, a textarena game id, a missing extra.
     Nothing is launched or connected (an OpenEnv pool starts its servers at the first session)."""
-    from mtflow.declarative.envs import env_kind, make_env_factory
-    from mtflow.declarative.schema import EnvConfig
     try:
         env_cfg = EnvConfig.model_validate(env, context={'base_dir': base_dir, 'resolve': True})
     except ValidationError:
@@ -297,8 +296,6 @@ class FileReport:
 
 def inspect_file(path: Union[str, os.PathLike]) -> FileReport:
     """Every problem of a scheduler YAML file and every Python reference it names."""
-    from mtflow.plugins import loaded_entry_points
-
     path = os.fspath(path)
     try:
         data, lines, problems, fatal = read_yaml(path)
@@ -320,9 +317,9 @@ def _names(data: Any, group: str, name: str) -> bool:
     """Whether the config names entry point ``name`` of ``group``."""
     if not isinstance(data, dict):
         return False
-    if group == 'mtflow.parsers':
+    if group == PARSERS.group:
         return data.get('parser') == name
-    if group == 'mtflow.envs':
+    if group == ENVS.group:
         return isinstance(data.get('env'), dict) and data['env'].get('impl') == name
     tools = data.get('tools') if isinstance(data.get('tools'), list) else []
     return any(isinstance(t, dict) and not t.get('impl') and (t.get('builtin') or t.get('name')) == name for t in tools)

@@ -31,72 +31,43 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import re
-from dataclasses import dataclass, field
-from dataclasses import replace as dc_replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestError
 from mtflow.core.machine import MAX_TURNS
-from mtflow.core.stop import turn_limit_reached
 from mtflow.core.protocol import extract_logprobs
+from mtflow.core.registry import resolve_reference
 from mtflow.core.scheduler import Scheduler
-from mtflow.tools.registry import Tool, make_builtin, resolve_ref, tool_from_callable
-from mtflow.tools.runner import ToolResult, ToolRunner, truncate
+from mtflow.core.stop import turn_limit_reached
+from mtflow.declarative.answers import AnswerCheck
 from mtflow.declarative.envs import make_env_factory, normalize_step
-from mtflow.declarative.parsers import ToolCall, foreign_format, get_parser
+from mtflow.declarative.observations import add_observations, render_result
+from mtflow.declarative.parsers import ToolCall, get_parser
 from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
-from mtflow.declarative.schema import SchedulerConfig, TipConfig
+from mtflow.declarative.request_state import RequestState, maybe_await
+from mtflow.declarative.schema import SchedulerConfig
+from mtflow.declarative.stop_rules import StopRules
+from mtflow.declarative.tips import TipRules, cut_before_markers
+from mtflow.declarative.tool_calls import build_tool, read_calls, run_calls
 from mtflow.declarative.templates import render
+from mtflow.tools.runner import ToolResult, ToolRunner
+from mtflow.tools.tool import Tool
+
+__all__ = ['YamlScheduler', 'ToolCallError', 'token_accounting']
 
 
 class ToolCallError(RequestError):
     """A tool call failed and the config says ``tool_errors: finish``."""
 
 
-@dataclass
-class _State:
-    """What the scheduler remembers about one request between hooks."""
-    tool_calls: int = 0
-    tool_errors: int = 0
-    error_kinds: Dict[str, int] = field(default_factory=dict)
-    tips_given: Dict[str, int] = field(default_factory=dict)
-    calls: List[ToolCall] = field(default_factory=list)
-    tip: Optional[TipConfig] = None
-    env: Any = None
-    env_obs: Optional[str] = None
-    env_error: Optional[BaseException] = None
-    rewards: List[float] = field(default_factory=list)
-    answer_correct: Optional[bool] = None
-
-    def counters(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {'tool_calls': self.tool_calls, 'tool_errors': self.tool_errors}
-        if self.error_kinds:
-            out['tool_error_kinds'] = dict(self.error_kinds)
-        if self.tips_given:
-            out['tips_given'] = dict(self.tips_given)
-        return out
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
-
-
-def _number(text: str) -> Optional[float]:
-    cleaned = re.sub(r'[\s,$%]', '', str(text)).rstrip('.')
-    try:
-        return float(cleaned)
-    except ValueError:
-        return None
-
-
 class YamlScheduler(Scheduler):
     """A scheduler built from a validated :class:`SchedulerConfig` (see :func:`load_scheduler`).
 
     Subclass it (and name the subclass in ``scheduler_class``) to override any hook while keeping
-    the YAML behaviour for the rest."""
+    the YAML behaviour for the rest. Each section of the config has its collaborator: the stop
+    rules (:mod:`.stop_rules`), the answer check (:mod:`.answers`), the tips (:mod:`.tips`), the
+    tool calls (:mod:`.tool_calls`) and the observations (:mod:`.observations`); the class keeps
+    the hooks, the per-request state and the token accounting."""
     requires_unique_uuids = True  # per-request state is keyed by uuid (see _key)
 
     def __init__(self, config: SchedulerConfig, tokenizer: Any = None, base_dir: Optional[str] = None,
@@ -106,47 +77,16 @@ class YamlScheduler(Scheduler):
         self.name = config.name
         self.base_dir = base_dir
         self.parser = get_parser(config.parser, config.parser_options, base_dir)
-        self.tools: List[Tool] = [self._build_tool(tc) for tc in config.tools]
+        self.tools: List[Tool] = [build_tool(tc, base_dir) for tc in config.tools]
         self.runner = ToolRunner(self.tools, config.max_threads)
-        stop = config.stop
-        self._regex = [(name, re.compile(p)) for name, p in stop.regex.items()]
-        self._predicate = resolve_ref(stop.predicate, base_dir) if stop.predicate else None
-        self._reward = resolve_ref(config.reward, base_dir) if config.reward else None
-        self._answer_re = re.compile(config.answer.pattern, re.DOTALL) if config.answer else None
-        self._compare: Optional[Callable[[str, Any], bool]] = None
-        if config.answer and config.answer.compare not in ('exact', 'numeric'):
-            self._compare = resolve_ref(config.answer.compare, base_dir)
-        self._tip_checks = [(tip, re.compile(tip.regex) if tip.regex else None,
-                             resolve_ref(tip.predicate, base_dir) if tip.predicate else None) for tip in config.tips]
+        self.stop_rules = StopRules(config.stop, base_dir)
+        self._reward = resolve_reference(config.reward, base_dir) if config.reward else None
+        self.answers = AnswerCheck(config.answer, base_dir) if config.answer else None
+        self.tip_rules = TipRules(config.tips, base_dir)
         self._env_factory = make_env_factory(config.env, base_dir) if config.env else None
-        self._states: Dict[Any, _State] = {}
-        self.finish_reasons = tuple(self._finish_reasons())
+        self._states: Dict[Any, RequestState] = {}
+        self.finish_reasons = tuple(self.stop_rules.finish_reasons(config, self.idle_rule))
         self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
-
-    # ---- construction ---------------------------------------------------------------------------
-    def _build_tool(self, tc: Any) -> Tool:
-        fn = resolve_ref(tc.impl, self.base_dir) if tc.impl else make_builtin(tc.builtin, tc.options)
-        return tool_from_callable(fn, tc.name, description=tc.description, parameters=tc.parameters,
-                                  timeout_s=tc.timeout_s, max_concurrency=tc.max_concurrency,
-                                  max_observation=tc.max_observation, truncate_side=tc.truncate_side)
-
-    def _finish_reasons(self) -> List[str]:
-        c, stop = self.config, self.config.stop
-        reasons = []
-        if c.env:
-            reasons.append('stop_rule:env_done')
-            if c.env.gym is not None:  # Gymnasium's truncated (an impl env may return it too)
-                reasons.append('stop_rule:env_truncated')
-        if stop.correct_answer:
-            reasons.append('stop_rule:correct_answer')
-        reasons += [f'stop_rule:{name}' for name, _ in self._regex]
-        if stop.stop_tools:
-            reasons.append('stop_rule:stop_tool')
-        if stop.predicate:
-            reasons.append('stop_rule:predicate')
-        if not c.env:
-            reasons.append(f'stop_rule:{self.idle_rule}')
-        return reasons
 
     @property
     def env_factory(self) -> Optional[Callable[[], Any]]:
@@ -174,12 +114,12 @@ class YamlScheduler(Scheduler):
         objects between turns), else by object identity; uuids must be unique within a batch."""
         return getattr(infer_request, 'uuid', None) or id(infer_request)
 
-    def _state(self, infer_request: Any) -> _State:
+    def _state(self, infer_request: Any) -> RequestState:
         key = self._key(infer_request)
-        st = self._states.get(key)
-        if st is None:
-            st = self._states[key] = _State()
-        return st
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = RequestState()
+        return state
 
     def prepare(self, infer_request: Any) -> Any:
         """Add the system prompt (with the tool list) to a request before its first turn.
@@ -200,11 +140,11 @@ class YamlScheduler(Scheduler):
             msgs[0]['content'] = f'{text}\n\n{msgs[0]["content"]}'
         return infer_request
 
-    async def _ensure_env(self, infer_request: Any, st: _State) -> Any:
-        if st.env is None and self._env_factory is not None:
-            st.env = self._env_factory()
-            await _maybe_await(st.env.reset(infer_request))
-        return st.env
+    async def _ensure_env(self, infer_request: Any, state: RequestState) -> Any:
+        if state.env is None and self._env_factory is not None:
+            state.env = self._env_factory()
+            await maybe_await(state.env.reset(infer_request))
+        return state.env
 
     async def on_trajectory_start(self, requests: List[Any]) -> None:
         for request in requests:
@@ -216,12 +156,12 @@ class YamlScheduler(Scheduler):
             await asyncio.gather(*[self._start_env(request) for request in requests])
 
     async def _start_env(self, request: Any) -> None:
-        st = self._state(request)
+        state = self._state(request)
         try:
-            st.env = self._env_factory()
-            opening = await _maybe_await(st.env.reset(request))
-        except Exception as exc:
-            st.env_error = exc
+            state.env = self._env_factory()
+            opening = await maybe_await(state.env.reset(request))
+        except Exception as error:
+            state.env_error = error
             return
         if opening and not any(m.get('role') == 'user' for m in request.messages):
             request.messages.append({'role': 'user', 'content': opening})
@@ -236,21 +176,21 @@ class YamlScheduler(Scheduler):
         return {'output': output, 'trace_info': {'finish_policy': output.rollout_infos.get(POLICY_INFO_KEY)}}
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
-        st = self._states.pop(self._key(infer_request), None)
-        if st is not None and st.env is not None:
-            env, st.env = st.env, None
-            await _maybe_await(env.close())
+        state = self._states.pop(self._key(infer_request), None)
+        if state is not None and state.env is not None:
+            env, state.env = state.env, None
+            await maybe_await(env.close())
 
     def close(self) -> None:
         """Release the tool thread pool, any environment still open, and what the environment
         factory holds (e.g. the OpenEnv servers it launched)."""
-        for st in self._states.values():
-            if st.env is not None:
-                abandon = getattr(st.env, 'abandon', None)
+        for state in self._states.values():
+            if state.env is not None:
+                abandon = getattr(state.env, 'abandon', None)
                 if callable(abandon):  # an async env whose close needs the executor's loop
                     abandon()
                     continue
-                close = st.env.close()
+                close = state.env.close()
                 if inspect.isawaitable(close):
                     close.close()
         self._states.clear()
@@ -261,115 +201,72 @@ class YamlScheduler(Scheduler):
 
     # ---- deciding -------------------------------------------------------------------------------
     def extract_answer(self, text: str) -> Optional[str]:
-        if self._answer_re is None:
+        if self.answers is None:
             return None
-        found = None
-        for m in self._answer_re.finditer(text or ''):
-            groups = [g for g in m.groups() if g] if m.groups() else [m.group(0)]
-            if groups:
-                found = groups[0].strip()
-        return found
+        return self.answers.extract(text)
 
     def answer_is_correct(self, answer: Optional[str], infer_request: Any) -> bool:
-        if answer is None or self.config.answer is None:
+        if answer is None or self.answers is None:
             return False
-        data = getattr(infer_request, 'data_dict', None) or {}
-        if self.config.answer.field not in data:
-            raise KeyError(f'data_dict has no {self.config.answer.field!r} (answer.field) to check the answer against')
-        reference = data[self.config.answer.field]
-        if self._compare is not None:
-            return bool(self._compare(answer, reference))
-        if self.config.answer.compare == 'numeric':
-            a, b = _number(answer), _number(str(reference))
-            if a is not None and b is not None:
-                return abs(a - b) <= 1e-6 * max(1.0, abs(b))
-        return answer.strip() == str(reference).strip()
-
-    def _tip_applies(self, tip: TipConfig, regex: Any, predicate: Any, completion: str, calls: List[ToolCall],
-                     answer: Optional[str], correct: Optional[bool], request: Any, choice: Any, turn: int) -> bool:
-        when = tip.when
-        if when == 'always':
-            return True
-        if when == 'wrong_answer':
-            return not correct
-        if when == 'no_answer':
-            return answer is None
-        if when == 'no_tool_call':
-            return not calls
-        if when == 'regex':
-            return bool(regex.search(completion))
-        return bool(predicate(request, choice, turn))
+        return self.answers.is_correct(answer, infer_request)
 
     async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
-        st = self._state(infer_request)
-        st.calls, st.tip, st.env_obs = [], None, None
+        state = self._state(infer_request)
+        state.calls, state.tip, state.env_obs = [], None, None
         completion = response_choice.message.content or ''
-        cfg, stop = self.config, self.config.stop
         infos: Dict[str, Any] = {}
-        reason: Optional[str] = None
-        calls: List[ToolCall] = []
-
-        if self._env_factory is not None:
-            if st.env_error is not None:
-                exc, st.env_error = st.env_error, None
-                raise exc
-            env = await self._ensure_env(infer_request, st)
-            out = normalize_step(await _maybe_await(env.step(completion)))
-            st.rewards.append(out.reward)
-            infos.update(env_steps=len(st.rewards), rewards=list(st.rewards), reward=float(sum(st.rewards)),
-                         env_info=out.info)
-            if out.terminated:
-                reason = 'stop_rule:env_done'
-            elif out.truncated:
-                reason = 'stop_rule:env_truncated'
-            else:
-                st.env_obs = out.observation
-
+        reason = None if self._env_factory is None else await self._step_env(infer_request, state, completion, infos)
         answer = correct = None
-        if self._answer_re is not None:
+        if self.answers is not None:
             answer = self.extract_answer(completion)
             correct = self.answer_is_correct(answer, infer_request)
-            st.answer_correct = correct
+            state.answer_correct = correct
             infos.update(answer=answer, answer_correct=correct)
-            if reason is None and stop.correct_answer and correct:
-                reason = 'stop_rule:correct_answer'
-        if reason is None:
-            for name, rx in self._regex:
-                if rx.search(completion):
-                    reason = f'stop_rule:{name}'
-                    break
-        if self.tools or cfg.stop.stop_tools:
+        calls: List[ToolCall] = []
+        if self.tools or self.config.stop.stop_tools:
             calls = self.read_calls(completion, response_choice.finish_reason)
-        if reason is None and stop.stop_tools and any(c.name in stop.stop_tools for c in calls):
-            reason = 'stop_rule:stop_tool'
-        if reason is None and stop.on_length and response_choice.finish_reason == 'length':
-            reason = 'length'
-        if reason is None and self._predicate is not None:
-            verdict = await _maybe_await(self._predicate(infer_request, response_choice, current_turn))
-            if verdict:
-                reason = f'stop_rule:{verdict}' if isinstance(verdict, str) else 'stop_rule:predicate'
-        if reason is None and st.env_obs is None:
-            for tip, rx, pred in self._tip_checks:
-                if st.tips_given.get(tip.name, 0) >= tip.max_times:
-                    continue
-                if self._tip_applies(tip, rx, pred, completion, calls, answer, correct, infer_request,
-                                     response_choice, current_turn):
-                    st.tip = tip
-                    break
-        if reason is None and st.env_obs is None and st.tip is None and not calls:
+        if reason is None:
+            reason = await self.stop_rules.first_match(completion, calls, correct, infer_request, response_choice,
+                                                       current_turn)
+        if reason is None and state.env_obs is None:
+            state.tip = self.tip_rules.choose(state.tips_given, completion, calls, answer, correct, infer_request,
+                                           response_choice, current_turn)
+        if reason is None and state.env_obs is None and state.tip is None and not calls:
             reason = f'stop_rule:{self.idle_rule}'
         if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.core.stop
             reason = MAX_TURNS
-        st.calls = calls if reason is None and st.tip is None and st.env_obs is None else []
+        state.calls = calls if reason is None and state.tip is None and state.env_obs is None else []
+        return await self._turn_result(infer_request, state, reason, infos)
 
+    async def _step_env(self, infer_request: Any, state: RequestState, completion: str,
+                        infos: Dict[str, Any]) -> Optional[str]:
+        """Step the request's environment with the completion: ``stop_rule:env_done`` or
+        ``stop_rule:env_truncated`` when the episode ended, else its observation for ``step``."""
+        if state.env_error is not None:
+            error, state.env_error = state.env_error, None
+            raise error
+        env = await self._ensure_env(infer_request, state)
+        out = normalize_step(await maybe_await(env.step(completion)))
+        state.rewards.append(out.reward)
+        infos.update(env_steps=len(state.rewards), rewards=list(state.rewards), reward=float(sum(state.rewards)),
+                     env_info=out.info)
+        if out.terminated:
+            return 'stop_rule:env_done'
+        if out.truncated:
+            return 'stop_rule:env_truncated'
+        state.env_obs = out.observation
+        return None
+
+    async def _turn_result(self, infer_request: Any, state: RequestState, reason: Optional[str],
+                           infos: Dict[str, Any]) -> Dict[str, Any]:
         if self.tools:
-            infos.update(st.counters())
-        elif st.tips_given:
-            infos['tips_given'] = dict(st.tips_given)
+            infos.update(state.counters())
+        elif state.tips_given:
+            infos['tips_given'] = dict(state.tips_given)
         if reason is not None:
             infos['stop_rule'] = reason
             if self._reward is not None:
-                infos['reward'] = float(await _maybe_await(self._reward(infer_request, dict(infos))))
+                infos['reward'] = float(await maybe_await(self._reward(infer_request, dict(infos))))
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
         return {'done': False, 'rollout_infos': infos}
 
@@ -380,142 +277,82 @@ class YamlScheduler(Scheduler):
           'length'``, no closing delimiter) is truncated: malformed, never run;
         - a reply with no call in the parser's format that looks like a call in another format
           gets one malformed call naming both formats, so the model is told (not silence)."""
-        calls = list(self.parser.parse(completion))
-        if finish_reason == 'length':
-            calls = [c if c.error is not None or getattr(c, 'complete', True) else dc_replace(
-                c, error='the reply was cut off by the token limit (finish_reason length) before this call was '
-                'complete; it was not run') for c in calls]
-        if not calls and self.tools:
-            fmt = foreign_format(completion, getattr(self.parser, 'name', ''), [t.name for t in self.tools])
-            if fmt is not None:
-                calls = [ToolCall('', None, completion[-200:], f'this looks like a {fmt} tool call, but this '
-                                  f'scheduler reads the {getattr(self.parser, "name", "configured")} format')]
-        return calls
+        return read_calls(self.parser, [t.name for t in self.tools], completion, finish_reason)
 
     # ---- acting ---------------------------------------------------------------------------------
-    def _encode(self, text: str) -> List[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-    def _truncate_for_tip(self, completion: str, model_ids: Optional[List[int]], logprobs: List[float],
-                          markers: List[str]) -> Tuple[str, Optional[List[int]], List[float]]:
-        """Cut the completion before the first marker; ids and logprobs are cut to the longest
-        token prefix whose text is a prefix of the cut text, and the text is that prefix's
-        decoding, so text and ids stay the same string."""
-        cut = min((completion.find(m) for m in markers if m in completion), default=-1)
-        if cut < 0:
-            return completion, model_ids, logprobs
-        if not model_ids or self.tokenizer is None:
-            return completion[:cut], model_ids, logprobs
-        kept_text, n = '', 0
-        for i in range(1, len(model_ids) + 1):
-            text = self.tokenizer.decode(model_ids[:i])
-            if len(text) > cut or not completion.startswith(text):
-                break
-            kept_text, n = text, i
-        return kept_text, model_ids[:n], logprobs[:n]
-
     async def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
-        st = self._state(infer_request)
-        cfg = self.config
+        state = self._state(infer_request)
         messages = infer_request.messages
         model_ids = list(response_choice.token_ids) if response_choice.token_ids else None
         logprobs = extract_logprobs(response_choice)
         inline_text = ''
         trace_info: Dict[str, Any] = {}
-
-        if st.tip is not None:
-            tip = st.tip
-            st.tips_given[tip.name] = st.tips_given.get(tip.name, 0) + 1
-            trace_info['tip'] = tip.name
-            if tip.placement == 'inline':
-                completion = response_choice.message.content or ''
-                kept, model_ids, logprobs = self._truncate_for_tip(completion, model_ids, logprobs,
-                                                                   tip.truncate_before)
-                content = messages[-1]['content']
-                messages[-1]['content'] = content[:len(content) - len(completion)] + kept + tip.text
-                inline_text = tip.text
-            else:
-                messages.append({'role': 'user', 'content': tip.text})
-        elif st.env_obs is not None:
-            messages.append({'role': cfg.env.observation_role, 'content': st.env_obs})
-            trace_info['env_observation'] = st.env_obs[:200]
+        if state.tip is not None:
+            inline_text, model_ids, logprobs = self._give_tip(state, messages, response_choice, model_ids, logprobs,
+                                                              trace_info)
+        elif state.env_obs is not None:
+            messages.append({'role': self.config.env.observation_role, 'content': state.env_obs})
+            trace_info['env_observation'] = state.env_obs[:200]
         else:
-            results = await self._run_calls(st, infer_request, current_turn)
+            results = await self._run_calls(state, infer_request, current_turn)
             trace_info['calls'] = [r.to_info() for r in results]
-            texts = [self._render(r, i + 1) for i, r in enumerate(results)]
-            obs = cfg.observation
-            if obs.mode == 'inline':
-                inline_text = obs.prefix + obs.separator.join(texts) + obs.suffix
-                messages[-1]['content'] += inline_text
-            elif obs.role == 'tool' and obs.one_message_per_call:
-                for r, text in zip(results, texts):
-                    message = {'role': 'tool', 'content': obs.prefix + text + obs.suffix}
-                    if r.name:
-                        message['name'] = r.name
-                    messages.append(message)
-            else:
-                messages.append({'role': obs.role, 'content': obs.prefix + obs.separator.join(texts) + obs.suffix})
-
-        counters = st.counters() if self.tools else ({'tips_given': dict(st.tips_given)} if st.tips_given else {})
+            texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
+                     for i, r in enumerate(results)]
+            inline_text = add_observations(self.config.observation, messages, results, texts)
+        counters = state.counters() if self.tools else (
+            {'tips_given': dict(state.tips_given)} if state.tips_given else {})
         trace_info.update(counters)
         result: Dict[str, Any] = {'infer_request': infer_request, 'rollout_infos': counters, 'trace_info': trace_info}
         if model_ids is not None:
-            extra: List[int] = []
-            if inline_text:
-                if self.tokenizer is None:
-                    raise RequestError(
-                        'inline text (an inline observation or tip) joins token ids the model produced, but this '
-                        'scheduler has no tokenizer to encode it with loss mask 0; without one the earlier turns\' '
-                        'ids would be lost or misaligned. Give load_scheduler(..., tokenizer=...) (mtflow run passes '
-                        "the backend's), or use observation.mode: message / tip placement: user",
-                        uuid=getattr(infer_request, 'uuid', None), turn=current_turn, field='observation.mode')
-                extra = self._encode(inline_text)
-            result['response_token_ids'] = model_ids + extra
-            result['response_loss_mask'] = [1] * len(model_ids) + [0] * len(extra)
-            if logprobs:
-                result['rollout_logprobs'] = logprobs
+            result.update(token_accounting(self.tokenizer, infer_request, current_turn, model_ids, logprobs,
+                                           inline_text))
         return result
 
-    async def _run_calls(self, st: _State, infer_request: Any, turn: int) -> List[ToolResult]:
-        calls, cfg = st.calls, self.config
-        st.calls = []
-        runnable = [(i, c) for i, c in enumerate(calls[:cfg.max_tool_calls_per_turn]) if c.error is None]
-        ran = await self.runner.call_all([(c.name, c.arguments) for _, c in runnable])
-        by_index = {i: r for (i, _), r in zip(runnable, ran)}
-        results: List[ToolResult] = []
-        for i, call in enumerate(calls):
-            if i in by_index:
-                results.append(by_index[i])
-            elif call.error is not None:
-                results.append(ToolResult(call.name, call.arguments, False, error=self._parse_error(call.error),
-                                          error_kind='parse'))
-            else:
-                results.append(ToolResult(call.name, call.arguments, False, error_kind='too_many_calls',
-                                          error=f'more than {cfg.max_tool_calls_per_turn} tool calls in one turn; '
-                                          'this one was not run'))
-        st.tool_calls += len(results)
-        failed = [r for r in results if not r.ok]
-        st.tool_errors += len(failed)
-        for r in failed:
-            st.error_kinds[r.error_kind] = st.error_kinds.get(r.error_kind, 0) + 1
+    def _give_tip(self, state: RequestState, messages: List[Dict[str, Any]], response_choice: Any,
+                  model_ids: Optional[List[int]], logprobs: List[float],
+                  trace_info: Dict[str, Any]) -> Tuple[str, Optional[List[int]], List[float]]:
+        """Give the turn's tip: a user message, or (``inline``) appended to the completion cut
+        before its markers; ``(inline text, model ids, logprobs)`` after the cut."""
+        tip = state.tip
+        state.tips_given[tip.name] = state.tips_given.get(tip.name, 0) + 1
+        trace_info['tip'] = tip.name
+        if tip.placement != 'inline':
+            messages.append({'role': 'user', 'content': tip.text})
+            return '', model_ids, logprobs
+        completion = response_choice.message.content or ''
+        kept, model_ids, logprobs = cut_before_markers(self.tokenizer, completion, model_ids, logprobs,
+                                                       tip.truncate_before)
+        content = messages[-1]['content']
+        messages[-1]['content'] = content[:len(content) - len(completion)] + kept + tip.text
+        return tip.text, model_ids, logprobs
+
+    async def _run_calls(self, state: RequestState, infer_request: Any, turn: int) -> List[ToolResult]:
+        calls, cfg = state.calls, self.config
+        state.calls = []
+        results = await run_calls(self.runner, self.parser, calls, cfg.max_tool_calls_per_turn)
+        failed = state.count_calls(results)
         if failed and cfg.tool_errors == 'finish':
             raise ToolCallError(f'{len(failed)} tool call(s) failed: ' + '; '.join(r.error for r in failed),
                                 uuid=getattr(infer_request, 'uuid', None), turn=turn, field='tool_calls')
         return results
 
-    def _parse_error(self, error: str) -> str:
-        """A parse error as the model reads it: what went wrong, and the format expected."""
-        name = getattr(self.parser, 'name', None)
-        expected = getattr(self.parser, 'expected', None)
-        hint = f' ({name} format; write calls like: {expected})' if name and expected else ''
-        return f'could not parse the tool call: {error}{hint}'
 
-    def _render(self, r: ToolResult, index: int) -> str:
-        obs = self.config.observation
-        if not r.ok:
-            return render(obs.error_template, name=r.name, error=r.error, index=index)
-        tool = self.runner.tools.get(r.name)
-        text = r.output
-        if tool is not None and tool.max_observation:
-            text = truncate(text, tool.max_observation, tool.truncate_side, self.tokenizer)
-        return render(obs.template, name=r.name, result=text, index=index)
+def token_accounting(tokenizer: Any, infer_request: Any, turn: int, model_ids: List[int], logprobs: List[float],
+                     inline_text: str) -> Dict[str, Any]:
+    """A step's ids: the model's kept exactly (mask 1, with their logprobs), the inline text encoded
+    after them (mask 0); see the module docstring for why they are not re-tokenized together."""
+    extra: List[int] = []
+    if inline_text:
+        if tokenizer is None:
+            raise RequestError(
+                'inline text (an inline observation or tip) joins token ids the model produced, but this '
+                'scheduler has no tokenizer to encode it with loss mask 0; without one the earlier turns\' '
+                'ids would be lost or misaligned. Give load_scheduler(..., tokenizer=...) (mtflow run passes '
+                "the backend's), or use observation.mode: message / tip placement: user",
+                uuid=getattr(infer_request, 'uuid', None), turn=turn, field='observation.mode')
+        extra = list(tokenizer.encode(inline_text, add_special_tokens=False))
+    out: Dict[str, Any] = {'response_token_ids': model_ids + extra,
+                           'response_loss_mask': [1] * len(model_ids) + [0] * len(extra)}
+    if logprobs:
+        out['rollout_logprobs'] = logprobs
+    return out

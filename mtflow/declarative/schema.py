@@ -14,9 +14,13 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Annotated
 
+from mtflow.core.registry import resolve_reference
+from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.declarative.gym import ENVS
+from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
 from mtflow.declarative.templates import FIELDS, check_template
-from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.tools.registry import TOOLS
 
 
 class _Strict(BaseModel):
@@ -30,9 +34,8 @@ def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
         return value
     ctx = info.context or {}
     if ctx.get('resolve', True):
-        from mtflow.tools.registry import resolve_ref
         try:
-            obj = resolve_ref(value, ctx.get('base_dir'))
+            obj = resolve_reference(value, ctx.get('base_dir'))
         except (ImportError, AttributeError) as exc:
             raise ValueError(f'cannot resolve {value!r}: {exc}') from None
         except Exception as exc:  # the module itself failed while importing
@@ -94,14 +97,12 @@ class ToolConfig(_Strict):
 
     @model_validator(mode='after')
     def _one_source(self) -> 'ToolConfig':
-        from mtflow.tools.registry import builtin_names
         if self.builtin and self.impl:
             raise ValueError('give either builtin or impl, not both')
         if not self.impl:
             name = self.builtin or self.name
-            if name not in builtin_names():
-                raise ValueError(f'unknown built-in tool {name!r} (known: {", ".join(builtin_names())}); '
-                                 "set impl: 'module:function' for your own tool")
+            if name not in TOOLS.names():
+                raise ValueError(f"{TOOLS.unknown(name)}; set impl: 'module:function' for your own tool")
             self.builtin = name
         elif self.options:
             raise ValueError('options apply to built-in tools only')
@@ -244,11 +245,10 @@ class EnvConfig(_Strict):
     @field_validator('impl')
     @classmethod
     def _impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        from mtflow.declarative.gym import builtin_envs
-        if v is None or v in builtin_envs():
+        if v is None or v in ENVS.names():
             return v
         if ':' not in v:
-            raise ValueError(f'unknown environment {v!r} (built-in: {", ".join(builtin_envs())}, or module:Class)')
+            raise ValueError(ENVS.unknown(v))
         return _check_ref(v, info)
 
     @field_validator('gym')
@@ -320,11 +320,10 @@ class SchedulerConfig(_Strict):
     @field_validator('parser')
     @classmethod
     def _parser(cls, v: str, info: ValidationInfo) -> str:
-        from mtflow.declarative.parsers import parser_names
-        if v in parser_names():
+        if v in PARSERS.names():
             return v
         if ':' not in v:
-            raise ValueError(f'unknown parser {v!r} (known: {", ".join(parser_names())}, or module:Class)')
+            raise ValueError(PARSERS.unknown(v))
         return _check_ref(v, info)
 
     @field_validator('system_prompt')

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence
 
-from mtflow.tools.registry import Tool
+from mtflow.tools.tool import Tool
 
 
 class ToolError(Exception):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, Optional
 
-from mtflow.declarative.envs import StepOutcome, request_seed
+from mtflow.core.registry import resolve_reference
+from mtflow.declarative.envs.base import StepOutcome, request_seed
 
 
 class GymnasiumEnv:
@@ -60,8 +61,7 @@ def _accepted(fn: Callable[..., Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 def gym_factory(ref: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> Callable[[], GymnasiumEnv]:
     """Resolve ``module:Class`` and make one instance now (bad kwargs fail at load time)."""
-    from mtflow.tools.registry import resolve_ref
-    make = resolve_ref(ref, base_dir)
+    make = resolve_reference(ref, base_dir)
     kwargs = dict(kwargs)
     probe = make(**kwargs)
     for method in ('reset', 'step'):

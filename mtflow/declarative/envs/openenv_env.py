@@ -44,7 +44,7 @@ import weakref
 from typing import Any, Dict, List, Optional
 
 from mtflow.core.errors import MtflowError
-from mtflow.declarative.envs import MissingExtra, StepOutcome, request_seed
+from mtflow.declarative.envs.base import MissingExtra, StepOutcome, request_seed
 from mtflow.declarative.envs.config import OpenEnvConfig
 
 __all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError', 'OpenEnvCapacityError',

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from mtflow.declarative.envs import StepOutcome, request_seed, require
+from mtflow.declarative.envs.base import StepOutcome, request_seed, require
 from mtflow.declarative.envs.config import TextArenaConfig
 
 

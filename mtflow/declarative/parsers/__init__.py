@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
+from mtflow.core.registry import Registry
 from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, call_from_obj, loads_lenient, strip_thinking
 from mtflow.declarative.parsers.deepseek import DeepSeekParser
 from mtflow.declarative.parsers.detect import detect_formats, foreign_format
@@ -30,7 +31,8 @@ from mtflow.declarative.parsers.llama import Llama3JsonParser, PythonicParser
 from mtflow.declarative.parsers.mistral import MistralParser
 from mtflow.declarative.parsers.react import ReActParser
 
-_PARSERS: Dict[str, Callable[..., ToolCallParser]] = {
+#: name -> factory(**parser_options) -> parser
+PARSERS = Registry('mtflow.parsers', 'unknown parser {name} (known: {known}, or module:Class)', builtins={
     'hermes': HermesParser,
     'qwen': HermesParser,
     'qwen3': HermesParser,
@@ -43,41 +45,32 @@ _PARSERS: Dict[str, Callable[..., ToolCallParser]] = {
     'deepseek_r1': DeepSeekParser,
     'react': ReActParser,
     'json': JSONParser,
-}
+})
 
 
 def register_parser(name: str, factory: Callable[..., ToolCallParser]) -> None:
     """Make a parser available by name in YAML (``parser: <name>``)."""
-    _PARSERS[name] = factory
+    PARSERS.register(name, factory)
 
 
 def parser_names() -> List[str]:
     """Registered parsers, and those installed packages declare (``mtflow.parsers`` entry points)."""
-    from mtflow.plugins import entry_point_names
-    return sorted(set(_PARSERS) | set(entry_point_names('mtflow.parsers')))
+    return PARSERS.names()
 
 
 def get_parser(name: str, options: Optional[Dict[str, Any]] = None, base_dir: Optional[str] = None) -> ToolCallParser:
     """A parser instance: a registered name, an entry point, or ``module:Class`` (a
     :class:`ToolCallParser` subclass, or any factory of an object with ``parse(text)``)."""
     options = dict(options or {})
-    if name not in _PARSERS and ':' not in name:
-        from mtflow.plugins import load_entry_point
-        load_entry_point('mtflow.parsers', name)
-    if name in _PARSERS:
-        return _PARSERS[name](**options)
-    if ':' in name:
-        from mtflow.tools.registry import resolve_ref
-        factory = resolve_ref(name, base_dir)
-        parser = factory(**options)
-        if not callable(getattr(parser, 'parse', None)):
-            raise TypeError(f'{name} does not produce a parser (no parse(text) method)')
-        return parser
-    raise KeyError(f'unknown parser {name!r} (known: {", ".join(parser_names())}, or module:Class)')
+    is_reference = ':' in name and name not in PARSERS
+    parser = PARSERS.get(name, base_dir)(**options)
+    if is_reference and not callable(getattr(parser, 'parse', None)):
+        raise TypeError(f'{name} does not produce a parser (no parse(text) method)')
+    return parser
 
 
 __all__ = [
     'ToolCall', 'ToolCallParser', 'HermesParser', 'Llama3JsonParser', 'PythonicParser', 'MistralParser',
-    'DeepSeekParser', 'ReActParser', 'JSONParser', 'register_parser', 'parser_names', 'get_parser',
+    'DeepSeekParser', 'ReActParser', 'JSONParser', 'PARSERS', 'register_parser', 'parser_names', 'get_parser',
     'strip_thinking', 'loads_lenient', 'call_from_obj', 'detect_formats', 'foreign_format'
 ]

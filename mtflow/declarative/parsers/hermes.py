@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Dict, List, Sequence
 
 from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, calls_from_values, json_values, loads_lenient, strip_thinking

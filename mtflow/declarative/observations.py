@@ -1,0 +1,44 @@
+"""The ``observation`` section: how one turn's tool results reach the model, as messages (one per
+call, or joined) or as text appended to the assistant message (``inline``, loss mask 0)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from mtflow.declarative.schema import ObservationConfig
+from mtflow.declarative.templates import render
+from mtflow.tools.runner import ToolResult, truncate
+from mtflow.tools.tool import Tool
+
+__all__ = ['render_result', 'add_observations']
+
+
+def render_result(obs: ObservationConfig, tools: Dict[str, Tool], tokenizer: Any, result: ToolResult,
+                  index: int) -> str:
+    """One result's text: ``error_template`` for a failed call, else ``template`` with the output
+    cut to the tool's ``max_observation`` (tokens with a tokenizer, else characters)."""
+    if not result.ok:
+        return render(obs.error_template, name=result.name, error=result.error, index=index)
+    tool = tools.get(result.name)
+    text = result.output
+    if tool is not None and tool.max_observation:
+        text = truncate(text, tool.max_observation, tool.truncate_side, tokenizer)
+    return render(obs.template, name=result.name, result=text, index=index)
+
+
+def add_observations(obs: ObservationConfig, messages: List[Dict[str, Any]], results: List[ToolResult],
+                     texts: List[str]) -> str:
+    """Add the rendered results to ``messages``; the text appended inline (``''`` in message mode),
+    which the scheduler encodes with loss mask 0."""
+    if obs.mode == 'inline':
+        inline_text = obs.prefix + obs.separator.join(texts) + obs.suffix
+        messages[-1]['content'] += inline_text
+        return inline_text
+    if obs.role == 'tool' and obs.one_message_per_call:
+        for r, text in zip(results, texts):
+            message = {'role': 'tool', 'content': obs.prefix + text + obs.suffix}
+            if r.name:
+                message['name'] = r.name
+            messages.append(message)
+    else:
+        messages.append({'role': obs.role, 'content': obs.prefix + obs.separator.join(texts) + obs.suffix})
+    return ''

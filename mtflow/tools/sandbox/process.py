@@ -1,0 +1,151 @@
+"""One sandbox: the launcher that sets the limits inside it, what it is started with
+(:class:`SandboxSpec`), and the started process tree (:class:`Sandbox`), which is killed and
+cleaned up as a whole."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, namespace_init,
+                                    rootless, wait_uid_gone)
+from mtflow.tools.sandbox.result import MEMORY_STATUS
+
+__all__ = ['SandboxSpec', 'Sandbox']
+
+#: runs inside the sandbox: reads the program (memfd or stdin), sets the rlimits, runs it; a
+#: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
+_LAUNCHER = r'''
+import os, resource, sys
+with os.fdopen({code_fd}, 'rb') as _f:
+    _src = _f.read().decode('utf-8', 'replace')
+if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
+    os.open('/dev/null', os.O_RDONLY)
+with open('main.py', 'w', encoding='utf-8') as _f:
+    _f.write(_src)
+def _limit(kind, soft, hard=None):
+    if soft is None:
+        return
+    hard = soft if hard is None else hard
+    cur_soft, cur_hard = resource.getrlimit(kind)
+    if cur_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    resource.setrlimit(kind, (soft, hard))
+_limit(resource.RLIMIT_AS, {memory})
+_limit(resource.RLIMIT_CPU, {cpu}, {cpu} + 1)  # SIGXCPU first (a timeout), not a bare SIGKILL
+_limit(resource.RLIMIT_FSIZE, {fsize})
+_limit(resource.RLIMIT_NOFILE, 64)
+_limit(resource.RLIMIT_CORE, 0)
+_limit(resource.RLIMIT_NPROC, {nproc})
+del _limit, resource, _f
+try:
+    exec(compile(_src, 'main.py', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})
+except SystemExit as _e:
+    _code = _e.code
+    if _code == {mem_status}:
+        sys.exit(1)
+    raise
+except BaseException as _e:  # show the traceback from main.py on, without this launcher's frame
+    import traceback
+    traceback.print_exception(type(_e), _e, _e.__traceback__.tb_next)
+    sys.stdout.flush()
+    os._exit({mem_status} if isinstance(_e, MemoryError) else 1)
+'''
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a sandbox is started with, before it knows its program (so a warm pool can
+    start it ahead of the call)."""
+    kind: str  # 'bwrap', 'unshare' or 'none'
+    memory_mb: int = 512
+    cpu_s: int = 6
+    max_file_mb: int = 16
+    max_processes: int = 64
+    tmp_mb: int = 64
+
+    def launcher(self, code_fd: int) -> str:
+        return _LAUNCHER.format(code_fd=code_fd, memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
+                                fsize=self.max_file_mb * 1024 * 1024,
+                                # rootless, PID 1 (sh) shares the program's uid and namespace: one more
+                                nproc=None if self.kind == 'none' else self.max_processes + (1 if rootless() else 0),
+                                mem_status=MEMORY_STATUS)
+
+
+class Sandbox:
+    """One started sandbox (a process tree) for exactly one program: the code comes through an
+    inherited memfd (``code_fd``), or, for a sandbox a warm pool started ahead, on its stdin."""
+
+    def __init__(self, spec: SandboxSpec, code_fd: Optional[int] = None) -> None:
+        self.spec = spec
+        self.lease: Optional[UidLease] = None
+        self.workdir: Optional[str] = None
+        self.cmd: Optional[SandboxCommand] = None
+        self.warm = code_fd is None
+        python_argv = [current_interpreter().executable, '-I', '-S', '-u', '-c',
+                       spec.launcher(0 if code_fd is None else code_fd)]
+        try:
+            if spec.kind != 'none':
+                self.lease = None if rootless() else UidLease()
+                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv)
+            else:
+                self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
+                self.cmd = SandboxCommand(python_argv, {}, cwd=self.workdir)
+            self.popen = subprocess.Popen(
+                self.cmd.argv, env=self.cmd.env, cwd=self.cmd.cwd,
+                stdin=subprocess.PIPE if code_fd is None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=() if code_fd is None else (code_fd, ))
+        except BaseException:
+            self.cleanup(False)
+            raise
+
+    @property
+    def isolated(self) -> bool:
+        return self.spec.kind != 'none'
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox's PID 1 (whose death kills everything else in the namespace; the
+        outer bwrap/unshare reaps it and exits), or, when that is not known (or the run is not
+        isolated), the process group of the outer process."""
+        init = namespace_init(self.popen.pid) if self.isolated and self.popen.poll() is None else None
+        try:
+            if init is not None:
+                os.kill(init, signal.SIGKILL)
+            else:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def cleanup(self, killed: bool) -> None:
+        """After the outer process exited: wait out the namespace's teardown when it was killed,
+        release the uid, remove the scratch directories."""
+        if self.lease is not None:
+            if killed:
+                wait_uid_gone(self.lease.uid)  # PID 1 is gone; the namespace's others go right after
+            self.lease.release()
+            self.lease = None
+        if self.cmd is not None and self.cmd.scratch:
+            shutil.rmtree(self.cmd.scratch, ignore_errors=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def discard(self) -> None:
+        """Kill and reap an unused sandbox (a warm one that is no longer wanted)."""
+        self.kill()
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        for f in (self.popen.stdin, self.popen.stdout):
+            if f is not None:
+                f.close()
+        self.cleanup(True)

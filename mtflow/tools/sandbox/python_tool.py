@@ -1,0 +1,91 @@
+"""The built-in ``python`` tool: its options, and the tool callable running each call's code in a
+sandbox (refused without a working isolation tool, unless the options say ``isolation: none``)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Optional
+
+from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, resolve_isolation
+from mtflow.tools.runner import ToolError
+from mtflow.tools.sandbox.pool import SandboxPool
+from mtflow.tools.sandbox.process import SandboxSpec
+from mtflow.tools.sandbox.supervise import run_python
+
+__all__ = ['SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
+
+
+class SandboxWarning(UserWarning):
+    """A ``python`` tool configured to run model code without isolation."""
+
+
+#: sandboxes the ``python`` tool keeps started ahead of its calls (``warm_pool``; 0: none)
+DEFAULT_WARM_POOL = 2
+
+#: option -> (type, minimum) for the ``python`` tool's YAML ``options``
+PYTHON_OPTIONS: Dict[str, Any] = {
+    'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
+    'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'isolation': (str, None),
+    'warm_pool': (int, 0),
+}
+
+
+def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` checked (names, types, ranges, ``isolation``); ``ValueError`` says what is wrong."""
+    unknown = set(options) - set(PYTHON_OPTIONS)
+    if unknown:
+        raise ValueError(f'python tool: unknown option(s) {sorted(unknown)} (allowed: {sorted(PYTHON_OPTIONS)})')
+    for key, value in options.items():
+        types, minimum = PYTHON_OPTIONS[key]
+        if value is None and key == 'cpu_s':
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            kind = 'a number' if types == (int, float) else 'an integer' if types is int else 'a string'
+            raise ValueError(f'python tool: option {key!r} must be {kind}, got {value!r}')
+        if minimum is not None and value < minimum:
+            raise ValueError(f'python tool: option {key!r} must be at least {minimum:g}, got {value!r}')
+    if options.get('isolation', 'auto') not in ISOLATION_CHOICES:
+        raise ValueError(f'python tool: option \'isolation\' must be one of {", ".join(ISOLATION_CHOICES)}, '
+                         f'got {options["isolation"]!r}')
+    return dict(options)
+
+
+def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., Any]:
+    """The ``python`` tool with these options; its isolation is probed now (once per process),
+    so a refusal or ``isolation: none`` is known at load time."""
+    opts = check_python_options(dict(options or {}))
+    warm = opts.pop('warm_pool', DEFAULT_WARM_POOL)
+    requested = opts.get('isolation', 'auto')
+    iso = resolve_isolation(requested)
+    pool = None
+    if warm and iso.available:
+        timeout_s = opts.get('timeout_s', 5.0)
+        cpu = opts.get('cpu_s') or max(1, int(timeout_s) + 1)
+        pool = SandboxPool(SandboxSpec(iso.kind, opts.get('memory_mb', 512), int(cpu), opts.get('max_file_mb', 16),
+                                       opts.get('max_processes', 64), opts.get('tmp_mb', 64)), warm)
+    if requested == 'none':
+        warnings.warn('python tool: isolation: none: model-written code runs unconfined, as this user, with '
+                      'this machine\'s files, network and processes in reach', SandboxWarning, stacklevel=2)
+
+    async def python(code: str) -> str:
+        """Run Python code in a sandbox and return what it prints (stdout and stderr).
+
+        Args:
+            code: a complete Python program; use print() to show results.
+        """
+        if not iso.available:
+            raise ToolError('refused', 'python tool refused to run the code: no sandbox is available on this '
+                            f'machine ({iso.detail}); install bubblewrap, or set `isolation: none` in the '
+                            'tool options to run unconfined')
+        try:
+            result = await run_python(code, pool=pool, **opts)
+        except IsolationUnavailable as exc:
+            raise ToolError('refused', f'python tool refused to run the code: {exc}') from None
+        if result.error_kind:
+            head = result.headline()
+            raise ToolError(result.error_kind, head + ('\n' + result.output if result.output else ''))
+        return result.as_observation()
+
+    python.isolation = iso  # type: ignore[attr-defined]
+    python.pool = pool  # type: ignore[attr-defined]
+    python.close = pool.close if pool is not None else (lambda: None)  # type: ignore[attr-defined]
+    return python

@@ -1,0 +1,199 @@
+"""Running one program in a sandbox: feed it, collect its output within the limits, stop it at the
+timeout, and tear the sandbox down on every path (cancellation included)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from typing import Any, List, Optional, Tuple
+
+from mtflow.tools.isolation import IsolationUnavailable, resolve_isolation
+from mtflow.tools.sandbox.pool import SandboxPool
+from mtflow.tools.sandbox.process import Sandbox, SandboxSpec
+from mtflow.tools.sandbox.result import SandboxResult, signal_of
+
+__all__ = ['run_python', 'supervise']
+
+
+async def run_python(code: str,
+                     *,
+                     timeout_s: float = 5.0,
+                     memory_mb: int = 512,
+                     cpu_s: Optional[int] = None,
+                     max_output_chars: int = 4000,
+                     max_file_mb: int = 16,
+                     max_processes: int = 64,
+                     tmp_mb: int = 64,
+                     isolation: str = 'auto',
+                     pool: Optional['SandboxPool'] = None) -> SandboxResult:
+    """Run ``code`` in a sandbox and return what it produced (see the module docstring). With a
+    ``pool`` (:class:`SandboxPool`, started with the same limits) a prepared sandbox is used when
+    one is ready.
+
+    Raises :class:`IsolationUnavailable` when ``isolation`` cannot be had on this machine."""
+    iso = resolve_isolation(isolation)
+    if not iso.available:
+        raise IsolationUnavailable(iso.detail)
+    cpu = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
+    spec = SandboxSpec(iso.kind, memory_mb, cpu, max_file_mb, max_processes, tmp_mb)
+    data = code.encode('utf-8', 'surrogatepass')
+    sandbox = pool.take() if pool is not None and pool.spec == spec else None
+    if sandbox is None:
+        code_fd = os.memfd_create('mtflow-code')
+        try:
+            os.write(code_fd, data)
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            sandbox = Sandbox(spec, code_fd)
+        finally:
+            os.close(code_fd)
+    return await supervise(sandbox, data if sandbox.warm else None, timeout_s, max_output_chars)
+
+
+class CapturedOutput:
+    """What the program printed: kept up to a margin beyond what is shown, counted in full. A
+    flood (far more than is kept) kills the sandbox, so a chatty program cannot stall the call."""
+
+    def __init__(self) -> None:
+        self.limit = 0  # characters shown
+        self.chunks: List[bytes] = []
+        self.size = 0  # bytes produced, kept or not
+        self.flooded = False
+
+    async def read_until_exit(self, reader: asyncio.StreamReader, sandbox: Sandbox,
+                              exited: 'asyncio.Future[None]') -> None:
+        while True:
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            if self.size < self.limit * 4 + 4096:
+                self.chunks.append(chunk)
+            self.size += len(chunk)
+            if self.size > self.limit * 16 + 65536:  # far beyond what we keep: stop the producer
+                self.flooded = True
+                sandbox.kill()
+                break
+        await exited
+
+    def shown(self) -> Tuple[str, bool]:
+        """``(text, truncated)``: the output as the result carries it."""
+        text = b''.join(self.chunks).decode('utf-8', errors='replace')
+        truncated = self.flooded or len(text) > self.limit
+        if truncated:
+            text = (text[:self.limit]
+                    + f'\n... [output truncated: {self.size} bytes in total, {self.limit} characters shown]')
+        return text, truncated
+
+
+async def supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: float,
+                    max_output_chars: int) -> SandboxResult:
+    """Feed the program (warm sandboxes), collect its output within the limits, and tear the
+    sandbox down on every path, cancellation included: nothing the call started survives it."""
+    loop = asyncio.get_running_loop()
+    popen = sandbox.popen
+    exited = loop.create_future()
+    pidfd = _watch_exit(loop, popen, exited)
+    transport = None
+    output = CapturedOutput()
+    timed_out = False
+    try:
+        reader = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
+        if stdin_data is not None:
+            await _feed(loop, popen.stdin, stdin_data)
+        output.limit = max(0, int(max_output_chars))
+        try:
+            await asyncio.wait_for(output.read_until_exit(reader, sandbox, exited), timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            sandbox.kill()
+        await _reap(sandbox, exited)
+        return _result(sandbox, output, timed_out, timeout_s)
+    finally:
+        await _tear_down(sandbox, exited, pidfd, transport, killed=timed_out or output.flooded)
+
+
+def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s: float) -> SandboxResult:
+    text, truncated = output.shown()
+    returncode = None if timed_out else sandbox.popen.returncode
+    sig = None if (timed_out or output.flooded) else signal_of(returncode, sandbox.spec.kind)
+    return SandboxResult(text, returncode, timed_out, truncated, sig, output.flooded, sandbox.spec.memory_mb, timeout_s,
+                         sandbox.spec.kind, sandbox.lease.uid if sandbox.lease else None)
+
+
+async def _tear_down(sandbox: Sandbox, exited: 'asyncio.Future[None]', pidfd: Optional[int], transport: Any,
+                     killed: bool) -> None:
+    """Kill what still runs, reap it, close the pidfd, the pipe transport and the pipes, and
+    release the sandbox (its uid waits for the namespace's teardown when it was killed)."""
+    loop = asyncio.get_running_loop()
+    popen = sandbox.popen
+    if popen.poll() is None:
+        killed = True
+        sandbox.kill()
+    elif not sandbox.isolated:
+        sandbox.kill()  # the rest of the process group (detached ones escape: isolation none)
+    try:
+        await _reap(sandbox, exited)
+    except asyncio.CancelledError:  # cancelled again while tearing down: finish synchronously
+        popen.wait(5)
+    if pidfd is not None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    if transport is not None:
+        transport.close()
+    for f in (popen.stdin, popen.stdout):
+        if f is not None and not f.closed:
+            f.close()
+    sandbox.cleanup(killed)
+
+
+def _watch_exit(loop: asyncio.AbstractEventLoop, popen: 'subprocess.Popen[bytes]',
+                exited: 'asyncio.Future[None]') -> Optional[int]:
+    """Resolve ``exited`` when the outer process exits: a pidfd on the loop (no thread, no
+    SIGCHLD handler), or polling where pidfds are missing (Linux < 5.3)."""
+    def done() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except (AttributeError, OSError):
+        async def poll() -> None:
+            while popen.poll() is None:
+                await asyncio.sleep(0.005)
+            done()
+        loop.create_task(poll())
+        return None
+    loop.add_reader(pidfd, done)
+    return pidfd
+
+
+async def _feed(loop: asyncio.AbstractEventLoop, pipe: Any, data: bytes) -> None:
+    """Write a warm sandbox's program to its stdin and close it (EOF starts the program). Up to
+    the pipe's capacity a write cannot block; beyond it, a thread writes."""
+    def write() -> None:
+        try:
+            pipe.write(data)
+            pipe.close()
+        except BrokenPipeError:  # the sandbox died while waiting; its exit status tells the rest
+            pass
+
+    if len(data) <= 65536:
+        write()
+    else:
+        await loop.run_in_executor(None, write)
+
+
+async def _reap(sandbox: Sandbox, exited: 'asyncio.Future[None]') -> None:
+    """Wait for the outer process to exit (SIGKILL its whole group after 5 s) and reap it."""
+    if sandbox.popen.returncode is None:
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), 5.0)
+        except asyncio.TimeoutError:
+            try:
+                os.killpg(sandbox.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            await exited
+    sandbox.popen.wait()
+

@@ -1,0 +1,117 @@
+"""A tool: a name, a description, JSON-schema parameters, and a sync or async implementation.
+
+A :class:`Tool` is what the YAML scheduler runs and what the runner calls. For a plain Python
+function, :func:`tool_from_callable` derives the parameters from its signature and the description
+from its docstring, so a ``module:function`` named in YAML needs no schema written by hand.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Literal, Optional
+
+__all__ = ['Tool', 'TruncateSide', 'schema_from_callable', 'tool_from_callable']
+
+TruncateSide = Literal['right', 'left']
+
+
+@dataclass
+class Tool:
+    """A callable tool with the metadata the model and the runner need."""
+    name: str
+    fn: Callable[..., Any]
+    description: str = ''
+    parameters: Dict[str, Any] = field(default_factory=lambda: {'type': 'object', 'properties': {}})
+    timeout_s: Optional[float] = None
+    max_concurrency: Optional[int] = None
+    max_observation: Optional[int] = None
+    truncate_side: TruncateSide = 'right'
+
+    @property
+    def is_async(self) -> bool:
+        fn = self.fn
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None))
+
+    def spec(self) -> Dict[str, Any]:
+        """The OpenAI/Qwen function-calling description of this tool."""
+        return {'type': 'function',
+                'function': {'name': self.name, 'description': self.description, 'parameters': self.parameters}}
+
+
+# ---- deriving a schema from a Python callable ---------------------------------------------------
+_JSON_TYPES = {str: 'string', int: 'integer', float: 'number', bool: 'boolean', list: 'array', dict: 'object'}
+
+
+def _json_type(annotation: Any) -> Optional[str]:
+    if annotation in _JSON_TYPES:
+        return _JSON_TYPES[annotation]
+    if isinstance(annotation, str):
+        return {'str': 'string', 'int': 'integer', 'float': 'number', 'bool': 'boolean', 'list': 'array',
+                'dict': 'object'}.get(annotation.split('[')[0].strip())
+    origin = getattr(annotation, '__origin__', None)
+    return _JSON_TYPES.get(origin) if origin is not None else None
+
+
+def _doc_parts(doc: str) -> tuple:
+    """(summary, {arg: description}) from a Google-style docstring."""
+    doc = inspect.cleandoc(doc or '')
+    summary_lines, args, section, current = [], {}, None, None
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if re.match(r'^(Args|Arguments|Parameters|Returns|Raises|Yields):\s*$', stripped):
+            section = stripped[:-1].lower()
+            continue
+        if section is None:
+            summary_lines.append(stripped)
+        elif section in ('args', 'arguments', 'parameters') and stripped:
+            m = re.match(r'^(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$', stripped)
+            if m and line.startswith((' ', '\t')) and len(line) - len(line.lstrip()) <= 8:
+                current = m.group(1).lstrip('*')
+                args[current] = m.group(3)
+            elif current:
+                args[current] += ' ' + stripped
+    summary = ' '.join(' '.join(summary_lines).split())
+    return summary, args
+
+
+def schema_from_callable(fn: Callable[..., Any]) -> tuple:
+    """(description, JSON-schema parameters) derived from ``fn``'s signature and docstring."""
+    summary, arg_docs = _doc_parts(inspect.getdoc(fn) or '')
+    props: Dict[str, Any] = {}
+    required: List[str] = []
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return summary, {'type': 'object', 'properties': {}}
+    for name, param in sig.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        prop: Dict[str, Any] = {}
+        jtype = _json_type(param.annotation) if param.annotation is not param.empty else None
+        if jtype:
+            prop['type'] = jtype
+        if name in arg_docs:
+            prop['description'] = arg_docs[name]
+        if param.default is param.empty:
+            required.append(name)
+        elif param.default is None or isinstance(param.default, (str, int, float, bool)):
+            prop['default'] = param.default
+        props[name] = prop
+    schema: Dict[str, Any] = {'type': 'object', 'properties': props}
+    if required:
+        schema['required'] = required
+    return summary, schema
+
+
+def tool_from_callable(fn: Callable[..., Any], name: Optional[str] = None, **meta: Any) -> Tool:
+    """A :class:`Tool` for ``fn``; description and parameters default to what its signature and
+    docstring say."""
+    description, parameters = schema_from_callable(fn)
+    meta = {k: v for k, v in meta.items() if v is not None}
+    meta.setdefault('description', description)
+    meta.setdefault('parameters', parameters)
+    return Tool(name=name or fn.__name__, fn=fn, **meta)
