@@ -97,9 +97,7 @@ class TraceCapture:
 
     def format(self, uuids: Optional[Sequence[str]] = None, color: bool = False) -> str:
         """The terminal timeline and summary of these requests (all when ``None``)."""
-        from mtflow.viewer.terminal import format_trace
-
-        return format_trace(self.trace, uuids, color=color)
+        return _format_trace(self.trace, uuids, color=color)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -139,15 +137,15 @@ def mtflow_check_tokens() -> Any:
     table of checks and what failed unless every check passed (a run that checks nothing fails)."""
 
     def check(backend: Any, template: Optional[str] = None, **kw: Any) -> Any:
-        from mtflow.backends.conformance import check_tokens, format_report, resolve_template
+        from mtflow.backends import conformance  # lazy: the plugin loads in every pytest session
 
-        name, text = resolve_template(template)
-        report = check_tokens(backend, template=text, template_name=name, **kw)
+        name, text = conformance.resolve_template(template)
+        report = conformance.check_tokens(backend, template=text, template_name=name, **kw)
         if not report.ok:
             from rich.console import Console
 
             console = Console(width=100, record=True, file=io.StringIO())
-            console.print(format_report(report))
+            console.print(conformance.format_report(report))
             problems = '\n'.join(f'  {p}' for p in report.problems[:20])
             raise AssertionError(f'token conformance failed for template {name}:\n{console.export_text()}{problems}')
         return report
@@ -182,8 +180,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 def _report_failure(item: pytest.Item, report: pytest.TestReport, capture: TraceCapture) -> None:
-    from mtflow.viewer.terminal import format_trace
-
     trace = capture.trace
     uuids = involved_uuids(capture, str(report.longrepr or ''))
     total = len(trace.uuids())
@@ -194,7 +190,7 @@ def _report_failure(item: pytest.Item, report: pytest.TestReport, capture: Trace
         head += f'; showing {len(shown)}'
         if len(uuids) > len(shown):
             head += f' of the {len(uuids)} involved'
-    text = head + '\n' + format_trace(trace, shown)
+    text = head + '\n' + _format_trace(trace, shown)
     out_dir = item.config.getoption('mtflow_trace_dir', None)
     if out_dir:
         html_path = _write_page(Path(out_dir), item.nodeid, report.when, trace)
@@ -202,8 +198,14 @@ def _report_failure(item: pytest.Item, report: pytest.TestReport, capture: Trace
     report.sections.append((f'mtflow trace ({report.when})', text))
 
 
+def _format_trace(trace: Trace, uuids: Optional[Sequence[str]], color: bool = False) -> str:
+    from mtflow.viewer.terminal import format_trace  # lazy: imports rich, and only a failure needs it
+
+    return format_trace(trace, uuids, color=color)
+
+
 def _write_page(out_dir: Path, nodeid: str, when: str, trace: Trace) -> Path:
-    from mtflow.viewer.html import write_html
+    from mtflow.viewer.html import write_html  # lazy: start-up cost, and only a failure needs it
 
     out_dir.mkdir(parents=True, exist_ok=True)
     name = re.sub(r'[^\w.-]+', '_', nodeid).strip('_')[:150]

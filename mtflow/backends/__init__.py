@@ -7,10 +7,11 @@ name           class                                             model
 ``openai``     :class:`~mtflow.backends.openai_server.OpenAIBackend`  any ``/v1/chat/completions`` server
 ``vllm``       :class:`~mtflow.backends.vllm_engine.VLLMBackend`  ``vllm.LLM`` (colocated)
 ``scripted``   :class:`~mtflow.backends.scripted.ScriptedBackend`  outputs replayed from a JSONL file
-``swift``      ``mtflow.backends.swift_engine``                  an ms-swift ``InferEngine``
+``swift``      :class:`~mtflow.backends.swift_engine.SwiftBackend`  an ms-swift ``InferEngine``
 =============  ================================================  ====================================
 
-Nothing heavy is imported here: each backend module imports its engine when it is built.
+Every backend subclasses :class:`~mtflow.backends.base.Backend`. Nothing heavy is imported here:
+each backend module imports its engine (torch, vLLM, httpx, ms-swift) when it is built.
 ``make_backend('hf', model='embedded')`` is what ``mtflow run`` calls.
 """
 from __future__ import annotations

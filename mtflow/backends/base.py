@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from mtflow.backends.batcher import DynamicBatcher
 from mtflow.core.errors import MtflowError
 from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make_response
 
@@ -206,11 +207,13 @@ class Backend:
     Subclasses implement :meth:`generate`; :meth:`__call__` adds the bookkeeping every backend
     needs (an empty call returns ``[]`` at once: idle ranks call ``rollout_fn([])``)."""
     name = 'backend'
+    #: schedulers that count tokens read it; ``None`` when the backend has none (a class
+    #: attribute, so that a backend may make it a property of its engine)
+    tokenizer: Any = None
 
     def __init__(self) -> None:
         self.stats = BackendStats()
         self.model_name = self.name
-        self.tokenizer: Any = None
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:  # pragma: no cover
         raise NotImplementedError
@@ -265,8 +268,6 @@ class Backend:
         default the backend's own, else 16). Close a batcher when done (it is a context manager)."""
         if self.native_async:
             return self.acall
-        from mtflow.backends.batcher import DynamicBatcher
-
         size = max_batch_size or getattr(self, 'max_batch_size', None) or 16
         return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s)
 

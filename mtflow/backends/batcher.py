@@ -24,7 +24,7 @@ synchronous callers).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
+from concurrent.futures import Future, InvalidStateError
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ class _Item:
     """One caller's requests, waiting for their batch."""
     requests: List[Any]
     config: Any
-    future: cf.Future
+    future: Future
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -84,9 +84,9 @@ class DynamicBatcher:
         self.stats = getattr(batch_fn, 'stats', None)
 
     # ---- calling -------------------------------------------------------------------------------
-    def submit(self, requests: List[Any], request_config: Any = None) -> cf.Future:
+    def submit(self, requests: List[Any], request_config: Any = None) -> Future:
         """Queue ``requests``; the future resolves to their outputs (same order)."""
-        fut: cf.Future = cf.Future()
+        fut: Future = Future()
         requests = list(requests)
         if not requests:
             fut.set_result([])
@@ -125,10 +125,10 @@ class DynamicBatcher:
             self._pending = [it for it in self._pending if not it.future.cancelled()]
             if not self._pending:
                 continue
-            first = self._pending[0]
-            same = [it for it in self._pending if _same_config(it.config, first.config)]
+            oldest = self._pending[0]
+            same = [it for it in self._pending if _same_config(it.config, oldest.config)]
             size = sum(len(it.requests) for it in same)
-            due = first.enqueued + self.max_wait_s - time.perf_counter()
+            due = oldest.enqueued + self.max_wait_s - time.perf_counter()
             if size < self.max_batch_size and due > 0:
                 self._cond.wait(timeout=due)
                 continue
@@ -218,7 +218,7 @@ async def _await(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _resolve(fut: cf.Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
+def _resolve(fut: Future, result: Any = None, exc: Optional[BaseException] = None) -> None:
     if fut.done():  # cancelled by its caller
         return
     try:
@@ -226,5 +226,5 @@ def _resolve(fut: cf.Future, result: Any = None, exc: Optional[BaseException] = 
             fut.set_exception(exc)
         else:
             fut.set_result(result)
-    except cf.InvalidStateError:  # pragma: no cover - cancelled in between
+    except InvalidStateError:  # pragma: no cover - cancelled in between
         pass

@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from mtflow.accounting.token_record import RecordAccounting, record_accounting, record_of
+from mtflow.backends.base import prepare_chat
+from mtflow.backends.tokens import render_text
 from mtflow.core.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
 from mtflow.core.scheduler import Scheduler
-from mtflow.accounting.token_record import RecordAccounting, record_of
-from mtflow.backends.tokens import render_text
-from mtflow.backends.base import prepare_chat
+from mtflow.engine.executor import Executor
 
 __all__ = ['BUNDLED', 'SCENARIOS', 'CHECKS', 'Scenario', 'TemplateReport', 'bundled_template', 'check_tokens',
            'format_report', 'resolve_template']
@@ -191,8 +192,6 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
                  scheduler: Any = None, requests: Optional[List[Any]] = None, max_turns: int = 4) -> TemplateReport:
     """Run ``scenarios`` (or ``requests`` under ``scheduler``) through ``backend`` with chat
     template ``template`` (``None``: the backend's) and check every turn transition."""
-    from mtflow.engine.executor import Executor
-
     prompter = getattr(backend, 'prompter', None)
     if prompter is None:
         raise TypeError(f'{type(backend).__name__} keeps no token record (no prompter); '
@@ -223,7 +222,6 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
                 _collect_failures(report, result)
                 outputs.update({r.uuid: o for r, o in zip(group, result.outputs)})
         else:
-            from mtflow.accounting.token_record import record_accounting
             result = Executor(scheduler, probe, RequestConfig(max_tokens=16, temperature=temperature, seed=seed,
                                                               logprobs=True),
                               accounting=record_accounting(scheduler), max_turns=max_turns,
@@ -308,17 +306,23 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
     if expect_unstable:
         report.add('think policy', saw_unstable, f'{uuid}: the template strips <think> but no turn was detected')
     if output is not None and turns:
-        ids, mask, lps = output.response_token_ids, output.response_loss_mask, output.rollout_logprobs
-        ok = len(ids) == len(mask) and all(len(a) == len(b) for a, b in zip(ids, mask))
-        ok = ok and (not lps or sum(map(len, lps)) == sum(map(sum, mask)))
-        rec_info = (output.rollout_infos or {}).get('token_record')
-        last = turns[-1]
-        if rec_info is not None and rec_info.get('exact'):
-            flat = list(rec_info['prompt_ids'])
-            for k, seg in enumerate(ids):
-                flat += seg + (rec_info['glue_ids'][k] if k < len(rec_info['glue_ids']) else [])
-            ok = ok and flat == last.prompt + last.sampled
-        report.add('lengths', ok, f'{uuid}: the output ids/mask/logprobs do not line up with the record')
+        _check_output(report, uuid, turns[-1], output)
+
+
+def _check_output(report: TemplateReport, uuid: str, last: _Turn, output: Any) -> None:
+    """The request's output: ids and mask segments of equal lengths, logprobs covering the mask's
+    1s, and (for an exact record) turn-1 prompt + segments + glue equal to the last prompt + the
+    last sampled ids."""
+    ids, mask, lps = output.response_token_ids, output.response_loss_mask, output.rollout_logprobs
+    ok = len(ids) == len(mask) and all(len(a) == len(b) for a, b in zip(ids, mask))
+    ok = ok and (not lps or sum(map(len, lps)) == sum(map(sum, mask)))
+    rec_info = (output.rollout_infos or {}).get('token_record')
+    if rec_info is not None and rec_info.get('exact'):
+        flat = list(rec_info['prompt_ids'])
+        for k, seg in enumerate(ids):
+            flat += seg + (rec_info['glue_ids'][k] if k < len(rec_info['glue_ids']) else [])
+        ok = ok and flat == last.prompt + last.sampled
+    report.add('lengths', ok, f'{uuid}: the output ids/mask/logprobs do not line up with the record')
 
 
 def _first_diff(a: List[int], b: List[int]) -> str:

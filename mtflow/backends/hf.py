@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+from mtflow.backends.models import load_model
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
 __all__ = ['HFBackend', 'render_prompt']
@@ -122,8 +123,6 @@ class HFBackend(Backend):
             raise BackendError(f'hf backend: max_batch_size must be a positive int, not {max_batch_size!r}')
         self.load_info: Dict[str, Any] = {}
         if isinstance(model, (str, type(None))):
-            from mtflow.backends.models import load_model
-
             loaded = load_model(model or 'embedded', device=device, dtype=dtype)
             model, tokenizer, self.load_info = loaded.model, tokenizer or loaded.tokenizer, loaded.info
             self.model_name = loaded.name
@@ -300,8 +299,8 @@ class HFBackend(Backend):
             else:
                 lo = mid + 1
         text = self._decode(body[:lo], prompt)
-        first = min(text.find(s) for s in stop if s in text)
-        return lo, text[:first]
+        stop_at = min(text.find(s) for s in stop if s in text)
+        return lo, text[:stop_at]
 
     def describe(self) -> str:
         device = getattr(self.model, 'device', 'cpu')

@@ -108,19 +108,19 @@ def _no_gguf_progress_bar() -> Iterator[None]:
     """transformers draws its own tqdm bar while dequantizing; ``mtflow run`` shows a status line
     instead. Cosmetic only: if transformers moves the bar, it is simply shown."""
     try:
-        from transformers import modeling_gguf_pytorch_utils as utils
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:  # pragma: no cover
         yield
         return
-    original = getattr(utils, 'tqdm', None)
+    original = getattr(gguf_utils, 'tqdm', None)
     if original is None:
         yield
         return
-    utils.tqdm = functools.partial(original, disable=True)
+    gguf_utils.tqdm = functools.partial(original, disable=True)
     try:
         yield
     finally:
-        utils.tqdm = original
+        gguf_utils.tqdm = original
 
 
 def load_gguf(path: Path, *, dtype: Optional[str] = None, device: Optional[str] = None,
@@ -228,8 +228,8 @@ def load_model(name: str = 'embedded', *, device: Optional[str] = None, dtype: O
             str(path) if looks_local else name, local_files_only=local_only, dtype=_torch_dtype(dtype))
     except Exception as exc:
         hint = '' if looks_local else ' (hub models load from the local cache only; set HF_HUB_OFFLINE=0 to download)'
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ''
-        raise BackendError(f'cannot load model {name!r}: {type(exc).__name__}: {first}{hint}') from exc
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ''
+        raise BackendError(f'cannot load model {name!r}: {type(exc).__name__}: {first_line}{hint}') from exc
     if device:
         model = model.to(device)
     return LoadedModel(model, tokenizer, path.name if looks_local else name, {

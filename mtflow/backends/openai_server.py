@@ -45,6 +45,7 @@ that exact ids cannot be guaranteed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -299,12 +300,7 @@ class OpenAIBackend(Backend):
             import httpx
         except ImportError as exc:
             raise BackendError("the openai backend needs httpx: pip install 'mtflow[openai]'") from exc
-        if flavor not in FLAVORS:
-            raise BackendError(f'openai backend: flavor must be one of {", ".join(FLAVORS)}, not {flavor!r}')
-        if not isinstance(max_connections, int) or max_connections < 1:
-            raise BackendError(f'openai backend: max_connections must be a positive int, not {max_connections!r}')
-        if max_retries < 0 or timeout <= 0:
-            raise BackendError('openai backend: max_retries must be >= 0 and timeout > 0')
+        _check_connection_options(flavor, max_connections, max_retries, timeout)
         self.base_url = (base_url or os.environ.get('MTFLOW_OPENAI_BASE_URL') or 'http://127.0.0.1:8000/v1').rstrip('/')
         self.served_model = model
         self.model_name = model or self.base_url
@@ -328,13 +324,7 @@ class OpenAIBackend(Backend):
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
-        if prompt_mode not in ('auto', 'tokens', 'chat'):
-            raise BackendError(f"openai backend: prompt_mode must be 'auto', 'tokens' or 'chat', not {prompt_mode!r}")
-        if prompt_mode == 'auto':
-            prompt_mode = 'tokens' if tokenizer is not None and flavor == 'vllm' else 'chat'
-        if prompt_mode == 'tokens' and tokenizer is None:
-            raise BackendError("openai backend: prompt_mode='tokens' needs the model's tokenizer (tokenizer=...)")
-        self.prompt_mode = prompt_mode
+        self.prompt_mode = prompt_mode = _resolve_prompt_mode(prompt_mode, tokenizer, flavor)
         self.seed = seed
         self._seeded = 0
         self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
@@ -417,8 +407,6 @@ class OpenAIBackend(Backend):
         mode each prompt is planned from the request's token record and committed afterwards."""
         model = await self._resolve_model()
         if self.seed is not None and options.seed is None:
-            import dataclasses
-
             options = dataclasses.replace(options, seed=self.seed + self._seeded)
             self._seeded += len(requests)
         if self.prompter is None:
@@ -446,8 +434,6 @@ class OpenAIBackend(Backend):
             raise BackendError('openai backend: used after close()')
         seeds = [async_seed_index(r, i) for i, r in enumerate(requests)]
         if self.seed is not None and options.seed is None:  # fixed: a per-call counter would depend on timing
-            import dataclasses
-
             options = dataclasses.replace(options, seed=self.seed)
         return await self._runner.wrap(self._gather(requests, options, seeds))
 
@@ -470,6 +456,27 @@ class OpenAIBackend(Backend):
 
     def describe(self) -> str:
         return f'openai ({self.model_name} at {self.base_url}, flavor {self.flavor})'
+
+
+def _check_connection_options(flavor: str, max_connections: Any, max_retries: int, timeout: float) -> None:
+    if flavor not in FLAVORS:
+        raise BackendError(f'openai backend: flavor must be one of {", ".join(FLAVORS)}, not {flavor!r}')
+    if not isinstance(max_connections, int) or max_connections < 1:
+        raise BackendError(f'openai backend: max_connections must be a positive int, not {max_connections!r}')
+    if max_retries < 0 or timeout <= 0:
+        raise BackendError('openai backend: max_retries must be >= 0 and timeout > 0')
+
+
+def _resolve_prompt_mode(prompt_mode: str, tokenizer: Any, flavor: str) -> str:
+    """``'tokens'`` or ``'chat'``: ``'auto'`` takes token prompts when they can be built (a
+    tokenizer) and sent (flavor ``vllm``)."""
+    if prompt_mode not in ('auto', 'tokens', 'chat'):
+        raise BackendError(f"openai backend: prompt_mode must be 'auto', 'tokens' or 'chat', not {prompt_mode!r}")
+    if prompt_mode == 'auto':
+        prompt_mode = 'tokens' if tokenizer is not None and flavor == 'vllm' else 'chat'
+    if prompt_mode == 'tokens' and tokenizer is None:
+        raise BackendError("openai backend: prompt_mode='tokens' needs the model's tokenizer (tokenizer=...)")
+    return prompt_mode
 
 
 def _error_message(resp: Any) -> str:

@@ -3,7 +3,7 @@
 ``SwiftBackend(engine)`` wraps ``TransformersEngine`` (CPU), ``VllmEngine`` / ``GRPOVllmEngine``
 (GPU), ``SglangEngine``, ``LmdeployEngine`` or an ``InferClient`` alike: it converts mtflow's
 requests and ``RequestConfig`` to ms-swift's types (losing no field, see
-``mtflow.integrations.swift.to_swift``), calls ``engine.infer`` once per turn with the whole
+``mtflow.integrations.swift.converters``), calls ``engine.infer`` once per turn with the whole
 batch, and returns one ``RolloutOutput`` per request.
 
 ms-swift engines report sampled token ids only when ``return_details`` is on; token accounting
@@ -14,14 +14,16 @@ the ``content=None`` placeholder ms-swift's own loops send), so requests are pas
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, List, Literal, Optional
 
-from mtflow.backends.base import BackendError
+from mtflow.backends.base import Backend, BackendError
+from mtflow.core.protocol import RolloutOutput
 
 __all__ = ['SwiftBackend']
 
 
-class SwiftBackend:
+class SwiftBackend(Backend):
     """``rollout_fn`` over an ms-swift ``InferEngine``.
 
     Args:
@@ -35,6 +37,9 @@ class SwiftBackend:
         return_details: force ``return_details`` on (token ids) unless ``False``.
         seed: the sampling seed of calls whose request config has none: the n-th engine call
             gets ``seed + n`` (``mtflow run`` passes the run config's ``seed``).
+
+    Unlike the other backends it passes each request config to the engine as it is (converted to
+    ms-swift's ``RequestConfig``), so it overrides :meth:`__call__` rather than ``generate``.
 
     Exact ids: with an ms-swift 4.6 scheduler, the executor freezes each assistant message as
     the ids sampled for it (``set_assistant_message_token_ids``) and the engine's template
@@ -54,6 +59,7 @@ class SwiftBackend:
                  use_tqdm: bool = False,
                  seed: Optional[int] = None,
                  **engine_kwargs: Any) -> None:
+        super().__init__()
         if engine is None:  # make_backend('swift', model=...) / mtflow run --backend swift --model ...
             if model is None:
                 raise BackendError('swift backend: give engine= (an ms-swift InferEngine) or model= (a model path)')
@@ -74,6 +80,7 @@ class SwiftBackend:
         if not callable(getattr(engine, 'infer', None)):
             raise BackendError(f'swift backend: {type(engine).__name__} has no infer(requests, request_config)')
         self.engine = engine
+        self.model_name = type(engine).__name__
         self.request_config = request_config
         self.output = output
         self.return_details = return_details
@@ -81,7 +88,7 @@ class SwiftBackend:
         self.seed = seed
         self.calls = 0
 
-    @property
+    @property  # type: ignore[override]
     def tokenizer(self) -> Any:
         return getattr(self.engine, 'tokenizer', None)
 
@@ -93,9 +100,8 @@ class SwiftBackend:
         """ms-swift's ``RequestConfig`` for one call (a copy: the caller's is never changed)."""
         from swift.infer_engine.protocol import RequestConfig
 
-        from mtflow.integrations.swift import to_swift
         config = request_config if request_config is not None else self.request_config
-        config = RequestConfig() if config is None else copy.copy(to_swift(config))
+        config = RequestConfig() if config is None else copy.copy(_converters().to_swift(config))
         if self.return_details and not config.return_details:
             config.return_details = True
         if self.seed is not None and getattr(config, 'seed', None) is None:
@@ -110,10 +116,10 @@ class SwiftBackend:
         self.calls += 1  # engine calls
         from swift.infer_engine.protocol import RolloutOutput as SwiftOutput
 
-        from mtflow.integrations.swift import from_swift, to_swift
-        from mtflow.core.protocol import RolloutOutput
-        swift_requests = to_swift(list(requests))
+        converters = _converters()
+        swift_requests = converters.to_swift(list(requests))
         config = self.swift_config(request_config)
+        started = time.perf_counter()
         try:
             responses = self.engine.infer(swift_requests, config, use_tqdm=self.use_tqdm)
         except Exception as exc:
@@ -130,5 +136,13 @@ class SwiftBackend:
             if self.output == 'swift':
                 outputs.append(SwiftOutput(response=resp))
             else:
-                outputs.append(RolloutOutput(response=from_swift(resp)))
+                outputs.append(RolloutOutput(response=converters.from_swift(resp)))
+        self._record(outputs, time.perf_counter() - started)
         return outputs
+
+
+def _converters() -> Any:
+    """mtflow <-> ms-swift conversions, loaded on the first engine call: importing this module
+    (``make_backend`` and ``backend_options`` do, to list a backend's options) must not load ms-swift."""
+    from mtflow.integrations.swift import converters  # lazy: imports ms-swift (seconds)
+    return converters

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional
 
 from mtflow.accounting.token_record import RECORD_ATTR, TokenRecord, TokenTurn, record_of
 from mtflow.backends.base import BackendError, Chat, prepare_chat
+from mtflow.core.protocol import extract_logprobs
 
 __all__ = ['TokenPrompter', 'PromptPlan', 'POLICIES', 'render_text']
 
@@ -269,8 +270,6 @@ def _extension(history: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> Opti
 
 def commit_outputs(prompter: TokenPrompter, requests: List[Any], plans: List[PromptPlan], outputs: List[Any]) -> None:
     """Record every generated turn (the outputs of one call, in request order)."""
-    from mtflow.core.protocol import extract_logprobs
-
     for request, plan, out in zip(requests, plans, outputs):
         choice = out.response.choices[0]
         logprobs = extract_logprobs(choice)

@@ -43,6 +43,8 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
+from mtflow.backends.loop_thread import LoopThread
+from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
@@ -167,59 +169,24 @@ class VLLMBackend(Backend):
                  prefix_policy: str = 'exact',
                  engine: str = 'auto') -> None:
         super().__init__()
-        if prompt_mode not in ('tokens', 'chat'):
-            raise BackendError(f"vllm backend: prompt_mode must be 'tokens' or 'chat', not {prompt_mode!r}")
-        if engine not in ('auto', 'llm', 'async'):
-            raise BackendError(f"vllm backend: engine must be 'auto', 'llm' or 'async', not {engine!r}")
         given = not (isinstance(model, str) or model is None)
-        self.is_async = engine == 'async' or (engine == 'auto' and given and _is_async_engine(model))
-        if self.is_async and prompt_mode != 'tokens':
-            raise BackendError("vllm backend: the async engine takes token prompts only (prompt_mode='tokens')")
-        if given and self.is_async and not _is_async_engine(model):
-            raise BackendError(f'vllm backend: engine=\'async\' needs an AsyncLLM (an async generate), '
-                               f'got {type(model).__name__}')
+        self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
         self._runner: Any = None
         self._closed = False
         self._owns_engine = not given
         self._request_ids = itertools.count()
         if self.is_async:
-            from mtflow.backends.loop_thread import LoopThread
-
             self._runner = LoopThread('mtflow-vllm-async')
         if self.is_async and not given:
             self.llm, self.model_name, sampling_params_cls = self._build_async_engine(
                 model, engine_kwargs, seed, sampling_params_cls)
         elif not given:
-            try:
-                import vllm
-            except ImportError as exc:
-                raise BackendError("the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)") from exc
-            name = model or 'embedded'
-            path = name
-            from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
-
-            if name in EMBEDDED_NAMES:
-                path = str(embedded_model_dir())
-                name = 'SmolLM2-135M-Instruct'
-            kwargs = dict(engine_kwargs or {})
-            if seed is not None:
-                kwargs.setdefault('seed', seed)
-            try:
-                self.llm = vllm.LLM(model=path, **kwargs)
-            except Exception as exc:
-                raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
-            self.model_name = name
-            sampling_params_cls = sampling_params_cls or vllm.SamplingParams
+            self.llm, self.model_name, sampling_params_cls = _build_llm_engine(model, engine_kwargs, seed,
+                                                                                sampling_params_cls)
         else:
-            self.llm = model
-            config = getattr(getattr(model, 'llm_engine', None), 'model_config', None) or getattr(
-                model, 'model_config', None)
-            self.model_name = str(getattr(config, 'model', None) or type(model).__name__)
+            self.llm, self.model_name = model, _served_model_name(model)
             if sampling_params_cls is None:
-                try:
-                    from vllm import SamplingParams as sampling_params_cls  # type: ignore[no-redef]
-                except ImportError as exc:
-                    raise BackendError('vllm backend: pass sampling_params_cls= when vllm is not importable') from exc
+                sampling_params_cls = _vllm_sampling_params()
         self.sampling_params_cls = sampling_params_cls
         self.prompt_mode = prompt_mode
         self.chat_template = chat_template
@@ -242,20 +209,13 @@ class VLLMBackend(Backend):
             import vllm
         except ImportError as exc:
             self._runner.stop()
-            raise BackendError("the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)") from exc
+            raise BackendError(NEEDS_VLLM) from exc
         try:
             from vllm.v1.engine.async_llm import AsyncLLM as engine_cls
         except ImportError:  # older vLLM: the V0 engine
             engine_cls = vllm.AsyncLLMEngine
-        from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
-
-        name = model or 'embedded'
-        path = name
-        if name in EMBEDDED_NAMES:
-            path, name = str(embedded_model_dir()), 'SmolLM2-135M-Instruct'
-        kwargs = dict(engine_kwargs or {})
-        if seed is not None:
-            kwargs.setdefault('seed', seed)
+        path, name = _model_path(model)
+        kwargs = _engine_kwargs(engine_kwargs, seed)
 
         async def build() -> Any:  # on the private loop: the engine binds to it
             return engine_cls.from_engine_args(vllm.AsyncEngineArgs(model=path, **kwargs))
@@ -314,7 +274,7 @@ class VLLMBackend(Backend):
         outputs: List[Any] = [None] * len(requests)
         for (continuation, _, _), idx in groups.items():
             params = [self._params(options, i) for i in idx]  # seeds by position in the call, as token mode
-            first = chats[idx[0]]
+            group_chat = chats[idx[0]]  # the group's requests share tools and template kwargs
             results = self.llm.chat(
                 [chats[i].messages for i in idx],
                 sampling_params=params,
@@ -322,8 +282,8 @@ class VLLMBackend(Backend):
                 chat_template=self.chat_template,
                 add_generation_prompt=not continuation,
                 continue_final_message=continuation,
-                tools=first.tools,
-                chat_template_kwargs=first.chat_template_kwargs or None)
+                tools=group_chat.tools,
+                chat_template_kwargs=group_chat.chat_template_kwargs or None)
             if len(results) != len(idx):
                 raise BackendError(f'vllm returned {len(results)} results for {len(idx)} conversations')
             for i, res in zip(idx, results):
@@ -401,6 +361,70 @@ class VLLMBackend(Backend):
         if self.is_async:
             return f'vllm ({self.model_name}, async engine)'
         return f'vllm ({self.model_name}, prompt_mode {self.prompt_mode})'
+
+
+NEEDS_VLLM = "the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)"
+
+
+def _wants_async_engine(model: Any, given: bool, prompt_mode: str, engine: str) -> bool:
+    """Whether the backend runs an async engine (``engine``, or what a ``given`` engine object
+    is); the options that cannot go together are a :class:`BackendError`."""
+    if prompt_mode not in ('tokens', 'chat'):
+        raise BackendError(f"vllm backend: prompt_mode must be 'tokens' or 'chat', not {prompt_mode!r}")
+    if engine not in ('auto', 'llm', 'async'):
+        raise BackendError(f"vllm backend: engine must be 'auto', 'llm' or 'async', not {engine!r}")
+    is_async = engine == 'async' or (engine == 'auto' and given and _is_async_engine(model))
+    if is_async and prompt_mode != 'tokens':
+        raise BackendError("vllm backend: the async engine takes token prompts only (prompt_mode='tokens')")
+    if given and is_async and not _is_async_engine(model):
+        raise BackendError(f'vllm backend: engine=\'async\' needs an AsyncLLM (an async generate), '
+                           f'got {type(model).__name__}')
+    return is_async
+
+
+def _model_path(model: Optional[str]) -> Tuple[str, str]:
+    """``(what vLLM loads, the model's name)``: the embedded model is served from its converted copy."""
+    name = model or 'embedded'
+    if name in EMBEDDED_NAMES:
+        return str(embedded_model_dir()), 'SmolLM2-135M-Instruct'
+    return name, name
+
+
+def _engine_kwargs(engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int]) -> Dict[str, Any]:
+    kwargs = dict(engine_kwargs or {})
+    if seed is not None:
+        kwargs.setdefault('seed', seed)
+    return kwargs
+
+
+def _build_llm_engine(model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
+                      sampling_params_cls: Any) -> Tuple[Any, str, Any]:
+    """A new ``vllm.LLM`` for ``model``: ``(engine, model name, SamplingParams class)``."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise BackendError(NEEDS_VLLM) from exc
+    path, name = _model_path(model)
+    try:
+        llm = vllm.LLM(model=path, **_engine_kwargs(engine_kwargs, seed))
+    except Exception as exc:
+        raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
+    return llm, name, sampling_params_cls or vllm.SamplingParams
+
+
+def _served_model_name(engine: Any) -> str:
+    """The model name of an engine object given by the caller (``LLM``, ``AsyncLLM`` or alike)."""
+    config = getattr(getattr(engine, 'llm_engine', None), 'model_config', None) or getattr(
+        engine, 'model_config', None)
+    return str(getattr(config, 'model', None) or type(engine).__name__)
+
+
+def _vllm_sampling_params() -> Any:
+    try:
+        from vllm import SamplingParams
+    except ImportError as exc:
+        raise BackendError('vllm backend: pass sampling_params_cls= when vllm is not importable') from exc
+    return SamplingParams
 
 
 def _is_async_engine(engine: Any) -> bool:

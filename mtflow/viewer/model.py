@@ -151,9 +151,9 @@ def state_spans(events: Sequence[TraceEvent], t0: Optional[float] = None) -> Lis
     timed = [e for e in events if e.t is not None]
     if not timed:
         return spans
-    first = timed[0]
-    if t0 is not None and first.src == PENDING and first.t > t0:
-        spans.append(Span(PENDING, t0, first.t, first.turn))
+    first_event = timed[0]
+    if t0 is not None and first_event.src == PENDING and first_event.t > t0:
+        spans.append(Span(PENDING, t0, first_event.t, first_event.turn))
     for e, nxt in zip(timed, timed[1:]):
         # the event leaving tool_step carries its step's turn and opens the next one
         turn = e.turn + 1 if e.src == TOOL_STEP and e.dst in WAITING_STATES else e.turn
@@ -291,12 +291,12 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
                 c.error = {'message': 'no details recorded'}
         if e.dst in (TOOL_STEP, FINISHED) and e.tokens:
             tokens += e.tokens
-    first = events[0]
+    first_event = events[0]
     ordered = [cells[t] for t in sorted(cells)]
-    states = [first.src] + [e.dst for e in events]
+    states = [first_event.src] + [e.dst for e in events]
     if reason:
         states[-1] = f'{states[-1]}({reason})'
-    return RequestView(uuid, first.index, first.rank, events, ordered, reason, tokens, ' -> '.join(states))
+    return RequestView(uuid, first_event.index, first_event.rank, events, ordered, reason, tokens, ' -> '.join(states))
 
 
 def request_views(trace: Trace) -> List[RequestView]:

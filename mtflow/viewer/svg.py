@@ -8,6 +8,7 @@ parallel moves between the same two states share one arrow with their triggers j
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from html import escape
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -83,12 +84,21 @@ def _clip(cx: float, cy: float, tx: float, ty: float) -> Tuple[float, float]:
     return cx + dx * s, cy + dy * s
 
 
-def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str], int]] = None,
-                    title: Optional[str] = None) -> str:
-    """The declared graph as one ``<svg>`` element. ``counts[(src, dst)]``, when given (from a
-    trace), is written on each arrow; finish reasons are listed next to ``finished``."""
-    states = list(graph.states)
-    edges = graph.edges()
+@dataclass
+class _Layout:
+    """Where the state graph's boxes go: each state's center, and the drawing's size."""
+    pos: Dict[str, Tuple[float, float]]
+    layer: Dict[str, int]
+    mid_y: float
+    width: float
+    height: float
+    top: int
+
+
+def _layout(graph: StateGraph, states: List[str], edges: Sequence[Tuple[str, str, str]],
+            title: Optional[str]) -> _Layout:
+    """States in columns by layer, each column centered vertically; room on the right for the
+    list of finish reasons and below for the arcs."""
     layer = _layers(states, edges, PENDING)
     by_layer: Dict[int, List[str]] = {}
     for s in states:
@@ -103,11 +113,61 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
         y0 = top + 60 + (height_body - block) / 2 + NODE_H / 2
         for j, s in enumerate(members):
             pos[s] = (x, y0 + j * (NODE_H + ROW_GAP))
-    mid_y = top + 60 + height_body / 2
-    reasons = list(graph.finish_reasons)
     width = 30 + len(by_layer) * (NODE_W + LAYER_GAP) - LAYER_GAP + 30 + 200
-    height = top + 60 + height_body + 80 + 16 * max(0, len(reasons) - 4)
+    height = top + 60 + height_body + 80 + 16 * max(0, len(graph.finish_reasons) - 4)
+    return _Layout(pos, layer, top + 60 + height_body / 2, width, height, top)
 
+
+def _arrow_svg(layout: _Layout, src: str, dst: str, triggers: List[str],
+               counts: Optional[Mapping[Tuple[str, str], int]]) -> List[str]:
+    """One move ``src -> dst`` (its triggers joined) as a curved arrow and its label."""
+    layer = layout.layer
+    (x1, y1), (x2, y2) = layout.pos[src], layout.pos[dst]
+    back = layer[dst] <= layer[src]
+    mx, my = (x1 + x2) / 2, (y1 + y2) / 2
+    dx, dy = x2 - x1, y2 - y1
+    dist = math.hypot(dx, dy) or 1.0
+    nx, ny = -dy / dist, dx / dist  # unit normal
+    bend = 0.12 * dist if not back else 0.3 * dist + 20
+    if layer[dst] - layer[src] > 1:
+        # skips a layer: arc around the states in between, away from the middle of the drawing
+        side = -1.0 if my < layout.mid_y - 1 else 1.0
+        nx, ny, bend = 0.0, side, 0.28 * dist + 24
+    cx, cy = mx + nx * bend, my + ny * bend
+    sx, sy = _clip(x1, y1, cx, cy)
+    ex, ey = _clip(x2, y2, cx, cy)
+    unused = counts is not None and not counts.get((src, dst), 0)  # never taken in this trace: faded
+    stroke = 'stroke="#cbd5e1" stroke-dasharray="4 3"' if unused else 'stroke="#475569"'
+    lx, ly = 0.25 * sx + 0.5 * cx + 0.25 * ex, 0.25 * sy + 0.5 * cy + 0.25 * ey
+    label = ' | '.join(triggers)
+    if counts is not None:
+        label += f' ×{counts.get((src, dst), 0)}'
+    return [f'<path d="M{sx:.1f},{sy:.1f} Q{cx:.1f},{cy:.1f} {ex:.1f},{ey:.1f}" fill="none" {stroke} '
+            f'stroke-width="1.4" marker-end="url(#mtf-arrow)" data-edge="{escape(src)}-&gt;{escape(dst)}"/>',
+            f'<text class="sg-label" x="{lx:.1f}" y="{ly - 4:.1f}" text-anchor="middle">{escape(label)}</text>']
+
+
+def _reasons_svg(layout: _Layout, reasons: Sequence[str], counts: Optional[Mapping[Tuple[str, str], int]]) -> List[str]:
+    """The finish reasons, listed beside ``finished`` (with their counts from a trace)."""
+    fx, fy = layout.pos.get('finished', (layout.width - 200, layout.top + 60))
+    note_x = fx + NODE_W / 2 + 16
+    out = [f'<text class="sg-note" x="{note_x:.1f}" y="{fy - 10:.1f}" font-weight="bold">finish reasons</text>']
+    for k, r in enumerate(reasons):
+        n = ''
+        if counts is not None:
+            n = f' ×{counts.get(("reason", r), 0)}'
+        out.append(f'<text class="sg-note" x="{note_x:.1f}" y="{fy + 6 + 15 * k:.1f}">{escape(r + n)}</text>')
+    return out
+
+
+def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str], int]] = None,
+                    title: Optional[str] = None) -> str:
+    """The declared graph as one ``<svg>`` element. ``counts[(src, dst)]``, when given (from a
+    trace), is written on each arrow; finish reasons are listed next to ``finished``."""
+    states = list(graph.states)
+    edges = graph.edges()
+    layout = _layout(graph, states, edges, title)
+    width, height = layout.width, layout.height
     # one arrow per (src, dst): parallel triggers share it
     merged: Dict[Tuple[str, str], List[str]] = {}
     for src, trig, dst in edges:
@@ -122,43 +182,14 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
     if title:
         out.append(f'<text class="sg-title" x="20" y="24">{escape(title)}</text>')
     for (src, dst), triggers in merged.items():
-        (x1, y1), (x2, y2) = pos[src], pos[dst]
-        back = layer[dst] <= layer[src]
-        mx, my = (x1 + x2) / 2, (y1 + y2) / 2
-        dx, dy = x2 - x1, y2 - y1
-        dist = math.hypot(dx, dy) or 1.0
-        nx, ny = -dy / dist, dx / dist  # unit normal
-        bend = 0.12 * dist if not back else 0.3 * dist + 20
-        if layer[dst] - layer[src] > 1:
-            # skips a layer: arc around the states in between, away from the middle of the drawing
-            side = -1.0 if my < mid_y - 1 else 1.0
-            nx, ny, bend = 0.0, side, 0.28 * dist + 24
-        cx, cy = mx + nx * bend, my + ny * bend
-        sx, sy = _clip(x1, y1, cx, cy)
-        ex, ey = _clip(x2, y2, cx, cy)
-        unused = counts is not None and not counts.get((src, dst), 0)  # never taken in this trace: faded
-        stroke = 'stroke="#cbd5e1" stroke-dasharray="4 3"' if unused else 'stroke="#475569"'
-        out.append(f'<path d="M{sx:.1f},{sy:.1f} Q{cx:.1f},{cy:.1f} {ex:.1f},{ey:.1f}" fill="none" {stroke} '
-                   f'stroke-width="1.4" marker-end="url(#mtf-arrow)" data-edge="{escape(src)}-&gt;{escape(dst)}"/>')
-        lx, ly = 0.25 * sx + 0.5 * cx + 0.25 * ex, 0.25 * sy + 0.5 * cy + 0.25 * ey
-        label = ' | '.join(triggers)
-        if counts is not None:
-            label += f' ×{counts.get((src, dst), 0)}'
-        out.append(f'<text class="sg-label" x="{lx:.1f}" y="{ly - 4:.1f}" text-anchor="middle">{escape(label)}</text>')
+        out.extend(_arrow_svg(layout, src, dst, triggers, counts))
     for s in states:
-        x, y = pos[s]
+        x, y = layout.pos[s]
         color = STATE_COLORS.get(s, '#64748b')
         out.append(f'<g data-state="{escape(s)}"><rect x="{x - NODE_W / 2:.1f}" y="{y - NODE_H / 2:.1f}" '
                    f'width="{NODE_W}" height="{NODE_H}" rx="9" fill="{color}"/>'
                    f'<text class="sg-node" x="{x:.1f}" y="{y + 4:.1f}" text-anchor="middle">{escape(s)}</text></g>')
-    fx, fy = pos.get('finished', (width - 200, top + 60))
-    note_x = fx + NODE_W / 2 + 16
-    out.append(f'<text class="sg-note" x="{note_x:.1f}" y="{fy - 10:.1f}" font-weight="bold">finish reasons</text>')
-    for k, r in enumerate(reasons):
-        n = ''
-        if counts is not None:
-            n = f' ×{counts.get(("reason", r), 0)}'
-        out.append(f'<text class="sg-note" x="{note_x:.1f}" y="{fy + 6 + 15 * k:.1f}">{escape(r + n)}</text>')
+    out.extend(_reasons_svg(layout, list(graph.finish_reasons), counts))
     out.append('</svg>')
     return '\n'.join(out)
 

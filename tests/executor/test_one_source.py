@@ -60,7 +60,7 @@ def test_one_stop_rule():
     assert decide_stop({}, True, M.CHECK_FINISHED, 1, None) == (True, M.CHECK_FINISHED)
     assert decide_stop({'done': False}, False, M.CHECK_FINISHED, 3, 3, M.TURN_CAP) == (True, M.TURN_CAP)
     # the YAML scheduler and the ms-swift adapter use it (no copy of the rule elsewhere)
-    for path in ('mtflow/declarative/scheduler.py', 'mtflow/integrations/swift.py', 'mtflow/core/scheduler.py'):
+    for path in ('mtflow/declarative/scheduler.py', 'mtflow/integrations/swift/adapter.py', 'mtflow/core/scheduler.py'):
         text = (ROOT / path).read_text()
         assert 'current_turn >= self.max_turns' not in text, path
         assert 'from mtflow.core.stop import' in text, path

@@ -1,150 +1,38 @@
-"""mtflow inside ms-swift (tested against ms-swift 4.6.0), both ways.
+"""mtflow schedulers as ms-swift schedulers: ms-swift's driver (or ``swift rollout``) runs an
+mtflow scheduler's hooks.
 
-1. **mtflow schedulers as ms-swift schedulers.** :func:`as_swift_scheduler` wraps any mtflow
-   scheduler (a Python :class:`mtflow.Scheduler` class or instance, a factory, or a YAML file
-   loaded with :func:`mtflow.declarative.load_scheduler`) in a subclass of ms-swift's
-   ``MultiTurnScheduler``; :func:`register` puts it into ms-swift's ``multi_turns`` registry so
-   GRPO finds it with ``--external_plugins schedulers/swift_plugin.py --multi_turn_scheduler <name>``.
-   In colocate mode ms-swift's driver calls its ``step`` / ``check_finished`` / ``on_turn_end``;
-   in server mode (``swift rollout``) ms-swift calls its ``run`` once per request.
-2. **mtflow's executor inside ms-swift.** :func:`install` makes ms-swift's trainers (HF GRPO/GKD,
-   Megatron, Ray) call mtflow's executor wherever they called
-   ``swift.rollout.agent_loop.run_multi_turn``, so their runs get per-request states, finish
-   reasons and traces; :func:`uninstall` undoes it.
-3. **Conversions.** :func:`to_swift` / :func:`from_swift` convert requests, configs, messages,
-   choices, responses and outputs between mtflow's pydantic models and ms-swift's types without
-   losing a field (attributes a class does not declare travel too).
-
-This module imports ms-swift (seconds); ``import mtflow`` never imports it.
+:func:`as_swift_scheduler` wraps any mtflow scheduler (a Python :class:`mtflow.Scheduler` class or
+instance, a factory, or a YAML file loaded with :func:`mtflow.declarative.load_scheduler`) in a
+subclass of ms-swift's ``MultiTurnScheduler``; :func:`register` puts it into ms-swift's
+``multi_turns`` registry so GRPO finds it with ``--external_plugins schedulers/swift_plugin.py
+--multi_turn_scheduler <name>``. In colocate mode ms-swift's driver calls its ``step`` /
+``check_finished`` / ``on_turn_end``; in server mode (``swift rollout``) ms-swift calls its
+``run`` once per request.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import inspect
 import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import swift.infer_engine.protocol as _sp
+import swift.rollout.multi_turn as swift_multi_turn
 from swift.rollout.multi_turn import MultiTurnScheduler
 
-from mtflow.core import machine as M
-from mtflow.core import protocol as _mp
-from mtflow.core.errors import MultiTurnRolloutError
-from mtflow.engine.executor import Executor, identity_gather
+from mtflow.core.machine import CHECK_FINISHED, ERROR
+from mtflow.core.scheduler import is_default_hook
 from mtflow.core.stop import decide_stop, default_check
-from mtflow.accounting.choose import keeps_messages_as_ids
-from mtflow.accounting.swift46 import Swift46Accounting
+from mtflow.declarative import load_scheduler
+from mtflow.integrations.swift.converters import to_swift
 
-__all__ = [
-    'to_swift', 'from_swift', 'SwiftSchedulerAdapter', 'as_swift_scheduler', 'register', 'install', 'uninstall',
-    'installed', 'InstallState', 'FINISH_REASON_KEY'
-]
+__all__ = ['FINISH_REASON_KEY', 'SwiftSchedulerAdapter', 'as_swift_scheduler', 'register']
 
 #: the ``rollout_infos`` key under which the adapter reports a request's mtflow finish reason
 FINISH_REASON_KEY = 'mtflow_finish_reason'
-
-# ------------------------------------------------------------------------------------------------
-# conversions
-# ------------------------------------------------------------------------------------------------
-
-#: nested fields that hold protocol objects: class name -> {field: (shape, class name)}
-_NESTED: Dict[str, Dict[str, Tuple[str, str]]] = {
-    'RolloutOutput': {'response': ('one', 'ChatCompletionResponse')},
-    'ChatCompletionResponse': {'choices': ('list', 'ChatCompletionResponseChoice'), 'usage': ('one', 'UsageInfo')},
-    'ChatCompletionResponseChoice': {'message': ('one', 'ChatMessage')},
-    'ChatMessage': {'tool_calls': ('list', 'ChatCompletionMessageToolCall')},
-    'ChatCompletionMessageToolCall': {'function': ('one', 'Function')},
-}
-_NAMES = ('RolloutInferRequest', 'RequestConfig', 'Function', 'ChatCompletionMessageToolCall', 'ChatMessage',
-          'UsageInfo', 'ChatCompletionResponseChoice', 'ChatCompletionResponse', 'RolloutOutput')
-_ALIASES = {'InferRequest': 'RolloutInferRequest'}  # ms-swift's plain request becomes a rollout request
-
-
-def _fields_of(obj: Any) -> Dict[str, Any]:
-    """Every field of a pydantic model or dataclass, plus any attribute it carries undeclared."""
-    if hasattr(type(obj), 'model_fields'):
-        values = {k: getattr(obj, k) for k in type(obj).model_fields}
-        values.update(getattr(obj, '__pydantic_extra__', None) or {})
-        extra = {k: v for k, v in vars(obj).items() if k not in values and not k.startswith('_')}
-        values.update(extra)
-        return values
-    if dataclasses.is_dataclass(obj):
-        values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        values.update({k: v for k, v in vars(obj).items() if k not in values and not k.startswith('_')})
-        return values
-    raise TypeError(f'cannot convert {type(obj).__name__}: not a protocol object')
-
-
-def _build(cls: type, values: Dict[str, Any]) -> Any:
-    """An instance of ``cls`` holding exactly ``values`` (no validation rewrites a value; fields
-    the class does not declare are kept as attributes / pydantic extras)."""
-    if hasattr(cls, 'model_fields'):
-        if cls.model_config.get('extra') == 'allow':
-            return cls.model_construct(**values)
-        known = {k: v for k, v in values.items() if k in cls.model_fields}
-        obj = cls.model_construct(**known)
-        for k, v in values.items():
-            if k not in known:
-                object.__setattr__(obj, k, v)
-        return obj
-    init = {f.name for f in dataclasses.fields(cls) if f.init}
-    obj = cls(**{k: v for k, v in values.items() if k in init})
-    for k, v in values.items():
-        if k not in init:
-            setattr(obj, k, v)
-    return obj
-
-
-def _convert(obj: Any, module: Any, name: Optional[str] = None) -> Any:
-    if obj is None:
-        return None
-    name = name or _ALIASES.get(type(obj).__name__, type(obj).__name__)
-    if name not in _NAMES:
-        raise TypeError(f'cannot convert {type(obj).__name__}: not one of {", ".join(_NAMES)}')
-    values = _fields_of(obj)
-    for field, (shape, sub) in _NESTED.get(name, {}).items():
-        value = values.get(field)
-        if value is None:
-            continue
-        if shape == 'list':
-            values[field] = [_convert(v, module, sub) if not isinstance(v, dict) else v for v in value]
-        elif not isinstance(value, dict):
-            values[field] = _convert(value, module, sub)
-    return _build(getattr(module, name), values)
-
-
-def to_swift(obj: Any) -> Any:
-    """The ms-swift counterpart of an mtflow protocol object (or a list of them).
-
-    Objects that already are ms-swift's pass through unchanged. Values are not copied (a
-    request's ``messages`` list is the same list), and nothing is validated away: e.g. a
-    ``RequestConfig(stop=None)`` stays ``None``."""
-    if isinstance(obj, list):
-        return [to_swift(o) for o in obj]
-    if obj is None or type(obj).__module__.startswith('swift.'):
-        return obj
-    return _convert(obj, _sp)
-
-
-def from_swift(obj: Any) -> Any:
-    """The mtflow counterpart of an ms-swift protocol object (or a list of them); fields mtflow's
-    classes do not declare (e.g. ``add_eos``, ``routed_experts``, ``images_size``) are kept as
-    pydantic extras, so :func:`to_swift` restores them."""
-    if isinstance(obj, list):
-        return [from_swift(o) for o in obj]
-    if obj is None or type(obj).__module__.startswith('mtflow.'):
-        return obj
-    return _convert(obj, _mp)
-
-
-# ------------------------------------------------------------------------------------------------
-# mtflow schedulers as ms-swift schedulers
-# ------------------------------------------------------------------------------------------------
 
 
 def _run_coroutine(coro: Any) -> Any:
@@ -169,7 +57,6 @@ def _base_check(choice: Any, turn: int, max_turns: Optional[int]) -> Tuple[bool,
 
 def _overrides(obj: Any, name: str) -> bool:
     """Whether ``obj``'s ``name`` hook is its own (not mtflow's or ms-swift's no-op default)."""
-    from mtflow.core.scheduler import is_default_hook
     fn = getattr(obj, name, None)
     return fn is not None and not is_default_hook(fn, name)
 
@@ -307,7 +194,7 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
             out = self.inner.check_finished(request, choice, turn)
             if inspect.isawaitable(out):
                 out = await out
-            return bool(out), M.CHECK_FINISHED
+            return bool(out), CHECK_FINISHED
         return _base_check(choice, turn, self.max_turns)
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
@@ -331,12 +218,12 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
             if inspect.isawaitable(result):
                 result = _run_coroutine(result)
         except Exception:
-            self._notify(infer_request, M.ERROR, current_turn)
+            self._notify(infer_request, ERROR, current_turn)
             raise
         if isinstance(result, dict):
-            nxt = result.get('infer_request')
-            if nxt is not None and type(nxt).__module__.startswith('mtflow.'):
-                result = {**result, 'infer_request': to_swift(nxt)}
+            next_request = result.get('infer_request')
+            if next_request is not None and type(next_request).__module__.startswith('mtflow.'):
+                result = {**result, 'infer_request': to_swift(next_request)}
         return result
 
     def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
@@ -360,7 +247,7 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
         try:
             output = await super().run(infer_request, request_config, **kwargs)
         except Exception:
-            self._notify(infer_request, M.ERROR, 0)
+            self._notify(infer_request, ERROR, 0)
             with self._lock:
                 self._notified.pop(self._key(infer_request), None)
             raise
@@ -376,7 +263,6 @@ def _factory_for(source: Any, **options: Any) -> Callable[..., Any]:
         path = str(source)
 
         def from_yaml(**kw: Any) -> Any:
-            from mtflow.declarative import load_scheduler
             kw = {**kw, **options}
             max_turns = kw.pop('max_turns', None)  # the YAML's own max_turns, unless ms-swift sets one
             scheduler = load_scheduler(path, **{k: v for k, v in kw.items() if v is not None})
@@ -424,7 +310,7 @@ def as_swift_scheduler(source: Any, name: Optional[str] = None, **options: Any) 
 def register(name: str, source: Any, *, overwrite: bool = False, **options: Any) -> type:
     """Register ``source`` in ms-swift's ``multi_turns`` registry under ``name`` (what
     ``--multi_turn_scheduler name`` looks up) and return the adapter class."""
-    from swift.rollout.multi_turn import multi_turns
+    multi_turns = swift_multi_turn.multi_turns  # looked up per call: the registry may be replaced after import
     if name in multi_turns and not overwrite and not (isinstance(multi_turns[name], type)
                                                       and issubclass(multi_turns[name], SwiftSchedulerAdapter)):
         raise ValueError(f'ms-swift already has a multi-turn scheduler named {name!r} '
@@ -432,160 +318,3 @@ def register(name: str, source: Any, *, overwrite: bool = False, **options: Any)
     cls = as_swift_scheduler(source, name=name, **options)
     multi_turns[name] = cls
     return cls
-
-
-# ------------------------------------------------------------------------------------------------
-# mtflow's executor inside ms-swift
-# ------------------------------------------------------------------------------------------------
-
-#: every module that binds ``run_multi_turn`` at import time (ms-swift 4.6.0)
-PATCH_TARGETS = (
-    'swift.rollout.agent_loop',  # the definition
-    'swift.rollout',  # the lazy package re-export (what later ``from swift.rollout import`` gets)
-    'swift.rlhf_trainers.rollout_mixin',  # HF GRPO/GKD colocate: _colocate_multi_turn_infer
-    'swift.megatron.trainers.rollout_mixin',  # Megatron GRPO
-    'swift.ray.megatron.grpo_trainer',  # Ray Megatron GRPO, driver-side loop
-    'swift.ray.megatron.gkd_trainer',  # Ray Megatron GKD
-)
-
-
-@dataclasses.dataclass
-class InstallState:
-    """What :func:`install` did: the functions it replaced (to restore) and its settings."""
-    originals: Dict[str, Any]
-    trace: bool
-    on_error: str
-    on_trace: Optional[Callable[[Any], None]]
-    trace_dir: Optional[str]
-    runs: int = 0
-    last_result: Any = None
-
-
-_STATE: Optional[InstallState] = None
-_STATE_LOCK = threading.Lock()
-
-
-def _rank() -> int:
-    try:
-        import torch.distributed as dist
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    except Exception:  # pragma: no cover - torch missing or broken
-        return 0
-
-
-def _keep_run(state: Optional['InstallState'], rank: int, result: Any) -> None:
-    """Hand a finished run's trace to what :func:`install` asked for (``trace_dir``, ``on_trace``)."""
-    if state is None:
-        return
-    with _STATE_LOCK:
-        state.runs += 1
-        run_no = state.runs
-        state.last_result = result
-    if result.trace is not None:
-        if state.trace_dir:
-            Path(state.trace_dir).mkdir(parents=True, exist_ok=True)
-            result.trace.write_jsonl(Path(state.trace_dir) / f'rank{rank}-run{run_no:06d}.jsonl')
-        if state.on_trace is not None:
-            state.on_trace(result.trace)
-
-
-def _accounting_for(scheduler: Any) -> Any:
-    """ms-swift 4.6's accounting for schedulers that keep assistant messages as ids (every
-    ``MultiTurnScheduler``), else the contract's (the executor's default)."""
-    if keeps_messages_as_ids(scheduler):
-        return Swift46Accounting(scheduler)
-    return None
-
-
-def mtflow_run_multi_turn(requests: List[Any],
-                          first_turn_outputs: List[Any],
-                          scheduler: Any,
-                          rollout_fn: Callable[[List[Any], Any], Any],
-                          request_config: Any,
-                          max_turns: Optional[int] = None,
-                          gather_fn: Callable[[List[bool]], List[bool]] = identity_gather) -> List[Any]:
-    """What :func:`install` puts in place of ms-swift's ``run_multi_turn``: the same signature and
-    outputs, run by mtflow's executor (ms-swift 4.6 accounting for ms-swift schedulers), with the
-    run's trace handed to ``on_trace`` / written under ``trace_dir``."""
-    state = _STATE
-    ex = Executor(
-        scheduler,
-        rollout_fn,
-        request_config,
-        max_turns=max_turns,
-        gather_fn=gather_fn,
-        trace=state.trace if state else True,
-        on_error=state.on_error if state else 'raise',
-        rank=_rank(),
-        output_cls=_sp.RolloutOutput,
-        accounting=_accounting_for(scheduler),
-        scheduler_bounds_run=False)  # ms-swift's semantics: the caller's max_turns bounds the driver
-    try:
-        result = ex.run(requests, first_turn_outputs)
-    except MultiTurnRolloutError as err:  # the run is complete: keep its trace, then raise
-        _keep_run(state, ex.rank, err.result)
-        raise
-    _keep_run(state, ex.rank, result)
-    return result.outputs
-
-
-def install(*,
-            trace: bool = True,
-            on_error: str = 'raise',
-            on_trace: Optional[Callable[[Any], None]] = None,
-            trace_dir: Optional[Union[str, os.PathLike]] = None) -> InstallState:
-    """Make ms-swift's trainers run multi-turn rollouts with mtflow's executor (opt-in).
-
-    Replaces ``run_multi_turn`` in every module of :data:`PATCH_TARGETS` that is loaded, and in
-    ``swift.rollout`` / ``swift.rollout.agent_loop`` so that modules imported later bind mtflow's.
-    Modules that cannot be imported here (Megatron, Ray extras not installed) are not imported;
-    if they are imported later they take the patched name from ``swift.rollout``.
-
-    ``on_error='raise'`` raises one :class:`mtflow.MultiTurnRolloutError` after the loop (every
-    rank stays in step); ``'return'`` keeps the failed requests' outputs (reason ``error`` in the
-    trace, ``mtflow_error`` in ``rollout_infos``). ``on_trace(trace)`` is called with each run's
-    :class:`mtflow.Trace`; ``trace_dir`` gets one JSONL file per run and rank. Idempotent."""
-    global _STATE
-    import importlib
-    import sys
-    if on_error not in ('raise', 'return'):
-        raise ValueError(f"on_error must be 'raise' or 'return', not {on_error!r}")
-    with _STATE_LOCK:
-        originals = dict(_STATE.originals) if _STATE is not None else {}
-        for target in PATCH_TARGETS[:2]:  # the definition and the re-export; trainers bind from these
-            importlib.import_module(target)
-        for target in PATCH_TARGETS:
-            module = sys.modules.get(target)
-            if module is None:
-                continue
-            current = getattr(module, 'run_multi_turn', None)
-            if current is None:
-                continue
-            if current is not mtflow_run_multi_turn:
-                originals[target] = current
-            setattr(module, 'run_multi_turn', mtflow_run_multi_turn)
-        _STATE = InstallState(originals, trace, on_error, on_trace, None if trace_dir is None else str(trace_dir))
-        return _STATE
-
-
-def uninstall() -> None:
-    """Put ms-swift's own ``run_multi_turn`` back everywhere :func:`install` replaced it."""
-    global _STATE
-    import sys
-    with _STATE_LOCK:
-        if _STATE is None:
-            return
-        for target, original in _STATE.originals.items():
-            module = sys.modules.get(target)
-            if module is not None:
-                setattr(module, 'run_multi_turn', original)
-        for target in PATCH_TARGETS:  # modules imported after install() bound mtflow's too
-            module = sys.modules.get(target)
-            if module is not None and getattr(module, 'run_multi_turn', None) is mtflow_run_multi_turn:
-                setattr(module, 'run_multi_turn', _STATE.originals.get('swift.rollout.agent_loop'))
-        _STATE = None
-
-
-def installed() -> Optional[InstallState]:
-    """The current :class:`InstallState`, or ``None`` when ms-swift runs its own driver."""
-    return _STATE
