@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mtflow.tools import cgroup, seccomp
+
 #: what ``isolation:`` accepts: ``auto`` (bwrap, else unshare, else refuse), one tool (else
 #: refuse), or ``none`` (no isolation; a warning at load time).
 ISOLATION_CHOICES = ('auto', 'bwrap', 'unshare', 'none')
@@ -228,6 +230,12 @@ def _setpriv(setpriv: str, uid: int) -> List[str]:
             '--inh-caps=-all', '--bounding-set=-all', '--']
 
 
+def tmp_inodes(tmp_mb: int) -> int:
+    """The inode cap of a sandbox's ``/tmp`` (``nr_inodes``: 256 per MB, at least 1024), so that a
+    flood of empty files cannot grow kernel memory far beyond what ``tmp_mb`` says."""
+    return max(1024, tmp_mb * 256)
+
+
 #: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
 ROOTLESS_UID = 65534
 
@@ -239,13 +247,15 @@ def rootless() -> bool:
 
 
 def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: Optional[int], tmp_mb: int,
-                  python_argv: Sequence[str]) -> SandboxCommand:
+                  python_argv: Sequence[str], seccomp_fd: Optional[int] = None) -> SandboxCommand:
     """bwrap as root, dropping to the leased ``uid`` with setpriv; or, with ``uid=None``
     (:func:`rootless`), in a new user namespace."""
     userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns'] \
         if uid is None else []
     argv = [bwrap, *userns, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
             '--die-with-parent', '--new-session', '--clearenv', '--ro-bind', '/usr', '/usr']
+    if seccomp_fd is not None:
+        argv += ['--seccomp', str(seccomp_fd)]
     for name, target in _top_level_links():
         argv += ['--symlink', target, name] if target is not None else ['--ro-bind', name, name]
     made = set()
@@ -258,7 +268,8 @@ def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: 
                 made.add(parent)
         argv += ['--ro-bind', prefix, prefix]
     argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--size', str(tmp_mb * 1024 * 1024),
-             '--tmpfs', '/tmp', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
+             '--tmpfs', '/tmp', '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--as-pid-1',
+             '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
     argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
     return SandboxCommand(argv, {'PATH': SYSTEM_PATH})
 
@@ -279,7 +290,7 @@ _INIT_SCRIPT = 'exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?'  # (a b
 # its exit ends the namespace.
 _UNSHARE_SCRIPT = r'''
 set -eu
-R=$1; UID_=$2; TMP_BYTES=$3; SETPRIV=$4; shift 4
+R=$1; UID_=$2; TMP_BYTES=$3; SETPRIV=$4; TMP_INODES=$5; shift 5
 mount -t tmpfs -o mode=0755,size=1m mtflow-root "$R"
 ro_bind() { mkdir -p "$R$1"; mount --bind "$1" "$R$1"; mount -o remount,bind,ro "$R$1"; }
 ro_bind /usr
@@ -292,7 +303,9 @@ mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
 mount -t tmpfs -o mode=0755,size=64k mtflow-dev "$R/dev"
 for n in null zero full random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 ln -s /proc/self/fd "$R/dev/fd"
-mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES" mtflow-tmp "$R/tmp"
+mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES,nr_inodes=$TMP_INODES" mtflow-tmp "$R/tmp"
+mount -o remount,ro,bind "$R/dev"
+mount -o remount,ro,bind "$R"
 cd "$R/tmp"
 set +e
 exec 3<&0
@@ -308,7 +321,7 @@ def unshare_command(unshare: str, setpriv: str, interp: Interpreter, uid: int, t
     scratch = tempfile.mkdtemp(prefix='mtflow-root-')
     argv = [setpriv, '--pdeathsig', 'KILL', '--', unshare, '--pid', '--fork', '--kill-child', '--net', '--ipc',
             '--uts', '--mount', '--propagation', 'private', '--', '/bin/sh', '-c', _UNSHARE_SCRIPT, 'mtflow-sandbox',
-            scratch, str(uid), str(tmp_mb * 1024 * 1024), setpriv] + list(python_argv)
+            scratch, str(uid), str(tmp_mb * 1024 * 1024), setpriv, str(tmp_inodes(tmp_mb))] + list(python_argv)
     env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes)}
     return SandboxCommand(argv, env, scratch=scratch)
 
@@ -334,9 +347,11 @@ def _find_tools() -> _Tools:
     return found
 
 
-def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str]) -> SandboxCommand:
+def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str],
+                  seccomp_fd: Optional[int] = None) -> SandboxCommand:
     """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
-    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only)."""
+    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``seccomp_fd``: an fd bwrap
+    reads its seccomp filter from (the unshare launcher installs its own)."""
     tools = _find_tools()
     interp = current_interpreter()
     if kind == 'bwrap':
@@ -351,11 +366,11 @@ def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Seque
         if kind != 'bwrap':
             raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
                                        'without root only bwrap (with a user namespace) can isolate')
-        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv)
+        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv, seccomp_fd)
     if tools.setpriv is None:
         raise IsolationUnavailable(tools.problems['setpriv'])
     if kind == 'bwrap':
-        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv)
+        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv, seccomp_fd)
     return unshare_command(tools.unshare, tools.setpriv, interp, uid, tmp_mb, python_argv)
 
 
@@ -431,14 +446,15 @@ def resolve_isolation(requested: str = 'auto') -> Isolation:
         kinds = ['bwrap', 'unshare'] if requested == 'auto' else [requested]
         reasons = []
         result = None
+        filter_ok, filter_detail = seccomp.describe()
         for kind in kinds:
-            why = probe(kind)
+            why = probe(kind) if filter_ok else f'{kind}: {filter_detail}'
             if why is None:
                 detail = _DETAIL[kind]
                 if rootless():
                     detail = detail.replace('dedicated unprivileged uid with its own process limit',
                                             'own user namespace (nobody inside) with its own process limit')
-                result = Isolation(requested, kind, detail)
+                result = Isolation(requested, kind, f'{detail}; {filter_detail}; {cgroup.support().describe()}')
                 break
             reasons.append(why if why.startswith(kind) else f'{kind}: {why}')
         if result is None:
