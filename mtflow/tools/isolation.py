@@ -14,7 +14,9 @@ The sandbox is built with existing tools, never by hand:
   user namespace (the program is ``nobody`` inside, this user outside; see :func:`rootless`).
 
 The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
-uid, so concurrent calls, in this process or any other, never share one). That is what makes
+uid in one root-only directory, :data:`LEASE_DIR`, whose ownership and mode are checked and whose
+files are opened without following links, so concurrent calls, in this process or any other
+driver on the host, never share one, and no other user can make root write elsewhere). That is what makes
 ``RLIMIT_NPROC`` bind: the kernel counts processes per uid and ignores the limit for root, so a
 fork bomb in one call fills its own uid's quota and nothing else. When the sandbox's first process
 (PID 1 of its namespace) exits, the kernel kills every other process in the namespace, so nothing
@@ -134,19 +136,70 @@ def _uid_base() -> int:
     return base
 
 
-class UidLease:
-    """An exclusively held uid (``flock`` on ``<lock dir>/<uid>``), released by :meth:`release`."""
+#: where root keeps its uid leases: one root-owned directory per host (not under ``$TMPDIR``,
+#: which each driver may set differently and any user may pre-create names in)
+LEASE_DIR = '/run/mtflow-sandbox-uids'
 
-    _dir: Optional[str] = None
+
+class LeaseDirUnsafe(IsolationUnavailable):
+    """The lease directory exists but is not root's own (a symlink, another owner, open to
+    others): sharing it could give two calls one uid, so every call is refused."""
+
+
+def open_lease_dir(path: str = LEASE_DIR) -> int:
+    """An ``O_DIRECTORY | O_NOFOLLOW`` fd on the lease directory, made (mode 0700) when missing;
+    refused (:class:`LeaseDirUnsafe`, naming the path and what is wrong) unless it is a real
+    directory owned by root with no access for others."""
+    parent = os.path.dirname(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise IsolationUnavailable(f'cannot create the uid lease directory {path}: {exc.strerror}') from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        kind = 'a symlink or not a directory' if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({kind}); remove it (root recreates it, '
+                             f'mode 0700) and check who made it') from None
+    st = os.fstat(fd)
+    problem = (f'owned by uid {st.st_uid}, not root' if st.st_uid != 0 else
+               f'mode {st.st_mode & 0o7777:04o} lets others in (must be 0700)' if st.st_mode & 0o077 else '')
+    pst = os.stat(parent)
+    if not problem and (pst.st_uid != 0 or pst.st_mode & 0o022 and not pst.st_mode & 0o1000):
+        problem = f'its parent {parent} is writable by others'
+    if problem:
+        os.close(fd)
+        raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({problem}); remove it (root recreates '
+                             'it, mode 0700) and check who made it')
+    return fd
+
+
+class UidLease:
+    """An exclusively held uid (``flock`` on ``<lease dir>/<uid>``, :data:`LEASE_DIR`), released by
+    :meth:`release`. Every root process on the host, whatever its ``$TMPDIR``, leases from the same
+    root-only directory, so two drivers never share a uid."""
+
+    _dir_fd: Optional[int] = None
     _dir_lock = threading.Lock()
+    lease_dir = LEASE_DIR
 
     def __init__(self) -> None:
         base = _uid_base()
-        lock_dir = self._lock_dir()
+        dir_fd = self._open_dir()
         start = random.randrange(UID_BLOCK)
         for k in range(UID_BLOCK):
             uid = base + (start + k) % UID_BLOCK
-            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            except OSError as exc:
+                raise LeaseDirUnsafe(f'cannot open the lease file {self.lease_dir}/{uid} ({exc.strerror}): the uid '
+                                     'lease directory holds something root did not make there') from None
+            st = os.fstat(fd)
+            if not (st.st_uid == 0 and (st.st_mode & 0o170000) == 0o100000):
+                os.close(fd)
+                raise LeaseDirUnsafe(f'the lease file {self.lease_dir}/{uid} is not a regular file of root')
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -156,16 +209,23 @@ class UidLease:
                 raise
             self.uid, self._fd = uid, fd
             return
-        raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use')
+        raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use (leases in {self.lease_dir}): '
+                                   'fewer concurrent calls, or wait for running ones to end')
 
     @classmethod
-    def _lock_dir(cls) -> str:
+    def _open_dir(cls) -> int:
         with cls._dir_lock:
-            if cls._dir is None:
-                path = os.path.join(tempfile.gettempdir(), f'mtflow-sandbox-uids-{os.geteuid()}')
-                os.makedirs(path, mode=0o700, exist_ok=True)
-                cls._dir = path
-            return cls._dir
+            if cls._dir_fd is None:
+                cls._dir_fd = open_lease_dir(cls.lease_dir)
+            return cls._dir_fd
+
+    @classmethod
+    def forget_dir(cls) -> None:
+        """Close the cached directory fd (tests that point :attr:`lease_dir` elsewhere)."""
+        with cls._dir_lock:
+            if cls._dir_fd is not None:
+                os.close(cls._dir_fd)
+                cls._dir_fd = None
 
     def release(self) -> None:
         if self._fd is not None:

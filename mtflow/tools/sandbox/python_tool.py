@@ -11,7 +11,7 @@ from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import SandboxSpec
 from mtflow.tools.sandbox.supervise import run_python
 
-__all__ = ['SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
+__all__ = ['refusal', 'SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
 
 
 class SandboxWarning(UserWarning):
@@ -49,6 +49,18 @@ def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
     return dict(options)
 
 
+def refusal(detail: str) -> str:
+    """The refusal a call gets when no sandbox works here. Only where the isolation tools are
+    missing does it name the options (install them, or knowingly run unconfined); a sandbox that is
+    installed but refused (uid leases, an unsafe lease directory, no seccomp binding) is a problem
+    to fix, and running unconfined is no fix for it."""
+    text = f'python tool refused to run the code: no sandbox is available on this machine ({detail})'
+    reasons = [part for part in detail.split('; ') if part]
+    if reasons and all('not found on PATH' in part for part in reasons):
+        text += '; install bubblewrap, or set `isolation: none` in the tool options to run unconfined'
+    return text
+
+
 def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., Any]:
     """The ``python`` tool with these options; its isolation is probed now (once per process),
     so a refusal or ``isolation: none`` is known at load time."""
@@ -73,9 +85,7 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
             code: a complete Python program; use print() to show results.
         """
         if not iso.available:
-            raise ToolError('refused', 'python tool refused to run the code: no sandbox is available on this '
-                            f'machine ({iso.detail}); install bubblewrap, or set `isolation: none` in the '
-                            'tool options to run unconfined')
+            raise ToolError('refused', refusal(iso.detail))
         try:
             result = await run_python(code, pool=pool, **opts)
         except IsolationUnavailable as exc:
