@@ -268,3 +268,22 @@ def test_root_dev_and_shm_are_read_only(kind):
 def test_the_filter_is_built_with_libseccomp():
     bpf = seccomp.filter_bpf()
     assert len(bpf) % 8 == 0 and len(bpf) // 8 > len(seccomp.DENIED) // 2
+
+
+def test_the_calls_usage_reaches_trace_info():
+    _cgroups_or_skip()
+    import asyncio
+
+    from mtflow.tools import ToolRunner, tool_from_callable
+    from mtflow.tools.sandbox import make_python_tool
+    runner = ToolRunner([tool_from_callable(make_python_tool({'timeout_s': 30, 'warm_pool': 0}), 'python')])
+    try:
+        ok, bad = asyncio.run(runner.call_all([('python', {'code': 'x = bytearray(30 << 20)\nprint(1)'}),
+                                               ('python', {'code': '1/0'})]))
+    finally:
+        runner.close()
+    for r in (ok, bad):
+        info = r.to_info()
+        assert set(info['usage']) == {'memory_peak_mb', 'cpu_s'} and info['usage']['cpu_s'] > 0, info
+    assert ok.output == '1\n' and ok.to_info()['usage']['memory_peak_mb'] >= 30
+    assert bad.to_info()['error_kind'] == 'exit'

@@ -6,7 +6,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, resolve_isolation
-from mtflow.tools.runner import ToolError
+from mtflow.tools.runner import ToolError, ToolOutput
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import SandboxSpec
 from mtflow.tools.sandbox.supervise import run_python
@@ -92,8 +92,8 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
             raise ToolError('refused', f'python tool refused to run the code: {exc}') from None
         if result.error_kind:
             head = result.headline()
-            raise ToolError(result.error_kind, head + ('\n' + result.output if result.output else ''))
-        return result.as_observation()
+            raise ToolError(result.error_kind, head + ('\n' + result.output if result.output else ''), result.usage)
+        return ToolOutput(result.as_observation(), result.usage)
 
     python.isolation = iso  # type: ignore[attr-defined]
     python.pool = pool  # type: ignore[attr-defined]
