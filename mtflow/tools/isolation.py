@@ -99,6 +99,36 @@ def current_interpreter() -> Interpreter:
     return Interpreter(exe, tuple(sorted(prefixes)))
 
 
+def with_site_packages(interp: Interpreter, site_packages: Sequence[str]) -> Interpreter:
+    """``interp`` with the ``site_packages`` directories bound read-only as well (those not already
+    in view under ``/usr`` or the interpreter's prefix)."""
+    extra = [p for p in site_packages if not _under(p, '/usr') and not any(_under(p, q) for q in interp.prefixes)]
+    return Interpreter(interp.executable, interp.prefixes + tuple(sorted(set(extra))))
+
+
+#: where a ``site_packages`` directory may not be: the sandbox mounts its own file systems there
+SITE_FORBIDDEN = ('/tmp', '/proc', '/dev')
+
+
+def check_site_packages(paths: Sequence[str]) -> Tuple[str, ...]:
+    """The ``site_packages`` option checked: absolute, existing directories, no whitespace, not
+    under :data:`SITE_FORBIDDEN`; ``ValueError`` says which entry is wrong and why."""
+    out = []
+    for p in paths:
+        if not isinstance(p, str) or not os.path.isabs(p):
+            raise ValueError(f'site_packages entry {p!r} must be an absolute path')
+        real = os.path.realpath(p)
+        if not os.path.isdir(real):
+            raise ValueError(f'site_packages entry {p!r} is not a directory')
+        if any(c.isspace() for c in real):
+            raise ValueError(f'site_packages entry {p!r} contains whitespace')
+        bad = [f for f in SITE_FORBIDDEN if _under(real, f)]
+        if bad:
+            raise ValueError(f'site_packages entry {p!r} is under {bad[0]}, which the sandbox replaces with its own')
+        out.append(real)
+    return tuple(out)
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip('/') + '/')
 
@@ -408,12 +438,13 @@ def _find_tools() -> _Tools:
 
 
 def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str],
-                  seccomp_fd: Optional[int] = None) -> SandboxCommand:
+                  seccomp_fd: Optional[int] = None, site_packages: Sequence[str] = ()) -> SandboxCommand:
     """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
     the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``seccomp_fd``: an fd bwrap
-    reads its seccomp filter from (the unshare launcher installs its own)."""
+    reads its seccomp filter from (the unshare launcher installs its own); ``site_packages``:
+    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter."""
     tools = _find_tools()
-    interp = current_interpreter()
+    interp = with_site_packages(current_interpreter(), site_packages)
     if kind == 'bwrap':
         if not tools.bwrap:
             raise IsolationUnavailable('bwrap (bubblewrap) not found on PATH')

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, namespace_init,
                                     rootless, wait_uid_gone)
@@ -45,6 +45,7 @@ _limit(resource.RLIMIT_NOFILE, 64)
 _limit(resource.RLIMIT_CORE, 0)
 _limit(resource.RLIMIT_NPROC, {nproc})
 del _limit, resource, _f
+sys.path.extend({site})  # the site_packages option: after the standard library, read-only
 try:
     exec(compile(_src, 'main.py', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})
 except SystemExit as _e:
@@ -70,12 +71,14 @@ class SandboxSpec:
     max_file_mb: int = 16
     max_processes: int = 64
     tmp_mb: int = 64
+    site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
 
     def launcher(self, code_fd: int, filter_fd: Optional[int] = None) -> str:
         """The launcher's source; with ``filter_fd`` it installs the seccomp filter read from that
         fd first (the unshare fallback, where no bwrap does)."""
         install = '' if filter_fd is None else seccomp.install_code(filter_fd)
-        return _LAUNCHER.format(install_filter=install, code_fd=code_fd, memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
+        return _LAUNCHER.format(install_filter=install, site=repr(list(self.site_packages)), code_fd=code_fd,
+                                memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
                                 fsize=self.max_file_mb * 1024 * 1024,
                                 # rootless, PID 1 (sh) shares the program's uid and namespace: one more
                                 nproc=None if self.kind == 'none' else self.max_processes + (1 if rootless() else 0),
@@ -111,7 +114,7 @@ class Sandbox:
                 bwrap_fd = filter_fd if spec.kind == 'bwrap' else None
                 python_argv = self._python_argv(code_fd, None if bwrap_fd is not None else filter_fd)
                 self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
-                                         seccomp_fd=bwrap_fd)
+                                         seccomp_fd=bwrap_fd, site_packages=spec.site_packages)
                 self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes)
                 argv = join_argv(self.cgroup, self.cmd.argv)
             else:

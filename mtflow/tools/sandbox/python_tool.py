@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, resolve_isolation
+from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.runner import ToolError, ToolOutput
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import SandboxSpec
@@ -25,7 +25,7 @@ DEFAULT_WARM_POOL = 2
 PYTHON_OPTIONS: Dict[str, Any] = {
     'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
     'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'isolation': (str, None),
-    'warm_pool': (int, 0),
+    'warm_pool': (int, 0), 'site_packages': ((str, list), None),
 }
 
 
@@ -39,10 +39,17 @@ def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
         if value is None and key == 'cpu_s':
             continue
         if isinstance(value, bool) or not isinstance(value, types):
-            kind = 'a number' if types == (int, float) else 'an integer' if types is int else 'a string'
+            kind = ('a number' if types == (int, float) else 'an integer' if types is int else
+                    'a path or a list of paths' if key == 'site_packages' else 'a string')
             raise ValueError(f'python tool: option {key!r} must be {kind}, got {value!r}')
         if minimum is not None and value < minimum:
             raise ValueError(f'python tool: option {key!r} must be at least {minimum:g}, got {value!r}')
+    if 'site_packages' in options:
+        site = options['site_packages']
+        try:
+            options = dict(options, site_packages=check_site_packages([site] if isinstance(site, str) else site))
+        except ValueError as exc:
+            raise ValueError(f'python tool: option \'site_packages\': {exc}') from None
     if options.get('isolation', 'auto') not in ISOLATION_CHOICES:
         raise ValueError(f'python tool: option \'isolation\' must be one of {", ".join(ISOLATION_CHOICES)}, '
                          f'got {options["isolation"]!r}')
@@ -73,7 +80,8 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
         timeout_s = opts.get('timeout_s', 5.0)
         cpu = opts.get('cpu_s') or max(1, int(timeout_s) + 1)
         pool = SandboxPool(SandboxSpec(iso.kind, opts.get('memory_mb', 512), int(cpu), opts.get('max_file_mb', 16),
-                                       opts.get('max_processes', 64), opts.get('tmp_mb', 64)), warm)
+                                       opts.get('max_processes', 64), opts.get('tmp_mb', 64),
+                                       opts.get('site_packages', ())), warm)
     if requested == 'none':
         warnings.warn('python tool: isolation: none: model-written code runs unconfined, as this user, with '
                       'this machine\'s files, network and processes in reach', SandboxWarning, stacklevel=2)
