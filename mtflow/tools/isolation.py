@@ -22,6 +22,11 @@ fork bomb in one call fills its own uid's quota and nothing else. When the sandb
 (PID 1 of its namespace) exits, the kernel kills every other process in the namespace, so nothing
 a call started outlives it.
 
+On top of the namespaces, every sandbox gets the seccomp filter of :mod:`mtflow.tools.seccomp`
+(keyrings, tracing, namespaces, mounts and other shared kernel state denied) and, where this
+process can make one, a cgroup of its own (:mod:`mtflow.tools.cgroup`: the call's memory as a
+whole, ``memfd``, ``tmpfs`` and kernel memory included); the load-time report says which.
+
 :func:`resolve_isolation` probes once per process (a real ``print`` run through the real command
 line) and caches the answer; when no tool works, the answer says why, and the ``python`` tool
 refuses its calls with that reason instead of running code unconfined.

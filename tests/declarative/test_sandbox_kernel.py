@@ -287,3 +287,12 @@ def test_the_calls_usage_reaches_trace_info():
         assert set(info['usage']) == {'memory_peak_mb', 'cpu_s'} and info['usage']['cpu_s'] > 0, info
     assert ok.output == '1\n' and ok.to_info()['usage']['memory_peak_mb'] >= 30
     assert bad.to_info()['error_kind'] == 'exit'
+
+
+def test_the_load_time_report_names_the_filter_and_the_cgroup():
+    from mtflow.tools import isolation
+    iso = isolation.resolve_isolation('auto')
+    if not iso.available:
+        pytest.skip(iso.detail)
+    text = iso.describe()
+    assert 'seccomp filter (' in text and cgroup.support().describe() in text
