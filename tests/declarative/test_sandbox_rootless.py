@@ -53,6 +53,7 @@ KERNEL_ATTACKS = textwrap.dedent('''
     print("ptrace_pid1", res(libc.syscall(101, 16, 1, 0, 0)))  # PTRACE_ATTACH (x86_64 numbers)
     print("keyctl", res(libc.syscall(250, 0, ctypes.c_int(-3), 0)))
     print("inotify", res(libc.syscall(294, 0)))
+    print("mq_open", res(libc.syscall(240, b"mtflow", 0o102, 0o600, None)))  # RLIMIT_MSGQUEUE 0: EMFILE
     for d in ("/", "/dev", "/dev/shm"):
         try:
             open(os.path.join(d, "w"), "w").close()
@@ -100,7 +101,7 @@ def test_rootless_bwrap_isolates_and_limits_processes():
         assert 'forks: 7 33' in out  # 7 children + the program: max_processes binds per namespace
         assert 'loop: timeout started' in out
         if os.uname().machine == 'x86_64':  # the attack uses x86_64 syscall numbers
-            assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 write / e30 write /dev e30 write /dev/shm e30' in out
+            assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 mq_open e24 write / e30 write /dev e30 write /dev/shm e30' in out
         assert 'sigxcpu: timeout' in out
         assert 'seccomp filter' in out and 'no cgroup per call' in out  # said at load time
         assert isolation.processes_of_uid(lease.uid) == []

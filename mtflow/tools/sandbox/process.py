@@ -44,6 +44,8 @@ _limit(resource.RLIMIT_FSIZE, {fsize})
 _limit(resource.RLIMIT_NOFILE, 64)
 _limit(resource.RLIMIT_CORE, 0)
 _limit(resource.RLIMIT_NPROC, {nproc})
+_limit(resource.RLIMIT_MSGQUEUE, 0)  # per-user kernel quotas the driver's uid shares when rootless
+_limit(resource.RLIMIT_SIGPENDING, 256)
 del _limit, resource, _f
 sys.path.extend({site})  # the site_packages option: after the standard library, read-only
 try:
