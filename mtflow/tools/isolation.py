@@ -150,8 +150,15 @@ def _top_level_links() -> List[Tuple[str, Optional[str]]]:
 
 
 # ---- uid leases ----------------------------------------------------------------------------------
+#: the lease block's first uid where the whole uid range is mapped. The block before this one
+#: (``1200000000``) is what drivers before the root-only lease directory leased through
+#: ``$TMPDIR``; a separate block keeps old and new drivers on one host from sharing a uid.
+UID_BASE = 1_200_100_000
+
+
 def _uid_base() -> int:
-    """The first uid of the lease block: high in the largest range this user namespace maps."""
+    """The first uid of the lease block: high in the largest range this user namespace maps (one
+    block below the top, the top block being the one older drivers used)."""
     best = (0, 0)
     try:
         with open('/proc/self/uid_map', encoding='ascii') as f:
@@ -163,8 +170,8 @@ def _uid_base() -> int:
         best = (0, 1 << 32)
     start, count = best
     if count >= 1 << 31:
-        return 1_200_000_000
-    base = start + count - UID_BLOCK - 2
+        return UID_BASE
+    base = start + count - 2 * UID_BLOCK - 2
     if base <= 65535:
         raise IsolationUnavailable(f'this user namespace maps too few uids ({count}) for a block of '
                                    f'{UID_BLOCK} sandbox uids')

@@ -34,6 +34,8 @@ def test_the_lease_directory_is_root_only_and_under_run():
     try:
         st = os.stat(isolation.LEASE_DIR)
         assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700)
+        # not the block pre-v2 drivers lease through $TMPDIR (1200000000 + 4096): old and new never collide
+        assert not 1_200_000_000 <= lease.uid < 1_200_000_000 + isolation.UID_BLOCK
     finally:
         lease.release()
 
