@@ -4,7 +4,10 @@ throughput of concurrent calls.
 - plain: ``python -I -S -c 'print(1)'`` as an asyncio subprocess (what the tool cost before it
   isolated anything: the baseline);
 - bwrap / unshare: the same program through :func:`mtflow.tools.sandbox.run_python` with that
-  isolation (namespaces, read-only root, leased uid, limits, launcher, teardown of the tree);
+  isolation (namespaces, read-only root, leased uid, seccomp filter, fresh keyring, a cgroup per
+  call where one can be made, limits, launcher, teardown of the tree);
+- bwrap, no filter/cgroup: cold bwrap without the seccomp filter, the fresh session keyring and the
+  cgroup per call (what those cost; ``--no-comparison`` leaves it out);
 - bwrap warm / unshare warm: the same with a warm pool (``warm_pool: --pool``): the sandbox was
   started ahead, the call feeds it the program (each sandbox still runs one program only).
 
@@ -20,18 +23,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import time
-from typing import Awaitable, Callable, Dict, List, Optional
+from typing import Awaitable, Callable, Dict, Iterator, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtflow.tools import isolation  # noqa: E402
+from mtflow.tools import isolation, seccomp  # noqa: E402
+from mtflow.tools.sandbox import process  # noqa: E402
 from mtflow.tools.sandbox import SandboxPool, SandboxSpec, run_python  # noqa: E402
 
 PROGRAM = 'print(1)'
+UNHARDENED = 'bwrap, no filter/cgroup'
 
 
 async def plain_call() -> str:
@@ -49,6 +55,20 @@ def sandbox_call(kind: str, pool: Optional[SandboxPool] = None) -> Callable[[], 
             raise RuntimeError(f'{kind}: {r.as_observation()}')
         return r.output
     return call
+
+
+@contextlib.contextmanager
+def without_filter_and_cgroup() -> Iterator[None]:
+    """The sandbox as it was before the seccomp filter, the fresh keyring and the cgroup per call
+    (the comparison row ``bwrap, no filter/cgroup``): what those three cost on a cold call."""
+    saved = process.make_call_cgroup, process.build_command, seccomp.in_fresh_keyring
+    process.make_call_cgroup = lambda *a, **k: None
+    process.build_command = lambda *a, seccomp_fd=None, **k: saved[1](*a, **k)
+    seccomp.in_fresh_keyring = lambda fn: fn()
+    try:
+        yield
+    finally:
+        process.make_call_cgroup, process.build_command, seccomp.in_fresh_keyring = saved
 
 
 def pct(values: List[float], q: float) -> float:
@@ -82,6 +102,8 @@ def main() -> None:
     ap.add_argument('--concurrency', type=int, default=64, help='calls started at once for the throughput figure')
     ap.add_argument('--kinds', nargs='+', default=['bwrap', 'unshare'], choices=['bwrap', 'unshare'])
     ap.add_argument('--pool', type=int, default=4, help='warm pool size for the "warm" variants (0: none)')
+    ap.add_argument('--no-comparison', action='store_true',
+                    help='leave out the "bwrap, no filter/cgroup" row (cold bwrap without the v2 hardening)')
     args = ap.parse_args()
     pools = []
 
@@ -90,6 +112,8 @@ def main() -> None:
         why = isolation.probe(kind)
         if why is None:
             variants[kind] = sandbox_call(kind)
+            if kind == 'bwrap' and not args.no_comparison:
+                variants[UNHARDENED] = sandbox_call(kind)
             if args.pool:
                 pool = SandboxPool(SandboxSpec(kind, cpu_s=6), args.pool)
                 pool.start()
@@ -102,8 +126,9 @@ def main() -> None:
     for name, call in variants.items():
         if name.endswith('warm'):
             time.sleep(1.0)  # the pool fills
-        lat = asyncio.run(latencies(call, args.calls, 0.03 if name.endswith('warm') else 0.0))
-        wall = asyncio.run(burst(call, args.concurrency))
+        with without_filter_and_cgroup() if name == UNHARDENED else contextlib.nullcontext():
+            lat = asyncio.run(latencies(call, args.calls, 0.03 if name.endswith('warm') else 0.0))
+            wall = asyncio.run(burst(call, args.concurrency))
         p50, p95 = pct(lat, 0.5) * 1000, pct(lat, 0.95) * 1000
         if base_p50 is None:
             base_p50, base_p95 = p50, p95
@@ -111,12 +136,12 @@ def main() -> None:
                      args.concurrency / wall))
     print(f'sandbox overhead: {args.calls} sequential calls of {PROGRAM!r}, then {args.concurrency} at once '
           f'({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})')
-    head = f'{"variant":<18} {"p50 ms":>8} {"p95 ms":>8} {"+p50 ms":>8} {"+p95 ms":>8} {"mean ms":>8} ' \
+    head = f'{"variant":<24} {"p50 ms":>8} {"p95 ms":>8} {"+p50 ms":>8} {"+p95 ms":>8} {"mean ms":>8} ' \
            f'{"burst s":>8} {"calls/s":>8}'
     print(head)
     print('-' * len(head))
     for name, p50, p95, d50, d95, mean, wall, rate in rows:
-        print(f'{name:<18} {p50:8.1f} {p95:8.1f} {d50:8.1f} {d95:8.1f} {mean:8.1f} {wall:8.2f} {rate:8.1f}')
+        print(f'{name:<24} {p50:8.1f} {p95:8.1f} {d50:8.1f} {d95:8.1f} {mean:8.1f} {wall:8.2f} {rate:8.1f}')
     print('(warm: latency excludes the 30 ms pause before each call that lets the pool refill; the burst '
           f'gets {args.pool} warm sandboxes and starts the rest itself)')
     for pool in pools:

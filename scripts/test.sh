@@ -28,6 +28,10 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.
 command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
   || echo "warning: could not install bubblewrap: the sandbox tests use the unshare fallback or skip" >&2
+# its seccomp filter is built with libseccomp (mtflow/tools/seccomp.py): the pyseccomp binding and the library
+.venv/bin/python -c 'import pyseccomp' 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' && { [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] \
+  || ldconfig -p | grep -q libseccomp.so.2 || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libseccomp2 >/dev/null; }; } \
+  || echo "warning: could not install pyseccomp/libseccomp2: every python tool call is refused" >&2
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
 

@@ -14,11 +14,18 @@ The sandbox is built with existing tools, never by hand:
   user namespace (the program is ``nobody`` inside, this user outside; see :func:`rootless`).
 
 The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
-uid, so concurrent calls, in this process or any other, never share one). That is what makes
+uid in one root-only directory, :data:`LEASE_DIR`, whose ownership and mode are checked and whose
+files are opened without following links, so concurrent calls, in this process or any other
+driver on the host, never share one, and no other user can make root write elsewhere). That is what makes
 ``RLIMIT_NPROC`` bind: the kernel counts processes per uid and ignores the limit for root, so a
 fork bomb in one call fills its own uid's quota and nothing else. When the sandbox's first process
 (PID 1 of its namespace) exits, the kernel kills every other process in the namespace, so nothing
 a call started outlives it.
+
+On top of the namespaces, every sandbox gets the seccomp filter of :mod:`mtflow.tools.seccomp`
+(keyrings, tracing, namespaces, mounts and other shared kernel state denied) and, where this
+process can make one, a cgroup of its own (:mod:`mtflow.tools.cgroup`: the call's memory as a
+whole, ``memfd``, ``tmpfs`` and kernel memory included); the load-time report says which.
 
 :func:`resolve_isolation` probes once per process (a real ``print`` run through the real command
 line) and caches the answer; when no tool works, the answer says why, and the ``python`` tool
@@ -38,6 +45,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from mtflow.tools import cgroup, seccomp
 
 #: what ``isolation:`` accepts: ``auto`` (bwrap, else unshare, else refuse), one tool (else
 #: refuse), or ``none`` (no isolation; a warning at load time).
@@ -95,6 +104,36 @@ def current_interpreter() -> Interpreter:
     return Interpreter(exe, tuple(sorted(prefixes)))
 
 
+def with_site_packages(interp: Interpreter, site_packages: Sequence[str]) -> Interpreter:
+    """``interp`` with the ``site_packages`` directories bound read-only as well (those not already
+    in view under ``/usr`` or the interpreter's prefix)."""
+    extra = [p for p in site_packages if not _under(p, '/usr') and not any(_under(p, q) for q in interp.prefixes)]
+    return Interpreter(interp.executable, interp.prefixes + tuple(sorted(set(extra))))
+
+
+#: where a ``site_packages`` directory may not be: the sandbox mounts its own file systems there
+SITE_FORBIDDEN = ('/tmp', '/proc', '/dev')
+
+
+def check_site_packages(paths: Sequence[str]) -> Tuple[str, ...]:
+    """The ``site_packages`` option checked: absolute, existing directories, no whitespace, not
+    under :data:`SITE_FORBIDDEN`; ``ValueError`` says which entry is wrong and why."""
+    out = []
+    for p in paths:
+        if not isinstance(p, str) or not os.path.isabs(p):
+            raise ValueError(f'site_packages entry {p!r} must be an absolute path')
+        real = os.path.realpath(p)
+        if not os.path.isdir(real):
+            raise ValueError(f'site_packages entry {p!r} is not a directory')
+        if any(c.isspace() for c in real):
+            raise ValueError(f'site_packages entry {p!r} contains whitespace')
+        bad = [f for f in SITE_FORBIDDEN if _under(real, f)]
+        if bad:
+            raise ValueError(f'site_packages entry {p!r} is under {bad[0]}, which the sandbox replaces with its own')
+        out.append(real)
+    return tuple(out)
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip('/') + '/')
 
@@ -111,8 +150,15 @@ def _top_level_links() -> List[Tuple[str, Optional[str]]]:
 
 
 # ---- uid leases ----------------------------------------------------------------------------------
+#: the lease block's first uid where the whole uid range is mapped. The block before this one
+#: (``1200000000``) is what drivers before the root-only lease directory leased through
+#: ``$TMPDIR``; a separate block keeps old and new drivers on one host from sharing a uid.
+UID_BASE = 1_200_100_000
+
+
 def _uid_base() -> int:
-    """The first uid of the lease block: high in the largest range this user namespace maps."""
+    """The first uid of the lease block: high in the largest range this user namespace maps (one
+    block below the top, the top block being the one older drivers used)."""
     best = (0, 0)
     try:
         with open('/proc/self/uid_map', encoding='ascii') as f:
@@ -124,27 +170,78 @@ def _uid_base() -> int:
         best = (0, 1 << 32)
     start, count = best
     if count >= 1 << 31:
-        return 1_200_000_000
-    base = start + count - UID_BLOCK - 2
+        return UID_BASE
+    base = start + count - 2 * UID_BLOCK - 2
     if base <= 65535:
         raise IsolationUnavailable(f'this user namespace maps too few uids ({count}) for a block of '
                                    f'{UID_BLOCK} sandbox uids')
     return base
 
 
-class UidLease:
-    """An exclusively held uid (``flock`` on ``<lock dir>/<uid>``), released by :meth:`release`."""
+#: where root keeps its uid leases: one root-owned directory per host (not under ``$TMPDIR``,
+#: which each driver may set differently and any user may pre-create names in)
+LEASE_DIR = '/run/mtflow-sandbox-uids'
 
-    _dir: Optional[str] = None
+
+class LeaseDirUnsafe(IsolationUnavailable):
+    """The lease directory exists but is not root's own (a symlink, another owner, open to
+    others): sharing it could give two calls one uid, so every call is refused."""
+
+
+def open_lease_dir(path: str = LEASE_DIR) -> int:
+    """An ``O_DIRECTORY | O_NOFOLLOW`` fd on the lease directory, made (mode 0700) when missing;
+    refused (:class:`LeaseDirUnsafe`, naming the path and what is wrong) unless it is a real
+    directory owned by root with no access for others."""
+    parent = os.path.dirname(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise IsolationUnavailable(f'cannot create the uid lease directory {path}: {exc.strerror}') from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        kind = 'a symlink or not a directory' if exc.errno in (errno.ELOOP, errno.ENOTDIR) else exc.strerror
+        raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({kind}); remove it (root recreates it, '
+                             f'mode 0700) and check who made it') from None
+    st = os.fstat(fd)
+    problem = (f'owned by uid {st.st_uid}, not root' if st.st_uid != 0 else
+               f'mode {st.st_mode & 0o7777:04o} lets others in (must be 0700)' if st.st_mode & 0o077 else '')
+    pst = os.stat(parent)
+    if not problem and (pst.st_uid != 0 or pst.st_mode & 0o022 and not pst.st_mode & 0o1000):
+        problem = f'its parent {parent} is writable by others'
+    if problem:
+        os.close(fd)
+        raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({problem}); remove it (root recreates '
+                             'it, mode 0700) and check who made it')
+    return fd
+
+
+class UidLease:
+    """An exclusively held uid (``flock`` on ``<lease dir>/<uid>``, :data:`LEASE_DIR`), released by
+    :meth:`release`. Every root process on the host, whatever its ``$TMPDIR``, leases from the same
+    root-only directory, so two drivers never share a uid."""
+
+    _dir_fd: Optional[int] = None
     _dir_lock = threading.Lock()
+    lease_dir = LEASE_DIR
 
     def __init__(self) -> None:
         base = _uid_base()
-        lock_dir = self._lock_dir()
+        dir_fd = self._open_dir()
         start = random.randrange(UID_BLOCK)
         for k in range(UID_BLOCK):
             uid = base + (start + k) % UID_BLOCK
-            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            except OSError as exc:
+                raise LeaseDirUnsafe(f'cannot open the lease file {self.lease_dir}/{uid} ({exc.strerror}): the uid '
+                                     'lease directory holds something root did not make there') from None
+            st = os.fstat(fd)
+            if not (st.st_uid == 0 and (st.st_mode & 0o170000) == 0o100000):
+                os.close(fd)
+                raise LeaseDirUnsafe(f'the lease file {self.lease_dir}/{uid} is not a regular file of root')
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -154,16 +251,23 @@ class UidLease:
                 raise
             self.uid, self._fd = uid, fd
             return
-        raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use')
+        raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use (leases in {self.lease_dir}): '
+                                   'fewer concurrent calls, or wait for running ones to end')
 
     @classmethod
-    def _lock_dir(cls) -> str:
+    def _open_dir(cls) -> int:
         with cls._dir_lock:
-            if cls._dir is None:
-                path = os.path.join(tempfile.gettempdir(), f'mtflow-sandbox-uids-{os.geteuid()}')
-                os.makedirs(path, mode=0o700, exist_ok=True)
-                cls._dir = path
-            return cls._dir
+            if cls._dir_fd is None:
+                cls._dir_fd = open_lease_dir(cls.lease_dir)
+            return cls._dir_fd
+
+    @classmethod
+    def forget_dir(cls) -> None:
+        """Close the cached directory fd (tests that point :attr:`lease_dir` elsewhere)."""
+        with cls._dir_lock:
+            if cls._dir_fd is not None:
+                os.close(cls._dir_fd)
+                cls._dir_fd = None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -228,6 +332,12 @@ def _setpriv(setpriv: str, uid: int) -> List[str]:
             '--inh-caps=-all', '--bounding-set=-all', '--']
 
 
+def tmp_inodes(tmp_mb: int) -> int:
+    """The inode cap of a sandbox's ``/tmp`` (``nr_inodes``: 256 per MB, at least 1024), so that a
+    flood of empty files cannot grow kernel memory far beyond what ``tmp_mb`` says."""
+    return max(1024, tmp_mb * 256)
+
+
 #: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
 ROOTLESS_UID = 65534
 
@@ -239,13 +349,15 @@ def rootless() -> bool:
 
 
 def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: Optional[int], tmp_mb: int,
-                  python_argv: Sequence[str]) -> SandboxCommand:
+                  python_argv: Sequence[str], seccomp_fd: Optional[int] = None) -> SandboxCommand:
     """bwrap as root, dropping to the leased ``uid`` with setpriv; or, with ``uid=None``
     (:func:`rootless`), in a new user namespace."""
     userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns'] \
         if uid is None else []
     argv = [bwrap, *userns, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
             '--die-with-parent', '--new-session', '--clearenv', '--ro-bind', '/usr', '/usr']
+    if seccomp_fd is not None:
+        argv += ['--seccomp', str(seccomp_fd)]
     for name, target in _top_level_links():
         argv += ['--symlink', target, name] if target is not None else ['--ro-bind', name, name]
     made = set()
@@ -258,7 +370,8 @@ def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: 
                 made.add(parent)
         argv += ['--ro-bind', prefix, prefix]
     argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--size', str(tmp_mb * 1024 * 1024),
-             '--tmpfs', '/tmp', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
+             '--tmpfs', '/tmp', '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--as-pid-1',
+             '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
     argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
     return SandboxCommand(argv, {'PATH': SYSTEM_PATH})
 
@@ -279,7 +392,7 @@ _INIT_SCRIPT = 'exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?'  # (a b
 # its exit ends the namespace.
 _UNSHARE_SCRIPT = r'''
 set -eu
-R=$1; UID_=$2; TMP_BYTES=$3; SETPRIV=$4; shift 4
+R=$1; UID_=$2; TMP_BYTES=$3; SETPRIV=$4; TMP_INODES=$5; shift 5
 mount -t tmpfs -o mode=0755,size=1m mtflow-root "$R"
 ro_bind() { mkdir -p "$R$1"; mount --bind "$1" "$R$1"; mount -o remount,bind,ro "$R$1"; }
 ro_bind /usr
@@ -292,7 +405,9 @@ mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
 mount -t tmpfs -o mode=0755,size=64k mtflow-dev "$R/dev"
 for n in null zero full random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 ln -s /proc/self/fd "$R/dev/fd"
-mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES" mtflow-tmp "$R/tmp"
+mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES,nr_inodes=$TMP_INODES" mtflow-tmp "$R/tmp"
+mount -o remount,ro,bind "$R/dev"
+mount -o remount,ro,bind "$R"
 cd "$R/tmp"
 set +e
 exec 3<&0
@@ -308,7 +423,7 @@ def unshare_command(unshare: str, setpriv: str, interp: Interpreter, uid: int, t
     scratch = tempfile.mkdtemp(prefix='mtflow-root-')
     argv = [setpriv, '--pdeathsig', 'KILL', '--', unshare, '--pid', '--fork', '--kill-child', '--net', '--ipc',
             '--uts', '--mount', '--propagation', 'private', '--', '/bin/sh', '-c', _UNSHARE_SCRIPT, 'mtflow-sandbox',
-            scratch, str(uid), str(tmp_mb * 1024 * 1024), setpriv] + list(python_argv)
+            scratch, str(uid), str(tmp_mb * 1024 * 1024), setpriv, str(tmp_inodes(tmp_mb))] + list(python_argv)
     env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes)}
     return SandboxCommand(argv, env, scratch=scratch)
 
@@ -334,11 +449,14 @@ def _find_tools() -> _Tools:
     return found
 
 
-def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str]) -> SandboxCommand:
+def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str],
+                  seccomp_fd: Optional[int] = None, site_packages: Sequence[str] = ()) -> SandboxCommand:
     """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
-    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only)."""
+    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``seccomp_fd``: an fd bwrap
+    reads its seccomp filter from (the unshare launcher installs its own); ``site_packages``:
+    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter."""
     tools = _find_tools()
-    interp = current_interpreter()
+    interp = with_site_packages(current_interpreter(), site_packages)
     if kind == 'bwrap':
         if not tools.bwrap:
             raise IsolationUnavailable('bwrap (bubblewrap) not found on PATH')
@@ -351,11 +469,11 @@ def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Seque
         if kind != 'bwrap':
             raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
                                        'without root only bwrap (with a user namespace) can isolate')
-        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv)
+        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv, seccomp_fd)
     if tools.setpriv is None:
         raise IsolationUnavailable(tools.problems['setpriv'])
     if kind == 'bwrap':
-        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv)
+        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv, seccomp_fd)
     return unshare_command(tools.unshare, tools.setpriv, interp, uid, tmp_mb, python_argv)
 
 
@@ -431,14 +549,15 @@ def resolve_isolation(requested: str = 'auto') -> Isolation:
         kinds = ['bwrap', 'unshare'] if requested == 'auto' else [requested]
         reasons = []
         result = None
+        filter_ok, filter_detail = seccomp.describe()
         for kind in kinds:
-            why = probe(kind)
+            why = probe(kind) if filter_ok else f'{kind}: {filter_detail}'
             if why is None:
                 detail = _DETAIL[kind]
                 if rootless():
                     detail = detail.replace('dedicated unprivileged uid with its own process limit',
                                             'own user namespace (nobody inside) with its own process limit')
-                result = Isolation(requested, kind, detail)
+                result = Isolation(requested, kind, f'{detail}; {filter_detail}; {cgroup.support().describe()}')
                 break
             reasons.append(why if why.startswith(kind) else f'{kind}: {why}')
         if result is None:

@@ -24,7 +24,7 @@ import asyncio
 import functools
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -35,9 +35,21 @@ class ToolError(Exception):
     """Raised by a tool to report a failed call of a known ``kind`` (the ``python`` tool:
     ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``); the message is what the model sees."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, usage: Optional[Dict[str, float]] = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.usage = dict(usage or {})
+
+
+class ToolOutput(str):
+    """A tool's text with what the call used (the ``python`` tool: ``memory_peak_mb``, ``cpu_s``
+    from its cgroup), which :class:`ToolRunner` puts into the call's ``trace_info`` as ``usage``."""
+    usage: Dict[str, float]
+
+    def __new__(cls, text: str, usage: Optional[Dict[str, float]] = None) -> 'ToolOutput':
+        self = super().__new__(cls, text)
+        self.usage = dict(usage or {})
+        return self
 
 
 @dataclass
@@ -52,9 +64,12 @@ class ToolResult:
     error: str = ''
     error_kind: str = ''
     duration_s: float = 0.0
+    usage: Dict[str, float] = field(default_factory=dict)  # what the call used, when the tool says
 
     def to_info(self) -> Dict[str, Any]:
         info: Dict[str, Any] = {'name': self.name, 'ok': self.ok, 'duration_s': round(self.duration_s, 6)}
+        if self.usage:
+            info['usage'] = dict(self.usage)
         if not self.ok:
             info['error_kind'] = self.error_kind
             info['error'] = self.error[:500]
@@ -157,7 +172,7 @@ class ToolRunner:
                               error_kind='timeout', duration_s=perf_counter() - t)
         except ToolError as exc:
             return ToolResult(tool.name, kwargs, False, error=str(exc), error_kind=exc.kind,
-                              duration_s=perf_counter() - t)
+                              duration_s=perf_counter() - t, usage=exc.usage)
         except TypeError as exc:
             kind = 'bad_arguments' if 'argument' in str(exc) else 'exception'
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised TypeError: {exc}',
@@ -165,7 +180,8 @@ class ToolRunner:
         except Exception as exc:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
                               error_kind='exception', duration_s=perf_counter() - t)
-        return ToolResult(tool.name, kwargs, True, output=_to_text(value), duration_s=perf_counter() - t)
+        return ToolResult(tool.name, kwargs, True, output=_to_text(value), duration_s=perf_counter() - t,
+                          usage=getattr(value, 'usage', None) if isinstance(value, ToolOutput) else {})
 
     async def call_all(self, calls: Sequence[tuple]) -> List[ToolResult]:
         """Run ``[(name, arguments), ...]`` concurrently; results in call order."""
@@ -185,7 +201,7 @@ class ToolRunner:
 
 def _to_text(value: Any) -> str:
     if isinstance(value, str):
-        return value
+        return str.__str__(value)
     if value is None:
         return ''
     import json

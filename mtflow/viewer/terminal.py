@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Any, Dict, List, Optional, Sequence
 
 from rich.console import Console, Group, RenderableType
@@ -24,6 +25,24 @@ CELL = 4  # characters per turn in the timeline (the widest cell, 'GT!✗', is 4
 STYLES = {GENERATING: 'bold blue', CONTINUING: 'bold cyan', TOOL_STEP: 'yellow'}
 LEGEND = (f'G generating  C continuing  T tool_step  {TOOL_ERROR_MARK} tool error  '
           f'{OK_MARK} finished  {ERROR_MARK} failed ({"/".join(r for r in FINISH_REASONS if reason_kind(r) == "error")})')
+
+
+# C0 controls but newline and tab, DEL, C1 controls, and the BIDI overrides, embeddings, isolates
+# and marks that reorder what a reader sees (the "Trojan Source" set)
+_UNSAFE = re.compile('[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]')
+
+
+def _visible(m: 're.Match[str]') -> str:
+    c = m.group(0)
+    return f'\\x{ord(c):02x}' if ord(c) < 0x100 else f'\\u{ord(c):04x}'
+
+
+def safe_text(value: Any, style: str = '') -> Text:
+    """Text from a trace or a model, shown as data: never parsed as rich markup (a ``Text``, not a
+    markup string), and every terminal control or BIDI character written out visibly (``\\x1b``,
+    ``\\u202e``), so that output cannot set the title, clear the screen, link, or reorder the line.
+    Trajectories keep the bytes exactly; only this view escapes them."""
+    return Text(_UNSAFE.sub(_visible, value if isinstance(value, str) else str(value)), style)
 
 
 def fmt_s(seconds: Optional[float]) -> str:
@@ -84,7 +103,7 @@ def timeline_table(views: Sequence[RequestView]) -> Table:
     table.add_column('tokens', justify='right')
     table.add_column('finish', no_wrap=True)
     for v in views:
-        row: List[Any] = [v.uuid]
+        row: List[Any] = [safe_text(v.uuid)]
         if multi_rank:
             row.append(str(v.rank))
         row += [Text('     ') + timeline_text(v), str(v.turns), str(v.tokens),
@@ -135,7 +154,7 @@ def summary_renderable(s: Summary) -> RenderableType:
             table.add_column(col, overflow='fold')
         for e in s.errors:
             message = f'{e.get("type", "")}: {e.get("message", "")}'.lstrip(': ')
-            table.add_row(str(e['uuid']), str(e['turn']), str(e.get('phase', '')), message)
+            table.add_row(safe_text(e['uuid']), str(e['turn']), safe_text(e.get('phase', '')), safe_text(message))
         parts.append(table)
     if s.tool_errors:
         table = Table(title='tool errors', title_justify='left', title_style='bold red', box=None,
@@ -143,7 +162,7 @@ def summary_renderable(s: Summary) -> RenderableType:
         for col in ('request', 'turn', 'error'):
             table.add_column(col, overflow='fold')
         for te in s.tool_errors[:20]:
-            table.add_row(te.uuid, str(te.turn), te.message)
+            table.add_row(safe_text(te.uuid), str(te.turn), safe_text(te.message))
         if len(s.tool_errors) > 20:
             table.add_row('…', '', f'{len(s.tool_errors) - 20} more')
         parts.append(table)
@@ -152,7 +171,7 @@ def summary_renderable(s: Summary) -> RenderableType:
         for col in ('request', 'turn', 'time', 'tools'):
             table.add_column(col, justify='right' if col == 'time' else 'left')
         for st in s.slowest_steps:
-            table.add_row(st.uuid, str(st.turn), fmt_s(st.duration_s), ', '.join(st.tools))
+            table.add_row(safe_text(st.uuid), str(st.turn), fmt_s(st.duration_s), safe_text(', '.join(st.tools)))
         parts.append(table)
     return Group(*[p for part in parts for p in (part, Text(''))][:-1])
 
@@ -168,7 +187,7 @@ def time_per_state_table(s: Summary) -> Table:
     grand = sum(st.total_s for st in s.time_per_state.values()) or 1.0
     for st in s.time_per_state.values():
         table.add_row(Text(st.state, STYLES.get(st.state, '')), fmt_s(st.total_s), f'{100 * st.total_s / grand:.0f}%',
-                      str(st.requests), fmt_s(st.mean_s), fmt_s(st.max_s), st.max_uuid)
+                      str(st.requests), fmt_s(st.mean_s), fmt_s(st.max_s), safe_text(st.max_uuid))
     return table
 
 
@@ -214,9 +233,9 @@ def events_table(view: RequestView) -> Table:
                          justify='right' if col in ('turn', 'tokens', 'time') else 'left')
     for e in view.events:
         extra = '' if not e.extra else json.dumps(e.extra, ensure_ascii=False, default=str)
-        table.add_row(str(e.turn), e.src, Text(e.dst, STYLES.get(e.dst, reason_style(e.reason))), e.trigger,
-                      e.reason or '', '' if e.tokens is None else str(e.tokens),
-                      fmt_s(e.duration_s), extra)
+        table.add_row(str(e.turn), safe_text(e.src), safe_text(e.dst, STYLES.get(e.dst, reason_style(e.reason))),
+                      safe_text(e.trigger), safe_text(e.reason or ''), '' if e.tokens is None else str(e.tokens),
+                      fmt_s(e.duration_s), safe_text(extra))
     return table
 
 
@@ -241,7 +260,7 @@ def mask_text(ids: Sequence[int], mask: Sequence[int], tokenizer: Any) -> Text:
         for j, piece in enumerate(run):
             if j:
                 t.append(sep, 'dim')
-            t.append(piece.replace('\n', '⏎'), 'green' if trained else 'dim strike')
+            t.append_text(safe_text(piece.replace('\n', '⏎'), 'green' if trained else 'dim strike'))
         if not trained:
             t.append('»', 'bold magenta')
     if len(mask) != len(pieces):
@@ -253,10 +272,10 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
     """One request: its path, its events, its messages, and its token segments with the loss mask."""
     parts: List[RenderableType] = []
     uuid = view.uuid if view is not None else traj.uuid if traj is not None else '?'
-    parts.append(Text.assemble(('request ', 'bold'), (uuid, 'bold'),
+    parts.append(Text.assemble(('request ', 'bold'), safe_text(uuid, 'bold'),
                                f'  (index {view.index}, rank {view.rank})' if view is not None else ''))
     if view is not None:
-        parts.append(Text.assemble(('path: ', 'bold'), view.path))
+        parts.append(Text.assemble(('path: ', 'bold'), safe_text(view.path)))
         parts.append(Text.assemble(('timeline: ', 'bold'), timeline_text(view)))
         parts.append(events_table(view))
     else:
@@ -271,9 +290,9 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
         role = str(msg.get('role', '?'))
         content = msg.get('content')
         body = content if isinstance(content, str) else ('' if content is None else repr(content))
-        line = Text.assemble((f'[{k}] {role}: ', f'bold {role_styles.get(role, "")}'.strip()), body)
+        line = Text.assemble(safe_text(f'[{k}] {role}: ', f'bold {role_styles.get(role, "")}'.strip()), safe_text(body))
         if msg.get('tool_calls'):
-            line.append(f'  tool_calls={msg["tool_calls"]}', 'yellow')
+            line.append_text(safe_text(f'  tool_calls={msg["tool_calls"]}', 'yellow'))
         parts.append(line)
     parts.append(Text(''))
     masks = traj.masks()
@@ -286,7 +305,7 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
         parts += _segments(traj, masks, n_ids, n_trained, n_lp, tokenizer)
     if traj.rollout_infos:
         parts.append(Text(''))
-        parts.append(Text.assemble(('rollout_infos: ', 'bold'), str(traj.rollout_infos)))
+        parts.append(Text.assemble(('rollout_infos: ', 'bold'), safe_text(traj.rollout_infos)))
     return Group(*parts)
 
 

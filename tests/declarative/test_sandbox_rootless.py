@@ -34,6 +34,32 @@ SCRIPT = textwrap.dedent('''
             "start_new_session=True)\\nprint('started', flush=True)\\nwhile True: pass" % marker)
     r = asyncio.run(run_python(code, isolation="bwrap", timeout_s=5))
     print("loop:", r.error_kind, r.output.strip())
+    attack = sys.argv[3]  # KERNEL_ATTACKS: ptrace of PID 1, key syscalls, inotify, writes to / and /dev
+    r = asyncio.run(run_python(attack, isolation="bwrap", timeout_s=30))
+    print("kernel:", r.error_kind or "ok", " ".join(r.output.split()))
+    r = asyncio.run(run_python("import signal\\nsignal.signal(signal.SIGXCPU, lambda *a: None)\\nwhile True: pass",
+                               isolation="bwrap", timeout_s=60, cpu_s=1))
+    print("sigxcpu:", r.error_kind)
+    print("report:", isolation.resolve_isolation("bwrap").describe())
+''')
+
+#: run rootless: every line must end in EPERM (1) or EACCES/EROFS for the writes
+KERNEL_ATTACKS = textwrap.dedent('''
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    def res(r):
+        return "ok" if r >= 0 else "e%d" % ctypes.get_errno()
+    print("ptrace_pid1", res(libc.syscall(101, 16, 1, 0, 0)))  # PTRACE_ATTACH (x86_64 numbers)
+    print("keyctl", res(libc.syscall(250, 0, ctypes.c_int(-3), 0)))
+    print("inotify", res(libc.syscall(294, 0)))
+    print("mq_open", res(libc.syscall(240, b"mtflow", 0o102, 0o600, None)))  # RLIMIT_MSGQUEUE 0: EMFILE
+    for d in ("/", "/dev", "/dev/shm"):
+        try:
+            open(os.path.join(d, "w"), "w").close()
+            print("write", d, "ok")
+        except OSError as e:
+            print("write", d, "e%d" % e.errno)
 ''')
 
 
@@ -64,7 +90,7 @@ def test_rootless_bwrap_isolates_and_limits_processes():
             pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
         marker = 'mtflow-' + uuid.uuid4().hex
         proc = subprocess.run(['setpriv', f'--reuid={lease.uid}', f'--regid={lease.uid}', '--clear-groups', '--',
-                               exe, '-c', SCRIPT, marker, BOUNDED_FORKS], env=env, capture_output=True, text=True, timeout=300,
+                               exe, '-c', SCRIPT, marker, BOUNDED_FORKS, KERNEL_ATTACKS], env=env, capture_output=True, text=True, timeout=300,
                               cwd='/')
         out = proc.stdout
         assert proc.returncode == 0, proc.stderr
@@ -74,6 +100,10 @@ def test_rootless_bwrap_isolates_and_limits_processes():
         assert "benign: ok 65534 ['bin', 'dev'" in out  # nobody inside its own namespace
         assert 'forks: 7 33' in out  # 7 children + the program: max_processes binds per namespace
         assert 'loop: timeout started' in out
+        if os.uname().machine == 'x86_64':  # the attack uses x86_64 syscall numbers
+            assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 mq_open e24 write / e30 write /dev e30 write /dev/shm e30' in out
+        assert 'sigxcpu: timeout' in out
+        assert 'seccomp filter' in out and 'no cgroup per call' in out  # said at load time
         assert isolation.processes_of_uid(lease.uid) == []
         assert not any(marker.encode() in _cmdline(p) for p in os.listdir('/proc') if p.isdigit())
     finally:

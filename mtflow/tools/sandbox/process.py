@@ -3,25 +3,28 @@
 cleaned up as a whole."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, namespace_init,
                                     rootless, wait_uid_gone)
+from mtflow.tools import seccomp
+from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
 from mtflow.tools.sandbox.result import MEMORY_STATUS
 
-__all__ = ['SandboxSpec', 'Sandbox']
+__all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
 
 #: runs inside the sandbox: reads the program (memfd or stdin), sets the rlimits, runs it; a
 #: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
 _LAUNCHER = r'''
 import os, resource, sys
-with os.fdopen({code_fd}, 'rb') as _f:
+{install_filter}with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
 if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
     os.open('/dev/null', os.O_RDONLY)
@@ -41,7 +44,10 @@ _limit(resource.RLIMIT_FSIZE, {fsize})
 _limit(resource.RLIMIT_NOFILE, 64)
 _limit(resource.RLIMIT_CORE, 0)
 _limit(resource.RLIMIT_NPROC, {nproc})
+_limit(resource.RLIMIT_MSGQUEUE, 0)  # per-user kernel quotas the driver's uid shares when rootless
+_limit(resource.RLIMIT_SIGPENDING, 256)
 del _limit, resource, _f
+sys.path.extend({site})  # the site_packages option: after the standard library, read-only
 try:
     exec(compile(_src, 'main.py', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})
 except SystemExit as _e:
@@ -67,13 +73,28 @@ class SandboxSpec:
     max_file_mb: int = 16
     max_processes: int = 64
     tmp_mb: int = 64
+    site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
 
-    def launcher(self, code_fd: int) -> str:
-        return _LAUNCHER.format(code_fd=code_fd, memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
+    def launcher(self, code_fd: int, filter_fd: Optional[int] = None) -> str:
+        """The launcher's source; with ``filter_fd`` it installs the seccomp filter read from that
+        fd first (the unshare fallback, where no bwrap does)."""
+        install = '' if filter_fd is None else seccomp.install_code(filter_fd)
+        return _LAUNCHER.format(install_filter=install, site=repr(list(self.site_packages)), code_fd=code_fd,
+                                memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
                                 fsize=self.max_file_mb * 1024 * 1024,
                                 # rootless, PID 1 (sh) shares the program's uid and namespace: one more
                                 nproc=None if self.kind == 'none' else self.max_processes + (1 if rootless() else 0),
                                 mem_status=MEMORY_STATUS)
+
+
+def high_fd(fd: int) -> int:
+    """``fd`` moved to 10 or above, clear of the low fds the sandbox's shell scripts use."""
+    if fd >= 10:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    finally:
+        os.close(fd)
 
 
 class Sandbox:
@@ -85,23 +106,52 @@ class Sandbox:
         self.lease: Optional[UidLease] = None
         self.workdir: Optional[str] = None
         self.cmd: Optional[SandboxCommand] = None
+        self.cgroup: Optional[CallCgroup] = None
         self.warm = code_fd is None
-        python_argv = [current_interpreter().executable, '-I', '-S', '-u', '-c',
-                       spec.launcher(0 if code_fd is None else code_fd)]
+        filter_fd = None
         try:
             if spec.kind != 'none':
+                filter_fd = high_fd(seccomp.filter_fd())
                 self.lease = None if rootless() else UidLease()
-                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv)
+                bwrap_fd = filter_fd if spec.kind == 'bwrap' else None
+                python_argv = self._python_argv(code_fd, None if bwrap_fd is not None else filter_fd)
+                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
+                                         seccomp_fd=bwrap_fd, site_packages=spec.site_packages)
+                self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes)
+                argv = join_argv(self.cgroup, self.cmd.argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
-                self.cmd = SandboxCommand(python_argv, {}, cwd=self.workdir)
-            self.popen = subprocess.Popen(
-                self.cmd.argv, env=self.cmd.env, cwd=self.cmd.cwd,
-                stdin=subprocess.PIPE if code_fd is None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=() if code_fd is None else (code_fd, ))
+                self.cmd = SandboxCommand(self._python_argv(code_fd, None), {}, cwd=self.workdir)
+                argv = self.cmd.argv
+            fds = tuple(fd for fd in (code_fd, filter_fd) if fd is not None)
+            cmd = self.cmd
+            self.popen = seccomp.in_fresh_keyring(lambda: subprocess.Popen(
+                argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.PIPE if code_fd is None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds))
         except BaseException:
             self.cleanup(False)
             raise
+        finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
+
+    def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int]) -> list:
+        return [current_interpreter().executable, '-I', '-S', '-u', '-c',
+                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd)]
+
+    def usage(self) -> Dict[str, float]:
+        """The call's peak memory (MB) and CPU time (s), from its cgroup (empty without one)."""
+        out: Dict[str, float] = {}
+        if self.cgroup is not None:
+            peak, cpu = self.cgroup.peak_mb(), self.cgroup.cpu_s()
+            if peak is not None:
+                out['memory_peak_mb'] = peak
+            if cpu is not None:
+                out['cpu_s'] = round(cpu, 6)
+        return out
+
+    def oom_killed(self) -> bool:
+        return self.cgroup is not None and self.cgroup.oom_killed()
 
     @property
     def isolated(self) -> bool:
@@ -131,6 +181,9 @@ class Sandbox:
                 wait_uid_gone(self.lease.uid)  # PID 1 is gone; the namespace's others go right after
             self.lease.release()
             self.lease = None
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         if self.cmd is not None and self.cmd.scratch:
             shutil.rmtree(self.cmd.scratch, ignore_errors=True)
         if self.workdir is not None:

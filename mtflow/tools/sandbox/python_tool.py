@@ -5,13 +5,13 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, resolve_isolation
-from mtflow.tools.runner import ToolError
+from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, check_site_packages, resolve_isolation
+from mtflow.tools.runner import ToolError, ToolOutput
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import SandboxSpec
 from mtflow.tools.sandbox.supervise import run_python
 
-__all__ = ['SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
+__all__ = ['refusal', 'SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
 
 
 class SandboxWarning(UserWarning):
@@ -25,7 +25,7 @@ DEFAULT_WARM_POOL = 2
 PYTHON_OPTIONS: Dict[str, Any] = {
     'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
     'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'isolation': (str, None),
-    'warm_pool': (int, 0),
+    'warm_pool': (int, 0), 'site_packages': ((str, list), None),
 }
 
 
@@ -39,14 +39,33 @@ def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
         if value is None and key == 'cpu_s':
             continue
         if isinstance(value, bool) or not isinstance(value, types):
-            kind = 'a number' if types == (int, float) else 'an integer' if types is int else 'a string'
+            kind = ('a number' if types == (int, float) else 'an integer' if types is int else
+                    'a path or a list of paths' if key == 'site_packages' else 'a string')
             raise ValueError(f'python tool: option {key!r} must be {kind}, got {value!r}')
         if minimum is not None and value < minimum:
             raise ValueError(f'python tool: option {key!r} must be at least {minimum:g}, got {value!r}')
+    if 'site_packages' in options:
+        site = options['site_packages']
+        try:
+            options = dict(options, site_packages=check_site_packages([site] if isinstance(site, str) else site))
+        except ValueError as exc:
+            raise ValueError(f'python tool: option \'site_packages\': {exc}') from None
     if options.get('isolation', 'auto') not in ISOLATION_CHOICES:
         raise ValueError(f'python tool: option \'isolation\' must be one of {", ".join(ISOLATION_CHOICES)}, '
                          f'got {options["isolation"]!r}')
     return dict(options)
+
+
+def refusal(detail: str) -> str:
+    """The refusal a call gets when no sandbox works here. Only where the isolation tools are
+    missing does it name the options (install them, or knowingly run unconfined); a sandbox that is
+    installed but refused (uid leases, an unsafe lease directory, no seccomp binding) is a problem
+    to fix, and running unconfined is no fix for it."""
+    text = f'python tool refused to run the code: no sandbox is available on this machine ({detail})'
+    reasons = [part for part in detail.split('; ') if part]
+    if reasons and all('not found on PATH' in part for part in reasons):
+        text += '; install bubblewrap, or set `isolation: none` in the tool options to run unconfined'
+    return text
 
 
 def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., Any]:
@@ -61,7 +80,8 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
         timeout_s = opts.get('timeout_s', 5.0)
         cpu = opts.get('cpu_s') or max(1, int(timeout_s) + 1)
         pool = SandboxPool(SandboxSpec(iso.kind, opts.get('memory_mb', 512), int(cpu), opts.get('max_file_mb', 16),
-                                       opts.get('max_processes', 64), opts.get('tmp_mb', 64)), warm)
+                                       opts.get('max_processes', 64), opts.get('tmp_mb', 64),
+                                       opts.get('site_packages', ())), warm)
     if requested == 'none':
         warnings.warn('python tool: isolation: none: model-written code runs unconfined, as this user, with '
                       'this machine\'s files, network and processes in reach', SandboxWarning, stacklevel=2)
@@ -73,17 +93,15 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
             code: a complete Python program; use print() to show results.
         """
         if not iso.available:
-            raise ToolError('refused', 'python tool refused to run the code: no sandbox is available on this '
-                            f'machine ({iso.detail}); install bubblewrap, or set `isolation: none` in the '
-                            'tool options to run unconfined')
+            raise ToolError('refused', refusal(iso.detail))
         try:
             result = await run_python(code, pool=pool, **opts)
         except IsolationUnavailable as exc:
             raise ToolError('refused', f'python tool refused to run the code: {exc}') from None
         if result.error_kind:
             head = result.headline()
-            raise ToolError(result.error_kind, head + ('\n' + result.output if result.output else ''))
-        return result.as_observation()
+            raise ToolError(result.error_kind, head + ('\n' + result.output if result.output else ''), result.usage)
+        return ToolOutput(result.as_observation(), result.usage)
 
     python.isolation = iso  # type: ignore[attr-defined]
     python.pool = pool  # type: ignore[attr-defined]

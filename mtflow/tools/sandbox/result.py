@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 __all__ = ['MEMORY_STATUS', 'SandboxResult', 'signal_name', 'signal_of']
 
@@ -25,12 +25,17 @@ class SandboxResult:
     timeout_s: Optional[float] = None
     isolation: str = ''
     uid: Optional[int] = None  # the leased uid it ran as (isolated runs)
+    oom_killed: bool = False  # the call's cgroup ran out of memory (memfd, tmpfs, kernel memory...)
+    cpu_limit: bool = False  # killed at RLIMIT_CPU's hard limit (a program that caught SIGXCPU)
+    usage: Dict[str, float] = field(default_factory=dict)  # memory_peak_mb, cpu_s (from the cgroup)
 
     @property
     def error_kind(self) -> str:
         """``''`` for a clean exit, else ``timeout``, ``memory``, ``exit`` or ``killed``."""
-        if self.timed_out or self.signal == signal.SIGXCPU:
+        if self.timed_out or self.signal == signal.SIGXCPU or self.cpu_limit:
             return 'timeout'
+        if self.oom_killed and not self.flooded:
+            return 'memory'
         if self.flooded or self.signal is not None:
             return 'killed'
         if self.returncode == MEMORY_STATUS:
@@ -47,6 +52,8 @@ class SandboxResult:
                 return f'TimeoutError: execution timed out after {self.timeout_s:g} s'
             return 'TimeoutError: CPU time limit exceeded'
         if kind == 'memory':
+            if self.oom_killed and self.returncode != MEMORY_STATUS:
+                return f'MemoryError: the call ran out of memory (limit {self.memory_mb} MB for all its processes and files)'
             return f'MemoryError: out of memory (limit {self.memory_mb} MB)'
         if kind == 'killed':
             if self.flooded:

@@ -6,11 +6,12 @@ import asyncio
 import os
 import signal
 import subprocess
-from typing import Any, List, Optional, Tuple
+import time
+from typing import Any, List, Optional, Sequence, Tuple
 
-from mtflow.tools.isolation import IsolationUnavailable, resolve_isolation
+from mtflow.tools.isolation import IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.sandbox.pool import SandboxPool
-from mtflow.tools.sandbox.process import Sandbox, SandboxSpec
+from mtflow.tools.sandbox.process import Sandbox, SandboxSpec, high_fd
 from mtflow.tools.sandbox.result import SandboxResult, signal_of
 
 __all__ = ['run_python', 'supervise']
@@ -26,6 +27,7 @@ async def run_python(code: str,
                      max_processes: int = 64,
                      tmp_mb: int = 64,
                      isolation: str = 'auto',
+                     site_packages: Sequence[str] = (),
                      pool: Optional['SandboxPool'] = None) -> SandboxResult:
     """Run ``code`` in a sandbox and return what it produced (see the module docstring). With a
     ``pool`` (:class:`SandboxPool`, started with the same limits) a prepared sandbox is used when
@@ -36,11 +38,12 @@ async def run_python(code: str,
     if not iso.available:
         raise IsolationUnavailable(iso.detail)
     cpu = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
-    spec = SandboxSpec(iso.kind, memory_mb, cpu, max_file_mb, max_processes, tmp_mb)
+    spec = SandboxSpec(iso.kind, memory_mb, cpu, max_file_mb, max_processes, tmp_mb,
+                       check_site_packages(site_packages))
     data = code.encode('utf-8', 'surrogatepass')
     sandbox = pool.take() if pool is not None and pool.spec == spec else None
     if sandbox is None:
-        code_fd = os.memfd_create('mtflow-code')
+        code_fd = high_fd(os.memfd_create('mtflow-code'))
         try:
             os.write(code_fd, data)
             os.lseek(code_fd, 0, os.SEEK_SET)
@@ -90,6 +93,7 @@ async def supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: fl
     """Feed the program (warm sandboxes), collect its output within the limits, and tear the
     sandbox down on every path, cancellation included: nothing the call started survives it."""
     loop = asyncio.get_running_loop()
+    started = time.monotonic()
     popen = sandbox.popen
     exited = loop.create_future()
     pidfd = _watch_exit(loop, popen, exited)
@@ -108,17 +112,24 @@ async def supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: fl
             timed_out = True
             sandbox.kill()
         await _reap(sandbox, exited)
-        return _result(sandbox, output, timed_out, timeout_s)
+        return _result(sandbox, output, timed_out, timeout_s, time.monotonic() - started)
     finally:
         await _tear_down(sandbox, exited, pidfd, transport, killed=timed_out or output.flooded)
 
 
-def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s: float) -> SandboxResult:
+def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s: float,
+            wall_s: float) -> SandboxResult:
     text, truncated = output.shown()
     returncode = None if timed_out else sandbox.popen.returncode
     sig = None if (timed_out or output.flooded) else signal_of(returncode, sandbox.spec.kind)
+    usage = sandbox.usage()
+    # a SIGKILL nobody here sent, after at least cpu_s of CPU time (the call's cgroup), or, without
+    # a cgroup, of wall time: RLIMIT_CPU's hard limit, reached by a program that caught SIGXCPU
+    cpu_used = usage.get('cpu_s', wall_s)
+    cpu_limit = sig == signal.SIGKILL and not sandbox.oom_killed() and cpu_used >= sandbox.spec.cpu_s
     return SandboxResult(text, returncode, timed_out, truncated, sig, output.flooded, sandbox.spec.memory_mb, timeout_s,
-                         sandbox.spec.kind, sandbox.lease.uid if sandbox.lease else None)
+                         sandbox.spec.kind, sandbox.lease.uid if sandbox.lease else None,
+                         oom_killed=sandbox.oom_killed(), cpu_limit=cpu_limit, usage=usage)
 
 
 async def _tear_down(sandbox: Sandbox, exited: 'asyncio.Future[None]', pidfd: Optional[int], transport: Any,

@@ -1,0 +1,213 @@
+"""The sandbox's seccomp filter and the fresh session keyring each sandbox is started in.
+
+The filter is built with libseccomp (``pyseccomp``, a ctypes binding; Debian's ``python3-seccomp``
+has the same API), never by hand, modelled on Docker's default profile and Flatpak's: every
+syscall is allowed except those that reach shared kernel state or widen the kernel's attack
+surface, which fail with ``EPERM`` (``clone3`` with ``ENOSYS``, as Docker does, so that the C
+library falls back to ``clone``, whose namespace flags a filter can see). Syscalls of a foreign
+ABI (``int 0x80``, x32) kill the process (libseccomp's default for a wrong architecture).
+
+bubblewrap installs it (``--seccomp FD``, on its PID 1 and so on everything the program starts);
+the unshare fallback's launcher installs the same program with ``prctl`` before it runs the code.
+
+The keyring: kernel keyrings are not namespaced. A process inherits its parent's session
+keyring, and every process of a uid shares that uid's user keyring; the filter denies the three
+key syscalls outright, and each sandbox is also started from a thread that has just joined a new
+anonymous session keyring (what runc and systemd's ``KeyringMode=private`` do), so not even the
+driver's session keyring is its own.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Tuple, TypeVar
+
+__all__ = ['DENIED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd', 'in_fresh_keyring']
+
+T = TypeVar('T')
+
+#: the syscalls the sandbox may not make (``EPERM``); those unknown to this kernel or
+#: architecture are skipped
+DENIED: Tuple[str, ...] = (
+    # kernel keyrings (shared across namespaces)
+    'add_key', 'keyctl', 'request_key',
+    # other processes' memory, tracing, kernel programs and counters
+    'ptrace', 'process_vm_readv', 'process_vm_writev', 'kcmp', 'bpf', 'perf_event_open', 'userfaultfd',
+    'io_uring_setup', 'io_uring_enter', 'io_uring_register',
+    # namespaces, mounts, roots
+    'unshare', 'setns', 'mount', 'umount2', 'pivot_root', 'chroot', 'mount_setattr', 'move_mount', 'open_tree',
+    'fsopen', 'fsconfig', 'fsmount', 'fspick', 'open_by_handle_at', 'name_to_handle_at',
+    # the kernel itself and the machine
+    'kexec_load', 'kexec_file_load', 'init_module', 'finit_module', 'delete_module', 'reboot', 'swapon', 'swapoff',
+    'acct', 'quotactl', 'quotactl_fd', 'syslog', 'iopl', 'ioperm', 'settimeofday', 'clock_settime', 'clock_adjtime',
+    'adjtimex', 'uselib', 'ustat', 'sysfs', '_sysctl', 'nfsservctl', 'lookup_dcookie', 'vhangup',
+    # per-user kernel quotas shared with the driver's uid when rootless
+    'inotify_init', 'inotify_init1', 'fanotify_init', 'fanotify_mark',
+)
+
+#: clone flags that make namespaces (``CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID |
+#: NEWNET``, and ``CLONE_NEWTIME`` = 0x80)
+NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
+
+
+class SeccompUnavailable(RuntimeError):
+    """libseccomp (or its binding) is missing: the message says what to install."""
+
+
+_bpf: Optional[bytes] = None
+_bpf_lock = threading.Lock()
+
+
+def filter_bpf() -> bytes:
+    """The filter as a BPF program (``struct sock_filter`` array), built once per process."""
+    global _bpf
+    with _bpf_lock:
+        if _bpf is None:
+            _bpf = _build()
+        return _bpf
+
+
+def _build() -> bytes:
+    try:
+        import pyseccomp as seccomp  # lazy: ctypes-loads libseccomp; only a sandbox start needs it
+    except (ImportError, OSError) as exc:
+        try:
+            import seccomp  # type: ignore[no-redef]  # Debian's python3-seccomp, same API
+        except ImportError:
+            raise SeccompUnavailable(f'no seccomp binding ({exc}): pip install pyseccomp (it needs libseccomp2, '
+                                     'apt-get install libseccomp2)') from None
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in DENIED:
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (RuntimeError, ValueError, OSError):  # not a syscall on this architecture / kernel
+            pass
+    for flag in _bits(NAMESPACE_FLAGS):
+        f.add_rule(seccomp.ERRNO(errno.EPERM), 'clone', seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    try:
+        f.add_rule(seccomp.ERRNO(errno.ENOSYS), 'clone3')
+    except (RuntimeError, ValueError, OSError):
+        pass
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, 'wb') as out:
+            f.export_bpf(out)
+        chunks = []
+        while True:
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+    data = b''.join(chunks)
+    if not data or len(data) % 8:
+        raise SeccompUnavailable(f'libseccomp exported a filter of {len(data)} bytes, not a BPF program')
+    return data
+
+
+def _bits(mask: int) -> list:
+    return [1 << i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def filter_fd() -> int:
+    """A fresh readable fd (a sealed memfd at offset 0) holding the filter, for ``bwrap --seccomp``
+    or the launcher; the caller closes it."""
+    data = filter_bpf()
+    fd = os.memfd_create('mtflow-seccomp', os.MFD_CLOEXEC | getattr(os, 'MFD_ALLOW_SEALING', 2))
+    try:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# ---- a fresh session keyring ---------------------------------------------------------------------
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+_keyctl_nr: Optional[int] = None
+
+
+def _keyctl() -> Optional[int]:
+    global _keyctl_nr
+    if _keyctl_nr is None:
+        try:
+            import pyseccomp as seccomp  # lazy: the syscall number of keyctl on this architecture
+            _keyctl_nr = int(seccomp.resolve_syscall(seccomp.system_arch(), 'keyctl'))
+        except (ImportError, OSError, RuntimeError, ValueError):
+            _keyctl_nr = -1
+    return _keyctl_nr if _keyctl_nr >= 0 else None
+
+
+def in_fresh_keyring(fn: Callable[[], T]) -> T:
+    """``fn()`` run on the sandbox spawner thread right after it joined a new anonymous session
+    keyring: a child it starts inherits that keyring (credentials are per thread in Linux), and
+    the driver's other threads keep theirs. The thread lives as long as the process, because a
+    parent-death signal (bwrap's ``--die-with-parent``, ``setpriv --pdeathsig``) fires when the
+    *thread* that started the child exits. Where keyrings are unavailable (``ENOSYS``, or denied
+    by an outer filter) ``fn`` runs all the same: the sandbox's filter denies the key syscalls."""
+    nr = _keyctl()
+
+    def run() -> T:
+        if nr is not None:
+            _libc().syscall(ctypes.c_long(nr), ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
+        return fn()
+
+    return _spawner().submit(run).result()
+
+
+_spawn_pool: Optional[ThreadPoolExecutor] = None
+_spawn_lock = threading.Lock()
+_libc_handle: Optional[ctypes.CDLL] = None
+
+
+def _spawner() -> ThreadPoolExecutor:
+    global _spawn_pool
+    with _spawn_lock:
+        if _spawn_pool is None:
+            _spawn_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix='mtflow-sandbox-spawn')
+        return _spawn_pool
+
+
+def _libc() -> ctypes.CDLL:
+    global _libc_handle
+    if _libc_handle is None:
+        _libc_handle = ctypes.CDLL(None, use_errno=True)
+        _libc_handle.syscall.restype = ctypes.c_long
+    return _libc_handle
+
+
+def install_code(fd: int) -> str:
+    """Python source (for the unshare launcher, where no bwrap installs the filter) that reads the
+    BPF program from ``fd`` and installs it with ``prctl(PR_SET_SECCOMP)`` before the program runs
+    (``no_new_privs`` is already set by setpriv)."""
+    return _INSTALL.format(fd=fd)
+
+
+_INSTALL = r'''
+import ctypes as _c
+with os.fdopen({fd}, 'rb') as _f:
+    _prog = _f.read()
+class _FProg(_c.Structure):
+    _fields_ = [('len', _c.c_ushort), ('filter', _c.c_char_p)]
+_libc = _c.CDLL(None, use_errno=True)
+_libc.prctl.argtypes = [_c.c_int, _c.c_ulong, _c.c_void_p, _c.c_ulong, _c.c_ulong]
+_fp = _FProg(len(_prog) // 8, _prog)
+if _libc.prctl(38, 1, None, 0, 0) != 0 or _libc.prctl(22, 2, _c.addressof(_fp), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
+    os.write(2, b'mtflow launcher: could not install the seccomp filter\n')
+    os._exit(126)
+del _c, _f, _prog, _FProg, _libc, _fp
+'''
+
+
+def describe() -> Tuple[bool, str]:
+    """``(available, detail)`` for the load-time isolation report."""
+    try:
+        n = len(filter_bpf()) // 8
+    except SeccompUnavailable as exc:
+        return False, str(exc)
+    return True, f'seccomp filter ({n} BPF instructions: keyrings, ptrace, namespaces, mounts, bpf, io_uring denied)'
