@@ -22,6 +22,7 @@ from mtflow.engine.executor import Executor
 from mtflow.run.assembly import ProgressBar
 from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
+from mtflow.run.trajectories import reference_field
 
 __all__ = ['StreamingRun', 'roll_out']
 
@@ -54,11 +55,15 @@ class StreamingRun:
         store: an open run store.
         batch_size: requests per ``Executor.run``.
         on_progress: ``on_progress(finished_this_attempt, description)``, or ``None``.
+        reference_key: the ``data_dict`` key of the reference answer (the scheduler's answer
+            field), for the trajectory lines' ``reference``.
     """
 
     def __init__(self, make_executor: Callable[[Any, Callable[[Any], None]], Any], rollout_fn: Any, store: RunStore,
-                 batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None) -> None:
+                 batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None,
+                 reference_key: Optional[str] = None) -> None:
         self.store = store
+        self.reference_key = reference_key
         self.batch_size = batch_size
         self.on_progress = on_progress
         self.counter = _TurnCounter(rollout_fn, store, self._on_turn)
@@ -70,11 +75,13 @@ class StreamingRun:
         self.wall_s = 0.0
         self.write_error: Optional[RunDirError] = None
         self._indices: List[int] = []
+        self._requests: List[Any] = []
         self._t_offset = 0.0
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset)
+        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset,
+                                            request=self._requests[finished.index], reference_key=self.reference_key)
         self.finished += 1
         try:
             if finished.finish_reason == INTERRUPTED:
@@ -114,6 +121,7 @@ class StreamingRun:
 
     def _run_batch(self, batch: List[Tuple[int, Any]]) -> None:
         self._indices = [i for i, _ in batch]
+        self._requests = [r for _, r in batch]
         self.counter.turn = 0
         self.batches += 1
         self._t_offset = time.time() - self.store.started_unix  # trace times count from the run's start
@@ -175,7 +183,8 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     process; this attempt's figures go into ``figures``, also when a signal stops it."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend)
     progress = ProgressBar(show, total - len(store.done), 'starting')
-    run = StreamingRun(make_executor, backend, store, cfg.batch_size, progress.update if progress.enabled else None)
+    run = StreamingRun(make_executor, backend, store, cfg.batch_size, progress.update if progress.enabled else None,
+                       reference_key=reference_field(scheduler))
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
