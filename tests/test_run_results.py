@@ -64,3 +64,76 @@ def test_a_yaml_answer_field_names_the_reference(tmp_path):
     assert reference_of(Req()) == 'a'
     assert reference_of(Req(), 'gold') == 'g'
     assert reference_of(object()) is None
+
+
+SLOW_SCHEDULER = '''
+import time
+from mtflow import Scheduler
+
+class Slow(Scheduler):
+    """Plays every request to max_turns, 40 ms per step: a run that lasts a couple of seconds."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        time.sleep(0.04)
+        infer_request.messages.append({'role': 'user', 'content': 'again'})
+        return {'infer_request': infer_request}
+'''
+
+
+def test_log_lines_at_the_set_interval_when_stdout_is_a_pipe(tmp_path):
+    """``mtflow run ... | cat``: no terminal, so one progress line every --progress-every seconds,
+    each with requests, turns against the bound, tokens/s and an ETA."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / 'slow.py').write_text(SLOW_SCHEDULER)
+    cfg = write_config(tmp_path, 'batch_size: 4\nlimit: 8\n').read_text()
+    cfg = cfg.replace(str(ROOT / 'schedulers' / 'guess_number.yaml'), 'slow.py:Slow').replace('max_turns: 6', 'max_turns: 5')
+    (tmp_path / 'run.yaml').write_text(cfg)
+    proc = subprocess.Popen([sys.executable, '-m', 'mtflow', 'run', 'run.yaml', '--progress-every', '0.3'],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__('os').environ, 'PYTHONPATH': str(ROOT)})
+    stamped = []
+    for line in proc.stdout:
+        stamped.append((time.perf_counter(), line.rstrip('\n')))
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    pattern = re.compile(r'^mtflow: (done: )?(\d+)/8 requests, turns (\d+)/(\d+), [\d.?]+ tokens/s, '
+                         r'elapsed \d+:\d\d, ETA (\d+:\d\d|\?)$')
+    progress = [(t, pattern.match(text)) for t, text in stamped if text.startswith('mtflow: ')]
+    assert all(m for _, m in progress), [text for _, text in stamped]
+    ticks = [(t, m) for t, m in progress if not m.group(1)]
+    assert len(ticks) >= 3, 'a run of about 2 s logs every 0.3 s'
+    gaps = [b[0] - a[0] for a, b in zip(ticks, ticks[1:])]
+    assert all(0.2 < g < 1.0 for g in gaps), gaps
+    turns = [int(m.group(3)) for _, m in ticks]
+    assert turns == sorted(turns) and all(int(m.group(4)) == 40 for _, m in ticks), 'bound: 8 requests x 5 turns'
+    assert any(m.group(5) not in ('?', '0:00') for _, m in ticks), 'an ETA from the observed rate'
+    done = progress[-1][1]
+    assert done.group(1) and done.group(2) == '8' and done.group(3) == '40' and done.group(5) == '0:00'
+    assert 'mtflow run' in ''.join(text for _, text in stamped), 'the summary table follows'
+
+
+def test_progress_counts_turns_against_the_bound_and_never_passes_it():
+    """Lockstep: 4 requests, max_turns 6; the executor's empty last call is no turn, and a
+    request that stops at turn 2 gives its 4 unplayed turns back."""
+    from mtflow.run.progress import RunProgress
+
+    p = RunProgress('off', total=4, max_turns=6)
+    p.start()
+    for _ in range(2):
+        p.on_turn(4)
+    p.on_finished(2)
+    for _ in range(4):
+        p.on_turn(3)
+    p.on_turn(0)
+    f = p.figures()
+    assert (f['turns'], f['turn_bound']) == (20, 20)
+    for _ in range(3):
+        p.on_finished(6)
+    assert p.figures()['eta_s'] == 0.0 and p.figures()['finished'] == 4
+    assert p.text().startswith('4/4 requests, turns 20/20, ')

@@ -19,8 +19,9 @@ finishes, in the output directory:
   (``complete``/``interrupted``);
 * ``run.json`` (fingerprint, attempts), ``interrupted.jsonl`` after a stop by signal.
 
-SIGINT/SIGTERM stop cleanly (``mtflow/run/signals.py``), exit 130/143. A progress bar (on
-stderr) follows requests as they finish, turn by turn. Every user error (a missing file, a bad
+SIGINT/SIGTERM stop cleanly (``mtflow/run/signals.py``), exit 130/143. Progress
+(``mtflow/run/progress.py``: requests, turns against the bound, tokens/s, ETA) is a live bar on
+stderr on a terminal, else one line on stdout every ``--progress-every`` seconds. Every user error (a missing file, a bad
 config, an unknown backend, a model that cannot be loaded, a non-empty output directory) is a
 :class:`mtflow.core.errors.UserError`, printed by ``mtflow/cli.py`` as one line.
 """
@@ -45,6 +46,7 @@ from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
+from mtflow.run.progress import progress_mode
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize
@@ -88,7 +90,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--mode', choices=('lockstep', 'async'),
                    help="executor driver: lockstep (a turn at a time) or async (each request on its own)")
     p.add_argument('--max-concurrency', type=int, metavar='N', help='async mode: requests in flight at once')
-    p.add_argument('--no-progress', action='store_true', help='no progress bar')
+    p.add_argument('--no-progress', action='store_true', help='no progress bar and no progress log lines')
+    p.add_argument('--progress-every', type=float, default=10.0, metavar='S',
+                   help='when stdout or stderr is not a terminal: one progress line (requests, turns, tokens/s, '
+                   'ETA) every S seconds on stdout (default 10)')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
 
@@ -157,6 +162,8 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
     if args.delete_old and not args.overwrite:
         raise UserError('--delete-old goes with --overwrite')
+    if not args.progress_every > 0:
+        raise UserError(f'--progress-every must be > 0 seconds, not {args.progress_every}')
     if args.flush_every < 1 or args.flush_interval < 0:
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
@@ -191,6 +198,7 @@ class _Attempt:
         self.cfg, self.args, self.store, self.signals, self.total = cfg, args, store, signals, total
         self.quiet = args.quiet
         self.show = not (args.quiet or args.no_progress)
+        self.progress_mode = progress_mode(self.show)  # a live bar on a terminal, log lines elsewhere
         self.backend: Any = None
         self.scheduler: Any = None
         self.load_s = 0.0
@@ -222,7 +230,7 @@ class _Attempt:
 
     def _roll_out_on_ray(self) -> None:
         """The actors build backend and scheduler (``mtflow/distributed/ray_cli.py``)."""
-        fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.show)
+        fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.progress_mode)
         self.backend = fan_out.backend
         fan_out.run(self.figures)
         self.load_s = fan_out.load_s
@@ -234,12 +242,13 @@ class _Attempt:
         if not self.quiet:
             self.signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                     '(press Ctrl-C again to exit at once)')
-        roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.show, self.figures)
+        roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.progress_mode, self.figures,
+                 progress_interval_s=self.args.progress_every)
 
     def _load_backend(self) -> None:
         cfg = self.cfg
         status = None
-        if self.show:
+        if self.progress_mode == 'bar':
             status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
             status.start()
         started = time.perf_counter()
