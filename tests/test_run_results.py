@@ -137,3 +137,46 @@ def test_progress_counts_turns_against_the_bound_and_never_passes_it():
         p.on_finished(6)
     assert p.figures()['eta_s'] == 0.0 and p.figures()['finished'] == 4
     assert p.text().startswith('4/4 requests, turns 20/20, ')
+
+
+def _run_files(out: Path):
+    lines = [json.loads(l) for l in (out / 'trajectories.jsonl').read_text().splitlines()]
+    return lines, json.loads((out / 'run.json').read_text())['fingerprint']
+
+
+def test_set_and_num_generations_change_the_run_as_the_config_edit_would(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    edited = write_config(tmp_path, 'limit: 3\nnum_generations: 2\n').read_text().replace('max_turns: 6', 'max_turns: 3')
+    (tmp_path / 'edited.yaml').write_text(edited.replace('out: out', 'out: out_edit'))
+    assert main(['run', 'edited.yaml', '-q']) == 0
+    write_config(tmp_path, 'limit: 3\n')
+    assert main(['run', 'run.yaml', '-q', '--set', 'max_turns=3', '-n', '2']) == 0
+    by_edit, by_flags = _run_files(tmp_path / 'out_edit'), _run_files(tmp_path / 'out')
+    assert len(by_flags[0]) == 6 and {l['num_turns'] for l in by_flags[0]} == {3}
+    assert by_flags[0] == by_edit[0], 'the same trajectories'
+    assert {k: v for k, v in by_flags[1].items() if k != 'out'} == {k: v for k, v in by_edit[1].items() if k != 'out'}
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--set', 'max_turn=3'], "--set max_turn=3: unknown key 'max_turn' (known: scheduler,"),
+    (['--set', 'max_turns=three'], '--set max_turns=three: max_turns: Input should be a valid integer'),
+    (['--set', 'request_config.max_tokenz=8'], '--set request_config.max_tokenz=8: request_config: unknown key(s) '
+     'max_tokenz'),
+    (['--set', 'max_turns'], '--set max_turns: expected KEY=VALUE'),
+    (['-n', '0'], '--num-generations 0: num_generations: Input should be greater than or equal to 1'),
+])
+def test_a_bad_set_names_the_flag(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    write_config(tmp_path)
+    assert main(['run', 'run.yaml', '-q'] + flags) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / 'out').exists()
+
+
+def test_set_reaches_nested_keys_typed_by_the_schema(tmp_path):
+    from mtflow.run.config import load_run_config
+
+    cfg = load_run_config(write_config(tmp_path), sets=['request_config.max_tokens=32', 'backend_options.cycle=false',
+                                                         'seed=null', 'request_config.stop=[a, b]'])
+    assert cfg.request_config == {'max_tokens': 32, 'stop': ['a', 'b']} and cfg.backend_options == {'cycle': False}
+    assert cfg.seed is None

@@ -71,6 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--limit', type=int, help='only the first N prompts')
     p.add_argument('--max-tokens', type=int, help='request_config.max_tokens')
     p.add_argument('--temperature', type=float, help='request_config.temperature')
+    p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', dest='sets',
+                   help='set a config key as the file would (dotted: request_config.max_tokens=32; VALUE is YAML, '
+                   'typed by the config schema); repeatable')
+    p.add_argument('-n', '--num-generations', type=int, metavar='N',
+                   help='copies of each prompt (a GRPO group; config key num_generations)')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
     p.add_argument('--resume', action='store_true',
@@ -109,6 +114,7 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         'batch_size': args.batch_size,
         'seed': args.seed,
         'limit': args.limit,
+        'num_generations': getattr(args, 'num_generations', None),
         'mode': getattr(args, 'mode', None),
         'max_concurrency': getattr(args, 'max_concurrency', None),
     }
@@ -145,7 +151,7 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     """The run config with the command line's overrides."""
     overrides = _overrides(args)
     backend = overrides.pop('backend')
-    cfg = load_run_config(args.config, overrides)
+    cfg = load_run_config(args.config, overrides, sets=getattr(args, 'sets', None))
     if backend is not None and backend != cfg.backend:
         cfg = _switch_backend(cfg, backend)
     if args.option:
