@@ -6,10 +6,12 @@ file with messages and token segments for the detail views. ``docs/viewer.md`` s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import yaml
 from rich.console import Console
 
 from mtflow.commands.graph import graph_for_config
@@ -61,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     html.add_argument('-o', '--output', required=True, metavar='FILE', help='the HTML file to write')
     html.add_argument('--config', metavar='YAML', help="draw this scheduler's declared graph (default: core + "
                       'the finish reasons in the trace)')
-    html.add_argument('--title', help='page title (default: the file name)')
+    html.add_argument('--title', help="page title (default: the run directory's name, else the file name)")
     p.set_defaults(func=main)
 
 
@@ -126,6 +128,31 @@ def _results(views: List[Any], trajectories: Dict[str, Any]) -> Optional[Dict[st
             for v in views}
 
 
+def run_files(trace_path: Path) -> tuple:
+    """``(summary, run name, config text)`` of the run directory holding ``trace_path`` (its
+    ``summary.json`` and ``run.json``, as ``mtflow run`` writes them), ``None`` for each missing
+    or unreadable one: the page is drawn from the trace alone then."""
+    folder = trace_path.resolve().parent
+    summary = run_name = config_text = None
+    try:
+        summary = json.loads((folder / 'summary.json').read_text(encoding='utf-8'))
+    except (OSError, ValueError):
+        pass
+    try:
+        info = json.loads((folder / 'run.json').read_text(encoding='utf-8'))
+        config = (info.get('fingerprint') or {}).get('config')
+        run_name = folder.name
+        if isinstance(config, dict):
+            config_text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip()
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        pass
+    if summary is not None and not isinstance(summary, dict):
+        summary = None
+    if run_name is None and summary is not None:
+        run_name = folder.name
+    return summary, run_name, config_text
+
+
 def main(args: argparse.Namespace) -> int:
     if args.trace_command == 'show':
         return show(args)
@@ -167,8 +194,10 @@ def html(args: argparse.Namespace) -> int:
     graph = None
     if args.config:
         graph = graph_for_config(args.config)
+    summary, run_name, config_text = run_files(Path(args.file))
     page = render_html(trace.select([v.uuid for v in views]), trajectories=trajectories, tokenizer=tokenizer,
-                       graph=graph, title=args.title or Path(args.file).name)
+                       graph=graph, title=args.title or run_name or Path(args.file).name, summary=summary,
+                       run_name=run_name, config_text=config_text)
     out = Path(args.output)
     if out.parent and not out.parent.exists():
         raise UserError(f'no such directory: {out.parent}')
