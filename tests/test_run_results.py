@@ -180,3 +180,25 @@ def test_set_reaches_nested_keys_typed_by_the_schema(tmp_path):
                                                          'seed=null', 'request_config.stop=[a, b]'])
     assert cfg.request_config == {'max_tokens': 32, 'stop': ['a', 'b']} and cfg.backend_options == {'cycle': False}
     assert cfg.seed is None
+
+
+def test_the_scripted_tool_calling_demo(tmp_path, monkeypatch, capsys):
+    """configs/scripted_tools.yaml (the README's tool demo): calculator and python calls, a failing
+    call answered with its error, the stop rule on <answer>, a reward for the right answer."""
+    from tests.declarative.sandbox_util import require
+
+    require('bwrap')  # scripts/setup.sh installs bubblewrap; without a sandbox the python tool refuses
+    monkeypatch.chdir(tmp_path)
+    assert main(['run', str(ROOT / 'configs' / 'scripted_tools.yaml'), '--no-progress']) == 0
+    shown = capsys.readouterr().out
+    assert 'stop_rule:answered 4' in shown and 'mean reward         │ 0.75' in shown
+    out = tmp_path / 'runs' / 'scripted_tools'
+    summary = json.loads((out / 'summary.json').read_text())
+    assert (summary['tool_calls'], summary['tool_errors']) == (6, 1)
+    trajs = read_trajectories(out / 'trajectories.jsonl')
+    assert {u: (t.reward, t.reference) for u, t in trajs.items()} == {
+        'mul': (1.0, '400'), 'sum': (1.0, '385'), 'div': (1.0, '143'), 'bad': (0.0, '1024')}
+    tools = [m['content'] for m in trajs['mul'].messages if m['role'] == 'tool']
+    assert tools == ['391', '400\n'], 'the calculator, then the python sandbox'
+    assert trajs['bad'].messages[3]['content'].startswith('Error: calculator raised CalculatorError')
+    assert all(t.finish_reason == 'stop_rule:answered' for t in trajs.values())
