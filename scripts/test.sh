@@ -28,6 +28,8 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.
 command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
   || echo "warning: could not install bubblewrap: the sandbox tests use the unshare fallback or skip" >&2
+# mtflow run --log tensorboard (mtflow/run/tracking.py, the 'tensorboard' extra) and its test.
+.venv/bin/python -c 'import tensorboardX' 2>/dev/null || $PIP install 'tensorboardX==2.6.5'
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
 

@@ -202,3 +202,59 @@ def test_the_scripted_tool_calling_demo(tmp_path, monkeypatch, capsys):
     assert tools == ['391', '400\n'], 'the calculator, then the python sandbox'
     assert trajs['bad'].messages[3]['content'].startswith('Error: calculator raised CalculatorError')
     assert all(t.finish_reason == 'stop_rule:answered' for t in trajs.values())
+
+
+def read_events(logdir: Path):
+    """``{tag: [(step, value)]}`` and ``{tag: text}`` from TensorBoard event files (TFRecord framing:
+    u64 length, u32 crc, the Event proto, u32 crc), decoded with tensorboardX's own protos."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars, texts = {}, {}
+    for path in sorted(logdir.glob('events.out.tfevents.*')):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length, ) = struct.unpack('<Q', data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                if v.HasField('simple_value'):
+                    scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+                elif v.HasField('tensor') and v.tensor.string_val:
+                    texts[v.tag] = v.tensor.string_val[0].decode()
+    return scalars, texts
+
+
+def test_log_tensorboard_writes_event_files_a_reader_gets_back(tmp_path, monkeypatch):
+    pytest.importorskip('tensorboardX')
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'slow.py').write_text(SLOW_SCHEDULER)
+    cfg = write_config(tmp_path, 'batch_size: 4\nlimit: 8\n').read_text()
+    (tmp_path / 'run.yaml').write_text(cfg.replace(str(ROOT / 'schedulers' / 'guess_number.yaml'), 'slow.py:Slow')
+                                       .replace('max_turns: 6', 'max_turns: 4'))
+    assert main(['run', 'run.yaml', '-q', '--log', 'tensorboard']) == 0
+    summary = json.loads((tmp_path / 'out' / 'summary.json').read_text())
+    scalars, texts = read_events(tmp_path / 'out' / 'tensorboard')
+    finished = scalars['progress/finished']
+    assert len(finished) >= 2, 'the figures over time, not only at the end'
+    assert [v for _, v in finished] == sorted(v for _, v in finished) and finished[-1] == (32, 8.0)
+    assert scalars['progress/turn_bound'][-1][1] == 32.0 and scalars['progress/eta_s'][-1][1] == 0.0
+    assert scalars['summary/requests'][-1][1] == 8.0
+    assert scalars['summary/turns/mean'][-1][1] == summary['turns']['mean'] == 4
+    assert scalars['summary/finish_reasons/max_turns'][-1][1] == 8.0
+    assert json.loads(texts['summary/text_summary'].strip('`\n'))['written'] == 8
+    assert json.loads(texts['config/text_summary'].strip('`\n'))['max_turns'] == 4
+
+
+def test_log_wandb_without_the_package_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec('wandb') is not None:
+        pytest.skip('wandb is installed here')
+    monkeypatch.chdir(tmp_path)
+    write_config(tmp_path)
+    assert main(['run', 'run.yaml', '-q', '--log', 'wandb']) == 2
+    assert "--log wandb needs the 'wandb' package: pip install 'mtflow[wandb]'" in capsys.readouterr().err
+    assert not (tmp_path / 'out').exists()

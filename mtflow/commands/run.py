@@ -47,6 +47,7 @@ from mtflow.run.driver import roll_out
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
 from mtflow.run.progress import progress_mode
+from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize
@@ -99,6 +100,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--progress-every', type=float, default=10.0, metavar='S',
                    help='when stdout or stderr is not a terminal: one progress line (requests, turns, tokens/s, '
                    'ETA) every S seconds on stdout (default 10)')
+    p.add_argument('--log', choices=TRACKERS, metavar='{tensorboard,wandb}',
+                   help='also log the progress over time and the summary to TensorBoard (OUT/tensorboard, through '
+                   'tensorboardX) or W&B (OUT/wandb, offline unless WANDB_MODE is set)')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
 
@@ -209,12 +213,16 @@ class _Attempt:
         self.scheduler: Any = None
         self.load_s = 0.0
         self.figures: Dict[str, Any] = {}
+        self.tracker: Any = None
 
     def run(self, make_scheduler: SchedulerFactory) -> Tuple[str, int]:
         """``(status, exit code)``: ``complete``, ``interrupted`` or :data:`NOTHING_RAN` (a signal
         during the model load: the fresh directory is removed again). Anything else that stops
         the rollout propagates, the directory closed as ``failed`` or removed."""
         try:
+            if getattr(self.args, 'log', None):  # a fan-out logs its summary only (docs/cli.md)
+                self.tracker = make_tracker(self.args.log, self.store.out_dir, Path(self.store.out_dir).name,
+                                            self.cfg.model_dump(mode='json'))
             if self.args.ray is not None:
                 self._roll_out_on_ray()
             else:
@@ -230,6 +238,8 @@ class _Attempt:
             raise
         except BaseException:
             self.store.discard()  # nothing written (a backend that cannot start): leave no run behind
+            if self.tracker is not None:
+                self.tracker.close()
             raise
         finally:
             self._close_pieces()
@@ -249,7 +259,7 @@ class _Attempt:
             self.signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                     '(press Ctrl-C again to exit at once)')
         roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.progress_mode, self.figures,
-                 progress_interval_s=self.args.progress_every)
+                 progress_interval_s=self.args.progress_every, tracker=self.tracker)
 
     def _load_backend(self) -> None:
         cfg = self.cfg
@@ -281,6 +291,8 @@ class _Attempt:
         summary = (summarize(self.cfg, self.backend, self.store, self.total, self.figures, self.load_s)
                    if self.backend is not None else None)
         self.store.close(status, summary, attempt=self.figures)
+        if self.tracker is not None:
+            self.tracker.finish({'status': status, **summary} if summary is not None else None)
         return summary
 
 
@@ -299,6 +311,7 @@ def main(args: argparse.Namespace) -> int:
     # plugins), checked before anything starts and before the slow backend load
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     check_before_load(cfg)
+    check_tracker(getattr(args, 'log', None))
     make_scheduler = scheduler_factory(cfg)
     fingerprint = run_fingerprint(cfg, dataset_file(cfg))
     signals = StopSignals(message=None)

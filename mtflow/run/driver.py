@@ -197,14 +197,16 @@ def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
 
 
 def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: Any,
-             figures: Dict[str, Any], progress_interval_s: float = 10.0) -> None:
+             figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None) -> None:
     """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
     process; this attempt's figures go into ``figures``, also when a signal stops it. ``show``
-    is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``)."""
+    is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
+    ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend)
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
-                           interval_s=progress_interval_s, tokens=_tokens_counter(backend))
+                           interval_s=progress_interval_s, tokens=_tokens_counter(backend),
+                           listener=tracker.log if tracker is not None else None)
     run = StreamingRun(make_executor, backend, store, cfg.batch_size, reference_key=reference_field(scheduler),
                        progress=progress if progress.enabled else None)
     progress.start()

@@ -51,11 +51,13 @@ class RunProgress:
         tokens: returns the tokens generated so far by this attempt (e.g. the backend's
             counter), or ``None`` to count them from the finished requests' trace events.
         stream: where log lines go (default: stdout, where the summary table goes).
+        listener: called with :meth:`figures` at every turn and finished request, and once at
+            :meth:`stop` (``--log tensorboard|wandb``, ``mtflow/run/tracking.py``), in every mode.
     """
 
     def __init__(self, mode: str, total: int, max_turns: Optional[int] = None, interval_s: float = 10.0,
                  tokens: Optional[Callable[[], Optional[int]]] = None, stream: Optional[IO[str]] = None,
-                 description: str = '') -> None:
+                 description: str = '', listener: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
         if mode not in MODES:
             raise ValueError(f'progress mode must be one of {MODES}, not {mode!r}')
         if interval_s <= 0:
@@ -63,6 +65,7 @@ class RunProgress:
         self.mode, self.total, self.max_turns, self.interval_s = mode, total, max_turns or None, interval_s
         self.tokens_fn = tokens
         self.stream = stream
+        self.listener = listener
         self.finished = 0
         self.turns_done = 0  # turns generated (a lockstep turn of k live requests is k turns)
         self.turns_of_finished = 0
@@ -80,7 +83,8 @@ class RunProgress:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != 'off'
+        """Whether anything follows the figures (a display or a listener)."""
+        return self.mode != 'off' or self.listener is not None
 
     # ---- what the run reports ------------------------------------------------------------------
     def on_turn(self, live: int) -> None:
@@ -154,6 +158,8 @@ class RunProgress:
             self._thread.start()
 
     def stop(self) -> None:
+        if self.listener is not None and self.started is not None:
+            self.listener(self.figures())
         if self._bar is not None:
             self._refresh()
             self._bar.stop()
@@ -165,6 +171,8 @@ class RunProgress:
             self._log_line('done')
 
     def _refresh(self) -> None:
+        if self.listener is not None:
+            self.listener(self.figures())
         if self._bar is None:
             return
         f = self.figures()
