@@ -135,9 +135,10 @@ class RunProgress:
     def text(self) -> str:
         """``12/16 requests, turns 70/96, 35.2 tokens/s, elapsed 0:20, ETA 0:05``."""
         f = self.figures()
-        turns = f"turns {f['turns']}/{f['turn_bound']}" if f['turn_bound'] is not None else f"turns {f['turns']}"
+        turns = f"turns {f['turns']}/{f['turn_bound']}, " if f['turn_bound'] is not None else (
+            f"turns {f['turns']}, " if f['turns'] else '')  # a Ray fan-out reports no turns
         tps = f"{f['tokens_per_s']} tokens/s" if f['tokens_per_s'] is not None else '? tokens/s'
-        return (f"{f['finished']}/{f['total']} requests, {turns}, {tps}, elapsed {format_duration(f['elapsed_s'])}, "
+        return (f"{f['finished']}/{f['total']} requests, {turns}{tps}, elapsed {format_duration(f['elapsed_s'])}, "
                 f"ETA {format_duration(f['eta_s'])}")
 
     # ---- the display ---------------------------------------------------------------------------
