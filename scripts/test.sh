@@ -32,6 +32,8 @@ command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBI
 .venv/bin/python -c 'import pyseccomp' 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' && { [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] \
   || ldconfig -p | grep -q libseccomp.so.2 || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libseccomp2 >/dev/null; }; } \
   || echo "warning: could not install pyseccomp/libseccomp2: every python tool call is refused" >&2
+# mtflow run --log tensorboard (mtflow/run/tracking.py, the 'tensorboard' extra) and its test.
+.venv/bin/python -c 'import tensorboardX' 2>/dev/null || $PIP install 'tensorboardX==2.6.5'
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
 

@@ -19,8 +19,9 @@ finishes, in the output directory:
   (``complete``/``interrupted``);
 * ``run.json`` (fingerprint, attempts), ``interrupted.jsonl`` after a stop by signal.
 
-SIGINT/SIGTERM stop cleanly (``mtflow/run/signals.py``), exit 130/143. A progress bar (on
-stderr) follows requests as they finish, turn by turn. Every user error (a missing file, a bad
+SIGINT/SIGTERM stop cleanly (``mtflow/run/signals.py``), exit 130/143. Progress
+(``mtflow/run/progress.py``: requests, turns against the bound, tokens/s, ETA) is a live bar on
+stderr on a terminal, else one line on stdout every ``--progress-every`` seconds. Every user error (a missing file, a bad
 config, an unknown backend, a model that cannot be loaded, a non-empty output directory) is a
 :class:`mtflow.core.errors.UserError`, printed by ``mtflow/cli.py`` as one line.
 """
@@ -45,6 +46,8 @@ from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
+from mtflow.run.progress import progress_mode
+from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize
@@ -69,6 +72,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--limit', type=int, help='only the first N prompts')
     p.add_argument('--max-tokens', type=int, help='request_config.max_tokens')
     p.add_argument('--temperature', type=float, help='request_config.temperature')
+    p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', dest='sets',
+                   help='set a config key as the file would (dotted: request_config.max_tokens=32; VALUE is YAML, '
+                   'typed by the config schema); repeatable')
+    p.add_argument('-n', '--num-generations', type=int, metavar='N',
+                   help='copies of each prompt (a GRPO group; config key num_generations)')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
     p.add_argument('--resume', action='store_true',
@@ -88,7 +96,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--mode', choices=('lockstep', 'async'),
                    help="executor driver: lockstep (a turn at a time) or async (each request on its own)")
     p.add_argument('--max-concurrency', type=int, metavar='N', help='async mode: requests in flight at once')
-    p.add_argument('--no-progress', action='store_true', help='no progress bar')
+    p.add_argument('--no-progress', action='store_true', help='no progress bar and no progress log lines')
+    p.add_argument('--progress-every', type=float, default=10.0, metavar='S',
+                   help='when stdout or stderr is not a terminal: one progress line (requests, turns, tokens/s, '
+                   'ETA) every S seconds on stdout (default 10)')
+    p.add_argument('--log', choices=TRACKERS, metavar='{tensorboard,wandb}',
+                   help='also log the progress over time and the summary to TensorBoard (OUT/tensorboard, through '
+                   'tensorboardX) or W&B (OUT/wandb, offline unless WANDB_MODE is set)')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
 
@@ -104,6 +118,7 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         'batch_size': args.batch_size,
         'seed': args.seed,
         'limit': args.limit,
+        'num_generations': getattr(args, 'num_generations', None),
         'mode': getattr(args, 'mode', None),
         'max_concurrency': getattr(args, 'max_concurrency', None),
     }
@@ -140,7 +155,7 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     """The run config with the command line's overrides."""
     overrides = _overrides(args)
     backend = overrides.pop('backend')
-    cfg = load_run_config(args.config, overrides)
+    cfg = load_run_config(args.config, overrides, sets=getattr(args, 'sets', None))
     if backend is not None and backend != cfg.backend:
         cfg = _switch_backend(cfg, backend)
     if args.option:
@@ -157,6 +172,8 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
     if args.delete_old and not args.overwrite:
         raise UserError('--delete-old goes with --overwrite')
+    if not args.progress_every > 0:
+        raise UserError(f'--progress-every must be > 0 seconds, not {args.progress_every}')
     if args.flush_every < 1 or args.flush_interval < 0:
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
@@ -191,16 +208,21 @@ class _Attempt:
         self.cfg, self.args, self.store, self.signals, self.total = cfg, args, store, signals, total
         self.quiet = args.quiet
         self.show = not (args.quiet or args.no_progress)
+        self.progress_mode = progress_mode(self.show)  # a live bar on a terminal, log lines elsewhere
         self.backend: Any = None
         self.scheduler: Any = None
         self.load_s = 0.0
         self.figures: Dict[str, Any] = {}
+        self.tracker: Any = None
 
     def run(self, make_scheduler: SchedulerFactory) -> Tuple[str, int]:
         """``(status, exit code)``: ``complete``, ``interrupted`` or :data:`NOTHING_RAN` (a signal
         during the model load: the fresh directory is removed again). Anything else that stops
         the rollout propagates, the directory closed as ``failed`` or removed."""
         try:
+            if getattr(self.args, 'log', None):  # a fan-out logs its summary only (docs/cli.md)
+                self.tracker = make_tracker(self.args.log, self.store.out_dir, Path(self.store.out_dir).name,
+                                            self.cfg.model_dump(mode='json'))
             if self.args.ray is not None:
                 self._roll_out_on_ray()
             else:
@@ -216,13 +238,15 @@ class _Attempt:
             raise
         except BaseException:
             self.store.discard()  # nothing written (a backend that cannot start): leave no run behind
+            if self.tracker is not None:
+                self.tracker.close()
             raise
         finally:
             self._close_pieces()
 
     def _roll_out_on_ray(self) -> None:
         """The actors build backend and scheduler (``mtflow/distributed/ray_cli.py``)."""
-        fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.show)
+        fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.progress_mode)
         self.backend = fan_out.backend
         fan_out.run(self.figures)
         self.load_s = fan_out.load_s
@@ -234,12 +258,13 @@ class _Attempt:
         if not self.quiet:
             self.signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                     '(press Ctrl-C again to exit at once)')
-        roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.show, self.figures)
+        roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.progress_mode, self.figures,
+                 progress_interval_s=self.args.progress_every, tracker=self.tracker)
 
     def _load_backend(self) -> None:
         cfg = self.cfg
         status = None
-        if self.show:
+        if self.progress_mode == 'bar':
             status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
             status.start()
         started = time.perf_counter()
@@ -266,6 +291,8 @@ class _Attempt:
         summary = (summarize(self.cfg, self.backend, self.store, self.total, self.figures, self.load_s)
                    if self.backend is not None else None)
         self.store.close(status, summary, attempt=self.figures)
+        if self.tracker is not None:
+            self.tracker.finish({'status': status, **summary} if summary is not None else None)
         return summary
 
 
@@ -284,6 +311,7 @@ def main(args: argparse.Namespace) -> int:
     # plugins), checked before anything starts and before the slow backend load
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     check_before_load(cfg)
+    check_tracker(getattr(args, 'log', None))
     make_scheduler = scheduler_factory(cfg)
     fingerprint = run_fingerprint(cfg, dataset_file(cfg))
     signals = StopSignals(message=None)

@@ -6,10 +6,12 @@ file with messages and token segments for the detail views. ``docs/viewer.md`` s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import yaml
 from rich.console import Console
 
 from mtflow.commands.graph import graph_for_config
@@ -19,6 +21,7 @@ from mtflow.core.trace import Trace
 from mtflow.run.trajectories import read_trajectories
 from mtflow.viewer.html import render_html
 from mtflow.viewer.model import request_views, select_views, summarize
+from mtflow.viewer.query import QueryError, rows_of, select_rows, sort_rows
 from mtflow.viewer.terminal import detail_renderable, needed_width, summary_line, trace_renderable
 from mtflow.viewer.tokens import load_tokenizer
 
@@ -41,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="only requests that finished with REASON (repeatable; patterns like 'stop_rule:*'; "
                        "'none' for unfinished)")
         q.add_argument('--rank', action='append', default=[], type=int, metavar='N', help='only rank N (repeatable)')
+        q.add_argument('--where', action='append', default=[], metavar='COND',
+                       help="only requests meeting COND: 'reward<0.5', 'reward==0', 'reason==stop_rule:*', 'turns>=3', "
+                       "'tool_error==timeout', 'group==p7' (repeatable: all must hold; reward and group need "
+                       '--trajectories)')
+        q.add_argument('--sort', metavar='KEY', help='order by reward, turns, tokens, index, rank, tool_errors, reason, '
+                       'group or uuid (KEY:desc: descending; requests without a reward last)')
 
     show = tsub.add_parser('show', help='per-request timeline and batch summary in the terminal')
     common(show)
@@ -54,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     html.add_argument('-o', '--output', required=True, metavar='FILE', help='the HTML file to write')
     html.add_argument('--config', metavar='YAML', help="draw this scheduler's declared graph (default: core + "
                       'the finish reasons in the trace)')
-    html.add_argument('--title', help='page title (default: the file name)')
+    html.add_argument('--title', help="page title (default: the run directory's name, else the file name)")
     p.set_defaults(func=main)
 
 
@@ -94,12 +103,54 @@ def _load(args: argparse.Namespace) -> tuple:
     return trace, trajectories, tokenizer
 
 
-def _views(trace: Any, args: argparse.Namespace) -> List[Any]:
+def _views(trace: Any, args: argparse.Namespace, trajectories: Optional[Dict[str, Any]] = None) -> List[Any]:
     unknown = [s for s in args.state if s not in STATES]
     if unknown:
         raise UserError(f'unknown state {unknown[0]!r}; states are: {", ".join(STATES)}')
     views = request_views(trace)
-    return select_views(views, uuids=args.uuid, states=args.state, reasons=args.reason, ranks=args.rank)
+    views = select_views(views, uuids=args.uuid, states=args.state, reasons=args.reason, ranks=args.rank)
+    where, sort = getattr(args, 'where', None) or [], getattr(args, 'sort', None)
+    if not where and not sort:
+        return views
+    if not trajectories and any(c.replace(' ', '').startswith(('reward', 'group')) for c in where):
+        raise UserError('--where on reward or group needs --trajectories FILE (the trace carries no rewards)')
+    try:
+        return [r.view for r in sort_rows(select_rows(rows_of(views, trajectories or {}), where), sort)]
+    except QueryError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _results(views: List[Any], trajectories: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``{uuid: (reward, group)}`` for the terminal's reward and group columns (with trajectories)."""
+    if not trajectories:
+        return None
+    return {v.uuid: (getattr(trajectories.get(v.uuid), 'reward', None), getattr(trajectories.get(v.uuid), 'group', None))
+            for v in views}
+
+
+def run_files(trace_path: Path) -> tuple:
+    """``(summary, run name, config text)`` of the run directory holding ``trace_path`` (its
+    ``summary.json`` and ``run.json``, as ``mtflow run`` writes them), ``None`` for each missing
+    or unreadable one: the page is drawn from the trace alone then."""
+    folder = trace_path.resolve().parent
+    summary = run_name = config_text = None
+    try:
+        summary = json.loads((folder / 'summary.json').read_text(encoding='utf-8'))
+    except (OSError, ValueError):
+        pass
+    try:
+        info = json.loads((folder / 'run.json').read_text(encoding='utf-8'))
+        config = (info.get('fingerprint') or {}).get('config')
+        run_name = folder.name
+        if isinstance(config, dict):
+            config_text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).strip()
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        pass
+    if summary is not None and not isinstance(summary, dict):
+        summary = None
+    if run_name is None and summary is not None:
+        run_name = folder.name
+    return summary, run_name, config_text
 
 
 def main(args: argparse.Namespace) -> int:
@@ -122,28 +173,31 @@ def show(args: argparse.Namespace) -> int:
         console = Console(force_terminal=force, no_color=args.color == 'never', width=width, highlight=False)
         console.print(detail_renderable(view, traj, tokenizer))
         return 0
-    views = _views(trace, args)
+    views = _views(trace, args, trajectories)
     if not views:
         raise UserError('no request matches the filters')
     summary = None if args.no_summary else summarize(views)
+    results = _results(views, trajectories)
     width = args.width
     if width is None and not sys.stdout.isatty():  # a file or a pipe: wide enough that nothing wraps
-        width = max(needed_width(views), len(summary_line(summary)) + 1 if summary else 0)
+        width = max(needed_width(views, results), len(summary_line(summary)) + 1 if summary else 0)
     console = Console(force_terminal=force, no_color=args.color == 'never', width=width, highlight=False)
-    console.print(trace_renderable(views, summary))
+    console.print(trace_renderable(views, summary, results=results))
     return 0
 
 
 def html(args: argparse.Namespace) -> int:
     trace, trajectories, tokenizer = _load(args)
-    views = _views(trace, args)
+    views = _views(trace, args, trajectories)
     if not views:
         raise UserError('no request matches the filters')
     graph = None
     if args.config:
         graph = graph_for_config(args.config)
+    summary, run_name, config_text = run_files(Path(args.file))
     page = render_html(trace.select([v.uuid for v in views]), trajectories=trajectories, tokenizer=tokenizer,
-                       graph=graph, title=args.title or Path(args.file).name)
+                       graph=graph, title=args.title or run_name or Path(args.file).name, summary=summary,
+                       run_name=run_name, config_text=config_text)
     out = Path(args.output)
     if out.parent and not out.parent.exists():
         raise UserError(f'no such directory: {out.parent}')

@@ -48,7 +48,7 @@ class RayRollout:
     """One attempt of a run directory on Ray. ``backend`` is the summary's stand-in from the start
     (so an interrupted run still gets a summary); :meth:`run` fills in the attempt's figures."""
 
-    def __init__(self, cfg: RunConfig, args: argparse.Namespace, store: RunStore, total: int, show: bool) -> None:
+    def __init__(self, cfg: RunConfig, args: argparse.Namespace, store: RunStore, total: int, show: Any) -> None:
         if args.ray < 1:
             raise RunSetupError(f'--ray needs a number of actors >= 1, not {args.ray}')
         if importlib.util.find_spec('ray') is None:

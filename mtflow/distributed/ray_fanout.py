@@ -41,7 +41,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 from mtflow.core.errors import MtflowError
 from mtflow.engine.executor import Executor
-from mtflow.run.trajectories import finished_to_record
+from mtflow.run.trajectories import finished_to_record, reference_field
 
 __all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
 
@@ -158,7 +158,8 @@ class ShardWorker:
         out: 'queue.Queue[Tuple[str, Any]]' = queue.Queue()
 
         def on_finished(finished: Any) -> None:
-            out.put(('finished', self._plain_record(finished, indices[finished.index], t_offset)))
+            out.put(('finished', self._plain_record(finished, indices[finished.index], t_offset,
+                                                    requests[finished.index])))
 
         executor = self._executor(on_finished)
 
@@ -183,9 +184,10 @@ class ShardWorker:
                         accounting=spec.make_accounting(self.scheduler) if spec.make_accounting else None,
                         **spec.executor_options)
 
-    def _plain_record(self, finished: Any, index: int, t_offset: float) -> Dict[str, Any]:
+    def _plain_record(self, finished: Any, index: int, t_offset: float, request: Any = None) -> Dict[str, Any]:
         """One finished request as plain data for the driver (a :class:`RayRecord`'s fields)."""
-        record, events = finished_to_record(finished, index=index, rank=self.slot, t_offset=t_offset)
+        record, events = finished_to_record(finished, index=index, rank=self.slot, t_offset=t_offset, request=request,
+                                            reference_key=reference_field(self.scheduler))
         for e in events:
             e['rank'] = self.slot
         failure = finished.failure.to_dict() if finished.failure is not None else None

@@ -1,5 +1,5 @@
 """The pieces of one run, built from its :class:`~mtflow.run.config.RunConfig`: the backend, the
-scheduler, the seeds and the progress bar.
+scheduler and the seeds (the progress bar lives in ``mtflow/run/progress.py``).
 
 ``mtflow run`` builds them in its own process; with ``--ray`` every actor builds its own backend
 and scheduler from the same config (:func:`actor_setup`, :func:`backend_from_config`,
@@ -22,6 +22,7 @@ from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.registry import import_module
 from mtflow.declarative import load_scheduler
 from mtflow.run.config import RunConfig
+from mtflow.run.progress import ProgressBar  # noqa: F401  (its old home: mtflow.run.assembly.ProgressBar)
 
 __all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'load_python_scheduler', 'scheduler_factory',
            'ProgressBar', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
@@ -139,41 +140,6 @@ def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
             raise RunSetupError(f'scheduler {cfg.scheduler!r}: bad scheduler_args: {exc}') from None
 
     return make_python
-
-
-class ProgressBar:
-    """The rollout's progress bar on stderr (requests finished of ``total``), or nothing when
-    ``enabled`` is false: callers update it without checking which."""
-
-    def __init__(self, enabled: bool, total: int, description: str) -> None:
-        self.bar: Any = None
-        self.task: Any = None
-        if enabled:
-            # rich's progress module costs ~0.1 s to import; a quiet run never pays it
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn)
-
-            self.bar = Progress(SpinnerColumn(), TextColumn('[bold]rollout'), BarColumn(), MofNCompleteColumn(),
-                                TextColumn('{task.description}'), TimeElapsedColumn(), console=Console(stderr=True),
-                                transient=False)
-            self.task = self.bar.add_task(description, total=total)
-
-    @property
-    def enabled(self) -> bool:
-        return self.bar is not None
-
-    def update(self, completed: int, description: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=completed, description=description)
-
-    def start(self) -> None:
-        if self.bar is not None:
-            self.bar.start()
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 # ---- what a Ray actor calls (mtflow/distributed/ray_cli.py ships these by reference) ----------------

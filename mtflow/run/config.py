@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -37,10 +37,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mtflow.backends import ALIASES, BACKENDS
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
-from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
+from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
 
-__all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS']
+__all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS', 'parse_sets',
+           'config_keys']
 
 #: backend options that hold paths (resolved like ``dataset``)
 PATH_OPTIONS = ('path', )
@@ -181,24 +182,78 @@ def _line_of(node: Any, loc: tuple) -> Optional[int]:
     return line
 
 
-def _format_errors(exc: ValidationError, source: str, root: Any) -> str:
+def config_keys() -> List[str]:
+    """The keys a run config may have (what an unknown-key message lists)."""
+    return [k for k in RunConfig.model_fields if k not in ('base_dir', 'source')]
+
+
+def _scalar(text: str) -> Any:
+    """A ``--set`` value read as YAML with the config files' scalar rules (``3``, ``true``,
+    ``null``, ``[a, b]``, ``{k: v}``), else the text as given."""
+    try:
+        return load_yaml(text)[0]
+    except YamlLoadError:
+        return text
+
+
+def parse_sets(items: List[str]) -> List[Tuple[Tuple[str, ...], Any, str]]:
+    """``--set KEY=VALUE`` flags as ``(dotted key path, value, the flag as given)``; the first
+    key must be a run config key (``max_turns``, ``request_config.max_tokens``,
+    ``backend_options.max_batch_size``). A problem raises :class:`RunConfigError` naming the flag."""
+    out = []
+    for item in items:
+        flag = f'--set {item}'
+        key, sep, value = item.partition('=')
+        path = tuple(p.strip() for p in key.split('.'))
+        if not sep or not key.strip() or not all(path):
+            raise RunConfigError(f"{flag}: expected KEY=VALUE (dotted keys: request_config.max_tokens=32)")
+        if path[0] not in config_keys():
+            raise RunConfigError(f'{flag}: unknown key {path[0]!r} (known: {", ".join(config_keys())})')
+        out.append((path, _scalar(value), flag))
+    return out
+
+
+def _apply_sets(data: Dict[str, Any], sets: List[Tuple[Tuple[str, ...], Any, str]]) -> Dict[str, str]:
+    """Set each dotted key in ``data`` (creating mappings on the way); return which flag set
+    each top-level key (for the messages)."""
+    origin: Dict[str, str] = {}
+    for path, value, flag in sets:
+        node = data
+        for depth, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RunConfigError(f'{flag}: {".".join(path[:depth + 1])} is not a mapping, cannot set '
+                                     f'{".".join(path)}')
+            node = child
+        node[path[-1]] = value
+        origin[path[0]] = flag
+    return origin
+
+
+def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optional[Dict[str, str]] = None) -> str:
     problems: List[str] = []
     for err in exc.errors():
         loc = tuple(err.get('loc', ()))
         field = '.'.join(str(p) for p in loc) or '<top level>'
         line = _line_of(root, loc) if root is not None else None
         where = f'{source}:{line}' if line else source
+        if origin and loc and str(loc[0]) in origin:  # the value came from the command line
+            where = origin[str(loc[0])]
         msg = err.get('msg', 'invalid')
         if msg.startswith('Value error, '):
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
-            msg = f'unknown key (known: {", ".join(k for k in RunConfig.model_fields if k not in ("base_dir", "source"))})'
+            msg = f'unknown key (known: {", ".join(config_keys())})'
         problems.append(f'{where}: {field}: {msg}')
     return '; '.join(problems)
 
 
-def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] = None) -> RunConfig:
-    """Read and validate a run config; ``overrides`` (e.g. from the command line) replace keys.
+def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] = None,
+                    sets: Optional[List[str]] = None) -> RunConfig:
+    """Read and validate a run config; ``sets`` (``--set KEY=VALUE``, dotted keys, values typed
+    by the schema) then ``overrides`` (the other flags) replace keys, as editing the file would.
 
     Raises :class:`RunConfigError` (one line, every problem) or ``FileNotFoundError``."""
     path = Path(path)
@@ -223,11 +278,14 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
     for key in ('base_dir', 'source'):
         if key in data:
             raise RunConfigError(f'{path}:{_line_of(root, (key,))}: {key}: unknown key')
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    origin = _apply_sets(data, parse_sets(sets or []))
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data.update(given)
+    origin.update({k: f'--{k.replace("_", "-")} {v}' for k, v in given.items()})
     try:
         cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path))
     except ValidationError as exc:
-        raise RunConfigError(_format_errors(exc, str(path), root)) from None
+        raise RunConfigError(_format_errors(exc, str(path), root, origin)) from None
     return cfg
 
 

@@ -19,16 +19,18 @@ from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.engine.executor import Executor
-from mtflow.run.assembly import ProgressBar
+from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
+from mtflow.run.trajectories import reference_field
 
 __all__ = ['StreamingRun', 'roll_out']
 
 
 class _TurnCounter:
-    """Wraps ``rollout_fn``: each call is one turn of a batch. Between turns it lets the store
-    flush a group that has waited too long, and moves the progress bar."""
+    """Wraps ``rollout_fn``: each call over live requests is one turn of a batch (the executor's
+    empty call that keeps ranks in step is not). Between turns it lets the store flush a group
+    that has waited too long; after each it moves the progress."""
 
     def __init__(self, rollout_fn: Any, store: RunStore, on_turn: Optional[Callable[[int, int], None]]) -> None:
         self.rollout_fn = rollout_fn
@@ -37,11 +39,13 @@ class _TurnCounter:
         self.turn = 0
 
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
-        self.turn += 1
         self.store.tick()
-        if self.on_turn is not None:
-            self.on_turn(self.turn, len(requests))
-        return self.rollout_fn(requests, request_config)
+        outputs = self.rollout_fn(requests, request_config)
+        if requests:
+            self.turn += 1
+            if self.on_turn is not None:
+                self.on_turn(self.turn, len(requests))
+        return outputs
 
 
 class StreamingRun:
@@ -54,11 +58,17 @@ class StreamingRun:
         store: an open run store.
         batch_size: requests per ``Executor.run``.
         on_progress: ``on_progress(finished_this_attempt, description)``, or ``None``.
+        reference_key: the ``data_dict`` key of the reference answer (the scheduler's answer
+            field), for the trajectory lines' ``reference``.
+        progress: a :class:`~mtflow.run.progress.RunProgress` fed every turn and finished request.
     """
 
     def __init__(self, make_executor: Callable[[Any, Callable[[Any], None]], Any], rollout_fn: Any, store: RunStore,
-                 batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None) -> None:
+                 batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None,
+                 reference_key: Optional[str] = None, progress: Optional[RunProgress] = None) -> None:
         self.store = store
+        self.reference_key = reference_key
+        self.progress = progress
         self.batch_size = batch_size
         self.on_progress = on_progress
         self.counter = _TurnCounter(rollout_fn, store, self._on_turn)
@@ -70,11 +80,13 @@ class StreamingRun:
         self.wall_s = 0.0
         self.write_error: Optional[RunDirError] = None
         self._indices: List[int] = []
+        self._requests: List[Any] = []
         self._t_offset = 0.0
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset)
+        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset,
+                                            request=self._requests[finished.index], reference_key=self.reference_key)
         self.finished += 1
         try:
             if finished.finish_reason == INTERRUPTED:
@@ -83,10 +95,14 @@ class StreamingRun:
                 self.store.write(record, events)
         except RunDirError as exc:  # e.g. a full disk: the batch goes on, the run stops after it
             self.write_error = exc
+        if self.progress is not None:
+            self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events))
         if self.on_progress is not None:
             self.on_progress(self.finished, '')
 
     def _on_turn(self, turn: int, live: int) -> None:
+        if self.progress is not None:
+            self.progress.on_turn(live)
         if self.on_progress is not None:
             self.on_progress(self.finished, f'turn {turn}, {live} live')
 
@@ -114,6 +130,7 @@ class StreamingRun:
 
     def _run_batch(self, batch: List[Tuple[int, Any]]) -> None:
         self._indices = [i for i, _ in batch]
+        self._requests = [r for _, r in batch]
         self.counter.turn = 0
         self.batches += 1
         self._t_offset = time.time() - self.store.started_unix  # trace times count from the run's start
@@ -169,13 +186,29 @@ class _ExecutorFactory:
             close()
 
 
-def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: bool,
-             figures: Dict[str, Any]) -> None:
+def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
+    """Tokens this attempt's backend generated so far (its ``stats``), or ``None`` (then the
+    progress counts the finished requests' tokens)."""
+    stats = getattr(backend, 'stats', None)
+    if stats is None or not isinstance(getattr(stats, 'completion_tokens', None), int):
+        return None
+    start = stats.completion_tokens
+    return lambda: stats.completion_tokens - start
+
+
+def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: Any,
+             figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None) -> None:
     """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
-    process; this attempt's figures go into ``figures``, also when a signal stops it."""
+    process; this attempt's figures go into ``figures``, also when a signal stops it. ``show``
+    is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
+    ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend)
-    progress = ProgressBar(show, total - len(store.done), 'starting')
-    run = StreamingRun(make_executor, backend, store, cfg.batch_size, progress.update if progress.enabled else None)
+    mode = show if isinstance(show, str) else ('bar' if show else 'off')
+    progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
+                           interval_s=progress_interval_s, tokens=_tokens_counter(backend),
+                           listener=tracker.log if tracker is not None else None)
+    run = StreamingRun(make_executor, backend, store, cfg.batch_size, reference_key=reference_field(scheduler),
+                       progress=progress if progress.enabled else None)
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice

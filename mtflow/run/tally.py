@@ -96,7 +96,9 @@ class RunTally:
             if isinstance(reward, (int, float)) and not isinstance(reward, bool):
                 self.reward_sum += reward
                 self.reward_n += 1
-                self.groups.add(group_of(str(record.get('uuid'))), reward, record.get('index'))
+                group = record.get('group')  # lines written before the field: from the uuid
+                self.groups.add(str(group) if group is not None else group_of(str(record.get('uuid'))), reward,
+                                record.get('index'))
             error = infos.get('mtflow_error')
             if isinstance(error, dict) or record.get('finish_reason') == 'error':
                 self.errors += 1

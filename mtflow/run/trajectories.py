@@ -21,10 +21,46 @@ from pathlib import Path
 from typing import IO, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from mtflow.core.trace import open_text
+from mtflow.data.sources import group_of
 
-#: Keys of one line, in the order they are written.
-TRAJECTORY_FIELDS = ('uuid', 'index', 'rank', 'finish_reason', 'num_turns', 'messages', 'response_token_ids',
-                     'response_loss_mask', 'rollout_logprobs', 'rollout_infos')
+#: Keys of one line, in the order they are written. ``reward``, ``group`` and ``reference`` come
+#: first after the ids so that a reader (``head``, ``jq``, the viewer) finds them without digging
+#: into ``rollout_infos``; every ms-swift field follows unchanged.
+TRAJECTORY_FIELDS = ('uuid', 'index', 'rank', 'finish_reason', 'num_turns', 'reward', 'group', 'reference',
+                     'messages', 'response_token_ids', 'response_loss_mask', 'rollout_logprobs', 'rollout_infos')
+
+#: ``data_dict`` keys read as the reference answer when the scheduler names none (its YAML
+#: ``answer.field``), first found wins: reasoning-gym's ``answer``, the answer section's default
+#: ``solution``, the guess-the-number game's ``target``, and the names verl and TRL datasets use.
+REFERENCE_KEYS = ('answer', 'solution', 'target', 'reference', 'ground_truth')
+
+
+def reward_of(infos: Any) -> Optional[float]:
+    """The request's reward: ``rollout_infos['reward']`` when it is a number (a bool is not)."""
+    reward = infos.get('reward') if isinstance(infos, dict) else None
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        return float(reward)
+    return None
+
+
+def reference_field(scheduler: Any) -> Optional[str]:
+    """The ``data_dict`` key a scheduler compares answers with (a YAML scheduler's
+    ``answer.field``), or ``None``."""
+    config = getattr(getattr(scheduler, 'answers', None), 'config', None)
+    field_name = getattr(config, 'field', None)
+    return field_name if isinstance(field_name, str) else None
+
+
+def reference_of(request: Any, field_name: Optional[str] = None) -> Any:
+    """The dataset's reference answer for one request: ``data_dict[field_name]``, else the first
+    of :data:`REFERENCE_KEYS` it has, else ``None``."""
+    data = getattr(request, 'data_dict', None) or {}
+    if not isinstance(data, dict):
+        return None
+    for key in ((field_name, ) if field_name else ()) + REFERENCE_KEYS:
+        if key in data:
+            return data[key]
+    return None
 
 
 @dataclass
@@ -35,6 +71,12 @@ class Trajectory:
     rank: int = 0
     finish_reason: Optional[str] = None
     num_turns: Optional[int] = None
+    #: ``rollout_infos['reward']`` when numeric (``None``: the scheduler gives none)
+    reward: Optional[float] = None
+    #: the prompt's id, shared by its ``num_generations`` copies (a GRPO group; verl's ``uid``)
+    group: Optional[str] = None
+    #: the dataset's answer for this prompt (:func:`reference_of`), or ``None``
+    reference: Any = None
     messages: List[Dict[str, Any]] = field(default_factory=list)
     response_token_ids: List[List[int]] = field(default_factory=list)
     response_loss_mask: List[List[int]] = field(default_factory=list)
@@ -61,17 +103,24 @@ class Trajectory:
         messages = d.get('messages') or []
         if not isinstance(messages, list):
             raise ValueError(f"field 'messages' must be a list, got {type(messages).__name__}")
+        infos = d.get('rollout_infos') or {}
+        reward = d.get('reward') if 'reward' in d else reward_of(infos)  # files written before the field
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            raise ValueError(f"field 'reward' must be a number or null, got {reward!r:.80}")
         return cls(
             uuid=str(d['uuid']),
             index=int(d.get('index', -1) if d.get('index') is not None else -1),
             rank=int(d.get('rank') or 0),
             finish_reason=d.get('finish_reason'),
             num_turns=d.get('num_turns'),
+            reward=reward,
+            group=str(d['group']) if d.get('group') is not None else group_of(str(d['uuid'])),
+            reference=d.get('reference'),
             messages=messages,
             response_token_ids=d.get('response_token_ids') or [],
             response_loss_mask=d.get('response_loss_mask') or [],
             rollout_logprobs=d.get('rollout_logprobs') or [],
-            rollout_infos=d.get('rollout_infos') or {},
+            rollout_infos=infos,
             extra={k: v for k, v in d.items() if k not in TRAJECTORY_FIELDS})
 
     def masks(self) -> List[List[int]]:
@@ -82,16 +131,24 @@ class Trajectory:
 
 
 def trajectory_from_output(output: Any, uuid: str, *, index: int = -1, rank: int = 0,
-                           finish_reason: Optional[str] = None) -> Trajectory:
-    """A :class:`Trajectory` from one ``RolloutOutput`` (mtflow's or ms-swift's: read by attribute)."""
+                           finish_reason: Optional[str] = None, request: Any = None,
+                           reference_key: Optional[str] = None) -> Trajectory:
+    """A :class:`Trajectory` from one ``RolloutOutput`` (mtflow's or ms-swift's: read by attribute).
+    ``request`` (the input request) gives the group and the reference answer from its
+    ``data_dict`` (``reference_key``: the scheduler's answer field); without it the group is the
+    uuid without its ``#k`` copy suffix."""
     infos = dict(getattr(output, 'rollout_infos', None) or {})
     messages = getattr(output, 'messages', None) or []
+    data = getattr(request, 'data_dict', None) if request is not None else None
     return Trajectory(
         uuid=uuid,
         index=index,
         rank=rank,
         finish_reason=finish_reason,
         num_turns=infos.get('num_turns'),
+        reward=reward_of(infos),
+        group=group_of(uuid, data if isinstance(data, dict) else None),
+        reference=reference_of(request, reference_key) if request is not None else None,
         messages=[dict(m) for m in messages],
         response_token_ids=[list(s) for s in getattr(output, 'response_token_ids', None) or []],
         response_loss_mask=[list(s) for s in getattr(output, 'response_loss_mask', None) or []],
@@ -99,16 +156,19 @@ def trajectory_from_output(output: Any, uuid: str, *, index: int = -1, rank: int
         rollout_infos=infos)
 
 
-def finished_to_record(finished: Any, *, index: Optional[int] = None, rank: int = 0,
-                       t_offset: float = 0.0) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+def finished_to_record(finished: Any, *, index: Optional[int] = None, rank: int = 0, t_offset: float = 0.0,
+                       request: Any = None,
+                       reference_key: Optional[str] = None) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     """A trajectory dict and its trace-event dicts from one finished request (an
     ``mtflow.FinishedRequest``, or anything with ``uuid``, ``index``, ``output``,
     ``finish_reason`` and ``events``). ``index`` (default: the record's) replaces the batch
     index (a run numbers requests across batches by dataset position); ``t_offset`` is added to
-    event times (seconds from the run's start to the batch's start)."""
+    event times (seconds from the run's start to the batch's start); ``request`` (the input) and
+    ``reference_key`` give the line its group and reference (:func:`trajectory_from_output`)."""
     idx = finished.index if index is None else index
     traj = trajectory_from_output(finished.output, str(finished.uuid), index=idx, rank=rank,
-                                  finish_reason=finished.finish_reason)
+                                  finish_reason=finished.finish_reason, request=request,
+                                  reference_key=reference_key)
     events = []
     for e in getattr(finished, 'events', None) or ():
         d = e.to_dict() if not isinstance(e, dict) else dict(e)
@@ -138,8 +198,9 @@ def trajectories_from_result(result: Any, requests: Optional[Sequence[Any]] = No
         if uuid is None:
             req_uuid = getattr(requests[i], 'uuid', None) if requests is not None and i < len(requests) else None
             uuid = str(req_uuid) if req_uuid else f'#{i}'
+        request = requests[i] if requests is not None and i < len(requests) else None
         out.append(trajectory_from_output(output, uuid, index=i, rank=ranks.get(i, 0) if rank is None else rank,
-                                          finish_reason=reason))
+                                          finish_reason=reason, request=request))
     return out
 
 

@@ -17,6 +17,8 @@ from mtflow.core.machine import FINISH_REASONS, FINISHED, StateGraph, reason_kin
 from mtflow.core.trace import Trace
 from mtflow.run.trajectories import Trajectory
 from mtflow.viewer.model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
+from mtflow.viewer.results import (RESULTS_CSS, RESULTS_HTML, RESULTS_SCRIPT, header_run_html, plots_html,
+                                   request_results, summary_cards_html)
 from mtflow.viewer.svg import STATE_COLORS, bar_chart_svg, state_graph_svg
 from mtflow.viewer.tokens import token_texts
 
@@ -35,7 +37,7 @@ def _cell_dict(c: Any) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None and v is not False and v != []}
 
 
-def _request_dict(v: RequestView, t0: Optional[float]) -> Dict[str, Any]:
+def _request_dict(v: RequestView, t0: Optional[float], traj: Any = None) -> Dict[str, Any]:
     events = [[e.turn, e.src, e.dst, e.trigger, e.reason, e.tokens,
                None if e.duration_s is None else round(e.duration_s, 6), e.extra] for e in v.events]
     # [state, start, end, turn] in seconds since the run's first event: the time axis' blocks
@@ -44,7 +46,8 @@ def _request_dict(v: RequestView, t0: Optional[float]) -> Dict[str, Any]:
     return {
         'uuid': v.uuid, 'index': v.index, 'rank': v.rank, 'reason': v.reason, 'turns': v.turns, 'tokens': v.tokens,
         'path': v.path, 'cells': [_cell_dict(c) for c in v.cells], 'events': events, 'spans': spans,
-        'end': round(v.events[-1].t - t0, 5) if t0 is not None and v.events[-1].t is not None else None
+        'end': round(v.events[-1].t - t0, 5) if t0 is not None and v.events[-1].t is not None else None,
+        **request_results(v, traj),
     }
 
 
@@ -113,9 +116,15 @@ def _reason_color(reason: str) -> str:
 
 
 def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]] = None, tokenizer: Any = None,
-                graph: Optional[StateGraph] = None, title: str = 'mtflow trace') -> str:
+                graph: Optional[StateGraph] = None, title: str = 'mtflow trace',
+                summary: Optional[Mapping[str, Any]] = None, run_name: Optional[str] = None,
+                config_text: Optional[str] = None) -> str:
     """The page as a string. ``trajectories`` (``{uuid: Trajectory}``) feed the detail view's
-    messages and tokens; ``tokenizer`` decodes the tokens (else ids are shown)."""
+    messages and tokens, the rewards, groups, the request table and the group view;
+    ``tokenizer`` decodes the tokens (else ids are shown). ``summary`` (``summary.json``),
+    ``run_name`` and ``config_text`` fill the results cards and the header
+    (:mod:`mtflow.viewer.results`)."""
+    run_summary = summary
     views = request_views(trace)
     summary = summarize(views, len(trace.events))
     trajectories = trajectories or {}
@@ -123,7 +132,7 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
     t0 = trace_t0(trace.events)
     data = {
         'title': title,
-        'requests': [_request_dict(v, t0) for v in views],
+        'requests': [_request_dict(v, t0, trajectories.get(v.uuid)) for v in views],
         'wall': None if summary.wall_s is None else round(summary.wall_s, 5),
         'turn_marks': _turn_marks(views, t0, summary.wall_s),
         'trajectories': {u: _trajectory_dict(t, tokenizer) for u, t in trajectories.items() if u in wanted},
@@ -161,7 +170,11 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
     # '<' as \u003c: no '</script>' or '<!--' from a message can end the data block early
     payload = json.dumps(data, ensure_ascii=False, default=str).replace('<', '\\u003c')
     css_vars = ''.join(f'--{k.replace("_", "-")}:{v};' for k, v in STATE_COLORS.items())
-    return (_TEMPLATE.replace('%TITLE%', escape(title)).replace('%CSSVARS%', css_vars)
+    results = (RESULTS_HTML.replace('%CARDS%', summary_cards_html(run_summary, views, trajectories))
+               .replace('%PLOTS%', plots_html(views, trajectories, summary.finish_reasons)))
+    return (_TEMPLATE.replace('%RESULTS_CSS%', RESULTS_CSS).replace('%RESULTS_SCRIPT%', RESULTS_SCRIPT)
+            .replace('%RUN%', header_run_html(run_name, config_text)).replace('%RESULTS%', results)
+            .replace('%TITLE%', escape(title)).replace('%CSSVARS%', css_vars)
             .replace('%STATS%', stats_html).replace('%REASONS%', reasons_opts)
             .replace('%GRAPH%', graph_svg).replace('%CHARTS%', ''.join(charts)).replace('%PROBLEMS%', problems)
             .replace('%TIMETABLE%', _time_table_html(summary))
@@ -295,11 +308,13 @@ tr.open{cursor:pointer}tr.open:hover{background:#eff6ff}.card h3{margin:2px 0 6p
 i.sw{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
 i.sw.pending{background:#e2e8f0}i.sw.generating{background:var(--generating)}i.sw.continuing{background:var(--continuing)}
 i.sw.tool_step{background:var(--tool-step)}
+%RESULTS_CSS%
 </style>
 </head>
 <body>
 <header>
 <h1>%TITLE%</h1>
+%RUN%
 <div class="stats">%STATS%</div>
 <div class="controls">
 <input id="filter" type="search" placeholder="filter by uuid" aria-label="filter by uuid">
@@ -313,6 +328,7 @@ i.sw.tool_step{background:var(--tool-step)}
 </div>
 </header>
 <main>
+%RESULTS%
 <h2>Requests</h2>
 <div id="lanes" role="list"></div>
 <h2>Time axis</h2>
@@ -327,7 +343,8 @@ Grey bands: turns whose outputs arrived spread over time (async mode).</p>
 </main>
 <aside id="detail" hidden aria-live="polite"><button class="close" title="close (Esc)" aria-label="close">×</button><div id="detail-body"></div></aside>
 <script type="application/json" id="mtflow-data">%DATA%</script>
-<script>%SCRIPT%</script>
+<script>%SCRIPT%
+%RESULTS_SCRIPT%</script>
 </body>
 </html>
 '''
@@ -407,13 +424,15 @@ var byUuid = {}; DATA.requests.forEach(function(r, ri){ if(!(r.uuid in byUuid)) 
 var filter = document.getElementById('filter'), reasonSel = document.getElementById('reason'), shown = document.getElementById('shown');
 function applyFilter(){
   var q = filter.value.trim().toLowerCase(), rs = reasonSel.value, n = 0;
-  laneEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs);
+  var also = window.mtflowVisible || function(){ return true; };  // the request table's where/search (results.py)
+  laneEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs) && also(l.dataset.uuid);
     l.style.display = ok ? '' : 'none'; if(ok) n++; });
-  timeEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs);
+  timeEls.forEach(function(l){ var ok = (!q || l.dataset.uuid.toLowerCase().indexOf(q)>=0) && (!rs || l.dataset.reason===rs) && also(l.dataset.uuid);
     l.style.display = ok ? '' : 'none'; });
   shown.textContent = n + ' of ' + laneEls.length + ' requests shown';
 }
 filter.addEventListener('input', applyFilter); reasonSel.addEventListener('change', applyFilter); applyFilter();
+window.mtflowFilterLanes = applyFilter;
 
 var detail = document.getElementById('detail'), body = document.getElementById('detail-body');
 function section(title){ var h = el('h3', null, title); body.appendChild(h); return h; }
@@ -464,7 +483,11 @@ function openDetail(ri){
         t.title = 'id '+id+' · mask '+(on?1:0)+(lp!==undefined?' · logprob '+Number(lp).toFixed(4):'');
         seg.appendChild(t); if(!s.text) seg.appendChild(document.createTextNode(' ')); });
       body.appendChild(seg); });
-    if(tr.infos && Object.keys(tr.infos).length){ section('rollout_infos'); body.appendChild(el('pre','path',JSON.stringify(tr.infos, null, 1))); }
+    if(tr.infos && Object.keys(tr.infos).length){ section('rollout_infos');
+      var infos = {}, record = tr.infos.token_record; Object.keys(tr.infos).forEach(function(k){ if(k!=='token_record') infos[k] = tr.infos[k]; });
+      body.appendChild(el('pre','path',JSON.stringify(infos, null, 1)));
+      if(record!==undefined){ var d = el('details','token-record'), ids = JSON.stringify(record);  // hundreds of ids: collapsed
+        d.appendChild(el('summary',null,'token_record ('+ids.length+' characters)')); d.appendChild(el('pre','path',ids)); body.appendChild(d); } }
   }
   detail.hidden = false;
   if(location.hash !== '#'+encodeURIComponent(uuid)) history.replaceState(null,'','#'+encodeURIComponent(uuid));
@@ -475,6 +498,7 @@ detail.querySelector('.close').addEventListener('click', closeDetail);
 document.addEventListener('keydown', function(e){ if(e.key==='Escape') closeDetail(); });
 function fromHash(){ if(location.hash.length>1){ var u = decodeURIComponent(location.hash.slice(1)); if(u in byUuid) openDetail(byUuid[u]); } }
 window.addEventListener('hashchange', fromHash); fromHash();
+window.mtflowOpen = openDetail;
 document.querySelectorAll('tr.open').forEach(function(tr){ tr.addEventListener('click', function(){
   var u = tr.getAttribute('data-uuid'); if(u in byUuid) openDetail(byUuid[u]); }); });
 })();

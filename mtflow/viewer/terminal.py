@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
@@ -90,8 +90,14 @@ def turn_ruler(max_turn: int) -> str:
     return ''.join(str(turn).ljust(CELL) for turn in range(1, max_turn + 1)).rstrip()
 
 
-def timeline_table(views: Sequence[RequestView]) -> Table:
-    """One row per request: uuid, (rank,) the turn cells, turns, tokens, finish reason."""
+def fmt_reward(reward: Optional[float]) -> str:
+    return '-' if reward is None else f'{reward:.4g}'
+
+
+def timeline_table(views: Sequence[RequestView],
+                   results: Optional[Dict[str, Tuple[Optional[float], Optional[str]]]] = None) -> Table:
+    """One row per request: uuid, (rank,) the turn cells, turns, tokens, finish reason, and with
+    ``results`` (``{uuid: (reward, group)}``, from the trajectories) reward and group."""
     max_turn = max((len(v.cells) for v in views), default=0)
     multi_rank = len({v.rank for v in views}) > 1
     table = Table(box=None, pad_edge=False, show_edge=False, header_style='bold', padding=(0, 2, 0, 0))
@@ -102,12 +108,18 @@ def timeline_table(views: Sequence[RequestView]) -> Table:
     table.add_column('turns', justify='right')
     table.add_column('tokens', justify='right')
     table.add_column('finish', no_wrap=True)
+    if results is not None:
+        table.add_column('reward', justify='right')
+        table.add_column('group', no_wrap=True)
     for v in views:
         row: List[Any] = [safe_text(v.uuid)]
         if multi_rank:
             row.append(str(v.rank))
         row += [Text('     ') + timeline_text(v), str(v.turns), str(v.tokens),
                 Text(v.reason or 'unfinished', reason_style(v.reason))]
+        if results is not None:
+            reward, group = results.get(v.uuid, (None, None))
+            row += [fmt_reward(reward), safe_text(group) if group else '-']
         table.add_row(*row)
     return table
 
@@ -191,9 +203,9 @@ def time_per_state_table(s: Summary) -> Table:
     return table
 
 
-def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = None,
-                     legend: bool = True) -> RenderableType:
-    parts: List[RenderableType] = [timeline_table(views)]
+def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = None, legend: bool = True,
+                     results: Optional[Dict[str, Tuple[Optional[float], Optional[str]]]] = None) -> RenderableType:
+    parts: List[RenderableType] = [timeline_table(views, results)]
     if legend:
         parts.append(Text(LEGEND, 'dim'))
     if summary is not None:
@@ -201,10 +213,11 @@ def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = 
     return Group(*parts)
 
 
-def needed_width(views: Sequence[RequestView]) -> int:
+def needed_width(views: Sequence[RequestView], results: Optional[Dict[str, Any]] = None) -> int:
     turns = max((len(v.cells) for v in views), default=0)
     uuid = max((len(v.uuid) for v in views), default=7)
-    return max(100, uuid + 5 + 6 + CELL * turns + 40)
+    extra = 10 + max((len(str(g[1])) for g in results.values()), default=5) + 2 if results else 0
+    return max(100, uuid + 5 + 6 + CELL * turns + 40 + extra)
 
 
 def format_trace(trace: Trace, uuids: Optional[Sequence[str]] = None, *, summary: bool = True,

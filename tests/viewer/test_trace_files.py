@@ -85,12 +85,13 @@ def test_trajectories_round_trip(scenario, tmp_path):
 
 def test_trajectory_unknown_keys_survive_and_bad_lines_are_named(tmp_path):
     path = tmp_path / 'traj.jsonl'
-    line = {'uuid': 'x', 'messages': [], 'response_token_ids': [[1, 2]], 'reward': 0.5}
+    # (``reward`` is a known key now, docs/trace-format.md; an unknown one is e.g. a judge's score)
+    line = {'uuid': 'x', 'messages': [], 'response_token_ids': [[1, 2]], 'judge_score': 0.5, 'reward': 0.25}
     path.write_text(json.dumps(line) + '\n')
     (t, ) = iter_trajectories(path)
-    assert t.extra == {'reward': 0.5}
+    assert t.extra == {'judge_score': 0.5}
     assert t.masks() == [[1, 1]]  # no mask recorded: every token is trained
-    assert t.to_dict()['reward'] == 0.5
+    assert t.to_dict()['judge_score'] == 0.5 and t.reward == t.to_dict()['reward'] == 0.25
     path.write_text(json.dumps({'uuid': 'x', 'response_token_ids': [1, 2]}) + '\n')
     with pytest.raises(ValueError, match=r"traj\.jsonl:1: not a trajectory: field 'response_token_ids'"):
         read_trajectories(path)
