@@ -296,6 +296,8 @@ class YamlScheduler(Scheduler):
         else:
             results = await self._run_calls(state, infer_request, current_turn)
             trace_info['calls'] = [r.to_info() for r in results]
+            # what a replay needs beside it: each call's arguments and its whole result text
+            trace_info['tool_io'] = [{'arguments': r.arguments, 'output': r.output} for r in results]
             texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
                      for i, r in enumerate(results)]
             inline_text = add_observations(self.config.observation, messages, results, texts)
