@@ -5,7 +5,8 @@ served only while the prompt is the one it answered); the scheduler, tools, envi
 reward are CONFIG's as they are now (default: the config the run was made from, ``run.json``'s
 ``config_file``). A request whose prompt now differs finishes with ``replay_diverged`` at that
 turn, or with ``--continue-with BACKEND`` goes on live with that model. The new directory is a
-run like any other (``mtflow diff RUN_DIR NEW_DIR`` compares them).
+run like any other (``mtflow diff RUN_DIR NEW_DIR`` compares them). ``--tools recorded`` serves
+tool and environment results from the record instead (``mtflow/run/recorded_steps.py``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from mtflow.run.driver import roll_out
 from mtflow.run.files import RUN_INFO
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
+from mtflow.run.recorded_steps import RecordedSteps
 from mtflow.run.replay import ReplayBackend
 from mtflow.run.diff import trajectories_file
 from mtflow.run.signals import StopSignals
@@ -44,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--model', help='the --continue-with backend\'s model')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='an option of the --continue-with backend; repeatable')
+    p.add_argument('--tools', choices=('live', 'recorded'), default='live',
+                   help='live: run the tools and environment of CONFIG (default); recorded: serve their results '
+                   'from the record, calling no tool and no environment')
     p.add_argument('--overwrite', action='store_true', help='start afresh in a non-empty --out')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
@@ -67,6 +72,20 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
 
 
+def _use_recorded(scheduler: Any, run_dir: Path) -> RecordedSteps:
+    """Give ``scheduler`` the record's tool and environment results (``--tools recorded``)."""
+    use = getattr(scheduler, 'use_recorded', None)
+    if not callable(use):
+        raise UserError(f'--tools recorded: the scheduler {type(scheduler).__name__} cannot take recorded tool '
+                        'results (a YAML scheduler can: YamlScheduler.use_recorded)')
+    try:
+        recorded = RecordedSteps(run_dir)
+    except FileNotFoundError as exc:
+        raise UserError(f'--tools recorded: {exc.filename}: {exc.strerror}') from None
+    use(recorded)
+    return recorded
+
+
 def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     info = _run_info(run_dir)
@@ -83,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     show = not args.quiet
     with StopSignals(message=None):
         store = RunStore.open(cfg.out, 'overwrite' if args.overwrite else 'new', fingerprint, meta=meta)
-        backend = scheduler = None
+        backend = scheduler = recorded = None
         figures: Dict[str, Any] = {}
         status = 'failed'
         started = time.perf_counter()
@@ -92,6 +111,8 @@ def main(args: argparse.Namespace) -> int:
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
             scheduler = make_scheduler(backend.tokenizer)
+            if args.tools == 'recorded':
+                recorded = _use_recorded(scheduler, run_dir)
             try:
                 roll_out(cfg, scheduler, backend, store, total, show, figures)
                 status = 'complete'
@@ -99,6 +120,8 @@ def main(args: argparse.Namespace) -> int:
                 status = 'interrupted'
             figures.update({'replayed_outputs': backend.served, 'diverged': len(set(backend.diverged)),
                             'live_outputs': backend.live_calls})
+            if recorded is not None:
+                figures.update({'recorded_tool_calls': recorded.tool_calls, 'recorded_env_steps': recorded.env_steps})
             summary = summarize(cfg, backend, store, total, figures, load_s)
             store.close(status, summary, attempt=figures)
         except BaseException:
@@ -110,6 +133,8 @@ def main(args: argparse.Namespace) -> int:
                 close()
             if backend is not None:
                 backend.close()
+            if recorded is not None:
+                recorded.close()
     if show:
         print_summary({'status': status, **summary}, store.out_dir)
     return 0 if status == 'complete' else 130

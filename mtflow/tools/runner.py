@@ -40,6 +40,10 @@ class ToolError(Exception):
         self.kind = kind
 
 
+#: how much of a failed call's error ``ToolResult.to_info`` keeps (the trace's ``calls``)
+ERROR_INFO_CHARS = 500
+
+
 @dataclass
 class ToolResult:
     """One call's outcome. ``error_kind``: ``parse``, ``unknown_tool``, ``bad_arguments``,
@@ -57,7 +61,7 @@ class ToolResult:
         info: Dict[str, Any] = {'name': self.name, 'ok': self.ok, 'duration_s': round(self.duration_s, 6)}
         if not self.ok:
             info['error_kind'] = self.error_kind
-            info['error'] = self.error[:500]
+            info['error'] = self.error[:ERROR_INFO_CHARS]
         return info
 
 
