@@ -110,6 +110,12 @@ class YamlScheduler(Scheduler):
         return self._env_factory
 
     @property
+    def reward_function(self) -> Optional[Callable[..., Any]]:
+        """The ``reward`` the config names, ``reward(infer_request, infos) -> float`` (``None``
+        without one); ``mtflow rescore`` calls it over stored trajectories."""
+        return self._reward
+
+    @property
     def idle_rule(self) -> str:
         """The rule that stops a turn with nothing to continue it: ``no_tool_call`` with tools,
         ``tips_exhausted`` with tips only, else ``no_action``."""
