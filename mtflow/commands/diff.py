@@ -36,9 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _line(d: RequestDiff) -> str:
     parts = []
     for f in d.fields:
-        if f == 'token_ids' and 'first_token' in d.detail:
+        if f in ('token_ids', 'trained') and 'first_token' in d.detail:
             ft = d.detail['first_token']
-            parts.append(f'token_ids differ at position {ft["position"]} ({ft["a"]} vs {ft["b"]})')
+            where = 'token_ids' if f == 'token_ids' else 'trained ids (response_token_ids)'
+            parts.append(f'{where} differ at position {ft["position"]} ({ft["a"]} vs {ft["b"]})')
         else:
             parts.append(f'{f}: {json.dumps(d.a.get(f), ensure_ascii=False)[:120]} vs '
                          f'{json.dumps(d.b.get(f), ensure_ascii=False)[:120]}')

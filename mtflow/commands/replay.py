@@ -27,7 +27,7 @@ from mtflow.run.files import RUN_INFO
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
 from mtflow.run.recorded_steps import RecordedSteps
-from mtflow.run.replay import ReplayBackend
+from mtflow.run.replay import ReplayBackend, run_prompter
 from mtflow.run.diff import trajectories_file
 from mtflow.run.signals import StopSignals
 from mtflow.run.store import RunStore
@@ -72,6 +72,20 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
 
 
+def _run_prompter(info: Dict[str, Any]) -> Any:
+    """The recorded run's tokenizer and prompt settings (``run.json``'s fingerprint), for a run
+    whose backend kept an exact-id token record (``mtflow/run/replay.py``: ``run_prompter``)."""
+    config = (info.get('fingerprint') or {}).get('config') or {}
+    model = config.get('model')
+    base = Path(info['config_file']).parent if info.get('config_file') else None
+    if model and base is not None and not Path(model).expanduser().is_absolute() and (base / model).exists():
+        model = str(base / model)
+    try:
+        return run_prompter(str(config.get('backend')), model, dict(config.get('backend_options') or {}))
+    except BackendError as exc:
+        raise UserError(f'replay: the recorded run used {config.get("backend")} ({model}): {exc}') from None
+
+
 def _use_recorded(scheduler: Any, run_dir: Path) -> RecordedSteps:
     """Give ``scheduler`` the record's tool and environment results (``--tools recorded``)."""
     use = getattr(scheduler, 'use_recorded', None)
@@ -107,7 +121,10 @@ def main(args: argparse.Namespace) -> int:
         status = 'failed'
         started = time.perf_counter()
         try:
-            backend = ReplayBackend(trajectories, live=_live_backend(args))
+            live = _live_backend(args)
+            prompter = _run_prompter(info) if live is None else None
+            backend = ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None),
+                                    prompter=prompter)
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
             scheduler = make_scheduler(backend.tokenizer)

@@ -4,7 +4,10 @@ Requests are matched by ``uuid``. For each pair the first turn where they differ
 what differs there: the model's ``text``, its ``token_ids`` (with the first differing position),
 the ``observation`` that followed it (the tool, user or environment messages before the next
 model turn), the step's ``reward`` (an environment's per-step ``rewards``); and, over the whole
-request, the ``finish_reason``, the number of turns (``num_turns``) and the final ``reward``.
+request, the ``finish_reason``, the number of turns (``num_turns``), the final ``reward``, what a
+trainer gets (``trained``: ``response_token_ids``, ``response_loss_mask``, ``rollout_logprobs``;
+shown as digests, with the first differing id) and the backend's exact-id ``token_record``
+(``rollout_infos.token_record``: the prompt ids each turn was generated from).
 
 Memory: run B is indexed once (uuid -> byte offset of its line), run A streamed; a line of B is
 read back when its uuid comes up, so only one pair of trajectories and the index are held, and
@@ -14,6 +17,7 @@ Rewards are read through :func:`reward_of`, the one place that knows where a lin
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +31,7 @@ __all__ = ['FIELDS', 'index_lines', 'RequestDiff', 'DiffTotals', 'DiffRun', 'com
 
 #: what can differ, in the order they are checked within a turn, then over the request
 TURN_FIELDS = ('text', 'token_ids', 'observation', 'reward')
-REQUEST_FIELDS = ('finish_reason', 'num_turns', 'final_reward')
+REQUEST_FIELDS = ('finish_reason', 'num_turns', 'final_reward', 'trained', 'token_record')
 FIELDS = TURN_FIELDS + REQUEST_FIELDS
 
 
@@ -163,15 +167,39 @@ def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS
             return diff
     values = {'finish_reason': (a.get('finish_reason'), b.get('finish_reason')),
               'num_turns': (a.get('num_turns'), b.get('num_turns')),
-              'final_reward': (reward_of(a), reward_of(b))}
+              'final_reward': (reward_of(a), reward_of(b)),
+              'trained': (_digest(_trained(a)), _digest(_trained(b))),
+              'token_record': (_digest(_token_record(a)), _digest(_token_record(b)))}
     differ = [f for f in REQUEST_FIELDS if f in fields and values[f][0] != values[f][1]]
     if len(va) != len(vb) and 'num_turns' in fields and 'num_turns' not in differ:
         differ.append('num_turns')
         values['num_turns'] = (len(va), len(vb))
     if not differ:
         return None
-    return RequestDiff(uuid, min(len(va), len(vb)) + (1 if len(va) != len(vb) else 0) or 1, differ,
+    diff = RequestDiff(uuid, min(len(va), len(vb)) + (1 if len(va) != len(vb) else 0) or 1, differ,
                        {f: values[f][0] for f in differ}, {f: values[f][1] for f in differ})
+    if 'trained' in differ:
+        ids_a, ids_b = (sum(line.get('response_token_ids') or [], []) for line in (a, b))
+        if ids_a != ids_b:
+            diff.detail['first_token'] = _first_token_difference(ids_a, ids_b)
+    return diff
+
+
+def _trained(line: Dict[str, Any]) -> List[Any]:
+    return [line.get('response_token_ids'), line.get('response_loss_mask'), line.get('rollout_logprobs')]
+
+
+def _token_record(line: Dict[str, Any]) -> Any:
+    infos = line.get('rollout_infos')
+    return infos.get('token_record') if isinstance(infos, dict) else None
+
+
+def _digest(value: Any) -> Optional[str]:
+    """12 hex digits standing for a long value (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    raw = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:12]
 
 
 def _lines(path: Path) -> Iterator[Tuple[int, Dict[str, Any]]]:

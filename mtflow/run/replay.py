@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
 from mtflow.backends.base import Backend, BackendError, build_output, sampling_options
+from mtflow.backends.models import load_tokenizer
+from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.machine import REPLAY_DIVERGED
 from mtflow.run.diff import index_lines
 from mtflow.run.turn_log import TURNS_KEY, expand_turns, prompt_digest
 
-__all__ = ['ReplayBackend']
+__all__ = ['ReplayBackend', 'run_prompter']
 
 
 class ReplayBackend(Backend):
@@ -43,14 +45,17 @@ class ReplayBackend(Backend):
     """
     name = 'replay'
 
-    def __init__(self, trajectories: Path, live: Optional[Any] = None) -> None:
+    def __init__(self, trajectories: Path, live: Optional[Any] = None, tokenizer: Any = None,
+                 prompter: Optional[TokenPrompter] = None) -> None:
         super().__init__()
         self.path = Path(trajectories)
         self.model_name = f'replay:{self.path.parent.name or self.path.name}'
         self.index = index_lines(self.path)
         self._file = open(self.path, 'rb')
         self.live = live
-        self.tokenizer = getattr(live, 'tokenizer', None)
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(live, 'tokenizer', None)
+        #: rebuilds the exact-id token record the run's backend kept (``None``: the run kept none)
+        self.prompter = prompter if prompter is not None else getattr(live, 'prompter', None)
         self._turns: Dict[str, List[Dict[str, Any]]] = {}
         self._calls: Dict[str, int] = {}
         self._live: Set[str] = set()
@@ -103,8 +108,13 @@ class ReplayBackend(Backend):
                 outputs[k] = _diverged_output(self.model_name)
                 continue
             lps = rec['logprobs'] if options.logprobs else None
-            outputs[k] = build_output(rec['text'], rec['token_ids'], rec['finish_reason'], logprobs=lps,
-                                      model=self.model_name)
+            plan = self.prompter.plan(request) if self.prompter is not None else None
+            out = build_output(rec['text'], rec['token_ids'], rec['finish_reason'], logprobs=lps,
+                               model=self.model_name, prompt_tokens=len(plan.ids) if plan is not None else 0,
+                               prompt_token_ids=list(plan.ids) if plan is not None else None)
+            if plan is not None:
+                commit_outputs(self.prompter, [request], [plan], [out])
+            outputs[k] = out
             self.served += 1
         if live_at:
             live_outputs = list(self.live([requests[k] for k in live_at], request_config))
@@ -123,6 +133,24 @@ class ReplayBackend(Backend):
     def describe(self) -> str:
         live = f', live: {self.live.describe()}' if self.live is not None and hasattr(self.live, 'describe') else ''
         return f'replay of {self.path}{live}'
+
+
+#: backends that generate from exact token prompts and keep each request's token record
+TOKEN_BACKENDS = ('hf', 'vllm')
+
+
+def run_prompter(backend: str, model: Optional[str], options: Dict[str, Any]) -> Optional[TokenPrompter]:
+    """The prompter the run's backend used (its tokenizer, chat template and prefix policy), so that
+    the replay rebuilds the same exact-id token record (``rollout_infos.token_record``); ``None``
+    for a backend that keeps none (scripted, an OpenAI server without ``tokenizer``)."""
+    if backend in TOKEN_BACKENDS:
+        tokenizer = load_tokenizer(model or 'embedded')
+    elif backend == 'openai' and isinstance(options.get('tokenizer'), str) and options.get('prompt_mode') != 'chat':
+        tokenizer = load_tokenizer(options['tokenizer'])
+    else:
+        return None
+    return TokenPrompter(tokenizer, options.get('chat_template'), policy=options.get('prefix_policy', 'exact'),
+                         exact=options.get('exact_ids', True))
 
 
 def _diverged_output(model: str) -> Any:
