@@ -10,8 +10,10 @@ shown as digests, with the first differing id) and the backend's exact-id ``toke
 (``rollout_infos.token_record``: the prompt ids each turn was generated from).
 
 Memory: run B is indexed once (uuid -> byte offset of its line), run A streamed; a line of B is
-read back when its uuid comes up, so only one pair of trajectories and the index are held, and
-the per-group reward sums (``num_generations`` copies share ``<uuid>#<k>``'s prefix).
+read back when its uuid comes up. The index, A's uuids and the per-group reward sums
+(``num_generations`` copies share ``<uuid>#<k>``'s prefix) live in a temporary SQLite file
+(:class:`DiskIndex`), so memory holds one pair of trajectories and SQLite's bounded page cache,
+whatever the size of the runs; only the groups whose mean reward changed are kept for the report.
 
 Rewards are read through :func:`reward_of`, the one place that knows where a line keeps them.
 """
@@ -19,6 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sqlite3
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -168,9 +173,11 @@ def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS
     values = {'finish_reason': (a.get('finish_reason'), b.get('finish_reason')),
               'num_turns': (a.get('num_turns'), b.get('num_turns')),
               'final_reward': (reward_of(a), reward_of(b)),
-              'trained': (_digest(_trained(a)), _digest(_trained(b))),
-              'token_record': (_digest(_token_record(a)), _digest(_token_record(b)))}
+              'trained': (_trained(a), _trained(b)),
+              'token_record': (_token_record(a), _token_record(b))}
     differ = [f for f in REQUEST_FIELDS if f in fields and values[f][0] != values[f][1]]
+    for f in ('trained', 'token_record'):  # long: shown as digests
+        values[f] = (_digest(values[f][0]), _digest(values[f][1]))
     if len(va) != len(vb) and 'num_turns' in fields and 'num_turns' not in differ:
         differ.append('num_turns')
         values['num_turns'] = (len(va), len(vb))
@@ -202,39 +209,103 @@ def _digest(value: Any) -> Optional[str]:
     return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:12]
 
 
-def _lines(path: Path) -> Iterator[Tuple[int, Dict[str, Any]]]:
+def _parse(raw: bytes, path: Path, no: Optional[int]) -> Dict[str, Any]:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f'{path}:{no or "?"}: not a JSON line: {exc}') from None
+
+
+def _uuid_of(raw: bytes, decoder: json.JSONDecoder) -> Optional[str]:
+    start = raw.find(b'"uuid": ')
+    if start >= 0:  # our own writer: the uuid is the first key; no need to parse the line
+        try:
+            uuid, _ = decoder.raw_decode(raw[start + 8:].decode('utf-8'))
+        except ValueError:
+            uuid = None
+        if isinstance(uuid, str):
+            return uuid
+    try:
+        return str(json.loads(raw)['uuid'])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def iter_raw(path: Path) -> Iterator[Tuple[int, str, int, bytes]]:
+    """``(line number, uuid, byte offset, raw line)`` of each line of a trajectories file."""
+    offset = 0
+    decoder = json.JSONDecoder()
     with open(path, 'rb') as f:
         for no, raw in enumerate(f, 1):
             if raw.strip():
-                try:
-                    yield no, json.loads(raw)
-                except ValueError as exc:
-                    raise ValueError(f'{path}:{no}: not a JSON line: {exc}') from None
+                uuid = _uuid_of(raw, decoder)
+                if uuid is None:
+                    raise ValueError(f'{path}:{no}: not a trajectory line (no uuid)')
+                yield no, uuid, offset, raw
+            offset += len(raw)
+
+
+def iter_offsets(path: Path) -> Iterator[Tuple[str, int]]:
+    """``(uuid, byte offset)`` of each line of a trajectories file, in file order."""
+    for _, uuid, offset, _ in iter_raw(path):
+        yield uuid, offset
 
 
 def index_lines(path: Path) -> Dict[str, int]:
     """uuid -> byte offset of its line (a later line with the same uuid wins, as in
     :func:`mtflow.run.trajectories.read_trajectories`)."""
-    index: Dict[str, int] = {}
-    offset = 0
-    with open(path, 'rb') as f:
-        for no, raw in enumerate(f, 1):
-            if raw.strip():
-                start = raw.find(b'"uuid": ')
-                uuid = None
-                if start >= 0:  # our own writer: the uuid is the first key; no need to parse the line
-                    try:
-                        uuid, _ = json.JSONDecoder().raw_decode(raw[start + 8:].decode('utf-8'))
-                    except ValueError:
-                        uuid = None
-                if not isinstance(uuid, str):
-                    try:
-                        uuid = str(json.loads(raw)['uuid'])
-                    except (ValueError, KeyError, TypeError):
-                        raise ValueError(f'{path}:{no}: not a trajectory line (no uuid)') from None
-                index[uuid] = offset
-            offset += len(raw)
-    return index
+    return dict(iter_offsets(path))
+
+
+class DiskIndex:
+    """What a diff must remember, in a temporary SQLite file rather than in memory, so a diff's
+    memory does not grow with the runs: B's uuid -> byte offset (and whether A had it), A's uuids
+    (a uuid written twice counts once), and the per-group reward sums. SQLite's page cache is
+    bounded (``CACHE_KIB``); the file is deleted when the diff ends."""
+
+    #: SQLite's page cache, KiB
+    CACHE_KIB = 8192
+
+    def __init__(self, path_b: Path) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix='mtflow-diff-')
+        self.db = sqlite3.connect(os.path.join(self._dir.name, 'index.sqlite'), isolation_level=None)
+        for pragma in ('journal_mode=OFF', 'synchronous=OFF', f'cache_size=-{self.CACHE_KIB}', 'temp_store=FILE'):
+            self.db.execute(f'PRAGMA {pragma}')
+        self.db.execute('BEGIN')
+        self.db.execute('CREATE TABLE b (uuid TEXT PRIMARY KEY, off INTEGER, seen INTEGER DEFAULT 0) WITHOUT ROWID')
+        self.db.execute('CREATE TABLE a (uuid TEXT PRIMARY KEY) WITHOUT ROWID')
+        self.db.execute('CREATE TABLE g (grp TEXT PRIMARY KEY, sa REAL, na INTEGER, sb REAL, nb INTEGER) WITHOUT ROWID')
+        # a later line with the same uuid wins, as in read_trajectories
+        self.db.executemany('INSERT OR REPLACE INTO b (uuid, off) VALUES (?, ?)', iter_offsets(path_b))
+
+    def first_in_a(self, uuid: str) -> bool:
+        """Whether this is the first line of A with this uuid (and remember it)."""
+        return self.db.execute('INSERT OR IGNORE INTO a VALUES (?)', (uuid, )).rowcount == 1
+
+    def offset_in_b(self, uuid: str) -> Optional[int]:
+        """B's line of ``uuid`` (``None``: only in A), marked as paired."""
+        row = self.db.execute('SELECT off FROM b WHERE uuid = ?', (uuid, )).fetchone()
+        if row is None:
+            return None
+        self.db.execute('UPDATE b SET seen = 1 WHERE uuid = ?', (uuid, ))
+        return int(row[0])
+
+    def add_rewards(self, group: str, a: Optional[float], b: Optional[float]) -> None:
+        row = (group, a or 0.0, int(a is not None), b or 0.0, int(b is not None))
+        self.db.execute('INSERT INTO g VALUES (?, ?, ?, ?, ?) ON CONFLICT (grp) DO UPDATE SET sa = sa + excluded.sa, '
+                        'na = na + excluded.na, sb = sb + excluded.sb, nb = nb + excluded.nb', row)
+
+    def only_in_b(self) -> Iterator[str]:
+        for (uuid, ) in self.db.execute('SELECT uuid FROM b WHERE seen = 0 ORDER BY off'):
+            yield uuid
+
+    def groups(self) -> Iterator[Tuple[str, List[float]]]:
+        for grp, sa, na, sb, nb in self.db.execute('SELECT grp, sa, na, sb, nb FROM g ORDER BY grp'):
+            yield grp, [sa, na, sb, nb]
+
+    def close(self) -> None:
+        self.db.close()
+        self._dir.cleanup()
 
 
 class DiffRun:
@@ -250,41 +321,48 @@ class DiffRun:
         self.fields = tuple(fields)
         self.totals = DiffTotals()
 
-    def _group(self, uuid: str, a: Optional[float], b: Optional[float]) -> None:
-        g = self.totals.groups.setdefault(group_of(uuid), [0.0, 0, 0.0, 0])
-        if a is not None:
-            g[0] += a
-            g[1] += 1
-        if b is not None:
-            g[2] += b
-            g[3] += 1
-
     def __iter__(self) -> Iterator[Union[RequestDiff, Tuple[str, str]]]:
-        index = index_lines(self.path_b)
-        seen = set()
+        index = DiskIndex(self.path_b)
         totals = self.totals
-        with open(self.path_b, 'rb') as fb:
-            for _, a in _lines(self.path_a):
-                uuid = str(a.get('uuid'))
-                if uuid in seen:
-                    continue  # a uuid written twice (not by mtflow run): its first line counts
-                seen.add(uuid)
-                offset = index.get(uuid)
-                if offset is None:
-                    totals.only_in_a += 1
-                    self._group(uuid, reward_of(a), None)
-                    yield ('only_in_a', uuid)
-                    continue
-                fb.seek(offset)
-                b = json.loads(fb.readline())
-                self._group(uuid, reward_of(a), reward_of(b))
-                d = compare(a, b, self.fields)
-                if d is None:
-                    totals.identical += 1
-                else:
-                    totals.different += 1
-                    yield d
-        for uuid in index:
-            if uuid not in seen:
+        try:
+            with open(self.path_b, 'rb') as fb:
+                for no, uuid, _, raw_a in iter_raw(self.path_a):
+                    if not index.first_in_a(uuid):
+                        continue  # a uuid written twice (not by mtflow run): its first line counts
+                    a = _parse(raw_a, self.path_a, no)
+                    offset = index.offset_in_b(uuid)
+                    if offset is None:
+                        totals.only_in_a += 1
+                        index.add_rewards(group_of(uuid), reward_of(a), None)
+                        yield ('only_in_a', uuid)
+                        continue
+                    fb.seek(offset)
+                    raw_b = fb.readline()
+                    if raw_b.rstrip(b'\r\n') == raw_a.rstrip(b'\r\n'):  # the same bytes: identical, parsed once
+                        index.add_rewards(group_of(uuid), reward_of(a), reward_of(a))
+                        totals.identical += 1
+                        continue
+                    b = _parse(raw_b, self.path_b, None)
+                    index.add_rewards(group_of(uuid), reward_of(a), reward_of(b))
+                    d = compare(a, b, self.fields)
+                    if d is None:
+                        totals.identical += 1
+                    else:
+                        totals.different += 1
+                        yield d
+            for uuid in index.only_in_b():
                 totals.only_in_b += 1
                 yield ('only_in_b', uuid)
+            # only the groups whose mean changed are kept (what reward_changes reports)
+            for group, sums in index.groups():
+                if _mean_changed(sums):
+                    totals.groups[group] = sums
+        finally:
+            index.close()
+
+
+def _mean_changed(sums: List[float]) -> bool:
+    sa, na, sb, nb = sums
+    if not na and not nb:
+        return False
+    return abs((sa / na if na else 0.0) - (sb / nb if nb else 0.0)) > 1e-12
