@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 from mtflow.run.files import TRAJECTORIES
 from mtflow.run.turn_log import expand_turns
 
-__all__ = ['FIELDS', 'index_lines', 'RequestDiff', 'DiffTotals', 'DiffRun', 'compare', 'trajectories_file', 'reward_of', 'turn_views',
+__all__ = ['FIELDS', 'index_lines', 'iter_offsets', 'iter_raw', 'DiskIndex', 'RequestDiff', 'DiffTotals', 'DiffRun', 'compare', 'trajectories_file', 'reward_of', 'turn_views',
            'group_of']
 
 #: what can differ, in the order they are checked within a turn, then over the request
