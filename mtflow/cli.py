@@ -1,4 +1,5 @@
-"""The ``mtflow`` command line: ``run``, ``validate``, ``schema``, ``graph``, ``trace``, ``check-tokens``.
+"""The ``mtflow`` command line: ``run``, ``validate``, ``schema``, ``graph``, ``trace``, ``check-tokens``,
+``replay``, ``rescore``, ``diff``.
 
 Each subcommand lives in ``mtflow/commands/<name>.py`` with ``add_parser(subparsers)`` and
 ``main(args) -> int``, and is imported only when used, so ``mtflow --help`` stays fast.
@@ -25,6 +26,9 @@ COMMANDS = {
     'graph': ('mtflow.commands.graph', "print a scheduler's state graph (mermaid or SVG)"),
     'trace': ('mtflow.commands.trace', 'view trace files in the terminal or as an HTML page'),
     'check-tokens': ('mtflow.commands.check_tokens', 'check that every turn is generated from the exact ids before it'),
+    'replay': ('mtflow.commands.replay', "re-run a run with its recorded model outputs against a (new) config"),
+    'rescore': ('mtflow.commands.rescore', 'recompute the rewards and finish policy of a run, no model or tool call'),
+    'diff': ('mtflow.commands.diff', 'compare two runs request by request, turn by turn (exit 1 when they differ)'),
 }
 
 

@@ -20,18 +20,27 @@ While a test runs, every :class:`mtflow.Executor` run it makes publishes its tra
       def test_my_template(mtflow_check_tokens):
           mtflow_check_tokens(HFBackend(model, tokenizer), template='my_template.jinja')
 
+* the ``mtflow_replay`` fixture replays a stored run directory against the environment under
+  test and fails with the diff unless the runs are identical (``docs/replay.md``)::
+
+      def test_env_unchanged(mtflow_replay):
+          mtflow_replay('tests/data/replay_example/run', 'tests/data/replay_example/config.yaml')
+
 It costs nothing in a session that runs no executor: the listener only appends to a list, and the
 viewer is imported only to format a failure.
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import re
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence
 
 import pytest
 
+from mtflow.core.errors import UserError
 from mtflow.core.trace import Trace, add_listener, remove_listener
 
 #: At most this many requests are printed under a failure (the HTML page has them all).
@@ -151,6 +160,64 @@ def mtflow_check_tokens() -> Any:
         return report
 
     return check
+
+
+@pytest.fixture
+def mtflow_replay(tmp_path: Path) -> Any:
+    """``replay(run_dir, config=None, *, tools='live', fields=None) -> dict``: replay a stored run
+    directory (``mtflow replay``: its recorded model outputs) against ``config`` (the environment,
+    tools, scheduler and reward under test; default: the run's own config), compare the new run
+    with the stored one (``mtflow diff``), and raise ``AssertionError`` with the diff (each request
+    that differs, its first differing turn and fields, the totals) unless they are identical.
+    Returns the diff's totals. ``tools='recorded'`` serves tool and environment results from the
+    record; ``fields`` limits what is compared (``mtflow diff --fields``). ``docs/replay.md``
+    shows an environment's regression test built on it."""
+    count = [0]
+
+    def replay(run_dir: Any, config: Any = None, *, tools: str = 'live',
+               fields: Optional[Sequence[str]] = None) -> Any:
+        count[0] += 1
+        out = tmp_path / f'mtflow-replay-{count[0]}'
+        argv = ['replay', str(run_dir)] + ([str(config)] if config is not None else []) + [
+            '--out', str(out), '-q', '--tools', tools]
+        code, _ = _command(argv)
+        if code != 0:
+            raise AssertionError(f'mtflow {" ".join(argv)} failed (exit {code})')
+        base, only = ['diff', str(run_dir), str(out)], (['--fields', *fields] if fields else [])
+        code, shown = _command(base + ['--json'] + only)
+        lines = [json.loads(line) for line in shown.splitlines() if line.strip()]
+        if code not in (0, 1) or not lines or 'totals' not in lines[-1]:
+            raise AssertionError(f'mtflow {" ".join(base)} failed (exit {code}): {shown.strip()}')
+        if code == 1:
+            _, text = _command(base + ['--max-shown', '20'] + only)
+            raise AssertionError(f'the replay of {run_dir} against {config or "its own config"} differs '
+                                 f'(new run: {out}):\n{text.rstrip()}')
+        return lines[-1]['totals']
+
+    return replay
+
+
+def _command(argv: List[str]) -> Any:
+    """Run ``mtflow replay`` / ``mtflow diff`` in this process: ``(exit status, stdout)``; a
+    user error raises ``AssertionError`` with its one-line message."""
+    import argparse
+
+    from mtflow.commands import diff, replay  # lazy: the plugin loads in every pytest session
+
+    parser = argparse.ArgumentParser(prog='mtflow')
+    sub = parser.add_subparsers()
+    replay.add_parser(sub)
+    diff.add_parser(sub)
+    shown = io.StringIO()
+    try:
+        args = parser.parse_args(argv)
+        with contextlib.redirect_stdout(shown):
+            code = args.func(args)
+    except (UserError, FileNotFoundError) as exc:
+        raise AssertionError(f'mtflow {" ".join(argv)}: {exc}') from None
+    except SystemExit as exc:  # argparse: a usage error
+        raise AssertionError(f'mtflow {" ".join(argv)}: bad arguments (exit {exc.code})') from None
+    return code, shown.getvalue()
 
 
 def involved_uuids(capture: TraceCapture, failure_text: str) -> List[str]:

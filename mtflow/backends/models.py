@@ -203,6 +203,27 @@ def embedded_model_dir() -> Path:
     return converted_dir(embedded_gguf_path())
 
 
+def load_tokenizer(name: str = 'embedded') -> Any:
+    """The tokenizer of the model :func:`load_model` would load for ``name``, without the weights
+    (``mtflow replay`` rebuilds a run's exact-id token record with it). The embedded model's and a
+    GGUF file's come from their converted copy (made once, as :func:`load_model` does)."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    if name in EMBEDDED_NAMES:
+        return AutoTokenizer.from_pretrained(str(embedded_model_dir()), local_files_only=True)
+    path = Path(name).expanduser()
+    if path.suffix == '.gguf':
+        return AutoTokenizer.from_pretrained(str(converted_dir(path)), local_files_only=True)
+    looks_local = path.exists() or name.startswith(('.', '/', '~')) or name.count('/') > 1
+    local_only = looks_local or os.environ.get('HF_HUB_OFFLINE', '1') != '0'
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if looks_local else name, local_files_only=local_only)
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ''
+        raise BackendError(f'cannot load the tokenizer of {name!r}: {type(exc).__name__}: {first_line}') from exc
+
+
 def load_model(name: str = 'embedded', *, device: Optional[str] = None, dtype: Optional[str] = None) -> LoadedModel:
     """Load a causal LM and its tokenizer by name (see the module docstring)."""
     if name in EMBEDDED_NAMES:

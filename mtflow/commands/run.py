@@ -51,6 +51,7 @@ from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize
+from mtflow.run.turn_log import REPLAY_FORMAT
 
 #: what ``_Attempt.run`` returns when a signal came before the backend was up: nothing to report
 NOTHING_RAN = 'nothing ran'
@@ -178,7 +179,13 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
     return RunStore.open(cfg.out, mode, fingerprint, delete_old=args.delete_old, flush_every=args.flush_every,
-                         flush_interval_s=args.flush_interval)
+                         flush_interval_s=args.flush_interval, meta=run_meta(cfg))
+
+
+def run_meta(cfg: RunConfig) -> Dict[str, Any]:
+    """What ``run.json`` says beyond the fingerprint, for ``mtflow replay`` / ``rescore``: the
+    config file (the default config of a replay) and the version of the lines' ``turns``."""
+    return {'config_file': str(Path(cfg.source).resolve()) if cfg.source else None, 'replay_format': REPLAY_FORMAT}
 
 
 def dataset_file(cfg: RunConfig) -> Optional[Path]:

@@ -2,6 +2,7 @@
 
 ``FILE`` is a trace JSONL file (``docs/trace-format.md``); ``--trajectories`` adds the companion
 file with messages and token segments for the detail views. ``docs/viewer.md`` shows both views.
+``mtflow trace html RUN_A --compare RUN_B -o page.html`` is the two-run page (``mtflow/viewer/compare.py``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from mtflow.commands.graph import graph_for_config
 from mtflow.core.errors import UserError
 from mtflow.core.machine import STATES
 from mtflow.core.trace import Trace
+from mtflow.run.files import TRAJECTORIES
 from mtflow.run.trajectories import read_trajectories
+from mtflow.viewer.compare import render_compare_html
 from mtflow.viewer.html import render_html
 from mtflow.viewer.model import request_views, select_views, summarize
 from mtflow.viewer.query import QueryError, rows_of, select_rows, sort_rows
@@ -64,6 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     html.add_argument('--config', metavar='YAML', help="draw this scheduler's declared graph (default: core + "
                       'the finish reasons in the trace)')
     html.add_argument('--title', help="page title (default: the run directory's name, else the file name)")
+    html.add_argument('--compare', metavar='RUN_B', help='a two-run page: FILE is run A (a run directory, its trace '
+                      'or trajectories file), RUN_B the run to compare it with; the first difference of each request '
+                      'highlighted (mtflow diff\'s comparison)')
+    html.add_argument('--max-shown', type=int, default=200, metavar='N',
+                      help='--compare: show at most N differing requests in detail (default 200; all are counted)')
     p.set_defaults(func=main)
 
 
@@ -186,7 +194,31 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_of(path: str) -> Path:
+    """A run directory from a directory, its ``trace.jsonl`` or its ``trajectories.jsonl``."""
+    p = Path(path)
+    if p.is_file() and p.name != TRAJECTORIES and (p.parent / TRAJECTORIES).is_file():
+        return p.parent
+    return p
+
+
+def compare_html(args: argparse.Namespace) -> int:
+    try:
+        page = render_compare_html(_run_of(args.file), _run_of(args.compare), max_shown=args.max_shown,
+                                   title=args.title)
+    except ValueError as exc:  # a damaged line names its file and line
+        raise UserError(str(exc)) from None
+    out = Path(args.output)
+    if out.parent and not out.parent.exists():
+        raise UserError(f'no such directory: {out.parent}')
+    out.write_text(page, encoding='utf-8')
+    print(f'wrote {out} ({len(page) // 1024} KiB)')
+    return 0
+
+
 def html(args: argparse.Namespace) -> int:
+    if args.compare:
+        return compare_html(args)
     trace, trajectories, tokenizer = _load(args)
     views = _views(trace, args, trajectories)
     if not views:

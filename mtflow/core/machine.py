@@ -43,6 +43,7 @@ ERROR = 'error'
 TIMEOUT = 'timeout'
 INTERRUPTED = 'interrupted'
 TURN_CAP = 'turn_cap'
+REPLAY_DIVERGED = 'replay_diverged'
 
 #: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
 #: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
@@ -61,6 +62,9 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
      '(a warning says so)'),
     (INTERRUPTED, 'limit', 'the run was interrupted (Ctrl-C, `SystemExit`) before the request finished; '
      '`RolloutInterrupted.result` holds its partial output'),
+    (REPLAY_DIVERGED, 'limit', '`mtflow replay`: the prompt of this turn is not the one the recorded output answered '
+     '(the environment, a tool or the scheduler answered differently), so the record cannot go on; the output '
+     'of this turn is not applied (`docs/replay.md`)'),
 )
 FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
 FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')

@@ -15,9 +15,19 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Tuple
 
-from mtflow.core.machine import CHECK_FINISHED, DONE_BY_HOOK, LENGTH, MAX_TURNS
+from mtflow.core.machine import CHECK_FINISHED, DONE_BY_HOOK, LENGTH, MAX_TURNS, REPLAY_DIVERGED
 
-__all__ = ['default_check', 'decide_stop', 'turn_limit_reached']
+__all__ = ['default_check', 'decide_stop', 'turn_limit_reached', 'output_finish', 'OUTPUT_FINISH_REASONS']
+
+#: finish reasons a model output carries itself (``choice.finish_reason``) that end its request
+#: before the output is applied or any hook sees it: the replay backend's ``replay_diverged``
+OUTPUT_FINISH_REASONS = frozenset((REPLAY_DIVERGED, ))
+
+
+def output_finish(choice_finish_reason: Optional[str]) -> Optional[str]:
+    """The finish reason when an output ends its request by itself (see
+    :data:`OUTPUT_FINISH_REASONS`), else ``None``."""
+    return choice_finish_reason if choice_finish_reason in OUTPUT_FINISH_REASONS else None
 
 
 def turn_limit_reached(turn: int, max_turns: Optional[int]) -> bool:

@@ -50,7 +50,7 @@ from mtflow.declarative.stop_rules import StopRules
 from mtflow.declarative.tips import TipRules, cut_before_markers
 from mtflow.declarative.tool_calls import build_tool, read_calls, run_calls
 from mtflow.declarative.templates import render
-from mtflow.tools.runner import ToolResult, ToolRunner
+from mtflow.tools.runner import ERROR_INFO_CHARS, ToolResult, ToolRunner
 from mtflow.tools.tool import Tool
 
 __all__ = ['YamlScheduler', 'ToolCallError', 'token_accounting']
@@ -87,12 +87,33 @@ class YamlScheduler(Scheduler):
         self._states: Dict[Any, RequestState] = {}
         self.finish_reasons = tuple(self.stop_rules.finish_reasons(config, self.idle_rule))
         self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
+        #: where tool results come from instead of running the tools (``use_recorded``)
+        self.recorded_tools: Optional[Any] = None
+
+    def use_recorded(self, recorded: Any) -> None:
+        """Take tool and environment results from ``recorded`` instead of calling any tool or
+        environment (``mtflow replay --tools recorded``): ``recorded.tool_results(uuid, turn, calls)``
+        gives a turn's :class:`ToolResult` list, ``recorded.env_factory()`` an environment that
+        answers with the recorded observations. The configured environment factory is closed
+        unused (it is cheap and starts nothing until called)."""
+        self.recorded_tools = recorded
+        if self._env_factory is not None:
+            close_factory = getattr(self._env_factory, 'close', None)
+            if callable(close_factory):
+                close_factory()
+            self._env_factory = recorded.env_factory()
 
     @property
     def env_factory(self) -> Optional[Callable[[], Any]]:
         """What makes each request's environment (``None`` without ``env``); for OpenEnv, the
         :class:`~mtflow.declarative.envs.openenv_env.OpenEnvPool` with its servers."""
         return self._env_factory
+
+    @property
+    def reward_function(self) -> Optional[Callable[..., Any]]:
+        """The ``reward`` the config names, ``reward(infer_request, infos) -> float`` (``None``
+        without one); ``mtflow rescore`` calls it over stored trajectories."""
+        return self._reward
 
     @property
     def idle_rule(self) -> str:
@@ -296,6 +317,8 @@ class YamlScheduler(Scheduler):
         else:
             results = await self._run_calls(state, infer_request, current_turn)
             trace_info['calls'] = [r.to_info() for r in results]
+            # what a replay needs beside it: each call's arguments and its whole result text
+            trace_info['tool_io'] = [tool_io(r) for r in results]
             texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
                      for i, r in enumerate(results)]
             inline_text = add_observations(self.config.observation, messages, results, texts)
@@ -329,12 +352,24 @@ class YamlScheduler(Scheduler):
     async def _run_calls(self, state: RequestState, infer_request: Any, turn: int) -> List[ToolResult]:
         calls, cfg = state.calls, self.config
         state.calls = []
-        results = await run_calls(self.runner, self.parser, calls, cfg.max_tool_calls_per_turn)
+        if self.recorded_tools is not None:
+            results = list(self.recorded_tools.tool_results(getattr(infer_request, 'uuid', None), turn, calls))
+        else:
+            results = await run_calls(self.runner, self.parser, calls, cfg.max_tool_calls_per_turn)
         failed = state.count_calls(results)
         if failed and cfg.tool_errors == 'finish':
             raise ToolCallError(f'{len(failed)} tool call(s) failed: ' + '; '.join(r.error for r in failed),
                                 uuid=getattr(infer_request, 'uuid', None), turn=turn, field='tool_calls')
         return results
+
+
+def tool_io(result: ToolResult) -> Dict[str, Any]:
+    """What a replay needs of a call beside its ``calls`` entry (``ToolResult.to_info``): the
+    arguments, the whole result text, and the whole error when ``calls`` holds it cut."""
+    io: Dict[str, Any] = {'arguments': result.arguments, 'output': result.output}
+    if not result.ok and len(result.error) > ERROR_INFO_CHARS:
+        io['error'] = result.error
+    return io
 
 
 def token_accounting(tokenizer: Any, infer_request: Any, turn: int, model_ids: List[int], logprobs: List[float],

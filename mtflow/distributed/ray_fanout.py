@@ -42,6 +42,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 from mtflow.core.errors import MtflowError
 from mtflow.engine.executor import Executor
 from mtflow.run.trajectories import finished_to_record, reference_field
+from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
 __all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
 
@@ -118,6 +119,8 @@ class ShardWorker:
         self.spec = spec
         self.backend = spec.make_backend()
         self.scheduler = spec.make_scheduler(getattr(self.backend, 'tokenizer', None))
+        #: each model call's output per request: the lines' ``turns``, what ``mtflow replay`` serves
+        self.turn_log = TurnLog()
         self.load_s = time.perf_counter() - t0
         self.pid = os.getpid()
 
@@ -179,7 +182,8 @@ class ShardWorker:
 
     def _executor(self, on_finished: Callable[[Any], None]) -> Executor:
         spec = self.spec
-        return Executor(self.scheduler, self.backend, spec.request_config, max_turns=spec.max_turns,
+        return Executor(self.scheduler, self.turn_log.wrap(self.backend), spec.request_config,
+                        max_turns=spec.max_turns,
                         on_error='return', rank=self.slot, on_finished=on_finished,
                         accounting=spec.make_accounting(self.scheduler) if spec.make_accounting else None,
                         **spec.executor_options)
@@ -188,6 +192,7 @@ class ShardWorker:
         """One finished request as plain data for the driver (a :class:`RayRecord`'s fields)."""
         record, events = finished_to_record(finished, index=index, rank=self.slot, t_offset=t_offset, request=request,
                                             reference_key=reference_field(self.scheduler))
+        record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
         for e in events:
             e['rank'] = self.slot
         failure = finished.failure.to_dict() if finished.failure is not None else None

@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.calls import OK, Outcome
 from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResultError
-from mtflow.core.machine import CHECK_FINISHED, CONTINUE, FINISH, GENERATE, RUN_STEP, TURN_PHASES, RequestRecord
+from mtflow.core.machine import CHECK_FINISHED, CONTINUE, FAIL, FINISH, GENERATE, RUN_STEP, TURN_PHASES, RequestRecord
 from mtflow.core.records import Move, TurnMoves
-from mtflow.core.stop import decide_stop, default_check
+from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
 from mtflow.engine.moves import fail_move, outcome_move, wait_move
@@ -123,6 +123,10 @@ def _apply_outputs(run: RunState, records: List[RequestRecord], turn: int,
         rec.tokens = 0
         try:
             response, choice = check_output(out, rec.uuid, turn)
+            ends = output_finish(choice.finish_reason)
+            if ends is not None:  # e.g. replay_diverged: the output must not be applied at all
+                failed[rec.index] = Move(rec, FAIL, turn, reason=ends)
+                continue
             rec.response = response
             rec.is_continuation = append_completion(rec, choice.message.content)
         except Exception as exc:

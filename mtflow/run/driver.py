@@ -23,6 +23,7 @@ from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
 from mtflow.run.trajectories import reference_field
+from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
 __all__ = ['StreamingRun', 'roll_out']
 
@@ -73,6 +74,8 @@ class StreamingRun:
         self.on_progress = on_progress
         self.counter = _TurnCounter(rollout_fn, store, self._on_turn)
         self.executor = make_executor(self.counter, self.on_finished)
+        #: the model calls' outputs per request (the ``turns`` of each line, what replay serves)
+        self.turn_log: Optional[TurnLog] = getattr(make_executor, 'turn_log', None)
         self.rollout_fn_calls = 0
         self.finished = 0  # requests finished in this attempt (written or interrupted)
         self.skipped = 0  # prompts already written by an earlier attempt
@@ -87,6 +90,8 @@ class StreamingRun:
     def on_finished(self, finished: Any) -> None:
         record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset,
                                             request=self._requests[finished.index], reference_key=self.reference_key)
+        if self.turn_log is not None:
+            record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
         self.finished += 1
         try:
             if finished.finish_reason == INTERRUPTED:
@@ -165,20 +170,21 @@ class _ExecutorFactory:
         self.cfg, self.scheduler, self.backend = cfg, scheduler, backend
         self.request_config = cfg.make_request_config()
         self.closing: List[Callable[[], None]] = []  # a batcher's threads, stopped when the run ends
+        self.turn_log = TurnLog()
 
     def __call__(self, rollout_fn: Any, on_finished: Callable[[Any], None]) -> Executor:
         cfg = self.cfg
         options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
                                        accounting=record_accounting(self.scheduler))
         if cfg.mode != 'async':
-            return Executor(self.scheduler, rollout_fn, self.request_config, **options)
+            return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, **options)
         # the async driver has no turns to count, so it gets the backend itself, not the counter
         make = getattr(self.backend, 'async_rollout_fn', None)
         async_fn = make() if callable(make) else self.backend
         close = getattr(async_fn, 'close', None) if async_fn is not self.backend else None
         if callable(close):
             self.closing.append(close)
-        return Executor(self.scheduler, async_fn, self.request_config, mode='async',
+        return Executor(self.scheduler, self.turn_log.wrap(async_fn), self.request_config, mode='async',
                         max_concurrency=cfg.max_concurrency, **options)
 
     def close(self) -> None:
@@ -201,8 +207,10 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
     process; this attempt's figures go into ``figures``, also when a signal stops it. ``show``
     is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
-    ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change."""
+    ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change. A backend
+    with ``forget(uuid)`` (the replay backend) is told when each request is finished."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend)
+    make_executor.turn_log.on_finish = getattr(backend, 'forget', None)
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),

@@ -113,7 +113,7 @@ class RunStore:
     @classmethod
     def open(cls, out_dir: Union[str, Path], mode: Mode = 'new', fingerprint: Optional[Dict[str, Any]] = None, *,
              delete_old: bool = False, fsync: bool = True, flush_every: int = 256,
-             flush_interval_s: float = 2.0) -> 'RunStore':
+             flush_interval_s: float = 2.0, meta: Optional[Dict[str, Any]] = None) -> 'RunStore':
         """Open ``out_dir`` for writing.
 
         * ``'new'``: the directory must be missing or empty; otherwise :class:`RunDirError`
@@ -124,6 +124,9 @@ class RunStore:
           every uuid already written. A missing or empty directory starts a new run.
         * ``'overwrite'``: start afresh; an existing non-empty directory is moved to
           ``<out>.old-<UTC time>``, or with ``delete_old`` its mtflow files are deleted.
+
+        ``meta`` (JSON values) goes into a new run's ``run.json`` as it is (``mtflow run``: the
+        config file and the ``replay_format`` of the trajectory lines' ``turns``).
         """
         if mode not in MODES:
             raise ValueError(f'mode must be one of {", ".join(MODES)}, not {mode!r}')
@@ -149,7 +152,7 @@ class RunStore:
             elif entries:
                 raise RunDirError(not_empty_message(out, entries))
             else:
-                store._open_new(fingerprint)
+                store._open_new(fingerprint, meta)
             store._dir_lock.claim()
         except BaseException:
             store.groups.close_files()
@@ -158,9 +161,9 @@ class RunStore:
             raise
         return store
 
-    def _open_new(self, fingerprint: Optional[Dict[str, Any]]) -> None:
+    def _open_new(self, fingerprint: Optional[Dict[str, Any]], meta: Optional[Dict[str, Any]] = None) -> None:
         self.info = {'format': FORMAT, 'created': utc_now(), 'started_unix': time.time(),
-                     'fingerprint': fingerprint or {}, 'attempts': []}
+                     'fingerprint': fingerprint or {}, **(meta or {}), 'attempts': []}
         for name in (TRAJECTORIES, TRACE):
             fd = os.open(self.out_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.close(fd)

@@ -52,6 +52,10 @@ class ToolOutput(str):
         return self
 
 
+#: how much of a failed call's error ``ToolResult.to_info`` keeps (the trace's ``calls``)
+ERROR_INFO_CHARS = 500
+
+
 @dataclass
 class ToolResult:
     """One call's outcome. ``error_kind``: ``parse``, ``unknown_tool``, ``bad_arguments``,
@@ -72,7 +76,7 @@ class ToolResult:
             info['usage'] = dict(self.usage)
         if not self.ok:
             info['error_kind'] = self.error_kind
-            info['error'] = self.error[:500]
+            info['error'] = self.error[:ERROR_INFO_CHARS]
         return info
 
 

@@ -65,3 +65,18 @@ def test_close_closes_the_scheduler_then_the_backend():
     list(w.run_shard([(i, data[i]) for i in range(2)]))
     w.close()
     assert closed == ['scheduler', 'backend']
+
+
+def test_each_record_carries_the_turns_replay_serves():
+    from mtflow.run.turn_log import expand_turns
+
+    data = H.dataset(8)
+    items = list(worker().run_shard([(i, data[i]) for i in (5, 6, 7)]))
+    records = [r for k, group in items if k == 'finished' for r in group]
+    assert len(records) == 3
+    for r in records:
+        line = r['trajectory']
+        turns = expand_turns(line)
+        assert len(turns) == line['num_turns'] == H.turns_of(int(r['uuid'][1:]))
+        assistant = [m['content'] for m in line['messages'] if m['role'] == 'assistant']
+        assert [t['text'] for t in turns] == assistant and len({t['prompt'] for t in turns}) == len(turns)

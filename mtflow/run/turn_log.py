@@ -1,0 +1,213 @@
+"""What replay needs of each model call: the ``turns`` of a trajectory line.
+
+A trajectory line (``docs/trace-format.md``) holds the final conversation and the trained token
+segments; it does not say which text, ids, logprobs and finish reason each *model call* returned,
+nor what prompt that call answered. ``mtflow replay`` needs exactly that: it serves the recorded
+output of request ``uuid`` at turn ``t`` as the model, and only when the new run's prompt is the
+prompt the output answered (else the request finishes with ``replay_diverged``).
+
+:class:`TurnLog` wraps the run's ``rollout_fn`` (lockstep or async), notes each call's output per
+request, and when the request finishes :meth:`TurnLog.finish` turns the notes into the line's
+``turns`` list. Nothing is stored twice: a turn's text is a reference to the assistant message
+holding it (``msg``) when that message is exactly the text, its ids a reference into
+``response_token_ids`` (``at: [segment, start, length]``) when they lie there, its logprobs
+implied by that reference when ``rollout_logprobs`` holds them at the same place; only what is
+not already in the line is written inline. :func:`expand_turns` gives the full entries back.
+
+Memory stays constant: notes exist only for requests in flight and are dropped at finish.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from typing import Any, Callable, Dict, List, Optional
+
+__all__ = ['REPLAY_FORMAT', 'TURNS_KEY', 'TurnLog', 'prompt_digest', 'output_turn', 'compact_turns', 'expand_turns']
+
+#: the version of the ``turns`` entries (also written to ``run.json`` as ``replay_format``)
+REPLAY_FORMAT = 1
+#: the key of a trajectory line that holds them
+TURNS_KEY = 'turns'
+
+
+def _message_dict(message: Any) -> Dict[str, Any]:
+    if isinstance(message, dict):
+        return message
+    dump = getattr(message, 'model_dump', None)
+    return dump() if callable(dump) else dict(vars(message))
+
+
+def prompt_digest(messages: Any) -> str:
+    """A short, stable digest of the messages a model call was given (role, content, tool calls):
+    equal prompts, equal digests. 16 hex digits of SHA-256 (a collision by chance is negligible)."""
+    shown = []
+    for m in messages or ():
+        d = _message_dict(m)
+        shown.append([d.get('role'), d.get('content'), d.get('tool_calls')])
+    raw = json.dumps(shown, ensure_ascii=False, sort_keys=True, default=str)
+    return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:16]
+
+
+def output_turn(output: Any) -> Optional[Dict[str, Any]]:
+    """``{text, token_ids, logprobs, finish_reason}`` of one model output (``None`` when it has
+    no choice: the executor fails such a request anyway)."""
+    try:
+        choice = output.response.choices[0]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    logprobs = getattr(choice, 'logprobs', None)
+    values = None
+    if isinstance(logprobs, dict) and logprobs.get('content') is not None:
+        values = [float(item['logprob']) for item in logprobs['content']]
+    ids = getattr(choice, 'token_ids', None)
+    message = getattr(choice, 'message', None)
+    return {'text': getattr(message, 'content', None) or '', 'token_ids': list(ids) if ids is not None else None,
+            'logprobs': values, 'finish_reason': getattr(choice, 'finish_reason', None)}
+
+
+class TurnLog:
+    """Notes every model call's output per request uuid (see the module docstring).
+
+    ``wrap(rollout_fn)`` returns a ``rollout_fn`` of the same kind (sync or async) that notes the
+    prompt digest and the output of each request it serves."""
+
+    def __init__(self) -> None:
+        self._notes: Dict[str, List[Dict[str, Any]]] = {}
+        #: called with each finished request's uuid (the replay backend drops its record)
+        self.on_finish: Optional[Callable[[str], None]] = None
+
+    def note(self, requests: List[Any], outputs: Any) -> None:
+        try:
+            outs = list(outputs)
+        except TypeError:
+            return
+        if len(outs) != len(requests):
+            return  # the executor fails these requests; nothing to replay
+        for request, output in zip(requests, outs):
+            turn = output_turn(output)
+            if turn is None:
+                continue
+            turn['prompt'] = prompt_digest(getattr(request, 'messages', None))
+            self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
+
+    def wrap(self, rollout_fn: Any) -> Any:
+        if inspect.iscoroutinefunction(rollout_fn) or inspect.iscoroutinefunction(getattr(rollout_fn, '__call__',
+                                                                                          None)):
+
+            async def noted_async(requests: List[Any], request_config: Any = None) -> Any:
+                outputs = await rollout_fn(requests, request_config)
+                self.note(requests, outputs)
+                return outputs
+
+            return noted_async
+
+        def noted(requests: List[Any], request_config: Any = None) -> Any:
+            outputs = rollout_fn(requests, request_config)
+            if inspect.isawaitable(outputs):  # a plain function that returned a coroutine
+
+                async def later() -> Any:
+                    value = await outputs
+                    self.note(requests, value)
+                    return value
+
+                return later()
+            self.note(requests, outputs)
+            return outputs
+
+        return noted
+
+    def finish(self, uuid: str, record: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """The ``turns`` of a finished request's trajectory dict (its notes are dropped)."""
+        if self.on_finish is not None:
+            self.on_finish(str(uuid))
+        return compact_turns(self._notes.pop(str(uuid), []), record)
+
+    def __len__(self) -> int:
+        return len(self._notes)
+
+
+# ---- references into the line ---------------------------------------------------------------------
+def _find(haystack: List[Any], needle: List[Any], start: int) -> int:
+    n = len(needle)
+    for i in range(start, len(haystack) - n + 1):
+        if haystack[i:i + n] == needle:
+            return i
+    return -1
+
+
+def _logprob_offset(mask: List[int], start: int) -> int:
+    return sum(1 for v in mask[:start] if v)
+
+
+def compact_turns(turns: List[Dict[str, Any]], record: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The entries as written: each full turn with what the line already holds replaced by a
+    reference (see the module docstring); :func:`expand_turns` is the inverse."""
+    messages = record.get('messages') or []
+    segments = record.get('response_token_ids') or []
+    masks = record.get('response_loss_mask') or []
+    lps = record.get('rollout_logprobs') or []
+    out: List[Dict[str, Any]] = []
+    msg_at, seg_at, pos_at = 0, 0, 0
+    for k, turn in enumerate(turns, 1):
+        entry: Dict[str, Any] = {'turn': k, 'prompt': turn['prompt'], 'finish_reason': turn['finish_reason']}
+        text = turn['text']
+        for i in range(msg_at, len(messages)):
+            m = messages[i]
+            if isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') == text:
+                entry['msg'], msg_at = i, i + 1
+                break
+        else:
+            entry['text'] = text
+        ids = turn['token_ids']
+        where = None
+        if ids:
+            for s in range(seg_at, len(segments)):
+                start = _find(segments[s], ids, pos_at if s == seg_at else 0)
+                if start >= 0:
+                    where = (s, start)
+                    break
+        if where is None:
+            entry['token_ids'] = ids
+            if turn['logprobs'] is not None:
+                entry['logprobs'] = turn['logprobs']
+            out.append(entry)
+            continue
+        s, start = where
+        seg_at, pos_at = s, start + len(ids)
+        entry['at'] = [s, start, len(ids)]
+        values = turn['logprobs']
+        mask = masks[s] if s < len(masks) else [1] * len(segments[s])
+        lp_start = _logprob_offset(mask, start)
+        implied = (values is not None and all(mask[start:start + len(ids)]) and s < len(lps)
+                   and lps[s][lp_start:lp_start + len(ids)] == values)
+        if not implied:
+            entry['logprobs'] = values
+        out.append(entry)
+    return out
+
+
+def expand_turns(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The full entries of a trajectory dict's ``turns``: ``turn``, ``prompt``, ``text``,
+    ``token_ids``, ``logprobs``, ``finish_reason`` (``[]`` for a line written without them)."""
+    messages = record.get('messages') or []
+    segments = record.get('response_token_ids') or []
+    masks = record.get('response_loss_mask') or []
+    lps = record.get('rollout_logprobs') or []
+    full = []
+    for entry in record.get(TURNS_KEY) or []:
+        text = entry['text'] if 'text' in entry else messages[entry['msg']].get('content')
+        if 'at' in entry:
+            s, start, n = entry['at']
+            ids = segments[s][start:start + n]
+            if 'logprobs' in entry:
+                values = entry['logprobs']
+            else:
+                mask = masks[s] if s < len(masks) else [1] * len(segments[s])
+                lp_start = _logprob_offset(mask, start)
+                values = lps[s][lp_start:lp_start + n]
+        else:
+            ids, values = entry.get('token_ids'), entry.get('logprobs')
+        full.append({'turn': entry['turn'], 'prompt': entry['prompt'], 'text': text, 'token_ids': ids,
+                     'logprobs': values, 'finish_reason': entry.get('finish_reason')})
+    return full
