@@ -29,6 +29,7 @@ from mtflow.core.errors import (DuplicateUuidError, MultiTurnRolloutError, RankM
 from mtflow.core.scheduler import HookSet
 from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
 from mtflow.accounting.choose import accounting_for
+from mtflow.accounting.token_record import native_accounting
 from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.driver import Driver
 from mtflow.engine.lockstep import LockstepDriver
@@ -69,8 +70,10 @@ class Executor:
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
         accounting: how ids/masks/logprobs accumulate (default:
-            :func:`mtflow.accounting.accounting_for`: ms-swift 4.6's rules for schedulers that keep
-            assistant messages as token ids, else the contract's).
+            :func:`mtflow.accounting.token_record.native_accounting`: every turn's exact ids from
+            the token record when the backend keeps one (``hf``, ``vllm``, ``openai`` in token
+            mode), ms-swift 4.6's rules for schedulers that keep assistant messages as token ids,
+            else the contract's; :func:`run_multi_turn` defaults to the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
             raises becomes that request's failure (phase ``on_finished``), never swallowed.
@@ -150,7 +153,7 @@ class Executor:
             graph=hooks.graph(),
             rollout_fn=rollout_fn,
             request_config=request_config,
-            accounting=accounting if accounting is not None else accounting_for(scheduler),
+            accounting=accounting if accounting is not None else native_accounting(scheduler),
             gather_fn=gather_fn or identity_gather,
             unique_uuids=bool(getattr(scheduler, 'requires_unique_uuids', False)) if unique_uuids is None else
             bool(unique_uuids),
@@ -276,6 +279,6 @@ def run_multi_turn(requests: List[Any],
         on_error=on_error,
         step_timeout_s=step_timeout_s,
         rollout_timeout_s=rollout_timeout_s,
-        accounting=accounting,
+        accounting=accounting if accounting is not None else accounting_for(scheduler),
         scheduler_bounds_run=False)
     return executor.run(requests, first_turn_outputs).outputs
