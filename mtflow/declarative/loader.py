@@ -241,10 +241,12 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
     except Exception as exc:
         return [(('env', 'kwargs' if kind in ('impl', 'gym') else kind),
                  f'cannot create environment {name!r}: {type(exc).__name__}: {exc}')]
+    checks = getattr(factory, 'problems', None)  # what the kind checks without starting anything
+    found = [(('env', kind, field), msg) for field, msg in checks()] if callable(checks) else []
     close = getattr(factory, 'close', None)
     if callable(close):
         close()
-    return []
+    return found
 
 
 def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -85,6 +85,19 @@ class RunConfig(BaseModel):
     base_dir: Optional[Path] = Field(None, exclude=True)
     #: the config file, for messages
     source: Optional[str] = Field(None, exclude=True)
+    #: the line of each top-level key in the file (for messages that name a field)
+    lines: Dict[str, int] = Field(default_factory=dict, exclude=True)
+    #: the keys the command line set (their messages name the option, not the file's line)
+    overridden: List[str] = Field(default_factory=list, exclude=True)
+
+    def where(self, key: str) -> str:
+        """``file:line: key`` of a top-level key, for a message that names it (``--option`` when
+        the command line set it; ``file: key`` when the file does not have it)."""
+        source = self.source or '<run config>'
+        if key in self.overridden:
+            return f"command line: --{key.replace('_', '-')}"
+        line = self.lines.get(key)
+        return f'{source}:{line}: {key}' if line else f'{source}: {key}'
 
     @field_validator('request_config')
     @classmethod
@@ -181,18 +194,25 @@ def _line_of(node: Any, loc: tuple) -> Optional[int]:
     return line
 
 
-def _format_errors(exc: ValidationError, source: str, root: Any) -> str:
+#: RunConfig fields that are not YAML keys
+_INTERNAL = ('base_dir', 'source', 'lines', 'overridden')
+
+
+def _format_errors(exc: ValidationError, source: str, root: Any, overridden: Sequence[str] = ()) -> str:
     problems: List[str] = []
     for err in exc.errors():
         loc = tuple(err.get('loc', ()))
         field = '.'.join(str(p) for p in loc) or '<top level>'
+        if loc and loc[0] in overridden:  # set on the command line: the file's line is not where
+            problems.append(f"command line: --{str(loc[0]).replace('_', '-')}: {err.get('msg', 'invalid')}")
+            continue
         line = _line_of(root, loc) if root is not None else None
         where = f'{source}:{line}' if line else source
         msg = err.get('msg', 'invalid')
         if msg.startswith('Value error, '):
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
-            msg = f'unknown key (known: {", ".join(k for k in RunConfig.model_fields if k not in ("base_dir", "source"))})'
+            msg = f'unknown key (known: {", ".join(k for k in RunConfig.model_fields if k not in _INTERNAL)})'
         problems.append(f'{where}: {field}: {msg}')
     return '; '.join(problems)
 
@@ -220,14 +240,16 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         data = {}
     if not isinstance(data, dict):
         raise RunConfigError(f'{path}: a run config must be a mapping of keys, not {type(data).__name__}')
-    for key in ('base_dir', 'source'):
+    for key in ('base_dir', 'source', 'lines', 'overridden'):
         if key in data:
             raise RunConfigError(f'{path}:{_line_of(root, (key,))}: {key}: unknown key')
+    overridden = [k for k, v in (overrides or {}).items() if v is not None]
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    lines = {str(k): line for k in data if (line := _line_of(root, (k, ))) is not None} if root is not None else {}
     try:
-        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path))
+        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path), lines=lines, overridden=overridden)
     except ValidationError as exc:
-        raise RunConfigError(_format_errors(exc, str(path), root)) from None
+        raise RunConfigError(_format_errors(exc, str(path), root, overridden)) from None
     return cfg
 
 

@@ -7,7 +7,10 @@ they import.
 - a Python scheduler (``module:Class`` or ``file.py:Class``): it must import, without raising, and
   be a scheduler (a subclass of :class:`mtflow.Scheduler` or of ms-swift's ``MultiTurnScheduler``,
   a class defining ``step``/``check_finished``/``on_turn_end``, or a factory function);
-- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec).
+- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec);
+- an OpenEnv environment of a YAML scheduler: ``batch_size`` must fit the sessions its servers
+  allow (``max_sessions`` per server; a request holds its session for its whole life), and, at the
+  start of ``mtflow run`` only, each ``url`` server must open a session (:func:`check_env_servers`).
 
 Each problem is one ``file[:line]: field: message`` line; ``imports`` lists every Python module or
 callable the run will import (that code runs with your rights: read the list)."""
@@ -18,16 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from mtflow.core.errors import RunSetupError
+from mtflow.core.errors import MtflowError, RunSetupError
+from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
 from mtflow.core.scheduler import Scheduler
 from mtflow.data import DatasetError
 from mtflow.data.sources import count_requests
 from mtflow.declarative import inspect_file
+from mtflow.declarative.envs.config import OpenEnvConfig
+from mtflow.declarative.envs.openenv_env import OpenEnvPool
 from mtflow.run.assembly import load_python_scheduler
 from mtflow.run.config import RunConfig
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
-           'check_before_load']
+           'check_before_load', 'check_env_servers']
 
 
 @dataclass
@@ -84,6 +90,7 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
             report = inspect_file(str(path))
             out.problems += [str(p) for p in report.problems]
             out.imports += [(f'{path}: {f}', ref) for f, ref in report.imports]
+            out.problems += _session_problems(cfg, path)
     else:
         out.problems += check_python_scheduler(cfg.scheduler, cfg.base_dir, where)
         out.imports.append((f'{where}: scheduler', cfg.scheduler))
@@ -93,6 +100,61 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
         except DatasetError as exc:
             out.problems.append(f'{where}: dataset: {exc}')
     return out
+
+
+def _openenv_of(path: Path) -> Optional[OpenEnvConfig]:
+    """The ``env.openenv`` section of a valid scheduler file, else ``None``."""
+    try:
+        data = load_yaml_file(str(path))[0]
+    except (YamlLoadError, OSError):
+        return None
+    env = data.get('env') if isinstance(data, dict) else None
+    section = env.get('openenv') if isinstance(env, dict) else None
+    if not isinstance(section, dict):
+        return None
+    try:
+        return OpenEnvConfig.model_validate(section)
+    except ValueError:  # the scheduler's own problems report it
+        return None
+
+
+def _session_problems(cfg: RunConfig, path: Path) -> List[str]:
+    """``batch_size`` larger than the OpenEnv sessions the scheduler may open: the requests past
+    the limit would wait ``capacity_wait_s`` and fail, after the model generated their turn 1."""
+    openenv = _openenv_of(path) if path.is_file() else None
+    if openenv is None or openenv.max_sessions is None:
+        return []
+    servers = openenv.replicas if openenv.launch is not None else (
+        1 if isinstance(openenv.url, str) else len(openenv.url or []))
+    sessions = openenv.max_sessions * servers
+    if cfg.batch_size <= sessions:
+        return []
+    return [f'{cfg.where("batch_size")}: {cfg.batch_size} requests per batch need {cfg.batch_size} OpenEnv sessions, '
+            f'but {cfg.scheduler} allows {sessions} (env.openenv.max_sessions {openenv.max_sessions} x {servers} '
+            f'server(s)); the others would wait capacity_wait_s and fail: lower batch_size to {sessions} or raise '
+            'max_sessions']
+
+
+def check_env_servers(cfg: RunConfig) -> None:
+    """Open (and close) one session on each ``url`` OpenEnv server of a YAML scheduler, before the
+    model loads: a server that cannot be reached fails the run now, in one line, instead of every
+    request after its first generation. Launched servers are checked once they are up
+    (:meth:`OpenEnvPool.preflight`, before the first generation)."""
+    if not cfg.scheduler_is_yaml():
+        return
+    openenv = _openenv_of(cfg.scheduler_path())
+    if openenv is None or openenv.url is None:
+        return
+    try:
+        pool = OpenEnvPool(openenv)
+    except ImportError:  # a missing extra: the scheduler's own check reports it
+        return
+    try:
+        pool.preflight()
+    except MtflowError as exc:
+        raise RunSetupError(f'{cfg.scheduler}: env.openenv: {exc}') from None
+    finally:
+        pool.close()
 
 
 def check_before_load(cfg: RunConfig) -> None:
