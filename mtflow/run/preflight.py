@@ -16,6 +16,7 @@ Each problem is one ``file[:line]: field: message`` line; ``imports`` lists ever
 callable the run will import (that code runs with your rights: read the list)."""
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from mtflow.run.assembly import load_python_scheduler
 from mtflow.run.config import RunConfig
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
-           'check_before_load', 'check_env_servers']
+           'check_before_load', 'check_env_servers', 'scheduler_arg_names', 'check_scheduler_args']
 
 
 @dataclass
@@ -78,6 +79,53 @@ def check_python_scheduler(ref: str, base_dir: Optional[Path], where: str) -> Li
     return []
 
 
+#: keyword arguments every mtflow / ms-swift scheduler takes through ``**kwargs``
+_BASE_KWARGS = ('tokenizer', 'template')
+
+
+def scheduler_arg_names(obj: Any) -> Optional[List[str]]:
+    """The keyword arguments a scheduler class or factory takes, or ``None`` when it takes any
+    (``**kwargs`` of its own, not only the catch-all of :class:`mtflow.Scheduler` or ms-swift's
+    base, which exists for ms-swift's signature and would swallow a typo)."""
+    def is_base(cls: type) -> bool:
+        return cls is Scheduler or (cls.__module__.startswith('swift') and
+                                    cls.__name__ in ('MultiTurnScheduler', 'RolloutScheduler'))
+
+    names: List[str] = []
+    targets = [c.__dict__['__init__'] for c in obj.__mro__ if '__init__' in c.__dict__ and c is not object] \
+        if isinstance(obj, type) else [obj]
+    owners = [c for c in obj.__mro__ if '__init__' in c.__dict__ and c is not object] if isinstance(obj, type) \
+        else [None]
+    for fn, owner in zip(targets, owners):
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        for p in params:
+            if p.kind is inspect.Parameter.VAR_KEYWORD and not (owner is not None and is_base(owner)):
+                return None
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and \
+                    p.name != 'self' and p.name not in names:
+                names.append(p.name)
+    return names + [k for k in _BASE_KWARGS if k not in names]
+
+
+def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
+    """A ``scheduler_args`` key the scheduler does not take (a typo: ``max_turn``), with the
+    keys it takes and the closest one."""
+    known = scheduler_arg_names(obj)
+    if known is None:
+        return []
+    out = []
+    for key in cfg.scheduler_args:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            out.append(f'{cfg.where("scheduler_args")}.{key}: unknown key {key!r} for {cfg.scheduler}'
+                       + (f' (did you mean {close[0]!r}?)' if close else '')
+                       + f' (known: {", ".join(known)})')
+    return out
+
+
 def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
     """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed)."""
     where = cfg.source or '<run config>'
@@ -91,9 +139,16 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
             out.problems += [str(p) for p in report.problems]
             out.imports += [(f'{path}: {f}', ref) for f, ref in report.imports]
             out.problems += _session_problems(cfg, path)
+        if cfg.scheduler_args:
+            out.problems.append(f'{cfg.where("scheduler_args")}: scheduler_args applies to a Python scheduler '
+                                f"('module:Class'); {cfg.scheduler} is a YAML scheduler: set its keys in that file")
     else:
-        out.problems += check_python_scheduler(cfg.scheduler, cfg.base_dir, where)
+        at = cfg.where('scheduler').rsplit(': scheduler', 1)[0]
+        found = check_python_scheduler(cfg.scheduler, cfg.base_dir, at)
+        out.problems += found
         out.imports.append((f'{where}: scheduler', cfg.scheduler))
+        if not found:
+            out.problems += check_scheduler_args(load_python_scheduler(cfg.scheduler, cfg.base_dir), cfg)
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
