@@ -81,8 +81,8 @@ def test_a_typo_in_scheduler_args_and_args_for_a_yaml_scheduler_are_errors(work,
     typo = work(BASE + 'scheduler: scheds.py:Echo\nscheduler_args: {max_turn: 3}\n')
     assert main(['validate', typo]) == 1
     out = capsys.readouterr().out
-    assert ("run.yaml:6: scheduler_args.max_turn: unknown key 'max_turn' for scheds.py:Echo (did you mean "
-            "'max_turns'?) (known: infer_engine, max_turns, tokenizer, template)") in out
+    assert ("run.yaml:6: scheduler_args.max_turn: unknown key 'max_turn' for scheds.py:Echo; did you mean "
+            "'max_turns'? (known: infer_engine, max_turns, tokenizer, template)") in out
     assert main(['run', typo, '--no-progress']) == 2
     assert "unknown key 'max_turn'" in _one_line(capsys)
     yaml_args = work(BASE + 'scheduler: sched.yaml\nscheduler_args: {max_turns: 3}\n', 'yaml_args.yaml')
@@ -145,3 +145,18 @@ def test_the_swift_backend_without_ms_swift_is_one_line_and_debug_shows_tracebac
     assert 'Traceback (most recent call last)' in debug.stderr and 'ValueError: no API key set' in debug.stderr
     assert debug.stderr.rstrip().endswith('mtflow: run.yaml:5: scheduler: building scheds.py:Boom raised ValueError: '
                                           'no API key set')
+
+
+def test_every_unknown_key_lists_the_known_keys_and_the_closest(work, capsys, tmp_path):
+    """One message style in scheduler files (every nesting level), run configs and their
+    request_config: the key, the closest known key, every known key."""
+    (tmp_path / 'envs.yaml').write_text('name: x\nenv:\n  gymnasium: a.b:C\n')
+    (tmp_path / 'oe.yaml').write_text('name: x\nenv:\n  openenv:\n    url: http://127.0.0.1:9\n    max_session: 3\n')
+    run = work(BASE + 'scheduler: scheds.py:Echo\nnum_generation: 2\nrequest_config: {max_token: 3}\n')
+    assert main(['validate', 'envs.yaml', 'oe.yaml', run]) == 1
+    out = capsys.readouterr().out
+    assert ("envs.yaml:3: env.gymnasium: unknown key 'gymnasium'; did you mean 'gym'? (known: impl, gym, openenv, "
+            'textarena, kwargs, observation_role)') in out
+    assert "oe.yaml:5: env.openenv.max_session: unknown key 'max_session'; did you mean 'max_sessions'? (known: url," in out
+    assert "run.yaml:6: num_generation: unknown key 'num_generation'; did you mean 'num_generations'? (known: scheduler," in out
+    assert "run.yaml:7: request_config: unknown key 'max_token'; did you mean 'max_tokens'? (known: max_tokens," in out

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mtflow.backends import ALIASES, BACKENDS
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
+from mtflow.core.keys import unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
 
@@ -104,7 +105,7 @@ class RunConfig(BaseModel):
     def _known_sampling_keys(cls, value: Dict[str, Any]) -> Dict[str, Any]:
         unknown = sorted(set(value) - set(RequestConfig.model_fields))
         if unknown:
-            raise ValueError(f'unknown key(s) {", ".join(unknown)}; known: {", ".join(RequestConfig.model_fields)}')
+            raise ValueError('; '.join(unknown_key_message(k, RequestConfig.model_fields) for k in unknown))
         RequestConfig(**value)  # types
         return value
 
@@ -212,7 +213,7 @@ def _format_errors(exc: ValidationError, source: str, root: Any, overridden: Seq
         if msg.startswith('Value error, '):
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
-            msg = f'unknown key (known: {", ".join(k for k in RunConfig.model_fields if k not in _INTERNAL)})'
+            msg = unknown_key_message(str(loc[-1]), [k for k in RunConfig.model_fields if k not in _INTERNAL])
         problems.append(f'{where}: {field}: {msg}')
     return '; '.join(problems)
 

@@ -16,13 +16,13 @@ Each problem is one ``file[:line]: field: message`` line; ``imports`` lists ever
 callable the run will import (that code runs with your rights: read the list)."""
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 from mtflow.core.errors import MtflowError, RunSetupError
+from mtflow.core.keys import unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
 from mtflow.core.scheduler import Scheduler
 from mtflow.data import DatasetError
@@ -116,14 +116,8 @@ def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
     known = scheduler_arg_names(obj)
     if known is None:
         return []
-    out = []
-    for key in cfg.scheduler_args:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            out.append(f'{cfg.where("scheduler_args")}.{key}: unknown key {key!r} for {cfg.scheduler}'
-                       + (f' (did you mean {close[0]!r}?)' if close else '')
-                       + f' (known: {", ".join(known)})')
-    return out
+    return [f'{cfg.where("scheduler_args")}.{key}: {unknown_key_message(str(key), known, cfg.scheduler)}'
+            for key in cfg.scheduler_args if key not in known]
 
 
 def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
