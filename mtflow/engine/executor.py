@@ -105,6 +105,10 @@ class Executor:
             one-request lists concurrently (:mod:`mtflow.engine.async_driver`, ``docs/executor.md``).
         max_concurrency: async mode: the most requests in flight at once (admitted and not
             finished; so also the most ``rollout_fn`` calls in flight); ``None``: all.
+        skip_empty_calls: lockstep, one rank (no ``gather_fn``): make no ``rollout_fn([])`` call
+            when nothing is live, such as the contract's last call after the final turn, which
+            keeps ranks in step and which a single-rank native run does not need (``mtflow run``
+            sets it; the default keeps the contract's calls).
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -133,13 +137,14 @@ class Executor:
                  unique_uuids: Optional[bool] = None,
                  eager_coroutines: bool = True,
                  mode: str = 'lockstep',
-                 max_concurrency: Optional[int] = None) -> None:
+                 max_concurrency: Optional[int] = None,
+                 skip_empty_calls: bool = False) -> None:
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
             rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
             check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
-            max_concurrency=max_concurrency)
+            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
