@@ -5,7 +5,7 @@ Each subcommand lives in ``mtflow/commands/<name>.py`` with ``add_parser(subpars
 ``main(args) -> int``, and is imported only when used, so ``mtflow --help`` stays fast.
 Errors a user can fix (:class:`mtflow.core.errors.UserError` and its subclasses: a bad config or
 flag, a refused run directory; a missing file) are printed as one clear line, never as a
-traceback; ``MTFLOW_DEBUG=1`` shows the traceback of a missing file.
+traceback; ``MTFLOW_DEBUG=1`` prints the traceback before the line (any of these errors).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from typing import List, Optional
 
 from mtflow import __version__
@@ -66,6 +67,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         return int(args.func(args) or 0)
     except UserError as exc:
+        if os.environ.get('MTFLOW_DEBUG'):  # where it was raised, and what caused it
+            traceback.print_exc(file=sys.stderr)
         print(f'mtflow: {exc}', file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:

@@ -158,10 +158,10 @@ def test_set_and_num_generations_change_the_run_as_the_config_edit_would(tmp_pat
 
 
 @pytest.mark.parametrize('flags, message', [
-    (['--set', 'max_turn=3'], "--set max_turn=3: unknown key 'max_turn' (known: scheduler,"),
+    (['--set', 'max_turn=3'], "--set max_turn=3: unknown key 'max_turn'; did you mean 'max_turns'? (known: scheduler,"),
     (['--set', 'max_turns=three'], '--set max_turns=three: max_turns: Input should be a valid integer'),
-    (['--set', 'request_config.max_tokenz=8'], '--set request_config.max_tokenz=8: request_config: unknown key(s) '
-     'max_tokenz'),
+    (['--set', 'request_config.max_tokenz=8'], "--set request_config.max_tokenz=8: request_config: unknown key "
+     "'max_tokenz'; did you mean 'max_tokens'?"),
     (['--set', 'max_turns'], '--set max_turns: expected KEY=VALUE'),
     (['-n', '0'], '--num-generations 0: num_generations: Input should be greater than or equal to 1'),
 ])

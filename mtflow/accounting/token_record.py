@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.machine import RequestRecord
-from mtflow.accounting.choose import keeps_messages_as_ids
+from mtflow.core.types import Accounting
+from mtflow.accounting.choose import accounting_for, keeps_messages_as_ids
 from mtflow.accounting.segments import ContractAccounting
 
-__all__ = ['TokenTurn', 'TokenRecord', 'RecordAccounting', 'record_of', 'record_accounting', 'RECORD_ATTR']
+__all__ = ['TokenTurn', 'TokenRecord', 'RecordAccounting', 'record_of', 'record_accounting', 'native_accounting',
+           'RECORD_ATTR']
 
 #: the attribute of a request that carries its record
 RECORD_ATTR = 'token_record'
@@ -186,3 +188,12 @@ def record_accounting(scheduler: Any) -> Optional[RecordAccounting]:
     if keeps_messages_as_ids(scheduler):
         return None
     return RecordAccounting()
+
+
+def native_accounting(scheduler: Any) -> Accounting:
+    """The default of :class:`mtflow.Executor` (the native API): every turn's exact ids whenever
+    the backend keeps a token record (:class:`RecordAccounting`, which is the contract's
+    accounting, unchanged, for requests without a record), ms-swift 4.6's for schedulers that keep
+    assistant messages as ids. ``run_multi_turn`` keeps :func:`accounting_for` (the contract's
+    outputs, field for field), so a drop-in caller sees what ms-swift's driver returns."""
+    return record_accounting(scheduler) or accounting_for(scheduler)

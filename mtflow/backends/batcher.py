@@ -24,13 +24,31 @@ synchronous callers).
 from __future__ import annotations
 
 import asyncio
+import atexit
 from concurrent.futures import Future, InvalidStateError
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 __all__ = ['DynamicBatcher', 'BatcherClosed']
+
+#: batchers with dispatcher threads, closed at interpreter exit (see :func:`_close_at_exit`)
+_LIVE: 'weakref.WeakSet[DynamicBatcher]' = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every batcher still open when the interpreter exits, joining its dispatchers.
+
+    They are daemon threads (an idle one must not keep the process alive), and a daemon thread
+    still inside the engine when the interpreter finalizes is killed mid-call: with a C++
+    runtime on the stack (torch) that aborts the process (``FATAL: exception not rethrown``).
+    A partial rollout leaves such a call behind (its caller was cancelled, the batch runs on);
+    ``atexit`` handlers run while daemon threads still live, so the call finishes here first."""
+    for batcher in list(_LIVE):
+        batcher.close()
 
 
 class BatcherClosed(RuntimeError):
@@ -109,6 +127,7 @@ class DynamicBatcher:
 
     # ---- dispatching ---------------------------------------------------------------------------
     def _start_threads(self) -> None:
+        _LIVE.add(self)
         while len(self._threads) < self.max_concurrent_batches:
             t = threading.Thread(target=self._dispatch_loop, name=f'mtflow-batcher-{len(self._threads)}', daemon=True)
             self._threads.append(t)

@@ -218,6 +218,7 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
                 result = Executor(_ScenarioScheduler(by_uuid), probe,
                                   RequestConfig(max_tokens=max_tokens, temperature=temperature, seed=seed,
                                                 logprobs=True), accounting=RecordAccounting(),
+                                  max_turns=1 + max(len(by_uuid[r.uuid].follow) for r in group),  # each ends itself
                                   on_error='return').run(group)
                 _collect_failures(report, result)
                 outputs.update({r.uuid: o for r, o in zip(group, result.outputs)})

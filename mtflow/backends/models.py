@@ -241,6 +241,12 @@ def load_model(name: str = 'embedded', *, device: Optional[str] = None, dtype: O
     looks_local = path.exists() or name.startswith(('.', '/', '~')) or name.count('/') > 1
     if looks_local and not path.is_dir():
         raise BackendError(f'model directory not found: {name}')
+    if looks_local and not (path / 'config.json').is_file():
+        found = sorted(p.name for p in path.iterdir())[:8]
+        raise BackendError(f'cannot load model {name!r}: not a transformers model directory: it has no config.json ('
+                           + (f'it holds: {", ".join(found)}' if found else 'it is empty')
+                           + '; expected config.json, the tokenizer files and the weights, as save_pretrained writes '
+                           'them, or a .gguf file)')
     t0 = time.perf_counter()
     local_only = looks_local or os.environ.get('HF_HUB_OFFLINE', '1') != '0'
     try:
@@ -248,9 +254,12 @@ def load_model(name: str = 'embedded', *, device: Optional[str] = None, dtype: O
         model = AutoModelForCausalLM.from_pretrained(
             str(path) if looks_local else name, local_files_only=local_only, dtype=_torch_dtype(dtype))
     except Exception as exc:
-        hint = '' if looks_local else ' (hub models load from the local cache only; set HF_HUB_OFFLINE=0 to download)'
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ''
-        raise BackendError(f'cannot load model {name!r}: {type(exc).__name__}: {first_line}{hint}') from exc
+        if not looks_local and local_only:  # offline: no such directory, and not in the hub cache
+            raise BackendError(f'cannot load model {name!r}: there is no directory {name!r} here, and no hub model '
+                               f'{name!r} in the local cache (hub models load from the cache only; set '
+                               'HF_HUB_OFFLINE=0 to download)') from exc
+        text = ' '.join(str(exc).split())  # the whole message, on one line (first lines end mid-sentence)
+        raise BackendError(f'cannot load model {name!r}: {type(exc).__name__}: {text}') from exc
     if device:
         model = model.to(device)
     return LoadedModel(model, tokenizer, path.name if looks_local else name, {

@@ -13,7 +13,10 @@ with only ``content``. A line may also say which request and turn it answers::
 Outputs are served in this order: a line keyed by the request's uuid and its turn (the request's
 own count of ``rollout_fn`` calls, from 1), else a line keyed by the uuid alone (those replay in
 file order per request), else the next unkeyed line (in file order, cycling when
-``cycle=True``). Running out is a clear error naming the request.
+``cycle=True``). A copy of a prompt made by ``num_generations`` (uuid ``<uuid>#<k>``) is also
+served the lines keyed by the prompt's uuid (``<uuid>``): each copy replays them from the first,
+so a script written for the dataset works with any ``num_generations``. Running out is a clear
+error naming the request.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
+from mtflow.data.sources import group_of
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output
 
 __all__ = ['ScriptedBackend', 'read_script']
@@ -79,6 +83,9 @@ class ScriptedBackend(Backend):
         self.cycle = cycle
         self._keyed: Dict[Tuple[str, int], Line] = {}
         self._by_uuid: Dict[str, Deque[Line]] = defaultdict(deque)
+        #: the uuid-keyed lines as written, for the copies of a prompt (served by position)
+        self._by_prompt: Dict[str, List[Line]] = defaultdict(list)
+        self._copy_pos: Dict[str, int] = defaultdict(int)
         self._free: List[Line] = []
         for line in lines:
             uuid, turn = line.get('uuid'), line.get('turn')
@@ -86,6 +93,7 @@ class ScriptedBackend(Backend):
                 self._keyed[(str(uuid), int(turn))] = line
             elif uuid is not None:
                 self._by_uuid[str(uuid)].append(line)
+                self._by_prompt[str(uuid)].append(line)
             else:
                 self._free.append(line)
         self._next = 0
@@ -101,6 +109,15 @@ class ScriptedBackend(Backend):
         queue = self._by_uuid.get(uuid)
         if queue:
             return queue.popleft()
+        prompt = group_of(uuid, getattr(request, 'data_dict', None))
+        if prompt != uuid:  # a copy made by num_generations: the prompt's own lines
+            line = self._keyed.get((prompt, turn))
+            if line is not None:
+                return line
+            lines = self._by_prompt.get(prompt)
+            if lines and self._copy_pos[uuid] < len(lines):
+                self._copy_pos[uuid] += 1
+                return lines[self._copy_pos[uuid] - 1]
         if self._next >= len(self._free):
             if not self.cycle or not self._free:
                 raise BackendError(f'scripted backend ran out of outputs at request {uuid!r}, turn {turn} '

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from rich.console import Console
 
 from mtflow.backends import ALIASES, BACKENDS, split_options
-from mtflow.core.errors import UserError
+from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
 from mtflow.data.sources import count_requests
@@ -45,7 +45,7 @@ from mtflow.run.assembly import SchedulerFactory, build_backend, scheduler_facto
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
 from mtflow.run.fingerprint import run_fingerprint
-from mtflow.run.preflight import check_before_load
+from mtflow.run.preflight import check_before_load, check_env_servers
 from mtflow.run.progress import progress_mode
 from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
@@ -262,6 +262,12 @@ class _Attempt:
         self._load_backend()
         seed_everything(self.cfg.seed)
         self.scheduler = make_scheduler(getattr(self.backend, 'tokenizer', None))
+        preflight = getattr(getattr(self.scheduler, 'env_factory', None), 'preflight', None)
+        if callable(preflight):  # launched OpenEnv servers: up, and one session each, before turn 1
+            try:
+                preflight()
+            except MtflowError as exc:
+                raise RunSetupError(f'{self.cfg.scheduler}: env.openenv: {exc}') from None
         if not self.quiet:
             self.signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                     '(press Ctrl-C again to exit at once)')
@@ -319,6 +325,7 @@ def main(args: argparse.Namespace) -> int:
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     check_before_load(cfg)
     check_tracker(getattr(args, 'log', None))
+    check_env_servers(cfg)  # one session on each OpenEnv url server, before the model loads
     make_scheduler = scheduler_factory(cfg)
     fingerprint = run_fingerprint(cfg, dataset_file(cfg))
     signals = StopSignals(message=None)

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         q.add_argument('file', help='a trace JSONL file (plain or .gz)')
         q.add_argument('--trajectories', metavar='FILE', help='the trajectories JSONL file (messages, tokens, masks)')
         q.add_argument('--tokenizer', metavar='PATH',
-                       help='decode token ids with this tokenizer (tokenizer.json or a local model directory)')
+                       help="decode token ids with this tokenizer (tokenizer.json, a local model directory, or 'embedded')")
         q.add_argument('--uuid', action='append', default=[], metavar='UUID',
                        help='only these requests (repeatable; shell patterns like r1*)')
         q.add_argument('--state', action='append', default=[], metavar='STATE',

@@ -75,6 +75,8 @@ def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
     a repeated uuid is an error (only the uuids are kept to check that; ``check_unique=False``
     keeps none, for a second pass over a file already checked)."""
     path = bundled_dataset() if path is None else Path(path)
+    if path.is_dir():
+        raise DatasetError(f'dataset {path} is a directory; give a JSONL file (one JSON object with messages per line)')
     if not path.is_file():
         raise DatasetError(f'dataset not found: {path}')
     seen: Dict[str, int] = {}

@@ -12,12 +12,14 @@ never hides another's.
 from __future__ import annotations
 
 import os
+import typing
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from mtflow.core.keys import unknown_key_message
 from mtflow.core.registry import import_plugins, loaded_entry_points, resolve_reference
 from mtflow.core.safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
 from mtflow.declarative.envs import env_kind, make_env_factory
@@ -96,7 +98,9 @@ def _clean_loc(loc: Loc) -> Loc:
 def _message(err: Dict[str, Any], model: Any) -> str:
     kind, msg = err['type'], err['msg']
     if kind == 'extra_forbidden':
-        return f'unknown key {err["loc"][-1]!r}'
+        loc = _clean_loc(tuple(err['loc']))
+        known = _known_keys(model, loc[:-1])
+        return unknown_key_message(str(loc[-1]), known) if known else f'unknown key {loc[-1]!r}'
     if kind == 'missing':
         return f'missing required key {err["loc"][-1]!r}'
     if msg.startswith('Value error, '):
@@ -109,6 +113,37 @@ def _message(err: Dict[str, Any], model: Any) -> str:
 
 
 _YAML11_WORDS = {'yes', 'no', 'on', 'off', 'y', 'n'}
+
+
+def _models_in(annotation: Any) -> List[type]:
+    """The pydantic models an annotation holds (``Optional[M]``, ``List[M]``, ``Dict[str, M]``,
+    unions), outermost first."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    out: List[type] = []
+    for arg in typing.get_args(annotation):
+        out += _models_in(arg)
+    return out
+
+
+def _known_keys(model: Any, loc: Loc) -> List[str]:
+    """The keys the mapping at ``loc`` of a ``model`` document may have (``[]``: not a model)."""
+    models = [model]
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list item: the same models
+        nxt: List[type] = []
+        for m in models:
+            field = getattr(m, 'model_fields', {}).get(part)
+            if field is not None:
+                nxt += _models_in(field.annotation)
+        models = nxt
+        if not models:
+            return []
+    keys: List[str] = []
+    for m in models:
+        keys += [k for k in m.model_fields if k not in keys]
+    return keys
 
 
 def _problems_from_validation(exc: ValidationError, file: str, lines: Dict[Loc, int]) -> List[Problem]:
@@ -241,10 +276,12 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
     except Exception as exc:
         return [(('env', 'kwargs' if kind in ('impl', 'gym') else kind),
                  f'cannot create environment {name!r}: {type(exc).__name__}: {exc}')]
+    checks = getattr(factory, 'problems', None)  # what the kind checks without starting anything
+    found = [(('env', kind, field), msg) for field, msg in checks()] if callable(checks) else []
     close = getattr(factory, 'close', None)
     if callable(close):
         close()
-    return []
+    return found
 
 
 def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],

@@ -26,9 +26,14 @@ fault handling are the lockstep driver's: a failure finishes that request only. 
 ``gather_fn`` is called once, at the end (each rank drives its own requests; there is no
 per-turn collective, which is why colocated tensor-parallel engines stay on lockstep).
 
-**Partial rollouts** (``run(..., until=Until(finished=K) | Until(seconds=S))``): when the budget
-is hit the driver stops admitting and generating, cancels the generations in flight (their
-requests are sent again on resume, unchanged), lets the steps in flight finish, and hands back
+**Partial rollouts** (``run(..., until=Until(finished=K) | Until(seconds=S))``): the budget is
+checked after every completion, so exactly ``K`` requests finish (a step already in flight that
+fails its request is the only overshoot: at most the steps in flight, fewer than
+``max_concurrency``). When it is hit the driver stops admitting and generating, cancels the
+generations in flight and drops the ones that completed in the same wake-up (their requests are
+sent again on resume, unchanged, with the token record they had), lets the steps in flight
+finish, waits for the threads of its synchronous ``rollout_fn`` calls to return (no thread of the
+run outlives it), and hands back
 every request that has not finished in :attr:`RunResult.unfinished` with its machine state
 (state, turn, token segments, masks, logprobs, infos). ``executor.run(result.unfinished)``
 resumes them exactly where they stopped.
@@ -46,6 +51,7 @@ from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
 from mtflow.core.errors import MtflowError, RolloutFnError
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
 from mtflow.core.records import Move
+from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.driver import Driver, publish
 from mtflow.engine.handlers import begin_steps, check_uuids, end_steps, handle_waiting, start
 from mtflow.engine.model_call import deliver, model_failure_moves
@@ -116,6 +122,10 @@ class AsyncDriver(Driver):
         self.rollout_pool: Optional[cf.ThreadPoolExecutor] = None
         self.step_pool: Optional[cf.ThreadPoolExecutor] = None
         self.rollout_is_async = _is_async_callable(run.settings.rollout_fn)
+        #: each generation's request token record when it was issued (a dropped generation's
+        #: backend may have extended it; the request goes back with the one it had)
+        self.records_before: Dict[int, Any] = {}
+        self.dropped: List[Tuple[RequestRecord, Any]] = []
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> RunResult:
@@ -135,15 +145,25 @@ class AsyncDriver(Driver):
                 batch = loop.run_until_complete(self.waiter)
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
                     self.on_completion(kind, rec, turn, outcome)
+                    if self.over_budget():  # after every completion: the budget is met exactly
+                        self.stop()
         except BaseException:  # an interrupt (or a bug): nothing of ours is left running
             self.cancel_all()
+            self.close_pools(wait=False)
             raise
-        finally:
-            for pool in (self.rollout_pool, self.step_pool):
-                if pool is not None:
-                    pool.shutdown(wait=False, cancel_futures=True)
+        self.close_pools(wait=True)
+        self.restore_records()
         self.run.settings.gather_fn([self.finished_here])  # ranks stay in step: once, at the end
         return self.result()
+
+    def close_pools(self, wait: bool) -> None:
+        """Shut the worker pools down. ``wait``: join the threads of synchronous calls still
+        running (a generation the budget cancelled cannot be stopped inside its thread), so that
+        no thread of this run is left running native code when the interpreter exits; an interrupt
+        does not wait (the threads are not daemons: the interpreter joins them at exit)."""
+        for pool in (self.rollout_pool, self.step_pool):
+            if pool is not None:
+                pool.shutdown(wait=wait, cancel_futures=True)
 
     def admit_all(self) -> None:
         """Fail duplicates, run ``on_trajectory_start`` once for every new request (as lockstep
@@ -189,9 +209,12 @@ class AsyncDriver(Driver):
                     self.release_finished(rec)
                     continue
             self.generate(rec, rec.turns + 1)
+            if self.over_budget():  # an admission that finished its request (a failing hook)
+                self.stop()
 
     # ---- issuing work --------------------------------------------------------------------------
     def generate(self, rec: RequestRecord, turn: int) -> None:
+        self.records_before[rec.index] = getattr(rec.request, RECORD_ATTR, None)
         self.launch('generate', rec, turn, self._rollout(rec, turn))
 
     def launch(self, kind: str, rec: RequestRecord, turn: int, coro: Any) -> None:
@@ -280,8 +303,8 @@ class AsyncDriver(Driver):
     def on_completion(self, kind: str, rec: RequestRecord, turn: int, outcome: Outcome) -> None:
         run = self.run
         if kind == 'generate':
-            if outcome.kind == RAISED and isinstance(outcome.value, _Stopped):
-                self.hand_back(rec)
+            if self.stopping or (outcome.kind == RAISED and isinstance(outcome.value, _Stopped)):
+                self.drop_generation(rec)  # past the budget: sent again on resume, unchanged
                 return
             failed = model_failure_moves([rec], turn, outcome)
             if failed:
@@ -313,6 +336,23 @@ class AsyncDriver(Driver):
         """A request finished: its slot is free."""
         self.active -= 1
         self.finished_here += 1
+
+    def drop_generation(self, rec: RequestRecord) -> None:
+        """A generation stopped by the budget (cancelled, or completed after the budget was met):
+        its output is not used, the request keeps the token record it was sent with, and it goes
+        back unfinished."""
+        self.dropped.append((rec, self.records_before.pop(rec.index, None)))
+        self.hand_back(rec)
+
+    def restore_records(self) -> None:
+        """Give each request whose generation was dropped its token record back (after the
+        threads of the calls were joined: a cancelled call may have extended it on its way out)."""
+        for rec, before in self.dropped:
+            if getattr(rec.request, RECORD_ATTR, None) is not before:
+                try:
+                    setattr(rec.request, RECORD_ATTR, before)
+                except (AttributeError, TypeError):  # a frozen or slotted request
+                    pass
 
     def hand_back(self, rec: RequestRecord) -> None:
         """Stopped by the budget in ``generating``/``continuing``: its slot is free, and it goes

@@ -29,6 +29,7 @@ from mtflow.core.errors import (DuplicateUuidError, MultiTurnRolloutError, RankM
 from mtflow.core.scheduler import HookSet
 from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
 from mtflow.accounting.choose import accounting_for
+from mtflow.accounting.token_record import native_accounting
 from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.driver import Driver
 from mtflow.engine.lockstep import LockstepDriver
@@ -69,8 +70,10 @@ class Executor:
         output_cls: the class of the outputs built; default: the class of the first-turn outputs
             (so an ms-swift caller gets ms-swift's ``RolloutOutput``), else mtflow's.
         accounting: how ids/masks/logprobs accumulate (default:
-            :func:`mtflow.accounting.accounting_for`: ms-swift 4.6's rules for schedulers that keep
-            assistant messages as token ids, else the contract's).
+            :func:`mtflow.accounting.token_record.native_accounting`: every turn's exact ids from
+            the token record when the backend keeps one (``hf``, ``vllm``, ``openai`` in token
+            mode), ms-swift 4.6's rules for schedulers that keep assistant messages as token ids,
+            else the contract's; :func:`run_multi_turn` defaults to the contract's).
         on_finished: called once per request, in the driver's thread, the moment its output is
             final (every finish path), with a :class:`mtflow.FinishedRequest`. An exception it
             raises becomes that request's failure (phase ``on_finished``), never swallowed.
@@ -102,6 +105,10 @@ class Executor:
             one-request lists concurrently (:mod:`mtflow.engine.async_driver`, ``docs/executor.md``).
         max_concurrency: async mode: the most requests in flight at once (admitted and not
             finished; so also the most ``rollout_fn`` calls in flight); ``None``: all.
+        skip_empty_calls: lockstep, one rank (no ``gather_fn``): make no ``rollout_fn([])`` call
+            when nothing is live, such as the contract's last call after the final turn, which
+            keeps ranks in step and which a single-rank native run does not need (``mtflow run``
+            sets it; the default keeps the contract's calls).
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -130,13 +137,14 @@ class Executor:
                  unique_uuids: Optional[bool] = None,
                  eager_coroutines: bool = True,
                  mode: str = 'lockstep',
-                 max_concurrency: Optional[int] = None) -> None:
+                 max_concurrency: Optional[int] = None,
+                 skip_empty_calls: bool = False) -> None:
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
             rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
             check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
-            max_concurrency=max_concurrency)
+            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -150,7 +158,7 @@ class Executor:
             graph=hooks.graph(),
             rollout_fn=rollout_fn,
             request_config=request_config,
-            accounting=accounting if accounting is not None else accounting_for(scheduler),
+            accounting=accounting if accounting is not None else native_accounting(scheduler),
             gather_fn=gather_fn or identity_gather,
             unique_uuids=bool(getattr(scheduler, 'requires_unique_uuids', False)) if unique_uuids is None else
             bool(unique_uuids),
@@ -276,6 +284,6 @@ def run_multi_turn(requests: List[Any],
         on_error=on_error,
         step_timeout_s=step_timeout_s,
         rollout_timeout_s=rollout_timeout_s,
-        accounting=accounting,
+        accounting=accounting if accounting is not None else accounting_for(scheduler),
         scheduler_bounds_run=False)
     return executor.run(requests, first_turn_outputs).outputs

@@ -7,7 +7,8 @@ One turn (see ``docs/executor.md``):
    :data:`mtflow.core.machine.TURN_PHASES`, the phase's handler takes the requests in its states
    and its moves are carried out (:mod:`mtflow.engine.handlers`, :mod:`mtflow.engine.moves`);
 3. ``rollout_fn`` once, with the requests that go on (``[]`` on a rank with nothing live while
-   another rank works), so every rank calls it the same number of times.
+   another rank works), so every rank calls it the same number of times (``skip_empty_calls``,
+   single rank only: no call when nothing is live, e.g. after the final turn).
 """
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ class LockstepDriver(Driver):
             live = [r for r in live if r.state in WAITING_STATES]
             turn += 1
             run.turn = turn
-            outputs = call_model(run, live if has_local else [], turn)
+            if not live and run.options.skip_empty_calls:
+                outputs = []  # one rank, nothing to generate: the contract's empty call is not needed
+            else:
+                outputs = call_model(run, live if has_local else [], turn)
         return self.result()
 
     def ranks_have_work(self, live: List[RequestRecord], turn: int) -> bool:

@@ -59,6 +59,7 @@ class ExecutorOptions:
     eager_coroutines: bool = True
     mode: str = 'lockstep'
     max_concurrency: Optional[int] = None
+    skip_empty_calls: bool = False
 
     def __post_init__(self) -> None:
         if self.on_error not in ('raise', 'return'):
@@ -76,6 +77,9 @@ class ExecutorOptions:
         if self.max_concurrency is not None and self.mode != 'async':
             raise ValueError("max_concurrency applies to mode='async' only (lockstep sends every live request "
                              'in one rollout_fn call)')
+        if self.skip_empty_calls and self.gather_fn is not None:
+            raise ValueError('skip_empty_calls needs a single rank (no gather_fn): with ranks, every rank calls '
+                             'rollout_fn the same number of times, empty calls included')
         _check_timeout('step_timeout_s', self.step_timeout_s)
         _check_timeout('rollout_timeout_s', self.rollout_timeout_s)
 

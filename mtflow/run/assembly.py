@@ -52,6 +52,10 @@ def build_backend(cfg: RunConfig) -> Any:
         return backends.make_backend(cfg.backend, model=cfg.resolved_model(), **options)
     except backends.BackendError as exc:
         raise RunSetupError(str(exc)) from None
+    except ImportError as exc:  # an engine's package (ms-swift, vLLM, ...) is not installed
+        missing = getattr(exc, 'name', None) or str(exc)
+        raise RunSetupError(f'backend {cfg.backend!r} needs the package {missing!r}, which is not installed '
+                            f'({type(exc).__name__}: {exc}); see docs/backends.md') from None
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         first_line = (str(exc).strip().splitlines() or [''])[0]
         raise RunSetupError(f'backend {cfg.backend!r} cannot start: {type(exc).__name__}: {first_line}') from None
@@ -137,7 +141,10 @@ def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
         try:
             return factory(**kwargs)
         except TypeError as exc:
-            raise RunSetupError(f'scheduler {cfg.scheduler!r}: bad scheduler_args: {exc}') from None
+            raise RunSetupError(f'{cfg.where("scheduler_args")}: bad scheduler_args for {cfg.scheduler}: {exc}') from None
+        except Exception as exc:  # the scheduler's own __init__ raised: one line, naming where it came from
+            raise RunSetupError(f'{cfg.where("scheduler")}: building {cfg.scheduler} raised '
+                                f'{type(exc).__name__}: {exc}') from exc
 
     return make_python
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mtflow.backends import ALIASES, BACKENDS
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
+from mtflow.core.keys import unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
 
@@ -86,13 +87,26 @@ class RunConfig(BaseModel):
     base_dir: Optional[Path] = Field(None, exclude=True)
     #: the config file, for messages
     source: Optional[str] = Field(None, exclude=True)
+    #: the line of each top-level key in the file (for messages that name a field)
+    lines: Dict[str, int] = Field(default_factory=dict, exclude=True)
+    #: the keys the command line set (their messages name the option, not the file's line)
+    overridden: List[str] = Field(default_factory=list, exclude=True)
+
+    def where(self, key: str) -> str:
+        """``file:line: key`` of a top-level key, for a message that names it (``--option`` when
+        the command line set it; ``file: key`` when the file does not have it)."""
+        source = self.source or '<run config>'
+        if key in self.overridden:
+            return f"command line: --{key.replace('_', '-')}"
+        line = self.lines.get(key)
+        return f'{source}:{line}: {key}' if line else f'{source}: {key}'
 
     @field_validator('request_config')
     @classmethod
     def _known_sampling_keys(cls, value: Dict[str, Any]) -> Dict[str, Any]:
         unknown = sorted(set(value) - set(RequestConfig.model_fields))
         if unknown:
-            raise ValueError(f'unknown key(s) {", ".join(unknown)}; known: {", ".join(RequestConfig.model_fields)}')
+            raise ValueError('; '.join(unknown_key_message(k, RequestConfig.model_fields) for k in unknown))
         RequestConfig(**value)  # types
         return value
 
@@ -182,9 +196,13 @@ def _line_of(node: Any, loc: tuple) -> Optional[int]:
     return line
 
 
+#: RunConfig fields that are not YAML keys
+_INTERNAL = ('base_dir', 'source', 'lines', 'overridden')
+
+
 def config_keys() -> List[str]:
     """The keys a run config may have (what an unknown-key message lists)."""
-    return [k for k in RunConfig.model_fields if k not in ('base_dir', 'source')]
+    return [k for k in RunConfig.model_fields if k not in _INTERNAL]
 
 
 def _scalar(text: str) -> Any:
@@ -208,7 +226,7 @@ def parse_sets(items: List[str]) -> List[Tuple[Tuple[str, ...], Any, str]]:
         if not sep or not key.strip() or not all(path):
             raise RunConfigError(f"{flag}: expected KEY=VALUE (dotted keys: request_config.max_tokens=32)")
         if path[0] not in config_keys():
-            raise RunConfigError(f'{flag}: unknown key {path[0]!r} (known: {", ".join(config_keys())})')
+            raise RunConfigError(f'{flag}: {unknown_key_message(path[0], config_keys())}')
         out.append((path, _scalar(value), flag))
     return out
 
@@ -245,7 +263,7 @@ def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optiona
         if msg.startswith('Value error, '):
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
-            msg = f'unknown key (known: {", ".join(config_keys())})'
+            msg = unknown_key_message(str(loc[-1]), config_keys())
         problems.append(f'{where}: {field}: {msg}')
     return '; '.join(problems)
 
@@ -275,15 +293,17 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         data = {}
     if not isinstance(data, dict):
         raise RunConfigError(f'{path}: a run config must be a mapping of keys, not {type(data).__name__}')
-    for key in ('base_dir', 'source'):
+    for key in ('base_dir', 'source', 'lines', 'overridden'):
         if key in data:
             raise RunConfigError(f'{path}:{_line_of(root, (key,))}: {key}: unknown key')
     origin = _apply_sets(data, parse_sets(sets or []))
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     data.update(given)
     origin.update({k: f'--{k.replace("_", "-")} {v}' for k, v in given.items()})
+    overridden = list(given)
+    lines = {str(k): line for k in data if (line := _line_of(root, (k, ))) is not None} if root is not None else {}
     try:
-        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path))
+        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path), lines=lines, overridden=overridden)
     except ValidationError as exc:
         raise RunConfigError(_format_errors(exc, str(path), root, origin)) from None
     return cfg

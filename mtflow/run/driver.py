@@ -176,8 +176,9 @@ class _ExecutorFactory:
         cfg = self.cfg
         options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
                                        accounting=record_accounting(self.scheduler))
-        if cfg.mode != 'async':
-            return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, **options)
+        if cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
+            return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, skip_empty_calls=True,
+                            **options)
         # the async driver has no turns to count, so it gets the backend itself, not the counter
         make = getattr(self.backend, 'async_rollout_fn', None)
         async_fn = make() if callable(make) else self.backend

@@ -7,7 +7,10 @@ they import.
 - a Python scheduler (``module:Class`` or ``file.py:Class``): it must import, without raising, and
   be a scheduler (a subclass of :class:`mtflow.Scheduler` or of ms-swift's ``MultiTurnScheduler``,
   a class defining ``step``/``check_finished``/``on_turn_end``, or a factory function);
-- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec).
+- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec);
+- an OpenEnv environment of a YAML scheduler: ``batch_size`` must fit the sessions its servers
+  allow (``max_sessions`` per server; a request holds its session for its whole life), and, at the
+  start of ``mtflow run`` only, each ``url`` server must open a session (:func:`check_env_servers`).
 
 Each problem is one ``file[:line]: field: message`` line; ``imports`` lists every Python module or
 callable the run will import (that code runs with your rights: read the list)."""
@@ -18,16 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from mtflow.core.errors import RunSetupError
+from mtflow.core.errors import MtflowError, RunSetupError
+from mtflow.core.keys import unknown_key_message
+from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
 from mtflow.core.scheduler import Scheduler
 from mtflow.data import DatasetError
 from mtflow.data.sources import count_requests
 from mtflow.declarative import inspect_file
+from mtflow.declarative.envs.config import OpenEnvConfig
+from mtflow.declarative.envs.openenv_env import OpenEnvPool
 from mtflow.run.assembly import load_python_scheduler
 from mtflow.run.config import RunConfig
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
-           'check_before_load']
+           'check_before_load', 'check_env_servers', 'scheduler_arg_names', 'check_scheduler_args']
 
 
 @dataclass
@@ -72,6 +79,47 @@ def check_python_scheduler(ref: str, base_dir: Optional[Path], where: str) -> Li
     return []
 
 
+#: keyword arguments every mtflow / ms-swift scheduler takes through ``**kwargs``
+_BASE_KWARGS = ('tokenizer', 'template')
+
+
+def scheduler_arg_names(obj: Any) -> Optional[List[str]]:
+    """The keyword arguments a scheduler class or factory takes, or ``None`` when it takes any
+    (``**kwargs`` of its own, not only the catch-all of :class:`mtflow.Scheduler` or ms-swift's
+    base, which exists for ms-swift's signature and would swallow a typo)."""
+    def is_base(cls: type) -> bool:
+        return cls is Scheduler or (cls.__module__.startswith('swift') and
+                                    cls.__name__ in ('MultiTurnScheduler', 'RolloutScheduler'))
+
+    names: List[str] = []
+    targets = [c.__dict__['__init__'] for c in obj.__mro__ if '__init__' in c.__dict__ and c is not object] \
+        if isinstance(obj, type) else [obj]
+    owners = [c for c in obj.__mro__ if '__init__' in c.__dict__ and c is not object] if isinstance(obj, type) \
+        else [None]
+    for fn, owner in zip(targets, owners):
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        for p in params:
+            if p.kind is inspect.Parameter.VAR_KEYWORD and not (owner is not None and is_base(owner)):
+                return None
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and \
+                    p.name != 'self' and p.name not in names:
+                names.append(p.name)
+    return names + [k for k in _BASE_KWARGS if k not in names]
+
+
+def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
+    """A ``scheduler_args`` key the scheduler does not take (a typo: ``max_turn``), with the
+    keys it takes and the closest one."""
+    known = scheduler_arg_names(obj)
+    if known is None:
+        return []
+    return [f'{cfg.where("scheduler_args")}.{key}: {unknown_key_message(str(key), known, cfg.scheduler)}'
+            for key in cfg.scheduler_args if key not in known]
+
+
 def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
     """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed)."""
     where = cfg.source or '<run config>'
@@ -84,15 +132,78 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
             report = inspect_file(str(path))
             out.problems += [str(p) for p in report.problems]
             out.imports += [(f'{path}: {f}', ref) for f, ref in report.imports]
+            out.problems += _session_problems(cfg, path)
+        if cfg.scheduler_args:
+            out.problems.append(f'{cfg.where("scheduler_args")}: scheduler_args applies to a Python scheduler '
+                                f"('module:Class'); {cfg.scheduler} is a YAML scheduler: set its keys in that file")
     else:
-        out.problems += check_python_scheduler(cfg.scheduler, cfg.base_dir, where)
+        at = cfg.where('scheduler').rsplit(': scheduler', 1)[0]
+        found = check_python_scheduler(cfg.scheduler, cfg.base_dir, at)
+        out.problems += found
         out.imports.append((f'{where}: scheduler', cfg.scheduler))
+        if not found:
+            out.problems += check_scheduler_args(load_python_scheduler(cfg.scheduler, cfg.base_dir), cfg)
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
         except DatasetError as exc:
             out.problems.append(f'{where}: dataset: {exc}')
     return out
+
+
+def _openenv_of(path: Path) -> Optional[OpenEnvConfig]:
+    """The ``env.openenv`` section of a valid scheduler file, else ``None``."""
+    try:
+        data = load_yaml_file(str(path))[0]
+    except (YamlLoadError, OSError):
+        return None
+    env = data.get('env') if isinstance(data, dict) else None
+    section = env.get('openenv') if isinstance(env, dict) else None
+    if not isinstance(section, dict):
+        return None
+    try:
+        return OpenEnvConfig.model_validate(section)
+    except ValueError:  # the scheduler's own problems report it
+        return None
+
+
+def _session_problems(cfg: RunConfig, path: Path) -> List[str]:
+    """``batch_size`` larger than the OpenEnv sessions the scheduler may open: the requests past
+    the limit would wait ``capacity_wait_s`` and fail, after the model generated their turn 1."""
+    openenv = _openenv_of(path) if path.is_file() else None
+    if openenv is None or openenv.max_sessions is None:
+        return []
+    servers = openenv.replicas if openenv.launch is not None else (
+        1 if isinstance(openenv.url, str) else len(openenv.url or []))
+    sessions = openenv.max_sessions * servers
+    if cfg.batch_size <= sessions:
+        return []
+    return [f'{cfg.where("batch_size")}: {cfg.batch_size} requests per batch need {cfg.batch_size} OpenEnv sessions, '
+            f'but {cfg.scheduler} allows {sessions} (env.openenv.max_sessions {openenv.max_sessions} x {servers} '
+            f'server(s)); the others would wait capacity_wait_s and fail: lower batch_size to {sessions} or raise '
+            'max_sessions']
+
+
+def check_env_servers(cfg: RunConfig) -> None:
+    """Open (and close) one session on each ``url`` OpenEnv server of a YAML scheduler, before the
+    model loads: a server that cannot be reached fails the run now, in one line, instead of every
+    request after its first generation. Launched servers are checked once they are up
+    (:meth:`OpenEnvPool.preflight`, before the first generation)."""
+    if not cfg.scheduler_is_yaml():
+        return
+    openenv = _openenv_of(cfg.scheduler_path())
+    if openenv is None or openenv.url is None:
+        return
+    try:
+        pool = OpenEnvPool(openenv)
+    except ImportError:  # a missing extra: the scheduler's own check reports it
+        return
+    try:
+        pool.preflight()
+    except MtflowError as exc:
+        raise RunSetupError(f'{cfg.scheduler}: env.openenv: {exc}') from None
+    finally:
+        pool.close()
 
 
 def check_before_load(cfg: RunConfig) -> None:

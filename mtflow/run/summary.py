@@ -46,6 +46,7 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
         'tool_errors': tool_errors,
         'tool_error_kinds': tally.tool_error_kinds(),
         'reward_mean': tally.reward_mean(),
+        'reward_failed_left_out': tally.reward_failed,
         'reward_groups': tally.reward_groups(),
         'generated_tokens': tally.trace_tokens,
         'generate_s': round(gen_s, 3) if gen_s is not None else None,
@@ -90,8 +91,10 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
     if summary.get('tool_error_kinds'):
         table.add_row('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items()))
-    if summary['reward_mean'] is not None:
-        table.add_row('mean reward', str(summary['reward_mean']))
+    left_out = summary.get('reward_failed_left_out') or 0
+    if summary['reward_mean'] is not None or left_out:
+        table.add_row('mean reward', f"{summary['reward_mean']}" + (
+            f' ({left_out} failed left out)' if left_out else ''))
     if summary.get('finish_policy'):
         table.add_row('finish policy', ', '.join(f'{k} {v}' for k, v in summary['finish_policy'].items()))
     if summary.get('reward_groups'):

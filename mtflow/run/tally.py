@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from mtflow.core.machine import reason_kind
 from mtflow.data.sources import group_of
 from mtflow.declarative.policy import PolicyTally
 from mtflow.run.reward_spread import GroupRewards
@@ -69,6 +70,8 @@ class RunTally:
         self.info_error_kinds: Counter = Counter()  # the declarative scheduler's per-request totals
         self.reward_sum = 0.0
         self.reward_n = 0
+        #: failed requests that carried a (partial) reward: left out of the mean and the groups
+        self.reward_failed = 0
         self.groups = GroupRewards()  # per GRPO group: n, sums, squares, min, max
         self.errors = 0
         self.failures: List[Dict[str, Any]] = []
@@ -93,13 +96,17 @@ class RunTally:
             if isinstance(kinds, dict):
                 self.info_error_kinds.update({str(k): v for k, v in kinds.items() if isinstance(v, int)})
             reward = infos.get('reward')
-            if isinstance(reward, (int, float)) and not isinstance(reward, bool):
-                self.reward_sum += reward
-                self.reward_n += 1
-                group = record.get('group')  # lines written before the field: from the uuid
-                self.groups.add(str(group) if group is not None else group_of(str(record.get('uuid'))), reward,
-                                record.get('index'))
             error = infos.get('mtflow_error')
+            failed = isinstance(error, dict) or reason_kind(record.get('finish_reason')) == 'error'
+            if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+                if failed:  # a partial reward of a request that did not finish: counted apart
+                    self.reward_failed += 1
+                else:
+                    self.reward_sum += reward
+                    self.reward_n += 1
+                    group = record.get('group')  # lines written before the field: from the uuid
+                    self.groups.add(str(group) if group is not None else group_of(str(record.get('uuid'))), reward,
+                                    record.get('index'))
             if isinstance(error, dict) or record.get('finish_reason') == 'error':
                 self.errors += 1
                 if len(self.failures) < MAX_LISTED_FAILURES:

@@ -9,11 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+from mtflow.backends.base import BackendError
+from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
+
 
 def load_tokenizer(spec: Optional[str]) -> Any:
-    """Load a tokenizer from a ``tokenizer.json`` file or a local model/tokenizer directory."""
+    """Load a tokenizer from a ``tokenizer.json`` file, a local model/tokenizer directory, or
+    ``embedded`` (the embedded model's, from its converted copy: no hub, no network)."""
     if not spec:
         return None
+    if spec in EMBEDDED_NAMES:
+        try:
+            spec = str(embedded_model_dir())
+        except BackendError as exc:
+            raise ValueError(f'cannot load tokenizer {spec!r}: {exc}') from None
     path = Path(spec)
     if path.is_file() and path.suffix == '.json':
         from tokenizers import Tokenizer
@@ -27,10 +36,13 @@ def load_tokenizer(spec: Optional[str]) -> Any:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ValueError(f'cannot load tokenizer {spec!r}: transformers is not installed ({exc})') from exc
+    if not path.exists():
+        raise ValueError(f'cannot load tokenizer {spec!r}: no such file or directory (give a tokenizer.json, a local '
+                         f"model directory, or 'embedded')")
     try:
         return AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except Exception as exc:
-        raise ValueError(f'cannot load tokenizer {spec!r}: {type(exc).__name__}: {exc}') from exc
+        raise ValueError(f'cannot load tokenizer {spec!r}: {type(exc).__name__}: {" ".join(str(exc).split())}') from exc
 
 
 def token_texts(ids: Sequence[int], tokenizer: Any) -> List[str]:

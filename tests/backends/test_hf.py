@@ -8,6 +8,7 @@ torch = pytest.importorskip('torch')
 pytest.importorskip('transformers')
 
 from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # noqa: E402
+from mtflow.accounting import ContractAccounting  # noqa: E402
 from mtflow.backends import BackendError, make_backend  # noqa: E402
 from mtflow.backends.hf import HFBackend, render_prompt  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
@@ -223,8 +224,10 @@ class _Echo(Scheduler):
 
 def test_multi_turn_under_the_executor_keeps_ids_and_logprobs_aligned(backend):
     requests = [_user('a'), _user('b', 'hi')]
+    # the contract's accounting, named (the native default takes the ids from the token record,
+    # tests/backends/test_tokens.py): the ids the step returned, aligned with the logprobs
     result = Executor(_Echo(), backend, RequestConfig(temperature=1.0, max_tokens=5, logprobs=True, seed=0),
-                      max_turns=3).run(requests)
+                      max_turns=3, accounting=ContractAccounting()).run(requests)
     assert result.ok and result.finish_reasons == ['max_turns', 'max_turns']
     for out in result.outputs:
         assert [m['role'] for m in out.messages] == ['user', 'assistant', 'user', 'assistant']

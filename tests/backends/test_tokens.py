@@ -354,3 +354,42 @@ def test_requests_forked_by_a_shallow_copy_keep_their_own_records(tok, model):
         rec = record_of(fork)
         assert rec is not first and len(rec.turns) == 2 and rec.turns[-1].sampled == out.response.choices[0].token_ids
         assert out.response.prompt_token_ids[:len(first.last_prompt) + 3] == first.next_prefix()
+
+
+class _GoOn(Scheduler):
+    """The README's example scheduler: a user message every turn, ``max_turns`` ends the run
+    (also for replies cut by ``max_tokens``)."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'go on'})
+        return {'infer_request': infer_request}
+
+
+def test_executor_default_keeps_every_turns_exact_ids_and_run_multi_turn_keeps_the_contract(tok, model):
+    """The README's own example with the HF backend and no ``accounting=``: a 6-turn request used
+    to keep only the last turn's ids (segments ``[3]``). The native default takes every turn's
+    ids from the backend's token record; the drop-in ``run_multi_turn`` stays the contract."""
+    import mtflow
+
+    config = RequestConfig(max_tokens=3, temperature=0)
+    reqs = [RolloutInferRequest(messages=[{'role': 'user', 'content': 'hi'}], uuid=u) for u in 'ab']
+    result = mtflow.Executor(_GoOn(max_turns=6), HFBackend(model, tok), config).run(copy.deepcopy(reqs))
+    assert result.ok and result.finish_reasons == ['max_turns'] * 2
+    for out in result.outputs:
+        rec = out.rollout_infos['token_record']
+        assert rec['exact'] and rec['turns'] == 6
+        assert [len(s) for s in out.response_token_ids] == [3] * 6
+        assert out.response_loss_mask == [[1] * 3] * 6
+        seq = rec['prompt_ids']
+        for seg, glue in zip(out.response_token_ids, rec['glue_ids'] + [[]]):
+            seq = seq + seg + glue
+        assert seq[-3:] == list(out.response.choices[0].token_ids)
+    backend = HFBackend(model, tok)
+    drop_in = copy.deepcopy(reqs)
+    first = backend(drop_in, config)
+    outs = mtflow.run_multi_turn(drop_in, first, _GoOn(max_turns=6), backend, config, max_turns=6)
+    assert [[len(s) for s in o.response_token_ids] for o in outs] == [[3], [3]], 'the contract: last turn only'
+    assert all('token_record' not in o.rollout_infos for o in outs)

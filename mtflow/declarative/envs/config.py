@@ -8,6 +8,7 @@ them installed, and names the missing extra when a check needs one).
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -61,6 +62,14 @@ class OpenEnvConfig(_Strict):
             for u in urls:
                 if not re.match(r'^(https?|wss?)://[^/\s]+', u):
                     raise ValueError(f'url {u!r} must start with http://, https://, ws:// or wss://')
+                if u != u.strip() or re.search(r'\s', u):
+                    raise ValueError(f'url {u!r} contains whitespace')
+                try:
+                    port = urlsplit(u).port
+                except ValueError:
+                    port = 0
+                if port == 0:
+                    raise ValueError(f'url {u!r}: the port must be 1..65535')
         if isinstance(self.launch, str) and not re.fullmatch(r'[\w.]+:[\w.]+', self.launch):
             raise ValueError(f"launch {self.launch!r} must be 'package.module:app' or a command list")
         if isinstance(self.launch, list) and not self.launch:

@@ -9,7 +9,8 @@ methods). The completion is the action; ``terminated`` and ``truncated`` stay di
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional
+import json
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mtflow.core.registry import resolve_reference
 from mtflow.declarative.envs.base import StepOutcome, request_seed
@@ -59,15 +60,40 @@ def _accepted(fn: Callable[..., Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def gym_factory(ref: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> Callable[[], GymnasiumEnv]:
-    """Resolve ``module:Class`` and make one instance now (bad kwargs fail at load time)."""
+#: ``(ref, base_dir, kwargs)`` of every environment checked in this process (``mtflow run`` checks
+#: a config before the model loads, loads the scheduler, which checks it again, and builds its
+#: factory): each is made once, by the first check, and that instance is the first environment
+#: a factory hands out instead of a throwaway probe (at most one such instance per configuration
+#: waits for a request; a process that only validates leaves it to the interpreter's exit)
+_CHECKED: Set[Tuple[str, str, str]] = set()
+_SPARE: Dict[Tuple[str, str, str], Any] = {}
+
+
+class GymFactory:
+    """Makes a :class:`GymnasiumEnv` per request; the first one is the instance the check made."""
+
+    def __init__(self, make: Callable[..., Any], kwargs: Dict[str, Any], key: Tuple[str, str, str]) -> None:
+        self.make, self.kwargs, self.key = make, kwargs, key
+
+    def __call__(self) -> GymnasiumEnv:
+        spare = _SPARE.pop(self.key, None)
+        return GymnasiumEnv(spare if spare is not None else self.make(**self.kwargs))
+
+
+def gym_factory(ref: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> GymFactory:
+    """Resolve ``module:Class`` and check it by making one instance (bad kwargs fail at load time),
+    once per process and configuration: the instance is kept for the first request."""
     make = resolve_reference(ref, base_dir)
     kwargs = dict(kwargs)
-    probe = make(**kwargs)
-    for method in ('reset', 'step'):
-        if not callable(getattr(probe, method, None)):
-            raise TypeError(f'{ref} has no {method}() method: not a Gymnasium-style environment')
-    close = getattr(probe, 'close', None)
-    if callable(close):
-        close()
-    return lambda: GymnasiumEnv(make(**kwargs))
+    key = (ref, str(base_dir), json.dumps(kwargs, sort_keys=True, default=repr))
+    if key not in _CHECKED:
+        probe = make(**kwargs)
+        for method in ('reset', 'step'):
+            if not callable(getattr(probe, method, None)):
+                close = getattr(probe, 'close', None)
+                if callable(close):
+                    close()
+                raise TypeError(f'{ref} has no {method}() method: not a Gymnasium-style environment')
+        _CHECKED.add(key)
+        _SPARE[key] = probe
+    return GymFactory(make, kwargs, key)

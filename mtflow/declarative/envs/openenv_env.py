@@ -16,8 +16,13 @@ What can go wrong, and what happens:
   ``batch_size`` to the servers' capacity.
 - **a step** whose connection breaks or times out fails its request (:class:`OpenEnvSessionError`):
   the session's state is gone with it, so a step is never retried on a new session. A step the
-  server rejects (a malformed action: ``VALIDATION_ERROR``, an exception in the environment) is
-  fed back to the model as ``Error: ...`` and the episode goes on.
+  environment raised on (``EXECUTION_ERROR``), or a JSON action the model wrote (``action: json``)
+  that the server rejects, is fed back to the model as ``Error: ...`` and the episode goes on.
+- **the action schema**: a server that rejects the text action itself (``VALIDATION_ERROR`` for
+  ``{action_field: completion}``) rejects every action: a configuration error, not a move. The
+  request fails with :class:`OpenEnvActionError`, naming ``action_field`` and the fields of the
+  server's action schema (``GET /schema``); ``mtflow validate`` checks the same when it can read
+  the schema (:func:`action_field_problem`).
 
 Every wait is bounded (``connect_timeout_s``, ``message_timeout_s``, ``capacity_wait_s``), so a
 dead server costs its own requests an error, never a hung batch. The connections run on the
@@ -48,7 +53,7 @@ from mtflow.declarative.envs.base import MissingExtra, StepOutcome, request_seed
 from mtflow.declarative.envs.config import OpenEnvConfig
 
 __all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError', 'OpenEnvCapacityError',
-           'OpenEnvLaunchError', 'OpenEnvServer']
+           'OpenEnvLaunchError', 'OpenEnvActionError', 'OpenEnvServer', 'action_field_problem', 'read_schema']
 
 #: how long a server that refused a connection is skipped when choosing where to open a session
 DEAD_COOLDOWN_S = 5.0
@@ -71,6 +76,41 @@ class OpenEnvCapacityError(OpenEnvError):
 
 class OpenEnvLaunchError(OpenEnvError):
     """A ``launch``-ed server did not start."""
+
+
+class OpenEnvActionError(OpenEnvError):
+    """The server rejects the action's schema: ``action_field`` is not what the server takes."""
+
+
+def action_field_problem(schema: Any, field: str) -> Optional[str]:
+    """What is wrong with sending ``{field: text}`` to a server whose ``/schema`` is ``schema``
+    (``None``: nothing, or the schema does not say). Fields of openenv's ``Action`` base (such as
+    ``metadata``) are optional and never required of a text action."""
+    action = schema.get('action') if isinstance(schema, dict) else None
+    props = action.get('properties') if isinstance(action, dict) else None
+    if not isinstance(props, dict) or not props:
+        return None
+    required = [str(r) for r in action.get('required') or []]
+    if field not in props:
+        return (f'action_field {field!r} is not a field of the server\'s action schema; it has: '
+                f'{", ".join(map(str, props))}' + (f' (required: {", ".join(required)})' if required else ''))
+    others = [r for r in required if r != field]
+    if others:
+        return (f'the server\'s action schema also requires {", ".join(others)}; a text action sets only '
+                f'{field!r} (use action: json, or a server whose action has one required field)')
+    return None
+
+
+def read_schema(url: str, timeout_s: float = 5.0) -> Optional[Dict[str, Any]]:
+    """The server's ``GET /schema`` (openenv's combined action/observation/state schemas), or
+    ``None`` when it cannot be read."""
+    base = re.sub(r'^ws', 'http', url.rstrip('/'))
+    try:
+        with urllib.request.urlopen(f'{base}/schema', timeout=timeout_s) as resp:
+            value = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _is_capacity(exc: BaseException) -> bool:
@@ -154,6 +194,7 @@ class OpenEnvPool:
         self._closed = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
+        self._preflighted = False
         if config.url is not None:
             urls = [config.url] if isinstance(config.url, str) else list(config.url)
             self.servers = [OpenEnvServer(u) for u in urls]
@@ -161,6 +202,58 @@ class OpenEnvPool:
 
     def __call__(self) -> 'OpenEnvSession':
         return OpenEnvSession(self)
+
+    # ---- checks before anything runs ------------------------------------------------------------
+    def problems(self) -> List[tuple]:
+        """``(field, message)`` for what ``mtflow validate`` can check without starting or
+        connecting to anything of its own: a ``launch`` module that does not exist, and
+        ``action_field`` against the server's action schema where it can be read (a ``url``
+        server that answers ``/schema`` within 2 s; a ``launch`` app, asked in-process). A server
+        that does not answer is not a problem here: it may be started later (``mtflow run``
+        opens a session on each server before the model loads, :meth:`preflight`)."""
+        cfg = self.config
+        out: List[tuple] = []
+        schemas: List[Any] = []
+        if isinstance(cfg.launch, str):
+            module = cfg.launch.split(':', 1)[0]
+            if self.base_dir and self.base_dir not in sys.path:
+                sys.path.insert(0, self.base_dir)
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return [('launch', f'no module named {module!r} (launch {cfg.launch!r}; the server would never start)')]
+            schemas.append(_app_schema(cfg.launch))
+        elif cfg.url is not None:
+            schemas += [read_schema(u, 2.0) for u in ([cfg.url] if isinstance(cfg.url, str) else cfg.url)]
+        if cfg.action == 'text':
+            for schema in schemas:
+                why = action_field_problem(schema, cfg.action_field) if schema is not None else None
+                if why:
+                    out.append(('action_field', why))
+                    break
+        return out
+
+    def preflight(self) -> None:
+        """Start the servers and open (and close) one session on each, so that a server that
+        cannot be reached, or that rejects the reset, fails the run before the first generation
+        (``mtflow run`` does it for ``url`` servers before the model loads, for launched ones once
+        they are up) instead of failing every request after its first generation;
+        ``action_field`` is checked against each server's schema too. Raises
+        :class:`OpenEnvError` naming the server. Once per pool."""
+        if self._preflighted:
+            return
+        self._preflighted = True
+        self.start()
+        cfg = self.config
+        for server in self.servers:
+            schema = read_schema(server.url, min(cfg.connect_timeout_s, 5.0))
+            if cfg.action == 'text' and schema is not None:
+                why = action_field_problem(schema, cfg.action_field)
+                if why:
+                    raise OpenEnvActionError(f'OpenEnv server {server.url}: {why} (env.openenv.action_field)')
+            asyncio.run(_probe_session(server.url, cfg))
 
     # ---- servers ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -370,9 +463,12 @@ class OpenEnvSession:
             raise OpenEnvSessionError('step() before reset()')
         cfg = self.pool.config
         self.steps += 1
+        payload, as_text = self._action(action)
         try:
-            result = await asyncio.wait_for(self.client.step(self._action(action)), cfg.message_timeout_s + 1.0)
+            result = await asyncio.wait_for(self.client.step(payload), cfg.message_timeout_s + 1.0)
         except Exception as exc:
+            if as_text and _is_server_reply(exc) and 'VALIDATION_ERROR' in str(exc):
+                raise await self._schema_error(exc) from None
             if _is_server_reply(exc) and not _is_capacity(exc):
                 return StepOutcome(f'Error: {_server_message(exc)}', 0.0, False, False,
                                    {'openenv_server': self.server.url, 'error': _server_message(exc)})
@@ -408,13 +504,25 @@ class OpenEnvSession:
         self.pool.sessions.discard(self)
 
     # ---- text <-> OpenEnv -----------------------------------------------------------------------
-    def _action(self, text: str) -> Dict[str, Any]:
+    def _action(self, text: str) -> tuple:
+        """``(the step's action, whether it is the text form {action_field: text})``."""
         cfg = self.pool.config
         if cfg.action == 'json':
             parsed = _json_object(text)
             if parsed is not None:
-                return parsed
-        return {cfg.action_field: text}
+                return parsed, False
+        return {cfg.action_field: text}, True
+
+    async def _schema_error(self, exc: BaseException) -> OpenEnvActionError:
+        """The error of a text action the server's schema rejects, with the schema's fields."""
+        field = self.pool.config.action_field
+        schema = await asyncio.to_thread(read_schema, self.server.url, 5.0)
+        why = action_field_problem(schema, field) if schema is not None else None
+        return OpenEnvActionError(
+            f'OpenEnv server {self.server.url} rejected the action {{{field!r}: <completion>}} at step {self.steps}: '
+            f'{_server_message(exc)}; '
+            + (why if why else f'check env.openenv.action_field ({field!r}) against the server\'s action schema')
+            + ' (env.openenv.action_field)')
 
     def _text(self, observation: Any) -> str:
         field = self.pool.config.observation_field
@@ -431,6 +539,41 @@ class OpenEnvSession:
 
 
 _FENCE = re.compile(r'```(?:json)?\s*(\{.*\})\s*```', re.DOTALL)
+
+
+async def _probe_session(url: str, cfg: OpenEnvConfig) -> None:
+    """Open one session on ``url``, reset it with the configured kwargs, close it (one attempt,
+    bounded by the configured timeouts; a server at capacity is up, which is all this checks)."""
+    from openenv.core import GenericEnvClient
+
+    client = GenericEnvClient(base_url=url, connect_timeout_s=cfg.connect_timeout_s,
+                              message_timeout_s=cfg.message_timeout_s)
+    try:
+        await asyncio.wait_for(client.connect(), cfg.connect_timeout_s + 1.0)
+        await asyncio.wait_for(client.reset(**cfg.reset_kwargs), cfg.message_timeout_s + 1.0)
+    except Exception as exc:
+        exc = await _refusal(client, exc)
+        if not _is_capacity(exc):
+            raise OpenEnvSessionError(f'OpenEnv server {url} cannot open a session: {_describe(exc)} '
+                                      f'(env.openenv.{"url" if cfg.url is not None else "launch"})') from None
+    finally:
+        await _close_client(client, 2.0)
+
+
+def _app_schema(ref: str) -> Optional[Dict[str, Any]]:
+    """``GET /schema`` of a ``launch`` ASGI app, asked in-process (nothing listens on a port);
+    ``None`` when the app cannot be imported or asked (the launch itself reports that)."""
+    try:
+        from fastapi.testclient import TestClient
+
+        module, attr = ref.split(':', 1)
+        app = importlib.import_module(module)
+        for part in attr.split('.'):
+            app = getattr(app, part)
+        resp = TestClient(app).get('/schema')
+        return resp.json() if resp.status_code == 200 else None
+    except Exception:
+        return None
 
 
 def _json_object(text: str) -> Optional[Dict[str, Any]]:

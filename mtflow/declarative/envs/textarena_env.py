@@ -1,7 +1,8 @@
 """Single-player textarena games (``textarena.make(id)``) as YAML environments.
 
 Each turn the completion is the player's move (``env.step``); what the game says back (its new
-observations since the last move, the player's own echoed move left out) is the next message.
+observations since the last move, the player's own echoed move left out, however the game tags
+it: as the player, as a ``PLAYER_ACTION``, or as the game itself) is the next message.
 When the game is over, ``env.close()`` gives textarena's reward for the player (many games shape
 it: Mastermind's pegs, GuessTheNumber's closeness), which becomes this step's reward; the episode
 stops with ``stop_rule:env_done``.
@@ -28,6 +29,7 @@ class TextArenaEnv:
         self.player_id = 0
         self.done = False
         self.result: Optional[tuple] = None
+        self.last_action: Optional[str] = None
 
     def reset(self, infer_request: Any) -> Optional[str]:
         self.env.reset(num_players=1, seed=request_seed(infer_request))
@@ -40,14 +42,25 @@ class TextArenaEnv:
         parts: List[str] = []
         for entry in obs or []:
             if isinstance(entry, (tuple, list)) and len(entry) >= 2:
-                if entry[0] == self.player_id:
-                    continue  # the player's own move, echoed back
+                if self._own_move(entry):
+                    continue  # the player's own move, echoed back (whatever sender the game tags it with)
                 parts.append(str(entry[1]))
             else:
                 parts.append(str(entry))
         return '\n'.join(parts)
 
+    def _own_move(self, entry: Any) -> bool:
+        """The player's move echoed back: sent as the player, typed ``PLAYER_ACTION`` (TowerOfHanoi
+        sends it as the game, ``-1``), or the very text just played."""
+        if entry[0] == self.player_id:
+            return True
+        kind = entry[2] if len(entry) >= 3 else None
+        if getattr(kind, 'name', kind) == 'PLAYER_ACTION':
+            return True
+        return self.last_action is not None and str(entry[1]).strip() == self.last_action.strip()
+
     def step(self, action: str) -> StepOutcome:
+        self.last_action = action
         done, step_info = self.env.step(action)
         if not done:
             return StepOutcome(self._observation(), 0.0, False, False, dict(step_info or {}))
