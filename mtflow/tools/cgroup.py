@@ -22,10 +22,10 @@ so everything the call starts is charged from its first page. Where no group can
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -172,17 +172,11 @@ def _remove_stale(parents: Dict[str, str]) -> None:
                     pass
 
 
-_support: Optional[CgroupSupport] = None
-_support_lock = threading.Lock()
-
-
+@functools.lru_cache(maxsize=None)
 def support() -> CgroupSupport:
-    """What this process can make, probed once."""
-    global _support
-    with _support_lock:
-        if _support is None:
-            _support = _probe()
-        return _support
+    """What this process can make, probed once (a probe is idempotent: two threads racing on the
+    first call both get the same answer)."""
+    return _probe()
 
 
 class CallCgroup:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -57,17 +58,11 @@ class SeccompUnavailable(RuntimeError):
     """libseccomp (or its binding) is missing: the message says what to install."""
 
 
-_bpf: Optional[bytes] = None
-_bpf_lock = threading.Lock()
-
-
+@functools.lru_cache(maxsize=None)
 def filter_bpf() -> bytes:
-    """The filter as a BPF program (``struct sock_filter`` array), built once per process."""
-    global _bpf
-    with _bpf_lock:
-        if _bpf is None:
-            _bpf = _build()
-        return _bpf
+    """The filter as a BPF program (``struct sock_filter`` array), built once per process (the
+    build is deterministic, so a race on the first call costs a second build, nothing more)."""
+    return _build()
 
 
 def _build() -> bytes:
