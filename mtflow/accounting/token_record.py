@@ -161,8 +161,9 @@ class RecordAccounting(ContractAccounting):
     The ids always come from the record. Where the scheduler's own segments (``step``'s
     ``response_token_ids`` / ``response_loss_mask``) have the record's shape, their mask is kept
     (the scheduler said what to train); otherwise the record's mask (sampled 1, appended 0).
-    The record is used only when it describes this trajectory: it was never restarted from text
-    and its last turn's sampled ids are the final choice's ids. Otherwise (a backend without a
+    The record is used only when it describes this trajectory: it was never restarted from text,
+    it holds every model turn the request had (not so when the caller handed in the first turn's
+    outputs) and its last turn's sampled ids are the final choice's ids. Otherwise (a backend without a
     record, a scheduler that edited the history) the contract's segments stay."""
 
     name = 'record'
@@ -173,6 +174,8 @@ class RecordAccounting(ContractAccounting):
         if rec is None or rec.restarted or not rec.turns:
             return
         if list(choice.token_ids or []) != rec.turns[-1].sampled:
+            return
+        if len(rec.turns) != record.turns:  # a turn the backend never saw (first_turn_outputs given)
             return
         ids, mask, logprobs, _ = rec.segments()
         if len(record.mask) == len(mask) and all(len(a) == len(b) for a, b in zip(record.mask, mask)):

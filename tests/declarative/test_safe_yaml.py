@@ -114,4 +114,4 @@ def test_validate_a_run_config_with_a_python_scheduler(tmp_path, capsys):
         if expected is None:
             assert rc == 0 and f'{f}: OK' in out and f'  {ref}  ({f}: scheduler)' in out
         else:
-            assert rc == 1 and expected in out and f'{f}: scheduler:' in out
+            assert rc == 1 and expected in out and f'{f}:1: scheduler:' in out  # the key's line (issue 27 item 8)
