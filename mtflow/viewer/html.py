@@ -115,6 +115,37 @@ def _reason_color(reason: str) -> str:
     return _KIND_COLORS.get(reason_kind(reason), _KIND_COLORS['ok'])
 
 
+def _charts(summary: Any) -> List[str]:
+    """The small bar charts under the stats: live requests per turn, turns per request, finish
+    reasons, tool error kinds (when there are any)."""
+    charts = [
+        bar_chart_svg({f'turn {t}': n for t, n in summary.live_per_turn.items()}, 'live requests per turn',
+                      css_class='chart chart-live'),
+        bar_chart_svg({f'{t} turn{"s" if t != 1 else ""}': n for t, n in summary.turns_per_request.items()},
+                      'turns per request', css_class='chart chart-turns'),
+        bar_chart_svg(summary.finish_reasons, 'finish reasons', {r: _reason_color(r) for r in summary.finish_reasons},
+                      css_class='chart chart-reasons'),
+    ]
+    if summary.tool_error_kinds:
+        charts.append(bar_chart_svg(summary.tool_error_kinds, 'tool error kinds', css_class='chart chart-tool-errors'))
+    return charts
+
+
+def _stats_html(summary: Any) -> str:
+    """The row of figures at the top of the trace view."""
+    stats = [
+        ('requests', summary.requests), ('events', summary.events), ('turns', summary.max_turn),
+        ('completion tokens', summary.tokens), ('tool calls', summary.tool_calls),
+        ('tool errors', len(summary.tool_errors)), ('errors', len(summary.errors))
+    ]
+    if summary.wall_s is not None:
+        stats.append(('wall time', _fmt_s(summary.wall_s)))
+    if len(summary.ranks) > 1:
+        stats.append(('ranks', len(summary.ranks)))
+    stats_html = ''.join(f'<div class="stat"><b>{n}</b><span>{escape(label)}</span></div>' for label, n in stats)
+    return stats_html
+
+
 def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]] = None, tokenizer: Any = None,
                 graph: Optional[StateGraph] = None, title: str = 'mtflow trace',
                 summary: Optional[Mapping[str, Any]] = None, run_name: Optional[str] = None,
@@ -145,27 +176,9 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
     for reason, n in summary.finish_reasons.items():
         counts[('reason', reason)] = n
     graph_svg = state_graph_svg(graph or _graph_for(trace), counts=counts, title='state graph')
-    charts = [
-        bar_chart_svg({f'turn {t}': n for t, n in summary.live_per_turn.items()}, 'live requests per turn',
-                      css_class='chart chart-live'),
-        bar_chart_svg({f'{t} turn{"s" if t != 1 else ""}': n for t, n in summary.turns_per_request.items()},
-                      'turns per request', css_class='chart chart-turns'),
-        bar_chart_svg(summary.finish_reasons, 'finish reasons', {r: _reason_color(r) for r in summary.finish_reasons},
-                      css_class='chart chart-reasons'),
-    ]
-    if summary.tool_error_kinds:
-        charts.append(bar_chart_svg(summary.tool_error_kinds, 'tool error kinds', css_class='chart chart-tool-errors'))
+    charts = _charts(summary)
     problems = _problems_html(summary)
-    stats = [
-        ('requests', summary.requests), ('events', summary.events), ('turns', summary.max_turn),
-        ('completion tokens', summary.tokens), ('tool calls', summary.tool_calls),
-        ('tool errors', len(summary.tool_errors)), ('errors', len(summary.errors))
-    ]
-    if summary.wall_s is not None:
-        stats.append(('wall time', _fmt_s(summary.wall_s)))
-    if len(summary.ranks) > 1:
-        stats.append(('ranks', len(summary.ranks)))
-    stats_html = ''.join(f'<div class="stat"><b>{n}</b><span>{escape(label)}</span></div>' for label, n in stats)
+    stats_html = _stats_html(summary)
     reasons_opts = ''.join(f'<option value="{escape(r)}">{escape(r)}</option>' for r in summary.finish_reasons)
     # '<' as \u003c: no '</script>' or '<!--' from a message can end the data block early
     payload = json.dumps(data, ensure_ascii=False, default=str).replace('<', '\\u003c')
