@@ -45,7 +45,7 @@ import concurrent.futures as cf
 import inspect
 from collections import deque
 from time import perf_counter
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Awaitable, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
 from mtflow.core.errors import MtflowError, RolloutFnError
@@ -271,22 +271,11 @@ class AsyncDriver(Driver):
                                                       thread_name_prefix='mtflow-rollout')
         return self.rollout_pool
 
-    async def _step(self, rec: RequestRecord, turn: int) -> Outcome:
-        hooks, timeout = self.run.hooks, self.run.options.step_timeout_s
-        t = perf_counter()
-        try:
-            if hooks.step_is_async:
-                call = hooks.step(rec.request, rec.choice, turn)
-            else:
-                if self.step_pool is None:  # one at a time, as the lockstep driver runs sync steps
-                    self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
-                call = asyncio.wrap_future(self.step_pool.submit(hooks.step, rec.request, rec.choice, turn))
-            value = await _bounded(call, timeout)
-        except asyncio.TimeoutError:
-            return Outcome(TIMED_OUT, timeout, perf_counter() - t)
-        except Exception as exc:
-            return Outcome(RAISED, exc, perf_counter() - t)
-        return Outcome(OK, value, perf_counter() - t)
+    def _step(self, rec: RequestRecord, turn: int) -> Awaitable[Outcome]:
+        hooks = self.run.hooks
+        if self.step_pool is None and not hooks.step_is_async:  # one at a time, as lockstep runs sync steps
+            self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
+        return timed_step(hooks, self.run.options.step_timeout_s, self.step_pool, rec, turn)
 
     async def next_completions(self) -> List[Completion]:
         if not self.completions:
@@ -380,17 +369,14 @@ class AsyncDriver(Driver):
 
     # ---- the budget ------------------------------------------------------------------------------
     def budget_left(self) -> Optional[float]:
-        if self.until is None or self.until.seconds is None or self.stopping:
+        if self.until is None or self.stopping:
             return None
-        return max(0.0, self.until.seconds - (perf_counter() - self.t_start))
+        return self.until.seconds_left(perf_counter() - self.t_start)
 
     def over_budget(self) -> bool:
-        until = self.until
-        if until is None or self.stopping:
+        if self.until is None or self.stopping:
             return self.stopping
-        if until.finished is not None and self.finished_here >= until.finished:
-            return True
-        return until.seconds is not None and perf_counter() - self.t_start >= until.seconds
+        return self.until.met(self.finished_here, perf_counter() - self.t_start)
 
     def stop(self) -> None:
         """Stop admitting and generating: cancel the generations in flight (their requests go
@@ -409,18 +395,40 @@ class AsyncDriver(Driver):
         run.loops = max((r.turns for r in run.records), default=0)  # the deepest turn reached
         if not self.stopping:
             return super().result()
-        # a partial rollout: the unfinished requests go back with their state, never failed
-        result = RunResult(
-            outputs=[r.output if r.state == FINISHED else None for r in run.records],
-            finish_reasons=[r.reason if r.state == FINISHED else None for r in run.records],
-            failures=run.failures,
-            recorder=run.recorder,
-            turns=run.loops,
-            rollout_fn_calls=run.rollout_calls)
-        result.unfinished = [UnfinishedRequest(r, r.index in self.started) for r in run.records
-                             if r.state != FINISHED]
-        publish(run, result)
-        return result
+        return partial_result(run, self.started)
+
+
+def partial_result(run: RunState, started: Set[int]) -> RunResult:
+    """The result of a partial rollout: the unfinished requests go back with their state (and
+    whether their ``on_trajectory_start`` ran), never failed."""
+    result = RunResult(
+        outputs=[r.output if r.state == FINISHED else None for r in run.records],
+        finish_reasons=[r.reason if r.state == FINISHED else None for r in run.records],
+        failures=run.failures,
+        recorder=run.recorder,
+        turns=run.loops,
+        rollout_fn_calls=run.rollout_calls)
+    result.unfinished = [UnfinishedRequest(r, r.index in started) for r in run.records if r.state != FINISHED]
+    publish(run, result)
+    return result
+
+
+async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[cf.ThreadPoolExecutor],
+                     rec: RequestRecord, turn: int) -> Outcome:
+    """One request's ``step`` under its deadline: an async step on the loop, a sync one in the
+    driver's single step thread."""
+    t = perf_counter()
+    try:
+        if hooks.step_is_async:
+            call = hooks.step(rec.request, rec.choice, turn)
+        else:
+            call = asyncio.wrap_future(step_pool.submit(hooks.step, rec.request, rec.choice, turn))
+        value = await _bounded(call, timeout)
+    except asyncio.TimeoutError:
+        return Outcome(TIMED_OUT, timeout, perf_counter() - t)
+    except Exception as exc:
+        return Outcome(RAISED, exc, perf_counter() - t)
+    return Outcome(OK, value, perf_counter() - t)
 
 
 def _is_async_callable(fn: Any) -> bool:

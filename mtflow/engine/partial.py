@@ -30,6 +30,16 @@ class Until:
                                          or self.seconds <= 0):
             raise ValueError(f'Until.seconds must be a number > 0, not {self.seconds!r}')
 
+    def seconds_left(self, elapsed: float) -> Optional[float]:
+        """Seconds until the time budget runs out (``None``: no time budget)."""
+        return None if self.seconds is None else max(0.0, self.seconds - elapsed)
+
+    def met(self, finished: int, elapsed: float) -> bool:
+        """Whether ``finished`` requests after ``elapsed`` seconds meet the budget."""
+        if self.finished is not None and finished >= self.finished:
+            return True
+        return self.seconds is not None and elapsed >= self.seconds
+
     @classmethod
     def coerce(cls, value: Any) -> Optional['Until']:
         """``None``, an :class:`Until`, or a dict like ``{'finished': 48}`` / ``{'seconds': 30}``."""
