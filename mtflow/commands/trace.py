@@ -202,18 +202,23 @@ def _run_of(path: str) -> Path:
     return p
 
 
+def _write_page(output: str, page: str, what: str) -> int:
+    """Write an HTML page where ``-o`` says (its folder must exist) and say what was written."""
+    out = Path(output)
+    if out.parent and not out.parent.exists():
+        raise UserError(f'no such directory: {out.parent}')
+    out.write_text(page, encoding='utf-8')
+    print(f'wrote {out} ({what}{len(page) // 1024} KiB)')
+    return 0
+
+
 def compare_html(args: argparse.Namespace) -> int:
     try:
         page = render_compare_html(_run_of(args.file), _run_of(args.compare), max_shown=args.max_shown,
                                    title=args.title)
     except ValueError as exc:  # a damaged line names its file and line
         raise UserError(str(exc)) from None
-    out = Path(args.output)
-    if out.parent and not out.parent.exists():
-        raise UserError(f'no such directory: {out.parent}')
-    out.write_text(page, encoding='utf-8')
-    print(f'wrote {out} ({len(page) // 1024} KiB)')
-    return 0
+    return _write_page(args.output, page, '')
 
 
 def html(args: argparse.Namespace) -> int:
@@ -230,9 +235,4 @@ def html(args: argparse.Namespace) -> int:
     page = render_html(trace.select([v.uuid for v in views]), trajectories=trajectories, tokenizer=tokenizer,
                        graph=graph, title=args.title or run_name or Path(args.file).name, summary=summary,
                        run_name=run_name, config_text=config_text)
-    out = Path(args.output)
-    if out.parent and not out.parent.exists():
-        raise UserError(f'no such directory: {out.parent}')
-    out.write_text(page, encoding='utf-8')
-    print(f'wrote {out} ({len(views)} requests, {len(page) // 1024} KiB)')
-    return 0
+    return _write_page(args.output, page, f'{len(views)} requests, ')
