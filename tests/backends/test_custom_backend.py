@@ -57,7 +57,6 @@ def test_a_run_config_names_its_own_backend_class_next_to_it(project):
 def test_the_command_line_switches_to_a_backend_by_reference(project, monkeypatch):
     (project / 'run.yaml').write_text('scheduler: guess_number.yaml\nbackend: scripted\nout: out\nlimit: 1\n'
                                       'max_turns: 1\n')
-    monkeypatch.syspath_prepend(str(project))
     assert main(['run', 'run.yaml', '--backend', 'my_backends:EchoBackend']) == 0
     replies = [m['content'] for m in _lines(project / 'out')[0]['messages'] if m['role'] == 'assistant']
     assert replies == [replies[0]] and replies[0].startswith('ECHO ') and replies[0].endswith('I guess 50')
