@@ -1,5 +1,6 @@
 """Every fenced ``bash``/``sh``/``python`` block of README.md and docs/ runs as written
-(``tests/docs_snippets.py`` collects them; a page's blocks in order, in one directory), or says on
+(``tests/docs_snippets.py`` collects them; in order, in one directory; a block repeated word for
+word on another page runs once), or says on
 the line before its fence why it cannot here: a GPU, the network, or being the suite itself; each
 skip is reported with its reason. A new block without a marker must run."""
 from __future__ import annotations
@@ -30,18 +31,18 @@ def test_the_collector_finds_the_pages_blocks():
 
 
 @pytest.fixture(scope='session')
-def page_dirs(tmp_path_factory) -> Dict[Path, Path]:
-    return {}
+def workdir(tmp_path_factory) -> Path:
+    """One reader's checkout for every page: a later block reads what an earlier one wrote
+    (``trace show runs/default`` after the run that wrote it), README first, then docs/ by name."""
+    d = tmp_path_factory.mktemp('reader')
+    for name in LINKED:
+        if (ROOT / name).exists():
+            (d / name).symlink_to(ROOT / name)
+    return d
 
 
-def _page_dir(block: Block, page_dirs: Dict[Path, Path], tmp_path_factory) -> Path:
-    if block.page not in page_dirs:
-        d = tmp_path_factory.mktemp(block.page.stem)
-        for name in LINKED:
-            if (ROOT / name).exists():
-                (d / name).symlink_to(ROOT / name)
-        page_dirs[block.page] = d
-    return page_dirs[block.page]
+#: each command already run as written, and where: the same command on another page runs once
+RAN: Dict[str, str] = {}
 
 
 def _env() -> Dict[str, str]:
@@ -56,12 +57,15 @@ def _shell(command: str, cwd: Path, block: Block) -> None:
 
 
 @pytest.mark.parametrize('block', BLOCKS, ids=[b.id for b in BLOCKS])
-def test_the_block_runs_as_written(block, page_dirs, tmp_path_factory, monkeypatch):
+def test_the_block_runs_as_written(block, workdir, monkeypatch):
     if block.skip is not None:
         pytest.skip(f'{block.skip[0]}: {block.skip[1]}')
     if block.needs:
         pytest.importorskip(block.needs, reason=f'{block.id} needs {block.needs} (scripts/test.sh installs it)')
-    cwd = _page_dir(block, page_dirs, tmp_path_factory)
+    key = f'{block.lang}:{block.launch}:{block.pytest}:{block.code}'
+    if key in RAN:
+        return  # the same block, word for word, ran (and passed) at RAN[key]
+    cwd = workdir
     monkeypatch.chdir(cwd)
     if block.launch:
         (cwd / 'rollout.py').write_text(LAUNCH_HEADER + block.code)
@@ -77,3 +81,4 @@ def test_the_block_runs_as_written(block, page_dirs, tmp_path_factory, monkeypat
         exec(compile(block.code, block.id, 'exec'), namespace)  # noqa: S102 - our own docs
     else:
         _shell(block.code, cwd, block)
+    RAN[key] = block.id
