@@ -1,14 +1,18 @@
 """The fenced ``bash``/``sh``/``python`` blocks of README.md and docs/*.md, for
 ``tests/test_docs_snippets.py``.
 
-A block runs as written. Python blocks are fragments of a user's program: they run with the
+A block runs as written, as a reader runs it: the blocks of one page in order, in one working
+directory (so a later block reads what an earlier one wrote), with the virtual environment's
+``bin`` first on ``PATH``. Python blocks are fragments of a user's program: they run with the
 names a reader already has (``scheduler``, ``rollout_fn``, ``requests``, ...: :func:`prelude`,
-a scripted model and a two-turn scheduler). A block that cannot run on a CPU machine without
-network, or that takes minutes, says so on the line before its fence::
+a scripted model and a two-turn scheduler). The line before a fence may say more::
 
-    <!-- docs-test: skip gpu: needs vLLM on a GPU -->
+    <!-- docs-test: skip gpu: needs vLLM on a GPU -->        not run here (a kind of SKIP_KINDS)
+    <!-- docs-test: needs swift -->                          run where the module imports (CI's setup installs it)
+    <!-- docs-test: launch torchrun --nproc_per_node 2 -->   a Python program: saved as rollout.py, run so
+    <!-- docs-test: pytest -->                               a test module: saved as test_snippet.py, run by pytest
 
-with one of the kinds in :data:`SKIP_KINDS`; the test reports each skip with its reason.
+The test reports each skip with its reason.
 """
 from __future__ import annotations
 
@@ -20,11 +24,13 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))
 LANGS = ('bash', 'sh', 'python')
-#: why a block may be skipped: a GPU, the network, an extra not installed by setup, minutes of CPU,
-#: or a sketch that needs files the reader writes first (named in the reason)
-SKIP_KINDS = ('gpu', 'network', 'extra', 'slow', 'sketch')
+#: why a block may be skipped: a GPU, the network, or being the very command CI runs (the suite)
+SKIP_KINDS = ('gpu', 'network', 'ci')
 _FENCE = re.compile(r'^```(\w*)[^\n]*\n(.*?)^```', re.S | re.M)
-_MARK = re.compile(r'<!--\s*docs-test:\s*skip\s+(\w+):\s*(.*?)\s*-->\s*$')
+_MARK = re.compile(r'<!--\s*docs-test:\s*(skip\s+(?P<kind>\w+):\s*(?P<reason>.*?)|needs\s+(?P<needs>[\w.]+)|'
+                   r'launch\s+(?P<launch>.*?)|(?P<pytest>pytest))\s*-->\s*$')
+#: the header of a launched Python block: the prelude's names, as an exec'd block gets them
+LAUNCH_HEADER = 'from tests.docs_snippets import prelude as _prelude\nglobals().update(_prelude())\n'
 
 
 @dataclass
@@ -33,7 +39,10 @@ class Block:
     line: int
     lang: str
     code: str
-    skip: Optional[tuple]  # (kind, reason)
+    skip: Optional[tuple] = None  # (kind, reason)
+    needs: Optional[str] = None   # a module that must import
+    launch: Optional[str] = None  # the command that runs the saved rollout.py
+    pytest: bool = False          # a test module
 
     @property
     def id(self) -> str:
@@ -49,8 +58,12 @@ def blocks() -> List[Block]:
                 continue
             line = text[:m.start()].count('\n') + 1
             before = text[:m.start()].rstrip('\n').rsplit('\n', 1)[-1]
+            block = Block(page, line, m.group(1), m.group(2))
             mark = _MARK.search(before)
-            out.append(Block(page, line, m.group(1), m.group(2), (mark.group(1), mark.group(2)) if mark else None))
+            if mark:
+                block.skip = (mark['kind'], mark['reason']) if mark['kind'] else None
+                block.needs, block.launch, block.pytest = mark['needs'], mark['launch'], bool(mark['pytest'])
+            out.append(block)
     return out
 
 
@@ -77,6 +90,7 @@ def prelude() -> Dict[str, Any]:
     return {
         'mtflow': mtflow, 'backend': backend, 'rollout_fn': backend, 'request_config': request_config,
         'config': request_config, 'scheduler': GoOn(max_turns=2), 'requests': requests,
+        'my_shard_of_requests': make_requests('shard'),
         'first_turn_outputs': backend(make_requests(), request_config), 'new_requests': make_requests('n'),
         'tokenizer': None, 'gather_object': mtflow.identity_gather,
     }

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from rich.console import Console
 
-from mtflow.backends import ALIASES, BACKENDS, split_options
+from mtflow.backends import BackendError, check_backend_name, split_options
 from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
@@ -143,9 +143,10 @@ def parse_options(items: List[str]) -> Dict[str, Any]:
 def _switch_backend(cfg: RunConfig, backend: str) -> RunConfig:
     """``--backend`` over the config's: keep the config's backend_options the new backend takes,
     and say which are dropped."""
-    if backend not in BACKENDS and backend not in ALIASES:
-        raise UserError(f'unknown backend {backend!r}; choose one of: {", ".join(BACKENDS)}')
-    kept, dropped = split_options(backend, dict(cfg.backend_options))
+    try:  # a reference on the command line is looked up in the current directory, as Python's own are
+        kept, dropped = split_options(check_backend_name(backend), dict(cfg.backend_options))
+    except BackendError as exc:
+        raise UserError(f'--backend {backend}: {exc}') from None
     if dropped:
         print(f'mtflow: --backend {backend}: ignoring backend_options {", ".join(sorted(dropped))} '
               f'(not options of {backend})', file=sys.stderr)

@@ -24,13 +24,17 @@ __all__ = ['Registry', 'import_module', 'resolve_reference', 'registry_for', 'en
 
 def import_module(module_name: str, base_dir: Optional[str] = None) -> Any:
     """Import ``module_name``; if it is not importable, ``<base_dir>/<module path>.py`` is tried,
-    so a YAML file can name a Python file next to it. ``ImportError`` names what was missing; an
+    so a YAML file can name a Python file next to it, then the same file in the current directory
+    (a reference given on the command line: ``mtflow`` is a console script, whose ``sys.path``
+    lacks the directory ``python -m`` would put there). ``ImportError`` names what was missing; an
     exception raised by the module itself propagates."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        candidate = os.path.join(base_dir, *module_name.split('.')) + '.py' if base_dir else None
-        if not (candidate and os.path.isfile(candidate) and (exc.name or '') in module_name):
+        relative = os.path.join(*module_name.split('.')) + '.py'
+        candidates = [os.path.join(d, relative) for d in (base_dir, os.getcwd()) if d]
+        candidate = next((c for c in candidates if os.path.isfile(c)), None)
+        if not (candidate and (exc.name or '') in module_name):
             raise ImportError(f'cannot import module {module_name!r}: {exc}') from None
     key = f'_mtflow_local_{abs(hash(os.path.abspath(candidate)))}_{module_name.replace(".", "_")}'
     module = sys.modules.get(key)

@@ -47,11 +47,13 @@ def build_backend(cfg: RunConfig) -> Any:
     """The config's backend, seeded with the run's seed when it takes one (``docs/cli.md``)."""
     options = cfg.resolved_backend_options()
     try:
-        if cfg.seed is not None and 'seed' not in options and 'seed' in backends.backend_options(cfg.backend)[0]:
+        if cfg.seed is not None and 'seed' not in options and 'seed' in backends.backend_options(
+                cfg.backend, cfg.base_dir)[0]:
             options['seed'] = cfg.seed
-        return backends.make_backend(cfg.backend, model=cfg.resolved_model(), **options)
+        return backends.make_backend(cfg.backend, model=cfg.resolved_model(), base_dir=cfg.base_dir, **options)
     except backends.BackendError as exc:
-        raise RunSetupError(str(exc)) from None
+        raise RunSetupError(f'{cfg.where("backend")}: {exc}' if backends.is_backend_reference(cfg.backend)
+                            else str(exc)) from None
     except ImportError as exc:  # an engine's package (ms-swift, vLLM, ...) is not installed
         missing = getattr(exc, 'name', None) or str(exc)
         raise RunSetupError(f'backend {cfg.backend!r} needs the package {missing!r}, which is not installed '

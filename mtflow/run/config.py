@@ -4,7 +4,7 @@
 
     scheduler: schedulers/guess_number.yaml   # a scheduler YAML, or 'module:Class' / 'file.py:Class'
     scheduler_args: {}                        # keyword arguments for a Python scheduler class
-    backend: hf                               # hf | openai | vllm | scripted | swift
+    backend: hf                               # hf | openai | vllm | scripted | swift | 'module:Class'
     model: embedded                           # backend's model ('embedded': SmolLM2-135M-Instruct)
     backend_options: {max_batch_size: 8}      # the backend's own keyword arguments
     dataset: null                             # JSONL prompts; null: the bundled guess-the-number set;
@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mtflow.backends import ALIASES, BACKENDS
+from mtflow.backends import BackendError, check_backend_name
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
 from mtflow.core.keys import unknown_key_message
@@ -61,7 +61,9 @@ class RunConfig(BaseModel):
                            "'path/file.py:Class'.")
     scheduler_args: Dict[str, Any] = Field(default_factory=dict,
                                            description='Keyword arguments for a Python scheduler class.')
-    backend: str = Field('hf', description='hf, openai, vllm, scripted or swift.')
+    backend: str = Field('hf', description="hf, openai, vllm, scripted or swift; a name given to "
+                         "mtflow.backends.register_backend; or your own class as 'module:Class' (the module "
+                         'found next to the config file too).')
     model: Optional[str] = Field(None, description="The backend's model; for hf: 'embedded' (default), a local "
                                  'directory, a .gguf file or a cached hub id.')
     backend_options: Dict[str, Any] = Field(default_factory=dict,
@@ -120,9 +122,10 @@ class RunConfig(BaseModel):
     @field_validator('backend')
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        if value not in BACKENDS and value not in ALIASES:
-            raise ValueError(f'unknown backend {value!r}; choose one of: {", ".join(BACKENDS)}')
-        return value
+        try:
+            return check_backend_name(value)
+        except BackendError as exc:
+            raise ValueError(str(exc)) from None
 
     # ---- derived values ----------------------------------------------------------------------
     def make_request_config(self) -> RequestConfig:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
+from mtflow.backends import BackendError, is_backend_reference, resolve_backend
 from mtflow.core.errors import MtflowError, RunSetupError
 from mtflow.core.keys import unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
@@ -34,7 +35,7 @@ from mtflow.run.assembly import load_python_scheduler
 from mtflow.run.config import RunConfig
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
-           'check_before_load', 'check_env_servers', 'scheduler_arg_names', 'check_scheduler_args']
+           'check_before_load', 'check_env_servers', 'check_backend_reference', 'scheduler_arg_names', 'check_scheduler_args']
 
 
 @dataclass
@@ -143,12 +144,27 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
         out.imports.append((f'{where}: scheduler', cfg.scheduler))
         if not found:
             out.problems += check_scheduler_args(load_python_scheduler(cfg.scheduler, cfg.base_dir), cfg)
+    out.problems += check_backend_reference(cfg)
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
         except DatasetError as exc:
             out.problems.append(f'{where}: dataset: {exc}')
     return out
+
+
+def check_backend_reference(cfg: RunConfig) -> List[str]:
+    """A ``backend: module:Class`` that does not import, or names something that cannot build a
+    backend (a registered name is checked when it loads: its engine may be a heavy import)."""
+    if not is_backend_reference(cfg.backend):
+        return []
+    try:
+        resolve_backend(cfg.backend, cfg.base_dir)
+    except BackendError as exc:
+        return [f'{cfg.where("backend")}: {exc}']
+    except Exception as exc:  # the user's module raised while importing
+        return [f'{cfg.where("backend")}: importing {cfg.backend!r} failed: {type(exc).__name__}: {exc}']
+    return []
 
 
 def _openenv_of(path: Path) -> Optional[OpenEnvConfig]:

@@ -17,7 +17,7 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.tiny_model import make_model, make_tokenizer
+from tests.swift.tiny_grpo import tiny_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 SWIFT = str(Path(sys.executable).with_name('swift'))
@@ -53,17 +53,6 @@ def grpo_step(tmp: Path, model: Path, data: Path, executor: bool, scheduler: str
     finished = [json.loads(line) for line in log.open()] if log.exists() else []
     traces = sorted((out / 'traces').glob('*.jsonl'))
     return {'step': step, 'finished': finished, 'traces': traces}
-
-
-def tiny_setup(tmp_path: Path) -> tuple:
-    tok = make_tokenizer()
-    model = tmp_path / 'model'
-    make_model(tok).save_pretrained(model)
-    tok.save_pretrained(model)
-    data = tmp_path / 'data.jsonl'
-    data.write_text(''.join(
-        json.dumps({'messages': [{'role': 'user', 'content': f'What is {i} + 2?'}]}) + '\n' for i in range(8)))
-    return model, data
 
 
 @pytest.mark.slow
