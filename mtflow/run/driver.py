@@ -24,6 +24,7 @@ from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
 from mtflow.run.trajectories import reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
+from mtflow.run.serving import annotate as annotate_serving
 
 __all__ = ['StreamingRun', 'roll_out']
 
@@ -92,6 +93,7 @@ class StreamingRun:
                                             request=self._requests[finished.index], reference_key=self.reference_key)
         if self.turn_log is not None:
             record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
+        annotate_serving(self.counter.rollout_fn, record['uuid'], events)  # the backend's replicas
         self.finished += 1
         try:
             if finished.finish_reason == INTERRUPTED:
