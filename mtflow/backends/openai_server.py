@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -53,6 +54,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
+from mtflow.backends.http_client import CLIENTS, TimedOut, Unreachable, make_client
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
@@ -284,6 +286,10 @@ class OpenAIBackend(Backend):
         weight_version: the policy weights' version (:meth:`set_weight_version` after an update):
             sticky placements are forgotten when it changes, and flavor ``vllm`` sends it as
             ``cache_salt`` so no prefix-cache block is reused across weights.
+        http_client: ``'aiohttp'``, ``'httpx'`` or ``'auto'`` (default: aiohttp when it is
+            installed, else httpx; :mod:`mtflow.backends.http_client`): at 500 concurrent requests
+            httpx's pool costs ~50 ms of client CPU per request, aiohttp ~1.3 ms
+            (``benchmarks/serving.py``, ``docs/benchmarks.md``).
         health_interval_s: seconds between health checks (``GET <url>/models``) of several
             servers; a server that refused a connection is used again once it answers. 0: off.
     """
@@ -312,12 +318,19 @@ class OpenAIBackend(Backend):
                  routing: str = 'sticky_least_loaded',
                  max_in_flight_per_replica: Optional[int] = None,
                  weight_version: Optional[Any] = None,
-                 health_interval_s: float = 5.0) -> None:
+                 health_interval_s: float = 5.0,
+                 http_client: str = 'auto') -> None:
         super().__init__()
+        if http_client not in CLIENTS + ('auto', ):
+            raise BackendError(f'openai backend: http_client must be auto, {" or ".join(CLIENTS)}, not {http_client!r}')
+        if http_client == 'auto':
+            http_client = 'aiohttp' if importlib.util.find_spec('aiohttp') is not None else 'httpx'
         try:
-            import httpx
+            __import__(http_client)
         except ImportError as exc:
-            raise BackendError("the openai backend needs httpx: pip install 'mtflow[openai]'") from exc
+            extra = 'openai' if http_client == 'httpx' else 'aiohttp'
+            raise BackendError(f"the openai backend needs {http_client}: pip install 'mtflow[{extra}]'") from exc
+        self.http_client = http_client
         _check_connection_options(flavor, max_connections, max_retries, timeout)
         if urls is not None and (isinstance(urls, str) or not isinstance(urls, (list, tuple))):
             raise BackendError(f'openai backend: urls must be a list of server URLs, not {urls!r}')
@@ -338,7 +351,6 @@ class OpenAIBackend(Backend):
         self.extra_body = dict(extra_body or {})
         key = api_key if api_key is not None else os.environ.get('OPENAI_API_KEY')
         self._headers = {'Authorization': f'Bearer {key}'} if key else {}
-        self._httpx = httpx
         self._runner = LoopThread('mtflow-openai')
         self._client: Any = None
         self._sem: Optional[asyncio.Semaphore] = None
@@ -362,19 +374,14 @@ class OpenAIBackend(Backend):
     # ---- the HTTP side (runs on the private loop) --------------------------------------------------
     async def _ensure_client(self) -> Any:
         if self._client is None:
-            httpx = self._httpx
-            self._client = httpx.AsyncClient(
-                headers=self._headers,
-                timeout=httpx.Timeout(self.timeout),
-                limits=httpx.Limits(max_connections=self.max_connections,
-                                    max_keepalive_connections=self.max_connections))
+            self._client = make_client(self.http_client, self._headers, self.timeout, self.max_connections)
             self._sem = asyncio.Semaphore(self.max_connections)
             if len(self.router.replicas) > 1 and self.health_interval_s > 0:
                 self._health_task = asyncio.ensure_future(self._health_loop())
         return self._client
 
     async def _probe(self, replica: Any) -> bool:
-        resp = await self._client.get(replica.url + '/models', timeout=min(self.timeout, 5.0))
+        resp = await self._client.request('GET', replica.url + '/models', None, timeout=min(self.timeout, 5.0))
         return resp.status_code < 500
 
     async def _health_loop(self) -> None:
@@ -403,7 +410,6 @@ class OpenAIBackend(Backend):
         another replica when there is one (a move, counted and noted in ``entry``), at once
         while an untried healthy replica is left, else after a backoff delay."""
         client = await self._ensure_client()
-        httpx = self._httpx
         router = self.router
         attempt = 0
         failed: set = set()
@@ -413,11 +419,11 @@ class OpenAIBackend(Backend):
                 replica = await router.acquire(key, failed)
                 url = replica.url + path
                 try:
-                    resp = await client.request(method, url, json=body)
-                except httpx.TimeoutException:
+                    resp = await client.request(method, url, body)
+                except TimedOut:
                     resp, problem = None, f'timed out after {self.timeout} s'
-                except httpx.TransportError as exc:
-                    resp, problem = None, f'{type(exc).__name__}: {exc}'
+                except Unreachable as exc:
+                    resp, problem = None, str(exc)
                     router.mark_down(replica)
                 finally:
                     await router.release(replica)
@@ -526,7 +532,7 @@ class OpenAIBackend(Backend):
             runner.loop.call_soon_threadsafe(self._health_task.cancel)
         if self._client is not None:
             try:
-                runner.run(self._client.aclose())
+                runner.run(self._client.close())
             except Exception:  # pragma: no cover - closing is best effort
                 pass
         runner.stop()

@@ -103,7 +103,9 @@ def test_sticky_routing_keeps_the_prefix_cache_and_round_robin_loses_it(hf, tok)
         _exit(servers)
 
 
-def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok):
+@pytest.mark.parametrize('http_client', ['httpx', 'aiohttp'])
+def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok, http_client):
+    pytest.importorskip(http_client)
     servers = _servers(hf, 3)
     _enter(servers)
     victim = servers[1]
@@ -121,7 +123,7 @@ def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok):
     delivered = []
     try:
         with OpenAIBackend(urls=[s.base_url for s in servers], tokenizer=tok, backoff=0.01, model='tiny-qwen2',
-                           health_interval_s=0.2) as client:
+                           health_interval_s=0.2, http_client=http_client) as client:
             result = Executor(_KillAtTurn2(), client, CONFIG, max_turns=4, accounting=RecordAccounting(),
                               on_finished=lambda f: delivered.append(f.uuid)).run([_task(i) for i in range(6)])
             summary = client.serving_summary()
