@@ -258,6 +258,9 @@ class _Attempt:
 
     def _roll_out_on_ray(self) -> None:
         """The actors build backend and scheduler (``mtflow/distributed/ray_cli.py``)."""
+        if getattr(self.args, 'otel', None):
+            raise RunSetupError("--otel is not available with --ray: the actors' trace events do not pass "
+                                'through this process')
         fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.progress_mode)
         self.backend = fan_out.backend
         fan_out.run(self.figures)

@@ -274,3 +274,21 @@ def test_a_backend_mapping_is_kind_plus_backend_options(tmp_path):
     path.write_text('scheduler: s.yaml\nbackend: {kind: openai, timeout: 3}\nbackend_options: {timeout: 5}\n')
     with pytest.raises(RunConfigError, match='timeout given both under backend and in backend_options'):
         load_run_config(path)
+
+
+def test_a_slow_replica_times_out_and_its_request_moves(hf, tok):
+    servers = _servers(hf, 2)
+    _enter(servers)
+    servers[0].delay = 8.0  # answers far too late
+    try:
+        with OpenAIBackend(urls=[s.base_url for s in servers], tokenizer=tok, backoff=0.01, model='tiny-qwen2',
+                           timeout=2.0, routing='round_robin', health_interval_s=0) as client:
+            outs = client([_task(0), _task(1)], CONFIG)
+            summary = client.serving_summary()
+            logs = [client.serving('r0'), client.serving('r1')]
+    finally:
+        _exit(servers)
+    assert len(outs) == 2 and all(o.response.choices[0].token_ids for o in outs)
+    assert summary['moves'] == 1 and summary['replicas'][0]['healthy'], 'slow is not dead'
+    moved = [log[0] for log in logs if log[0].get('moves')]
+    assert len(moved) == 1 and moved[0]['replica'] == 1 and 'timed out after 2.0 s' in moved[0]['moves'][0]['reason']
