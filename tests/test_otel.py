@@ -98,3 +98,55 @@ def test_otel_targets_are_checked():
         make_exporter('jaeger')
     exporter = make_exporter('otlp=http://127.0.0.1:9')  # nothing listens: export fails quietly at close
     exporter.close()
+
+
+def test_mtflow_run_otel_otlp_reaches_a_collector_on_loopback(tmp_path, monkeypatch):
+    """OTLP over HTTP (protobuf) to a collector on 127.0.0.1 that decodes what it receives."""
+    pytest.importorskip('opentelemetry.exporter.otlp.proto.http')
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received = []
+
+    class Collector(BaseHTTPRequestHandler):
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            received.append((self.path, request))
+            self.send_response(200)
+            self.send_header('Content-Type', 'application/x-protobuf')
+            self.send_header('Content-Length', '0')
+            self.end_headers()
+
+    httpd = ThreadingHTTPServer(('127.0.0.1', 0), Collector)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.chdir(tmp_path)
+    try:
+        url = f'http://127.0.0.1:{httpd.server_address[1]}'
+        assert main(['run', str(CONFIGS / 'scripted_tools.yaml'), '--out', 'o', '-q', '--otel', f'otlp={url}']) == 0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert received and all(path == '/v1/traces' for path, _ in received)
+    spans = [s for _, r in received for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    services = {a.value.string_value for _, r in received for rs in r.resource_spans for a in rs.resource.attributes
+                if a.key == 'service.name'}
+    assert services == {'mtflow'}
+
+    def attrs(span):
+        return {a.key: a.value for a in span.attributes}
+
+    roots = [s for s in spans if s.name == 'request']
+    assert sorted(attrs(s)['mtflow.uuid'].string_value for s in roots) == ['bad', 'div', 'mul', 'sum']
+    failed = [s for s in spans if s.name == 'tool_call' and not attrs(s)['mtflow.ok'].bool_value]
+    assert len(failed) == 1 and attrs(failed[0])['mtflow.error_kind'].string_value == 'exception'
+    ids = {s.span_id for s in spans}
+    assert all(s.parent_span_id in ids for s in spans if s.name != 'request')
