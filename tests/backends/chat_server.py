@@ -48,6 +48,7 @@ class ChatServer:
         self.cache: 'OrderedDict[tuple, None]' = OrderedDict()
         self.cached_total = self.prompt_total = 0
         self.dead = False
+        self.closed = threading.Event()
         self.token_prompts = token_prompts
         self.model_name = model_name
         self.fail_next: List[int] = []
@@ -113,7 +114,10 @@ class ChatServer:
                         self._reply(status, {'error': {'message': f'injected {status}'}}, headers)
                         return
                     if server.delay:
-                        time.sleep(server.delay)
+                        server.closed.wait(server.delay)  # a closed server stops waiting at once
+                    if server.closed.is_set():  # and generates nothing more (no torch at exit)
+                        self._drop()
+                        return
                     if self.path == '/v1/completions':
                         status, payload = server.complete_text(body)
                     else:
@@ -237,6 +241,7 @@ class ChatServer:
     def kill(self) -> None:
         """Crash: stop listening and drop every connection, also those in the middle of a request."""
         self.dead = True
+        self.closed.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -245,6 +250,7 @@ class ChatServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.closed.set()
         if not self.dead:
             self.httpd.shutdown()
             self.httpd.server_close()
