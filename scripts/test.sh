@@ -17,6 +17,8 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 .venv/bin/python -c 'import playwright' 2>/dev/null || $PIP install playwright
 # OpenAI-compatible backend (mtflow/backends/openai_server.py, the 'openai' extra) and its tests.
 .venv/bin/python -c 'import httpx' 2>/dev/null || $PIP install 'httpx>=0.24'
+# aiohttp: the backend's preferred client at high concurrency (benchmarks/serving.py); both are tested.
+.venv/bin/python -c 'import aiohttp' 2>/dev/null || $PIP install 'aiohttp==3.14.5'
 # Environments from the ecosystem (tests/envs; extras openenv, gym, reasoning-gym, textarena).
 # openenv-core without its Gradio web UI (gradio pins pillow<13 and mtflow never serves the UI),
 # then what its client and server import.
@@ -34,6 +36,8 @@ command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBI
   || echo "warning: could not install pyseccomp/libseccomp2: every python tool call is refused" >&2
 # mtflow run --log tensorboard (mtflow/run/tracking.py, the 'tensorboard' extra) and its test.
 .venv/bin/python -c 'import tensorboardX' 2>/dev/null || $PIP install 'tensorboardX==2.6.5'
+# mtflow run --otel (mtflow/run/otel.py, the 'otel' extra) and tests/test_otel.py.
+.venv/bin/python -c 'import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http' 2>/dev/null || $PIP install 'opentelemetry-api==1.45.2' 'opentelemetry-sdk==1.45.2' 'opentelemetry-exporter-otlp-proto-http==1.45.2'
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
 

@@ -46,14 +46,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import random
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
+from mtflow.backends.http_client import CLIENTS, TimedOut, Unreachable, make_client
 from mtflow.backends.loop_thread import LoopThread
+from mtflow.backends.routing import Router, cached_tokens_of
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
 
@@ -273,6 +276,22 @@ class OpenAIBackend(Backend):
         chat_template, prefix_policy, exact_ids: token mode, as the HF backend.
         seed: the sampling seed of requests whose config has none (the n-th request gets
             ``seed + n``).
+        urls: several servers of the same model (their API roots); each request's turns are
+            routed among them by ``routing`` (:mod:`mtflow.backends.routing`); ``base_url`` is
+            then the first.
+        routing: ``'sticky_least_loaded'`` (default), ``'least_loaded'``, ``'round_robin'`` or
+            ``'consistent_hash'``.
+        max_in_flight_per_replica: requests one server is given at once (its ``max_num_seqs``);
+            more wait in a queue. ``None``: no bound but ``max_connections``.
+        weight_version: the policy weights' version (:meth:`set_weight_version` after an update):
+            sticky placements are forgotten when it changes, and flavor ``vllm`` sends it as
+            ``cache_salt`` so no prefix-cache block is reused across weights.
+        http_client: ``'aiohttp'``, ``'httpx'`` or ``'auto'`` (default: aiohttp when it is
+            installed, else httpx; :mod:`mtflow.backends.http_client`): at 500 concurrent requests
+            httpx's pool costs ~50 ms of client CPU per request, aiohttp ~1.3 ms
+            (``benchmarks/serving.py``, ``docs/benchmarks.md``).
+        health_interval_s: seconds between health checks (``GET <url>/models``) of several
+            servers; a server that refused a connection is used again once it answers. 0: off.
     """
     name = 'openai'
 
@@ -294,14 +313,33 @@ class OpenAIBackend(Backend):
                  chat_template: Optional[str] = None,
                  prefix_policy: str = 'exact',
                  exact_ids: bool = True,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None,
+                 urls: Optional[List[str]] = None,
+                 routing: str = 'sticky_least_loaded',
+                 max_in_flight_per_replica: Optional[int] = None,
+                 weight_version: Optional[Any] = None,
+                 health_interval_s: float = 5.0,
+                 http_client: str = 'auto') -> None:
         super().__init__()
+        if http_client not in CLIENTS + ('auto', ):
+            raise BackendError(f'openai backend: http_client must be auto, {" or ".join(CLIENTS)}, not {http_client!r}')
+        if http_client == 'auto':
+            http_client = 'aiohttp' if importlib.util.find_spec('aiohttp') is not None else 'httpx'
         try:
-            import httpx
+            __import__(http_client)
         except ImportError as exc:
-            raise BackendError("the openai backend needs httpx: pip install 'mtflow[openai]'") from exc
+            extra = 'openai' if http_client == 'httpx' else 'aiohttp'
+            raise BackendError(f"the openai backend needs {http_client}: pip install 'mtflow[{extra}]'") from exc
+        self.http_client = http_client
         _check_connection_options(flavor, max_connections, max_retries, timeout)
-        self.base_url = (base_url or os.environ.get('MTFLOW_OPENAI_BASE_URL') or 'http://127.0.0.1:8000/v1').rstrip('/')
+        if urls is not None and (isinstance(urls, str) or not isinstance(urls, (list, tuple))):
+            raise BackendError(f'openai backend: urls must be a list of server URLs, not {urls!r}')
+        self.base_url = (base_url or (urls[0] if urls else None) or os.environ.get('MTFLOW_OPENAI_BASE_URL')
+                         or 'http://127.0.0.1:8000/v1').rstrip('/')
+        self.router = Router(list(urls) if urls else [self.base_url], routing,
+                             max_in_flight=max_in_flight_per_replica, weight_version=weight_version)
+        self.health_interval_s = health_interval_s
+        self._health_task: Optional[asyncio.Future] = None
         self.served_model = model
         self.model_name = model or self.base_url
         self.flavor = flavor
@@ -313,7 +351,6 @@ class OpenAIBackend(Backend):
         self.extra_body = dict(extra_body or {})
         key = api_key if api_key is not None else os.environ.get('OPENAI_API_KEY')
         self._headers = {'Authorization': f'Bearer {key}'} if key else {}
-        self._httpx = httpx
         self._runner = LoopThread('mtflow-openai')
         self._client: Any = None
         self._sem: Optional[asyncio.Semaphore] = None
@@ -337,15 +374,21 @@ class OpenAIBackend(Backend):
     # ---- the HTTP side (runs on the private loop) --------------------------------------------------
     async def _ensure_client(self) -> Any:
         if self._client is None:
-            httpx = self._httpx
-            self._client = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers=self._headers,
-                timeout=httpx.Timeout(self.timeout),
-                limits=httpx.Limits(max_connections=self.max_connections,
-                                    max_keepalive_connections=self.max_connections))
+            self._client = make_client(self.http_client, self._headers, self.timeout, self.max_connections)
             self._sem = asyncio.Semaphore(self.max_connections)
+            if len(self.router.replicas) > 1 and self.health_interval_s > 0:
+                self._health_task = asyncio.ensure_future(self._health_loop())
         return self._client
+
+    async def _probe(self, replica: Any) -> bool:
+        resp = await self._client.request('GET', replica.url + '/models', None, timeout=min(self.timeout, 5.0))
+        return resp.status_code < 500
+
+    async def _health_loop(self) -> None:
+        """Health checks of every replica, every ``health_interval_s`` (see the routing module)."""
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.router.check_health(self._probe)
 
     async def _resolve_model(self) -> str:
         if self.served_model is None:
@@ -353,7 +396,7 @@ class OpenAIBackend(Backend):
                 self._model_lock = asyncio.Lock()
             async with self._model_lock:  # concurrent first calls ask the server once
                 if self.served_model is None:
-                    data = await self._send('GET', '/models', None, 'GET /models')
+                    data, _ = await self._send('GET', '/models', None, 'GET /models')
                     models = [m.get('id') for m in (data.get('data') or []) if isinstance(m, dict) and m.get('id')]
                     if not models:
                         raise BackendError(f'openai backend: {self.base_url}/models lists no model; set model=')
@@ -361,46 +404,75 @@ class OpenAIBackend(Backend):
                     self.model_name = models[0]
         return self.served_model
 
-    async def _send(self, method: str, path: str, body: Optional[Dict[str, Any]], where: str) -> Dict[str, Any]:
+    async def _send(self, method: str, path: str, body: Optional[Dict[str, Any]], where: str,
+                    key: Optional[str] = None, entry: Any = None) -> Tuple[Dict[str, Any], Any]:
+        """The server's JSON answer and the replica that gave it. A failed try is retried on
+        another replica when there is one (a move, counted and noted in ``entry``), at once
+        while an untried healthy replica is left, else after a backoff delay."""
         client = await self._ensure_client()
-        httpx = self._httpx
+        router = self.router
         attempt = 0
+        failed: set = set()
         while True:
             retry_after: Optional[float] = None
-            try:
-                async with self._sem:
-                    resp = await client.request(method, path, json=body)
+            async with self._sem:
+                replica = await router.acquire(key, failed)
+                url = replica.url + path
+                try:
+                    resp = await client.request(method, url, body)
+                except TimedOut:
+                    resp, problem = None, f'timed out after {self.timeout} s'
+                except Unreachable as exc:
+                    resp, problem = None, str(exc)
+                    router.mark_down(replica)
+                finally:
+                    await router.release(replica)
+            if resp is not None:
                 if resp.status_code < 400:
+                    if not replica.healthy:
+                        router.mark_up(replica)
                     try:
-                        return resp.json()
+                        return resp.json(), replica
                     except ValueError as exc:
                         raise BackendError(f'{where}: the server answered {resp.status_code} with non-JSON: '
                                            f'{resp.text[:200]!r}') from exc
                 problem = f'HTTP {resp.status_code}: {_error_message(resp)}'
                 if resp.status_code not in RETRY_STATUS:
-                    raise BackendError(f'{where}: {self.base_url}{path} answered {problem}')
+                    raise BackendError(f'{where}: {url} answered {problem}')
                 retry_after = _retry_after(resp.headers.get('retry-after'))
-            except httpx.TimeoutException:
-                problem = f'timed out after {self.timeout} s'
-            except httpx.TransportError as exc:
-                problem = f'{type(exc).__name__}: {exc}'
             if attempt >= self.max_retries:
-                raise BackendError(f'{where}: {self.base_url}{path} failed after {attempt + 1} attempt(s): {problem}')
+                raise BackendError(f'{where}: {url} failed after {attempt + 1} attempt(s): {problem}')
+            failed.add(replica.index)
+            attempt += 1
+            self.retries += 1
+            if len(router.replicas) > 1 and entry is not None:
+                router.moved(entry, replica, problem[:120])
+            if any(r.healthy and r.index not in failed for r in router.replicas):
+                continue  # another replica is there: move at once
             delay = min(self.backoff_max, self.backoff * (2**attempt)) * (0.5 + random.random() / 2)
             if retry_after is not None:
                 delay = min(max(delay, retry_after), max(self.backoff_max, retry_after))
-            attempt += 1
-            self.retries += 1
+            failed.clear()  # every replica failed once: any may serve the retry
             await asyncio.sleep(delay)
 
     async def _one(self, request: Any, options: SamplingOptions, model: str, index: int,
                    prompt_ids: Optional[List[int]] = None) -> RolloutOutput:
-        where = f'request {getattr(request, "uuid", None)!r}'
+        uuid = getattr(request, 'uuid', None)
+        where = f'request {uuid!r}'
+        key = str(uuid) if uuid else None
         if prompt_ids is not None:
             body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, index)
-            return parse_completion(await self._send('POST', '/completions', body, where), prompt_ids, where)
-        body = build_body(request, options, model, self.flavor, self.extra_body, index)
-        return parse_choice(await self._send('POST', '/chat/completions', body, where), where)
+        else:
+            body = build_body(request, options, model, self.flavor, self.extra_body, index)
+        if self.router.weight_version is not None and self.flavor == 'vllm':
+            body.setdefault('cache_salt', f'weights-{self.router.weight_version}')
+        entry = self.router.begin(key)
+        path = '/completions' if prompt_ids is not None else '/chat/completions'
+        data, replica = await self._send('POST', path, body, where, key, entry)
+        out = parse_completion(data, prompt_ids, where) if prompt_ids is not None else parse_choice(data, where)
+        usage = out.response.usage
+        self.router.served(entry, replica, usage.prompt_tokens if usage is not None else 0, cached_tokens_of(data))
+        return out
 
     async def _gather(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[RolloutOutput]:
         """All requests of one call, concurrently, in request order (on the private loop). In token
@@ -437,13 +509,30 @@ class OpenAIBackend(Backend):
             options = dataclasses.replace(options, seed=self.seed)
         return await self._runner.wrap(self._gather(requests, options, seeds))
 
+    # ---- several servers ------------------------------------------------------------------------------
+    def set_weight_version(self, version: Any) -> None:
+        """Tell the router the policy's weights changed (after a weight sync): see ``weight_version``."""
+        if self._runner is not None:
+            self._runner.loop.call_soon_threadsafe(self.router.set_weight_version, version)
+
+    def serving(self, uuid: str) -> List[Dict[str, Any]]:
+        """Request ``uuid``'s serving log, one entry per turn (replica, prompt and cached tokens,
+        moves), removed from the backend; ``mtflow run`` writes it into the trace."""
+        return self.router.take(str(uuid))
+
+    def serving_summary(self) -> Dict[str, Any]:
+        """Per replica and overall: served requests, moves, prefix-cache hit rates."""
+        return self.router.summary()
+
     def close(self) -> None:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        if self._health_task is not None:
+            runner.loop.call_soon_threadsafe(self._health_task.cancel)
         if self._client is not None:
             try:
-                runner.run(self._client.aclose())
+                runner.run(self._client.close())
             except Exception:  # pragma: no cover - closing is best effort
                 pass
         runner.stop()
@@ -455,7 +544,9 @@ class OpenAIBackend(Backend):
             pass
 
     def describe(self) -> str:
-        return f'openai ({self.model_name} at {self.base_url}, flavor {self.flavor})'
+        n = len(self.router.replicas)
+        where = self.base_url if n == 1 else f'{n} servers, routing {self.router.policy}'
+        return f'openai ({self.model_name} at {where}, flavor {self.flavor})'
 
 
 def _check_connection_options(flavor: str, max_connections: Any, max_retries: int, timeout: float) -> None:

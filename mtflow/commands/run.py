@@ -47,6 +47,7 @@ from mtflow.run.driver import roll_out
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load, check_env_servers
 from mtflow.run.progress import progress_mode
+from mtflow.run.otel import make_exporter
 from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
@@ -104,6 +105,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--log', choices=TRACKERS, metavar='{tensorboard,wandb}',
                    help='also log the progress over time and the summary to TensorBoard (OUT/tensorboard, through '
                    'tensorboardX) or W&B (OUT/wandb, offline unless WANDB_MODE is set)')
+    p.add_argument('--otel', metavar='TARGET',
+                   help="OpenTelemetry: each request a trace, each turn, model call, env step and tool call a "
+                   "span; TARGET 'otlp' ($OTEL_EXPORTER_OTLP_ENDPOINT), 'otlp=URL' or a .jsonl file "
+                   '(docs/telemetry.md)')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
 
@@ -254,12 +259,25 @@ class _Attempt:
 
     def _roll_out_on_ray(self) -> None:
         """The actors build backend and scheduler (``mtflow/distributed/ray_cli.py``)."""
+        if getattr(self.args, 'otel', None):
+            raise RunSetupError("--otel is not available with --ray: the actors' trace events do not pass "
+                                'through this process')
         fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.progress_mode)
         self.backend = fan_out.backend
         fan_out.run(self.figures)
         self.load_s = fan_out.load_s
 
     def _roll_out_here(self, make_scheduler: SchedulerFactory) -> None:
+        otel = make_exporter(self.args.otel) if getattr(self.args, 'otel', None) else None
+        if otel is not None:
+            otel.start_unix = self.store.started_unix  # the events' clock
+        try:
+            self._roll_out_with(make_scheduler, otel)
+        finally:
+            if otel is not None:
+                otel.close()
+
+    def _roll_out_with(self, make_scheduler: SchedulerFactory, otel: Any) -> None:
         self._load_backend()
         seed_everything(self.cfg.seed)
         self.scheduler = make_scheduler(getattr(self.backend, 'tokenizer', None))
@@ -273,7 +291,8 @@ class _Attempt:
             self.signals.message = ('mtflow: stopping: the requests in flight finish as interrupted '
                                     '(press Ctrl-C again to exit at once)')
         roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.progress_mode, self.figures,
-                 progress_interval_s=self.args.progress_every, tracker=self.tracker)
+                 progress_interval_s=self.args.progress_every, tracker=self.tracker,
+                 on_request=otel.export_record if otel is not None else None)
 
     def _load_backend(self) -> None:
         cfg = self.cfg

@@ -4,7 +4,8 @@
 
     scheduler: schedulers/guess_number.yaml   # a scheduler YAML, or 'module:Class' / 'file.py:Class'
     scheduler_args: {}                        # keyword arguments for a Python scheduler class
-    backend: hf                               # hf | openai | vllm | scripted | swift | 'module:Class'
+    backend: hf                               # hf | openai | vllm | scripted | swift | 'module:Class'; or a
+                                              # mapping {kind: openai, urls: [...]}: kind + backend_options
     model: embedded                           # backend's model ('embedded': SmolLM2-135M-Instruct)
     backend_options: {max_batch_size: 8}      # the backend's own keyword arguments
     dataset: null                             # JSONL prompts; null: the bundled guess-the-number set;
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
 from mtflow.core.errors import UserError
@@ -102,6 +103,26 @@ class RunConfig(BaseModel):
             return f"command line: --{key.replace('_', '-')}"
         line = self.lines.get(key)
         return f'{source}:{line}: {key}' if line else f'{source}: {key}'
+
+    @model_validator(mode='before')
+    @classmethod
+    def _backend_mapping(cls, data: Any) -> Any:
+        """``backend: {kind: openai, urls: [...], ...}``: the kind is the backend, the other keys
+        join ``backend_options`` (a key in both is an error)."""
+        if not isinstance(data, dict) or not isinstance(data.get('backend'), dict):
+            return data
+        data = dict(data)
+        options = dict(data['backend'])
+        kind = options.pop('kind', None)
+        if not isinstance(kind, str):
+            raise ValueError("backend: a mapping needs kind: <backend name> (kind: openai, urls: [...])")
+        given = data.get('backend_options') or {}
+        both = sorted(set(options) & set(given)) if isinstance(given, dict) else []
+        if both:
+            raise ValueError(f'backend: {", ".join(both)} given both under backend and in backend_options')
+        data['backend'] = kind
+        data['backend_options'] = {**given, **options} if isinstance(given, dict) else given
+        return data
 
     @field_validator('request_config')
     @classmethod

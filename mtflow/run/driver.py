@@ -24,6 +24,7 @@ from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
 from mtflow.run.trajectories import reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
+from mtflow.run.serving import annotate as annotate_serving
 
 __all__ = ['StreamingRun', 'roll_out']
 
@@ -66,8 +67,10 @@ class StreamingRun:
 
     def __init__(self, make_executor: Callable[[Any, Callable[[Any], None]], Any], rollout_fn: Any, store: RunStore,
                  batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None,
-                 reference_key: Optional[str] = None, progress: Optional[RunProgress] = None) -> None:
+                 reference_key: Optional[str] = None, progress: Optional[RunProgress] = None,
+                 on_request: Optional[Callable[[Dict[str, Any], List[Dict[str, Any]]], None]] = None) -> None:
         self.store = store
+        self.on_request = on_request  # e.g. the OpenTelemetry exporter (mtflow/run/otel.py)
         self.reference_key = reference_key
         self.progress = progress
         self.batch_size = batch_size
@@ -92,6 +95,7 @@ class StreamingRun:
                                             request=self._requests[finished.index], reference_key=self.reference_key)
         if self.turn_log is not None:
             record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
+        annotate_serving(self.counter.rollout_fn, record['uuid'], events)  # the backend's replicas
         self.finished += 1
         try:
             if finished.finish_reason == INTERRUPTED:
@@ -100,6 +104,8 @@ class StreamingRun:
                 self.store.write(record, events)
         except RunDirError as exc:  # e.g. a full disk: the batch goes on, the run stops after it
             self.write_error = exc
+        if self.on_request is not None:
+            self.on_request(record, events)
         if self.progress is not None:
             self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events))
         if self.on_progress is not None:
@@ -204,7 +210,8 @@ def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
 
 
 def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: Any,
-             figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None) -> None:
+             figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None,
+             on_request: Optional[Callable[[Dict[str, Any], List[Dict[str, Any]]], None]] = None) -> None:
     """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
     process; this attempt's figures go into ``figures``, also when a signal stops it. ``show``
     is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
@@ -217,7 +224,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),
                            listener=tracker.log if tracker is not None else None)
     run = StreamingRun(make_executor, backend, store, cfg.batch_size, reference_key=reference_field(scheduler),
-                       progress=progress if progress.enabled else None)
+                       progress=progress if progress.enabled else None, on_request=on_request)
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice

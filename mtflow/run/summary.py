@@ -13,6 +13,7 @@ from rich.table import Table
 
 from mtflow.run.config import RunConfig
 from mtflow.run.reward_spread import spread_rows
+from mtflow.run.serving import serving_figures, serving_rows
 from mtflow.run.store import RunStore
 
 __all__ = ['summarize', 'print_summary']
@@ -60,6 +61,7 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
         'write_s': figures.get('write_s'),
         'failures': tally.failures,
         'finish_policy': tally.policy.summary(),
+        'serving': serving_figures(backend),
     }
 
 
@@ -106,6 +108,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     tps = summary['tokens_per_s']
     table.add_row('tokens/s', f"{tps} (wall {summary['wall_s']} s"
                   + (f", generating {summary['generate_s']} s)" if summary['generate_s'] is not None else ')'))
+    for label, text in serving_rows(summary.get('serving')):
+        table.add_row(label, text)
     cached = summary['model_cached']
     table.add_row('model load', f"{summary['model_load_s']} s" +
                   ('' if cached is None else ' (cached copy)' if cached else ' (converted, now cached)'))

@@ -14,12 +14,22 @@ that it tokenizes) and generates from those ids as they are; with ``return_token
 choice carries ``prompt_token_ids`` and ``token_ids``, and logprobs come in the completions
 shape (``tokens``, ``token_logprobs``, ``top_logprobs``). ``token_prompts=False`` makes it a
 server that rejects token prompts (400), like servers that only accept text.
+
+**Several replicas** (the routing tests): ``prefix_cache=True`` gives the server a simulated
+prefix cache, token-level like sglang's radix cache (``cache_block=16`` for vLLM's blocks): it
+keeps each served sequence (prompt + completion ids), LRU up to ``cache_tokens``, and reports the
+longest cached prefix of each prompt as ``usage.prompt_tokens_details.cached_tokens`` (at most
+the prompt less one token, as vLLM). ``kill()`` makes it a crashed server: the listening socket
+closes and every open connection, also one in the middle of a request, is dropped without an
+answer. Servers given one ``lock`` share one model without generating at once.
 """
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
@@ -29,8 +39,16 @@ from mtflow.backends.base import sampling_options
 
 class ChatServer:
 
-    def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True) -> None:
+    def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True, *,
+                 prefix_cache: bool = False, cache_tokens: Optional[int] = None, cache_block: int = 1,
+                 lock: Optional[Any] = None) -> None:
         self.backend = backend
+        self.prefix_cache = prefix_cache
+        self.cache_tokens, self.cache_block = cache_tokens, cache_block
+        self.cache: 'OrderedDict[tuple, None]' = OrderedDict()
+        self.cached_total = self.prompt_total = 0
+        self.dead = False
+        self.closed = threading.Event()
         self.token_prompts = token_prompts
         self.model_name = model_name
         self.fail_next: List[int] = []
@@ -39,7 +57,7 @@ class ChatServer:
         self.bodies: List[Dict[str, Any]] = []
         self.in_flight = 0
         self.max_in_flight = 0
-        self._lock = threading.Lock()  # one generate at a time (torch on CPU)
+        self._lock = lock or threading.Lock()  # one generate at a time (torch on CPU)
         self._count_lock = threading.Lock()
         server = self
 
@@ -59,7 +77,18 @@ class ChatServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _drop(self) -> None:
+                """A crashed server: the connection closes without an answer."""
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
             def do_GET(self) -> None:
+                if server.dead:
+                    self._drop()
+                    return
                 if self.path == '/v1/models':
                     self._reply(200, {'object': 'list', 'data': [{'id': server.model_name, 'object': 'model'}]})
                 else:
@@ -68,6 +97,9 @@ class ChatServer:
             def do_POST(self) -> None:
                 length = int(self.headers.get('Content-Length') or 0)
                 body = json.loads(self.rfile.read(length) or b'{}')
+                if server.dead:
+                    self._drop()
+                    return
                 if self.path not in ('/v1/chat/completions', '/v1/completions'):
                     self._reply(404, {'error': {'message': f'no route {self.path}'}})
                     return
@@ -82,11 +114,17 @@ class ChatServer:
                         self._reply(status, {'error': {'message': f'injected {status}'}}, headers)
                         return
                     if server.delay:
-                        time.sleep(server.delay)
+                        server.closed.wait(server.delay)  # a closed server stops waiting at once
+                    if server.closed.is_set():  # and generates nothing more (no torch at exit)
+                        self._drop()
+                        return
                     if self.path == '/v1/completions':
                         status, payload = server.complete_text(body)
                     else:
                         status, payload = server.complete(body)
+                    if server.dead:  # killed while generating: the answer is lost
+                        self._drop()
+                        return
                     self._reply(status, payload)
                 finally:
                     with server._count_lock:
@@ -134,6 +172,7 @@ class ChatServer:
         if body.get('return_token_ids'):
             raw_choice['token_ids'] = choice.token_ids
             payload['prompt_token_ids'] = out.response.prompt_token_ids
+        self._note_cache(out.response.prompt_token_ids or [], choice.token_ids or [], payload['usage'])
         return 200, payload
 
     def complete_text(self, body: Dict[str, Any]) -> tuple:
@@ -169,17 +208,52 @@ class ChatServer:
             raw['prompt_token_ids'] = ids
             raw['token_ids'] = choice.token_ids
         n = len(choice.token_ids or ())
+        usage = {'prompt_tokens': len(ids), 'completion_tokens': n, 'total_tokens': len(ids) + n}
+        self._note_cache(ids, choice.token_ids or [], usage)
         return 200, {'id': 'cmpl-test', 'object': 'text_completion', 'created': int(time.time()),
-                     'model': self.model_name, 'choices': [raw],
-                     'usage': {'prompt_tokens': len(ids), 'completion_tokens': n, 'total_tokens': len(ids) + n}}
+                     'model': self.model_name, 'choices': [raw], 'usage': usage}
+
+    def _note_cache(self, prompt: List[int], completion: List[int], usage: Dict[str, Any]) -> None:
+        """The simulated prefix cache: report the prompt's cached prefix, then keep the sequence."""
+        if not self.prefix_cache:
+            return
+        prompt = list(prompt)
+        with self._count_lock:
+            best = 0
+            for seq in self.cache:
+                n = _common_prefix(seq, prompt)
+                if n > best:
+                    best, hit = n, seq
+            if best:
+                self.cache.move_to_end(hit)
+            cached = min(best, max(len(prompt) - 1, 0)) // self.cache_block * self.cache_block
+            usage['prompt_tokens_details'] = {'cached_tokens': cached}
+            self.cached_total += cached
+            self.prompt_total += len(prompt)
+            seq = tuple(prompt + list(completion))
+            for old in [s for s in self.cache if len(s) <= len(seq) and seq[:len(s)] == s]:
+                del self.cache[old]  # a radix tree holds an extended sequence once
+            self.cache[seq] = None
+            if self.cache_tokens is not None:
+                while len(self.cache) > 1 and sum(len(s) for s in self.cache) > self.cache_tokens:
+                    self.cache.popitem(last=False)
+
+    def kill(self) -> None:
+        """Crash: stop listening and drop every connection, also those in the middle of a request."""
+        self.dead = True
+        self.closed.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
     def __enter__(self) -> 'ChatServer':
         self.thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.closed.set()
+        if not self.dead:
+            self.httpd.shutdown()
+            self.httpd.server_close()
 
 
 def _request_config(body: Dict[str, Any], logprobs: bool, top_logprobs: Any) -> RequestConfig:
@@ -187,3 +261,12 @@ def _request_config(body: Dict[str, Any], logprobs: bool, top_logprobs: Any) -> 
     return RequestConfig(max_tokens=body.get('max_tokens'), temperature=body.get('temperature'),
                          top_p=body.get('top_p'), top_k=body.get('top_k'), stop=body.get('stop'),
                          seed=body.get('seed'), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def _common_prefix(a: Any, b: Any) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

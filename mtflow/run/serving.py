@@ -1,0 +1,62 @@
+"""What a backend with several servers (``backend_options: {urls: [...]}``) tells the run
+directory: each request's serving log goes into its trace, the router's figures into the summary.
+
+The engine knows nothing of replicas; the backend keeps one entry per turn of each request
+(:mod:`mtflow.backends.routing`). When a request finishes, :func:`annotate` puts turn t's entry
+under ``extra.serving`` of the event that applied turn t's output (the one leaving
+``generating`` or ``continuing`` at turn t), so ``mtflow trace show`` and any reader of
+``trace.jsonl`` see which replica served the turn, its prompt and cached prompt tokens, and the
+moves off a failing replica. Backends without ``serving(uuid)`` leave the events as they are.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+__all__ = ['annotate', 'serving_figures', 'serving_rows']
+
+_OUTPUT_STATES = ('generating', 'continuing')
+
+
+def annotate(backend: Any, uuid: str, events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``events`` (dicts, changed in place and returned) with the backend's serving log of
+    ``uuid`` merged in, one entry per turn."""
+    take = getattr(backend, 'serving', None)
+    if not callable(take):
+        return events
+    entries = take(uuid)
+    if not entries:
+        return events
+    by_turn = {}
+    for e in events:
+        if e.get('from') in _OUTPUT_STATES and e.get('turn') not in by_turn:
+            by_turn[e.get('turn')] = e
+    for turn, entry in enumerate(entries, start=1):
+        event = by_turn.get(turn)
+        if event is not None:
+            event['extra'] = {**(event.get('extra') or {}), 'serving': entry}
+    return events
+
+
+def serving_figures(backend: Any) -> Optional[Dict[str, Any]]:
+    """The router's figures for ``summary.json`` (``None`` for a backend without one)."""
+    summary = getattr(backend, 'serving_summary', None)
+    return summary() if callable(summary) else None
+
+
+def serving_rows(figures: Optional[Dict[str, Any]]) -> List[tuple]:
+    """The summary table's rows: the overall hit rate and moves, then one row per replica
+    (only for several servers, or when the server reported cached tokens)."""
+    if not figures or (len(figures['replicas']) < 2 and not figures['cached_tokens']):
+        return []
+    rows = [('routing', f"{figures['policy']}, {figures['moves']} moved off a failing server, "
+             f"{figures['queued']} queued for capacity")]
+    rows.append(('prefix cache hit', f"{_pct(figures['hit_rate'])} of prompt tokens "
+                 f"({_pct(figures['hit_rate_after_turn_1'])} after turn 1)"))
+    for i, r in enumerate(figures['replicas']):
+        state = '' if r['healthy'] else ', down'
+        rows.append((f'  server {i}', f"{r['url']}: {r['served']} served, hit {_pct(r['hit_rate'])}{state}"))
+    return rows
+
+
+def _pct(value: Optional[float]) -> str:
+    return 'n/a' if value is None else f'{100 * value:.1f}%'

@@ -1,0 +1,294 @@
+"""Several OpenAI-compatible servers behind one backend: real HTTP servers on 127.0.0.1 (the
+test chat server with its simulated prefix cache), a multi-turn workload, and the routing
+policies' prefix-cache hit rates; a replica killed mid-run; the router's placement rules."""
+import asyncio
+import random
+import threading
+
+import pytest
+
+pytest.importorskip('httpx')
+pytest.importorskip('torch')
+pytest.importorskip('transformers')
+
+from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # noqa: E402
+from mtflow.accounting.token_record import RecordAccounting  # noqa: E402
+from mtflow.backends import BackendError  # noqa: E402
+from mtflow.backends.hf import HFBackend  # noqa: E402
+from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
+from mtflow.backends.routing import Router  # noqa: E402
+from tests.backends.chat_server import ChatServer  # noqa: E402
+from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.hf
+CONFIG = RequestConfig(temperature=0, max_tokens=4)
+WORDS = 'the quick brown fox jumps over lazy dog number guess higher lower answer please check again'.split()
+
+
+@pytest.fixture(scope='module')
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope='module')
+def hf(tok):
+    return HFBackend(make_model(tok, seed=3), tok)
+
+
+class _GoOn(Scheduler):
+    """Every turn answered with a short user message; max_turns ends each request."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'go on'})
+        return {'infer_request': infer_request}
+
+
+def _task(i):
+    """A long first message of its own per request (no prefix shared across requests but the
+    template's), as a multi-turn task description is."""
+    rng = random.Random(i)
+    return RolloutInferRequest(uuid=f'r{i}', messages=[{'role': 'user', 'content': f'task {i}: ' + ' '.join(
+        rng.choice(WORDS) for _ in range(240))}])
+
+
+def _servers(hf, n, **kw):
+    lock = threading.Lock()  # one model, one generate at a time across the replicas
+    return [ChatServer(hf, prefix_cache=True, lock=lock, **kw) for _ in range(n)]
+
+
+def _rollout(servers, tok, routing, n_requests=7, max_turns=5, **kw):
+    delivered = []
+    with OpenAIBackend(urls=[s.base_url for s in servers], routing=routing, tokenizer=tok, backoff=0.01,
+                       model='tiny-qwen2', **kw) as client:
+        result = Executor(_GoOn(), client, CONFIG, max_turns=max_turns, accounting=RecordAccounting(),
+                          on_finished=lambda f: delivered.append(f.uuid)).run([_task(i) for i in range(n_requests)])
+        summary = client.serving_summary()
+        logs = {f'r{i}': client.serving(f'r{i}') for i in range(n_requests)}
+    return result, summary, logs, delivered
+
+
+def _enter(servers):
+    for s in servers:
+        s.__enter__()
+
+
+def _exit(servers):
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def test_sticky_routing_keeps_the_prefix_cache_and_round_robin_loses_it(hf, tok):
+    servers = _servers(hf, 4)
+    _enter(servers)
+    try:
+        result, sticky, logs, _ = _rollout(servers, tok, 'sticky_least_loaded')
+        assert result.ok and result.finish_reasons == ['max_turns'] * 7
+        assert sticky['hit_rate_after_turn_1'] >= 0.9, sticky
+        # each request's turns all on one replica; the 7 requests spread over the 4
+        placements = {u: {e['replica'] for e in log} for u, log in logs.items()}
+        assert all(len(p) == 1 for p in placements.values()), placements
+        assert sorted(r['served'] for r in sticky['replicas']) == [5, 10, 10, 10]
+        assert all(len(log) == 5 and log[0]['cached_tokens'] < log[1]['cached_tokens'] for log in logs.values())
+        # the servers' own counters agree with what the backend recorded
+        assert sum(s.cached_total for s in servers) == sticky['cached_tokens']
+        for s in servers:
+            s.cache.clear()
+        _, rr, rr_logs, _ = _rollout(servers, tok, 'round_robin')
+        assert rr['hit_rate_after_turn_1'] <= 0.35, rr
+        assert all(len({e['replica'] for e in log}) > 1 for log in rr_logs.values())
+    finally:
+        _exit(servers)
+
+
+@pytest.mark.parametrize('http_client', ['httpx', 'aiohttp'])
+def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok, http_client):
+    pytest.importorskip(http_client)
+    servers = _servers(hf, 3)
+    _enter(servers)
+    victim = servers[1]
+    turns = {'n': 0}
+
+    class _KillAtTurn2(_GoOn):
+
+        def step(self, infer_request, response_choice, current_turn):
+            if current_turn == 2 and not victim.dead:
+                victim.delay = 0.5  # its next requests are in flight when it dies
+                threading.Timer(0.2, victim.kill).start()
+            turns['n'] += 1
+            return super().step(infer_request, response_choice, current_turn)
+
+    delivered = []
+    try:
+        with OpenAIBackend(urls=[s.base_url for s in servers], tokenizer=tok, backoff=0.01, model='tiny-qwen2',
+                           health_interval_s=0.2, http_client=http_client) as client:
+            result = Executor(_KillAtTurn2(), client, CONFIG, max_turns=4, accounting=RecordAccounting(),
+                              on_finished=lambda f: delivered.append(f.uuid)).run([_task(i) for i in range(6)])
+            summary = client.serving_summary()
+            logs = {f'r{i}': client.serving(f'r{i}') for i in range(6)}
+    finally:
+        _exit(servers)
+    assert victim.dead
+    assert result.ok and result.finish_reasons == ['max_turns'] * 6
+    assert sorted(delivered) == sorted(f'r{i}' for i in range(6)), 'every trajectory exactly once'
+    moved = [e for log in logs.values() for e in log if e.get('moves')]
+    assert moved and summary['moves'] == sum(len(e['moves']) for e in moved)
+    assert all(m['from'] == 1 for e in moved for m in e['moves'])
+    assert not summary['replicas'][1]['healthy']
+    # after the kill nothing more lands on the dead replica, and the moved requests stick to their new one
+    for log in logs.values():
+        after = [e['replica'] for e in log[3:]]
+        assert 1 not in after
+    assert all(len(log) == 4 for log in logs.values())
+
+
+def test_weight_version_goes_to_the_server_as_cache_salt(hf, tok):
+    with ChatServer(hf) as server:
+        with OpenAIBackend(urls=[server.base_url], tokenizer=tok, model='tiny-qwen2', weight_version=3) as client:
+            client([_task(0)], CONFIG)
+            client.set_weight_version(4)
+            client([_task(1)], CONFIG)
+    assert [b['cache_salt'] for b in server.bodies] == ['weights-3', 'weights-4']
+
+
+def test_urls_must_be_a_list_and_the_policy_known():
+    with pytest.raises(BackendError, match='urls must be a list'):
+        OpenAIBackend(urls='http://127.0.0.1:1/v1', model='m')
+    with pytest.raises(BackendError, match='routing must be one of sticky_least_loaded'):
+        OpenAIBackend(urls=['http://127.0.0.1:1/v1'], routing='random', model='m')
+    with pytest.raises(BackendError, match='lists a server twice'):
+        OpenAIBackend(urls=['http://a/v1', 'http://a/v1/'], model='m')
+
+
+# ---- the router alone ------------------------------------------------------------------------------
+def _place(router, keys):
+    """Acquire and release one slot per key (as one turn of requests that finish in order)."""
+
+    async def go():
+        got = []
+        for k in keys:
+            r = await router.acquire(k)
+            got.append(r.index)
+        for r in router.replicas:
+            for _ in range(r.in_flight):
+                await router.release(r)
+        return got
+
+    return asyncio.run(go())
+
+
+def test_sticky_keeps_a_key_on_its_replica_until_it_is_down_or_the_weights_change():
+    router = Router(['http://a', 'http://b', 'http://c'])
+    first = _place(router, ['x', 'y', 'z'])
+    assert sorted(first) == [0, 1, 2], 'new keys go to the least loaded'
+    assert _place(router, ['z', 'y', 'x']) == first[::-1]
+    router.mark_down(router.replicas[first[0]])
+    again = _place(router, ['x', 'y', 'z'])
+    assert again[0] != first[0] and again[1:] == first[1:]
+    router.mark_up(router.replicas[first[0]])
+    assert _place(router, ['x'])[0] == again[0], 'x stays where it moved'
+    router.set_weight_version(2)
+    assert router._sticky == {}
+
+
+def test_consistent_hash_is_stable_and_moves_only_a_dead_replicas_keys():
+    keys = [f'k{i}' for i in range(200)]
+    router = Router([f'http://s{i}' for i in range(4)], 'consistent_hash')
+    base = _place(router, keys)
+    assert _place(router, keys) == base
+    assert min(base.count(i) for i in range(4)) > 20, 'the ring spreads the keys'
+    router.mark_down(router.replicas[2])
+    moved = _place(router, keys)
+    assert all(m == b for m, b in zip(moved, base) if b != 2) and 2 not in moved
+    router.set_weight_version('v2')
+    assert _place(router, keys) != base, 'a new weight version salts the hash'
+
+
+def test_a_full_fleet_queues_instead_of_failing():
+    router = Router(['http://a', 'http://b'], 'least_loaded', max_in_flight=1)
+
+    async def go():
+        a = await router.acquire('p')
+        b = await router.acquire('q')
+        waiter = asyncio.ensure_future(router.acquire('r'))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and router.queued == 1
+        await router.release(a)
+        got = await asyncio.wait_for(waiter, 1)
+        return a, b, got
+
+    a, b, got = asyncio.run(go())
+    assert got is a and b.in_flight == 1
+
+
+def test_mtflow_run_writes_the_serving_log_into_the_trace_and_the_hit_rates_into_the_summary(
+        hf, tmp_path, monkeypatch, capsys):
+    import json
+
+    from mtflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'prompts.jsonl').write_text(''.join(
+        json.dumps({'uuid': f'p{i}', 'prompt': _task(i).messages[0]['content']}) + '\n' for i in range(4)))
+    servers = _servers(hf, 2)
+    _enter(servers)
+    try:
+        urls = ', '.join(s.base_url for s in servers)
+        (tmp_path / 'run.yaml').write_text(
+            'scheduler: tests.backends.test_routing:_GoOn\n'
+            f'backend: {{kind: openai, urls: [{urls}], health_interval_s: 0}}\n'
+            'model: tiny-qwen2\ndataset: prompts.jsonl\nout: out\nmax_turns: 3\nbatch_size: 4\n'
+            'request_config: {max_tokens: 4, temperature: 0}\n')
+        with pytest.warns(UserWarning, match='not guaranteed the exact ids'):
+            assert main(['run', 'run.yaml', '--no-progress']) == 0
+    finally:
+        _exit(servers)
+    shown = capsys.readouterr().out
+    assert 'sticky_least_loaded' in shown and 'prefix cache hit' in shown
+    summary = json.loads((tmp_path / 'out' / 'summary.json').read_text())
+    serving = summary['serving']
+    assert serving['policy'] == 'sticky_least_loaded' and [r['served'] for r in serving['replicas']] == [6, 6]
+    assert serving['hit_rate_after_turn_1'] >= 0.9
+    events = [json.loads(line) for line in (tmp_path / 'out' / 'trace.jsonl').read_text().splitlines()]
+    served = [e for e in events if (e.get('extra') or {}).get('serving')]
+    assert len(served) == 12 and all(e['from'] == 'generating' for e in served)
+    for uuid in (f'p{i}' for i in range(4)):
+        mine = sorted((e['turn'], e['extra']['serving']) for e in served if e['uuid'] == uuid)
+        assert [t for t, _ in mine] == [1, 2, 3] and len({s['replica'] for _, s in mine}) == 1
+        assert mine[0][1]['cached_tokens'] < mine[1][1]['cached_tokens'] < mine[2][1]['cached_tokens']
+
+
+def test_a_backend_mapping_is_kind_plus_backend_options(tmp_path):
+    from mtflow.run.config import RunConfigError, load_run_config
+
+    path = tmp_path / 'c.yaml'
+    path.write_text('scheduler: s.yaml\nbackend: {kind: openai, urls: [http://a/v1, http://b/v1]}\n'
+                    'backend_options: {timeout: 5}\n')
+    cfg = load_run_config(path)
+    assert cfg.backend == 'openai' and cfg.backend_options == {'timeout': 5, 'urls': ['http://a/v1', 'http://b/v1']}
+    path.write_text('scheduler: s.yaml\nbackend: {urls: [http://a/v1]}\n')
+    with pytest.raises(RunConfigError, match=r'c.yaml.*a mapping needs kind'):
+        load_run_config(path)
+    path.write_text('scheduler: s.yaml\nbackend: {kind: openai, timeout: 3}\nbackend_options: {timeout: 5}\n')
+    with pytest.raises(RunConfigError, match='timeout given both under backend and in backend_options'):
+        load_run_config(path)
+
+
+def test_a_slow_replica_times_out_and_its_request_moves(hf, tok):
+    servers = _servers(hf, 2)
+    _enter(servers)
+    servers[0].delay = 8.0  # answers far too late
+    try:
+        with OpenAIBackend(urls=[s.base_url for s in servers], tokenizer=tok, backoff=0.01, model='tiny-qwen2',
+                           timeout=2.0, routing='round_robin', health_interval_s=0) as client:
+            outs = client([_task(0), _task(1)], CONFIG)
+            summary = client.serving_summary()
+            logs = [client.serving('r0'), client.serving('r1')]
+    finally:
+        _exit(servers)
+    assert len(outs) == 2 and all(o.response.choices[0].token_ids for o in outs)
+    assert summary['moves'] == 1 and summary['replicas'][0]['healthy'], 'slow is not dead'
+    moved = [log[0] for log in logs if log[0].get('moves')]
+    assert len(moved) == 1 and moved[0]['replica'] == 1 and 'timed out after 2.0 s' in moved[0]['moves'][0]['reason']
