@@ -53,6 +53,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
+from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
@@ -70,7 +71,7 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     A request-config ``seed`` is sent as ``seed + index`` (as ms-swift and mtflow's vLLM backend
     do): with one seed for all, a server samples every copy of a repeated prompt identically."""
     chat = prepare_chat(request)
-    body = _sampling_body(model, options, index, messages=chat.messages)
+    body = _sampling_body(model, options, index, messages=openai_messages(request, chat.messages))
     if options.logprobs:
         body['logprobs'] = True
         if options.top_logprobs:
@@ -411,6 +412,8 @@ class OpenAIBackend(Backend):
             self._seeded += len(requests)
         if self.prompter is None:
             return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
+        for r in requests:
+            refuse_images(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
         plans = [self.prompter.plan(r) for r in requests]
         outputs = list(await asyncio.gather(*(self._one(r, options, model, i, p.ids)
                                               for r, i, p in zip(requests, seed_index, plans))))

@@ -43,6 +43,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
+from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
@@ -251,6 +252,8 @@ class VLLMBackend(Backend):
         return self._generate_chat(requests, options)
 
     def _generate_tokens(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        for r in requests:
+            refuse_images(r, 'vllm token prompts', 'use prompt_mode chat (image content parts)')
         plans = [self.prompter.plan(r) for r in requests]
         prompts = [{'prompt_token_ids': p.ids} for p in plans]  # vllm.inputs.TokensPrompt
         params = [self._params(options, i) for i in range(len(requests))]  # one each: seed + i
@@ -276,7 +279,7 @@ class VLLMBackend(Backend):
             params = [self._params(options, i) for i in idx]  # seeds by position in the call, as token mode
             group_chat = chats[idx[0]]  # the group's requests share tools and template kwargs
             results = self.llm.chat(
-                [chats[i].messages for i in idx],
+                [openai_messages(requests[i], chats[i].messages) for i in idx],
                 sampling_params=params,
                 use_tqdm=False,
                 chat_template=self.chat_template,

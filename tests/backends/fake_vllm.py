@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from mtflow.core.images import from_content_parts
+
 
 @dataclass
 class SamplingParams:
@@ -115,6 +117,10 @@ class FakeLLM:
         kwargs.update(chat_template_kwargs or {})
         prompts = []
         for conv in conversations:
+            if any(isinstance(m.get('content'), list) for m in conv):
+                # image content parts (vLLM's multimodal chat): recorded in ``calls``; the tiny
+                # text model sees each image's <image> placeholder as text
+                conv, _ = from_content_parts(conv)
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, **kwargs)
             prompts.append({'prompt_token_ids': self.tokenizer.encode(text, add_special_tokens=False)})
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
