@@ -23,7 +23,7 @@ from mtflow.backends.images import has_images, normalized_images, refuse_images
 from mtflow.backends.tokens import PromptPlan, TokenPrompter
 from mtflow.core.images import IMAGE_TOKEN, image_bytes
 
-__all__ = ['VisionPrompter', 'expand_pads', 'vision_inputs', 'pil_images', 'pil_images_of', 'generate_with_images']
+__all__ = ['VisionPrompter', 'expand_pads', 'vision_inputs', 'pil_images', 'pil_images_of', 'generate_with_images', 'token_prompt']
 
 #: model inputs the processor returns that belong to the text, rebuilt from the exact ids
 _TEXT_KEYS = frozenset(('input_ids', 'attention_mask', 'mm_token_type_ids', 'token_type_ids'))
@@ -179,3 +179,15 @@ def generate_with_images(backend: Any, requests: List[Any], plans: List[PromptPl
                 torch.manual_seed(options.seed + i)
             outputs[i] = backend._generate_batch([plans[i].ids], options, vision_inputs(prompter, r, plans[i].ids))[0]
     return outputs
+
+
+def token_prompt(prompter: Any, request: Any, ids: List[int], backend: str) -> Dict[str, Any]:
+    """vLLM's token prompt for ``ids`` (``TokensPrompt``): with the request's images as
+    ``multi_modal_data`` when the prompter is a :class:`VisionPrompter` (the ids already hold
+    the expanded pads, as vLLM keeps them); a text prompter refuses a request with images."""
+    if not has_images(request):
+        return {'prompt_token_ids': ids}
+    if not isinstance(prompter, VisionPrompter):
+        refuse_images(request, backend, 'give processor= (AutoProcessor) for token prompts with images, or use '
+                      'prompt_mode chat (image content parts)')
+    return {'prompt_token_ids': ids, 'multi_modal_data': {'image': pil_images(request)}}

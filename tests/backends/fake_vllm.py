@@ -98,7 +98,11 @@ class FakeLLM:
         if isinstance(prompts, dict):
             prompts = [prompts]
         for p in prompts:
-            assert isinstance(p, dict) and set(p) == {'prompt_token_ids'}, f'not a token prompt: {p!r}'
+            assert isinstance(p, dict) and set(p) - {'multi_modal_data'} == {'prompt_token_ids'}, \
+                f'not a token prompt: {p!r}'
+            # vLLM's multimodal token prompt: {'image': [PIL images]}, recorded in ``calls`` (the
+            # tiny model generates from the ids, pads included, without the pixels)
+            assert set(p.get('multi_modal_data') or {}) <= {'image'}, p
             assert all(isinstance(t, int) for t in p['prompt_token_ids']), 'prompt_token_ids must be ints'
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the prompts'

@@ -130,3 +130,26 @@ def test_text_only_model_refuses_images():
     r.images = [Image.new('RGB', (2, 2))]
     with pytest.raises(BackendError, match=r"request 'x' has 1 image\(s\), which the hf backend without a processor"):
         HFBackend(make_model(tok), tok)([r], CONFIG)
+
+
+def test_vllm_token_prompts_carry_multi_modal_data_and_expanded_pads(vlm):
+    """vLLM's token mode with the processor, through the ``vllm.LLM`` stand-in: the turn-3 prompt
+    is the same exact ids the HF backend builds (pads expanded as the processor does), with the
+    image as ``multi_modal_data``."""
+    from mtflow.backends.vllm_engine import VLLMBackend
+    from tests.backends.fake_vllm import FakeLLM, SamplingParams
+
+    model, proc = vlm
+    llm = FakeLLM(model, proc.tokenizer)
+    backend = VLLMBackend(llm, sampling_params_cls=SamplingParams, processor=proc)
+    r = req('v')
+    result = Executor(ToolAtTurn2(max_turns=3), backend, max_turns=3, request_config=CONFIG,
+                      accounting=RecordAccounting()).run([r])
+    assert result.failures == []
+    prompts = [c['prompts'][0] for c in llm.calls]
+    assert ['multi_modal_data' in p for p in prompts] == [False, False, True]
+    [image] = prompts[2]['multi_modal_data']['image']
+    assert image.size == (40, 40) and image.getpixel((0, 0)) == (255, 0, 0)
+    turns = r.token_record.turns
+    assert prompts[2]['prompt_token_ids'] == prompts[1]['prompt_token_ids'] + turns[1].sampled + turns[1].appended
+    assert prompts[2]['prompt_token_ids'].count(proc.image_token_id) == 1  # 40x40 -> 28x28: one merged patch
