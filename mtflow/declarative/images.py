@@ -64,10 +64,8 @@ def add_images(request: Any, images: List[ImageURL], trace_info: Optional[Dict[s
     messages) and name them in the turn's trace: index in the request, sha256, size."""
     if not images:
         return
-    if request.images is None:
-        request.images = []
-    first = len(request.images)
-    request.images.extend(images)
+    first = len(request.images or [])
+    request.images = list(request.images or []) + images  # a new list: copies never share their images
     if trace_info is not None:
         trace_info['images'] = [{'index': first + k, 'sha256': im.sha256, 'size': [im.width, im.height]}
                                 for k, im in enumerate(images)]
