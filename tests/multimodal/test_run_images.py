@@ -87,3 +87,44 @@ def test_overwrite_delete_old_removes_the_images(tmp_path):
     assert run(out, '--overwrite', '--delete-old') == 0
     assert not (out / 'images' / 'stale.png').exists()
     check_images(out)
+
+
+def test_replay_keeps_the_images_live_and_recorded(tmp_path):
+    """``mtflow replay``: the live environment draws the same frames again; ``--tools recorded``
+    serves the stored ones; both give the original lines, images included."""
+    out = tmp_path / 'run'
+    assert run(out) == 0
+    first = check_images(out)
+    for tools in ('live', 'recorded'):
+        again = tmp_path / tools
+        assert main(['replay', str(out), '--out', str(again), '--tools', tools, '-q']) == 0
+        replayed = check_images(again)
+        assert {u: (t['messages'], t['images']) for u, t in replayed.items()} == \
+            {u: (t['messages'], t['images']) for u, t in first.items()}
+
+
+def test_tool_images_through_mtflow_run_and_recorded_replay(tmp_path):
+    """A YAML `module:attr` tool returning an image, in a whole `mtflow run`; replayed with
+    `--tools recorded` (the stored image, found by the hash the trace names)."""
+    (tmp_path / 'sched.yaml').write_text(
+        'name: draw\nmax_turns: 3\nobservation: {role: user}\n'
+        'tools:\n  - {name: square, impl: "tests.multimodal.fixtures:square"}\n')
+    call = '<tool_call>{"name": "square", "arguments": {"color": "%s", "size": 6}}</tool_call>'
+    (tmp_path / 'model.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in [
+        {'uuid': 'a', 'turn': 1, 'content': call % 'red'}, {'uuid': 'a', 'turn': 2, 'content': 'red it is'},
+        {'uuid': 'b', 'turn': 1, 'content': call % 'red'}, {'uuid': 'b', 'turn': 2, 'content': call % 'blue'},
+        {'uuid': 'b', 'turn': 3, 'content': 'two squares'}]))
+    (tmp_path / 'data.jsonl').write_text('{"uuid": "a", "prompt": "Draw."}\n{"uuid": "b", "prompt": "Draw two."}\n')
+    (tmp_path / 'run.yaml').write_text('scheduler: sched.yaml\nbackend: scripted\nmodel: model.jsonl\n'
+                                       'dataset: data.jsonl\nmax_turns: 3\n')
+    out = tmp_path / 'out'
+    assert main(['run', str(tmp_path / 'run.yaml'), '-q', '--out', str(out)]) == 0
+    lines_by = check_images(out)
+    assert [len(lines_by[u]['images']) for u in 'ab'] == [1, 2]
+    assert lines_by['a']['images'][0] == lines_by['b']['images'][0]  # the same red square: one file
+    assert len(list((out / 'images').iterdir())) == 2
+    again = tmp_path / 'again'
+    assert main(['replay', str(out), '--out', str(again), '--tools', 'recorded', '-q']) == 0
+    replayed = check_images(again)
+    assert {u: (t['messages'], t['images']) for u, t in replayed.items()} == \
+        {u: (t['messages'], t['images']) for u, t in lines_by.items()}
