@@ -189,18 +189,22 @@ def to_image_url(value: Any, limits: Optional[ImageLimits] = None) -> ImageURL:
             data = Path(value).read_bytes()
         except OSError as exc:
             raise ImageError(f'cannot read the image file {str(value)!r}: {exc.strerror or exc}') from None
-    elif module.startswith('PIL.') and hasattr(value, 'size'):
-        _check_pixels(value.size[0], value.size[1], limits)
-        data = _encode_png(value)
-    elif module == 'numpy':
-        img = _from_array(value)
-        _check_pixels(img.size[0], img.size[1], limits)
-        data = _encode_png(img)
+    elif (module.startswith('PIL.') and hasattr(value, 'size')) or module == 'numpy':
+        img = _from_array(value) if module == 'numpy' else value
+        width, height = img.size
+        _check_pixels(width, height, limits)
+        data = _encode_png(img)  # encoded here: nothing to decode again
+        return _url(data, width, height, 'image/png')
     else:
         raise ImageError(f'cannot read an image from {type(value).__name__} (expected a PIL image, a numpy array, '
                          'bytes, a path or a data URL)')
     width, height, mime = _decode(data)
     _check_pixels(width, height, limits)
+    return _url(data, width, height, mime)
+
+
+def _url(data: bytes, width: int, height: int, mime: str) -> ImageURL:
+    """The :class:`ImageURL` of encoded ``data``: its data URL, size and content hash."""
     url = f'data:{mime};base64,{base64.b64encode(data).decode("ascii")}'
     return ImageURL(url, width, height, hashlib.sha256(data).hexdigest(), mime)
 
