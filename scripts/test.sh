@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
-$PIP install -e '.[hf,test]'
+$PIP install -e '.[hf,test,images]'
 # --- test-only setup (keep each block short and idempotent) ---
 # ms-swift integration tests (tests/swift): the tested ms-swift, after torch==2.13.0 (setup.sh);
 # math-verify (MathAccuracy) and msgspec (rlhf_trainers) are imported by ms-swift but not declared.

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
 from mtflow.backends.models import load_model
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
+from mtflow.backends.vision import VisionPrompter, generate_with_images
 
 __all__ = ['HFBackend', 'render_prompt']
 
@@ -98,6 +99,9 @@ class HFBackend(Backend):
             ``<think>``): ``'exact'`` keeps the exact ids, ``'rerender'`` renders from text and
             records that the prompt does not extend the previous one.
         device, dtype: where and how to load ``model`` when it is given by name.
+        processor: a vision-language model's ``AutoProcessor``: requests with images are
+            generated with their pixel values, their placeholders expanded as the processor
+            does (:mod:`mtflow.backends.vision`); without one, a request with images is refused.
     """
     name = 'hf'
 
@@ -113,7 +117,8 @@ class HFBackend(Backend):
                  device: Optional[str] = None,
                  dtype: Optional[str] = None,
                  exact_ids: bool = True,
-                 prefix_policy: str = 'exact') -> None:
+                 prefix_policy: str = 'exact',
+                 processor: Any = None) -> None:
         super().__init__()
         import torch
 
@@ -127,6 +132,7 @@ class HFBackend(Backend):
             model, tokenizer, self.load_info = loaded.model, tokenizer or loaded.tokenizer, loaded.info
             self.model_name = loaded.name
         else:
+            tokenizer = tokenizer if tokenizer is not None or processor is None else processor.tokenizer
             if tokenizer is None:
                 raise BackendError('hf backend: a model object needs its tokenizer (tokenizer=...)')
             self.model_name = getattr(getattr(model, 'config', None), '_name_or_path', '') or type(model).__name__
@@ -138,7 +144,8 @@ class HFBackend(Backend):
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
         self.chat_template = chat_template
-        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids)
+        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
+            if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         if seed is not None:
@@ -160,7 +167,10 @@ class HFBackend(Backend):
     # ---- one call ------------------------------------------------------------------------------
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         plans = [self.prompter.plan(r) for r in requests]
-        outputs = self.generate_ids([p.ids for p in plans], options)
+        if any(getattr(r, 'images', None) for r in requests):
+            outputs = generate_with_images(self, requests, plans, options)
+        else:
+            outputs = self.generate_ids([p.ids for p in plans], options)
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
@@ -200,7 +210,8 @@ class HFBackend(Backend):
             cfg['output_logits' if self.logprobs_mode == 'raw' else 'output_scores'] = True
         return {'generation_config': GenerationConfig(**cfg)}
 
-    def _generate_batch(self, prompts: List[List[int]], options: SamplingOptions) -> List[Any]:
+    def _generate_batch(self, prompts: List[List[int]], options: SamplingOptions,
+                        inputs: Optional[Dict[str, Any]] = None) -> List[Any]:
         import torch
 
         width = max(len(p) for p in prompts)
@@ -216,7 +227,9 @@ class HFBackend(Backend):
 
             kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width)])
         with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+            more = {k: v.to(device) if hasattr(v, 'to') else v for k, v in (inputs or {}).items()}  # images
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **more,
+                                      **kwargs)
         generated = out.sequences[:, width:].cpu()
         steps = out.logits if self.logprobs_mode == 'raw' else out.scores
         logprob_rows, top_rows = self._sampled_logprobs(generated, steps, options) if options.logprobs else (None, None)

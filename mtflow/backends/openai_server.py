@@ -55,6 +55,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
 from mtflow.backends.http_client import CLIENTS, TimedOut, Unreachable, make_client
+from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
@@ -73,7 +74,7 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     A request-config ``seed`` is sent as ``seed + index`` (as ms-swift and mtflow's vLLM backend
     do): with one seed for all, a server samples every copy of a repeated prompt identically."""
     chat = prepare_chat(request)
-    body = _sampling_body(model, options, index, messages=chat.messages)
+    body = _sampling_body(model, options, index, messages=openai_messages(request, chat.messages))
     if options.logprobs:
         body['logprobs'] = True
         if options.top_logprobs:
@@ -483,6 +484,8 @@ class OpenAIBackend(Backend):
             self._seeded += len(requests)
         if self.prompter is None:
             return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
+        for r in requests:
+            refuse_images(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
         plans = [self.prompter.plan(r) for r in requests]
         outputs = list(await asyncio.gather(*(self._one(r, options, model, i, p.ids)
                                               for r, i, p in zip(requests, seed_index, plans))))

@@ -43,9 +43,11 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
+from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
+from mtflow.backends.vision import VisionPrompter, token_prompt
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
 
@@ -153,6 +155,9 @@ class VLLMBackend(Backend):
         engine: ``'llm'`` (``vllm.LLM``), ``'async'`` (``AsyncLLM``: one stream per request) or
             ``'auto'`` (default: ``'async'`` for an object whose ``generate`` is an async
             generator, else ``'llm'``).
+        processor: a vision-language model's ``AutoProcessor``: token prompts of requests with
+            images carry ``multi_modal_data`` and the image pads expanded as the processor does
+            (:mod:`mtflow.backends.vision`); without one, token mode refuses images.
     """
     name = 'vllm'
 
@@ -167,7 +172,8 @@ class VLLMBackend(Backend):
                  seed: Optional[int] = None,
                  exact_ids: bool = True,
                  prefix_policy: str = 'exact',
-                 engine: str = 'auto') -> None:
+                 engine: str = 'auto',
+                 processor: Any = None) -> None:
         super().__init__()
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
@@ -197,7 +203,8 @@ class VLLMBackend(Backend):
         self.tokenizer = tokenizer
         self.seed = seed
         self._seeded = 0  # requests generated with the backend's seed
-        self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids)
+        self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
+            if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
         if prompt_mode == 'chat':
             warnings.warn("vllm backend: prompt_mode='chat' re-renders and re-tokenizes the conversation every "
                           "turn, so the model is not guaranteed the exact ids it sampled; use prompt_mode='tokens'",
@@ -252,7 +259,8 @@ class VLLMBackend(Backend):
 
     def _generate_tokens(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         plans = [self.prompter.plan(r) for r in requests]
-        prompts = [{'prompt_token_ids': p.ids} for p in plans]  # vllm.inputs.TokensPrompt
+        # vllm.inputs.TokensPrompt (with multi_modal_data for a request with images)
+        prompts = [token_prompt(self.prompter, r, p.ids, 'vllm token prompts') for r, p in zip(requests, plans)]
         params = [self._params(options, i) for i in range(len(requests))]  # one each: seed + i
         results = self.llm.generate(prompts, params, use_tqdm=False)
         if len(results) != len(requests):
@@ -276,7 +284,7 @@ class VLLMBackend(Backend):
             params = [self._params(options, i) for i in idx]  # seeds by position in the call, as token mode
             group_chat = chats[idx[0]]  # the group's requests share tools and template kwargs
             results = self.llm.chat(
-                [chats[i].messages for i in idx],
+                [openai_messages(requests[i], chats[i].messages) for i in idx],
                 sampling_params=params,
                 use_tqdm=False,
                 chat_template=self.chat_template,
@@ -310,6 +318,8 @@ class VLLMBackend(Backend):
         return await self._live_runner().wrap(self._streams(requests, options, seeds))
 
     async def _streams(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[Any]:
+        for r in requests:
+            refuse_images(r, "vllm's async engine", 'use the LLM engine (engine: llm) for requests with images')
         plans = [self.prompter.plan(r) for r in requests]  # exact ids from each request's token record
         outputs = list(await asyncio.gather(*(self._stream(r, p.ids, options, i)
                                               for r, p, i in zip(requests, plans, seed_index))))

@@ -234,5 +234,7 @@ def html(args: argparse.Namespace) -> int:
     summary, run_name, config_text = run_files(Path(args.file))
     page = render_html(trace.select([v.uuid for v in views]), trajectories=trajectories, tokenizer=tokenizer,
                        graph=graph, title=args.title or run_name or Path(args.file).name, summary=summary,
-                       run_name=run_name, config_text=config_text)
+                       run_name=run_name, config_text=config_text,
+                       images_dir=Path(args.trajectories).parent if args.trajectories else None,
+                       page_dir=Path(args.output).parent)
     return _write_page(args.output, page, f'{len(views)} requests, ')

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from mtflow.core.images import ImageLimits
 from mtflow.core.machine import FINISH_REASONS, StateGraph
 from mtflow.core.stop import default_check
 
@@ -32,6 +33,9 @@ class Scheduler:
     #: set to True when the scheduler keys per-request state by ``uuid``: the executor then fails
     #: every later copy of a duplicate uuid before the first turn (``Executor(unique_uuids=)``)
     requires_unique_uuids: bool = False
+    #: limits on the images of one request (:class:`mtflow.core.images.ImageLimits`), checked by
+    #: the executor after every ``step``; ``None``: images are only checked to be readable
+    image_limits: Optional[ImageLimits] = None
 
     def __init__(self, infer_engine: Any = None, max_turns: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
         self.infer_engine = infer_engine

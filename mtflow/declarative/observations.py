@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from mtflow.core.images import place_images
 from mtflow.declarative.schema import ObservationConfig
 from mtflow.declarative.templates import render
 from mtflow.tools.runner import ToolResult, truncate
@@ -22,6 +23,7 @@ def render_result(obs: ObservationConfig, tools: Dict[str, Tool], tokenizer: Any
     text = result.output
     if tool is not None and tool.max_observation:
         text = truncate(text, tool.max_observation, tool.truncate_side, tokenizer)
+    text = place_images(text, len(result.images))  # after the cut: every image keeps its placeholder
     return render(obs.template, name=result.name, result=text, index=index)
 
 

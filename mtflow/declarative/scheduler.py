@@ -41,6 +41,7 @@ from mtflow.core.scheduler import Scheduler
 from mtflow.core.stop import turn_limit_reached
 from mtflow.declarative.answers import AnswerCheck
 from mtflow.declarative.envs import make_env_factory, normalize_step
+from mtflow.declarative.images import add_images, limits_of, split_observation, tool_images
 from mtflow.declarative.observations import add_observations, render_result
 from mtflow.declarative.parsers import ToolCall, get_parser
 from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
@@ -87,6 +88,7 @@ class YamlScheduler(Scheduler):
         self._states: Dict[Any, RequestState] = {}
         self.finish_reasons = tuple(self.stop_rules.finish_reasons(config, self.idle_rule))
         self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
+        self.image_limits = limits_of(config.images)
         #: where tool results come from instead of running the tools (``use_recorded``)
         self.recorded_tools: Optional[Any] = None
 
@@ -185,7 +187,14 @@ class YamlScheduler(Scheduler):
             state.env_error = error
             return
         if opening and not any(m.get('role') == 'user' for m in request.messages):
-            request.messages.append({'role': 'user', 'content': opening})
+            try:
+                text, images = split_observation(opening, self.image_limits, request.uuid, 1,
+                                                 'the environment reset observation')
+            except Exception as error:
+                state.env_error = error
+                return
+            request.messages.append({'role': 'user', 'content': text})
+            add_images(request, images, None)
 
     def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
         """Apply ``finish_policy`` (the executor calls this once per request, on every finish path:
@@ -312,16 +321,22 @@ class YamlScheduler(Scheduler):
             inline_text, model_ids, logprobs = self._give_tip(state, messages, response_choice, model_ids, logprobs,
                                                               trace_info)
         elif state.env_obs is not None:
-            messages.append({'role': self.config.env.observation_role, 'content': state.env_obs})
-            trace_info['env_observation'] = state.env_obs[:200]
+            text, images = split_observation(state.env_obs, self.image_limits, infer_request.uuid, current_turn,
+                                             'the environment observation')
+            messages.append({'role': self.config.env.observation_role, 'content': text})
+            add_images(infer_request, images, trace_info)
+            trace_info['env_observation'] = text[:200]
         else:
             results = await self._run_calls(state, infer_request, current_turn)
             trace_info['calls'] = [r.to_info() for r in results]
             # what a replay needs beside it: each call's arguments and its whole result text
             trace_info['tool_io'] = [tool_io(r) for r in results]
+            images = tool_images(results, self.config.observation.mode, self.image_limits, infer_request.uuid,
+                                 current_turn)
             texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
                      for i, r in enumerate(results)]
             inline_text = add_observations(self.config.observation, messages, results, texts)
+            add_images(infer_request, images, trace_info)
         counters = state.counters() if self.tools else (
             {'tips_given': dict(state.tips_given)} if state.tips_given else {})
         trace_info.update(counters)

@@ -109,6 +109,14 @@ class ToolConfig(_Strict):
         return self
 
 
+class ImagesConfig(_Strict):
+    """Limits on the images tools and environments hand back (docs/multimodal.md)."""
+    max_per_request: Optional[int] = Field(None, ge=1, description='At most this many images in one request; one '
+                                           'more fails that request (error naming the uuid and turn).')
+    max_pixels: Optional[int] = Field(None, ge=1, description='At most this many pixels (width x height) in one '
+                                      'image; a bigger one fails its request.')
+
+
 class ObservationConfig(_Strict):
     """How tool results reach the model."""
     mode: Literal['message', 'inline'] = Field(
@@ -295,6 +303,7 @@ class SchedulerConfig(_Strict):
     max_tool_calls_per_turn: int = Field(8, ge=1, description='Calls beyond this in one turn get an error observation.')
     max_threads: int = Field(64, ge=1, description='Thread pool size for sync tools (shared by all requests).')
     observation: ObservationConfig = Field(default_factory=ObservationConfig, description='How results are shown.')
+    images: ImagesConfig = Field(default_factory=ImagesConfig, description='Limits on the images in observations.')
     stop: StopConfig = Field(default_factory=StopConfig, description='Stop rules.')
     answer: Optional[AnswerConfig] = Field(None, description='Answer extraction and checking.')
     tips: List[TipConfig] = Field(default_factory=list, description='Tips, tried in order; at most one per turn.')

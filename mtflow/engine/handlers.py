@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.calls import OK, Outcome
 from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResultError
+from mtflow.core.images import check_request_images
 from mtflow.core.machine import CHECK_FINISHED, CONTINUE, FAIL, FINISH, GENERATE, RUN_STEP, TURN_PHASES, RequestRecord
 from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
@@ -252,6 +253,7 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
     """The step results of ``going`` applied, each record's next request in place (also in the
     caller's list): one move per record of ``records``, in order."""
     accumulate = run.accounting.accumulate_step
+    image_limits = getattr(run.hooks.scheduler, 'image_limits', None)
     requests = run.requests if run.requests.__class__ is list else None
     n = len(going)
     triggers: List[str] = [GENERATE] * n  # columns filled in place: no call per request
@@ -265,6 +267,8 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
         result = values[k]
         try:
             next_request = accumulate(rec, rec.choice, result, turn)
+            if getattr(next_request, 'images', None):  # what the step added is checked once, here
+                check_request_images(next_request, rec.uuid, turn, image_limits)
             extra = result.get('trace_info')
             if extra is not None and extra.__class__ is not dict and not isinstance(extra, dict):
                 raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}',

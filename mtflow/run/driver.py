@@ -18,6 +18,7 @@ from mtflow.accounting.token_record import record_accounting
 from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
+from mtflow.run.images import store_request_images
 from mtflow.engine.executor import Executor
 from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
@@ -87,6 +88,7 @@ class StreamingRun:
         self.write_error: Optional[RunDirError] = None
         self._indices: List[int] = []
         self._requests: List[Any] = []
+        self._live: List[Any] = []
         self._t_offset = 0.0
 
     # ---- the executor's callbacks ------------------------------------------------------------
@@ -98,6 +100,7 @@ class StreamingRun:
         annotate_serving(self.counter.rollout_fn, record['uuid'], events)  # the backend's replicas
         self.finished += 1
         try:
+            store_request_images(self.store, self._live[finished.index], record)
             if finished.finish_reason == INTERRUPTED:
                 self.store.write_interrupted(record, events)
             else:
@@ -142,11 +145,13 @@ class StreamingRun:
     def _run_batch(self, batch: List[Tuple[int, Any]]) -> None:
         self._indices = [i for i, _ in batch]
         self._requests = [r for _, r in batch]
+        #: the list the executor runs: its entries become each request's latest (its images included)
+        self._live = list(self._requests)
         self.counter.turn = 0
         self.batches += 1
         self._t_offset = time.time() - self.store.started_unix  # trace times count from the run's start
         try:
-            result = self.executor.run([r for _, r in batch])
+            result = self.executor.run(self._live)
         except RolloutInterrupted as exc:
             if exc.result is not None:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls

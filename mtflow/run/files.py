@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -15,7 +16,7 @@ from mtflow.core.errors import UserError
 
 __all__ = [
     'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'RUN_INFO', 'SUMMARY',
-    'LOCK', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all', 'write_json_atomic',
+    'LOCK', 'IMAGES_DIR', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all', 'write_json_atomic',
     'count_lines', 'scan_jsonl', 'DirLock', 'set_aside', 'not_empty_message'
 ]
 
@@ -26,8 +27,10 @@ INTERRUPTED_FILE = 'interrupted.jsonl'
 RUN_INFO = 'run.json'
 SUMMARY = 'summary.json'
 LOCK = 'run.lock'
+#: the folder of the run's images, each stored once under its content's hash (:mod:`mtflow.run.images`)
+IMAGES_DIR = 'images'
 #: every file a run directory may hold (``--overwrite --delete-old`` deletes only these)
-RUN_FILES = (TRAJECTORIES, TRACE, INTERRUPTED_FILE, RUN_INFO, SUMMARY, LOCK)
+RUN_FILES = (TRAJECTORIES, TRACE, INTERRUPTED_FILE, RUN_INFO, SUMMARY, LOCK, IMAGES_DIR)
 #: the ``format`` of ``run.json``
 FORMAT = 'mtflow-run/1'
 
@@ -201,7 +204,10 @@ def _delete_run_files(out: Path, entries: List[str]) -> None:
                           f'{", ".join(foreign[:5])}{" ..." if len(foreign) > 5 else ""}: move them, or '
                           f'drop --delete-old (the directory is then moved aside)')
     for e in entries:
-        os.unlink(out / e)
+        if e == IMAGES_DIR and (out / e).is_dir():
+            shutil.rmtree(out / e)
+        else:
+            os.unlink(out / e)
     fsync_dir(out)
 
 

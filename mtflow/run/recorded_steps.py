@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.errors import RequestError
+from mtflow.core.images import IMAGE_TOKEN, Observation
 from mtflow.run.diff import index_lines
-from mtflow.run.files import TRACE, TRAJECTORIES
+from mtflow.run.files import IMAGES_DIR, TRACE, TRAJECTORIES
 from mtflow.tools.runner import ToolResult
 
 __all__ = ['RecordedSteps', 'RecordedEnv']
@@ -81,6 +82,7 @@ class RecordedSteps:
             raise RequestError(f'{len(calls)} tool call(s) now, {len(infos)} recorded in {self.trace_path}: '
                                '--tools recorded cannot answer them', uuid=uuid, turn=turn, field='tool_calls')
         results: List[ToolResult] = []
+        shown = iter(extra.get('images') or ())  # the images the step added, in call order (mtflow.run.images)
         for k, (call, info, io) in enumerate(zip(calls, infos, ios), 1):
             name = getattr(call, 'name', None)
             if name != info['name'] or getattr(call, 'arguments', None) != io.get('arguments'):
@@ -89,13 +91,23 @@ class RecordedSteps:
                                    uuid=uuid, turn=turn, field='tool_calls')
             results.append(ToolResult(info['name'], io.get('arguments'), bool(info['ok']), output=io.get('output', ''),
                                       error=io.get('error', info.get('error', '')),
-                                      error_kind=info.get('error_kind', ''), duration_s=info.get('duration_s', 0.0)))
+                                      error_kind=info.get('error_kind', ''), duration_s=info.get('duration_s', 0.0),
+                                      images=[self.image_file(next(shown)['sha256'], uuid, turn)
+                                              for _ in range(int(info.get('images') or 0))]))
         self.tool_calls += len(results)
         return results
 
     # ---- environments -----------------------------------------------------------------------
     def env_factory(self) -> 'RecordedEnvFactory':
         return RecordedEnvFactory(self)
+
+    def image_file(self, sha256: str, uuid: str, turn: int) -> Path:
+        """The stored file of the image with content hash ``sha256`` (``<run>/images``)."""
+        found = sorted((self.run_dir / IMAGES_DIR).glob(f'{sha256}.*'))
+        if not found:
+            raise RequestError(f'{self.run_dir / IMAGES_DIR} has no image {sha256}: --tools recorded cannot show it',
+                               uuid=uuid, turn=turn, field='images')
+        return found[0]
 
     def line(self, uuid: str) -> Optional[Dict[str, Any]]:
         offset = self._lines.get(uuid)
@@ -129,7 +141,7 @@ class RecordedEnv:
         self._line: Dict[str, Any] = {}
         self._assistant: List[int] = []
 
-    def reset(self, infer_request: Any) -> Optional[str]:
+    def reset(self, infer_request: Any) -> Any:
         self.uuid = str(getattr(infer_request, 'uuid', None))
         line = self.steps.line(self.uuid)
         if line is None:
@@ -139,9 +151,26 @@ class RecordedEnv:
         messages = line.get('messages') or []
         self._assistant = [i for i, m in enumerate(messages) if m.get('role') == 'assistant']
         # the opening is what the scheduler added as the first user message when the request had none
-        return next((m.get('content') for m in messages if m.get('role') == 'user'), None)
+        at = next((i for i, m in enumerate(messages) if m.get('role') == 'user'), None)
+        return None if at is None else self._observation(at, 1)
 
-    def step(self, action: str) -> Tuple[str, float, bool, bool, Dict[str, Any]]:
+    def _observation(self, at: int, turn: int) -> Any:
+        """Message ``at`` of the recorded line as an observation: its text, and the stored
+        images its ``<image>`` placeholders show (the line's ``images``, in placeholder order)."""
+        messages = self._line.get('messages') or []
+        text = messages[at].get('content') or ''
+        n = text.count(IMAGE_TOKEN) if isinstance(text, str) else 0
+        if not n:
+            return text
+        first = sum((m.get('content') or '').count(IMAGE_TOKEN) for m in messages[:at]
+                    if isinstance(m.get('content'), str))
+        refs = (self._line.get('images') or [])[first:first + n]
+        if len(refs) != n:
+            raise RequestError(f'{self.steps.trajectories_path}: the recorded message shows {n} image(s), the line '
+                               f'names {len(refs)}', uuid=self.uuid, turn=turn, field='images')
+        return Observation(text, [self.steps.run_dir / r for r in refs])
+
+    def step(self, action: str) -> Tuple[Any, float, bool, bool, Dict[str, Any]]:
         self.turn += 1
         line, t = self._line, self.turn
         messages = line.get('messages') or []
@@ -152,7 +181,7 @@ class RecordedEnv:
                                'step(s)', uuid=self.uuid, turn=t, field='env')
         last = t == line.get('num_turns')
         at = self._assistant[t - 1] + 1 if t <= len(self._assistant) else len(messages)
-        observation = messages[at].get('content') or '' if at < len(messages) and not last else ''
+        observation = self._observation(at, t) if at < len(messages) and not last else ''
         reason = line.get('finish_reason') if last else None
         self.steps.env_steps += 1
         info = infos.get('env_info') or {} if last else {}

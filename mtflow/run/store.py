@@ -54,6 +54,7 @@ from mtflow.run.files import (FORMAT, INTERRUPTED_FILE, LOCK, RUN_FILES, RUN_INF
                               DirLock, FingerprintMismatch, Record, RunDirError, json_line, not_empty_message,
                               set_aside, utc_now, write_json_atomic)
 from mtflow.run.groups import GroupWriter
+from mtflow.run.images import ImageStore
 from mtflow.run.recovery import Recovery, fingerprint_changes, read_run_info, recover
 from mtflow.run.tally import RunTally
 from mtflow.run.trajectories import finished_to_record
@@ -86,6 +87,7 @@ class RunStore:
                  flush_interval_s: float = 2.0) -> None:
         self.out_dir = out_dir
         self.groups = GroupWriter(out_dir, fsync=fsync, flush_every=flush_every, flush_interval_s=flush_interval_s)
+        self.images = ImageStore(out_dir, fsync=fsync)  # <run>/images, each image once (mtflow.run.images)
         self.mode: str = 'new'
         self.resumed = False
         self.done: Set[str] = set()

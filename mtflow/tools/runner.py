@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence
 
+from mtflow.core.images import ImageError, observation_parts
 from mtflow.tools.tool import Tool
 
 
@@ -69,11 +70,15 @@ class ToolResult:
     error_kind: str = ''
     duration_s: float = 0.0
     usage: Dict[str, float] = field(default_factory=dict)  # what the call used, when the tool says
+    #: the images the tool returned beside its text, as it returned them (:mod:`mtflow.core.images`)
+    images: List[Any] = field(default_factory=list)
 
     def to_info(self) -> Dict[str, Any]:
         info: Dict[str, Any] = {'name': self.name, 'ok': self.ok, 'duration_s': round(self.duration_s, 6)}
         if self.usage:
             info['usage'] = dict(self.usage)
+        if self.images:
+            info['images'] = len(self.images)
         if not self.ok:
             info['error_kind'] = self.error_kind
             info['error'] = self.error[:ERROR_INFO_CHARS]
@@ -184,8 +189,13 @@ class ToolRunner:
         except Exception as exc:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
                               error_kind='exception', duration_s=perf_counter() - t)
-        return ToolResult(tool.name, kwargs, True, output=_to_text(value), duration_s=perf_counter() - t,
-                          usage=getattr(value, 'usage', None) if isinstance(value, ToolOutput) else {})
+        try:
+            text, images = observation_parts(value, place=False)
+        except ImageError as exc:
+            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} returned {exc}', error_kind='exception',
+                              duration_s=perf_counter() - t)
+        return ToolResult(tool.name, kwargs, True, output=_to_text(text), duration_s=perf_counter() - t,
+                          usage=getattr(value, 'usage', None) if isinstance(value, ToolOutput) else {}, images=images)
 
     async def call_all(self, calls: Sequence[tuple]) -> List[ToolResult]:
         """Run ``[(name, arguments), ...]`` concurrently; results in call order."""

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from mtflow.core.machine import FINISH_REASONS, FINISHED, StateGraph, reason_kind
 from mtflow.core.trace import Trace
 from mtflow.run.trajectories import Trajectory
+from mtflow.viewer.images import image_refs, per_message, thumbnails
 from mtflow.viewer.model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
 from mtflow.viewer.results import (RESULTS_CSS, RESULTS_HTML, RESULTS_SCRIPT, header_run_html, plots_html,
                                    request_results, summary_cards_html)
@@ -90,7 +91,7 @@ def _fmt_s(seconds: Optional[float]) -> str:
     return f'{seconds * 1000:.1f} ms' if seconds < 1 else f'{seconds:.2f} s'
 
 
-def _trajectory_dict(t: Trajectory, tokenizer: Any) -> Dict[str, Any]:
+def _trajectory_dict(t: Trajectory, tokenizer: Any, images: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
     segments = []
     for ids, mask, k in zip(t.response_token_ids, t.masks(), range(len(t.response_token_ids))):
         lps = t.rollout_logprobs[k] if k < len(t.rollout_logprobs) else []
@@ -98,7 +99,8 @@ def _trajectory_dict(t: Trajectory, tokenizer: Any) -> Dict[str, Any]:
                          'text': token_texts(ids, tokenizer) if tokenizer is not None else None})
     return {
         'messages': t.messages, 'segments': segments, 'infos': t.rollout_infos, 'finish_reason': t.finish_reason,
-        'num_turns': t.num_turns, 'has_mask': bool(t.response_loss_mask)
+        'num_turns': t.num_turns, 'has_mask': bool(t.response_loss_mask), 'images': images or [],
+        'message_images': per_message(t) if images else [],
     }
 
 
@@ -149,12 +151,15 @@ def _stats_html(summary: Any) -> str:
 def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]] = None, tokenizer: Any = None,
                 graph: Optional[StateGraph] = None, title: str = 'mtflow trace',
                 summary: Optional[Mapping[str, Any]] = None, run_name: Optional[str] = None,
-                config_text: Optional[str] = None) -> str:
+                config_text: Optional[str] = None, images_dir: Optional[Path] = None,
+                page_dir: Optional[Path] = None) -> str:
     """The page as a string. ``trajectories`` (``{uuid: Trajectory}``) feed the detail view's
     messages and tokens, the rewards, groups, the request table and the group view;
     ``tokenizer`` decodes the tokens (else ids are shown). ``summary`` (``summary.json``),
     ``run_name`` and ``config_text`` fill the results cards and the header
-    (:mod:`mtflow.viewer.results`)."""
+    (:mod:`mtflow.viewer.results`). ``images_dir`` (the run directory) and ``page_dir`` (where
+    the page goes) place each trajectory's images: thumbnails inline, full size linked
+    (:mod:`mtflow.viewer.images`)."""
     run_summary = summary
     views = request_views(trace)
     summary = summarize(views, len(trace.events))
@@ -166,7 +171,9 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         'requests': [_request_dict(v, t0, trajectories.get(v.uuid)) for v in views],
         'wall': None if summary.wall_s is None else round(summary.wall_s, 5),
         'turn_marks': _turn_marks(views, t0, summary.wall_s),
-        'trajectories': {u: _trajectory_dict(t, tokenizer) for u, t in trajectories.items() if u in wanted},
+        'trajectories': {u: _trajectory_dict(t, tokenizer,
+                                             thumbnails(t, images_dir, page_dir) if image_refs(t) else None)
+                         for u, t in trajectories.items() if u in wanted},
         'decoded': tokenizer is not None,
         'max_turn': summary.max_turn,
         # how each finish reason is coloured: one table, mtflow.core.machine.FINISH_REASON_TABLE
@@ -288,6 +295,7 @@ table.events td,table.events th{border-bottom:1px solid #f1f5f9;padding:3px 6px;
 table.events td:nth-child(7){white-space:nowrap}
 table.events td.extra{font-family:ui-monospace,monospace;word-break:break-word}
 .msg{border:1px solid var(--line);border-radius:6px;margin:6px 0;padding:6px 8px}
+.msg a.thumb{display:inline-block;margin:4px 6px 0 0}.msg a.thumb img{max-width:96px;max-height:96px;border:1px solid var(--line);image-rendering:pixelated}
 .msg .role{font-weight:600;font-size:12px;text-transform:uppercase;color:var(--muted)}
 .msg.assistant{border-left:4px solid var(--generating)}.msg.tool{border-left:4px solid var(--tool-step)}
 .msg.user{border-left:4px solid #a855f7}.msg.system{border-left:4px solid #64748b}
@@ -477,6 +485,11 @@ function openDetail(ri){
       box.appendChild(el('div','role','['+k+'] '+(m.role||'?')));
       var content = (typeof m.content === 'string') ? m.content : JSON.stringify(m.content);
       box.appendChild(el('pre', null, content));
+      ((tr.message_images||[])[k]||[]).forEach(function(i){ var im = tr.images[i]; if(!im) return;  // the images this message brought
+        var a = el('a','thumb'); a.href = im.href; a.target = '_blank'; a.title = im.name + ' (full size)';
+        if(im.thumb){ var img = document.createElement('img'); img.src = im.thumb; img.alt = im.name; a.appendChild(img); }
+        else a.appendChild(document.createTextNode('missing: '+im.name));
+        box.appendChild(a); });
       if(m.tool_calls) box.appendChild(el('pre','muted','tool_calls: '+JSON.stringify(m.tool_calls)));
       body.appendChild(box); });
     section('Tokens and loss mask');

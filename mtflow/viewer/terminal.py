@@ -18,6 +18,7 @@ from rich.text import Text
 from mtflow.core.machine import CONTINUING, FINISH_REASONS, GENERATING, TOOL_STEP, reason_kind
 from mtflow.core.trace import Trace
 from mtflow.run.trajectories import Trajectory
+from mtflow.viewer.images import image_refs, per_message
 from mtflow.viewer.model import ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views, summarize
 from mtflow.viewer.tokens import token_texts
 
@@ -299,6 +300,7 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
     parts.append(Text(''))
     parts.append(Text(f'messages ({len(traj.messages)})', 'bold'))
     role_styles = {'system': 'magenta', 'user': 'cyan', 'assistant': 'green', 'tool': 'yellow'}
+    refs, shown = image_refs(traj), per_message(traj)
     for k, msg in enumerate(traj.messages):
         role = str(msg.get('role', '?'))
         content = msg.get('content')
@@ -307,6 +309,8 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
         if msg.get('tool_calls'):
             line.append_text(safe_text(f'  tool_calls={msg["tool_calls"]}', 'yellow'))
         parts.append(line)
+        for i in (shown[k] if refs else ()):  # the images this message's <image> placeholders show
+            parts.append(safe_text(f'    image {i}: {refs[i] if i < len(refs) else "(not named in the line)"}', 'blue'))
     parts.append(Text(''))
     masks = traj.masks()
     n_ids = sum(map(len, traj.response_token_ids))

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional
 
 from mtflow import RequestConfig, RolloutInferRequest
 from mtflow.backends.base import sampling_options
+from mtflow.core.images import from_content_parts
 
 
 class ChatServer:
@@ -55,6 +56,7 @@ class ChatServer:
         self.retry_after: Optional[str] = None
         self.delay = 0.0
         self.bodies: List[Dict[str, Any]] = []
+        self.images: List[List[str]] = []  # the image URLs of each chat request that had some
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = lock or threading.Lock()  # one generate at a time (torch on CPU)
@@ -147,6 +149,11 @@ class ChatServer:
             return 400, {'error': {'message': 'last message is an assistant message; set continue_final_message'}}
         if body.get('continue_final_message') and body.get('add_generation_prompt', True):
             return 400, {'error': {'message': 'continue_final_message needs add_generation_prompt=false'}}
+        if any(isinstance(m.get('content'), list) for m in messages):
+            # image content parts: the tiny model reads text, so each image is kept here (the
+            # tests assert what was sent) and the model sees its <image> placeholder as text
+            messages, images = from_content_parts(messages)
+            self.images.append(images)
         request = RolloutInferRequest(messages=messages, tools=body.get('tools'),
                                       chat_template_kwargs=body.get('chat_template_kwargs') or {})
         config = _request_config(body, logprobs=bool(body.get('logprobs')), top_logprobs=body.get('top_logprobs'))

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from mtflow.core.images import from_content_parts
+
 
 @dataclass
 class SamplingParams:
@@ -96,7 +98,11 @@ class FakeLLM:
         if isinstance(prompts, dict):
             prompts = [prompts]
         for p in prompts:
-            assert isinstance(p, dict) and set(p) == {'prompt_token_ids'}, f'not a token prompt: {p!r}'
+            assert isinstance(p, dict) and set(p) - {'multi_modal_data'} == {'prompt_token_ids'}, \
+                f'not a token prompt: {p!r}'
+            # vLLM's multimodal token prompt: {'image': [PIL images]}, recorded in ``calls`` (the
+            # tiny model generates from the ids, pads included, without the pixels)
+            assert set(p.get('multi_modal_data') or {}) <= {'image'}, p
             assert all(isinstance(t, int) for t in p['prompt_token_ids']), 'prompt_token_ids must be ints'
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the prompts'
@@ -115,6 +121,10 @@ class FakeLLM:
         kwargs.update(chat_template_kwargs or {})
         prompts = []
         for conv in conversations:
+            if any(isinstance(m.get('content'), list) for m in conv):
+                # image content parts (vLLM's multimodal chat): recorded in ``calls``; the tiny
+                # text model sees each image's <image> placeholder as text
+                conv, _ = from_content_parts(conv)
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, **kwargs)
             prompts.append({'prompt_token_ids': self.tokenizer.encode(text, add_special_tokens=False)})
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)

@@ -8,6 +8,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
+from mtflow.core.images import env_observation
+
 __all__ = ['MissingExtra', 'require', 'StepOutcome', 'normalize_step', 'request_seed']
 
 
@@ -31,7 +33,7 @@ class StepOutcome:
     """One environment step. ``terminated``: the episode reached an end state (its reward is
     final: ``stop_rule:env_done``); ``truncated``: it was cut short, e.g. by a step limit
     (``stop_rule:env_truncated``)."""
-    observation: str
+    observation: Any  # text, or an Observation with images (mtflow.core.images.env_observation)
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = False
@@ -52,7 +54,8 @@ def normalize_step(out: Any) -> StepOutcome:
         raise TypeError('env.step must return (observation, reward, done, info), (observation, reward, terminated, '
                         f'truncated, info) or a StepOutcome, not {type(out).__name__}'
                         + (f' of length {len(out)}' if isinstance(out, tuple) else ''))
-    return StepOutcome('' if obs is None else str(obs), float(reward or 0.0), bool(terminated), bool(truncated),
+    return StepOutcome('' if obs is None else env_observation(obs), float(reward or 0.0), bool(terminated),
+                       bool(truncated),
                        dict(info) if isinstance(info, dict) else {'info': info})
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mtflow.core.registry import resolve_reference
 from mtflow.declarative.envs.base import StepOutcome, request_seed
+from mtflow.core.images import env_observation
 
 
 class GymnasiumEnv:
@@ -30,7 +31,7 @@ class GymnasiumEnv:
             kwargs['options'] = data['env_options']
         out = self.env.reset(**_accepted(self.env.reset, kwargs))
         obs = out[0] if isinstance(out, tuple) and len(out) == 2 else out
-        return None if obs is None else str(obs)
+        return env_observation(obs)
 
     def step(self, action: str) -> StepOutcome:
         out = self.env.step(action)
@@ -39,7 +40,8 @@ class GymnasiumEnv:
                             f'from step, got {type(out).__name__}' + (f' of length {len(out)}' if isinstance(out, tuple)
                                                                       else ''))
         obs, reward, terminated, truncated, info = out
-        return StepOutcome('' if obs is None else str(obs), float(reward or 0.0), bool(terminated), bool(truncated),
+        return StepOutcome('' if obs is None else env_observation(obs), float(reward or 0.0), bool(terminated),
+                           bool(truncated),
                            dict(info) if isinstance(info, dict) else {'info': info})
 
     def close(self) -> None:

@@ -1,0 +1,82 @@
+"""The run directory's images: each stored once, named by its content, referenced by name.
+
+A trajectory line names its request's images (``"images": ["images/<sha256>.png", ...]``, in
+``<image>`` placeholder order) instead of carrying them as base64, and the trace names each one
+by its ``sha256`` at the turn it entered; the same picture seen by many requests, or by the
+copies of one prompt, is one file. A file is written to a temporary name, fsynced and renamed
+before the trajectory line that names it is written, so a done request always has its images,
+and a crash leaves at most a stray ``.tmp``. ``--resume`` finds the files already there and
+writes none twice.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set
+
+from mtflow.core.images import ImageError, image_bytes, to_image_url
+from mtflow.run.files import IMAGES_DIR, RunDirError
+
+__all__ = ['IMAGES_DIR', 'ImageStore', 'store_request_images']
+
+_EXT = {'image/png': 'png', 'image/jpeg': 'jpg', 'image/gif': 'gif', 'image/webp': 'webp', 'image/bmp': 'bmp'}
+
+
+class ImageStore:
+    """Content-addressed image files under ``<run>/images`` (created on the first image)."""
+
+    def __init__(self, out_dir: Path, fsync: bool = True) -> None:
+        self.dir = Path(out_dir) / IMAGES_DIR
+        self.fsync = fsync
+        self._known: Optional[Set[str]] = None  # read on the first image (after --overwrite moved the old aside)
+        self.written = 0  # files this process wrote
+
+    @property
+    def known(self) -> Set[str]:
+        if self._known is None:
+            self._known = set(os.listdir(self.dir)) if self.dir.is_dir() else set()
+        return self._known
+
+    def put(self, image: Any) -> str:
+        """The run-relative name of ``image`` (any form :func:`mtflow.core.images.to_image_url`
+        reads), writing its file if the run does not have it yet."""
+        try:
+            url = to_image_url(image)
+        except ImageError as exc:
+            raise RunDirError(f'cannot store an image in {self.dir}: {exc}') from None
+        name = f'{url.sha256}.{_EXT.get(url.mime, "img")}'
+        if name not in self.known:
+            self._write(name, image_bytes(url))
+            self.known.add(name)
+        return f'{IMAGES_DIR}/{name}'
+
+    def put_all(self, images: Sequence[Any]) -> List[str]:
+        return [self.put(im) for im in images]
+
+    def _write(self, name: str, data: bytes) -> None:
+        try:
+            self.dir.mkdir(exist_ok=True)
+            tmp = self.dir / f'{name}.{os.getpid()}.tmp'
+            with open(tmp, 'wb') as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, self.dir / name)
+        except OSError as exc:
+            raise RunDirError(f'cannot write {self.dir / name}: {exc.strerror or exc}') from None
+        self.written += 1
+
+
+def store_request_images(store: Any, request: Any, record: Dict[str, Any]) -> None:
+    """Store a finished request's images in the run directory and name them in its trajectory
+    ``record`` (``images``); then let go of them (the request is done: nothing reads its images
+    again), so a long run holds only the images of the requests still going."""
+    images = getattr(request, 'images', None)
+    if not images:
+        return
+    record['images'] = store.images.put_all(images)
+    try:
+        request.images = []
+    except (AttributeError, TypeError):  # a frozen request keeps them
+        pass
