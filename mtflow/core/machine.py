@@ -26,6 +26,9 @@ COMPACTING = 'compacting'  # the next prompt does not fit the context budget: st
 FINISHED = 'finished'
 STATES: Tuple[str, ...] = (PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING, FINISHED)
 WAITING_STATES = frozenset((GENERATING, CONTINUING))  # waiting for the model's output
+#: states only some runs enter (``compacting``: a run with a context budget); a trace's drawing
+#: leaves them out when the trace never entered them
+OPTIONAL_STATES = frozenset((COMPACTING, ))
 
 # Triggers.
 GENERATE = 'generate'  # the next request adds a message: a new assistant message follows

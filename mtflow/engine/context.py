@@ -25,7 +25,7 @@ from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.calls import RAISED, TIMED_OUT, Outcome
-from mtflow.core.errors import MtflowError, StepTimeout
+from mtflow.core.errors import MtflowError, RequestError, StepTimeout
 from mtflow.core.machine import (COMPACT, CONTEXT_FULL, CONTINUE, FINISH, GENERATE, LENGTH, LENGTH_TOTAL, TIMEOUT,
                                  RequestRecord)
 from mtflow.core.protocol import RequestConfig, RolloutInferRequest
@@ -42,7 +42,7 @@ __all__ = ['ContextError', 'ResolvedContext', 'resolve_context', 'ContextRun', '
 _GOING = (GENERATE, CONTINUE)
 
 
-class ContextError(MtflowError):
+class ContextError(RequestError):
     """A context budget that cannot work with this backend (larger than the model's context, no
     way to count prompt tokens, no per-turn ``max_tokens``), or a compaction that failed."""
 
@@ -98,12 +98,15 @@ def resolve_context(budget: Optional[ContextBudget], rollout_fn: Any, request_co
     :class:`ContextError` naming the field to fix."""
     if budget is None:
         return None
-    model_length = getattr(rollout_fn, 'context_length', None)
+    backend = rollout_fn
+    while getattr(backend, '__wrapped__', None) is not None:  # a wrapper (mtflow run's turn log) over the backend
+        backend = backend.__wrapped__
+    model_length = getattr(backend, 'context_length', None)
     model_length = model_length if isinstance(model_length, int) and model_length > 0 else None
     length = budget.context_length or model_length
     if budget.context_length and model_length and budget.context_length > model_length:
         raise ContextError(f'context.context_length={budget.context_length} is larger than the model\'s context '
-                           f'({model_length} tokens, as {type(rollout_fn).__name__} reports it); lower it or leave '
+                           f'({model_length} tokens, as {type(backend).__name__} reports it); lower it or leave '
                            f'it unset to use the model\'s')
     config_max = _max_tokens_of(request_config)
     per_turn = budget.max_tokens or config_max
@@ -114,9 +117,9 @@ def resolve_context(budget: Optional[ContextBudget], rollout_fn: Any, request_co
     if length is not None and per_turn is not None and per_turn >= length:
         raise ContextError(f'the per-turn max_tokens ({per_turn}) leaves no room for a prompt in the context '
                            f'({length} tokens)')
-    counter = budget.count_tokens or getattr(rollout_fn, 'count_prompt_tokens', None)
+    counter = budget.count_tokens or getattr(backend, 'count_prompt_tokens', None)
     if fits_checked and counter is None:
-        raise ContextError(f'{type(rollout_fn).__name__} cannot count prompt tokens (no count_prompt_tokens): '
+        raise ContextError(f'{type(backend).__name__} cannot count prompt tokens (no count_prompt_tokens): '
                            f'give context.count_tokens, a function request -> int')
     if budget.policy == 'summarize' and budget.summarizer is None and not callable(rollout_fn):
         raise ContextError('context.policy=summarize needs a summarizer or a callable rollout_fn')
@@ -170,6 +173,7 @@ class ContextRun:
         self.max_tokens: Dict[int, Optional[int]] = {}
         self.why: Dict[int, Dict[str, Any]] = {}
         self.compactions: Dict[int, int] = {}
+        self.prompt_tokens: Dict[int, int] = {}  # the last count of each request's next prompt
 
     # ---- the check ----------------------------------------------------------------------------
     def _used(self, rec: RequestRecord) -> int:
@@ -196,7 +200,7 @@ class ContextRun:
             if max_tokens is None or left < max_tokens:
                 max_tokens = left
         if resolved.count_tokens is not None:
-            prompt = int(resolved.count_tokens(rec.request))
+            prompt = self.prompt_tokens[rec.index] = int(resolved.count_tokens(rec.request))
             limit = resolved.prompt_limit(max_tokens or 0)
             if limit is not None and prompt > limit:
                 counts.update(why=CONTEXT_FULL, prompt_tokens=prompt, prompt_limit=limit, max_tokens=max_tokens,
@@ -233,7 +237,6 @@ class ContextRun:
         for rec in records:
             groups.setdefault(self.max_tokens.get(rec.index), []).append(rec)
         if len(groups) <= 1:
-            [(key, _)] = groups.items() if groups else [(None, [])]
             run.rollout_calls += 1
             config = self.config_for(records[0], settings.request_config) if records else settings.request_config
             outcome = run.caller.one(settings.rollout_fn, ([r.request for r in records], config),
@@ -442,20 +445,24 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
     if new_messages == list(rec.request.messages):  # nothing left to compact
         return Move(rec, FINISH, turn, reason=CONTEXT_FULL,
                     extra={'context': why, 'compaction': {'policy': ctx.budget.policy_name, 'changed': False}})
-    segment = cut_segment(rec, exact_ids)
-    rec.request.messages[:] = new_messages
-    ctx.compactions[rec.index] = ctx.compactions.get(rec.index, 0) + 1
-    rec.infos['compactions'] = ctx.compactions[rec.index]
-    fits, counts = ctx.check(rec)
-    compaction = {'policy': ctx.budget.policy_name, 'segment': segment['segment'] + 1,
-                  'prompt_tokens_before': why.get('prompt_tokens'), **info}
-    if counts is not None and 'prompt_tokens' in counts:
-        compaction['prompt_tokens_after'] = counts['prompt_tokens']
-    extra = {'compaction': compaction}
+    messages = rec.request.messages
+    old_messages = list(messages)
+    messages[:] = new_messages
+    fits, counts = ctx.check(rec)  # counted on the compacted messages
+    messages[:] = old_messages
+    compaction = {'policy': ctx.budget.policy_name, 'prompt_tokens_before': why.get('prompt_tokens'), **info}
+    if rec.index in ctx.prompt_tokens:
+        compaction['prompt_tokens_after'] = ctx.prompt_tokens[rec.index]
+    extra: Dict[str, Any] = {'compaction': compaction}
     if counts is not None:
         extra['context'] = counts
-    if not fits:
+    if not fits:  # the trajectory ends as it was: no segment is cut, the messages stay
+        compaction['fits'] = False
         return Move(rec, FINISH, turn, reason=counts.get('why', CONTEXT_FULL) if counts else CONTEXT_FULL,
-                    extra=extra)
-    move = wait_move(rec, turn, duration, extra)
-    return move
+                    extra={'context': why, **extra})
+    segment = cut_segment(rec, exact_ids)
+    messages[:] = new_messages
+    ctx.compactions[rec.index] = ctx.compactions.get(rec.index, 0) + 1
+    rec.infos['compactions'] = ctx.compactions[rec.index]
+    compaction['segment'] = segment['segment'] + 1
+    return wait_move(rec, turn, duration, extra)
