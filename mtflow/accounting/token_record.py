@@ -170,12 +170,18 @@ class RecordAccounting(ContractAccounting):
 
     def finalize(self, record: RequestRecord, choice: Any, turn_result: Dict[str, Any]) -> None:
         super().finalize(record, choice, turn_result)
+        self.finalize_after_step(record, choice)
+
+    def finalize_after_step(self, record: RequestRecord, choice: Any) -> None:
+        """The record's ids for a request whose last turn a step already accumulated (it finishes
+        from ``compacting``: ``context_full``, ``length_total``)."""
         rec = record_of(record.request)
-        if rec is None or rec.restarted or not rec.turns:
+        if rec is None or rec.restarted or not rec.turns or choice is None:
             return
         if list(choice.token_ids or []) != rec.turns[-1].sampled:
             return
-        if len(rec.turns) != record.turns:  # a turn the backend never saw (first_turn_outputs given)
+        if len(rec.turns) != record.turns - record.segment_start:  # a turn the backend never saw (first_turn_outputs
+            # given); after a compaction the record holds the turns of the last segment only
             return
         ids, mask, logprobs, _ = rec.segments()
         if len(record.mask) == len(mask) and all(len(a) == len(b) for a, b in zip(record.mask, mask)):

@@ -31,7 +31,7 @@ from mtflow.core.errors import MtflowError
 from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make_response
 
 __all__ = [
-    'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
+    'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
     'build_output', 'async_seed_index'
 ]
 
@@ -39,6 +39,16 @@ __all__ = [
 class BackendError(MtflowError):
     """A backend cannot be built or cannot serve a call (bad option, model that cannot load,
     server that keeps failing). The message names the backend and what to fix."""
+
+
+def context_length_of(config: Any, *names: str) -> Optional[int]:
+    """The first of ``names`` on ``config`` (a model config, an engine's ``model_config``) that
+    is a positive int: the context length a backend reports (``None`` when it has none)."""
+    for name in names:
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 @dataclass

@@ -30,10 +30,12 @@ transition fails (the check fails closed). Templates may be bundled ones (:data:
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from mtflow.accounting.segments_split import SEGMENTS_KEY, segments_of
 from mtflow.accounting.token_record import RecordAccounting, record_accounting, record_of
 from mtflow.backends.base import prepare_chat
 from mtflow.backends.tokens import render_text
@@ -47,7 +49,7 @@ __all__ = ['BUNDLED', 'SCENARIOS', 'CHECKS', 'Scenario', 'TemplateReport', 'bund
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / 'data' / 'templates'
 #: bundled templates: name -> file in mtflow/data/templates
 BUNDLED = {'chatml': 'chatml.jinja', 'qwen3_think': 'qwen3_think.jinja', 'llama3': 'llama3.jinja'}
-CHECKS = ('prefix', 'lengths', 'special tokens', 'think policy')
+CHECKS = ('prefix', 'lengths', 'special tokens', 'think policy', 'segments')
 TOOLS = [{'type': 'function', 'function': {'name': 'calculator', 'description': 'evaluate an expression',
                                            'parameters': {'type': 'object', 'properties': {
                                                'expression': {'type': 'string'}}}}}]
@@ -189,9 +191,12 @@ def _specials_outside(prompt: List[int], sampled_spans: List[tuple], special: fr
 
 def check_tokens(backend: Any, *, template: Optional[str] = None, template_name: Optional[str] = None,
                  scenarios: Sequence[Scenario] = SCENARIOS, temperature: float = 1.0, seed: int = 0,
-                 scheduler: Any = None, requests: Optional[List[Any]] = None, max_turns: int = 4) -> TemplateReport:
+                 scheduler: Any = None, requests: Optional[List[Any]] = None, max_turns: int = 4,
+                 context: Any = None) -> TemplateReport:
     """Run ``scenarios`` (or ``requests`` under ``scheduler``) through ``backend`` with chat
-    template ``template`` (``None``: the backend's) and check every turn transition."""
+    template ``template`` (``None``: the backend's) and check every turn transition; ``context``
+    (a :class:`mtflow.ContextBudget`, with ``scheduler``) compacts the conversations, and every
+    training segment is checked too (``docs/context.md``)."""
     prompter = getattr(backend, 'prompter', None)
     if prompter is None:
         raise TypeError(f'{type(backend).__name__} keeps no token record (no prompter); '
@@ -202,6 +207,9 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
     report = TemplateReport(template_name or ('model' if template is None else 'custom'), prompter.policy)
     tok = prompter.tokenizer
     special = frozenset(int(i) for i in getattr(tok, 'all_special_ids', ()) or ())
+    if context is not None and context.count_tokens is None:  # the probe hides the backend's own counter
+        context = dataclasses.replace(context, count_tokens=backend.count_prompt_tokens,
+                                      context_length=context.context_length or backend.context_length)
     try:
         probe = _Probe(backend)
         if scheduler is None:
@@ -226,7 +234,7 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
             result = Executor(scheduler, probe, RequestConfig(max_tokens=16, temperature=temperature, seed=seed,
                                                               logprobs=True),
                               accounting=record_accounting(scheduler), max_turns=max_turns,
-                              on_error='return').run(list(requests or []))
+                              on_error='return', context=context).run(list(requests or []))
             _collect_failures(report, result)
             outputs = {r.uuid: o for r, o in zip(requests or [], result.outputs)}
         strips = _template_strips_think(tok, prompter.chat_template)
@@ -262,8 +270,12 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
     spans: List[tuple] = []
     eos = frozenset(i for i in (tok.eos_token_id, ) if i is not None)
     saw_unstable = False
+    starts = _segment_starts(output)
     for t, turn in enumerate(turns):
         where = f'{uuid} turn {t + 1}'
+        if t > 0 and t + 1 in starts:  # a compaction rewrote the messages: a new segment starts here
+            spans = [(len(turn.prompt), len(turn.prompt) + len(turn.sampled), turn.finish_reason == 'stop')]
+            continue
         report.add('lengths', len(turn.logprobs) == len(turn.sampled),
                    f'{where}: {len(turn.logprobs)} logprobs for {len(turn.sampled)} sampled ids')
         entry = turn.entry
@@ -308,6 +320,41 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
         report.add('think policy', saw_unstable, f'{uuid}: the template strips <think> but no turn was detected')
     if output is not None and turns:
         _check_output(report, uuid, turns[-1], output)
+        if starts:
+            _check_segments(report, uuid, turns, output)
+
+
+def _segment_starts(output: Any) -> frozenset:
+    """The first turn of every training segment after the first (none when nothing compacted)."""
+    infos = getattr(output, 'rollout_infos', None) or {}
+    if not infos.get(SEGMENTS_KEY):
+        return frozenset()
+    return frozenset(s['turns'][0] for s in segments_of(output)[1:])
+
+
+def _check_segments(report: TemplateReport, uuid: str, turns: List[_Turn], output: Any) -> None:
+    """Each training segment of a compacted trajectory is exact: ``prompt_ids`` + its ids and
+    glue are the prompt of its last turn + that turn's sampled ids, every turn's prompt is a
+    prefix of it, and its mask-1 ids are exactly the ids sampled in its turns."""
+    for seg in segments_of(output):
+        first, last = seg['turns']
+        where = f'{uuid} segment {seg["segment"]} (turns {first}-{last})'
+        if not seg.get('exact') or seg.get('prompt_ids') is None:
+            report.add('segments', False, f'{where}: not kept from the token record')
+            continue
+        flat, mask = list(seg['prompt_ids']), [0] * len(seg['prompt_ids'])
+        glue = seg.get('glue_ids') or []
+        for k, (ids, m) in enumerate(zip(seg['response_token_ids'], seg['response_loss_mask'])):
+            flat += ids
+            mask += m
+            if k < len(glue):
+                flat += glue[k]
+                mask += [0] * len(glue[k])
+        mine = turns[first - 1:last]
+        ok = bool(mine) and flat == mine[-1].prompt + mine[-1].sampled
+        ok = ok and all(flat[:len(t.prompt)] == t.prompt for t in mine)
+        ok = ok and [i for i, b in zip(flat, mask) if b] == [i for t in mine for i in t.sampled]
+        report.add('segments', ok, f'{where}: its ids are not the prompt + the ids sampled in its turns')
 
 
 def _check_output(report: TemplateReport, uuid: str, last: _Turn, output: Any) -> None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, prepare_chat
+from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
+                                  prepare_chat)
 from mtflow.backends.models import load_model
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.vision import VisionPrompter, generate_with_images
@@ -146,10 +147,16 @@ class HFBackend(Backend):
         self.chat_template = chat_template
         self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
             if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
+        #: the model's context in tokens (its config's ``max_position_embeddings``; context budgets read it)
+        self.context_length = context_length_of(getattr(model, 'config', None), 'max_position_embeddings')
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         if seed is not None:
             torch.manual_seed(seed)
+
+    def count_prompt_tokens(self, request: Any) -> int:
+        """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
+        return len(self.prompter.plan(request).ids)
 
     def _eos_ids(self) -> List[int]:
         ids: List[int] = []

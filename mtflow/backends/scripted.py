@@ -17,6 +17,12 @@ file order per request), else the next unkeyed line (in file order, cycling when
 served the lines keyed by the prompt's uuid (``<uuid>``): each copy replays them from the first,
 so a script written for the dataset works with any ``num_generations``. Running out is a clear
 error naming the request.
+
+``honor_max_tokens=True`` cuts a line whose ``token_ids`` are longer than the call's
+``max_tokens`` to that many ids (and logprobs, token strings), with ``finish_reason='length'``,
+as a real engine would; the text is cut with them (to the token strings when the line has them,
+else word by word when it has one word per id; otherwise the line cannot be cut: an error).
+Context-budget tests use it (``docs/context.md``).
 """
 from __future__ import annotations
 
@@ -68,8 +74,9 @@ class ScriptedBackend(Backend):
     name = 'scripted'
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
-                 cycle: bool = False) -> None:
+                 cycle: bool = False, honor_max_tokens: bool = False) -> None:
         super().__init__()
+        self.honor_max_tokens = honor_max_tokens
         if (path is None) == (outputs is None):
             raise BackendError('scripted backend: give exactly one of path= (a JSONL file) or outputs=')
         if path is not None:
@@ -131,6 +138,8 @@ class ScriptedBackend(Backend):
         outputs = []
         for request in requests:
             line = self._line_for(request)
+            if self.honor_max_tokens:
+                line = _cut(line, options.max_tokens, request)
             lps = line.get('logprobs') if options.logprobs else None
             outputs.append(
                 build_output(
@@ -141,3 +150,24 @@ class ScriptedBackend(Backend):
                     tokens=line.get('tokens') if lps is not None else None,
                     model=self.model_name))
         return outputs
+
+
+def _cut(line: Line, max_tokens: int, request: Any) -> Line:
+    """``line`` cut to ``max_tokens`` ids (see the module docstring); unchanged when it fits."""
+    ids = line.get('token_ids')
+    if ids is None or len(ids) <= max_tokens:
+        return line
+    cut = dict(line, token_ids=ids[:max_tokens], finish_reason='length')
+    if line.get('logprobs') is not None:
+        cut['logprobs'] = line['logprobs'][:max_tokens]
+    tokens, words = line.get('tokens'), line['content'].split(' ')
+    if tokens is not None:
+        cut['tokens'] = tokens[:max_tokens]
+        cut['content'] = ''.join(tokens[:max_tokens])
+    elif len(words) == len(ids):
+        cut['content'] = ' '.join(words[:max_tokens])
+    else:
+        raise BackendError(f'scripted backend: {line.get("_where", "a line")} for request '
+                           f'{getattr(request, "uuid", None)!r} has {len(ids)} ids over max_tokens={max_tokens} '
+                           f'and neither token strings nor one word per id, so its text cannot be cut')
+    return cut

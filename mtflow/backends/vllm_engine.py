@@ -42,7 +42,8 @@ import json
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, build_output, prepare_chat
+from mtflow.backends.base import (Backend, BackendError, SamplingOptions, async_seed_index, build_output,
+                                  context_length_of, prepare_chat)
 from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
@@ -205,10 +206,16 @@ class VLLMBackend(Backend):
         self._seeded = 0  # requests generated with the backend's seed
         self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
             if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
+        #: the engine's ``max_model_len`` (context budgets read it)
+        self.context_length = _max_model_len(self.llm)
         if prompt_mode == 'chat':
             warnings.warn("vllm backend: prompt_mode='chat' re-renders and re-tokenizes the conversation every "
                           "turn, so the model is not guaranteed the exact ids it sampled; use prompt_mode='tokens'",
                           stacklevel=2)
+
+    def count_prompt_tokens(self, request: Any) -> int:
+        """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
+        return len(self.prompter.plan(request).ids)
 
     def _build_async_engine(self, model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
                             sampling_params_cls: Any) -> Tuple[Any, str, Any]:
@@ -444,3 +451,14 @@ def _is_async_engine(engine: Any) -> bool:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _max_model_len(engine: Any) -> Optional[int]:
+    """``max_model_len`` of a vLLM ``LLM`` (``llm_engine.model_config``) or ``AsyncLLM``
+    (``model_config``); ``None`` when the engine does not say."""
+    for holder in (getattr(getattr(engine, 'llm_engine', None), 'model_config', None),
+                   getattr(engine, 'model_config', None)):
+        length = context_length_of(holder, 'max_model_len')
+        if length is not None:
+            return length
+    return None

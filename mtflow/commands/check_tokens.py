@@ -21,12 +21,14 @@ import argparse
 import copy
 from typing import Any, Dict, List, Optional, Tuple
 
+from pydantic import ValidationError
 from rich.console import Console
 
 from mtflow.backends import BackendError, make_backend
 from mtflow.backends.conformance import BUNDLED, SCENARIOS, check_tokens, format_report, resolve_template
 from mtflow.commands.run import parse_options
 from mtflow.core.errors import UserError
+from mtflow.declarative.context import ContextConfig
 from mtflow.data import read_prompts
 from mtflow.run.assembly import SchedulerFactory, scheduler_factory, seed_everything
 from mtflow.run.config import RunConfig
@@ -53,9 +55,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--max-turns', type=int, default=4, help='turns per request for --scheduler (default 4)')
     p.add_argument('--temperature', type=float, default=1.0, help='sampling temperature (default 1.0)')
     p.add_argument('--seed', type=int, default=0, help='seed (default 0)')
+    p.add_argument('--context', action='append', default=[], metavar='KEY=VALUE',
+                   help="with --scheduler: a context budget key (VALUE is YAML; e.g. context_length=512, "
+                   "policy=drop_observations): conversations compact and every training segment is checked; "
+                   'repeatable (docs/context.md)')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='a backend option (VALUE is YAML); repeatable')
     p.set_defaults(func=main)
+
+
+def _context(args: argparse.Namespace, backend: Any) -> Any:
+    """``--context KEY=VALUE`` as a :class:`mtflow.ContextBudget` for ``backend`` (``None``: none)."""
+    if not args.context:
+        return None
+    if not args.scheduler:
+        raise UserError('--context needs --scheduler (the built-in scenarios are too short to compact)')
+    try:
+        block = ContextConfig(**parse_options(args.context))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UserError(f'--context {".".join(map(str, first["loc"]))}: {first["msg"]}') from None
+    return block.budget(backend, where='--context')
 
 
 def _templates(specs: List[str]) -> List[tuple]:
@@ -124,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
                 checks: Dict[str, Any] = {'scenarios': scenarios}
                 if make_scheduler is not None:
                     checks = dict(scheduler=make_scheduler(backend.tokenizer), requests=copy.deepcopy(requests),
-                                  max_turns=args.max_turns)
+                                  max_turns=args.max_turns, context=_context(args, backend))
                 failed += not _check_template(console, backend, name, text, args, checks)
     finally:
         for backend in backends.values():

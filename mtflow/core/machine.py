@@ -22,9 +22,13 @@ PENDING = 'pending'
 GENERATING = 'generating'
 CONTINUING = 'continuing'
 TOOL_STEP = 'tool_step'
+COMPACTING = 'compacting'  # the next prompt does not fit the context budget: stop, or compact it
 FINISHED = 'finished'
-STATES: Tuple[str, ...] = (PENDING, GENERATING, CONTINUING, TOOL_STEP, FINISHED)
+STATES: Tuple[str, ...] = (PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING, FINISHED)
 WAITING_STATES = frozenset((GENERATING, CONTINUING))  # waiting for the model's output
+#: states only some runs enter (``compacting``: a run with a context budget); a trace's drawing
+#: leaves them out when the trace never entered them
+OPTIONAL_STATES = frozenset((COMPACTING, ))
 
 # Triggers.
 GENERATE = 'generate'  # the next request adds a message: a new assistant message follows
@@ -33,6 +37,7 @@ RUN_STEP = 'run_step'  # the output is applied and the request goes on: the sche
 FINISH = 'finish'  # the output is applied and the request stops
 FAIL = 'fail'  # a hook, a step or rollout_fn failed (or missed its deadline) for this request
 INTERRUPT = 'interrupt'  # the run was interrupted (Ctrl-C) before this request finished
+COMPACT = 'compact'  # the next prompt would not fit the context budget (``docs/context.md``)
 
 # Finish reasons (a stop rule of a declarative scheduler adds ``stop_rule:<name>``).
 DONE_BY_HOOK = 'done_by_hook'
@@ -44,6 +49,8 @@ TIMEOUT = 'timeout'
 INTERRUPTED = 'interrupted'
 TURN_CAP = 'turn_cap'
 REPLAY_DIVERGED = 'replay_diverged'
+CONTEXT_FULL = 'context_full'
+LENGTH_TOTAL = 'length_total'
 
 #: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
 #: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
@@ -65,6 +72,11 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
     (REPLAY_DIVERGED, 'limit', '`mtflow replay`: the prompt of this turn is not the one the recorded output answered '
      '(the environment, a tool or the scheduler answered differently), so the record cannot go on; the output '
      'of this turn is not applied (`docs/replay.md`)'),
+    (CONTEXT_FULL, 'limit', 'the next prompt plus its `max_tokens` would not fit the context budget and the '
+     'compaction policy stopped it (`stop`) or could not make it fit (`docs/context.md`)'),
+    (LENGTH_TOTAL, 'limit', 'the trajectory\'s total response-token budget (`context.total_response_tokens`) was '
+     'used up: the last turn, its `max_tokens` cut to what was left, ended on `length`, or nothing was left for the '
+     'next turn (`docs/context.md`)'),
 )
 FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
 FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')
@@ -92,23 +104,26 @@ def reason_kind(reason: Optional[str]) -> str:
 
 #: The core declaration, in ``transitions``' own format.
 CORE_TRANSITIONS: List[Dict[str, Any]] = [
-    {'trigger': GENERATE, 'source': [PENDING, TOOL_STEP], 'dest': GENERATING},
-    {'trigger': CONTINUE, 'source': [PENDING, TOOL_STEP], 'dest': CONTINUING},
+    {'trigger': GENERATE, 'source': [PENDING, TOOL_STEP, COMPACTING], 'dest': GENERATING},
+    {'trigger': CONTINUE, 'source': [PENDING, TOOL_STEP, COMPACTING], 'dest': CONTINUING},
     {'trigger': RUN_STEP, 'source': [GENERATING, CONTINUING], 'dest': TOOL_STEP},
-    {'trigger': FINISH, 'source': [GENERATING, CONTINUING], 'dest': FINISHED},
-    {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
-    {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': FINISHED},
+    {'trigger': COMPACT, 'source': [PENDING, TOOL_STEP], 'dest': COMPACTING},
+    {'trigger': FINISH, 'source': [GENERATING, CONTINUING, COMPACTING], 'dest': FINISHED},
+    {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
+    {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
 ]
 
 #: The turn, as the graph dispatches it: each phase names the handler that takes the requests in
 #: its states (``waiting``: apply the model's output, ``on_turn_end``, the stop decision;
-#: ``tool_step``: the scheduler's ``step``). ``pending`` and ``finished`` have no handler; the
+#: ``tool_step``: the scheduler's ``step``; ``compacting``: the context policy, entered only when
+#: a context budget is set). ``pending`` and ``finished`` have no handler; the
 #: model call that moves nobody (``rollout_fn``) closes the turn. Adding a state means declaring
 #: it above, its moves in :data:`CORE_TRANSITIONS`, and its phase here (see
 #: ``docs/state-machine.md``).
 TURN_PHASES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ('waiting', (GENERATING, CONTINUING)),
     ('tool_step', (TOOL_STEP, )),
+    ('compacting', (COMPACTING, )),
 )
 
 
@@ -225,7 +240,7 @@ class RequestRecord:
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
                  'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result',
-                 'finalize_trace')
+                 'finalize_trace', 'segment_start')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -249,6 +264,7 @@ class RequestRecord:
         self.tokens = 0  # completion tokens of the applied output
         self.turn_result: Any = None  # what on_turn_end returned (validated)
         self.finalize_trace: Optional[Dict[str, Any]] = None  # finalize_output's trace_info, for the finish event
+        self.segment_start = 0  # turns before the current training segment (a compaction starts one)
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

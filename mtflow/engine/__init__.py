@@ -9,12 +9,15 @@
 - the drivers, siblings over those pieces: :mod:`~mtflow.engine.lockstep` (every live request one
   turn together) and :mod:`~mtflow.engine.async_driver` (each request on its own, partial
   rollouts: :mod:`~mtflow.engine.partial`), both :class:`~mtflow.engine.driver.Driver` s;
-- :mod:`~mtflow.engine.result`: :class:`RunResult`.
+- :mod:`~mtflow.engine.result`: :class:`RunResult`;
+- :mod:`~mtflow.engine.context_budget` and :mod:`~mtflow.engine.context`: context budgets, the
+  check before each turn and the ``compacting`` state (``docs/context.md``).
 """
+from mtflow.engine.context_budget import ContextBudget
 from mtflow.engine.executor import Executor, identity_gather, run_multi_turn
 from mtflow.engine.options import ExecutorOptions
 from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.engine.result import RunResult
 
-__all__ = ['Executor', 'ExecutorOptions', 'RunResult', 'Until', 'UnfinishedRequest', 'identity_gather',
+__all__ = ['ContextBudget', 'Executor', 'ExecutorOptions', 'RunResult', 'Until', 'UnfinishedRequest', 'identity_gather',
            'run_multi_turn']

@@ -49,11 +49,13 @@ from typing import Any, Awaitable, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
 from mtflow.core.errors import MtflowError, RolloutFnError
-from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
+from mtflow.core.machine import (COMPACTING, CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES,
+                                 RequestRecord)
 from mtflow.core.records import Move
 from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.driver import Driver, publish
-from mtflow.engine.handlers import begin_steps, check_uuids, end_steps, handle_waiting, start
+from mtflow.engine.handlers import PHASE_HANDLERS, begin_steps, check_uuids, end_steps, handle_waiting, start
+from mtflow.engine.context import route
 from mtflow.engine.model_call import deliver, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.options import MODES
@@ -203,11 +205,13 @@ class AsyncDriver(Driver):
             admission = self.admission_moves.pop(rec.index, None)
             if rec.state == PENDING:
                 if admission is None:  # carried from a partial run: on_trajectory_start already ran
-                    admission = wait_move(rec, 1)
+                    [admission] = route(self.run, [wait_move(rec, 1)], 1)
                 apply_moves(self.run, [admission])
-                if rec.state == FINISHED:
-                    self.release_finished(rec)
-                    continue
+            if rec.state == COMPACTING:  # the first prompt is over the context budget
+                apply_moves(self.run, PHASE_HANDLERS['compacting'](self.run, [rec], rec.turns or 1))
+            if rec.state == FINISHED:
+                self.release_finished(rec)
+                continue
             self.generate(rec, rec.turns + 1)
             if self.over_budget():  # an admission that finished its request (a failing hook)
                 self.stop()
@@ -245,6 +249,9 @@ class AsyncDriver(Driver):
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
         settings = self.run.settings
+        config = settings.request_config
+        if self.run.context is not None:  # a context budget: this request's max_tokens
+            config = self.run.context.config_for(rec, config)
         timeout = self.run.options.rollout_timeout_s
         self.run.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
         self.in_flight += 1
@@ -252,10 +259,9 @@ class AsyncDriver(Driver):
         t = perf_counter()
         try:
             if self.rollout_is_async:
-                call = settings.rollout_fn([rec.request], settings.request_config)
+                call = settings.rollout_fn([rec.request], config)
             else:
-                call = asyncio.wrap_future(self._rollout_threads().submit(settings.rollout_fn, [rec.request],
-                                                                          settings.request_config))
+                call = asyncio.wrap_future(self._rollout_threads().submit(settings.rollout_fn, [rec.request], config))
             value = await _bounded(call, timeout)
         except asyncio.TimeoutError:
             return Outcome(TIMED_OUT, timeout, perf_counter() - t)
@@ -306,6 +312,8 @@ class AsyncDriver(Driver):
                 self.begin_step(rec, turn)
         else:
             apply_moves(run, end_steps(run, [rec], turn, [outcome]))
+            if rec.state == COMPACTING:
+                apply_moves(run, PHASE_HANDLERS['compacting'](run, [rec], turn))
             if rec.state in WAITING_STATES:
                 if self.stopping:
                     self.hand_back(rec)

@@ -31,6 +31,8 @@ from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
 from mtflow.accounting.choose import accounting_for
 from mtflow.accounting.token_record import native_accounting
 from mtflow.engine.async_driver import AsyncDriver
+from mtflow.engine.context import resolve_context
+from mtflow.engine.context_budget import ContextBudget
 from mtflow.engine.driver import Driver
 from mtflow.engine.lockstep import LockstepDriver
 from mtflow.engine.options import DEFAULT_TURN_CAP, ExecutorOptions, OnError, OnFinished
@@ -109,6 +111,9 @@ class Executor:
             when nothing is live, such as the contract's last call after the final turn, which
             keeps ranks in step and which a single-rank native run does not need (``mtflow run``
             sets it; the default keeps the contract's calls).
+        context: a :class:`mtflow.ContextBudget`: the context length, per-turn and total token
+            budgets and the compaction policy (``docs/context.md``); checked against the backend
+            here (a context larger than the model's is a :class:`mtflow.engine.context.ContextError`).
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -138,13 +143,14 @@ class Executor:
                  eager_coroutines: bool = True,
                  mode: str = 'lockstep',
                  max_concurrency: Optional[int] = None,
-                 skip_empty_calls: bool = False) -> None:
+                 skip_empty_calls: bool = False,
+                 context: Optional[ContextBudget] = None) -> None:
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
             rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
             check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
-            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls)
+            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -162,7 +168,8 @@ class Executor:
             gather_fn=gather_fn or identity_gather,
             unique_uuids=bool(getattr(scheduler, 'requires_unique_uuids', False)) if unique_uuids is None else
             bool(unique_uuids),
-            turn_bound=options.turn_bound(hooks.default_max_turns))
+            turn_bound=options.turn_bound(hooks.default_max_turns),
+            context=resolve_context(context, rollout_fn, request_config))
         self.unbounded = options.unbounded(hooks.default_max_turns)
 
     def __getattr__(self, name: str) -> Any:

@@ -14,7 +14,11 @@ async mode with one request at a time.
   decision -> ``finish`` / ``run_step`` / ``fail``;
 - ``tool_step``: :func:`handle_tool_step` runs the scheduler's ``step`` -> ``generate`` /
   ``continue_message`` / ``fail``; its two halves, :func:`begin_steps` and :func:`end_steps`,
-  serve a driver that runs each step on its own.
+  serve a driver that runs each step on its own;
+- ``compacting`` (a context budget only): :func:`mtflow.engine.context.handle_compacting`
+  applies the policy -> ``finish`` / ``generate`` / ``continue_message`` / ``fail``; the moves
+  into ``generating``/``continuing`` of ``start`` and ``tool_step`` are checked against the
+  budget first (:func:`mtflow.engine.context.route`: ``compact`` when the prompt does not fit).
 
 :data:`PHASE_HANDLERS` names the handler of each phase of :data:`mtflow.core.machine.TURN_PHASES`.
 """
@@ -30,6 +34,7 @@ from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
+from mtflow.engine.context import handle_compacting, relabel, route
 from mtflow.engine.moves import fail_move, outcome_move, wait_move
 from mtflow.engine.run_state import RunState
 
@@ -66,7 +71,7 @@ def start(run: RunState, records: List[RequestRecord]) -> List[Move]:
                                      run.options.step_timeout_s)
         if outcome.kind != OK:
             return [outcome_move(rec, 1, 'on_trajectory_start', outcome) for rec in records]
-    return [wait_move(rec, 1) for rec in records]
+    return route(run, [wait_move(rec, 1) for rec in records], 1)
 
 
 # ---- generating / continuing ---------------------------------------------------------------------
@@ -107,7 +112,7 @@ def handle_waiting(run: RunState, records: List[RequestRecord], turn: int) -> Tu
             if reason is None:
                 triggers.append(RUN_STEP)
                 continue
-            mv = Move(rec, FINISH, turn, rec.tokens, reason=reason)
+            mv = Move(rec, FINISH, turn, rec.tokens, reason=relabel(run, rec, reason))
         ending[k] = mv
         triggers.append(mv.trigger)
     return TurnMoves(records, triggers, turn, tokens, ending=ending)
@@ -287,7 +292,7 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
         except Exception:
             mv = ending[k] = wait_move(rec, turn, durations[k] if durations is not None else None, extra)
             triggers[k] = mv.trigger
-    moves = TurnMoves(going, triggers, turn, None, durations, extras, ending or None)
+    moves = route(run, TurnMoves(going, triggers, turn, None, durations, extras, ending or None), turn)
     if not failed:  # going is records
         return moves
     by_index = {mv.record.index: mv for mv in moves}
@@ -299,6 +304,7 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
 PHASE_HANDLERS: Dict[str, Handler] = {
     'waiting': handle_waiting,
     'tool_step': handle_tool_step,
+    'compacting': handle_compacting,
 }
 
 

@@ -17,9 +17,9 @@ from collections import Counter
 from typing import List
 
 from mtflow.core.errors import RankMismatchError
-from mtflow.core.machine import PENDING, WAITING_STATES, RequestRecord
+from mtflow.core.machine import COMPACTING, PENDING, WAITING_STATES, RequestRecord
 from mtflow.engine.driver import Driver
-from mtflow.engine.handlers import check_uuids, phases, start
+from mtflow.engine.handlers import PHASE_HANDLERS, check_uuids, phases, start
 from mtflow.engine.model_call import call_model, deliver
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.result import RunResult
@@ -37,6 +37,9 @@ class LockstepDriver(Driver):
         pending = [r for r in records if r.state == PENDING]
         if run.first_turn_outputs is None:
             apply_moves(run, start(run, pending))
+            compacting = [r for r in pending if r.state == COMPACTING]  # a first prompt over the budget
+            if compacting:
+                apply_moves(run, PHASE_HANDLERS['compacting'](run, compacting, 1))
             live = [r for r in pending if r.state in WAITING_STATES]
             outputs = call_model(run, live, 1)
         else:

@@ -22,7 +22,10 @@ def call_model(run: RunState, records: List[RequestRecord], turn: int) -> Option
     """One ``rollout_fn`` call for ``records`` (possibly ``[]``: every rank calls it alike);
     the outputs, or ``None`` when the call failed (its requests are failed already). The outputs
     are not handed over here: the lockstep driver does that after the next gather, as ms-swift
-    checks their count there (:func:`deliver`)."""
+    checks their count there (:func:`deliver`). With a context budget the budget makes the call
+    (:meth:`mtflow.engine.context.ContextRun.call`: per-request ``max_tokens``)."""
+    if run.context is not None:
+        return run.context.call(run, records, turn)
     run.rollout_calls += 1
     settings = run.settings
     outcome = run.caller.one(settings.rollout_fn, ([r.request for r in records], settings.request_config),

@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence
 
 from mtflow.core.calls import TIMED_OUT, Outcome
 from mtflow.core.errors import SchedulerResultError, StepTimeout
-from mtflow.core.machine import (CONTINUE, ERROR, FAIL, FINISH, FINISHED, GENERATE, INTERRUPT, INTERRUPTED, TIMEOUT,
-                                 TOOL_STEP, RequestRecord)
+from mtflow.core.machine import (COMPACTING, CONTINUE, ERROR, FAIL, FINISH, FINISHED, GENERATE, INTERRUPT,
+                                 INTERRUPTED, TIMEOUT, TOOL_STEP, RequestRecord)
 from mtflow.core.protocol import RolloutOutput
 from mtflow.core.records import Move, TurnMoves
 from mtflow.accounting.segments import is_continuation_of
@@ -92,7 +92,12 @@ def _finishing(run: RunState, mv: Move) -> Move:
     whichever fails."""
     rec, turn = mv.record, mv.turn
     try:
-        run.accounting.finalize(rec, rec.choice, rec.turn_result or _NO_TURN_RESULT)
+        if rec.state == COMPACTING:  # the step accumulated the last turn already (docs/context.md)
+            after_step = getattr(run.accounting, 'finalize_after_step', None)
+            if after_step is not None:
+                after_step(rec, rec.choice)
+        else:
+            run.accounting.finalize(rec, rec.choice, rec.turn_result or _NO_TURN_RESULT)
     except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
         return fail_move(rec, turn, 'finalize', exc, tokens=mv.tokens)
     rec.reason = mv.reason

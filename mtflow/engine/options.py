@@ -11,6 +11,7 @@ from typing import Any, Callable, Literal, Optional
 
 from mtflow.core.records import FinishedRequest
 from mtflow.core.types import Accounting, GatherFn
+from mtflow.engine.context_budget import ContextBudget
 
 __all__ = ['ExecutorOptions', 'OnError', 'OnFinished', 'MODES', 'DEFAULT_TURN_CAP', 'bound_of']
 
@@ -60,6 +61,7 @@ class ExecutorOptions:
     mode: str = 'lockstep'
     max_concurrency: Optional[int] = None
     skip_empty_calls: bool = False
+    context: Optional[ContextBudget] = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ('raise', 'return'):
@@ -80,6 +82,12 @@ class ExecutorOptions:
         if self.skip_empty_calls and self.gather_fn is not None:
             raise ValueError('skip_empty_calls needs a single rank (no gather_fn): with ranks, every rank calls '
                              'rollout_fn the same number of times, empty calls included')
+        if self.context is not None and not isinstance(self.context, ContextBudget):
+            raise TypeError(f'context must be a ContextBudget, not {type(self.context).__name__}')
+        if self.context is not None and self.gather_fn is not None and (
+                self.context.total_response_tokens is not None or self.context.policy != 'stop'):
+            raise ValueError('a total response budget or a compaction policy needs a single rank (no gather_fn): '
+                             'cut max_tokens and compactions make extra model calls on one rank only')
         _check_timeout('step_timeout_s', self.step_timeout_s)
         _check_timeout('rollout_timeout_s', self.rollout_timeout_s)
 

@@ -36,6 +36,8 @@ class RunSettings:
     gather_fn: GatherFn
     unique_uuids: bool
     turn_bound: Optional[int]
+    #: the context budget resolved against the backend (``mtflow.engine.context.ResolvedContext``)
+    context: Optional[Any] = None
 
 
 def uuid_of(request: Any, index: int) -> str:
@@ -88,6 +90,8 @@ class RunState:
         else:
             self.output_cls = RolloutOutput
         self.builder = OutputBuilder(self.output_cls)
+        #: the context budget's per-request state (``mtflow.engine.context.ContextRun``), or ``None``
+        self.context: Optional[Any] = settings.context.start() if settings.context is not None else None
 
     def await_value(self, awaitable: Any) -> Any:
         """The value of an awaitable a sync-looking hook returned, on the run's private loop,

@@ -19,6 +19,7 @@
     request_config: {max_tokens: 48, temperature: 0.7, logprobs: true}
     mode: lockstep                            # lockstep | async (each request on its own)
     max_concurrency: null                     # async: requests in flight at once; null: the batch
+    context: null                             # context budgets and compaction (docs/context.md)
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -41,6 +42,7 @@ from mtflow.core.protocol import RequestConfig
 from mtflow.core.keys import unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
+from mtflow.declarative.context import ContextConfig
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS', 'parse_sets',
            'config_keys']
@@ -85,6 +87,9 @@ class RunConfig(BaseModel):
                                                "request a turn at a time) or 'async' (each on its own).")
     max_concurrency: Optional[int] = Field(None, ge=1, description='Async mode: requests in flight at once; null: '
                                            'the whole batch.')
+    context: Optional[ContextConfig] = Field(None, description='Context budgets and the compaction policy '
+                                             '(docs/context.md): context_length, max_tokens, total_response_tokens, '
+                                             'prompt_budget, policy, ...')
 
     #: the directory of the config file (for relative paths); not a YAML key
     base_dir: Optional[Path] = Field(None, exclude=True)

@@ -187,6 +187,9 @@ class _ExecutorFactory:
         cfg = self.cfg
         options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
                                        accounting=record_accounting(self.scheduler))
+        if cfg.context is not None:  # the backend counts the prompt tokens and knows its context length
+            options['context'] = cfg.context.budget(self.backend, str(cfg.base_dir) if cfg.base_dir else None,
+                                                    cfg.where('context'))
         if cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
             return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, skip_empty_calls=True,
                             **options)

@@ -62,6 +62,7 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
         'failures': tally.failures,
         'finish_policy': tally.policy.summary(),
         'serving': serving_figures(backend),
+        **({'context': tally.context_summary()} if tally.context_summary() else {}),
     }
 
 
@@ -97,6 +98,11 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     if summary['reward_mean'] is not None or left_out:
         table.add_row('mean reward', f"{summary['reward_mean']}" + (
             f' ({left_out} failed left out)' if left_out else ''))
+    ctx = summary.get('context')
+    if ctx:
+        table.add_row('context', f"{ctx['compactions']} compactions in {ctx['compacted_requests']} requests "
+                      f"(at most {ctx['max_per_request']}), context_full {ctx['context_full']}, "
+                      f"length_total {ctx['length_total']}")
     if summary.get('finish_policy'):
         table.add_row('finish policy', ', '.join(f'{k} {v}' for k, v in summary['finish_policy'].items()))
     if summary.get('reward_groups'):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from mtflow.core.machine import reason_kind
+from mtflow.core.machine import CONTEXT_FULL, LENGTH_TOTAL, reason_kind
 from mtflow.data.sources import group_of
 from mtflow.declarative.policy import PolicyTally
 from mtflow.run.reward_spread import GroupRewards
@@ -76,6 +76,7 @@ class RunTally:
         self.errors = 0
         self.failures: List[Dict[str, Any]] = []
         self.policy = PolicyTally()  # what a YAML finish_policy did
+        self.compactions: Counter = Counter()  # compactions per request (uuid -> n; docs/context.md)
 
     def add(self, record: Dict[str, Any], events: Iterable[Dict[str, Any]] = ()) -> None:
         """One finished request: its trajectory line and its trace events."""
@@ -90,6 +91,8 @@ class RunTally:
         infos = record.get('rollout_infos') or {}
         if isinstance(infos, dict):
             self.policy.add(infos)
+            if _count(infos.get('compactions')):
+                self.compactions[str(record.get('uuid'))] = _count(infos.get('compactions'))
             self.info_tool_calls += _count(infos.get('tool_calls', infos.get('num_tool_calls')))
             self.info_tool_errors += _count(infos.get('tool_errors', infos.get('num_tool_errors')))
             kinds = infos.get('tool_error_kinds')
@@ -148,6 +151,16 @@ class RunTally:
             'histogram': {str(k): v for k, v in sorted(self.turns.items())},
             'multi_turn_requests': sum(v for k, v in self.turns.items() if k > 1),
         }
+
+    def context_summary(self) -> Optional[Dict[str, Any]]:
+        """Compactions and the context finish reasons (``None`` when the run had none of them:
+        a run without a context budget has the summary it always had)."""
+        full, total = self.reasons.get(CONTEXT_FULL, 0), self.reasons.get(LENGTH_TOTAL, 0)
+        if not (self.compactions or full or total):
+            return None
+        return {'compactions': sum(self.compactions.values()), 'compacted_requests': len(self.compactions),
+                'max_per_request': max(self.compactions.values(), default=0), CONTEXT_FULL: full,
+                LENGTH_TOTAL: total}
 
     def reward_mean(self) -> Optional[float]:
         return round(self.reward_sum / self.reward_n, 4) if self.reward_n else None

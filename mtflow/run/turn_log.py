@@ -100,6 +100,7 @@ class TurnLog:
                 self.note(requests, outputs)
                 return outputs
 
+            noted_async.__wrapped__ = rollout_fn  # type: ignore[attr-defined]
             return noted_async
 
         def noted(requests: List[Any], request_config: Any = None) -> Any:
@@ -115,6 +116,7 @@ class TurnLog:
             self.note(requests, outputs)
             return outputs
 
+        noted.__wrapped__ = rollout_fn  # type: ignore[attr-defined]  # the backend's attributes (context budgets)
         return noted
 
     def finish(self, uuid: str, record: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -15,11 +15,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from mtflow.core.machine import CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES, reason_kind
+from mtflow.core.machine import (COMPACTING, CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES,
+                                 reason_kind)
 from mtflow.core.trace import Trace, TraceEvent
 
 #: One-letter marks of the states in a turn cell.
 MARKS = {GENERATING: 'G', CONTINUING: 'C', TOOL_STEP: 'T', PENDING: '.', FINISHED: '#'}
+COMPACTED_MARK = 'K'  # the context was compacted after the turn (docs/context.md)
 OK_MARK, ERROR_MARK, TOOL_ERROR_MARK = '✓', '✗', '!'
 
 
@@ -43,13 +45,17 @@ class TurnCell:
     tool_errors: List[str] = field(default_factory=list)
     finished: Optional[str] = None  # the finish reason when the request finished in this turn
     error: Optional[Dict[str, Any]] = None  # the failure (type, message, phase) when it failed here
+    #: the context was compacted after this turn (``compacting`` -> ``generating``): what it recorded
+    compaction: Optional[Dict[str, Any]] = None
 
     def marks(self) -> str:
-        """The cell as text: ``G``/``C`` waited, ``T`` stepped (``T!`` with tool errors), then
-        ``✓`` finished or ``✗`` failed, e.g. ``GT``, ``CT!``, ``G✓``, ``GT✗``."""
+        """The cell as text: ``G``/``C`` waited, ``T`` stepped (``T!`` with tool errors), ``K``
+        compacted, then ``✓`` finished or ``✗`` failed, e.g. ``GT``, ``CT!``, ``GTK``, ``G✓``, ``GT✗``."""
         s = MARKS.get(self.wait, '') if self.wait else '.'
         if self.stepped:
             s += 'T' + (TOOL_ERROR_MARK if self.tool_errors else '')
+        if self.compaction is not None:
+            s += COMPACTED_MARK
         if self.finished is not None:
             s += ERROR_MARK if reason_kind(self.finished) == 'error' else OK_MARK
         return s
@@ -86,6 +92,10 @@ class RequestView:
     def timeline(self) -> str:
         return ' '.join(c.marks() for c in self.cells)
 
+    @property
+    def compactions(self) -> int:
+        return sum(1 for c in self.cells if c.compaction is not None)
+
 
 @dataclass
 class SlowStep:
@@ -112,6 +122,8 @@ class Summary:
     tokens: int
     unfinished: List[str]
     tool_error_kinds: Dict[str, int] = field(default_factory=dict)  # error_kind -> failed calls
+    #: compactions per request (uuid -> count), requests with at least one (docs/context.md)
+    compactions: Dict[str, int] = field(default_factory=dict)
     #: wall time per state across the requests (empty when the events carry no times)
     time_per_state: Dict[str, 'StateTime'] = field(default_factory=dict)
     wall_s: Optional[float] = None  # from the first event to the last
@@ -263,8 +275,19 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
 
     reason: Optional[str] = None
     tokens = 0
+    compact_from: Optional[str] = None  # the state the last compact move left
     for e in events:
-        if e.dst in WAITING_STATES:
+        if e.dst == COMPACTING:
+            compact_from = e.src
+            if e.src == TOOL_STEP:
+                step = cell(e.turn)
+                step.step_s = e.duration_s
+                step.step_extra = e.extra
+                step.tool_calls, step.tool_errors = _tool_info(e.extra)
+        elif e.src == COMPACTING and e.dst in WAITING_STATES:
+            cell(e.turn).compaction = dict((e.extra or {}).get('compaction') or {})
+            cell(e.turn + 1 if compact_from == TOOL_STEP else e.turn).wait = e.dst
+        elif e.dst in WAITING_STATES:
             if e.src == TOOL_STEP:
                 step = cell(e.turn)
                 step.step_s = e.duration_s
@@ -352,7 +375,8 @@ def summarize(views: Sequence[RequestView], n_events: Optional[int] = None, slow
         tool_error_kinds=dict(Counter(kind for v in views for c in v.cells for kind in _error_kinds(c.step_extra))
                               .most_common()),
         time_per_state=time_per_state(views, t0),
-        wall_s=None if t0 is None else t1 - t0)
+        wall_s=None if t0 is None else t1 - t0,
+        compactions={v.uuid: v.compactions for v in views if v.compactions})
 
 
 def _error_kinds(extra: Optional[Dict[str, Any]]) -> List[str]:

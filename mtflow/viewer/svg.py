@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from html import escape
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mtflow.core.machine import PENDING, StateGraph
+from mtflow.core.machine import OPTIONAL_STATES, PENDING, StateGraph
 
 STATE_COLORS = {
     'pending': '#9aa5b1',
     'generating': '#3b82f6',
     'continuing': '#06b6d4',
     'tool_step': '#f59e0b',
+    'compacting': '#a855f7',
     'finished': '#22c55e',
 }
 NODE_W, NODE_H, LAYER_GAP, ROW_GAP = 118, 40, 120, 40
@@ -166,6 +167,11 @@ def state_graph_svg(graph: StateGraph, counts: Optional[Mapping[Tuple[str, str],
     trace), is written on each arrow; finish reasons are listed next to ``finished``."""
     states = list(graph.states)
     edges = graph.edges()
+    if counts is not None:  # a trace's drawing: a state only some runs enter is drawn when this one did
+        unused = {s for s in OPTIONAL_STATES
+                  if not any(counts.get((a, b), 0) for a, _, b in edges if s in (a, b))}
+        states = [s for s in states if s not in unused]
+        edges = [(a, t, b) for a, t, b in edges if a not in unused and b not in unused]
     layout = _layout(graph, states, edges, title)
     width, height = layout.width, layout.height
     # one arrow per (src, dst): parallel triggers share it

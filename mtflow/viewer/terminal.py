@@ -15,11 +15,12 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from mtflow.core.machine import CONTINUING, FINISH_REASONS, GENERATING, TOOL_STEP, reason_kind
+from mtflow.core.machine import CONTEXT_FULL, CONTINUING, FINISH_REASONS, GENERATING, LENGTH_TOTAL, TOOL_STEP, reason_kind
 from mtflow.core.trace import Trace
 from mtflow.run.trajectories import Trajectory
 from mtflow.viewer.images import image_refs, per_message
-from mtflow.viewer.model import ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views, summarize
+from mtflow.viewer.model import (COMPACTED_MARK, ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views,
+                                 summarize)
 from mtflow.viewer.tokens import token_texts
 
 CELL = 4  # characters per turn in the timeline (the widest cell, 'GT!✗', is 4)
@@ -72,6 +73,8 @@ def cell_text(view: RequestView, turn_index: int) -> Text:
         t.append('T', STYLES[TOOL_STEP])
         if c.tool_errors:
             t.append(TOOL_ERROR_MARK, 'bold red')
+    if c.compaction is not None:
+        t.append(COMPACTED_MARK, 'bold magenta')
     if c.finished is not None:
         t.append(ERROR_MARK if reason_kind(c.finished) == 'error' else OK_MARK, reason_style(c.finished))
     return t
@@ -132,7 +135,17 @@ def _bar(n: int, top: int, width: int = 30) -> str:
 def summary_line(s: Summary) -> str:
     ranks = f', ranks {",".join(map(str, s.ranks))}' if len(s.ranks) > 1 else ''
     return (f'summary: {s.requests} requests, {s.events} events, {s.max_turn} turns, {s.tokens} completion tokens, '
-            f'{s.tool_calls} tool calls, {len(s.tool_errors)} tool errors{ranks}')
+            f'{s.tool_calls} tool calls, {len(s.tool_errors)} tool errors{_context_counts(s)}{ranks}')
+
+
+def _context_counts(s: Summary) -> str:
+    """``, N compactions in M requests, N context_full, N length_total`` (only the ones that
+    happened: a run without a context budget prints what it always printed)."""
+    parts = []
+    if s.compactions:
+        parts.append(f'{sum(s.compactions.values())} compactions in {len(s.compactions)} requests')
+    parts += [f'{s.finish_reasons[r]} {r}' for r in (CONTEXT_FULL, LENGTH_TOTAL) if s.finish_reasons.get(r)]
+    return ''.join(f', {p}' for p in parts)
 
 
 def summary_renderable(s: Summary) -> RenderableType:
@@ -208,7 +221,8 @@ def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = 
                      results: Optional[Dict[str, Tuple[Optional[float], Optional[str]]]] = None) -> RenderableType:
     parts: List[RenderableType] = [timeline_table(views, results)]
     if legend:
-        parts.append(Text(LEGEND, 'dim'))
+        compacted = any(v.compactions for v in views)
+        parts.append(Text(LEGEND + (f'  {COMPACTED_MARK} compacted' if compacted else ''), 'dim'))
     if summary is not None:
         parts += [Text(''), summary_renderable(summary)]
     return Group(*parts)

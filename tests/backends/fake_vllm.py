@@ -15,6 +15,7 @@ would change. Outputs have the shape of vLLM's ``RequestOutput``, ``CompletionOu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Union
 
 from mtflow.core.images import from_content_parts
@@ -89,6 +90,12 @@ class FakeLLM:
     calls: List[Dict[str, Any]] = field(default_factory=list)
     finish_reason_override: Optional[str] = None
     forced: List[List[int]] = field(default_factory=list)
+    #: the engine's context, as vLLM reports it (``llm.llm_engine.model_config.max_model_len``)
+    max_model_len: Optional[int] = None
+
+    @property
+    def llm_engine(self) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(max_model_len=self.max_model_len))
 
     def get_tokenizer(self, lora_request: Any = None) -> Any:
         return self.tokenizer
@@ -183,6 +190,12 @@ class FakeAsyncLLM:
     in_flight: int = 0
     max_in_flight: int = 0
     _loop: Any = None
+    #: the engine's context, as vLLM's ``AsyncLLM.model_config.max_model_len`` reports it
+    max_model_len: Optional[int] = None
+
+    @property
+    def model_config(self) -> Any:
+        return SimpleNamespace(max_model_len=self.max_model_len)
 
     def _check_loop(self) -> None:
         import asyncio
