@@ -8,6 +8,7 @@ from mtflow.core.errors import (DuplicateUuidError, IllegalTransition, MtflowErr
                      StepTimeout)
 from mtflow.engine.executor import Executor, RunResult, identity_gather, run_multi_turn
 from mtflow.engine.partial import UnfinishedRequest, Until
+from mtflow.engine.stream import Stream, StreamGroup, StreamUntil
 from mtflow.core.machine import StateGraph
 from mtflow.core.records import FinishedRequest
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RequestConfig,
@@ -25,5 +26,6 @@ __all__ = [
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
     'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
-    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', '__version__'
+    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', 'Stream', 'StreamGroup',
+    'StreamUntil', '__version__'
 ]
