@@ -100,6 +100,9 @@ def resume_carried(run: RunState) -> Set[int]:
 class AsyncDriver(Driver):
     """One ``Executor.run`` in async mode: the shared handlers, driven per request."""
 
+    #: stamp every turn with its policy version even when none was set (streams do)
+    stamp_always = False
+
     def __init__(self, run: RunState, until: Optional[Until] = None, clock: Optional[PolicyClock] = None) -> None:
         super().__init__(run)
         self.until = until
@@ -221,7 +224,7 @@ class AsyncDriver(Driver):
     def generate(self, rec: RequestRecord, turn: int) -> None:
         self.records_before[rec.index] = getattr(rec.request, RECORD_ATTR, None)
         clock, rollout_fn = self.clock, self.run.settings.rollout_fn
-        if clock is not None and clock.active(rollout_fn):
+        if clock is not None and (self.stamp_always or clock.active(rollout_fn)):
             self.issued_version[rec.index] = clock.current(rollout_fn)
         self.launch('generate', rec, turn, self._rollout(rec, turn))
 

@@ -165,6 +165,7 @@ def _fresh(request: Any) -> Any:
 
 class StreamDriver(AsyncDriver):
     """The async driver over a source (see the module docstring); runs in :class:`Stream`'s thread."""
+    stamp_always = True
 
     def __init__(self, run: RunState, source: Iterator[Any], clock: PolicyClock, *, max_concurrency: int,
                  buffer: int, until: Optional[StreamUntil], max_staleness: Optional[int], stale: str,
