@@ -47,7 +47,7 @@ from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, RequestRecord
 from mtflow.core.trace import TraceEvent
 from mtflow.engine.async_driver import AsyncDriver, _Stopped, _is_async_callable
 from mtflow.engine.handlers import start
-from mtflow.engine.moves import apply_moves
+from mtflow.engine.moves import apply_moves, interrupt_all
 from mtflow.engine.partial import UnfinishedRequest
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
 from mtflow.engine.versions import PolicyClock, versions_of
@@ -191,6 +191,7 @@ class StreamDriver(AsyncDriver):
         self.delivered_tokens = 0
         self.taken = 0  # groups the consumer took (written by the consumer's thread)
         self.closing = False
+        self.interrupting = False
         self.poked = False
         self.seen_version = clock.current(run.settings.rollout_fn)
         self.aborting: Dict[int, int] = {}  # record index -> turn of a generation aborted by an update
@@ -238,6 +239,20 @@ class StreamDriver(AsyncDriver):
             raise
         self.close_pools(wait=True)
         self.restore_records()
+        if self.interrupting and self.unfinished:
+            self.deliver_interrupted()
+
+    def deliver_interrupted(self) -> None:
+        """An interrupt (:meth:`Stream.interrupt`): the requests handed back are finished with
+        reason ``interrupted`` (partial outputs, as an interrupted run finishes them) and handed
+        out as one last group, ``seq`` -1."""
+        run = self.run
+        records = [item.record for item in self.unfinished]
+        self.unfinished = []
+        run.records = records
+        interrupt_all(run)
+        run.records = []
+        self.deliver_fn(self.delivered(_Group(-1, [], records, len(records)), self.seen_version))
 
     async def next_completions(self) -> list:
         if not self.completions and not self.poked:
@@ -405,7 +420,14 @@ class StreamDriver(AsyncDriver):
             group.prompts = [_fresh(p) for p in prompts]
             self.admit(group, prompts)
             return
-        current = self.seen_version
+        delivered = self.delivered(group, self.seen_version)
+        self.delivered_groups += 1
+        self.delivered_requests += len(group.records)
+        self.delivered_tokens += group.tokens
+        self.deliver_fn(delivered)
+
+    def delivered(self, group: _Group, current: int) -> StreamGroup:
+        """The :class:`StreamGroup` of a finished group (its failures leave the run's list)."""
         versions = [versions_of(rec) for rec in group.records]
         flat = [v for vs in versions for v in vs]
         rank = self.run.options.rank
@@ -416,16 +438,12 @@ class StreamDriver(AsyncDriver):
         failures = [f for f in self.run.failures if f.uuid in uuids]
         if failures:
             self.run.failures = [f for f in self.run.failures if f.uuid not in uuids]
-        delivered = StreamGroup(
+        return StreamGroup(
             seq=group.seq, uuids=[r.uuid for r in group.records], outputs=[r.output for r in group.records],
             finish_reasons=[r.reason for r in group.records], requests=[r.request for r in group.records],
             events=events, failures=failures, versions=versions, version=current,
             version_span=(max(flat) - min(flat)) if flat else 0, age=(current - min(flat)) if flat else 0,
             tokens=group.tokens, restarts=group.restarts)
-        self.delivered_groups += 1
-        self.delivered_requests += len(group.records)
-        self.delivered_tokens += group.tokens
-        self.deliver_fn(delivered)
 
     # ---- the budget ------------------------------------------------------------------------------
     def budget_left(self) -> Optional[float]:
@@ -519,6 +537,18 @@ class Stream:
             while next(self, None) is not None:
                 pass
 
+    def interrupt(self) -> List[StreamGroup]:
+        """Stop as :meth:`close` does, but finish the requests in flight with reason
+        ``interrupted`` (partial outputs, what ``mtflow run`` keeps in ``interrupted.jsonl``).
+        Returns what was not taken yet: the groups that finished, then (when anything was in
+        flight) one group of the interrupted requests, ``seq`` -1."""
+        if self._finished:
+            return []
+        self.driver.interrupting = True
+        self.driver.closing = True
+        self.driver.poke()
+        return list(self)
+
     def __enter__(self) -> 'Stream':
         return self
 
@@ -532,7 +562,8 @@ class Stream:
     @property
     def stats(self) -> Dict[str, int]:
         d = self.driver
-        return {'delivered_groups': d.delivered_groups, 'delivered_requests': d.delivered_requests,
+        return {'rollout_fn_calls': d.run.rollout_calls, 'delivered_groups': d.delivered_groups,
+                'delivered_requests': d.delivered_requests,
                 'delivered_tokens': d.delivered_tokens, **d.stats}
 
 

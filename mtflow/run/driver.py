@@ -22,6 +22,7 @@ from mtflow.engine.executor import Executor
 from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
+from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
@@ -82,14 +83,20 @@ class StreamingRun:
         self.batches = 0
         self.wall_s = 0.0
         self.write_error: Optional[RunDirError] = None
+        #: a streamed run (``mtflow/run/streamed.py``) stopped by its ``until`` before the dataset's end
+        self.until_met = False
         self._indices: List[int] = []
         self._requests: List[Any] = []
         self._t_offset = 0.0
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset,
-                                            request=self._requests[finished.index], reference_key=self.reference_key)
+        self.write_finished(finished, self._indices[finished.index], self._requests[finished.index], self._t_offset)
+
+    def write_finished(self, finished: Any, index: int, request: Any, t_offset: float) -> None:
+        """Write one finished request (its dataset position ``index``, its input ``request``)."""
+        record, events = finished_to_record(finished, index=index, t_offset=t_offset, request=request,
+                                            reference_key=self.reference_key)
         if self.turn_log is not None:
             record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
         self.finished += 1
@@ -112,12 +119,16 @@ class StreamingRun:
             self.on_progress(self.finished, f'turn {turn}, {live} live')
 
     # ---- the loop ------------------------------------------------------------------------------
-    def run(self, prompts: Iterable[Any]) -> Dict[str, Any]:
+    def run(self, prompts: Iterable[Any], stream: Optional[Tuple[Any, Any, int]] = None) -> Dict[str, Any]:
         """Roll out every prompt the store does not have yet; return this attempt's figures.
         A ``KeyboardInterrupt`` propagates (after the batch in flight was finished as
-        interrupted); so does a :class:`RunDirError` from writing."""
+        interrupted); so does a :class:`RunDirError` from writing. ``stream``:
+        ``(executor, until, max_concurrency)``: through the streaming producer instead of batches."""
         t0 = time.perf_counter()
         try:
+            if stream is not None:
+                run_streaming(self, stream[0], prompts, stream[1], stream[2])
+                return self.figures()
             batch: List[Tuple[int, Any]] = []
             for index, request in enumerate(prompts):
                 if self.store.is_done(request.uuid):
@@ -155,7 +166,9 @@ class StreamingRun:
             self.write_error = None
 
     def figures(self) -> Dict[str, Any]:
-        return {'rollout_fn_calls': self.rollout_fn_calls, 'wall_s': round(self.wall_s, 3), 'batches': self.batches,
+        extra = {'until_met': True} if self.until_met else {}
+        return {**extra, 'rollout_fn_calls': self.rollout_fn_calls, 'wall_s': round(self.wall_s, 3),
+                'batches': self.batches,
                 'skipped': self.skipped, 'finished': self.finished, 'flushes': self.store.flushes,
                 'write_s': round(self.store.fsync_s, 4)}
 
@@ -188,6 +201,18 @@ class _ExecutorFactory:
         return Executor(self.scheduler, self.turn_log.wrap(async_fn), self.request_config, mode='async',
                         max_concurrency=cfg.max_concurrency, **options)
 
+    def stream_executor(self) -> Executor:
+        """The executor of a streamed run (``mtflow/run/streamed.py``): the backend's async
+        ``rollout_fn`` when it has one, the requests written from the delivered groups."""
+        cfg = self.cfg
+        make = getattr(self.backend, 'async_rollout_fn', None)
+        fn = make() if callable(make) else self.backend
+        close = getattr(fn, 'close', None) if fn is not self.backend else None
+        if callable(close):
+            self.closing.append(close)
+        return Executor(self.scheduler, self.turn_log.wrap(fn), self.request_config, max_turns=cfg.max_turns or None,
+                        on_error='return', accounting=record_accounting(self.scheduler))
+
     def close(self) -> None:
         for close in self.closing:
             close()
@@ -204,7 +229,8 @@ def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
 
 
 def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: Any,
-             figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None) -> None:
+             figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None,
+             until: Any = None) -> None:
     """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
     process; this attempt's figures go into ``figures``, also when a signal stops it. ``show``
     is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
@@ -221,7 +247,11 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
-        run.run(iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False))
+        prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
+        streamed = None
+        if cfg.mode == 'async' or until is not None:  # the streaming producer: no batch boundaries
+            streamed = (make_executor.stream_executor(), until, cfg.max_concurrency or cfg.batch_size)
+        run.run(prompts, streamed)
     finally:
         make_executor.close()
         progress.stop()

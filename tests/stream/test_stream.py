@@ -124,3 +124,15 @@ def test_bad_options_are_named():
         ex.stream([], stale='mask-all')
     with pytest.raises(ValueError, match='until'):
         ex.stream([], until={'turns': 3})
+
+
+def test_interrupt_finishes_the_requests_in_flight_as_interrupted():
+    w = Workload(seed=9, tool_median_s=0.002)
+    stream = _executor(w).stream(iter(_groups(w, 400, 4)), max_concurrency=8)
+    first = next(stream)
+    rest = stream.interrupt()
+    last = rest[-1]
+    assert last.seq == -1 and set(last.finish_reasons) == {'interrupted'}
+    assert all(g.seq >= 0 and 'interrupted' not in g.finish_reasons for g in [first] + rest[:-1])
+    assert all(o.messages for o in last.outputs) and not stream.unfinished
+    assert stream.interrupt() == []
