@@ -129,6 +129,8 @@ class StreamGroup:
     age: int
     tokens: int
     restarts: int = 0
+    #: fresh copies of the members' prompts (a group found stale when taken starts again from them)
+    prompts: List[Any] = field(default_factory=list, repr=False)
 
     @property
     def output(self) -> Any:
@@ -194,7 +196,9 @@ class StreamDriver(AsyncDriver):
         self.interrupting = False
         self.poked = False
         self.seen_version = clock.current(run.settings.rollout_fn)
-        self.aborting: Dict[int, int] = {}  # record index -> turn of a generation aborted by an update
+        self.handed_out = 0  # groups put in the consumer's queue, ever
+        #: groups the consumer found too stale when it took them, to run again (its thread appends)
+        self.returned: Deque[StreamGroup] = deque()
         self.unfinished: List[UnfinishedRequest] = []
         self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
                       'backpressure_waits': 0, 'max_active': 0}
@@ -218,13 +222,15 @@ class StreamDriver(AsyncDriver):
         try:
             while True:
                 self.poked = False
+                self.readmit_returned()
                 self.check_version()
                 if self.over_budget():
                     self.stop()
                 elif not self.stopping:
                     self.fill_slots()
                 if not self.tasks and not self.completions:
-                    if self.stopping or (self.source_done and not self.queue and self.active == 0):
+                    if self.stopping or (self.source_done and not self.queue and self.active == 0
+                                         and self.consumer_caught_up()):
                         break
                     self.stats['backpressure_waits'] += 1  # only the consumer can free a place now
                 self.waiter = loop.create_task(self.next_completions())
@@ -252,7 +258,26 @@ class StreamDriver(AsyncDriver):
         run.records = records
         interrupt_all(run)
         run.records = []
+        self.handed_out += 1
         self.deliver_fn(self.delivered(_Group(-1, [], records, len(records)), self.seen_version))
+
+    def consumer_caught_up(self) -> bool:
+        """With ``max_staleness``, a group is checked again when the consumer takes it (it may
+        come back to run again): the stream ends only once every group handed out was taken."""
+        return self.max_staleness is None or (self.taken >= self.handed_out and not self.returned)
+
+    def readmit_returned(self) -> None:
+        """Run again, from their prompts, the groups the consumer found too stale."""
+        while self.returned:
+            stale = self.returned.popleft()
+            if self.stopping:
+                continue
+            self.delivered_groups -= 1
+            self.delivered_requests -= len(stale.outputs)
+            self.delivered_tokens -= stale.tokens
+            self.stats['restarted_groups'] += 1
+            group = _Group(stale.seq, [_fresh(p) for p in stale.prompts], restarts=stale.restarts + 1)
+            self.admit(group, stale.prompts)
 
     async def next_completions(self) -> list:
         if not self.completions and not self.poked:
@@ -421,6 +446,7 @@ class StreamDriver(AsyncDriver):
             self.admit(group, prompts)
             return
         delivered = self.delivered(group, self.seen_version)
+        self.handed_out += 1
         self.delivered_groups += 1
         self.delivered_requests += len(group.records)
         self.delivered_tokens += group.tokens
@@ -443,7 +469,7 @@ class StreamDriver(AsyncDriver):
             finish_reasons=[r.reason for r in group.records], requests=[r.request for r in group.records],
             events=events, failures=failures, versions=versions, version=current,
             version_span=(max(flat) - min(flat)) if flat else 0, age=(current - min(flat)) if flat else 0,
-            tokens=group.tokens, restarts=group.restarts)
+            tokens=group.tokens, restarts=group.restarts, prompts=group.prompts)
 
     # ---- the budget ------------------------------------------------------------------------------
     def budget_left(self) -> Optional[float]:
@@ -496,6 +522,7 @@ class Stream:
         self._close_loop = close_loop
         self.driver: StreamDriver = make_driver(self._loop, self._out.put)
         self._finished = False
+        self.dropped_when_taken = 0
         self._unlisten = clock.listen(lambda _version: self.driver.poke())
         self._thread = threading.Thread(target=self._main, name='mtflow-stream', daemon=True)
         self._thread.start()
@@ -515,18 +542,40 @@ class Stream:
         return self
 
     def __next__(self) -> StreamGroup:
-        if self._finished:
-            raise StopIteration
-        item = self._out.get()
-        if item is _END:
-            self._finished = True
-            self._thread.join()
-            if self._error is not None:
-                raise self._error
-            raise StopIteration
-        self.driver.taken += 1
-        self.driver.poke()
-        return item
+        while True:
+            if self._finished:
+                raise StopIteration
+            item = self._out.get()
+            if item is _END:
+                self._finished = True
+                self._thread.join()
+                if self._error is not None:
+                    raise self._error
+                raise StopIteration
+            if self._fresh_enough(item):
+                self.driver.taken += 1
+                self.driver.poke()
+                return item
+            self.driver.taken += 1
+            self.driver.poke()
+
+    def _fresh_enough(self, group: StreamGroup) -> bool:
+        """The bound again when the consumer takes a group (the weights may have moved while it
+        waited in the buffer): its ``age`` and ``version`` are updated to now; a group now too
+        stale goes back to the driver (``restart``) or is dropped, and the next one is taken."""
+        driver = self.driver
+        flat = [v for vs in group.versions for v in vs]
+        if not flat or group.seq < 0:
+            return True
+        current = driver.clock.current(driver.run.settings.rollout_fn)
+        group.version, group.age = current, current - min(flat)
+        if driver.max_staleness is None or group.age <= driver.max_staleness:
+            return True
+        if driver.stale_policy == 'drop':
+            self.dropped_when_taken += 1
+        else:
+            driver.returned.append(group)
+        return False
 
     def close(self) -> None:
         """Stop: nothing new is admitted, generations in flight are cancelled, their requests
@@ -564,7 +613,8 @@ class Stream:
         d = self.driver
         return {'rollout_fn_calls': d.run.rollout_calls, 'delivered_groups': d.delivered_groups,
                 'delivered_requests': d.delivered_requests,
-                'delivered_tokens': d.delivered_tokens, **d.stats}
+                'delivered_tokens': d.delivered_tokens, **d.stats,
+                'dropped_groups': d.stats['dropped_groups'] + self.dropped_when_taken}
 
 
 async def aiter_stream(stream: Stream) -> AsyncIterator[StreamGroup]:
