@@ -54,12 +54,18 @@ class Sampler:
         self.engine, self.slots, self.every_s = engine, slots, every_s
         self.samples: List[float] = []
         self.waiting = lambda: True
+        self.t0 = time.perf_counter()
+        self.waited_s = float('nan')  # when nothing was waiting any more
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self.stop.wait(self.every_s):
-            if self.waiting():
+            if not self.waiting():
+                if self.waited_s != self.waited_s:
+                    self.waited_s = time.perf_counter() - self.t0
+                continue
+            if True:
                 running = sum(core.running for core in list(self.engine._cores.values()))
                 self.samples.append(min(running, self.slots) / self.slots)
 
@@ -79,7 +85,7 @@ def bench_throughput(args: argparse.Namespace) -> None:
     print(f'ideal {ideal:.2f} s: the larger of the engine bound {bound:.2f} s (total tokens x decode time / slots) and '
           f'the longest request\'s own work {longest:.2f} s')
     head = (f'{"producer":>15} {"wall s":>8} {"ideal s":>8} {"of ideal":>8} {"busy overall":>12} '
-            f'{"busy while waiting":>18} {"same":>5}')
+            f'{"busy while waiting":>18} {"drain s":>7} {"same":>5}')
     print(head)
     print('-' * len(head))
     rows: Dict[str, Dict[str, Any]] = {}
@@ -89,8 +95,9 @@ def bench_throughput(args: argparse.Namespace) -> None:
         reqs = w.requests(args.n)
         groups = [reqs[i:i + args.group] for i in range(0, args.n, args.group)]
         sampler = Sampler(engine, args.slots)
-        sampler.thread.start()
         t = time.perf_counter()
+        sampler.t0 = t
+        sampler.thread.start()
         outs: Dict[str, Any] = {}
         if name == 'stream':
             ex = Executor(LongTailScheduler(w), engine)
@@ -117,15 +124,17 @@ def bench_throughput(args: argparse.Namespace) -> None:
         same = outs == reference
         busy = w.total_tokens(uuids) * decode_s / args.slots / wall
         rows[name] = {'wall': wall}
+        drain = wall - sampler.waited_s
         print(f'{name:>15} {wall:>8.2f} {ideal:>8.2f} {ideal / wall:>8.2f} {busy:>12.2f} {sampler.busy():>18.2f} '
-              f'{"yes" if same else "NO":>5}', flush=True)
+              f'{drain:>7.1f} {"yes" if same else "NO":>5}', flush=True)
         if not same:
             raise SystemExit(f'{name}: outputs differ from the stream\'s')
     for name in rows:
         if name != 'stream' and 'stream' in rows:
             print(f'stream vs {name}: {rows[name]["wall"] / rows["stream"]["wall"]:.2f}x faster')
     print('of ideal: ideal / wall; busy overall: total tokens x decode time / slots / wall; busy while waiting: the '
-          'share of slots decoding, sampled every 5 ms while requests were still waiting to be admitted')
+          'share of slots decoding, sampled every 5 ms while requests were still waiting to be admitted; drain: from '
+          'then (the last batch started, or the source ran dry) to the end')
 
 
 # ---- memory -------------------------------------------------------------------------------------------
