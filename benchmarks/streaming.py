@@ -16,9 +16,11 @@ longest request's own work; ``of ideal`` is ideal / wall (1.0: the engine never 
 request was waiting). Outputs of the stream are checked equal, per request, to the batches'.
 
 **Memory** (``--part memory``): ``--sizes`` requests (default 10k, 100k; add 1000000) in groups
-of 8, 2 turns each, streamed on the scripted backend with a trivial scheduler, each size in its
-own child process (peak RSS from ``wait4``) against ``Executor(mode='async').run`` over the whole
-list (the baseline: it holds every request and output).
+of 8, 2 turns each, streamed with a trivial scheduler over a stateless async ``rollout_fn``
+(``--model scripted``: the scripted backend, whose per-uuid call counters grow with N by design),
+each size in its own child process (peak RSS from ``wait4``) against
+``Executor(mode='async').run`` over the whole list (the baseline: it holds every request and
+output).
 
     .venv/bin/python benchmarks/streaming.py                                   # both parts
     .venv/bin/python benchmarks/streaming.py --part throughput --n 4096 --group 8
@@ -142,14 +144,20 @@ CHILD = r'''
 import sys, time
 from mtflow import Executor, RolloutInferRequest, Scheduler
 from mtflow.backends.scripted import ScriptedBackend
+from mtflow.core.protocol import RolloutOutput, make_choice, make_response
 
 class TwoTurns(Scheduler):
     def step(self, infer_request, response_choice, current_turn):
         infer_request.messages.append({'role': 'user', 'content': 'again'})
         return {'infer_request': infer_request}
 
-n, group, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-backend = ScriptedBackend(outputs=[{'content': 'a reply of a few words', 'token_ids': [1, 2, 3, 4, 5]}], cycle=True)
+n, group, how, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if model == 'scripted':  # keeps a call counter per uuid (what replays by request and turn need): grows with n
+    backend = ScriptedBackend(outputs=[{'content': 'a reply of a few words', 'token_ids': [1, 2, 3, 4, 5]}], cycle=True)
+else:  # stateless and async: only the producer's own memory is measured
+    async def backend(requests, request_config):
+        return [RolloutOutput(response=make_response(make_choice('a reply of a few words', token_ids=[1, 2, 3, 4, 5])))
+                for _ in requests]
 ex = Executor(TwoTurns(max_turns=2), backend, trace=how == 'stream', mode='async', max_concurrency=64)
 
 def prompts():
@@ -169,9 +177,9 @@ print(done, round(time.perf_counter() - t, 2))
 '''
 
 
-def _child(n: int, group: int, how: str) -> Dict[str, Any]:
+def _child(n: int, group: int, how: str, model: str) -> Dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, '-c', CHILD, str(n), str(group), how], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, '-c', CHILD, str(n), str(group), how, model], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     out, err = proc.stdout.read(), proc.stderr.read()
@@ -183,14 +191,14 @@ def _child(n: int, group: int, how: str) -> Dict[str, Any]:
 
 
 def bench_memory(args: argparse.Namespace) -> None:
-    print(f'peak RSS of one child process per size: groups of 8, 2 turns per request, scripted backend, '
+    print(f'peak RSS of one child process per size: groups of 8, 2 turns per request, {args.model} model, '
           f'64 in flight; baseline: Executor.run over the whole list')
     head = f'{"requests":>9} {"stream MB":>9} {"stream s":>8} {"us/req":>6} {"run MB":>7} {"run s":>6}'
     print(head)
     print('-' * len(head))
     for n in args.sizes:
-        s = _child(n, 8, 'stream')
-        r = _child(n, 8, 'run') if n <= args.baseline_max else None
+        s = _child(n, 8, 'stream', args.model)
+        r = _child(n, 8, 'run', args.model) if n <= args.baseline_max else None
         run_cols = f'{r["rss_mb"]:>7.0f} {r["wall"]:>6.1f}' if r else f'{"-":>7} {"-":>6}'
         print(f'{n:>9} {s["rss_mb"]:>9.0f} {s["wall"]:>8.1f} {s["wall"] / n * 1e6:>6.0f} {run_cols}', flush=True)
     print(f'run: skipped above {args.baseline_max} requests (--baseline-max)')
@@ -210,6 +218,8 @@ def main() -> None:
                    help='batch-lockstep is slow (minutes at 4096 requests): add it by name')
     p.add_argument('--sizes', type=int, nargs='+', default=[10000, 100000])
     p.add_argument('--baseline-max', type=int, default=100000)
+    p.add_argument('--model', choices=('stateless', 'scripted'), default='stateless',
+                   help='memory part: a stateless async rollout_fn, or the scripted backend (per-uuid counters)')
     args = p.parse_args()
     if args.part in ('throughput', 'both'):
         bench_throughput(args)

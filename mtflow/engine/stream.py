@@ -423,6 +423,7 @@ class StreamDriver(AsyncDriver):
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))
         self.groups.pop(rec.index, None)
+        self.kinds.pop(rec.index, None)
 
     def member_done(self, rec: RequestRecord) -> None:
         group = self.groups.get(rec.index)
@@ -432,9 +433,19 @@ class StreamDriver(AsyncDriver):
         if group.done == len(group.records):
             self.complete(group)
 
+    def forget(self, rec: RequestRecord) -> None:
+        """Drop what the driver keeps per record once it leaves (constant memory)."""
+        index = rec.index
+        self.groups.pop(index, None)
+        self.started.discard(index)
+        self.kinds.pop(index, None)
+        self.records_before.pop(index, None)
+        self.issued_version.pop(index, None)
+        self.admission_moves.pop(index, None)
+
     def complete(self, group: _Group) -> None:
         for rec in group.records:
-            self.groups.pop(rec.index, None)
+            self.forget(rec)
         if group.doomed or self.too_stale(group):
             if self.stale_policy == 'drop':
                 self.stats['dropped_groups'] += 1
