@@ -7,6 +7,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 from mtflow import Scheduler
+from mtflow.accounting.turn_spans import turn_reward_entry
 from mtflow.declarative.gym import GuessNumberEnv
 
 
@@ -53,7 +54,8 @@ class GymScheduler(Scheduler):
         obs, reward, done, info = await _maybe_await(env.step(response_choice.message.content or ''))
         self.rewards[k].append(float(reward))
         infos = {'env_steps': len(self.rewards[k]), 'rewards': list(self.rewards[k]),
-                 'reward': float(sum(self.rewards[k])), 'env_info': info}
+                 'reward': float(sum(self.rewards[k])), 'env_info': info,
+                 'turn_rewards': [turn_reward_entry(t, r, 'env') for t, r in enumerate(self.rewards[k], 1)]}
         if done:
             infos['stop_rule'] = 'stop_rule:env_done'
             return {'done': True, 'finish_reason': 'stop_rule:env_done', 'rollout_infos': infos}

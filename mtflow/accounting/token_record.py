@@ -59,6 +59,8 @@ class TokenTurn:
     #: why the prompt was rendered from text: ``'first'``, ``'history_changed'``,
     #: ``'template_rewrites_history'`` (``'rerender'`` policy), ``'no_record'``
     rendered: Optional[str] = None
+    #: the policy version that sampled this turn (``mtflow.engine.versions``; ``None``: not tracked)
+    version: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -53,6 +53,7 @@ from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize
 from mtflow.run.turn_log import REPLAY_FORMAT
+from mtflow.run.until import parse_until
 
 #: what ``_Attempt.run`` returns when a signal came before the backend was up: nothing to report
 NOTHING_RAN = 'nothing ran'
@@ -98,6 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--mode', choices=('lockstep', 'async'),
                    help="executor driver: lockstep (a turn at a time) or async (each request on its own)")
     p.add_argument('--max-concurrency', type=int, metavar='N', help='async mode: requests in flight at once')
+    p.add_argument('--until', metavar='SPEC',
+                   help='stop after groups=N complete groups (or requests=N, seconds=S, tokens=N; comma-separated: '
+                   'whichever comes first), streaming; --resume continues (docs/streaming.md)')
     p.add_argument('--no-progress', action='store_true', help='no progress bar and no progress log lines')
     p.add_argument('--progress-every', type=float, default=10.0, metavar='S',
                    help='when stdout or stderr is not a terminal: one progress line (requests, turns, tokens/s, '
@@ -240,7 +244,7 @@ class _Attempt:
                 self._roll_out_on_ray()
             else:
                 self._roll_out_here(make_scheduler)
-            return 'complete', 0
+            return ('partial' if self.figures.get('until_met') else 'complete'), 0
         except KeyboardInterrupt:
             if self.backend is None:
                 self.store.discard()
@@ -292,7 +296,8 @@ class _Attempt:
                                     '(press Ctrl-C again to exit at once)')
         roll_out(self.cfg, self.scheduler, self.backend, self.store, self.total, self.progress_mode, self.figures,
                  progress_interval_s=self.args.progress_every, tracker=self.tracker,
-                 on_request=otel.export_record if otel is not None else None)
+                 on_request=otel.export_record if otel is not None else None,
+                 until=parse_until(getattr(self.args, 'until', None)))
 
     def _load_backend(self) -> None:
         cfg = self.cfg
@@ -340,6 +345,10 @@ def _announce(store: RunStore, total: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args)
+    if getattr(args, 'until', None) is not None:
+        parse_until(args.until)  # a mistake is one line, before anything loads
+        if args.ray is not None:
+            raise UserError('--until streams in this process; it does not go with --ray')
     # every line (or a generated dataset's spec), then every problem of the scheduler (and its
     # plugins), checked before anything starts and before the slow backend load
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
@@ -369,5 +378,8 @@ def main(args: argparse.Namespace) -> int:
         return code
     if not args.quiet:
         print_summary({'status': status, **summary}, store.out_dir)
+        if status == 'partial':
+            _say(f'--until {args.until}: stopped with {len(store.done)} of {total} requests written to '
+                 f'{store.out_dir}; rerun with --resume to continue')
     written = summary['written']
     return 1 if written and summary['finish_reasons'].get('error', 0) == written else 0

@@ -293,8 +293,8 @@ def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
 
 
 #: the keys that name Python code (``module:attribute``) the scheduler will import
-_REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('scheduler_class', ), ('stop', 'predicate'),
-                               ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),
+_REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('turn_reward', ), ('scheduler_class', ),
+                               ('stop', 'predicate'), ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),
                                ('env', 'openenv', 'launch'))
 
 

@@ -33,6 +33,8 @@ class RequestState:
     env_obs: Optional[str] = None
     env_error: Optional[BaseException] = None  # the reset failed: raised at the request's first turn
     rewards: List[float] = field(default_factory=list)
+    #: per-turn rewards (``mtflow.accounting.turn_spans``): env steps, tool rewards, ``turn_reward``
+    turn_rewards: List[Dict[str, Any]] = field(default_factory=list)
     answer_correct: Optional[bool] = None
 
     def counters(self) -> Dict[str, Any]:

@@ -50,6 +50,7 @@ from mtflow.declarative.schema import SchedulerConfig
 from mtflow.declarative.stop_rules import StopRules
 from mtflow.declarative.tips import TipRules, cut_before_markers
 from mtflow.declarative.tool_calls import build_tool, read_calls, run_calls
+from mtflow.declarative.turn_rewards import TurnRewards
 from mtflow.declarative.templates import render
 from mtflow.tools.runner import ERROR_INFO_CHARS, ToolResult, ToolRunner
 from mtflow.tools.tool import Tool
@@ -82,6 +83,7 @@ class YamlScheduler(Scheduler):
         self.runner = ToolRunner(self.tools, config.max_threads)
         self.stop_rules = StopRules(config.stop, base_dir)
         self._reward = resolve_reference(config.reward, base_dir) if config.reward else None
+        self.turn_rewards = TurnRewards(config, base_dir)
         self.answers = AnswerCheck(config.answer, base_dir) if config.answer else None
         self.tip_rules = TipRules(config.tips, base_dir)
         self._env_factory = make_env_factory(config.env, base_dir) if config.env else None
@@ -245,7 +247,8 @@ class YamlScheduler(Scheduler):
         state.calls, state.tip, state.env_obs = [], None, None
         completion = response_choice.message.content or ''
         infos: Dict[str, Any] = {}
-        reason = None if self._env_factory is None else await self._step_env(infer_request, state, completion, infos)
+        reason = None if self._env_factory is None else await self._step_env(infer_request, state, completion, infos,
+                                                                             current_turn)
         answer = correct = None
         if self.answers is not None:
             answer = self.extract_answer(completion)
@@ -266,10 +269,12 @@ class YamlScheduler(Scheduler):
         if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.core.stop
             reason = MAX_TURNS
         state.calls = calls if reason is None and state.tip is None and state.env_obs is None else []
+        await self.turn_rewards.hook_reward(state, infer_request, completion, infos, current_turn)
+        infos.update(self.turn_rewards.infos(state))
         return await self._turn_result(infer_request, state, reason, infos)
 
     async def _step_env(self, infer_request: Any, state: RequestState, completion: str,
-                        infos: Dict[str, Any]) -> Optional[str]:
+                        infos: Dict[str, Any], turn: int) -> Optional[str]:
         """Step the request's environment with the completion: ``stop_rule:env_done`` or
         ``stop_rule:env_truncated`` when the episode ended, else its observation for ``step``."""
         if state.env_error is not None:
@@ -278,6 +283,7 @@ class YamlScheduler(Scheduler):
         env = await self._ensure_env(infer_request, state)
         out = normalize_step(await maybe_await(env.step(completion)))
         state.rewards.append(out.reward)
+        self.turn_rewards.env(state, turn, out.reward)
         infos.update(env_steps=len(state.rewards), rewards=list(state.rewards), reward=float(sum(state.rewards)),
                      env_info=out.info)
         if out.terminated:
@@ -328,6 +334,7 @@ class YamlScheduler(Scheduler):
             trace_info['env_observation'] = text[:200]
         else:
             results = await self._run_calls(state, infer_request, current_turn)
+            self.turn_rewards.tools(state, current_turn, results)
             trace_info['calls'] = [r.to_info() for r in results]
             # what a replay needs beside it: each call's arguments and its whole result text
             trace_info['tool_io'] = [tool_io(r) for r in results]
@@ -340,7 +347,8 @@ class YamlScheduler(Scheduler):
         counters = state.counters() if self.tools else (
             {'tips_given': dict(state.tips_given)} if state.tips_given else {})
         trace_info.update(counters)
-        result: Dict[str, Any] = {'infer_request': infer_request, 'rollout_infos': counters, 'trace_info': trace_info}
+        infos = {**counters, **self.turn_rewards.infos(state)}
+        result: Dict[str, Any] = {'infer_request': infer_request, 'rollout_infos': infos, 'trace_info': trace_info}
         if model_ids is not None:
             result.update(token_accounting(self.tokenizer, infer_request, current_turn, model_ids, logprobs,
                                            inline_text))

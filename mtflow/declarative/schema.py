@@ -57,6 +57,12 @@ def _check_regex(value: Optional[str]) -> Optional[str]:
     return value
 
 
+class ToolReward(_Strict):
+    """A per-turn reward for this tool's calls (``rollout_infos['turn_rewards']``, source ``tools``)."""
+    ok: float = Field(0.0, description='Added for each call of the tool that succeeded.')
+    error: float = Field(0.0, description='Added for each call that failed (bad arguments, exception, timeout).')
+
+
 class ToolConfig(_Strict):
     """One tool the model may call."""
     name: str = Field(description='The name the model uses to call the tool.', min_length=1)
@@ -80,6 +86,9 @@ class ToolConfig(_Strict):
         None, ge=1, description='Longest observation kept: tokens when the scheduler has a tokenizer, else characters.')
     truncate_side: Literal['right', 'left'] = Field(
         'right', description="Which end of a long observation is cut: 'right' keeps the beginning, 'left' the end.")
+    reward: Optional[ToolReward] = Field(
+        None, description="A per-turn reward for the turn's calls of this tool: {ok: 0.1, error: -0.1}; recorded "
+        "in rollout_infos['turn_rewards'] with the turn's token span (docs/streaming.md).")
 
     @field_validator('impl')
     @classmethod
@@ -317,6 +326,9 @@ class SchedulerConfig(_Strict):
     reward: Optional[str] = Field(
         None, description="'module:function'(infer_request, rollout_infos) -> float, called when the request "
         "stops; stored as rollout_infos['reward'].")
+    turn_reward: Optional[str] = Field(
+        None, description="'module:function'(infer_request, completion, rollout_infos, turn) -> float or None, "
+        "called at every turn's end; recorded in rollout_infos['turn_rewards'] with the turn's token span.")
     finish_policy: Dict[str, Union[Literal['keep', 'mask', 'drop'], PolicyAction]] = Field(
         default_factory=dict, description="What training sees, by finish reason: keys are finish reasons "
         "(length, max_turns, timeout, error, interrupted, stop_rule:<name>), 'stop_rule:*', 'tool_error:<kind>' "
@@ -340,7 +352,7 @@ class SchedulerConfig(_Strict):
     def _system_prompt(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None else check_template(v, FIELDS['system_prompt'])
 
-    @field_validator('reward', 'scheduler_class')
+    @field_validator('reward', 'turn_reward', 'scheduler_class')
     @classmethod
     def _refs(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
         return _check_ref(v, info)

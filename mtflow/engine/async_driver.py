@@ -62,6 +62,7 @@ from mtflow.engine.options import MODES
 from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunState
+from mtflow.engine.versions import PolicyClock, stamp
 
 __all__ = ['AsyncDriver', 'Until', 'UnfinishedRequest', 'MODES', 'resume_carried']
 
@@ -101,9 +102,16 @@ def resume_carried(run: RunState) -> Set[int]:
 class AsyncDriver(Driver):
     """One ``Executor.run`` in async mode: the shared handlers, driven per request."""
 
-    def __init__(self, run: RunState, until: Optional[Until] = None) -> None:
+    #: stamp every turn with its policy version even when none was set (streams do)
+    stamp_always = False
+
+    def __init__(self, run: RunState, until: Optional[Until] = None, clock: Optional[PolicyClock] = None) -> None:
         super().__init__(run)
         self.until = until
+        #: the weights' version (``mtflow.engine.versions``); each turn is stamped with the version
+        #: current when its generation was issued, when a version was set or the backend declares one
+        self.clock = clock
+        self.issued_version: Dict[int, int] = {}
         self.started = resume_carried(run)  # indexes whose on_trajectory_start already ran
         options = run.options
         self.max_concurrency = options.max_concurrency or max(1, len(run.records))
@@ -219,6 +227,9 @@ class AsyncDriver(Driver):
     # ---- issuing work --------------------------------------------------------------------------
     def generate(self, rec: RequestRecord, turn: int) -> None:
         self.records_before[rec.index] = getattr(rec.request, RECORD_ATTR, None)
+        clock, rollout_fn = self.clock, self.run.settings.rollout_fn
+        if clock is not None and (self.stamp_always or clock.active(rollout_fn)):
+            self.issued_version[rec.index] = clock.current(rollout_fn)
         self.launch('generate', rec, turn, self._rollout(rec, turn))
 
     def launch(self, kind: str, rec: RequestRecord, turn: int, coro: Any) -> None:
@@ -306,6 +317,7 @@ class AsyncDriver(Driver):
                 apply_moves(run, failed)
             else:
                 deliver(run, [rec], outcome.value, turn)
+                self.on_generated(rec, turn)
             if rec.state in WAITING_STATES:
                 apply_moves(run, handle_waiting(run, [rec], turn))
             if rec.state == TOOL_STEP:
@@ -321,6 +333,12 @@ class AsyncDriver(Driver):
                 self.generate(rec, turn + 1)
         if rec.state == FINISHED:
             self.release_finished(rec)
+
+    def on_generated(self, rec: RequestRecord, turn: int) -> None:
+        """A generation's output was delivered (before its turn is handled): stamp its version."""
+        version = self.issued_version.pop(rec.index, None)
+        if version is not None:
+            stamp(rec, version)
 
     def begin_step(self, rec: RequestRecord, turn: int) -> None:
         going, moves = begin_steps(self.run, [rec], turn)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from dataclasses import fields
-from typing import Any, List, Optional, Sequence
+from typing import Any, AsyncIterator, List, Optional, Sequence
 
 from mtflow.core.errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RolloutInterrupted)
 from mtflow.core.scheduler import HookSet
@@ -39,6 +39,8 @@ from mtflow.engine.options import DEFAULT_TURN_CAP, ExecutorOptions, OnError, On
 from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunSettings, RunState
+from mtflow.engine.stream import Stream, StreamGroup, aiter_stream, open_stream
+from mtflow.engine.versions import PolicyClock
 
 __all__ = ['Executor', 'RunResult', 'RankMismatchError', 'DuplicateUuidError', 'run_multi_turn', 'identity_gather',
            'DEFAULT_TURN_CAP']
@@ -171,6 +173,19 @@ class Executor:
             turn_bound=options.turn_bound(hooks.default_max_turns),
             context=resolve_context(context, rollout_fn, request_config))
         self.unbounded = options.unbounded(hooks.default_max_turns)
+        self.clock = PolicyClock()
+
+    def set_policy_version(self, version: int) -> None:
+        """Declare the version of the weights ``rollout_fn`` samples with from now on (any
+        thread; versions only go forward). Async runs and streams stamp every generated turn
+        with it (``rollout_infos['policy_versions']``); a running stream with ``max_staleness``
+        reacts at once (``docs/streaming.md``). A backend's own ``policy_version`` wins."""
+        self.clock.set(version)
+
+    @property
+    def policy_version(self) -> int:
+        """The current weights version (the backend's declared one, else the last set)."""
+        return self.clock.current(self.rollout_fn)
 
     def __getattr__(self, name: str) -> Any:
         """The options and the resolved settings read as attributes (``executor.rank``,
@@ -232,10 +247,31 @@ class Executor:
             budget = Until.coerce(until)
             if first_turn_outputs is not None and any(isinstance(r, UnfinishedRequest) for r in requests):
                 raise ValueError('first_turn_outputs cannot be given with unfinished requests to resume')
-            return AsyncDriver(RunState(self.settings, loop, requests, first_turn_outputs), budget)
+            return AsyncDriver(RunState(self.settings, loop, requests, first_turn_outputs), budget, self.clock)
         if until is not None or any(isinstance(r, UnfinishedRequest) for r in requests):
             raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
         return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs))
+
+    def stream(self, source: Any, *, max_concurrency: Optional[int] = None, buffer: Optional[int] = None,
+               until: Any = None, max_staleness: Optional[int] = None, stale: str = 'restart',
+               on_update: str = 'keep') -> Stream:
+        """Stream ``source`` (an iterable or async iterator of requests, or of lists of requests:
+        groups) through the async driver: ``max_concurrency`` requests in flight, each group
+        yielded as a :class:`mtflow.StreamGroup` the moment its last member finishes, at most
+        ``buffer`` finished groups waiting for the consumer (then admission stops), ``until`` a
+        budget (``{'requests'|'groups'|'seconds'|'tokens': n}``), ``max_staleness`` versions at
+        most between a group's oldest turn and the weights at delivery (``stale``: ``'restart'``
+        or ``'drop'`` a group that would be staler; ``on_update='abort'``: generations in flight
+        at an update are issued again under the new weights). ``docs/streaming.md``."""
+        return open_stream(self.settings, self.clock, close_loop, source, max_concurrency=max_concurrency,
+                           buffer=buffer, until=until, max_staleness=max_staleness, stale=stale, on_update=on_update)
+
+    async def astream(self, source: Any, **options: Any) -> AsyncIterator[StreamGroup]:
+        """:meth:`stream` from inside a running event loop: ``async for group in
+        executor.astream(source)``; the driver runs in its own thread, the caller's loop waits
+        for each group without blocking (options as :meth:`stream`)."""
+        async for group in aiter_stream(self.stream(source, **options)):
+            yield group
 
     async def arun(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None, *,
                    until: Any = None) -> RunResult:

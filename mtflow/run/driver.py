@@ -23,6 +23,7 @@ from mtflow.engine.executor import Executor
 from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
+from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 from mtflow.run.serving import annotate as annotate_serving
@@ -86,6 +87,8 @@ class StreamingRun:
         self.batches = 0
         self.wall_s = 0.0
         self.write_error: Optional[RunDirError] = None
+        #: a streamed run (``mtflow/run/streamed.py``) stopped by its ``until`` before the dataset's end
+        self.until_met = False
         self._indices: List[int] = []
         self._requests: List[Any] = []
         self._live: List[Any] = []
@@ -93,14 +96,20 @@ class StreamingRun:
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        record, events = finished_to_record(finished, index=self._indices[finished.index], t_offset=self._t_offset,
-                                            request=self._requests[finished.index], reference_key=self.reference_key)
+        self.write_finished(finished, self._indices[finished.index], self._requests[finished.index], self._t_offset)
+
+    def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None) -> None:
+        """Write one finished request (its dataset position ``index``, its input ``request``;
+        ``live``: the request as it finished, with the images its steps added; default: this
+        batch's copy, which the executor wrote back)."""
+        record, events = finished_to_record(finished, index=index, t_offset=t_offset, request=request,
+                                            reference_key=self.reference_key)
         if self.turn_log is not None:
             record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
         annotate_serving(self.counter.rollout_fn, record['uuid'], events)  # the backend's replicas
         self.finished += 1
         try:
-            store_request_images(self.store, self._live[finished.index], record)
+            store_request_images(self.store, live if live is not None else self._live[finished.index], record)
             if finished.finish_reason == INTERRUPTED:
                 self.store.write_interrupted(record, events)
             else:
@@ -121,12 +130,16 @@ class StreamingRun:
             self.on_progress(self.finished, f'turn {turn}, {live} live')
 
     # ---- the loop ------------------------------------------------------------------------------
-    def run(self, prompts: Iterable[Any]) -> Dict[str, Any]:
+    def run(self, prompts: Iterable[Any], stream: Optional[Tuple[Any, Any, int]] = None) -> Dict[str, Any]:
         """Roll out every prompt the store does not have yet; return this attempt's figures.
         A ``KeyboardInterrupt`` propagates (after the batch in flight was finished as
-        interrupted); so does a :class:`RunDirError` from writing."""
+        interrupted); so does a :class:`RunDirError` from writing. ``stream``:
+        ``(executor, until, max_concurrency)``: through the streaming producer instead of batches."""
         t0 = time.perf_counter()
         try:
+            if stream is not None:
+                run_streaming(self, stream[0], prompts, stream[1], stream[2])
+                return self.figures()
             batch: List[Tuple[int, Any]] = []
             for index, request in enumerate(prompts):
                 if self.store.is_done(request.uuid):
@@ -166,7 +179,9 @@ class StreamingRun:
             self.write_error = None
 
     def figures(self) -> Dict[str, Any]:
-        return {'rollout_fn_calls': self.rollout_fn_calls, 'wall_s': round(self.wall_s, 3), 'batches': self.batches,
+        extra = {'until_met': True} if self.until_met else {}
+        return {**extra, 'rollout_fn_calls': self.rollout_fn_calls, 'wall_s': round(self.wall_s, 3),
+                'batches': self.batches,
                 'skipped': self.skipped, 'finished': self.finished, 'flushes': self.store.flushes,
                 'write_s': round(self.store.fsync_s, 4)}
 
@@ -187,9 +202,7 @@ class _ExecutorFactory:
         cfg = self.cfg
         options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
                                        accounting=record_accounting(self.scheduler))
-        if cfg.context is not None:  # the backend counts the prompt tokens and knows its context length
-            options['context'] = cfg.context.budget(self.backend, str(cfg.base_dir) if cfg.base_dir else None,
-                                                    cfg.where('context'))
+        options.update(self._context())
         if cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
             return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, skip_empty_calls=True,
                             **options)
@@ -201,6 +214,27 @@ class _ExecutorFactory:
             self.closing.append(close)
         return Executor(self.scheduler, self.turn_log.wrap(async_fn), self.request_config, mode='async',
                         max_concurrency=cfg.max_concurrency, **options)
+
+    def _context(self) -> Dict[str, Any]:
+        """The run config's context budget as an Executor option (the backend counts the prompt
+        tokens and knows its context length), for batches and streams alike."""
+        cfg = self.cfg
+        if cfg.context is None:
+            return {}
+        return {'context': cfg.context.budget(self.backend, str(cfg.base_dir) if cfg.base_dir else None,
+                                              cfg.where('context'))}
+
+    def stream_executor(self) -> Executor:
+        """The executor of a streamed run (``mtflow/run/streamed.py``): the backend's async
+        ``rollout_fn`` when it has one, the requests written from the delivered groups."""
+        cfg = self.cfg
+        make = getattr(self.backend, 'async_rollout_fn', None)
+        fn = make() if callable(make) else self.backend
+        close = getattr(fn, 'close', None) if fn is not self.backend else None
+        if callable(close):
+            self.closing.append(close)
+        return Executor(self.scheduler, self.turn_log.wrap(fn), self.request_config, max_turns=cfg.max_turns or None,
+                        on_error='return', accounting=record_accounting(self.scheduler), **self._context())
 
     def close(self) -> None:
         for close in self.closing:
@@ -219,7 +253,8 @@ def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
 
 def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, total: int, show: Any,
              figures: Dict[str, Any], progress_interval_s: float = 10.0, tracker: Any = None,
-             on_request: Optional[Callable[[Dict[str, Any], List[Dict[str, Any]]], None]] = None) -> None:
+             on_request: Optional[Callable[[Dict[str, Any], List[Dict[str, Any]]], None]] = None,
+             until: Any = None) -> None:
     """Stream every prompt of ``cfg`` that ``store`` does not have through the executor, in this
     process; this attempt's figures go into ``figures``, also when a signal stops it. ``show``
     is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
@@ -236,7 +271,11 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
-        run.run(iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False))
+        prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
+        streamed = None
+        if cfg.mode == 'async' or until is not None:  # the streaming producer: no batch boundaries
+            streamed = (make_executor.stream_executor(), until, cfg.max_concurrency or cfg.batch_size)
+        run.run(prompts, streamed)
     finally:
         make_executor.close()
         progress.stop()

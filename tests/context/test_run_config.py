@@ -37,9 +37,10 @@ def _config(tmp_path, context: str, backend: str = 'scripted', model: str = 'scr
         ''') + extra + context)
 
 
-def test_context_block_compacts_through_mtflow_run(project, capsys):
+@pytest.mark.parametrize('mode', ['lockstep', 'async'])  # async mode streams (mtflow/run/streamed.py)
+def test_context_block_compacts_through_mtflow_run(project, capsys, mode):
     _config(project, 'context: {context_length: 1000, policy: drop_observations, keep_last_turns: 1, '
-            'count_tokens: words}\n')
+            'count_tokens: words}\n', extra=f'mode: {mode}\n')
     assert main(['run', 'run.yaml', '-q', '--no-progress']) == 0
     trajectories = read_trajectories(project / 'out' / 'trajectories.jsonl')
     assert sorted(t.finish_reason for t in trajectories.values()) == ['max_turns', 'max_turns']

@@ -1,0 +1,695 @@
+"""The streaming producer (``Executor.stream``): a source of requests in, finished groups out.
+
+A fully-async trainer wants rollouts that keep the engine busy while it trains, in constant
+memory, and with a bound on how stale the data is. :class:`StreamDriver` is the async driver
+(:mod:`mtflow.engine.async_driver`: the same handlers, moves and outputs, one request at a time)
+fed from an iterator instead of a list:
+
+* the source yields requests, or lists of requests (a GRPO group: its copies of one prompt); a
+  request alone is a group of one. Members are admitted while fewer than ``max_concurrency``
+  requests are in flight, a group is pulled from the source only when the queue is empty, and a
+  group is handed out the moment its last member finishes (:class:`StreamGroup`);
+* **backpressure**: at most ``buffer`` finished groups wait for the consumer; past that the
+  driver admits nothing new (what is in flight goes on);
+* **constant memory**: a record lives from its admission to its group's delivery; the trace is
+  kept per request (:attr:`StreamGroup.events`), never for the whole run;
+* **policy versions** (:mod:`mtflow.engine.versions`): every generated turn is stamped with the
+  version current when it was issued; each group carries its ``version_span`` (newest - oldest)
+  and ``age`` (the version at delivery - its oldest);
+* **bounded staleness** (``max_staleness=k``): a group whose oldest turn would be more than ``k``
+  versions behind at delivery is never delivered: ``stale='restart'`` runs it again from its
+  prompts, ``'drop'`` discards it. Such a group is interrupted as soon as an update makes it
+  stale (its generations in flight are cancelled), not when it finishes. ``on_update='abort'``
+  also cancels every generation in flight at an update and issues it again under the new weights
+  from the exact token record it had (AReaL's interruptible generation at turn granularity);
+  ``'keep'`` (default) lets it finish.
+
+The driver runs in its own thread (:class:`Stream`), so the engine keeps generating while the
+consumer trains; ``stream.close()`` (or leaving its ``with`` block, or the budget ``until``)
+stops it: the generations in flight are cancelled and their requests handed back in
+:attr:`Stream.unfinished`, exactly as a partial rollout hands them back.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import queue
+import threading
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, AsyncIterator, Deque, Dict, Iterable, Iterator, List, Optional, Union
+
+from collections import deque
+
+from mtflow.core.calls import OK, RAISED
+from mtflow.core.errors import RequestFailure
+from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, RequestRecord
+from mtflow.core.trace import TraceEvent
+from mtflow.engine.async_driver import AsyncDriver, _Stopped, _is_async_callable
+from mtflow.engine.handlers import start
+from mtflow.engine.moves import apply_moves, interrupt_all
+from mtflow.engine.partial import UnfinishedRequest
+from mtflow.engine.run_state import RunSettings, RunState, uuid_of
+from mtflow.engine.versions import PolicyClock, versions_of
+
+__all__ = ['Stream', 'StreamGroup', 'StreamUntil', 'StreamDriver', 'STALE_POLICIES', 'UPDATE_POLICIES', 'open_stream',
+           'DEFAULT_STREAM_CONCURRENCY']
+
+#: requests in flight when neither the stream nor the executor says (``max_concurrency``)
+DEFAULT_STREAM_CONCURRENCY = 64
+
+#: what happens to a group that would be delivered too stale
+STALE_POLICIES = ('restart', 'drop')
+#: what happens to the generations in flight when the weights change
+UPDATE_POLICIES = ('keep', 'abort')
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class StreamUntil:
+    """When a stream stops: after ``requests`` delivered requests, ``groups`` delivered groups,
+    ``seconds`` of streaming or ``tokens`` delivered completion tokens, whichever comes first."""
+    requests: Optional[int] = None
+    groups: Optional[int] = None
+    seconds: Optional[float] = None
+    tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        values = {k: getattr(self, k) for k in ('requests', 'groups', 'seconds', 'tokens')}
+        if all(v is None for v in values.values()):
+            raise ValueError('until needs one of requests=, groups=, seconds=, tokens=')
+        for key, value in values.items():
+            if value is None:
+                continue
+            number = (int, float) if key == 'seconds' else (int, )
+            if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
+                kind = 'a number' if key == 'seconds' else 'an int'
+                raise ValueError(f'until: {key} must be {kind} > 0, not {value!r}')
+
+    @classmethod
+    def coerce(cls, value: Any) -> Optional['StreamUntil']:
+        """``None``, a :class:`StreamUntil`, or a dict like ``{'groups': 8}``."""
+        if value is None or isinstance(value, StreamUntil):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {'requests', 'groups', 'seconds', 'tokens'}
+            if unknown:
+                raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use requests, groups, seconds, tokens')
+            return cls(**value)
+        raise TypeError(f'until must be None, a StreamUntil or a dict, not {type(value).__name__}')
+
+    def seconds_left(self, elapsed: float) -> Optional[float]:
+        return None if self.seconds is None else max(0.0, self.seconds - elapsed)
+
+    def met(self, requests: int, groups: int, tokens: int, elapsed: float) -> bool:
+        return ((self.requests is not None and requests >= self.requests)
+                or (self.groups is not None and groups >= self.groups)
+                or (self.tokens is not None and tokens >= self.tokens)
+                or (self.seconds is not None and elapsed >= self.seconds))
+
+
+@dataclass
+class StreamGroup:
+    """One delivered group (a request alone is a group of one), members in source order.
+
+    ``versions[k]`` are member ``k``'s per-turn policy versions; ``version_span`` is the newest
+    minus the oldest of all of them, ``age`` the version at delivery minus the oldest (``0`` when
+    nothing was generated); ``restarts``: how often staleness restarted it."""
+    seq: int
+    uuids: List[str]
+    outputs: List[Any]
+    finish_reasons: List[Optional[str]]
+    requests: List[Any]
+    events: List[List[TraceEvent]]
+    failures: List[RequestFailure]
+    versions: List[List[int]]
+    version: int
+    version_span: int
+    age: int
+    tokens: int
+    restarts: int = 0
+    #: fresh copies of the members' prompts (a group found stale when taken starts again from them)
+    prompts: List[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def output(self) -> Any:
+        """The output of a group of one."""
+        if len(self.outputs) != 1:
+            raise ValueError(f'group {self.seq} has {len(self.outputs)} outputs; read .outputs')
+        return self.outputs[0]
+
+
+@dataclass
+class _Group:
+    """A group in flight: its records, the prompts it restarts from, what is finished."""
+    seq: int
+    prompts: List[Any]
+    records: List[RequestRecord] = field(default_factory=list)
+    done: int = 0
+    tokens: int = 0
+    restarts: int = 0
+    doomed: bool = False  # too stale to deliver: being wound down
+
+
+class _NoEvents(list):
+    """The run-wide trace list of a stream: kept per request instead (constant memory)."""
+
+    def append(self, item: Any) -> None:  # noqa: D401 - a sink
+        pass
+
+
+def _fresh(request: Any) -> Any:
+    """A copy of a request before its first turn (messages are extended in place)."""
+    copier = getattr(request, 'model_copy', None)
+    return copier(deep=True) if callable(copier) else copy.deepcopy(request)
+
+
+class StreamDriver(AsyncDriver):
+    """The async driver over a source (see the module docstring); runs in :class:`Stream`'s thread."""
+    stamp_always = True
+
+    def __init__(self, run: RunState, source: Iterator[Any], clock: PolicyClock, *, max_concurrency: int,
+                 buffer: int, until: Optional[StreamUntil], max_staleness: Optional[int], stale: str,
+                 on_update: str, deliver: Any) -> None:
+        super().__init__(run, None, clock)
+        run.requests = {}  # not the caller's list: a step's next request is not written back anywhere
+        if run.recorder is not None:
+            run.recorder.raw = _NoEvents()
+        self.source = source
+        self.source_done = False
+        self.max_concurrency = max_concurrency
+        self.buffer = buffer
+        self.budget = until
+        self.max_staleness = max_staleness
+        self.stale_policy = stale
+        self.on_update = on_update
+        self.deliver_fn = deliver
+        self.groups: Dict[int, _Group] = {}  # record index -> its group
+        self.next_index = 0
+        self.next_seq = 0
+        self.delivered_groups = 0
+        self.delivered_requests = 0
+        self.delivered_tokens = 0
+        self.taken = 0  # groups the consumer took (written by the consumer's thread)
+        self.closing = False
+        self.interrupting = False
+        self.poked = False
+        self.seen_version = clock.current(run.settings.rollout_fn)
+        self.handed_out = 0  # groups put in the consumer's queue, ever
+        #: groups the consumer found too stale when it took them, to run again (its thread appends)
+        self.returned: Deque[StreamGroup] = deque()
+        self.unfinished: List[UnfinishedRequest] = []
+        self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
+                      'backpressure_waits': 0, 'max_active': 0}
+
+    # ---- other threads -----------------------------------------------------------------------
+    def poke(self) -> None:
+        """Wake the driver from another thread (a group taken, a new version, close)."""
+        self.poked = True
+        loop = self.run.loop
+        if self.wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self.wake.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def drive(self) -> None:  # type: ignore[override]
+        loop = self.run.loop
+        self.wake = asyncio.Event()
+        self.t_start = perf_counter()
+        try:
+            while True:
+                self.poked = False
+                self.readmit_returned()
+                self.check_version()
+                if self.over_budget():
+                    self.stop()
+                elif not self.stopping:
+                    self.fill_slots()
+                if not self.tasks and not self.completions:
+                    if self.stopping or (self.source_done and not self.queue and self.active == 0
+                                         and self.consumer_caught_up()):
+                        break
+                    self.stats['backpressure_waits'] += 1  # only the consumer can free a place now
+                self.waiter = loop.create_task(self.next_completions())
+                batch = loop.run_until_complete(self.waiter)
+                for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
+                    self.on_completion(kind, rec, turn, outcome)
+                    if self.over_budget():
+                        self.stop()
+        except BaseException:
+            self.cancel_all()
+            self.close_pools(wait=False)
+            raise
+        self.close_pools(wait=True)
+        self.restore_records()
+        if self.interrupting and self.unfinished:
+            self.deliver_interrupted()
+
+    def deliver_interrupted(self) -> None:
+        """An interrupt (:meth:`Stream.interrupt`): the requests handed back are finished with
+        reason ``interrupted`` (partial outputs, as an interrupted run finishes them) and handed
+        out as one last group, ``seq`` -1."""
+        run = self.run
+        records = [item.record for item in self.unfinished]
+        self.unfinished = []
+        run.records = records
+        interrupt_all(run)
+        run.records = []
+        self.handed_out += 1
+        self.deliver_fn(self.delivered(_Group(-1, [], records, len(records)), self.seen_version))
+
+    def consumer_caught_up(self) -> bool:
+        """With ``max_staleness``, a group is checked again when the consumer takes it (it may
+        come back to run again): the stream ends only once every group handed out was taken."""
+        return self.max_staleness is None or (self.taken >= self.handed_out and not self.returned)
+
+    def readmit_returned(self) -> None:
+        """Run again, from their prompts, the groups the consumer found too stale."""
+        while self.returned:
+            stale = self.returned.popleft()
+            if self.stopping:
+                continue
+            self.delivered_groups -= 1
+            self.delivered_requests -= len(stale.outputs)
+            self.delivered_tokens -= stale.tokens
+            self.stats['restarted_groups'] += 1
+            group = _Group(stale.seq, [_fresh(p) for p in stale.prompts], restarts=stale.restarts + 1)
+            self.admit(group, stale.prompts)
+
+    async def next_completions(self) -> list:
+        if not self.completions and not self.poked:
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.budget_left())
+            except asyncio.TimeoutError:
+                pass
+        batch = list(self.completions)
+        self.completions.clear()
+        return batch
+
+    # ---- admission ---------------------------------------------------------------------------
+    def backpressured(self) -> bool:
+        return self.delivered_groups - self.taken >= self.buffer
+
+    def fill_slots(self) -> None:
+        while self.active < self.max_concurrency:
+            if not self.queue and not self.pull():
+                break
+            super().fill_slots()
+        self.stats['max_active'] = max(self.stats['max_active'], self.active)
+
+    def pull(self) -> bool:
+        """Take the next group from the source and admit its members; ``False``: nothing to take
+        (the source is done, the consumer is behind, or the stream is stopping)."""
+        if self.source_done or self.stopping or self.backpressured():
+            return False
+        try:
+            item = next(self.source)
+        except StopIteration:
+            self.source_done = True
+            return False
+        members = list(item) if isinstance(item, (list, tuple)) else [item]
+        if not members:
+            return True
+        group = _Group(self.next_seq, [_fresh(m) for m in members])
+        self.next_seq += 1
+        self.admit(group, members)
+        return True
+
+    def admit(self, group: _Group, requests: List[Any]) -> None:
+        """``on_trajectory_start`` for the group's members and their place in the queue."""
+        run = self.run
+        records = []
+        for request in requests:
+            index = self.next_index
+            self.next_index += 1
+            rec = RequestRecord(index, uuid_of(request, index), request)
+            if run.recorder is not None:
+                rec.events = []
+            self.groups[index] = group
+            records.append(rec)
+        group.records = records
+        group.done = 0
+        group.tokens = 0
+        group.doomed = False
+        for mv in start(run, records):
+            if mv.trigger in (GENERATE, CONTINUE):
+                self.admission_moves[mv.record.index] = mv
+            else:
+                apply_moves(run, [mv])
+        self.started.update(r.index for r in records)
+        for rec in records:
+            if rec.state == FINISHED:  # on_trajectory_start failed: finished before it took a slot
+                self.active += 1
+                self.release_finished(rec)
+            else:
+                self.queue.append(rec)
+
+    # ---- versions and staleness ----------------------------------------------------------------
+    def check_version(self) -> None:
+        """A new version: with ``on_update='abort'``, cancel the generations in flight (issued
+        again under it); with ``max_staleness``, wind down every group it makes too stale."""
+        current = self.clock.current(self.run.settings.rollout_fn)
+        if current == self.seen_version or self.stopping:
+            return
+        self.seen_version = current
+        for index, task in list(self.tasks.items()):
+            if self.kinds.get(index) != 'generate':
+                continue
+            group = self.groups.get(index)
+            if self.on_update == 'abort' or (group is not None and self.too_stale(group)):
+                task.cancel()
+        if self.max_staleness is not None:
+            for group in {id(g): g for g in self.groups.values()}.values():
+                if not group.doomed and self.too_stale(group):
+                    group.doomed = True
+
+    def oldest(self, group: _Group) -> Optional[int]:
+        versions = [v for rec in group.records for v in versions_of(rec)]
+        return min(versions) if versions else None
+
+    def too_stale(self, group: _Group) -> bool:
+        if self.max_staleness is None:
+            return False
+        oldest = self.oldest(group)
+        return oldest is not None and self.seen_version - oldest > self.max_staleness
+
+    def generate(self, rec: RequestRecord, turn: int) -> None:
+        group = self.groups.get(rec.index)
+        if group is not None and (group.doomed or self.too_stale(group)):
+            group.doomed = True
+            self.wind_down(rec)  # no more work for a group that will not be delivered
+            return
+        super().generate(rec, turn)
+
+    def on_completion(self, kind: str, rec: Any, turn: int, outcome: Any) -> None:
+        stopped = kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, _Stopped)
+        if stopped and not self.stopping:  # cancelled by an update, not by the budget
+            group = self.groups.get(rec.index)
+            self.restore_record(rec)
+            if group is not None and (group.doomed or self.too_stale(group)):
+                group.doomed = True
+                self.wind_down(rec)
+            else:
+                self.stats['aborted_generations'] += 1
+                self.generate(rec, turn)  # again, from the exact record it had, under the new version
+            return
+        if kind == 'generate' and outcome.kind == OK:
+            group = self.groups.get(rec.index)
+            if group is not None:
+                group.tokens += _completion_tokens(outcome.value)
+        super().on_completion(kind, rec, turn, outcome)
+
+    def restore_record(self, rec: RequestRecord) -> None:
+        before = self.records_before.pop(rec.index, None)
+        self.dropped.append((rec, before))
+        self.restore_records()
+        self.dropped.clear()
+
+    def wind_down(self, rec: RequestRecord) -> None:
+        """A member of a doomed group stops where it is (its slot is free)."""
+        self.active -= 1
+        self.member_done(rec)
+
+    # ---- delivery ------------------------------------------------------------------------------
+    def release_finished(self, rec: RequestRecord) -> None:
+        super().release_finished(rec)
+        self.member_done(rec)
+
+    def hand_back(self, rec: RequestRecord) -> None:
+        super().hand_back(rec)
+        self.unfinished.append(UnfinishedRequest(rec, True))
+        self.groups.pop(rec.index, None)
+        self.kinds.pop(rec.index, None)
+
+    def member_done(self, rec: RequestRecord) -> None:
+        group = self.groups.get(rec.index)
+        if group is None:
+            return
+        group.done += 1
+        if group.done == len(group.records):
+            self.complete(group)
+
+    def forget(self, rec: RequestRecord) -> None:
+        """Drop what the driver keeps per record once it leaves (constant memory)."""
+        index = rec.index
+        self.groups.pop(index, None)
+        self.started.discard(index)
+        self.kinds.pop(index, None)
+        self.records_before.pop(index, None)
+        self.issued_version.pop(index, None)
+        self.admission_moves.pop(index, None)
+
+    def complete(self, group: _Group) -> None:
+        for rec in group.records:
+            self.forget(rec)
+        if group.doomed or self.too_stale(group):
+            if self.stale_policy == 'drop':
+                self.stats['dropped_groups'] += 1
+                return
+            self.stats['restarted_groups'] += 1
+            group.restarts += 1
+            prompts = group.prompts
+            group.prompts = [_fresh(p) for p in prompts]
+            self.admit(group, prompts)
+            return
+        delivered = self.delivered(group, self.seen_version)
+        self.handed_out += 1
+        self.delivered_groups += 1
+        self.delivered_requests += len(group.records)
+        self.delivered_tokens += group.tokens
+        self.deliver_fn(delivered)
+
+    def delivered(self, group: _Group, current: int) -> StreamGroup:
+        """The :class:`StreamGroup` of a finished group (its failures leave the run's list)."""
+        versions = [versions_of(rec) for rec in group.records]
+        flat = [v for vs in versions for v in vs]
+        rank = self.run.options.rank
+        events = [[TraceEvent(rec.uuid, i, rank, t, src, dst, trig, reason, tokens, dur, ts, extra)
+                   for (i, t, src, dst, trig, reason, tokens, dur, ts, extra) in (rec.events or [])]
+                  for rec in group.records]
+        uuids = {rec.uuid for rec in group.records}
+        failures = [f for f in self.run.failures if f.uuid in uuids]
+        if failures:
+            self.run.failures = [f for f in self.run.failures if f.uuid not in uuids]
+        return StreamGroup(
+            seq=group.seq, uuids=[r.uuid for r in group.records], outputs=[r.output for r in group.records],
+            finish_reasons=[r.reason for r in group.records], requests=[r.request for r in group.records],
+            events=events, failures=failures, versions=versions, version=current,
+            version_span=(max(flat) - min(flat)) if flat else 0, age=(current - min(flat)) if flat else 0,
+            tokens=group.tokens, restarts=group.restarts, prompts=group.prompts)
+
+    # ---- the budget ------------------------------------------------------------------------------
+    def budget_left(self) -> Optional[float]:
+        if self.budget is None or self.stopping:
+            return None
+        return self.budget.seconds_left(perf_counter() - self.t_start)
+
+    def over_budget(self) -> bool:
+        if self.stopping:
+            return True
+        if self.closing:
+            return True
+        return self.budget is not None and self.budget.met(self.delivered_requests, self.delivered_groups,
+                                                           self.delivered_tokens, perf_counter() - self.t_start)
+
+    def stop(self) -> None:
+        if self.stopping:
+            return
+        for rec in self.queue:  # admitted, never generated (no slot held): handed back as they are
+            self.unfinished.append(UnfinishedRequest(rec, True))
+            self.groups.pop(rec.index, None)
+        super().stop()
+
+
+def _completion_tokens(outputs: Any) -> int:
+    """Completion tokens of a one-request ``rollout_fn`` result (usage, else the choice's ids)."""
+    try:
+        output = outputs[0]
+        response = getattr(output, 'response', output)
+        usage = getattr(response, 'usage', None)
+        tokens = getattr(usage, 'completion_tokens', None)
+        if isinstance(tokens, int):
+            return tokens
+        ids = getattr(response.choices[0], 'token_ids', None)
+        return len(ids or [])
+    except Exception:  # an output the handlers will reject anyway
+        return 0
+
+
+class Stream:
+    """What :meth:`mtflow.Executor.stream` returns: an iterator of :class:`StreamGroup` (also a
+    context manager). The driver runs in a daemon thread on its own event loop; ``close()`` stops
+    it and hands back the requests in flight (:attr:`unfinished`); :attr:`stats` has its counts
+    (delivered, restarted and dropped groups, aborted generations, the most requests in flight)."""
+
+    def __init__(self, make_driver: Any, close_loop: Any, clock: PolicyClock) -> None:
+        self._out: 'queue.Queue[Any]' = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._loop = asyncio.new_event_loop()
+        self._close_loop = close_loop
+        self.driver: StreamDriver = make_driver(self._loop, self._out.put)
+        self._finished = False
+        self.dropped_when_taken = 0
+        self._unlisten = clock.listen(lambda _version: self.driver.poke())
+        self._thread = threading.Thread(target=self._main, name='mtflow-stream', daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.driver.drive()
+            self.driver.end_trajectory(None)
+        except BaseException as exc:  # handed to the consumer
+            self._error = exc
+        finally:
+            self._unlisten()
+            self._close_loop(self._loop)
+            self._out.put(_END)
+
+    def __iter__(self) -> 'Stream':
+        return self
+
+    def __next__(self) -> StreamGroup:
+        while True:
+            if self._finished:
+                raise StopIteration
+            item = self._out.get()
+            if item is _END:
+                self._finished = True
+                self._thread.join()
+                if self._error is not None:
+                    raise self._error
+                raise StopIteration
+            if self._fresh_enough(item):
+                self.driver.taken += 1
+                self.driver.poke()
+                return item
+            self.driver.taken += 1
+            self.driver.poke()
+
+    def _fresh_enough(self, group: StreamGroup) -> bool:
+        """The bound again when the consumer takes a group (the weights may have moved while it
+        waited in the buffer): its ``age`` and ``version`` are updated to now; a group now too
+        stale goes back to the driver (``restart``) or is dropped, and the next one is taken."""
+        driver = self.driver
+        flat = [v for vs in group.versions for v in vs]
+        if not flat or group.seq < 0:
+            return True
+        current = driver.clock.current(driver.run.settings.rollout_fn)
+        group.version, group.age = current, current - min(flat)
+        if driver.max_staleness is None or group.age <= driver.max_staleness:
+            return True
+        if driver.stale_policy == 'drop':
+            self.dropped_when_taken += 1
+        else:
+            driver.returned.append(group)
+        return False
+
+    def close(self) -> None:
+        """Stop: nothing new is admitted, generations in flight are cancelled, their requests
+        handed back (:attr:`unfinished`); groups already finished are discarded."""
+        if not self._finished:
+            self.driver.closing = True
+            self.driver.poke()
+            while next(self, None) is not None:
+                pass
+
+    def interrupt(self) -> List[StreamGroup]:
+        """Stop as :meth:`close` does, but finish the requests in flight with reason
+        ``interrupted`` (partial outputs, what ``mtflow run`` keeps in ``interrupted.jsonl``).
+        Returns what was not taken yet: the groups that finished, then (when anything was in
+        flight) one group of the interrupted requests, ``seq`` -1."""
+        if self._finished:
+            return []
+        self.driver.interrupting = True
+        self.driver.closing = True
+        self.driver.poke()
+        return list(self)
+
+    def __enter__(self) -> 'Stream':
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def unfinished(self) -> List[UnfinishedRequest]:
+        return self.driver.unfinished
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        d = self.driver
+        return {'rollout_fn_calls': d.run.rollout_calls, 'delivered_groups': d.delivered_groups,
+                'delivered_requests': d.delivered_requests,
+                'delivered_tokens': d.delivered_tokens, **d.stats,
+                'dropped_groups': d.stats['dropped_groups'] + self.dropped_when_taken}
+
+
+async def aiter_stream(stream: Stream) -> AsyncIterator[StreamGroup]:
+    """The async twin's iterator: each next group awaited in a worker thread."""
+    try:
+        while True:
+            item = await asyncio.to_thread(next, stream, None)
+            if item is None:
+                return
+            yield item
+    finally:
+        await asyncio.to_thread(stream.close)
+
+
+def iterate(source: Union[Iterable[Any], Any]) -> Iterator[Any]:
+    """An iterator over ``source``: an iterable, or an async iterator (pulled on a private loop
+    in the driver's thread, one item at a time)."""
+    if hasattr(source, '__anext__') or hasattr(source, '__aiter__'):
+        return _sync_of_async(source)
+    return iter(source)
+
+
+def _sync_of_async(source: Any) -> Iterator[Any]:
+    agen = source.__aiter__() if hasattr(source, '__aiter__') else source
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.close()
+
+
+def open_stream(settings: RunSettings, clock: PolicyClock, close_loop: Any, source: Any, *,
+                max_concurrency: Optional[int] = None, buffer: Optional[int] = None, until: Any = None,
+                max_staleness: Optional[int] = None, stale: str = 'restart', on_update: str = 'keep') -> Stream:
+    """:meth:`mtflow.Executor.stream`'s work: check the options, start the driver's thread."""
+    def positive(name: str, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f'stream: {name} must be None or an int >= 1, not {value!r}')
+
+    positive('max_concurrency', max_concurrency)
+    positive('buffer', buffer)
+    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                      or max_staleness < 0):
+        raise ValueError(f'stream: max_staleness must be None or an int >= 0, not {max_staleness!r}')
+    if stale not in STALE_POLICIES:
+        raise ValueError(f'stream: stale must be one of {STALE_POLICIES}, not {stale!r}')
+    if on_update not in UPDATE_POLICIES:
+        raise ValueError(f'stream: on_update must be one of {UPDATE_POLICIES}, not {on_update!r}')
+    if on_update == 'abort' and not _is_async_callable(settings.rollout_fn):
+        raise ValueError("stream: on_update='abort' needs an async rollout_fn (a generation in a thread cannot "
+                         'be cancelled; a backend\'s async_rollout_fn() is one)')
+    if settings.options.gather_fn is not None:
+        raise ValueError('stream: one rank per stream (no gather_fn): each rank streams its own source')
+    budget = StreamUntil.coerce(until)
+    concurrency = max_concurrency or settings.options.max_concurrency or DEFAULT_STREAM_CONCURRENCY
+    items = iterate(source)
+
+    def make(loop: asyncio.AbstractEventLoop, deliver: Any) -> StreamDriver:
+        return StreamDriver(RunState(settings, loop, []), items, clock, max_concurrency=concurrency,
+                            buffer=buffer or max(1, concurrency), until=budget, max_staleness=max_staleness,
+                            stale=stale, on_update=on_update, deliver=deliver)
+
+    return Stream(make, close_loop, clock)

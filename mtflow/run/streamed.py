@@ -1,0 +1,84 @@
+"""``mtflow run`` through the streaming producer (``--mode async``, or any run with ``--until``).
+
+The batch loop of :mod:`mtflow.run.driver` waits at every batch's end for its slowest request;
+here the prompts go to :meth:`mtflow.Executor.stream` instead: ``max_concurrency`` requests in
+flight all the time, a GRPO group (the ``num_generations`` copies of one prompt, next to each
+other in the source) written together the moment its last copy finishes, and only the groups in
+flight held in memory, whatever the dataset's size. Prompts the store already has are skipped
+(``--resume``); the budget ``--until`` (:mod:`mtflow.run.until`) stops after that many written
+groups, requests, seconds or tokens, and what was in flight is not written, so ``--resume`` runs
+it again from its prompts. A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM) finishes the requests in
+flight as ``interrupted`` (``interrupted.jsonl``) and goes on to the caller.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from mtflow.core.records import FinishedRequest
+from mtflow.engine.stream import StreamGroup, StreamUntil
+
+__all__ = ['group_source', 'run_streaming']
+
+
+def _group_key(request: Any) -> str:
+    data = getattr(request, 'data_dict', None) or {}
+    return str(data.get('group') or request.uuid)
+
+
+def group_source(prompts: Iterable[Any], store: Any, positions: Dict[str, Tuple[int, Any]],
+                 skipped: List[int]) -> Iterator[List[Any]]:
+    """The prompts as groups (consecutive requests of one ``group``), without the ones ``store``
+    has; each request's dataset position and input go into ``positions`` until it is written."""
+    group: List[Any] = []
+    key: Optional[str] = None
+    for index, request in enumerate(prompts):
+        if store.is_done(request.uuid):
+            skipped[0] += 1
+            continue
+        k = _group_key(request)
+        if group and k != key:
+            yield group
+            group = []
+        key = k
+        positions[str(request.uuid)] = (index, request)
+        group.append(request)
+    if group:
+        yield group
+
+
+def run_streaming(run: Any, executor: Any, prompts: Iterable[Any], until: Optional[StreamUntil],
+                  max_concurrency: int) -> None:
+    """Stream ``prompts`` through ``executor`` into ``run``'s store (``run``: the
+    :class:`mtflow.run.driver.StreamingRun` whose writer and figures are used)."""
+    positions: Dict[str, Tuple[int, Any]] = {}
+    skipped = [0]
+    t_offset = time.time() - run.store.started_unix
+    stream = executor.stream(group_source(prompts, run.store, positions, skipped), max_concurrency=max_concurrency,
+                             until=until)
+    run.batches += 1
+    try:
+        for group in stream:
+            _write(run, group, positions, t_offset)
+    except KeyboardInterrupt:
+        for group in stream.interrupt():
+            _write(run, group, positions, t_offset)
+        raise
+    finally:
+        run.skipped += skipped[0]
+        run.rollout_fn_calls += stream.stats['rollout_fn_calls']
+    run.until_met = bool(stream.unfinished) or (until is not None and not _source_done(stream))
+
+
+def _source_done(stream: Any) -> bool:
+    return bool(stream.driver.source_done)
+
+
+def _write(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], t_offset: float) -> None:
+    failures = {f.uuid: f for f in group.failures}
+    for k, uuid in enumerate(group.uuids):
+        index, request = positions.pop(uuid, (k, group.requests[k]))
+        finished = FinishedRequest(index, uuid, group.outputs[k], group.finish_reasons[k], failures.get(uuid),
+                                   group.events[k])
+        run.write_finished(finished, index, request, t_offset, live=group.requests[k])
+    run.store.tick()

@@ -1,0 +1,81 @@
+"""Policy versions: each generated turn carries the version of the weights that sampled it."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.longtail_sim import LongTailScheduler, SimEngine, Workload
+from mtflow import Executor, RolloutInferRequest, Scheduler
+
+
+class Bump(Scheduler):
+    """Every step is a weight update: the trainer moves to version ``turn``."""
+
+    def __init__(self, executor_box: list, max_turns: int = 3) -> None:
+        super().__init__(max_turns=max_turns)
+        self.box = executor_box
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= self.max_turns  # a reply cut at max_tokens goes on (the tiny model's are)
+
+    def step(self, infer_request, response_choice, current_turn):
+        self.box[0].set_policy_version(current_turn)
+        infer_request.messages.append({'role': 'user', 'content': f'go on {current_turn}'})
+        return {'infer_request': infer_request}
+
+
+def _requests(n: int):
+    return [RolloutInferRequest(messages=[{'role': 'user', 'content': f'count {i}'}], uuid=f'q{i}') for i in range(n)]
+
+
+def test_an_update_between_two_turns_is_in_the_requests_infos():
+    w = Workload(seed=0)
+    box: list = []
+    ex = Executor(Bump(box), SimEngine(w, 0.0001, 8), mode='async', max_concurrency=1)
+    box.append(ex)
+    ex.set_policy_version(0)  # the trainer declares its starting weights: turns are stamped from here
+    result = ex.run(_requests(1))
+    assert result.outputs[0].rollout_infos['policy_versions'] == [0, 1, 2]
+    assert ex.policy_version == 2
+
+
+def test_plain_runs_stamp_nothing():
+    w = Workload(seed=0)
+    out = Executor(LongTailScheduler(w), SimEngine(w, 0.0001, 8), mode='async').run(w.requests(3)).outputs
+    assert all('policy_versions' not in o.rollout_infos for o in out)
+
+
+def test_a_backend_declared_version_wins():
+    w = Workload(seed=0)
+    engine = SimEngine(w, 0.0001, 8)
+    engine.policy_version = 7
+    ex = Executor(LongTailScheduler(w), engine, mode='async')
+    ex.set_policy_version(1)
+    out = ex.run(w.requests(2)).outputs
+    assert all(set(o.rollout_infos['policy_versions']) == {7} for o in out)
+
+
+def test_versions_only_go_forward():
+    ex = Executor(Bump([]), SimEngine(Workload()), mode='async')
+    ex.set_policy_version(3)
+    with pytest.raises(ValueError, match='older than the current one'):
+        ex.set_policy_version(2)
+    with pytest.raises(ValueError, match='int >= 0'):
+        ex.set_policy_version(-1)
+
+
+def test_the_token_record_keeps_each_turns_version():
+    pytest.importorskip('transformers')
+    from mtflow.backends.hf import HFBackend
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    backend = HFBackend(make_model(tok, seed=1), tok, default_max_tokens=4)
+    box: list = []
+    ex = Executor(Bump(box), backend, {'max_tokens': 4, 'temperature': 0}, mode='async')
+    box.append(ex)
+    ex.set_policy_version(0)
+    reqs = _requests(2)
+    out = ex.run(reqs).outputs
+    for req, o in zip(reqs, out):
+        assert o.rollout_infos['policy_versions'] == [0, 1, 2]
+        assert [t.version for t in req.token_record.turns] == [0, 1, 2]
