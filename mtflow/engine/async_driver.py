@@ -294,8 +294,12 @@ class AsyncDriver(Driver):
             self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
         return timed_step(hooks, self.run.options.step_timeout_s, self.step_pool, rec, turn)
 
+    def has_news(self) -> bool:
+        """Something to handle without waiting: a completion (a subclass adds its own events)."""
+        return bool(self.completions)
+
     async def next_completions(self) -> List[Completion]:
-        if not self.completions:
+        if not self.has_news():
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), self.budget_left())

@@ -279,16 +279,8 @@ class StreamDriver(AsyncDriver):
             group = _Group(stale.seq, [_fresh(p) for p in stale.prompts], restarts=stale.restarts + 1)
             self.admit(group, stale.prompts)
 
-    async def next_completions(self) -> list:
-        if not self.completions and not self.poked:
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.budget_left())
-            except asyncio.TimeoutError:
-                pass
-        batch = list(self.completions)
-        self.completions.clear()
-        return batch
+    def has_news(self) -> bool:
+        return bool(self.completions) or self.poked  # poked: a weight update or a taken group
 
     # ---- admission ---------------------------------------------------------------------------
     def backpressured(self) -> bool:
