@@ -184,7 +184,7 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         counts[('reason', reason)] = n
     graph_svg = state_graph_svg(graph or _graph_for(trace), counts=counts, title='state graph')
     charts = _charts(summary)
-    problems = _problems_html(summary)
+    problems = _problems_html(summary) + _compactions_html(views)
     stats_html = _stats_html(summary)
     reasons_opts = ''.join(f'<option value="{escape(r)}">{escape(r)}</option>' for r in summary.finish_reasons)
     # '<' as \u003c: no '</script>' or '<!--' from a message can end the data block early
@@ -233,6 +233,26 @@ def _problems_html(summary: Any) -> str:
     if not parts:
         return ''
     return '<h2>Problems and slow steps</h2><div class="panels">' + ''.join(parts) + '</div>'
+
+
+def _compactions_html(views: Sequence[Any]) -> str:
+    """The requests whose context was compacted (docs/context.md): how often, after which turns,
+    by which policy, and the prompt tokens before and after each compaction; empty when none was."""
+    rows = []
+    for view in views:
+        done = [c for c in view.cells if c.compaction is not None]
+        if not done:
+            continue
+        policies = sorted({str(c.compaction.get('policy', '')) for c in done})
+        tokens = ', '.join(f"{c.compaction.get('prompt_tokens_before', '?')} → {c.compaction.get('prompt_tokens_after', '?')}"
+                           for c in done)
+        rows.append((view.uuid, len(done), ', '.join(str(c.turn) for c in done), ', '.join(policies), tokens))
+    if not rows:
+        return ''
+    return ('<h2>Context compactions</h2><div class="panels">'
+            + _table(f'Compacted requests ({len(rows)})', 'compactions',
+                     ('request', 'compactions', 'after turns', 'policy', 'prompt tokens before → after'), rows[:200])
+            + '</div>')
 
 
 def write_html(path: Union[str, Path], trace: Trace, **kwargs: Any) -> Path:

@@ -55,6 +55,24 @@ def test_context_block_compacts_through_mtflow_run(project, capsys, mode):
                                   'context_full': 0, 'length_total': 0}
 
 
+def test_the_html_page_lists_the_compacted_requests(project, capsys):
+    _config(project, 'context: {context_length: 1000, policy: drop_observations, keep_last_turns: 1, '
+            'count_tokens: words}\n')
+    assert main(['run', 'run.yaml', '-q', '--no-progress']) == 0
+    assert main(['trace', 'html', 'out/trace.jsonl', '-o', 'page.html']) == 0
+    page = (project / 'page.html').read_text()
+    assert 'Compacted requests (2)' in page and 'drop_observations' in page
+    events = Trace.read_jsonl(project / 'out' / 'trace.jsonl').events
+    for e in events:
+        if e.src == 'compacting':
+            c = e.extra['compaction']
+            assert f"{c['prompt_tokens_before']} → {c['prompt_tokens_after']}" in page
+    _config(project, 'context: {context_length: 100000, count_tokens: words}\n')  # nothing to compact
+    assert main(['run', 'run.yaml', '-q', '--no-progress', '--overwrite']) == 0
+    assert main(['trace', 'html', 'out/trace.jsonl', '-o', 'plain.html']) == 0
+    assert 'Compacted requests' not in (project / 'plain.html').read_text()
+
+
 def test_the_summary_counts_context_full(project, capsys):
     _config(project, 'context: {context_length: 1000, count_tokens: words}\n')
     assert main(['run', 'run.yaml', '--no-progress']) == 0
