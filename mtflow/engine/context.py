@@ -184,7 +184,11 @@ class ContextRun:
 
     def check(self, rec: RequestRecord) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """``(fits, counts)``: whether the next turn of ``rec`` may be sent, and what the trace
-        records (``None`` when it fits uncut)."""
+        records about it: the turn's tokens against the budget (``prompt_tokens`` when counted,
+        ``max_tokens``, ``context_length``, ``prompt_limit``, ``used_response_tokens`` and
+        ``total_response_tokens``, each when the budget has it; ``max_tokens_asked`` when
+        ``max_tokens`` was cut), on every turn, so that the viewer can show each turn against the
+        budget; a run without a budget never gets here."""
         resolved, budget = self.resolved, self.budget
         used = self._used(rec)
         asked = resolved.per_turn
@@ -207,11 +211,16 @@ class ContextRun:
                               context_length=resolved.context_length)
                 return False, counts
             counts['prompt_tokens'] = prompt
+            if limit is not None:
+                counts['prompt_limit'] = limit
         self.max_tokens[rec.index] = max_tokens
-        if max_tokens is not None and asked is not None and max_tokens < asked:
-            counts.update(max_tokens=max_tokens, max_tokens_asked=asked)
-            return True, counts
-        return True, None
+        if max_tokens is not None:
+            counts['max_tokens'] = max_tokens
+            if asked is not None and max_tokens < asked:
+                counts['max_tokens_asked'] = asked
+        if resolved.context_length is not None:
+            counts['context_length'] = resolved.context_length
+        return True, counts or None
 
     def view(self, rec: RequestRecord, turn: int) -> BudgetView:
         why = self.why.get(rec.index, {})
