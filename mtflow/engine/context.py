@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,11 @@ _GOING = (GENERATE, CONTINUE)
 class ContextError(RequestError):
     """A context budget that cannot work with this backend (larger than the model's context, no
     way to count prompt tokens, no per-turn ``max_tokens``), or a compaction that failed."""
+
+
+def _is_async(fn: Any) -> bool:
+    """Whether ``fn`` (a ``rollout_fn``) is a coroutine function, or an object whose ``__call__`` is."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None))
 
 
 def _max_tokens_of(request_config: Any) -> Optional[int]:
@@ -184,7 +190,11 @@ class ContextRun:
 
     def check(self, rec: RequestRecord) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """``(fits, counts)``: whether the next turn of ``rec`` may be sent, and what the trace
-        records (``None`` when it fits uncut)."""
+        records about it: the turn's tokens against the budget (``prompt_tokens`` when counted,
+        ``max_tokens``, ``context_length``, ``prompt_limit``, ``used_response_tokens`` and
+        ``total_response_tokens``, each when the budget has it; ``max_tokens_asked`` when
+        ``max_tokens`` was cut), on every turn, so that the viewer can show each turn against the
+        budget; a run without a budget never gets here."""
         resolved, budget = self.resolved, self.budget
         used = self._used(rec)
         asked = resolved.per_turn
@@ -207,11 +217,16 @@ class ContextRun:
                               context_length=resolved.context_length)
                 return False, counts
             counts['prompt_tokens'] = prompt
+            if limit is not None:
+                counts['prompt_limit'] = limit
         self.max_tokens[rec.index] = max_tokens
-        if max_tokens is not None and asked is not None and max_tokens < asked:
-            counts.update(max_tokens=max_tokens, max_tokens_asked=asked)
-            return True, counts
-        return True, None
+        if max_tokens is not None:
+            counts['max_tokens'] = max_tokens
+            if asked is not None and max_tokens < asked:
+                counts['max_tokens_asked'] = asked
+        if resolved.context_length is not None:
+            counts['context_length'] = resolved.context_length
+        return True, counts or None
 
     def view(self, rec: RequestRecord, turn: int) -> BudgetView:
         why = self.why.get(rec.index, {})
@@ -246,11 +261,16 @@ class ContextRun:
             apply_moves(run, model_failure_moves(records, turn, outcome))
             return None
         by_index: Dict[int, Any] = {}
-        for group in groups.values():
-            run.rollout_calls += 1
-            outcome = run.caller.one(settings.rollout_fn, ([r.request for r in group],
-                                                           self.config_for(group[0], settings.request_config)),
-                                     run.options.rollout_timeout_s)
+        calls = [([r.request for r in group], self.config_for(group[0], settings.request_config))
+                 for group in groups.values()]
+        run.rollout_calls += len(calls)
+        if _is_async(settings.rollout_fn):  # the calls of one turn run at once, as one call would have
+            t0 = perf_counter()
+            outcomes = run.caller.run_awaitables([settings.rollout_fn(*a) for a in calls], t0,
+                                                 run.options.rollout_timeout_s)
+        else:  # a sync backend (HF) is not safe to call from several threads: one call after the other
+            outcomes = [run.caller.one(settings.rollout_fn, a, run.options.rollout_timeout_s) for a in calls]
+        for group, outcome in zip(groups.values(), outcomes):
             if outcome.kind == RAISED or outcome.kind == TIMED_OUT:
                 apply_moves(run, model_failure_moves(group, turn, outcome))
                 continue

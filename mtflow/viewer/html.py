@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from mtflow.core.machine import FINISH_REASONS, FINISHED, StateGraph, reason_kind
 from mtflow.core.trace import Trace
 from mtflow.run.trajectories import Trajectory
+from mtflow.viewer.budget import response_text, sent_text, turn_budgets
 from mtflow.viewer.images import image_refs, per_message, thumbnails
 from mtflow.viewer.model import RequestView, request_views, state_spans, summarize, trace_t0, turn_windows
 from mtflow.viewer.results import (RESULTS_CSS, RESULTS_HTML, RESULTS_SCRIPT, header_run_html, plots_html,
@@ -184,7 +185,7 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         counts[('reason', reason)] = n
     graph_svg = state_graph_svg(graph or _graph_for(trace), counts=counts, title='state graph')
     charts = _charts(summary)
-    problems = _problems_html(summary) + _compactions_html(views)
+    problems = _problems_html(summary) + _compactions_html(views) + _budget_html(views)
     stats_html = _stats_html(summary)
     reasons_opts = ''.join(f'<option value="{escape(r)}">{escape(r)}</option>' for r in summary.finish_reasons)
     # '<' as \u003c: no '</script>' or '<!--' from a message can end the data block early
@@ -252,6 +253,30 @@ def _compactions_html(views: Sequence[Any]) -> str:
     return ('<h2>Context compactions</h2><div class="panels">'
             + _table(f'Compacted requests ({len(rows)})', 'compactions',
                      ('request', 'compactions', 'after turns', 'policy', 'prompt tokens before → after'), rows[:200])
+            + '</div>')
+
+
+def _budget_html(views: Sequence[Any]) -> str:
+    """Each request's turns against the context budget (docs/context.md): its fullest turn's
+    prompt tokens plus ``max_tokens`` against the context, the turns whose ``max_tokens`` was cut,
+    and the sum of every turn; empty when the run had no budget."""
+    rows = []
+    for view in views:
+        turns = turn_budgets(view)
+        if not turns:
+            continue
+        fullest = max(turns, key=lambda b: -1 if b.sent is None else b.sent)
+        cut = ', '.join(str(b.turn) for b in turns if b.asked is not None) or '-'
+        per_turn = ', '.join('?' if b.sent is None else str(b.sent) for b in turns)
+        last = turns[-1]
+        rows.append((view.uuid, fullest.turn, sent_text(fullest), cut, per_turn,
+                     response_text(last.used, last.total) or '-'))
+    if not rows:
+        return ''
+    return ('<h2>Tokens against the context budget</h2><div class="panels">'
+            + _table(f'Requests under a budget ({len(rows)})', 'budget',
+                     ('request', 'fullest turn', 'prompt + max_tokens / context', 'max_tokens cut at turns',
+                      'prompt + max_tokens per turn', 'response budget before the last turn'), rows[:200])
             + '</div>')
 
 

@@ -47,6 +47,9 @@ class TurnCell:
     error: Optional[Dict[str, Any]] = None  # the failure (type, message, phase) when it failed here
     #: the context was compacted after this turn (``compacting`` -> ``generating``): what it recorded
     compaction: Optional[Dict[str, Any]] = None
+    #: a run with a context budget: this turn's tokens against it, as the event that sent the turn
+    #: recorded them (``extra['context']``: ``prompt_tokens``, ``max_tokens``, ``context_length``, ...)
+    budget: Optional[Dict[str, Any]] = None
 
     def marks(self) -> str:
         """The cell as text: ``G``/``C`` waited, ``T`` stepped (``T!`` with tool errors), ``K``
@@ -264,6 +267,12 @@ def _tool_info(extra: Optional[Dict[str, Any]]) -> tuple:
     return names, list(dict.fromkeys(errors))
 
 
+def _budget_of(e: TraceEvent) -> Optional[Dict[str, Any]]:
+    """The context-budget counts a turn was sent with (``docs/context.md``), when the run had a budget."""
+    counts = e.extra.get('context') if e.extra else None
+    return dict(counts) if isinstance(counts, dict) else None
+
+
 def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     cells: Dict[int, TurnCell] = {}
 
@@ -286,16 +295,20 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
                 step.tool_calls, step.tool_errors = _tool_info(e.extra)
         elif e.src == COMPACTING and e.dst in WAITING_STATES:
             cell(e.turn).compaction = dict((e.extra or {}).get('compaction') or {})
-            cell(e.turn + 1 if compact_from == TOOL_STEP else e.turn).wait = e.dst
+            opened = cell(e.turn + 1 if compact_from == TOOL_STEP else e.turn)
+            opened.wait = e.dst
+            opened.budget = _budget_of(e)
         elif e.dst in WAITING_STATES:
             if e.src == TOOL_STEP:
                 step = cell(e.turn)
                 step.step_s = e.duration_s
                 step.step_extra = e.extra
                 step.tool_calls, step.tool_errors = _tool_info(e.extra)
-                cell(e.turn + 1).wait = e.dst
+                opened = cell(e.turn + 1)
             else:
-                cell(e.turn).wait = e.dst
+                opened = cell(e.turn)
+            opened.wait = e.dst
+            opened.budget = _budget_of(e)
         elif e.dst == TOOL_STEP:
             c = cell(e.turn)
             c.stepped = True

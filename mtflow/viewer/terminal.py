@@ -18,6 +18,7 @@ from rich.text import Text
 from mtflow.core.machine import CONTEXT_FULL, CONTINUING, FINISH_REASONS, GENERATING, LENGTH_TOTAL, TOOL_STEP, reason_kind
 from mtflow.core.trace import Trace
 from mtflow.run.trajectories import Trajectory
+from mtflow.viewer.budget import budget_per_turn, has_budget, response_text, sent_text, turn_budgets
 from mtflow.viewer.images import image_refs, per_message
 from mtflow.viewer.model import (COMPACTED_MARK, ERROR_MARK, OK_MARK, TOOL_ERROR_MARK, RequestView, Summary, request_views,
                                  summarize)
@@ -148,9 +149,10 @@ def _context_counts(s: Summary) -> str:
     return ''.join(f', {p}' for p in parts)
 
 
-def summary_renderable(s: Summary) -> RenderableType:
+def summary_renderable(s: Summary, views: Sequence[RequestView] = ()) -> RenderableType:
     """The batch summary: counts, live requests per turn, turns per request, finish reasons,
-    tool errors, request errors and the slowest steps."""
+    tool errors, request errors and the slowest steps; with ``views`` of a run that had a context
+    budget, also each turn's tokens against it (:func:`budget_table`)."""
     parts: List[RenderableType] = [Text.assemble(('summary: ', 'bold'), summary_line(s)[len('summary: '):])]
     if s.unfinished:
         parts.append(Text(f'unfinished (the trace ends before they finish): {", ".join(s.unfinished)}', 'magenta'))
@@ -174,6 +176,9 @@ def summary_renderable(s: Summary) -> RenderableType:
         parts.append(histogram('tool error kinds', 'kind', s.tool_error_kinds, {k: 'red' for k in s.tool_error_kinds}))
     if s.time_per_state:
         parts.append(time_per_state_table(s))
+    budget = budget_table(views)
+    if budget is not None:
+        parts.append(budget)
     if s.errors:
         table = Table(title='errors', title_justify='left', title_style='bold red', box=None, padding=(0, 2, 0, 0))
         for col in ('request', 'turn', 'phase', 'error'):
@@ -217,6 +222,48 @@ def time_per_state_table(s: Summary) -> Table:
     return table
 
 
+def budget_table(views: Sequence[RequestView]) -> Optional[Table]:
+    """Per turn, the batch against the context budget (``docs/context.md``): the fullest
+    request's prompt tokens plus the ``max_tokens`` sent, against the context length; how many
+    requests had their ``max_tokens`` cut; the least left of the total response budget.
+    ``None`` when the run had no budget (its summary is unchanged)."""
+    rows = budget_per_turn(views)
+    if not rows:
+        return None
+    totals = any(r.total is not None for r in rows)
+    table = Table(title='tokens against the context budget per turn', title_justify='left', title_style='bold',
+                  box=None, padding=(0, 2, 0, 0), pad_edge=False)
+    sent_col = 'prompt + max_tokens / context (the fullest request)'
+    for col in ('turn', 'requests', sent_col, 'request', 'cut') + (('response budget left (least)',) if totals else ()):
+        table.add_column(col, justify='left' if col in ('request', sent_col) else 'right', no_wrap=True)
+    for r in rows:
+        share = r.fullest.share
+        style = 'bold red' if share is not None and share > 0.9 else 'yellow' if share is not None and share > 0.75 else ''
+        row: List[Any] = [str(r.turn), str(r.requests), Text(sent_text(r.fullest), style), safe_text(r.fullest_uuid),
+                          str(r.cut)]
+        if totals:
+            row.append('' if r.least_left is None else f'{r.least_left} / {r.total}')
+        table.add_row(*row)
+    return table
+
+
+def request_budget_table(view: RequestView) -> Optional[Table]:
+    """One request's turns against the context budget: prompt tokens, the ``max_tokens`` sent
+    (and what it was cut from), their sum against the context, and the total response budget
+    used and left before the turn. ``None`` when the run had no budget."""
+    turns = turn_budgets(view)
+    if not turns:
+        return None
+    totals = any(b.total is not None for b in turns)
+    table = Table(title='tokens against the context budget', title_justify='left', title_style='bold', box=None,
+                  padding=(0, 2, 0, 0), pad_edge=False)
+    for col in ('turn', 'prompt + max_tokens / context') + (('response budget before the turn',) if totals else ()):
+        table.add_column(col, justify='right' if col == 'turn' else 'left', no_wrap=True)
+    for b in turns:
+        table.add_row(str(b.turn), sent_text(b), *((response_text(b.used, b.total),) if totals else ()))
+    return table
+
+
 def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = None, legend: bool = True,
                      results: Optional[Dict[str, Tuple[Optional[float], Optional[str]]]] = None) -> RenderableType:
     parts: List[RenderableType] = [timeline_table(views, results)]
@@ -224,7 +271,7 @@ def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = 
         compacted = any(v.compactions for v in views)
         parts.append(Text(LEGEND + (f'  {COMPACTED_MARK} compacted' if compacted else ''), 'dim'))
     if summary is not None:
-        parts += [Text(''), summary_renderable(summary)]
+        parts += [Text(''), summary_renderable(summary, views)]
     return Group(*parts)
 
 
@@ -232,7 +279,9 @@ def needed_width(views: Sequence[RequestView], results: Optional[Dict[str, Any]]
     turns = max((len(v.cells) for v in views), default=0)
     uuid = max((len(v.uuid) for v in views), default=7)
     extra = 10 + max((len(str(g[1])) for g in results.values()), default=5) + 2 if results else 0
-    return max(100, uuid + 5 + 6 + CELL * turns + 40 + extra)
+    # the budget table (runs with a context budget only): turn, requests, the figure, uuid, cut, left
+    budget = 16 + 58 + uuid + 7 + 31 if has_budget(views) else 0
+    return max(100, uuid + 5 + 6 + CELL * turns + 40 + extra, budget)
 
 
 def format_trace(trace: Trace, uuids: Optional[Sequence[str]] = None, *, summary: bool = True,
@@ -306,6 +355,9 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
         parts.append(Text.assemble(('path: ', 'bold'), safe_text(view.path)))
         parts.append(Text.assemble(('timeline: ', 'bold'), timeline_text(view)))
         parts.append(events_table(view))
+        budget = request_budget_table(view)
+        if budget is not None:
+            parts += [Text(''), budget]
     else:
         parts.append(Text('(no trace events for this request)', 'magenta'))
     if traj is None:

@@ -115,3 +115,43 @@ def test_no_budget_changes_nothing():
     plain, _ = _run(None, max_turns=3)
     assert plain.finish_reasons == ['max_turns', 'max_turns']
     assert not any(e.trigger == 'compact' for e in plain.trace.events)
+
+
+def test_async_calls_for_different_cuts_run_at_once_with_the_same_outputs():
+    """In one lockstep turn, requests whose ``max_tokens`` were cut to different values need one
+    call each; with an async ``rollout_fn`` those calls overlap (the turn costs one round trip),
+    with a sync one they run one after the other; the outputs are the same."""
+    import asyncio
+
+    script = [{'uuid': f'r{k}', 'content': ' '.join(['w'] * (20 + 3 * k)), 'token_ids': list(range(20 + 3 * k))}
+              for k in range(4) for _ in range(8)]
+    seen = {}
+    for kind in ('sync', 'async'):
+        backend = ScriptedBackend(outputs=script, honor_max_tokens=True)
+        calls, live, peak = [], [0], [0]
+
+        def sync_fn(reqs, config):
+            calls.append(config.max_tokens)
+            return backend(reqs, config)
+
+        async def async_fn(reqs, config):
+            calls.append(config.max_tokens)
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            await asyncio.sleep(0.01)
+            live[0] -= 1
+            return backend(reqs, config)
+
+        result = Executor(GrowingObservations(max_turns=6, words=1), sync_fn if kind == 'sync' else async_fn,
+                          RequestConfig(max_tokens=40), context=ContextBudget(total_response_tokens=100)).run(requests(4))
+        seen[kind] = ([(o.messages, o.response_token_ids) for o in result.outputs], result.finish_reasons,
+                      result.rollout_fn_calls, sorted(calls))
+        if kind == 'async':
+            # replies of 20, 23, 26, 29 tokens: turn 4 has 40, 31, 22, 13 left of 100 (four calls at once),
+            # turn 5 20 (r0) and 8 (r1; r2 and r3 used theirs up)
+            assert peak[0] == 4
+    assert seen['sync'] == seen['async']
+    assert result.finish_reasons == ['length_total'] * 4
+    # turns 1-3 and r0's turn 4 uncut, then the cuts, then the contract's empty call after the last turn
+    assert sorted(calls) == sorted([40] * 4 + [31, 22, 13] + [20, 8] + [40])
+    assert [o.rollout_infos['num_turns'] for o in result.outputs] == [5, 5, 4, 4]
