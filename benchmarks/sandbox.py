@@ -61,14 +61,14 @@ def sandbox_call(kind: str, pool: Optional[SandboxPool] = None) -> Callable[[], 
 def without_filter_and_cgroup() -> Iterator[None]:
     """The sandbox as it was before the seccomp filter, the fresh keyring and the cgroup per call
     (the comparison row ``bwrap, no filter/cgroup``): what those three cost on a cold call."""
-    saved = process.make_call_cgroup, process.build_command, seccomp.in_fresh_keyring
+    saved = process.make_call_cgroup, seccomp.install_code, seccomp.in_fresh_keyring
     process.make_call_cgroup = lambda *a, **k: None
-    process.build_command = lambda *a, seccomp_fd=None, **k: saved[1](*a, **k)
+    seccomp.install_code = lambda fd: ''  # the launcher installs no filter
     seccomp.in_fresh_keyring = lambda fn: fn()
     try:
         yield
     finally:
-        process.make_call_cgroup, process.build_command, seccomp.in_fresh_keyring = saved
+        process.make_call_cgroup, seccomp.install_code, seccomp.in_fresh_keyring = saved
 
 
 def pct(values: List[float], q: float) -> float:

@@ -7,8 +7,10 @@ surface, which fail with ``EPERM`` (``clone3`` with ``ENOSYS``, as Docker does, 
 library falls back to ``clone``, whose namespace flags a filter can see). Syscalls of a foreign
 ABI (``int 0x80``, x32) kill the process (libseccomp's default for a wrong architecture).
 
-bubblewrap installs it (``--seccomp FD``, on its PID 1 and so on everything the program starts);
-the unshare fallback's launcher installs the same program with ``prctl`` before it runs the code.
+The sandbox's launcher installs it with ``prctl`` (bwrap and unshare alike: after the sandbox's
+``/tmp`` is mounted, which the filter would deny, and before it runs the code). Where no cgroup
+counts the call's memory, :func:`filter_bpf` ``(bounded=False)`` also denies
+:data:`DENIED_UNBOUNDED`, the ways to hold memory no process maps.
 
 The keyring: kernel keyrings are not namespaced. A process inherits its parent's session
 keyring, and every process of a uid shares that uid's user keyring; the filter denies the three
@@ -26,7 +28,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Tuple, TypeVar
 
-__all__ = ['DENIED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd', 'in_fresh_keyring']
+__all__ = ['DENIED', 'DENIED_UNBOUNDED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd',
+           'in_fresh_keyring']
 
 T = TypeVar('T')
 
@@ -47,7 +50,18 @@ DENIED: Tuple[str, ...] = (
     'adjtimex', 'uselib', 'ustat', 'sysfs', '_sysctl', 'nfsservctl', 'lookup_dcookie', 'vhangup',
     # per-user kernel quotas shared with the driver's uid when rootless
     'inotify_init', 'inotify_init1', 'fanotify_init', 'fanotify_mark',
+    # secret memory (mlocked, outside the page cache): nothing a sandboxed program needs
+    'memfd_secret',
 )
+
+#: denied as well where no cgroup bounds the call (rootless, or a host that gives no cgroup): the
+#: ways to hold memory that no process maps, which ``RLIMIT_AS`` cannot see and nothing else bounds
+#: there: ``memfd_create`` (shared memory of any size, one ``max_file_mb`` per fd), and System V
+#: IPC, whose limits in a fresh IPC namespace are the kernel's defaults (shared memory segments
+#: that outlive their mapping, ``kernel.shmall`` about 2^64 bytes; 32000 message queues of 16 kB;
+#: 32000 semaphore sets of 32000). The program's own code reaches it through a memfd the driver
+#: made outside the sandbox, so nothing of the launcher needs them.
+DENIED_UNBOUNDED: Tuple[str, ...] = ('memfd_create', 'shmget', 'msgget', 'semget')
 
 #: clone flags that make namespaces (``CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID |
 #: NEWNET``, and ``CLONE_NEWTIME`` = 0x80)
@@ -59,13 +73,15 @@ class SeccompUnavailable(RuntimeError):
 
 
 @functools.lru_cache(maxsize=None)
-def filter_bpf() -> bytes:
-    """The filter as a BPF program (``struct sock_filter`` array), built once per process (the
-    build is deterministic, so a race on the first call costs a second build, nothing more)."""
-    return _build()
+def filter_bpf(bounded: bool = True) -> bytes:
+    """The filter as a BPF program (``struct sock_filter`` array), built once per process and
+    variant (the build is deterministic, so a race on the first call costs a second build, nothing
+    more). ``bounded=False`` (no cgroup counts the call's memory) also denies
+    :data:`DENIED_UNBOUNDED`."""
+    return _build(DENIED if bounded else DENIED + DENIED_UNBOUNDED)
 
 
-def _build() -> bytes:
+def _build(denied: Tuple[str, ...]) -> bytes:
     try:
         import pyseccomp as seccomp  # lazy: ctypes-loads libseccomp; only a sandbox start needs it
     except (ImportError, OSError) as exc:
@@ -75,7 +91,7 @@ def _build() -> bytes:
             raise SeccompUnavailable(f'no seccomp binding ({exc}): pip install pyseccomp (it needs libseccomp2, '
                                      'apt-get install libseccomp2)') from None
     f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-    for name in DENIED:
+    for name in denied:
         try:
             f.add_rule(seccomp.ERRNO(errno.EPERM), name)
         except (RuntimeError, ValueError, OSError):  # not a syscall on this architecture / kernel
@@ -108,10 +124,10 @@ def _bits(mask: int) -> list:
     return [1 << i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-def filter_fd() -> int:
-    """A fresh readable fd (a sealed memfd at offset 0) holding the filter, for ``bwrap --seccomp``
-    or the launcher; the caller closes it."""
-    data = filter_bpf()
+def filter_fd(bounded: bool = True) -> int:
+    """A fresh readable fd (a memfd at offset 0, made here, outside any sandbox) holding the
+    filter (:func:`filter_bpf`) for the launcher; the caller closes it."""
+    data = filter_bpf(bounded)
     fd = os.memfd_create('mtflow-seccomp', os.MFD_CLOEXEC | getattr(os, 'MFD_ALLOW_SEALING', 2))
     try:
         os.write(fd, data)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, namespace_init,
-                                    rootless, wait_uid_gone)
+                                    rootless, tmp_inodes, wait_uid_gone)
 from mtflow.tools import seccomp
 from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
 from mtflow.tools.sandbox.result import MEMORY_STATUS
@@ -24,7 +24,7 @@ __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
 #: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
 _LAUNCHER = r'''
 import os, resource, sys
-{install_filter}with os.fdopen({code_fd}, 'rb') as _f:
+{mount_tmp}{install_filter}with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
 if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
     os.open('/dev/null', os.O_RDONLY)
@@ -63,6 +63,34 @@ except BaseException as _e:  # show the traceback from main.py on, without this 
 '''
 
 
+#: rootless bwrap: the launcher mounts the sandbox's ``/tmp`` itself, because only a mount made
+#: here can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has ``--size`` but no ``nr_inodes``, and
+#: util-linux ``mount`` refuses a uid other than 0). bwrap leaves it ``CAP_SYS_ADMIN`` for this
+#: (``--cap-add``), but in the nested user namespace bwrap makes to switch to ``nobody``, which does
+#: not own bwrap's mount namespace: so the launcher first makes a mount namespace of its own (the
+#: mounts it inherits are locked: still read-only, not removable), mounts ``/tmp`` there, then
+#: drops every capability and checks they are gone, before the filter is installed and before the
+#: program is read.
+_MOUNT_TMP = r'''
+import ctypes as _c
+_libc = _c.CDLL(None, use_errno=True)
+if _libc.unshare(0x20000) != 0 or _libc.mount(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
+        b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
+    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _c.get_errno())
+    os._exit(126)
+os.chdir('/tmp')
+_libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+_hdr, _data = (_c.c_uint32 * 2)(0x20080522, 0), (_c.c_uint32 * 6)()  # _LINUX_CAPABILITY_VERSION_3, all zero
+_libc.capset(_hdr, _data)
+with open('/proc/self/status') as _f:
+    _caps = [_l.split()[1] for _l in _f if _l.startswith(('CapInh', 'CapPrm', 'CapEff', 'CapAmb'))]
+if len(_caps) != 4 or any(int(_x, 16) for _x in _caps):
+    os.write(2, b'mtflow launcher: could not drop the capabilities it mounted /tmp with\n')
+    os._exit(126)
+del _c, _libc, _hdr, _data, _f, _caps
+'''
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """Everything a sandbox is started with, before it knows its program (so a warm pool can
@@ -75,11 +103,14 @@ class SandboxSpec:
     tmp_mb: int = 64
     site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
 
-    def launcher(self, code_fd: int, filter_fd: Optional[int] = None) -> str:
+    def launcher(self, code_fd: int, filter_fd: Optional[int] = None, mount_tmp: bool = False) -> str:
         """The launcher's source; with ``filter_fd`` it installs the seccomp filter read from that
-        fd first (the unshare fallback, where no bwrap does)."""
+        fd first; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that."""
         install = '' if filter_fd is None else seccomp.install_code(filter_fd)
-        return _LAUNCHER.format(install_filter=install, site=repr(list(self.site_packages)), code_fd=code_fd,
+        mount = _MOUNT_TMP.format(tmp_bytes=self.tmp_mb * 1024 * 1024, tmp_inodes=tmp_inodes(self.tmp_mb)) \
+            if mount_tmp else ''
+        return _LAUNCHER.format(mount_tmp=mount, install_filter=install, site=repr(list(self.site_packages)),
+                                code_fd=code_fd,
                                 memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
                                 fsize=self.max_file_mb * 1024 * 1024,
                                 # rootless, PID 1 (sh) shares the program's uid and namespace: one more
@@ -111,13 +142,13 @@ class Sandbox:
         filter_fd = None
         try:
             if spec.kind != 'none':
-                filter_fd = high_fd(seccomp.filter_fd())
                 self.lease = None if rootless() else UidLease()
-                bwrap_fd = filter_fd if spec.kind == 'bwrap' else None
-                python_argv = self._python_argv(code_fd, None if bwrap_fd is not None else filter_fd)
-                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
-                                         seccomp_fd=bwrap_fd, site_packages=spec.site_packages)
                 self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes)
+                # no cgroup counts memory outside processes: the filter denies the ways to hold it
+                filter_fd = high_fd(seccomp.filter_fd(bounded=self.cgroup is not None))
+                python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=self.lease is None)
+                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
+                                         site_packages=spec.site_packages)
                 argv = join_argv(self.cgroup, self.cmd.argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
@@ -135,9 +166,9 @@ class Sandbox:
             if filter_fd is not None:
                 os.close(filter_fd)
 
-    def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int]) -> list:
+    def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int], mount_tmp: bool = False) -> list:
         return [current_interpreter().executable, '-I', '-S', '-u', '-c',
-                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd)]
+                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd, mount_tmp)]
 
     def usage(self) -> Dict[str, float]:
         """The call's peak memory (MB) and CPU time (s), from its cgroup (empty without one)."""
