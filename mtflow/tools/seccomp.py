@@ -25,11 +25,11 @@ import errno
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Tuple, TypeVar
 
 __all__ = ['DENIED', 'DENIED_UNBOUNDED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd',
-           'in_fresh_keyring']
+           'in_fresh_keyring', 'spawn']
 
 T = TypeVar('T')
 
@@ -155,12 +155,13 @@ def _keyctl() -> Optional[int]:
 
 
 def in_fresh_keyring(fn: Callable[[], T]) -> T:
-    """``fn()`` run on the sandbox spawner thread right after it joined a new anonymous session
+    """``fn()`` run on a sandbox spawner thread right after it joined a new anonymous session
     keyring: a child it starts inherits that keyring (credentials are per thread in Linux), and
-    the driver's other threads keep theirs. The thread lives as long as the process, because a
+    the driver's other threads keep theirs. The threads live as long as the process, because a
     parent-death signal (bwrap's ``--die-with-parent``, ``setpriv --pdeathsig``) fires when the
-    *thread* that started the child exits. Where keyrings are unavailable (``ENOSYS``, or denied
-    by an outer filter) ``fn`` runs all the same: the sandbox's filter denies the key syscalls."""
+    *thread* that started the child exits. Called on a spawner thread (inside :func:`spawn`), it
+    runs ``fn`` there. Where keyrings are unavailable (``ENOSYS``, or denied by an outer filter)
+    ``fn`` runs all the same: the sandbox's filter denies the key syscalls."""
     nr = _keyctl()
 
     def run() -> T:
@@ -168,19 +169,37 @@ def in_fresh_keyring(fn: Callable[[], T]) -> T:
             _libc().syscall(ctypes.c_long(nr), ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
         return fn()
 
+    if getattr(_on_spawner, 'yes', False):
+        return run()
     return _spawner().submit(run).result()
 
 
+def spawn(fn: Callable[[], T]) -> 'Future[T]':
+    """Run ``fn`` (which starts a sandbox: lease, cgroup, ``Popen`` through :func:`in_fresh_keyring`)
+    on one of the :data:`SPAWNERS` spawner threads, so that concurrent calls start their sandboxes
+    side by side instead of one after another on the event loop's thread."""
+    return _spawner().submit(fn)
+
+
+#: spawner threads: sandbox starts that may overlap (a start mostly waits: cgroup ``mkdir``, the
+#: ``fork``/``exec`` of the outer process)
+SPAWNERS = 4
+_on_spawner = threading.local()
 _spawn_pool: Optional[ThreadPoolExecutor] = None
 _spawn_lock = threading.Lock()
 _libc_handle: Optional[ctypes.CDLL] = None
+
+
+def _mark_spawner() -> None:
+    _on_spawner.yes = True
 
 
 def _spawner() -> ThreadPoolExecutor:
     global _spawn_pool
     with _spawn_lock:
         if _spawn_pool is None:
-            _spawn_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix='mtflow-sandbox-spawn')
+            _spawn_pool = ThreadPoolExecutor(max_workers=SPAWNERS, thread_name_prefix='mtflow-sandbox-spawn',
+                                             initializer=_mark_spawner)
         return _spawn_pool
 
 
@@ -193,25 +212,46 @@ def _libc() -> ctypes.CDLL:
 
 
 def install_code(fd: int) -> str:
-    """Python source (for the unshare launcher, where no bwrap installs the filter) that reads the
-    BPF program from ``fd`` and installs it with ``prctl(PR_SET_SECCOMP)`` before the program runs
-    (``no_new_privs`` is already set by setpriv)."""
+    """Python source for the sandbox's launcher that reads the BPF program from ``fd`` and installs
+    it with ``prctl(PR_SET_SECCOMP)`` before the program runs (``no_new_privs`` first, which setpriv
+    and bwrap have already set); it needs :data:`FFI_CODE` run before it."""
     return _INSTALL.format(fd=fd)
 
 
+#: the few libc calls the launcher makes (``prctl``; rootless also ``unshare``, ``mount``,
+#: ``capset``), through ``_ctypes`` itself: the ``ctypes`` package costs about 6 ms of CPU per
+#: sandbox to import (``types``, ``struct``, ``ctypes._endian`` and its own module), a sixth of a
+#: cold call's CPU. Arguments are ints and bytes (passed as ``char *``); the result is the C ``int``.
+FFI_CODE = r'''
+import _ctypes as _ct
+class _CInt(_ct._SimpleCData):
+    _type_ = 'i'
+class _CFn(_ct.CFuncPtr):
+    _flags_ = _ct.FUNCFLAG_CDECL | _ct.FUNCFLAG_USE_ERRNO
+    _restype_ = _CInt
+_libc_h = type('_Lib', (), {'_handle': _ct.dlopen(None)})()  # what CFuncPtr looks a symbol up in
+def _fn(name):
+    return _CFn((name, _libc_h))
+'''
+
+#: what :data:`FFI_CODE` defines, deleted by the launcher before the program runs
+FFI_NAMES = '_ct, _CInt, _CFn, _libc_h, _fn'
+
 _INSTALL = r'''
-import ctypes as _c
+import _struct
 with os.fdopen({fd}, 'rb') as _f:
     _prog = _f.read()
-class _FProg(_c.Structure):
-    _fields_ = [('len', _c.c_ushort), ('filter', _c.c_char_p)]
-_libc = _c.CDLL(None, use_errno=True)
-_libc.prctl.argtypes = [_c.c_int, _c.c_ulong, _c.c_void_p, _c.c_ulong, _c.c_ulong]
-_fp = _FProg(len(_prog) // 8, _prog)
-if _libc.prctl(38, 1, None, 0, 0) != 0 or _libc.prctl(22, 2, _c.addressof(_fp), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
+class _CChar(_ct._SimpleCData):
+    _type_ = 'c'
+class _Filter(_ct.Array):
+    _type_, _length_ = _CChar, len(_prog)
+_buf = _Filter.from_buffer_copy(_prog)
+_fprog = _struct.pack('HP', len(_prog) // 8, _ct.addressof(_buf))  # struct sock_fprog
+_prctl = _fn('prctl')
+if _prctl(38, 1, 0, 0, 0) != 0 or _prctl(22, 2, _fprog, 0, 0) != 0:  # NO_NEW_PRIVS; SECCOMP, MODE_FILTER
     os.write(2, b'mtflow launcher: could not install the seccomp filter\n')
     os._exit(126)
-del _c, _f, _prog, _FProg, _libc, _fp
+del _struct, _f, _prog, _CChar, _Filter, _buf, _fprog, _prctl
 '''
 
 

@@ -24,7 +24,7 @@ __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
 #: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
 _LAUNCHER = r'''
 import os, resource, sys
-{mount_tmp}{install_filter}with os.fdopen({code_fd}, 'rb') as _f:
+{ffi}{mount_tmp}{install_filter}with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
 if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
     os.open('/dev/null', os.O_RDONLY)
@@ -72,22 +72,19 @@ except BaseException as _e:  # show the traceback from main.py on, without this 
 #: drops every capability and checks they are gone, before the filter is installed and before the
 #: program is read.
 _MOUNT_TMP = r'''
-import ctypes as _c
-_libc = _c.CDLL(None, use_errno=True)
-if _libc.unshare(0x20000) != 0 or _libc.mount(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
+if _fn('unshare')(0x20000) != 0 or _fn('mount')(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
         b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
-    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _c.get_errno())
+    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _ct.get_errno())
     os._exit(126)
 os.chdir('/tmp')
-_libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
-_hdr, _data = (_c.c_uint32 * 2)(0x20080522, 0), (_c.c_uint32 * 6)()  # _LINUX_CAPABILITY_VERSION_3, all zero
-_libc.capset(_hdr, _data)
+_fn('prctl')(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+_fn('capset')((0x20080522).to_bytes(4, sys.byteorder) + bytes(4), bytes(24))  # version 3, pid 0; all zero
 with open('/proc/self/status') as _f:
     _caps = [_l.split()[1] for _l in _f if _l.startswith(('CapInh', 'CapPrm', 'CapEff', 'CapAmb'))]
 if len(_caps) != 4 or any(int(_x, 16) for _x in _caps):
     os.write(2, b'mtflow launcher: could not drop the capabilities it mounted /tmp with\n')
     os._exit(126)
-del _c, _libc, _hdr, _data, _f, _caps
+del _f, _caps
 '''
 
 
@@ -109,7 +106,10 @@ class SandboxSpec:
         install = '' if filter_fd is None else seccomp.install_code(filter_fd)
         mount = _MOUNT_TMP.format(tmp_bytes=self.tmp_mb * 1024 * 1024, tmp_inodes=tmp_inodes(self.tmp_mb)) \
             if mount_tmp else ''
-        return _LAUNCHER.format(mount_tmp=mount, install_filter=install, site=repr(list(self.site_packages)),
+        ffi = seccomp.FFI_CODE if install or mount else ''
+        if ffi:
+            install += f'del {seccomp.FFI_NAMES}\n'
+        return _LAUNCHER.format(ffi=ffi, mount_tmp=mount, install_filter=install, site=repr(list(self.site_packages)),
                                 code_fd=code_fd,
                                 memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
                                 fsize=self.max_file_mb * 1024 * 1024,
