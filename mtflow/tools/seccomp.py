@@ -60,8 +60,12 @@ DENIED: Tuple[str, ...] = (
 #: IPC, whose limits in a fresh IPC namespace are the kernel's defaults (shared memory segments
 #: that outlive their mapping, ``kernel.shmall`` about 2^64 bytes; 32000 message queues of 16 kB;
 #: 32000 semaphore sets of 32000). The program's own code reaches it through a memfd the driver
-#: made outside the sandbox, so nothing of the launcher needs them.
-DENIED_UNBOUNDED: Tuple[str, ...] = ('memfd_create', 'shmget', 'msgget', 'semget')
+#: made outside the sandbox, so nothing of the launcher needs them. And ``epoll``: its watches are
+#: kernel memory that only a cgroup counts, and their per-user quota (``fs.epoll.max_user_watches``)
+#: is the driver's own when rootless; one call of 64 processes with 64 fds each can register about
+#: 64 x 32 x 32 x 64 = 4M watches (an fd number and file per watch, the file kept open elsewhere).
+#: The launcher then hides ``select.epoll``, so ``selectors`` and ``asyncio`` use ``poll``.
+DENIED_UNBOUNDED: Tuple[str, ...] = ('memfd_create', 'shmget', 'msgget', 'semget', 'epoll_create', 'epoll_create1')
 
 #: clone flags that make namespaces (``CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID |
 #: NEWNET``, and ``CLONE_NEWTIME`` = 0x80)

@@ -81,6 +81,23 @@ FILE_FLOOD = textwrap.dedent('''
 ''')
 
 
+#: epoll: watches are kernel memory only a cgroup counts, with a per-user quota (the driver's, when
+#: rootless): without a cgroup epoll_create is denied, select.epoll hidden, and asyncio still works
+EPOLL = textwrap.dedent('''
+    import asyncio, ctypes, select, selectors
+    libc = ctypes.CDLL(None, use_errno=True)
+    print("epoll_create1", "ok" if libc.epoll_create1(0) >= 0 else "errno %d" % ctypes.get_errno())
+    print("select.epoll", hasattr(select, "epoll"), selectors.DefaultSelector.__name__)
+    async def main():
+        import socket
+        mine, theirs = socket.socketpair()
+        reader, _ = await asyncio.open_connection(sock=mine)
+        theirs.sendall(b"ping\\n")
+        print("asyncio", (await reader.readline()).decode().strip())
+    asyncio.run(main())
+''')
+
+
 def _stopped(output: str, what: str):
     lines = [line.split() for line in output.splitlines() if line.startswith(what + ' stopped')]
     return lines[-1][2:] if lines else None
@@ -92,6 +109,15 @@ def _check_unbounded_mode(output: str, growth: dict) -> None:
     assert _stopped(output, 'shm') == ['0', 'errno', str(errno.EPERM)], output
     assert f'msgget errno {errno.EPERM}' in output, output
     assert growth['Shmem'] < MEMORY_MB + SLACK_MB, growth
+
+
+def _check_epoll(output: str, bounded: bool) -> None:
+    if bounded:
+        assert output.splitlines()[:2] == ['epoll_create1 ok', 'select.epoll True EpollSelector'], output
+    else:
+        assert output.splitlines()[:2] == [f'epoll_create1 errno {errno.EPERM}', 'select.epoll False PollSelector'], \
+            output
+    assert 'asyncio ping' in output, output
 
 
 def _check_flood(output: str, growth: dict, tmp_mb: int) -> None:
@@ -133,6 +159,9 @@ def test_without_a_cgroup_memory_no_process_maps_is_denied_and_tmp_inodes_are_ca
     assert r.error_kind == '', r.output
     _check_flood(r.output, host.growth(), 64)
     assert_nothing_survives(r)
+    r = asyncio.run(run_python(EPOLL, isolation=kind, timeout_s=60))
+    assert r.error_kind == '', r.output
+    _check_epoll(r.output, bounded=False)
 
 
 @kinds
@@ -145,6 +174,9 @@ def test_with_a_cgroup_memfd_and_shm_stay_allowed(kind):
             'print("shmget", ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0)')
     r = asyncio.run(run_python(code, isolation=kind, timeout_s=30))
     assert (r.error_kind, r.output) == ('', 'shmget True\n')
+    r = asyncio.run(run_python(EPOLL, isolation=kind, timeout_s=60))
+    assert r.error_kind == '', r.output
+    _check_epoll(r.output, bounded=True)
 
 
 _ROOTLESS = textwrap.dedent('''
@@ -157,6 +189,9 @@ _ROOTLESS = textwrap.dedent('''
         print(r.output, flush=True)
     r = asyncio.run(run_python(sys.argv[4], isolation="bwrap", timeout_s=60))
     print("call pid1", repr(r.error_kind), " ".join(r.output.split()), flush=True)
+    r = asyncio.run(run_python(sys.argv[5], isolation="bwrap", timeout_s=60))
+    print("call epoll", repr(r.error_kind), flush=True)
+    print(r.output, flush=True)
 ''')
 
 #: PID 1 keeps the capability it mounted nothing with (the launcher did): the program, without
@@ -188,7 +223,7 @@ def test_rootless_memory_no_process_maps_is_denied_and_tmp_inodes_are_capped():
             pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
         with HostMemory() as host:
             proc = subprocess.run(['setpriv', f'--reuid={lease.uid}', f'--regid={lease.uid}', '--clear-groups', '--',
-                                   exe, '-c', _ROOTLESS, SHARED_HOG, FILE_FLOOD, str(MEMORY_MB), PID1], env=env,
+                                   exe, '-c', _ROOTLESS, SHARED_HOG, FILE_FLOOD, str(MEMORY_MB), PID1, EPOLL], env=env,
                                   capture_output=True, text=True, timeout=300, cwd='/')
         out = proc.stdout
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -197,6 +232,8 @@ def test_rootless_memory_no_process_maps_is_denied_and_tmp_inodes_are_capped():
         assert "call shared '' {}" in out and "call flood '' {}" in out, out  # no cgroup: no usage
         assert (f"call pid1 '' /proc/1/mem errno {errno.EACCES} /proc/1/environ errno {errno.EACCES} "
                 "['0000000000000000', '0000000000000000', '0000000000000000']") in out, out
+        assert "call epoll ''" in out, out
+        _check_epoll(out.split("call epoll ''\n")[1], bounded=False)
         shared, flood = out.split('call pid1')[0].split('call flood')
         _check_unbounded_mode(shared, host.growth())
         _check_flood(flood, host.growth(), 64)
