@@ -339,6 +339,37 @@ def tmp_inodes(tmp_mb: int) -> int:
     return max(1024, tmp_mb * 256)
 
 
+#: rootless bwrap: the launcher (``mtflow.tools.sandbox.process``) mounts the sandbox's ``/tmp``
+#: itself, because only a mount made there can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has
+#: ``--size`` but no ``nr_inodes``, and util-linux ``mount`` refuses a uid other than 0). bwrap leaves it ``CAP_SYS_ADMIN`` for this
+#: (``--cap-add``), but in the nested user namespace bwrap makes to switch to ``nobody``, which does
+#: not own bwrap's mount namespace: so the launcher first makes a mount namespace of its own (the
+#: mounts it inherits are locked: still read-only, not removable), mounts ``/tmp`` there, then
+#: drops every capability and checks they are gone, before the filter is installed and before the
+#: program is read. It needs :data:`mtflow.tools.seccomp.FFI_CODE` run before it.
+_MOUNT_TMP = r'''
+if _fn('unshare')(0x20000) != 0 or _fn('mount')(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
+        b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
+    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _ct.get_errno())
+    os._exit(126)
+os.chdir('/tmp')
+_fn('prctl')(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+_fn('capset')((0x20080522).to_bytes(4, sys.byteorder) + bytes(4), bytes(24))  # version 3, pid 0; all zero
+with open('/proc/self/status') as _f:
+    _caps = [_l.split()[1] for _l in _f if _l.startswith(('CapInh', 'CapPrm', 'CapEff', 'CapAmb'))]
+if len(_caps) != 4 or any(int(_x, 16) for _x in _caps):
+    os.write(2, b'mtflow launcher: could not drop the capabilities it mounted /tmp with\n')
+    os._exit(126)
+del _f, _caps
+'''
+
+
+def mount_tmp_code(tmp_mb: int) -> str:
+    """Python source (:data:`_MOUNT_TMP`) that mounts a rootless sandbox's ``/tmp`` (``tmp_mb``,
+    :func:`tmp_inodes`) and drops the capability it did so with."""
+    return _MOUNT_TMP.format(tmp_bytes=tmp_mb * 1024 * 1024, tmp_inodes=tmp_inodes(tmp_mb))
+
+
 #: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
 ROOTLESS_UID = 65534
 
@@ -500,7 +531,10 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     want_uid = lease.uid if lease is not None else ROOTLESS_UID
     cmd = None
     try:
-        python_argv = [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE]
+        # rootless, the probe mounts its /tmp as the launcher will (a kernel that forbids it refuses here)
+        code = _PROBE_CODE if lease is not None else \
+            'import os, sys\n' + seccomp.FFI_CODE + mount_tmp_code(1) + _PROBE_CODE
+        python_argv = [current_interpreter().executable, '-I', '-S', '-c', code]
         cmd = build_command(kind, lease.uid if lease is not None else None, 1, python_argv)
         proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, start_new_session=True)

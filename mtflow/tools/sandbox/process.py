@@ -12,8 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, namespace_init,
-                                    rootless, tmp_inodes, wait_uid_gone)
+from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, mount_tmp_code,
+                                    namespace_init, rootless, wait_uid_gone)
 from mtflow.tools import seccomp
 from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
 from mtflow.tools.sandbox.result import MEMORY_STATUS
@@ -63,31 +63,6 @@ except BaseException as _e:  # show the traceback from main.py on, without this 
 '''
 
 
-#: rootless bwrap: the launcher mounts the sandbox's ``/tmp`` itself, because only a mount made
-#: here can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has ``--size`` but no ``nr_inodes``, and
-#: util-linux ``mount`` refuses a uid other than 0). bwrap leaves it ``CAP_SYS_ADMIN`` for this
-#: (``--cap-add``), but in the nested user namespace bwrap makes to switch to ``nobody``, which does
-#: not own bwrap's mount namespace: so the launcher first makes a mount namespace of its own (the
-#: mounts it inherits are locked: still read-only, not removable), mounts ``/tmp`` there, then
-#: drops every capability and checks they are gone, before the filter is installed and before the
-#: program is read.
-_MOUNT_TMP = r'''
-if _fn('unshare')(0x20000) != 0 or _fn('mount')(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
-        b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
-    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _ct.get_errno())
-    os._exit(126)
-os.chdir('/tmp')
-_fn('prctl')(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
-_fn('capset')((0x20080522).to_bytes(4, sys.byteorder) + bytes(4), bytes(24))  # version 3, pid 0; all zero
-with open('/proc/self/status') as _f:
-    _caps = [_l.split()[1] for _l in _f if _l.startswith(('CapInh', 'CapPrm', 'CapEff', 'CapAmb'))]
-if len(_caps) != 4 or any(int(_x, 16) for _x in _caps):
-    os.write(2, b'mtflow launcher: could not drop the capabilities it mounted /tmp with\n')
-    os._exit(126)
-del _f, _caps
-'''
-
-
 @dataclass(frozen=True)
 class SandboxSpec:
     """Everything a sandbox is started with, before it knows its program (so a warm pool can
@@ -107,8 +82,7 @@ class SandboxSpec:
         ``bounded`` (no cgroup; the filter denies ``epoll_create``) it hides ``select.epoll``, so
         that ``selectors`` and ``asyncio`` fall back to ``poll``."""
         install = '' if filter_fd is None else seccomp.install_code(filter_fd)
-        mount = _MOUNT_TMP.format(tmp_bytes=self.tmp_mb * 1024 * 1024, tmp_inodes=tmp_inodes(self.tmp_mb)) \
-            if mount_tmp else ''
+        mount = mount_tmp_code(self.tmp_mb) if mount_tmp else ''
         ffi = seccomp.FFI_CODE if install or mount else ''
         if ffi:
             install += f'del {seccomp.FFI_NAMES}\n'
