@@ -341,12 +341,13 @@ def tmp_inodes(tmp_mb: int) -> int:
 
 #: rootless bwrap: the launcher (``mtflow.tools.sandbox.process``) mounts the sandbox's ``/tmp``
 #: itself, because only a mount made there can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has
-#: ``--size`` but no ``nr_inodes``, and util-linux ``mount`` refuses a uid other than 0). bwrap leaves it ``CAP_SYS_ADMIN`` for this
-#: (``--cap-add``), but in the nested user namespace bwrap makes to switch to ``nobody``, which does
-#: not own bwrap's mount namespace: so the launcher first makes a mount namespace of its own (the
-#: mounts it inherits are locked: still read-only, not removable), mounts ``/tmp`` there, then
-#: drops every capability and checks they are gone, before the filter is installed and before the
-#: program is read. It needs :data:`mtflow.tools.seccomp.FFI_CODE` run before it.
+#: ``--size`` but no ``nr_inodes``, and util-linux ``mount`` refuses a uid other than 0). bwrap
+#: leaves it ``CAP_SYS_ADMIN`` for this (``--cap-add``), but in the nested user namespace bwrap
+#: makes to switch to ``nobody``, which does not own bwrap's mount namespace: so the launcher first
+#: makes a mount namespace of its own (the mounts it inherits are locked: still read-only, not
+#: removable), mounts ``/tmp`` there, then drops every capability and checks they are gone, before
+#: the filter is installed and before the program is read. It needs
+#: :data:`mtflow.tools.seccomp.FFI_CODE` run before it.
 _MOUNT_TMP = r'''
 if _fn('unshare')(0x20000) != 0 or _fn('mount')(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
         b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
