@@ -67,6 +67,14 @@ DENIED: Tuple[str, ...] = (
 #: The launcher then hides ``select.epoll``, so ``selectors`` and ``asyncio`` use ``poll``.
 DENIED_UNBOUNDED: Tuple[str, ...] = ('memfd_create', 'shmget', 'msgget', 'semget', 'epoll_create', 'epoll_create1')
 
+#: denied by argument where no cgroup bounds the call: socket buffers are kernel memory too. A
+#: unix socket may queue twice ``net.core.wmem_max`` (8 MB on a host with 4 MB): 60 sockets of one
+#: process held 494 MB with ``memory_mb: 64``. So no raised buffer sizes (``SO_SNDBUF``,
+#: ``SO_RCVBUF`` and their ``FORCE`` forms), and no IP sockets (only the sandbox's own ``lo`` is
+#: there, and TCP grows its buffers by itself); unix sockets with the default buffers remain
+#: (``asyncio`` needs a socketpair).
+SOL_SOCKET, BUFFER_OPTIONS, IP_FAMILIES = 1, (7, 8, 32, 33), (2, 10)  # SO_SNDBUF, RCVBUF, ..FORCE; AF_INET(6)
+
 #: clone flags that make namespaces (``CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID |
 #: NEWNET``, and ``CLONE_NEWTIME`` = 0x80)
 NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
@@ -82,10 +90,10 @@ def filter_bpf(bounded: bool = True) -> bytes:
     variant (the build is deterministic, so a race on the first call costs a second build, nothing
     more). ``bounded=False`` (no cgroup counts the call's memory) also denies
     :data:`DENIED_UNBOUNDED`."""
-    return _build(DENIED if bounded else DENIED + DENIED_UNBOUNDED)
+    return _build(DENIED if bounded else DENIED + DENIED_UNBOUNDED, bounded)
 
 
-def _build(denied: Tuple[str, ...]) -> bytes:
+def _build(denied: Tuple[str, ...], bounded: bool = True) -> bytes:
     try:
         import pyseccomp as seccomp  # lazy: ctypes-loads libseccomp; only a sandbox start needs it
     except (ImportError, OSError) as exc:
@@ -106,6 +114,12 @@ def _build(denied: Tuple[str, ...]) -> bytes:
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), 'clone3')
     except (RuntimeError, ValueError, OSError):
         pass
+    if not bounded:
+        for option in BUFFER_OPTIONS:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), 'setsockopt', seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
+                       seccomp.Arg(2, seccomp.EQ, option))
+        for family in IP_FAMILIES:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), 'socket', seccomp.Arg(0, seccomp.EQ, family))
     r, w = os.pipe()
     try:
         with os.fdopen(w, 'wb') as out:

@@ -82,9 +82,31 @@ FILE_FLOOD = textwrap.dedent('''
 
 
 #: epoll: watches are kernel memory only a cgroup counts, with a per-user quota (the driver's, when
-#: rootless): without a cgroup epoll_create is denied, select.epoll hidden, and asyncio still works
+#: rootless): without a cgroup epoll_create is denied, select.epoll hidden, and asyncio still works.
+#: Socket buffers: without a cgroup no raised sizes and no IP sockets; 60 unix sockets filled with
+#: the default buffers (60 x 8 MB had they been raised to twice wmem_max)
 EPOLL = textwrap.dedent('''
-    import asyncio, ctypes, select, selectors
+    import asyncio, ctypes, select, selectors, socket
+    def attempt(name, fn):
+        try:
+            fn()
+            print(name, "ok")
+        except OSError as exc:
+            print(name, "errno", exc.errno)
+    attempt("SO_SNDBUF", lambda: socket.socketpair()[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30))
+    attempt("AF_INET", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    queued, pairs = 0, []
+    for _ in range(30):
+        pairs.append(socket.socketpair())
+        for s in pairs[-1]:
+            s.setblocking(False)
+            try:
+                while True:
+                    queued += s.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+    print("queued MB", queued >> 20)
+    del pairs
     libc = ctypes.CDLL(None, use_errno=True)
     print("epoll_create1", "ok" if libc.epoll_create1(0) >= 0 else "errno %d" % ctypes.get_errno())
     print("select.epoll", hasattr(select, "epoll"), selectors.DefaultSelector.__name__)
@@ -112,11 +134,17 @@ def _check_unbounded_mode(output: str, growth: dict) -> None:
 
 
 def _check_epoll(output: str, bounded: bool) -> None:
+    lines = output.splitlines()
+    queued = int(lines[2].split()[-1])
     if bounded:
-        assert output.splitlines()[:2] == ['epoll_create1 ok', 'select.epoll True EpollSelector'], output
+        assert lines[:2] == ['SO_SNDBUF ok', 'AF_INET ok'], output
+        assert lines[3:5] == ['epoll_create1 ok', 'select.epoll True EpollSelector'], output
     else:
-        assert output.splitlines()[:2] == [f'epoll_create1 errno {errno.EPERM}', 'select.epoll False PollSelector'], \
-            output
+        assert lines[:2] == [f'SO_SNDBUF errno {errno.EPERM}', f'AF_INET errno {errno.EPERM}'], output
+        assert lines[3:5] == [f'epoll_create1 errno {errno.EPERM}', 'select.epoll False PollSelector'], output
+        with open('/proc/sys/net/core/wmem_default', encoding='ascii') as f:
+            default = int(f.read())
+        assert queued <= (60 * 2 * default) >> 20, output  # the default buffers, not raised ones
     assert 'asyncio ping' in output, output
 
 
