@@ -153,7 +153,10 @@ def _check_flood(output: str, growth: dict, tmp_mb: int) -> None:
     stop = _stopped(output, 'flood')
     if stop is not None:
         assert int(stop[1]) == errno.ENOSPC and int(stop[0]) <= isolation.tmp_inodes(tmp_mb), output
-    assert growth['Slab'] < SLACK_MB and growth['SUnreclaim'] < SLACK_MB, growth
+    # (most of a flood's slab is unreclaimable, the tmpfs inodes: +12.7 of +15.7 MB for 16382 files;
+    # Slab as a whole also moves with the dentry caches of everything else on this shared machine,
+    # so the bound is on SUnreclaim)
+    assert growth['SUnreclaim'] < SLACK_MB, growth
 
 
 @kinds
