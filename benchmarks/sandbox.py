@@ -12,8 +12,10 @@ throughput of concurrent calls.
   started ahead, the call feeds it the program (each sandbox still runs one program only).
 
 Per-call latency is measured one call at a time (``--calls`` calls after a warm-up), p50 and p95;
-the overhead is the isolated figure minus the plain one. Throughput: ``--concurrency`` calls
-(default 64) started at once, wall time and calls/s. Figures on a loaded machine vary a lot; run it
+the overhead is the isolated figure minus the plain one; with the CPU time each call costs (this
+process and the processes it started). Throughput: ``--concurrency`` calls (default 64) started at
+once, wall time and calls/s, in ``--rounds`` rounds over the variants (the median is shown), so that
+each burst is measured beside the plain one at about the same load. Figures on a loaded machine vary a lot; run it
 twice and read them side by side with the baseline of the same run.
 
     .venv/bin/python benchmarks/sandbox.py
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import statistics
 import sys
 import time
@@ -61,14 +64,20 @@ def sandbox_call(kind: str, pool: Optional[SandboxPool] = None) -> Callable[[], 
 def without_filter_and_cgroup() -> Iterator[None]:
     """The sandbox as it was before the seccomp filter, the fresh keyring and the cgroup per call
     (the comparison row ``bwrap, no filter/cgroup``): what those three cost on a cold call."""
-    saved = process.make_call_cgroup, process.build_command, seccomp.in_fresh_keyring
+    saved = process.make_call_cgroup, seccomp.install_code, seccomp.in_fresh_keyring
     process.make_call_cgroup = lambda *a, **k: None
-    process.build_command = lambda *a, seccomp_fd=None, **k: saved[1](*a, **k)
+    seccomp.install_code = lambda fd: ''  # the launcher installs no filter
     seccomp.in_fresh_keyring = lambda fn: fn()
     try:
         yield
     finally:
-        process.make_call_cgroup, process.build_command, seccomp.in_fresh_keyring = saved
+        process.make_call_cgroup, seccomp.install_code, seccomp.in_fresh_keyring = saved
+
+
+def cpu_s() -> float:
+    """CPU time of this process and of every child it reaped (the sandboxes' whole trees)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def pct(values: List[float], q: float) -> float:
@@ -102,6 +111,7 @@ def main() -> None:
     ap.add_argument('--concurrency', type=int, default=64, help='calls started at once for the throughput figure')
     ap.add_argument('--kinds', nargs='+', default=['bwrap', 'unshare'], choices=['bwrap', 'unshare'])
     ap.add_argument('--pool', type=int, default=4, help='warm pool size for the "warm" variants (0: none)')
+    ap.add_argument('--rounds', type=int, default=3, help='bursts per variant, in rounds over the variants')
     ap.add_argument('--no-comparison', action='store_true',
                     help='leave out the "bwrap, no filter/cgroup" row (cold bwrap without the v2 hardening)')
     args = ap.parse_args()
@@ -123,27 +133,42 @@ def main() -> None:
             print(f'{kind}: unavailable here ({why})')
     rows = []
     base_p50 = base_p95 = None
+    cpu: Dict[str, float] = {}
     for name, call in variants.items():
         if name.endswith('warm'):
             time.sleep(1.0)  # the pool fills
         with without_filter_and_cgroup() if name == UNHARDENED else contextlib.nullcontext():
+            before = cpu_s()
             lat = asyncio.run(latencies(call, args.calls, 0.03 if name.endswith('warm') else 0.0))
-            wall = asyncio.run(burst(call, args.concurrency))
+            cpu[name] = (cpu_s() - before) / (args.calls + 3) * 1000
         p50, p95 = pct(lat, 0.5) * 1000, pct(lat, 0.95) * 1000
         if base_p50 is None:
             base_p50, base_p95 = p50, p95
-        rows.append((name, p50, p95, p50 - base_p50, p95 - base_p95, statistics.mean(lat) * 1000, wall,
-                     args.concurrency / wall))
+        rows.append([name, p50, p95, p50 - base_p50, p95 - base_p95, statistics.mean(lat) * 1000, cpu[name]])
+    # the bursts in rounds, every variant once per round, so that each is measured beside the
+    # baseline at the same load; the median of the rounds is shown
+    walls: Dict[str, List[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, call in variants.items():
+            if name.endswith('warm'):
+                time.sleep(1.0)  # the pool refills
+            with without_filter_and_cgroup() if name == UNHARDENED else contextlib.nullcontext():
+                walls[name].append(asyncio.run(burst(call, args.concurrency)))
     print(f'sandbox overhead: {args.calls} sequential calls of {PROGRAM!r}, then {args.concurrency} at once '
-          f'({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})')
+          f'({args.rounds} rounds; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})')
     head = f'{"variant":<24} {"p50 ms":>8} {"p95 ms":>8} {"+p50 ms":>8} {"+p95 ms":>8} {"mean ms":>8} ' \
-           f'{"burst s":>8} {"calls/s":>8}'
+           f'{"cpu ms":>7} {"burst s":>8} {"calls/s":>8} {"bursts s":>16}'
     print(head)
     print('-' * len(head))
-    for name, p50, p95, d50, d95, mean, wall, rate in rows:
-        print(f'{name:<24} {p50:8.1f} {p95:8.1f} {d50:8.1f} {d95:8.1f} {mean:8.1f} {wall:8.2f} {rate:8.1f}')
-    print('(warm: latency excludes the 30 ms pause before each call that lets the pool refill; the burst '
-          f'gets {args.pool} warm sandboxes and starts the rest itself)')
+    for name, p50, p95, d50, d95, mean, cpu_ms in rows:
+        wall = statistics.median(walls[name])
+        each = ' '.join(f'{w:.2f}' for w in walls[name])
+        print(f'{name:<24} {p50:8.1f} {p95:8.1f} {d50:8.1f} {d95:8.1f} {mean:8.1f} {cpu_ms:7.1f} {wall:8.2f} '
+              f'{args.concurrency / wall:8.1f} {each:>16}')
+    print('(cpu ms: CPU time per sequential call, this process and every process it started together; burst s: '
+          'median of the rounds, each round listed under bursts s. warm: latency excludes the 30 ms pause before '
+          f'each call that lets the pool refill; the burst gets {args.pool} warm sandboxes and starts the rest '
+          'itself)')
     for pool in pools:
         pool.close()
 

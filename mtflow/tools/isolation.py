@@ -4,8 +4,9 @@ The sandbox is built with existing tools, never by hand:
 
 - ``bwrap`` (bubblewrap, the default): new PID, network, IPC, UTS and mount namespaces; a root
   made of read-only binds of ``/usr`` (and the ``/bin``, ``/lib*`` links), the interpreter's
-  prefix, a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and a size-capped
-  ``tmpfs`` at ``/tmp`` (the working directory) that vanishes with the sandbox;
+  prefix, a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and a ``tmpfs`` at
+  ``/tmp`` (the working directory, capped in size and inodes; the sandbox mounts it itself, see
+  :func:`bwrap_command`) that vanishes with the sandbox;
 - ``unshare`` (util-linux, the fallback where ``bwrap`` is missing or cannot create namespaces):
   the same namespaces, and the same root built with ``mount``/``chroot`` in a throw-away mount
   namespace;
@@ -338,6 +339,38 @@ def tmp_inodes(tmp_mb: int) -> int:
     return max(1024, tmp_mb * 256)
 
 
+#: rootless bwrap: the launcher (``mtflow.tools.sandbox.process``) mounts the sandbox's ``/tmp``
+#: itself, because only a mount made there can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has
+#: ``--size`` but no ``nr_inodes``, and util-linux ``mount`` refuses a uid other than 0). bwrap
+#: leaves it ``CAP_SYS_ADMIN`` for this (``--cap-add``), but in the nested user namespace bwrap
+#: makes to switch to ``nobody``, which does not own bwrap's mount namespace: so the launcher first
+#: makes a mount namespace of its own (the mounts it inherits are locked: still read-only, not
+#: removable), mounts ``/tmp`` there, then drops every capability and checks they are gone, before
+#: the filter is installed and before the program is read. It needs
+#: :data:`mtflow.tools.seccomp.FFI_CODE` run before it.
+_MOUNT_TMP = r'''
+if _fn('unshare')(0x20000) != 0 or _fn('mount')(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
+        b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
+    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _ct.get_errno())
+    os._exit(126)
+os.chdir('/tmp')
+_fn('prctl')(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+_fn('capset')((0x20080522).to_bytes(4, sys.byteorder) + bytes(4), bytes(24))  # version 3, pid 0; all zero
+with open('/proc/self/status') as _f:
+    _caps = [_l.split()[1] for _l in _f if _l.startswith(('CapInh', 'CapPrm', 'CapEff', 'CapAmb'))]
+if len(_caps) != 4 or any(int(_x, 16) for _x in _caps):
+    os.write(2, b'mtflow launcher: could not drop the capabilities it mounted /tmp with\n')
+    os._exit(126)
+del _f, _caps
+'''
+
+
+def mount_tmp_code(tmp_mb: int) -> str:
+    """Python source (:data:`_MOUNT_TMP`) that mounts a rootless sandbox's ``/tmp`` (``tmp_mb``,
+    :func:`tmp_inodes`) and drops the capability it did so with."""
+    return _MOUNT_TMP.format(tmp_bytes=tmp_mb * 1024 * 1024, tmp_inodes=tmp_inodes(tmp_mb))
+
+
 #: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
 ROOTLESS_UID = 65534
 
@@ -349,15 +382,16 @@ def rootless() -> bool:
 
 
 def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: Optional[int], tmp_mb: int,
-                  python_argv: Sequence[str], seccomp_fd: Optional[int] = None) -> SandboxCommand:
+                  python_argv: Sequence[str]) -> SandboxCommand:
     """bwrap as root, dropping to the leased ``uid`` with setpriv; or, with ``uid=None``
-    (:func:`rootless`), in a new user namespace."""
-    userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns'] \
-        if uid is None else []
+    (:func:`rootless`), in a new user namespace. ``/tmp`` is mounted by the sandbox itself, with
+    ``nr_inodes`` (:func:`tmp_inodes`), which bubblewrap 0.8's ``--tmpfs`` cannot set: as root by
+    PID 1 (``mount``), rootless by the launcher, which bwrap gives ``CAP_SYS_ADMIN`` of the
+    sandbox's own user namespace for it (``--cap-add``) and which drops it before the program."""
+    userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns',
+              '--cap-add', 'CAP_SYS_ADMIN'] if uid is None else []
     argv = [bwrap, *userns, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
             '--die-with-parent', '--new-session', '--clearenv', '--ro-bind', '/usr', '/usr']
-    if seccomp_fd is not None:
-        argv += ['--seccomp', str(seccomp_fd)]
     for name, target in _top_level_links():
         argv += ['--symlink', target, name] if target is not None else ['--ro-bind', name, name]
     made = set()
@@ -369,20 +403,24 @@ def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: 
                 argv += ['--perms', '0755', '--dir', parent]
                 made.add(parent)
         argv += ['--ro-bind', prefix, prefix]
-    argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--size', str(tmp_mb * 1024 * 1024),
-             '--tmpfs', '/tmp', '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--as-pid-1',
-             '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init']
+    argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--dir', '/tmp', '--remount-ro', '/dev',
+             '--remount-ro', '/', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init',
+             f'size={tmp_mb * 1024 * 1024},nr_inodes={tmp_inodes(tmp_mb)}' if uid is not None else '-']
     argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
     return SandboxCommand(argv, {'PATH': SYSTEM_PATH})
 
 
-# PID 1 of a bwrap sandbox (``--as-pid-1``): sh, as root, out of the program's reach, runs the
-# program (pid 2) and reports its status (128 + N for signal N). bwrap itself then waits for this
-# PID 1, so when bwrap exits the namespace is gone, and a kill of PID 1 from outside is reaped by
-# bwrap (no orphan, no zombie for the host's init). The program runs in the background only so
-# that sh prints no "Killed" of its own into the output.
-_INIT_SCRIPT = 'exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?'  # (a background job's stdin
-# would be /dev/null; a warm sandbox's program comes on stdin)
+# PID 1 of a bwrap sandbox (``--as-pid-1``): sh, out of the program's reach (root; rootless, it
+# keeps a capability the program lacks, so the program may not open its /proc/1/mem either). As
+# root it first mounts the sandbox's /tmp (size and inode cap in $1; "-": the launcher mounts it).
+# It runs the program (pid 2) and reports its status (128 + N for signal N). bwrap itself then
+# waits for this PID 1, so when bwrap exits the namespace is gone, and a kill of PID 1 from
+# outside is reaped by bwrap (no orphan, no zombie for the host's init). The program runs in the
+# background only so that sh prints no "Killed" of its own into the output.
+_INIT_SCRIPT = ('if [ "$1" != - ]; then mount -t tmpfs -o "mode=1777,nosuid,nodev,$1" mtflow-tmp /tmp && cd /tmp '
+                '&& unset OLDPWD '
+                '|| exit 125; fi; shift; exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?')
+# (a background job's stdin would be /dev/null; a warm sandbox's program comes on stdin)
 
 
 # The unshare fallback: sh is PID 1 of the new namespaces and builds the root on a tmpfs mounted
@@ -450,11 +488,11 @@ def _find_tools() -> _Tools:
 
 
 def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str],
-                  seccomp_fd: Optional[int] = None, site_packages: Sequence[str] = ()) -> SandboxCommand:
+                  site_packages: Sequence[str] = ()) -> SandboxCommand:
     """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
-    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``seccomp_fd``: an fd bwrap
-    reads its seccomp filter from (the unshare launcher installs its own); ``site_packages``:
-    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter."""
+    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``site_packages``:
+    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter.
+    (The seccomp filter is installed by the launcher in ``python_argv``, after ``/tmp`` is mounted.)"""
     tools = _find_tools()
     interp = with_site_packages(current_interpreter(), site_packages)
     if kind == 'bwrap':
@@ -469,11 +507,11 @@ def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Seque
         if kind != 'bwrap':
             raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
                                        'without root only bwrap (with a user namespace) can isolate')
-        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv, seccomp_fd)
+        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv)
     if tools.setpriv is None:
         raise IsolationUnavailable(tools.problems['setpriv'])
     if kind == 'bwrap':
-        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv, seccomp_fd)
+        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv)
     return unshare_command(tools.unshare, tools.setpriv, interp, uid, tmp_mb, python_argv)
 
 
@@ -494,7 +532,10 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     want_uid = lease.uid if lease is not None else ROOTLESS_UID
     cmd = None
     try:
-        python_argv = [current_interpreter().executable, '-I', '-S', '-c', _PROBE_CODE]
+        # rootless, the probe mounts its /tmp as the launcher will (a kernel that forbids it refuses here)
+        code = _PROBE_CODE if lease is not None else \
+            'import os, sys\n' + seccomp.FFI_CODE + mount_tmp_code(1) + _PROBE_CODE
+        python_argv = [current_interpreter().executable, '-I', '-S', '-c', code]
         cmd = build_command(kind, lease.uid if lease is not None else None, 1, python_argv)
         proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, start_new_session=True)

@@ -7,8 +7,10 @@ surface, which fail with ``EPERM`` (``clone3`` with ``ENOSYS``, as Docker does, 
 library falls back to ``clone``, whose namespace flags a filter can see). Syscalls of a foreign
 ABI (``int 0x80``, x32) kill the process (libseccomp's default for a wrong architecture).
 
-bubblewrap installs it (``--seccomp FD``, on its PID 1 and so on everything the program starts);
-the unshare fallback's launcher installs the same program with ``prctl`` before it runs the code.
+The sandbox's launcher installs it with ``prctl`` (bwrap and unshare alike: after the sandbox's
+``/tmp`` is mounted, which the filter would deny, and before it runs the code). Where no cgroup
+counts the call's memory, :func:`filter_bpf` ``(bounded=False)`` also denies
+:data:`DENIED_UNBOUNDED`, the ways to hold memory no process maps.
 
 The keyring: kernel keyrings are not namespaced. A process inherits its parent's session
 keyring, and every process of a uid shares that uid's user keyring; the filter denies the three
@@ -23,10 +25,11 @@ import errno
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Tuple, TypeVar
 
-__all__ = ['DENIED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd', 'in_fresh_keyring']
+__all__ = ['DENIED', 'DENIED_UNBOUNDED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd',
+           'in_fresh_keyring', 'spawn']
 
 T = TypeVar('T')
 
@@ -47,7 +50,30 @@ DENIED: Tuple[str, ...] = (
     'adjtimex', 'uselib', 'ustat', 'sysfs', '_sysctl', 'nfsservctl', 'lookup_dcookie', 'vhangup',
     # per-user kernel quotas shared with the driver's uid when rootless
     'inotify_init', 'inotify_init1', 'fanotify_init', 'fanotify_mark',
+    # secret memory (mlocked, outside the page cache): nothing a sandboxed program needs
+    'memfd_secret',
 )
+
+#: denied as well where no cgroup bounds the call (rootless, or a host that gives no cgroup): the
+#: ways to hold memory that no process maps, which ``RLIMIT_AS`` cannot see and nothing else bounds
+#: there: ``memfd_create`` (shared memory of any size, one ``max_file_mb`` per fd), and System V
+#: IPC, whose limits in a fresh IPC namespace are the kernel's defaults (shared memory segments
+#: that outlive their mapping, ``kernel.shmall`` about 2^64 bytes; 32000 message queues of 16 kB;
+#: 32000 semaphore sets of 32000). The program's own code reaches it through a memfd the driver
+#: made outside the sandbox, so nothing of the launcher needs them. And ``epoll``: its watches are
+#: kernel memory that only a cgroup counts, and their per-user quota (``fs.epoll.max_user_watches``)
+#: is the driver's own when rootless; one call of 64 processes with 64 fds each can register about
+#: 64 x 32 x 32 x 64 = 4M watches (an fd number and file per watch, the file kept open elsewhere).
+#: The launcher then hides ``select.epoll``, so ``selectors`` and ``asyncio`` use ``poll``.
+DENIED_UNBOUNDED: Tuple[str, ...] = ('memfd_create', 'shmget', 'msgget', 'semget', 'epoll_create', 'epoll_create1')
+
+#: denied by argument where no cgroup bounds the call: socket buffers are kernel memory too. A
+#: unix socket may queue twice ``net.core.wmem_max`` (8 MB on a host with 4 MB): 60 sockets of one
+#: process held 494 MB with ``memory_mb: 64``. So no raised buffer sizes (``SO_SNDBUF``,
+#: ``SO_RCVBUF`` and their ``FORCE`` forms), and no IP sockets (only the sandbox's own ``lo`` is
+#: there, and TCP grows its buffers by itself); unix sockets with the default buffers remain
+#: (``asyncio`` needs a socketpair).
+SOL_SOCKET, BUFFER_OPTIONS, IP_FAMILIES = 1, (7, 8, 32, 33), (2, 10)  # SO_SNDBUF, RCVBUF, ..FORCE; AF_INET(6)
 
 #: clone flags that make namespaces (``CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID |
 #: NEWNET``, and ``CLONE_NEWTIME`` = 0x80)
@@ -59,13 +85,15 @@ class SeccompUnavailable(RuntimeError):
 
 
 @functools.lru_cache(maxsize=None)
-def filter_bpf() -> bytes:
-    """The filter as a BPF program (``struct sock_filter`` array), built once per process (the
-    build is deterministic, so a race on the first call costs a second build, nothing more)."""
-    return _build()
+def filter_bpf(bounded: bool = True) -> bytes:
+    """The filter as a BPF program (``struct sock_filter`` array), built once per process and
+    variant (the build is deterministic, so a race on the first call costs a second build, nothing
+    more). ``bounded=False`` (no cgroup counts the call's memory) also denies
+    :data:`DENIED_UNBOUNDED`."""
+    return _build(DENIED if bounded else DENIED + DENIED_UNBOUNDED, bounded)
 
 
-def _build() -> bytes:
+def _build(denied: Tuple[str, ...], bounded: bool = True) -> bytes:
     try:
         import pyseccomp as seccomp  # lazy: ctypes-loads libseccomp; only a sandbox start needs it
     except (ImportError, OSError) as exc:
@@ -75,7 +103,7 @@ def _build() -> bytes:
             raise SeccompUnavailable(f'no seccomp binding ({exc}): pip install pyseccomp (it needs libseccomp2, '
                                      'apt-get install libseccomp2)') from None
     f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-    for name in DENIED:
+    for name in denied:
         try:
             f.add_rule(seccomp.ERRNO(errno.EPERM), name)
         except (RuntimeError, ValueError, OSError):  # not a syscall on this architecture / kernel
@@ -86,6 +114,12 @@ def _build() -> bytes:
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), 'clone3')
     except (RuntimeError, ValueError, OSError):
         pass
+    if not bounded:
+        for option in BUFFER_OPTIONS:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), 'setsockopt', seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
+                       seccomp.Arg(2, seccomp.EQ, option))
+        for family in IP_FAMILIES:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), 'socket', seccomp.Arg(0, seccomp.EQ, family))
     r, w = os.pipe()
     try:
         with os.fdopen(w, 'wb') as out:
@@ -108,10 +142,10 @@ def _bits(mask: int) -> list:
     return [1 << i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-def filter_fd() -> int:
-    """A fresh readable fd (a sealed memfd at offset 0) holding the filter, for ``bwrap --seccomp``
-    or the launcher; the caller closes it."""
-    data = filter_bpf()
+def filter_fd(bounded: bool = True) -> int:
+    """A fresh readable fd (a memfd at offset 0, made here, outside any sandbox) holding the
+    filter (:func:`filter_bpf`) for the launcher; the caller closes it."""
+    data = filter_bpf(bounded)
     fd = os.memfd_create('mtflow-seccomp', os.MFD_CLOEXEC | getattr(os, 'MFD_ALLOW_SEALING', 2))
     try:
         os.write(fd, data)
@@ -139,12 +173,13 @@ def _keyctl() -> Optional[int]:
 
 
 def in_fresh_keyring(fn: Callable[[], T]) -> T:
-    """``fn()`` run on the sandbox spawner thread right after it joined a new anonymous session
+    """``fn()`` run on a sandbox spawner thread right after it joined a new anonymous session
     keyring: a child it starts inherits that keyring (credentials are per thread in Linux), and
-    the driver's other threads keep theirs. The thread lives as long as the process, because a
+    the driver's other threads keep theirs. The threads live as long as the process, because a
     parent-death signal (bwrap's ``--die-with-parent``, ``setpriv --pdeathsig``) fires when the
-    *thread* that started the child exits. Where keyrings are unavailable (``ENOSYS``, or denied
-    by an outer filter) ``fn`` runs all the same: the sandbox's filter denies the key syscalls."""
+    *thread* that started the child exits. Called on a spawner thread (inside :func:`spawn`), it
+    runs ``fn`` there. Where keyrings are unavailable (``ENOSYS``, or denied by an outer filter)
+    ``fn`` runs all the same: the sandbox's filter denies the key syscalls."""
     nr = _keyctl()
 
     def run() -> T:
@@ -152,19 +187,37 @@ def in_fresh_keyring(fn: Callable[[], T]) -> T:
             _libc().syscall(ctypes.c_long(nr), ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
         return fn()
 
+    if getattr(_on_spawner, 'yes', False):
+        return run()
     return _spawner().submit(run).result()
 
 
+def spawn(fn: Callable[[], T]) -> 'Future[T]':
+    """Run ``fn`` (which starts a sandbox: lease, cgroup, ``Popen`` through :func:`in_fresh_keyring`)
+    on one of the :data:`SPAWNERS` spawner threads, so that concurrent calls start their sandboxes
+    side by side instead of one after another on the event loop's thread."""
+    return _spawner().submit(fn)
+
+
+#: spawner threads: sandbox starts that may overlap (a start mostly waits: cgroup ``mkdir``, the
+#: ``fork``/``exec`` of the outer process)
+SPAWNERS = 4
+_on_spawner = threading.local()
 _spawn_pool: Optional[ThreadPoolExecutor] = None
 _spawn_lock = threading.Lock()
 _libc_handle: Optional[ctypes.CDLL] = None
+
+
+def _mark_spawner() -> None:
+    _on_spawner.yes = True
 
 
 def _spawner() -> ThreadPoolExecutor:
     global _spawn_pool
     with _spawn_lock:
         if _spawn_pool is None:
-            _spawn_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix='mtflow-sandbox-spawn')
+            _spawn_pool = ThreadPoolExecutor(max_workers=SPAWNERS, thread_name_prefix='mtflow-sandbox-spawn',
+                                             initializer=_mark_spawner)
         return _spawn_pool
 
 
@@ -177,25 +230,46 @@ def _libc() -> ctypes.CDLL:
 
 
 def install_code(fd: int) -> str:
-    """Python source (for the unshare launcher, where no bwrap installs the filter) that reads the
-    BPF program from ``fd`` and installs it with ``prctl(PR_SET_SECCOMP)`` before the program runs
-    (``no_new_privs`` is already set by setpriv)."""
+    """Python source for the sandbox's launcher that reads the BPF program from ``fd`` and installs
+    it with ``prctl(PR_SET_SECCOMP)`` before the program runs (``no_new_privs`` first, which setpriv
+    and bwrap have already set); it needs :data:`FFI_CODE` run before it."""
     return _INSTALL.format(fd=fd)
 
 
+#: the few libc calls the launcher makes (``prctl``; rootless also ``unshare``, ``mount``,
+#: ``capset``), through ``_ctypes`` itself: the ``ctypes`` package costs about 6 ms of CPU per
+#: sandbox to import (``types``, ``struct``, ``ctypes._endian`` and its own module), a sixth of a
+#: cold call's CPU. Arguments are ints and bytes (passed as ``char *``); the result is the C ``int``.
+FFI_CODE = r'''
+import _ctypes as _ct
+class _CInt(_ct._SimpleCData):
+    _type_ = 'i'
+class _CFn(_ct.CFuncPtr):
+    _flags_ = _ct.FUNCFLAG_CDECL | _ct.FUNCFLAG_USE_ERRNO
+    _restype_ = _CInt
+_libc_h = type('_Lib', (), {'_handle': _ct.dlopen(None)})()  # what CFuncPtr looks a symbol up in
+def _fn(name):
+    return _CFn((name, _libc_h))
+'''
+
+#: what :data:`FFI_CODE` defines, deleted by the launcher before the program runs
+FFI_NAMES = '_ct, _CInt, _CFn, _libc_h, _fn'
+
 _INSTALL = r'''
-import ctypes as _c
+import _struct
 with os.fdopen({fd}, 'rb') as _f:
     _prog = _f.read()
-class _FProg(_c.Structure):
-    _fields_ = [('len', _c.c_ushort), ('filter', _c.c_char_p)]
-_libc = _c.CDLL(None, use_errno=True)
-_libc.prctl.argtypes = [_c.c_int, _c.c_ulong, _c.c_void_p, _c.c_ulong, _c.c_ulong]
-_fp = _FProg(len(_prog) // 8, _prog)
-if _libc.prctl(38, 1, None, 0, 0) != 0 or _libc.prctl(22, 2, _c.addressof(_fp), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
+class _CChar(_ct._SimpleCData):
+    _type_ = 'c'
+class _Filter(_ct.Array):
+    _type_, _length_ = _CChar, len(_prog)
+_buf = _Filter.from_buffer_copy(_prog)
+_fprog = _struct.pack('HP', len(_prog) // 8, _ct.addressof(_buf))  # struct sock_fprog
+_prctl = _fn('prctl')
+if _prctl(38, 1, 0, 0, 0) != 0 or _prctl(22, 2, _fprog, 0, 0) != 0:  # NO_NEW_PRIVS; SECCOMP, MODE_FILTER
     os.write(2, b'mtflow launcher: could not install the seccomp filter\n')
     os._exit(126)
-del _c, _f, _prog, _FProg, _libc, _fp
+del _struct, _f, _prog, _CChar, _Filter, _buf, _fprog, _prctl
 '''
 
 

@@ -75,3 +75,53 @@ def assert_nothing_survives(result, marker: str = '') -> None:
     assert isolation.processes_of_uid(result.uid) == [], 'a sandbox process outlived its call'
     if marker:
         assert processes_with(marker) == [], f'a process with {marker!r} outlived its call'
+
+
+class HostMemory:
+    """Samples the host's ``/proc/meminfo`` (``Shmem``, ``Slab``, ``SUnreclaim``, ``MemAvailable``)
+    every few ms while a call runs: :meth:`growth` is the peak rise of each over the figure before
+    (for ``MemAvailable``, the deepest fall), in MB. The machine is shared, so tests compare it with
+    a bound far below what the attack would hold unbounded, not with zero."""
+
+    FIELDS = ('Shmem', 'Slab', 'SUnreclaim', 'MemAvailable')
+
+    def __init__(self, every_s: float = 0.01) -> None:
+        import threading
+        self.every_s = every_s
+        self.before = self.read()
+        self.peak = dict(self.before)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @classmethod
+    def read(cls) -> dict:
+        out = {}
+        with open('/proc/meminfo', encoding='ascii') as f:
+            for line in f:
+                name, _, rest = line.partition(':')
+                if name in cls.FIELDS:
+                    out[name] = int(rest.split()[0]) / 1024  # kB -> MB
+        return out
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._update()
+
+    def _update(self) -> None:
+        now = self.read()
+        for name, value in now.items():
+            pick = min if name == 'MemAvailable' else max
+            self.peak[name] = pick(self.peak[name], value)
+
+    def __enter__(self) -> 'HostMemory':
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._update()
+        self.after = self.read()
+
+    def growth(self) -> dict:
+        return {name: round(abs(self.peak[name] - self.before[name]), 1) for name in self.FIELDS}

@@ -12,8 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, namespace_init,
-                                    rootless, wait_uid_gone)
+from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, mount_tmp_code,
+                                    namespace_init, rootless, wait_uid_gone)
 from mtflow.tools import seccomp
 from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
 from mtflow.tools.sandbox.result import MEMORY_STATUS
@@ -24,7 +24,7 @@ __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
 #: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
 _LAUNCHER = r'''
 import os, resource, sys
-{install_filter}with os.fdopen({code_fd}, 'rb') as _f:
+{ffi}{mount_tmp}{install_filter}{no_epoll}with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
 if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
     os.open('/dev/null', os.O_RDONLY)
@@ -75,11 +75,21 @@ class SandboxSpec:
     tmp_mb: int = 64
     site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
 
-    def launcher(self, code_fd: int, filter_fd: Optional[int] = None) -> str:
+    def launcher(self, code_fd: int, filter_fd: Optional[int] = None, mount_tmp: bool = False,
+                 bounded: bool = True) -> str:
         """The launcher's source; with ``filter_fd`` it installs the seccomp filter read from that
-        fd first (the unshare fallback, where no bwrap does)."""
+        fd first; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that; not
+        ``bounded`` (no cgroup; the filter denies ``epoll_create``) it hides ``select.epoll``, so
+        that ``selectors`` and ``asyncio`` fall back to ``poll``."""
         install = '' if filter_fd is None else seccomp.install_code(filter_fd)
-        return _LAUNCHER.format(install_filter=install, site=repr(list(self.site_packages)), code_fd=code_fd,
+        mount = mount_tmp_code(self.tmp_mb) if mount_tmp else ''
+        ffi = seccomp.FFI_CODE if install or mount else ''
+        if ffi:
+            install += f'del {seccomp.FFI_NAMES}\n'
+        no_epoll = '' if bounded else 'import select as _sel\ndel _sel.epoll, _sel\n'
+        return _LAUNCHER.format(ffi=ffi, mount_tmp=mount, install_filter=install, no_epoll=no_epoll,
+                                site=repr(list(self.site_packages)),
+                                code_fd=code_fd,
                                 memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
                                 fsize=self.max_file_mb * 1024 * 1024,
                                 # rootless, PID 1 (sh) shares the program's uid and namespace: one more
@@ -111,13 +121,14 @@ class Sandbox:
         filter_fd = None
         try:
             if spec.kind != 'none':
-                filter_fd = high_fd(seccomp.filter_fd())
                 self.lease = None if rootless() else UidLease()
-                bwrap_fd = filter_fd if spec.kind == 'bwrap' else None
-                python_argv = self._python_argv(code_fd, None if bwrap_fd is not None else filter_fd)
-                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
-                                         seccomp_fd=bwrap_fd, site_packages=spec.site_packages)
                 self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes)
+                # no cgroup counts memory outside processes: the filter denies the ways to hold it
+                filter_fd = high_fd(seccomp.filter_fd(bounded=self.cgroup is not None))
+                python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=self.lease is None,
+                                                bounded=self.cgroup is not None)
+                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
+                                         site_packages=spec.site_packages)
                 argv = join_argv(self.cgroup, self.cmd.argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
@@ -135,9 +146,10 @@ class Sandbox:
             if filter_fd is not None:
                 os.close(filter_fd)
 
-    def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int]) -> list:
+    def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int], mount_tmp: bool = False,
+                     bounded: bool = True) -> list:
         return [current_interpreter().executable, '-I', '-S', '-u', '-c',
-                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd)]
+                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd, mount_tmp, bounded)]
 
     def usage(self) -> Dict[str, float]:
         """The call's peak memory (MB) and CPU time (s), from its cgroup (empty without one)."""

@@ -9,12 +9,13 @@ import subprocess
 import time
 from typing import Any, List, Optional, Sequence, Tuple
 
+from mtflow.tools import seccomp
 from mtflow.tools.isolation import IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import Sandbox, SandboxSpec, high_fd
 from mtflow.tools.sandbox.result import SandboxResult, signal_of
 
-__all__ = ['run_python', 'supervise']
+__all__ = ['run_python', 'start_sandbox', 'supervise']
 
 
 async def run_python(code: str,
@@ -43,14 +44,36 @@ async def run_python(code: str,
     data = code.encode('utf-8', 'surrogatepass')
     sandbox = pool.take() if pool is not None and pool.spec == spec else None
     if sandbox is None:
-        code_fd = high_fd(os.memfd_create('mtflow-code'))
-        try:
-            os.write(code_fd, data)
-            os.lseek(code_fd, 0, os.SEEK_SET)
-            sandbox = Sandbox(spec, code_fd)
-        finally:
-            os.close(code_fd)
+        sandbox = await start_sandbox(spec, data) if spec.kind != 'none' else _new_sandbox(spec, data)
     return await supervise(sandbox, data if sandbox.warm else None, timeout_s, max_output_chars)
+
+
+def _new_sandbox(spec: SandboxSpec, data: bytes) -> Sandbox:
+    """A sandbox started for ``data`` (its program, handed over through a memfd)."""
+    code_fd = high_fd(os.memfd_create('mtflow-code'))
+    try:
+        os.write(code_fd, data)
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        return Sandbox(spec, code_fd)
+    finally:
+        os.close(code_fd)
+
+
+async def start_sandbox(spec: SandboxSpec, data: bytes) -> Sandbox:
+    """:func:`_new_sandbox` on a spawner thread (:func:`mtflow.tools.seccomp.spawn`), off the event
+    loop: a start waits on ``mkdir`` of the cgroups and on the ``exec`` of the outer process, and
+    64 concurrent calls would otherwise start one after another on the loop's thread. A call
+    cancelled while its sandbox starts tears that sandbox down before the cancellation goes on."""
+    fut = seccomp.spawn(lambda: _new_sandbox(spec, data))
+    try:
+        return await asyncio.wrap_future(fut)
+    except asyncio.CancelledError:
+        try:
+            started = fut.result()  # a start takes milliseconds; nothing it started may survive the call
+        except BaseException:  # cancelled before it ran, or the start failed: nothing to tear down
+            raise asyncio.CancelledError from None
+        started.discard()
+        raise
 
 
 class CapturedOutput:
