@@ -13,9 +13,9 @@ turns and each step appends one observation:
   worst case, every image distinct).
 
 The run store writes each distinct image once (``files``) however many trajectory lines name it
-(``refs``), and lets go of a request's images once its line is written, so the peak holds the
-images of one batch in flight: it grows with ``batch_size`` x images per request x encoded size,
-not with N::
+(``refs``), the moment the step that added it returns; the request holds a reference (the
+file's path) from then on, so the peak does not grow with ``batch_size``, the images per request
+or their encoded size, nor with N::
 
     .venv/bin/python benchmarks/image_memory.py                    # 2000 prompts x 4 turns, batch 256
     .venv/bin/python benchmarks/image_memory.py --n 2000 --batch-size 64 --modes text noise

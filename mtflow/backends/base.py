@@ -242,13 +242,16 @@ class Backend:
         return outputs
 
     def _record(self, outputs: List[Any], seconds: float) -> None:
-        prompt = completion = 0
+        prompt = completion = served = 0
         for out in outputs:
+            if isinstance(out, BaseException):  # a request the backend could not serve (it fails alone)
+                continue
+            served += 1
             usage = out.response.usage if out.response is not None else None
             if usage is not None:
                 prompt += usage.prompt_tokens
                 completion += usage.completion_tokens
-        self.stats.add(len(outputs), prompt, completion, seconds)
+        self.stats.add(served, prompt, completion, seconds)
 
     # ---- async mode -------------------------------------------------------------------------------
     #: whether :meth:`agenerate` serves requests concurrently on its own (servers, async engines);

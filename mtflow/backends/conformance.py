@@ -39,6 +39,7 @@ from mtflow.accounting.segments_split import SEGMENTS_KEY, segments_of
 from mtflow.accounting.token_record import RecordAccounting, record_accounting, record_of
 from mtflow.backends.base import prepare_chat
 from mtflow.backends.tokens import render_text
+from mtflow.core.images import ImageError, to_image_url
 from mtflow.core.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
 from mtflow.core.scheduler import Scheduler
 from mtflow.engine.executor import Executor
@@ -49,7 +50,7 @@ __all__ = ['BUNDLED', 'SCENARIOS', 'CHECKS', 'Scenario', 'TemplateReport', 'bund
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / 'data' / 'templates'
 #: bundled templates: name -> file in mtflow/data/templates
 BUNDLED = {'chatml': 'chatml.jinja', 'qwen3_think': 'qwen3_think.jinja', 'llama3': 'llama3.jinja'}
-CHECKS = ('prefix', 'lengths', 'special tokens', 'think policy', 'segments')
+CHECKS = ('prefix', 'lengths', 'special tokens', 'think policy', 'segments', 'images')
 TOOLS = [{'type': 'function', 'function': {'name': 'calculator', 'description': 'evaluate an expression',
                                            'parameters': {'type': 'object', 'properties': {
                                                'expression': {'type': 'string'}}}}}]
@@ -133,6 +134,7 @@ class _Turn:
     logprobs: List[float]
     finish_reason: Optional[str]
     entry: Any  # the record's TokenTurn
+    images: List[str] = field(default_factory=list)  # the sha256 of each image the turn showed, in order
 
 
 class _Probe:
@@ -144,14 +146,15 @@ class _Probe:
 
     def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
         snapshots = [copy.deepcopy(prepare_chat(r)) for r in requests]
+        shown = [[_sha256(im) for im in getattr(r, 'images', None) or ()] for r in requests]
         outputs = self.backend(requests, request_config)
-        for request, chat, out in zip(requests, snapshots, outputs):
+        for request, chat, out, images in zip(requests, snapshots, outputs, shown):
             choice = out.response.choices[0]
             rec = record_of(request)
             turns = self.turns.setdefault(request.uuid, [])
             turns.append(
                 _Turn(chat, list(out.response.prompt_token_ids or []), list(choice.token_ids or []),
-                      extract_logprobs(choice), choice.finish_reason, rec.turns[-1] if rec else None))
+                      extract_logprobs(choice), choice.finish_reason, rec.turns[-1] if rec else None, images))
             if rec is not None and len(turns) > 1 and len(rec.turns) > 1 and rec.turns[-1].extends:
                 turns[-2].entry = rec.turns[-2]  # the new record holds the previous turn's appended ids
         return outputs
@@ -251,7 +254,7 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
 def _collect_failures(report: TemplateReport, result: Any) -> None:
     for failure in result.failures:
         report.add('prefix', False, f'request {failure.uuid} failed at turn {failure.turn} ({failure.phase}): '
-                                    f'{type(failure.exc).__name__}: {failure.exc}')
+                                    f'{type(failure.error).__name__}: {failure.error}')
 
 
 def _template_strips_think(tok: Any, template: Optional[str]) -> bool:
@@ -284,6 +287,11 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
             continue
         report.transitions += 1
         prev = turns[t - 1]
+        if prev.images or turn.images:  # the ids keep the earlier images' pads: the pixels must be the same too
+            report.add('images', turn.images[:len(prev.images)] == prev.images,
+                       f'{where}: the images of turn {t} changed (turn {t} showed {_short(prev.images)}; turn '
+                       f'{t + 1} shows {_short(turn.images[:len(prev.images)])} in their place): an earlier image '
+                       'must stay as the model saw it')
         rendered = prompter.encode(render_text(tok, turn.chat, None, prompter.chat_template))
         if rendered[:len(prev.prompt) + len(prev.sampled)] != prev.prompt + prev.sampled:
             report.rerender_drift += 1
@@ -322,6 +330,18 @@ def _check_request(report: TemplateReport, prompter: Any, tok: Any, special: fro
         _check_output(report, uuid, turns[-1], output)
         if starts:
             _check_segments(report, uuid, turns, output)
+
+
+def _sha256(image: Any) -> str:
+    """The content hash of an image a turn showed (``'?'`` when it cannot be read: the backend says why)."""
+    try:
+        return to_image_url(image).sha256
+    except ImageError:
+        return '?'
+
+
+def _short(hashes: List[str]) -> str:
+    return ', '.join(f'sha256 {h[:12]}' for h in hashes) or 'none'
 
 
 def _segment_starts(output: Any) -> frozenset:

@@ -484,12 +484,19 @@ class OpenAIBackend(Backend):
             self._seeded += len(requests)
         if self.prompter is None:
             return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
-        for r in requests:
-            refuse_images(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
-        plans = [self.prompter.plan(r) for r in requests]
-        outputs = list(await asyncio.gather(*(self._one(r, options, model, i, p.ids)
-                                              for r, i, p in zip(requests, seed_index, plans))))
-        commit_outputs(self.prompter, requests, plans, outputs)
+        outputs: List[Any] = [None] * len(requests)
+        for k, r in enumerate(requests):  # a request with images fails alone; the call's others go on
+            try:
+                refuse_images(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
+            except BackendError as exc:
+                outputs[k] = exc
+        going = [k for k, out in enumerate(outputs) if out is None]
+        plans = [self.prompter.plan(requests[k]) for k in going]
+        sent = await asyncio.gather(*(self._one(requests[k], options, model, seed_index[k], p.ids)
+                                      for k, p in zip(going, plans)))
+        commit_outputs(self.prompter, [requests[k] for k in going], plans, list(sent))
+        for k, out in zip(going, sent):
+            outputs[k] = out
         return outputs
 
     # ---- the rollout_fn side ------------------------------------------------------------------------

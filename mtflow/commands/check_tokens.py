@@ -7,6 +7,7 @@ of the turns before it?
     mtflow check-tokens --model ./my-model --template qwen3_think --template my_template.jinja
     mtflow check-tokens --model ./my-model --policy both
     mtflow check-tokens --model ./my-model --scheduler schedulers/guess_number.yaml --limit 4
+    mtflow check-tokens --model ./my-vlm --processor my_pkg.vision:make_processor --scheduler my_pkg:Frames
 
 Runs the conformance scenarios (tool calls, thinking blocks, unicode, whitespace edges,
 truncated replies, continuation turns; ``mtflow.backends.conformance``), or a scheduler of yours
@@ -14,20 +15,29 @@ over a dataset, through the backend (``hf`` by default; ``vllm`` too), once per 
 policy, and prints a table of checks per template. Exit status 0 only if every check passed for
 every template (it fails closed: a run that checks nothing, a backend that cannot load, a
 template that fails, are failures).
+
+A vision-language model needs its processor (``--processor module:attr``: a processor, or a
+factory returning one or ``(model, processor)``, built in Python, so no processor files need
+saving or loading, which transformers 5.19 does through torchvision for Qwen2-VL); with it the
+checks cover conversations with images: the ids with every image's pads, and that each turn
+shows the model the images of the turn before, unchanged, in order (``images``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from mtflow.backends import BackendError, make_backend
 from mtflow.backends.conformance import BUNDLED, SCENARIOS, check_tokens, format_report, resolve_template
 from mtflow.commands.run import parse_options
 from mtflow.core.errors import UserError
+from mtflow.core.registry import resolve_reference
 from mtflow.declarative.context import ContextConfig
 from mtflow.data import read_prompts
 from mtflow.run.assembly import SchedulerFactory, scheduler_factory, seed_everything
@@ -59,6 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --scheduler: a context budget key (VALUE is YAML; e.g. context_length=512, "
                    "policy=drop_observations): conversations compact and every training segment is checked; "
                    'repeatable (docs/context.md)')
+    p.add_argument('--processor', metavar='MODULE:ATTR',
+                   help="a vision-language model's processor (an AutoProcessor object, or a factory returning one "
+                   'or (model, processor)); --model is then a directory of that model (or comes from the factory)')
     p.add_argument('-o', '--option', action='append', default=[], metavar='KEY=VALUE',
                    help='a backend option (VALUE is YAML); repeatable')
     p.set_defaults(func=main)
@@ -76,6 +89,43 @@ def _context(args: argparse.Namespace, backend: Any) -> Any:
         first = exc.errors()[0]
         raise UserError(f'--context {".".join(map(str, first["loc"]))}: {first["msg"]}') from None
     return block.budget(backend, where='--context')
+
+
+def _processor(args: argparse.Namespace) -> Tuple[Any, Any]:
+    """``(model, processor)`` of ``--processor`` (``(None, None)`` without it): the model is the
+    factory's, else loaded from the ``--model`` directory as an image-text-to-text model."""
+    if not args.processor:
+        return None, None
+    try:
+        value = resolve_reference(args.processor, os.getcwd())
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f'--processor {args.processor!r}: {exc}') from None
+    try:
+        if callable(value) and not hasattr(value, 'tokenizer'):
+            value = value()
+    except Exception as exc:
+        raise UserError(f'--processor {args.processor!r} raised {type(exc).__name__}: {exc}') from None
+    model, processor = value if isinstance(value, tuple) else (None, value)
+    if getattr(processor, 'tokenizer', None) is None or not callable(processor):
+        raise UserError(f'--processor {args.processor!r} gave a {type(processor).__name__}, not a processor (an object '
+                        'with a tokenizer, called as processor(text=..., images=...))')
+    if model is None and args.backend == 'hf':
+        model = _vision_model(args.model)
+    return model, processor
+
+
+def _vision_model(name: str) -> Any:
+    """A vision-language model from a directory (``save_pretrained``'s), as the processor's model."""
+    if not os.path.isfile(os.path.join(name, 'config.json')):
+        raise UserError(f'--processor needs --model to be the directory of a vision-language model (with its '
+                        f'config.json), or a factory that returns (model, processor); got --model {name!r}')
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        return AutoModelForImageTextToText.from_pretrained(name, local_files_only=True).eval()
+    except Exception as exc:
+        raise UserError(f'cannot load {name!r} as a vision-language model: {type(exc).__name__}: '
+                        f'{" ".join(str(exc).split())[:300]}') from None
 
 
 def _templates(specs: List[str]) -> List[tuple]:
@@ -117,7 +167,7 @@ def _check_template(console: Console, backend: Any, name: str, text: str, args: 
         return False
     console.print(format_report(report))
     for problem in report.problems[:10]:
-        console.print(f'  [red]FAIL[/red] {problem}')
+        console.print(f'  [red]FAIL[/red] {escape(problem)}')  # a problem's text is not markup
     if len(report.problems) > 10:
         console.print(f'  ... and {len(report.problems) - 10} more')
     return report.ok
@@ -130,13 +180,17 @@ def main(args: argparse.Namespace) -> int:
     seed_everything(args.seed)
     options = parse_options(args.option)
     requests, make_scheduler = _your_scheduler(args)
+    model, processor = _processor(args)
+    if processor is not None:
+        options['processor'] = processor
     console = Console()
     failed = 0
     backends: Dict[str, Any] = {}
     try:
         for policy in policies:
             try:
-                backend = make_backend(args.backend, model=args.model, seed=args.seed, prefix_policy=policy, **options)
+                backend = make_backend(args.backend, model=args.model if model is None else model, seed=args.seed,
+                                       prefix_policy=policy, **options)
             except BackendError as exc:
                 raise UserError(str(exc)) from None
             backends[policy] = backend

@@ -37,7 +37,8 @@ from mtflow.core.errors import SchedulerResultError
 __all__ = [
     'IMAGE_TOKEN', 'ImageError', 'ImageLimits', 'ImageURL', 'Observation', 'is_image', 'to_image_url',
     'image_bytes', 'image_size', 'count_placeholders', 'check_request_images', 'to_content_parts',
-    'from_content_parts', 'observation_parts', 'place_images', 'env_observation'
+    'from_content_parts', 'observation_parts', 'place_images', 'env_observation', 'ImageRef', 'store_step_images',
+    'with_stored_images'
 ]
 
 #: ms-swift's placeholder for one image in a message's text
@@ -79,6 +80,29 @@ class ImageURL(str):
         return self  # immutable
 
 
+class ImageRef(str):
+    """An image already stored in a file (the run directory's content-addressed store): the str
+    is the file's absolute path, which ms-swift's ``load_image`` and every reader of paths take
+    as it is; ``width``, ``height``, ``sha256`` and ``mime`` as :class:`ImageURL`'s. A request
+    that holds it holds a path, not the pixels: :func:`to_image_url` reads the file when a
+    backend needs them, and lets go of them after the call."""
+    width: int
+    height: int
+    sha256: str
+    mime: str
+
+    def __new__(cls, path: str, width: int, height: int, sha256: str, mime: str) -> 'ImageRef':
+        self = super().__new__(cls, path)
+        self.width, self.height, self.sha256, self.mime = width, height, sha256, mime
+        return self
+
+    def __reduce__(self) -> Any:  # pickles (Ray, copies) as itself
+        return ImageRef, (str(self), self.width, self.height, self.sha256, self.mime)
+
+    def __deepcopy__(self, memo: Any) -> 'ImageRef':
+        return self  # immutable
+
+
 @dataclass
 class Observation:
     """What a tool, an environment or a scheduler returns when its observation has images:
@@ -101,7 +125,7 @@ def is_image(value: Any) -> bool:
     :class:`Observation`): a PIL image, a 2-D/3-D numpy array, encoded image bytes, a Path to an
     image file, a ``data:image/`` URL. A plain str is text, not a path."""
     cls = type(value)
-    if isinstance(value, ImageURL):
+    if isinstance(value, (ImageURL, ImageRef)):
         return True
     if isinstance(value, str):
         return value.startswith('data:image/')
@@ -169,6 +193,13 @@ def to_image_url(value: Any, limits: Optional[ImageLimits] = None) -> ImageURL:
     if isinstance(value, ImageURL):
         _check_pixels(value.width, value.height, limits)
         return value
+    if isinstance(value, ImageRef):
+        _check_pixels(value.width, value.height, limits)
+        try:
+            data = Path(value).read_bytes()
+        except OSError as exc:
+            raise ImageError(f'cannot read the stored image {str(value)!r}: {exc.strerror or exc}') from None
+        return _url(data, value.width, value.height, value.mime)
     if isinstance(value, dict) and ('bytes' in value or 'path' in value):
         value = value.get('bytes') or value.get('path')
     module = type(value).__module__ or ''
@@ -219,7 +250,7 @@ def image_bytes(url: str) -> bytes:
 
 def image_size(value: Any) -> Tuple[int, int]:
     """(width, height) of an image in any accepted form, decoding only what has no size at hand."""
-    if isinstance(value, ImageURL):
+    if isinstance(value, (ImageURL, ImageRef)):
         return value.width, value.height
     module = type(value).__module__ or ''
     if module.startswith('PIL.') and hasattr(value, 'size'):
@@ -268,6 +299,43 @@ def check_request_images(request: Any, uuid: str, turn: Optional[int], limits: O
         raise SchedulerResultError(f'the messages hold {placeholders} {IMAGE_TOKEN} placeholder(s) for {len(images)} '
                                    'image(s): each image needs its placeholder, in order', uuid=uuid, turn=turn,
                                    field='images')
+
+
+def store_step_images(result: Any, store: Any, limits: Optional[ImageLimits] = None) -> None:
+    """Hand the images of a step's next request (``result``: the step's return value) to
+    ``store`` (``image -> ImageRef``, the run directory's) as soon as the step returns, so the
+    request holds references, not pixels, from then on. A request whose images break a check is
+    left as it is: the executor's check fails it, naming the request and the turn."""
+    request = result.get('infer_request') if isinstance(result, dict) else result
+    images = getattr(request, 'images', None)
+    if not images or all(isinstance(im, ImageRef) for im in images):
+        return
+    try:
+        check_request_images(request, None, None, limits)
+        refs = [im if isinstance(im, ImageRef) else store(im) for im in images]
+    except Exception:  # broken (the executor says which), or the store failed (the line's write says)
+        return
+    try:
+        request.images = refs
+    except (AttributeError, TypeError):  # a frozen request keeps its images
+        pass
+
+
+def with_stored_images(step: Any, is_async: bool, store: Any, limits: Optional[ImageLimits]) -> Any:
+    """``step`` (a scheduler's) that stores its next request's images (:func:`store_step_images`)
+    the moment it returns, sync or async as ``step`` is."""
+    if is_async:
+        async def stored_async(*args: Any, **kwargs: Any) -> Any:
+            result = await step(*args, **kwargs)
+            store_step_images(result, store, limits)
+            return result
+        return stored_async
+
+    def stored(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        store_step_images(result, store, limits)
+        return result
+    return stored
 
 
 def observation_parts(value: Any, place: bool = True) -> Tuple[Any, List[Any]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mtflow.core.images import ImageLimits
+from mtflow.core.images import ImageLimits, with_stored_images
 from mtflow.core.machine import FINISH_REASONS, StateGraph
 from mtflow.core.stop import default_check
 
@@ -112,14 +112,16 @@ class HookSet:
     """A scheduler's hooks, resolved once: the bound methods to call, ``None`` for those to skip,
     and which ones are coroutines."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, image_store: Optional[Callable[[Any], Any]] = None) -> None:
         step = getattr(scheduler, 'step', None)
         if not callable(step):
             raise TypeError(f'scheduler {type(scheduler).__name__!r} has no step(infer_request, response_choice, '
                             f'current_turn) method')
         self.scheduler = scheduler
-        self.step: Callable[..., Any] = step
         self.step_is_async = _is_async(step)
+        if image_store is not None:  # each step's new images go to the store as it returns
+            step = with_stored_images(step, self.step_is_async, image_store, getattr(scheduler, 'image_limits', None))
+        self.step: Callable[..., Any] = step
 
         on_turn_end = getattr(scheduler, 'on_turn_end', None)
         self.on_turn_end: Optional[Callable[..., Any]] = (

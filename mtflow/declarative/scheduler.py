@@ -34,6 +34,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestError
+from mtflow.core.images import place_images
 from mtflow.core.machine import MAX_TURNS
 from mtflow.core.protocol import extract_logprobs
 from mtflow.core.registry import resolve_reference
@@ -41,7 +42,8 @@ from mtflow.core.scheduler import Scheduler
 from mtflow.core.stop import turn_limit_reached
 from mtflow.declarative.answers import AnswerCheck
 from mtflow.declarative.envs import make_env_factory, normalize_step
-from mtflow.declarative.images import add_images, limits_of, split_observation, tool_images
+from mtflow.declarative.images import (ResultImages, add_images, limits_of, normalize_all, split_observation,
+                                       tip_images, tool_images)
 from mtflow.declarative.observations import add_observations, render_result
 from mtflow.declarative.parsers import ToolCall, get_parser
 from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
@@ -91,6 +93,10 @@ class YamlScheduler(Scheduler):
         self.finish_reasons = tuple(self.stop_rules.finish_reasons(config, self.idle_rule))
         self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
         self.image_limits = limits_of(config.images)
+        images_from = config.observation.images_from
+        self.result_images = ResultImages(images_from, base_dir) if images_from is not None else None
+        #: each tip's images_impl, resolved once (by the tip's position)
+        self._tip_images = {id(t): resolve_reference(t.images_impl, base_dir) for t in config.tips if t.images_impl}
         #: where tool results come from instead of running the tools (``use_recorded``)
         self.recorded_tools: Optional[Any] = None
 
@@ -324,8 +330,8 @@ class YamlScheduler(Scheduler):
         inline_text = ''
         trace_info: Dict[str, Any] = {}
         if state.tip is not None:
-            inline_text, model_ids, logprobs = self._give_tip(state, messages, response_choice, model_ids, logprobs,
-                                                              trace_info)
+            inline_text, model_ids, logprobs = self._give_tip(state, infer_request, response_choice, current_turn,
+                                                              model_ids, logprobs, trace_info)
         elif state.env_obs is not None:
             text, images = split_observation(state.env_obs, self.image_limits, infer_request.uuid, current_turn,
                                              'the environment observation')
@@ -334,6 +340,8 @@ class YamlScheduler(Scheduler):
             trace_info['env_observation'] = text[:200]
         else:
             results = await self._run_calls(state, infer_request, current_turn)
+            if self.result_images is not None and self.recorded_tools is None:  # recorded: already read
+                results = self.result_images.apply(results, infer_request.uuid, current_turn)
             self.turn_rewards.tools(state, current_turn, results)
             trace_info['calls'] = [r.to_info() for r in results]
             # what a replay needs beside it: each call's arguments and its whole result text
@@ -354,16 +362,21 @@ class YamlScheduler(Scheduler):
                                            inline_text))
         return result
 
-    def _give_tip(self, state: RequestState, messages: List[Dict[str, Any]], response_choice: Any,
+    def _give_tip(self, state: RequestState, infer_request: Any, response_choice: Any, turn: int,
                   model_ids: Optional[List[int]], logprobs: List[float],
                   trace_info: Dict[str, Any]) -> Tuple[str, Optional[List[int]], List[float]]:
-        """Give the turn's tip: a user message, or (``inline``) appended to the completion cut
-        before its markers; ``(inline text, model ids, logprobs)`` after the cut."""
+        """Give the turn's tip: a user message (with the tip's images), or (``inline``) appended
+        to the completion cut before its markers; ``(inline text, model ids, logprobs)`` after the cut."""
         tip = state.tip
+        messages = infer_request.messages
         state.tips_given[tip.name] = state.tips_given.get(tip.name, 0) + 1
         trace_info['tip'] = tip.name
         if tip.placement != 'inline':
-            messages.append({'role': 'user', 'content': tip.text})
+            images = tip_images(tip, self._tip_images.get(id(tip)), self.base_dir, infer_request, response_choice,
+                                turn)
+            images = normalize_all(images, self.image_limits, infer_request.uuid, turn, f'tip {tip.name!r}')
+            messages.append({'role': 'user', 'content': place_images(tip.text, len(images))})
+            add_images(infer_request, images, trace_info)
             return '', model_ids, logprobs
         completion = response_choice.message.content or ''
         kept, model_ids, logprobs = cut_before_markers(self.tokenizer, completion, model_ids, logprobs,

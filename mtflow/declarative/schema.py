@@ -8,12 +8,14 @@ reports every problem at once. They read the YAML file's directory from the vali
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Annotated
 
+from mtflow.core.images import ImageError, to_image_url
 from mtflow.core.registry import resolve_reference
 from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
 from mtflow.declarative.gym import ENVS
@@ -45,6 +47,21 @@ def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
     elif ':' not in value:
         raise ValueError(f"{value!r} must look like 'module:attribute'")
     return value
+
+
+def check_image_ref(ref: str, base_dir: Optional[str]) -> Optional[str]:
+    """What is wrong with an image the YAML names (a data URL, or a path relative to the YAML
+    file's directory), or ``None``; the image is read and decoded, so a broken one is found now."""
+    try:
+        to_image_url(ref if ref.startswith('data:') else image_path(ref, base_dir))
+    except ImageError as exc:
+        return str(exc)
+    return None
+
+
+def image_path(ref: str, base_dir: Optional[str]) -> str:
+    """A path the YAML names, resolved against the YAML file's directory (when it is relative)."""
+    return ref if os.path.isabs(ref) or not base_dir else os.path.join(base_dir, ref)
 
 
 def _check_regex(value: Optional[str]) -> Optional[str]:
@@ -126,6 +143,40 @@ class ImagesConfig(_Strict):
                                       'image; a bigger one fails its request.')
 
 
+class ResultImagesConfig(_Strict):
+    """Images a tool names in its text result, read into the observation (docs/multimodal.md):
+    a tool that prints a markdown image or a data URL, or any result a function can turn into
+    images."""
+    pattern: Optional[str] = Field(
+        None, description="Regex searched in each successful result's text; each match names one image (its group "
+        "1, else the whole match): a data:image/ URL, or a file path inside `dir`. The match is replaced by an "
+        "<image> placeholder. E.g. markdown images: '!\\[[^\\]]*\\]\\(([^)\\s]+)\\)'.")
+    impl: Optional[str] = Field(
+        None, description="'module:function'(name, result, index) called for each successful result: None (no "
+        'image), an image, a list mixing text and images, or an Observation (whose text then replaces the result).')
+    dir: Optional[str] = Field(
+        None, description="The directory a path the pattern matches must lie in (relative: to the YAML file's "
+        'directory); a path outside it fails the request. Without dir, only data URLs are read.')
+
+    @field_validator('pattern')
+    @classmethod
+    def _pattern(cls, v: Optional[str]) -> Optional[str]:
+        return _check_regex(v)
+
+    @field_validator('impl')
+    @classmethod
+    def _impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _check_ref(v, info)
+
+    @model_validator(mode='after')
+    def _one(self) -> 'ResultImagesConfig':
+        if (self.pattern is None) == (self.impl is None):
+            raise ValueError('give either pattern or impl')
+        if self.dir is not None and self.pattern is None:
+            raise ValueError('dir applies to pattern only')
+        return self
+
+
 class ObservationConfig(_Strict):
     """How tool results reach the model."""
     mode: Literal['message', 'inline'] = Field(
@@ -140,6 +191,8 @@ class ObservationConfig(_Strict):
     prefix: str = Field('', description="Text before the joined results (e.g. '\\nObservation: ').")
     suffix: str = Field('', description="Text after the joined results (e.g. '\\nThought:').")
     one_message_per_call: bool = Field(True, description="With role 'tool': one message per call (else one joined).")
+    images_from: Optional[ResultImagesConfig] = Field(
+        None, description="Read images a tool names in its text result ({pattern, dir} or {impl}); mode message only.")
 
     @field_validator('template')
     @classmethod
@@ -150,6 +203,13 @@ class ObservationConfig(_Strict):
     @classmethod
     def _error_template(cls, v: str) -> str:
         return check_template(v, FIELDS['observation.error_template'])
+
+    @model_validator(mode='after')
+    def _images_need_messages(self) -> 'ObservationConfig':
+        if self.images_from is not None and self.mode == 'inline':
+            raise ValueError('images_from needs mode message (inline text is plain tokens, where no processor '
+                             'expands an image)')
+        return self
 
 
 class StopConfig(_Strict):
@@ -224,6 +284,26 @@ class TipConfig(_Strict):
     truncate_before: List[str] = Field(
         default_factory=list, description="Inline only: cut the completion at the first of these markers (e.g. "
         "'<answer>', '</think>') before appending the tip, tokens and logprobs included.")
+    images: List[str] = Field(
+        default_factory=list, description="Images shown with the tip (placement user): file paths (relative: to the "
+        'YAML file\'s directory) or data:image/ URLs; each is read and checked when the file is validated.')
+    images_impl: Optional[str] = Field(
+        None, description="'module:function'(infer_request, response_choice, turn) -> the images shown with the tip "
+        '(None, an image, or a list of images), after `images` (placement user).')
+
+    @field_validator('images')
+    @classmethod
+    def _images(cls, v: List[str], info: ValidationInfo) -> List[str]:
+        for k, ref in enumerate(v):
+            why = check_image_ref(ref, (info.context or {}).get('base_dir'))
+            if why:
+                raise ValueError(f'images[{k}]: {why}')
+        return v
+
+    @field_validator('images_impl')
+    @classmethod
+    def _images_impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        return _check_ref(v, info)
 
     @field_validator('regex')
     @classmethod
@@ -241,6 +321,9 @@ class TipConfig(_Strict):
             raise ValueError('when: regex needs a regex')
         if self.when == 'predicate' and not self.predicate:
             raise ValueError('when: predicate needs a predicate')
+        if (self.images or self.images_impl) and self.placement == 'inline':
+            raise ValueError('images need placement user (an inline tip is plain tokens in the assistant message, '
+                             'where no processor expands an image)')
         return self
 
 

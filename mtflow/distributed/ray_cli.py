@@ -6,7 +6,8 @@ directory (``mtflow/run/store.py``: ``--resume``, ``--overwrite``, whole lines, 
 the progress bar, the summary. What changes: the backend and the scheduler are built inside
 each actor from the same config, by the same code (``mtflow/run/assembly.py``; each actor loads
 its own model), and the driver writes every
-trajectory the moment an actor streams it back. The uuids already in the directory are never
+trajectory the moment an actor streams it back, with its images (each stored once in
+``<run>/images``, before the line that names it, as a local run stores them). The uuids already in the directory are never
 sent to an actor, and a uuid that arrives twice (an actor died after sending it) is written once.
 """
 from __future__ import annotations
@@ -74,10 +75,12 @@ class RayRollout:
         write_error: Dict[str, RunDirError] = {}
 
         def sink(rec: RayRecord) -> None:
-            if rec.finish_reason == INTERRUPTED:
-                store.write_interrupted(rec.trajectory, rec.events)
-                return
             try:
+                if rec.images:  # stored (fsynced) before the line that names them, as a local run does
+                    rec.trajectory['images'] = store.images.put_all(rec.images)
+                if rec.finish_reason == INTERRUPTED:
+                    store.write_interrupted(rec.trajectory, rec.events)
+                    return
                 store.write(rec.trajectory, rec.events)
             except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
                 write_error['error'] = exc

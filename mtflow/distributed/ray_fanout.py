@@ -23,6 +23,12 @@ How it keeps every trajectory exactly once:
 * a request that was in flight on ``max_attempts`` actors that died is given up: the sink gets an
   ``error`` record for it (phase ``ray_actor``), so it is reported, not silently lost.
 
+Images (``docs/multimodal.md``): an actor stores each image a step adds in a content-addressed
+folder of its own (a temporary directory, removed when it closes), as ``mtflow run`` does in the
+run directory, so its requests in flight hold paths, not pixels; a finished request's record
+carries its images' encoded bytes (:attr:`RayRecord.images`, placeholder order), which the
+driver's sink stores (``mtflow run --ray``: ``<run>/images``, the names a local run gives).
+
 Ray is imported when :func:`ray_run` is called. A cluster is joined with ``address=`` (or when
 Ray is already initialised); otherwise a local one is started on 127.0.0.1 and shut down at the
 end. The actor side (:class:`ShardWorker`) is plain Python, usable (and tested) without Ray.
@@ -32,15 +38,19 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from mtflow.core.errors import MtflowError
 from mtflow.engine.executor import Executor
+from mtflow.run.images import ImageStore
 from mtflow.run.trajectories import finished_to_record, reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
@@ -83,6 +93,9 @@ class RayRecord:
     actor: int  # the actor slot that ran it
     attempt: int = 1  # 1 + how many actors died with this request in flight
     failure: Optional[Dict[str, Any]] = None
+    #: the request's images, encoded (PNG, or a tool's own JPEG...), in placeholder order: the
+    #: sink stores them and names them in ``trajectory['images']``
+    images: List[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +134,8 @@ class ShardWorker:
         self.scheduler = spec.make_scheduler(getattr(self.backend, 'tokenizer', None))
         #: each model call's output per request: the lines' ``turns``, what ``mtflow replay`` serves
         self.turn_log = TurnLog()
+        #: the images the steps add, stored as they return (made on the first image; removed on close)
+        self._images: Optional[ImageStore] = None
         self.load_s = time.perf_counter() - t0
         self.pid = os.getpid()
 
@@ -138,9 +153,24 @@ class ShardWorker:
             if callable(close):
                 close()
         finally:
-            close = getattr(self.backend, 'close', None)
-            if callable(close):
-                close()
+            try:
+                close = getattr(self.backend, 'close', None)
+                if callable(close):
+                    close()
+            finally:
+                if self._images is not None:
+                    shutil.rmtree(self._images.dir.parent, ignore_errors=True)
+
+    def store_image(self, image: Any) -> Any:
+        """The executor's ``image_store``: ``image`` stored in this actor's own folder, as an
+        :class:`~mtflow.core.images.ImageRef`."""
+        if self._images is None:
+            self._images = ImageStore(Path(tempfile.mkdtemp(prefix=f'mtflow-ray-images-{self.slot}-')), fsync=False)
+        return self._images.put_ref(image)
+
+    def encoded_images(self, request: Any) -> List[bytes]:
+        """The encoded bytes of ``request``'s images, in order (what the driver stores)."""
+        return [Path(self.store_image(im)).read_bytes() for im in getattr(request, 'images', None) or ()]
 
     def stats(self) -> Dict[str, float]:
         stats = getattr(self.backend, 'stats', None)
@@ -160,7 +190,7 @@ class ShardWorker:
         t_offset = time.time() - t_offset_from if t_offset_from else 0.0
         out: 'queue.Queue[Tuple[str, Any]]' = queue.Queue()
 
-        def on_finished(finished: Any) -> None:
+        def on_finished(finished: Any) -> None:  # requests[k]: the live request, with its images
             out.put(('finished', self._plain_record(finished, indices[finished.index], t_offset,
                                                     requests[finished.index])))
 
@@ -182,11 +212,12 @@ class ShardWorker:
 
     def _executor(self, on_finished: Callable[[Any], None]) -> Executor:
         spec = self.spec
+        options = {'image_store': self.store_image, **spec.executor_options}
         return Executor(self.scheduler, self.turn_log.wrap(self.backend), spec.request_config,
                         max_turns=spec.max_turns,
                         on_error='return', rank=self.slot, on_finished=on_finished,
                         accounting=spec.make_accounting(self.scheduler) if spec.make_accounting else None,
-                        **spec.executor_options)
+                        **options)
 
     def _plain_record(self, finished: Any, index: int, t_offset: float, request: Any = None) -> Dict[str, Any]:
         """One finished request as plain data for the driver (a :class:`RayRecord`'s fields)."""
@@ -199,7 +230,8 @@ class ShardWorker:
         if failure is not None:
             failure['index'] = index
         return {'index': index, 'uuid': str(finished.uuid), 'finish_reason': finished.finish_reason,
-                'trajectory': record, 'events': events, 'failure': failure}
+                'trajectory': record, 'events': events, 'failure': failure,
+                'images': self.encoded_images(request) if request is not None else []}
 
 
 def _stream_of(out: 'queue.Queue[Tuple[str, Any]]') -> Iterator[Tuple[str, Any]]:
@@ -484,7 +516,8 @@ class _FanOut:
             for item in payload:
                 uuid = item['uuid']
                 self.deliver(RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'], item['events'],
-                                       slot.index, self.attempts.get(uuid, 1), item['failure']))
+                                       slot.index, self.attempts.get(uuid, 1), item['failure'],
+                                       item.get('images') or []))
             self.progress(f'{sum(1 for s in self.slots if s.state == "busy")} actor(s) busy')
         elif kind == 'done':
             self.result.rollout_fn_calls += int(payload.get('rollout_fn_calls', 0))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from dataclasses import fields
-from typing import Any, AsyncIterator, List, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, List, Optional, Sequence
 
 from mtflow.core.errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RolloutInterrupted)
 from mtflow.core.scheduler import HookSet
@@ -116,6 +116,9 @@ class Executor:
         context: a :class:`mtflow.ContextBudget`: the context length, per-turn and total token
             budgets and the compaction policy (``docs/context.md``); checked against the backend
             here (a context larger than the model's is a :class:`mtflow.engine.context.ContextError`).
+        image_store: ``image -> ImageRef``, called with each image a ``step`` added the moment
+            it returns (after the image checks); the request then holds the reference, not the
+            pixels (``mtflow run`` gives its run directory's store, ``docs/multimodal.md``).
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -146,7 +149,8 @@ class Executor:
                  mode: str = 'lockstep',
                  max_concurrency: Optional[int] = None,
                  skip_empty_calls: bool = False,
-                 context: Optional[ContextBudget] = None) -> None:
+                 context: Optional[ContextBudget] = None,
+                 image_store: Optional[Callable[[Any], Any]] = None) -> None:
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
@@ -159,7 +163,7 @@ class Executor:
         self.rollout_fn = rollout_fn
         self.request_config = request_config
         self.options = options
-        hooks = HookSet(scheduler)
+        hooks = HookSet(scheduler, image_store=image_store)
         self.settings = RunSettings(
             options=options,
             hooks=hooks,

@@ -36,6 +36,7 @@ from mtflow.core.validate import check_bool, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
 from mtflow.engine.context import handle_compacting, relabel, route
 from mtflow.engine.moves import fail_move, outcome_move, wait_move
+from mtflow.engine.model_call import request_failed
 from mtflow.engine.run_state import RunState
 
 __all__ = ['Handler', 'PHASE_HANDLERS', 'phases', 'check_uuids', 'start', 'handle_waiting', 'handle_tool_step',
@@ -127,6 +128,9 @@ def _apply_outputs(run: RunState, records: List[RequestRecord], turn: int,
     for rec in records:
         out, rec.incoming = rec.incoming, None
         rec.tokens = 0
+        if isinstance(out, BaseException):  # the backend failed this request only; the call's others go on
+            failed[rec.index] = fail_move(rec, turn, 'rollout_fn', request_failed(out, rec.uuid, turn))
+            continue
         try:
             response, choice = check_output(out, rec.uuid, turn)
             ends = output_finish(choice.finish_reason)

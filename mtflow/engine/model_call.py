@@ -15,7 +15,7 @@ from mtflow.core.records import Move
 from mtflow.engine.moves import apply_moves, fail_move
 from mtflow.engine.run_state import RunState
 
-__all__ = ['call_model', 'model_failure_moves', 'deliver']
+__all__ = ['call_model', 'model_failure_moves', 'deliver', 'request_failed']
 
 
 def call_model(run: RunState, records: List[RequestRecord], turn: int) -> Optional[Any]:
@@ -48,6 +48,16 @@ def model_failure_moves(records: List[RequestRecord], turn: int, outcome: Outcom
         err.__cause__ = exc
         return [fail_move(rec, turn, 'rollout_fn', err) for rec in records]
     return []
+
+
+def request_failed(exc: BaseException, uuid: str, turn: int) -> RolloutFnError:
+    """The error of a request whose output ``rollout_fn`` gave as an exception (a backend that
+    cannot serve that request, e.g. one with images a token prompt cannot carry): it fails that
+    request, the other requests of the call go on."""
+    err = RolloutFnError(f'rollout_fn failed this request: {type(exc).__name__}: {exc}', uuid=uuid, turn=turn,
+                         field='rollout_fn')
+    err.__cause__ = exc
+    return err
 
 
 def deliver(run: RunState, records: List[RequestRecord], outputs: Any, turn: int) -> None:

@@ -192,8 +192,10 @@ class _ExecutorFactory:
     calls, ``docs/backends.md``). Either way the ids and masks come from the exact token record,
     and a failing request is recorded while the others go on (``on_error='return'``)."""
 
-    def __init__(self, cfg: RunConfig, scheduler: Any, backend: Any) -> None:
+    def __init__(self, cfg: RunConfig, scheduler: Any, backend: Any, image_store: Any = None) -> None:
         self.cfg, self.scheduler, self.backend = cfg, scheduler, backend
+        #: each image a step adds goes to the run directory as the step returns (mtflow.run.images)
+        self.image_store = image_store
         self.request_config = cfg.make_request_config()
         self.closing: List[Callable[[], None]] = []  # a batcher's threads, stopped when the run ends
         self.turn_log = TurnLog()
@@ -201,7 +203,7 @@ class _ExecutorFactory:
     def __call__(self, rollout_fn: Any, on_finished: Callable[[Any], None]) -> Executor:
         cfg = self.cfg
         options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
-                                       accounting=record_accounting(self.scheduler))
+                                       accounting=record_accounting(self.scheduler), image_store=self.image_store)
         options.update(self._context())
         if cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
             return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, skip_empty_calls=True,
@@ -234,7 +236,8 @@ class _ExecutorFactory:
         if callable(close):
             self.closing.append(close)
         return Executor(self.scheduler, self.turn_log.wrap(fn), self.request_config, max_turns=cfg.max_turns or None,
-                        on_error='return', accounting=record_accounting(self.scheduler), **self._context())
+                        on_error='return', accounting=record_accounting(self.scheduler), image_store=self.image_store,
+                        **self._context())
 
     def close(self) -> None:
         for close in self.closing:
@@ -260,7 +263,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     is a progress mode (``bar``, ``log``, ``off``) or a bool (``mtflow/run/progress.py``);
     ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change. A backend
     with ``forget(uuid)`` (the replay backend) is told when each request is finished."""
-    make_executor = _ExecutorFactory(cfg, scheduler, backend)
+    make_executor = _ExecutorFactory(cfg, scheduler, backend, image_store=store.images.put_ref)
     make_executor.turn_log.on_finish = getattr(backend, 'forget', None)
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,

@@ -7,14 +7,21 @@ copies of one prompt, is one file. A file is written to a temporary name, fsynce
 before the trajectory line that names it is written, so a done request always has its images,
 and a crash leaves at most a stray ``.tmp``. ``--resume`` finds the files already there and
 writes none twice.
+
+``mtflow run`` stores each image the moment the step that added it returns
+(:meth:`ImageStore.put_ref`, the executor's ``image_store``): the request holds an
+:class:`~mtflow.core.images.ImageRef` (the file's path and the image's size and hash) from then
+on, and a backend reads the file when it shows the model the image, so the images of the requests
+in flight cost a path each, however large and incompressible they are.
 """
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set
 
-from mtflow.core.images import ImageError, image_bytes, to_image_url
+from mtflow.core.images import ImageError, ImageRef, image_bytes, to_image_url
 from mtflow.run.files import IMAGES_DIR, RunDirError
 
 __all__ = ['IMAGES_DIR', 'ImageStore', 'store_request_images']
@@ -27,6 +34,7 @@ class ImageStore:
 
     def __init__(self, out_dir: Path, fsync: bool = True) -> None:
         self.dir = Path(out_dir) / IMAGES_DIR
+        self.abs_dir = self.dir.resolve()  # what an ImageRef names
         self.fsync = fsync
         self._known: Optional[Set[str]] = None  # read on the first image (after --overwrite moved the old aside)
         self.written = 0  # files this process wrote
@@ -40,6 +48,20 @@ class ImageStore:
     def put(self, image: Any) -> str:
         """The run-relative name of ``image`` (any form :func:`mtflow.core.images.to_image_url`
         reads), writing its file if the run does not have it yet."""
+        if isinstance(image, ImageRef) and Path(image).parent == self.abs_dir and \
+                os.path.basename(image) in self.known:
+            return f'{IMAGES_DIR}/{os.path.basename(image)}'  # stored by put_ref: nothing to read
+        return f'{IMAGES_DIR}/{self._store(image)[0]}'
+
+    def put_ref(self, image: Any) -> ImageRef:
+        """Store ``image`` now and return its :class:`~mtflow.core.images.ImageRef` (the
+        absolute path of its file), to hold instead of the pixels."""
+        if isinstance(image, ImageRef):
+            return image
+        name, url = self._store(image)
+        return ImageRef(str(self.abs_dir / name), url.width, url.height, url.sha256, url.mime)
+
+    def _store(self, image: Any) -> Any:
         try:
             url = to_image_url(image)
         except ImageError as exc:
@@ -48,7 +70,7 @@ class ImageStore:
         if name not in self.known:
             self._write(name, image_bytes(url))
             self.known.add(name)
-        return f'{IMAGES_DIR}/{name}'
+        return name, url
 
     def put_all(self, images: Sequence[Any]) -> List[str]:
         return [self.put(im) for im in images]
@@ -56,7 +78,7 @@ class ImageStore:
     def _write(self, name: str, data: bytes) -> None:
         try:
             self.dir.mkdir(exist_ok=True)
-            tmp = self.dir / f'{name}.{os.getpid()}.tmp'
+            tmp = self.dir / f'{name}.{os.getpid()}.{threading.get_ident()}.tmp'
             with open(tmp, 'wb') as f:
                 f.write(data)
                 if self.fsync:

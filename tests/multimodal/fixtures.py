@@ -8,6 +8,7 @@ import numpy as np
 from PIL import Image
 
 from mtflow.core.images import Observation
+from mtflow.core.scheduler import Scheduler
 
 
 def square(color: str = 'red', size: int = 8) -> Any:
@@ -61,3 +62,27 @@ class FrameEnv:
     def step(self, action: str) -> Tuple[Any, float, bool, bool, Dict[str, Any]]:
         self.t += 1
         return self._obs(), float('done' in action), 'done' in action, False, {}
+
+
+
+class Pictures(Scheduler):
+    """A Python scheduler (for ``mtflow check-tokens --scheduler``): every step shows the model a
+    new 40x40 frame in a user message, its colour set by the turn; only the turn bound stops it."""
+    swap = False
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        return False
+
+    def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
+        infer_request.messages.append({'role': 'user', 'content': f'Frame {current_turn}: <image>'})
+        images = list(infer_request.images) + [Image.new('RGB', (40, 40), (60 * current_turn, 0, 90))]
+        if self.swap and current_turn == 2:  # tampered: the turn-1 frame replaced by another, same size
+            images[0] = Image.new('RGB', (40, 40), 'white')
+        infer_request.images = images
+        return {'infer_request': infer_request}
+
+
+class SwappedPictures(Pictures):
+    """:class:`Pictures` that, at turn 2, replaces the turn-1 frame by another picture of the same
+    size: the ids stay the same, the model is shown another image."""
+    swap = True

@@ -85,14 +85,31 @@ def test_openai_body_carries_the_image_at_turn_3(tiny):
     assert server.images == [[str(r.images[0])]]
 
 
-def test_openai_token_mode_refuses_images(tiny):
+def test_openai_token_mode_fails_only_the_requests_with_images(tiny):
+    """Token prompts cannot carry images: a request with one fails alone (naming it), the other
+    requests of the same call are sent and go on, through the executor and the local server."""
     with ChatServer(HFBackend(*tiny)) as server:
         with OpenAIBackend(base_url=server.base_url, backoff=0.01, prompt_mode='tokens',
                            tokenizer=tiny[1]) as client:
-            r = req('pic', {'role': 'user', 'content': f'{IMAGE_TOKEN}look'})
-            r.images = [open_png()]
-            with pytest.raises(BackendError, match=r"request 'pic' has 1 image\(s\), which a token prompt"):
-                client([r], CONFIG)
+            pic = req('pic', {'role': 'user', 'content': f'{IMAGE_TOKEN}look'})
+            pic.images = [open_png()]
+            outs = client([req('t1'), pic, req('t2')], CONFIG)
+            assert isinstance(outs[1], BackendError) and "request 'pic' has 1 image(s), which a token prompt" in \
+                str(outs[1])
+            assert [o.response.choices[0].token_ids is not None for o in (outs[0], outs[2])] == [True, True]
+            assert client.stats.requests == 2 and len(server.bodies) == 2  # the image request was never sent
+            pic = req('pic', {'role': 'user', 'content': f'{IMAGE_TOKEN}look'})
+            pic.images = [open_png()]
+            reqs = [req('a'), pic, req('b')]
+            result = Executor(load_scheduler({'name': 'text', 'max_turns': 2, 'stop': {'on_length': False}, 'tips': [
+                {'when': 'always', 'text': 'Again.', 'placement': 'user'}]}), client, max_turns=2,
+                request_config=CONFIG, on_error='return').run(reqs)
+    assert result.finish_reasons == ['stop_rule:tips_exhausted', 'error', 'stop_rule:tips_exhausted']
+    [failure] = result.failures
+    assert failure.uuid == 'pic' and failure.turn == 1 and failure.phase == 'rollout_fn'
+    assert "request pic, turn 1, field 'rollout_fn': rollout_fn failed this request: BackendError: request 'pic' " \
+        'has 1 image(s)' in str(failure.error)
+    assert len(server.bodies) == 2 + 4  # a and b, both turns
 
 
 def open_png() -> Any:

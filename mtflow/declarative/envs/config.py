@@ -37,7 +37,12 @@ class OpenEnvConfig(_Strict):
     action_field: str = Field('message', description="The action's field that receives the text.")
     observation_field: Optional[str] = Field(
         None, description='The observation field shown to the model; default: the only field, else the '
-        'observation as JSON.')
+        'observation as JSON (image_fields left out).')
+    image_fields: List[str] = Field(
+        default_factory=list, description="Observation fields that hold an image, shown to the model beside the "
+        "text (docs/multimodal.md): a data:image/ URL, base64 of PNG/JPEG bytes, nested lists of pixels (HxW or "
+        "HxWx3, as a numpy array serialises), or a flat list with a '<field>_shape' field beside it; null: no "
+        'image this step.')
     reset_kwargs: Dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for reset() (merged with data_dict['reset_kwargs']); "
         'seed and episode_id (the request uuid) are added unless given.')

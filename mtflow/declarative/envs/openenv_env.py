@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
+import binascii
 import importlib.util
 import json
 import os
@@ -49,6 +51,7 @@ import weakref
 from typing import Any, Dict, List, Optional
 
 from mtflow.core.errors import MtflowError
+from mtflow.core.images import ImageError, Observation
 from mtflow.declarative.envs.base import MissingExtra, StepOutcome, request_seed
 from mtflow.declarative.envs.config import OpenEnvConfig
 
@@ -453,7 +456,7 @@ class OpenEnvSession:
         if self.uuid:
             kwargs.setdefault('episode_id', str(self.uuid)[:255])
         self.server, self.client, result = await self.pool.run(self.pool.open_session(kwargs))
-        return self._text(result.observation)
+        return self._observation(result.observation)
 
     async def step(self, action: str) -> StepOutcome:
         return await self.pool.run(self._step(action))
@@ -476,7 +479,7 @@ class OpenEnvSession:
             raise OpenEnvSessionError(f'OpenEnv server {self.server.url} failed during step {self.steps}: '
                                       f'{_describe(exc)} (the session is lost; a step is not retried)') from None
         reward = float(result.reward) if result.reward is not None else 0.0
-        return StepOutcome(self._text(result.observation), reward, bool(result.done), False,
+        return StepOutcome(self._observation(result.observation), reward, bool(result.done), False,
                            {'openenv_server': self.server.url})
 
     async def close(self) -> None:
@@ -524,6 +527,23 @@ class OpenEnvSession:
             + (why if why else f'check env.openenv.action_field ({field!r}) against the server\'s action schema')
             + ' (env.openenv.action_field)')
 
+    def _observation(self, observation: Any) -> Any:
+        """The text shown to the model, or an :class:`~mtflow.core.images.Observation` with the
+        images of ``image_fields`` (which the text then leaves out)."""
+        fields = self.pool.config.image_fields
+        if not fields or not isinstance(observation, dict):
+            return self._text(observation)
+        images = []
+        for name in fields:
+            if name not in observation:
+                raise OpenEnvSessionError(f'the observation has no field {name!r} (image_fields); it has: '
+                                          + ', '.join(map(str, observation)))
+            if observation[name] is not None:
+                images.append(openenv_image(observation, name))
+        shown = {k: v for k, v in observation.items() if k not in fields and
+                 not (k.endswith('_shape') and k[:-len('_shape')] in fields)}
+        return Observation(self._text(shown), images)
+
     def _text(self, observation: Any) -> str:
         field = self.pool.config.observation_field
         if isinstance(observation, dict):
@@ -536,6 +556,37 @@ class OpenEnvSession:
                 return str(next(iter(observation.values())))
             return json.dumps(observation, ensure_ascii=False, default=str)
         return '' if observation is None else str(observation)
+
+
+def openenv_image(observation: Dict[str, Any], name: str) -> Any:
+    """The image in field ``name`` of an OpenEnv observation (JSON): a data URL as it is, other
+    text as base64 of encoded bytes, nested lists of pixels as an array, a flat list reshaped by
+    the ``<name>_shape`` field beside it. Raises :class:`~mtflow.core.images.ImageError`."""
+    value = observation[name]
+    where = f'image_fields: field {name!r}'
+    if isinstance(value, str):
+        if value.startswith('data:'):
+            return value
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError(f'{where} is text that is neither a data:image/ URL nor base64') from None
+    if isinstance(value, list):
+        import numpy as np  # lazy: only pixel observations need numpy
+
+        try:
+            arr = np.asarray(value)
+            shape = observation.get(f'{name}_shape')
+            if arr.ndim == 1 and shape is not None:
+                arr = arr.reshape([int(d) for d in shape])
+        except (ValueError, TypeError) as exc:
+            raise ImageError(f'{where}: not an array of pixels ({exc})') from None
+        if arr.dtype.kind not in 'uif':
+            raise ImageError(f'{where}: not an array of pixels (dtype {arr.dtype})')
+        if arr.dtype.kind != 'f':
+            arr = np.clip(arr, 0, 255).astype(np.uint8)
+        return arr
+    raise ImageError(f'{where} holds a {type(value).__name__}, not an image')
 
 
 _FENCE = re.compile(r'```(?:json)?\s*(\{.*\})\s*```', re.DOTALL)

@@ -1,0 +1,75 @@
+"""Images through the Ray fan-out: each actor stores the images its steps add in a folder of its
+own (its requests hold paths), ships a finished request's images to the driver, which stores
+them as a local run does; ``mtflow run configs/grid_game.yaml --ray 2`` gives the local run's
+lines, image names and files."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mtflow.core.images import IMAGE_TOKEN, ImageRef
+from mtflow.core.scheduler import Scheduler
+from mtflow.distributed import ShardWorker, WorkerSpec
+from tests.helpers import out, req
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Frames(Scheduler):
+    """Each step shows a picture; notes whether the earlier ones are held as stored references."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        held = [isinstance(im, ImageRef) for im in infer_request.images]
+        infer_request.messages.append({'role': 'user', 'content': f'{IMAGE_TOKEN}frame {current_turn}'})
+        infer_request.images = list(infer_request.images) + [Image.new('RGB', (3, 3), (current_turn, 0, 0))]
+        return {'infer_request': infer_request, 'rollout_infos': {f'held_{current_turn}': held}}
+
+
+def backend():
+    return lambda requests, config: [out('ok') for _ in requests]
+
+
+def test_a_shard_ships_each_requests_images_and_cleans_up():
+    worker = ShardWorker(WorkerSpec(backend, lambda tok: Frames(max_turns=3), max_turns=3), slot=1)
+    items = list(worker.run_shard([(0, req('a')), (1, req('b'))]))
+    records = [r for kind, group in items if kind == 'finished' for r in group]
+    assert [r['uuid'] for r in records] == ['a', 'b']
+    for r in records:
+        assert r['trajectory']['rollout_infos']['held_2'] == [True]  # the turn-1 frame: a path, not pixels
+        pixels = [Image.open(__import__('io').BytesIO(b)).getpixel((0, 0)) for b in r['images']]
+        assert pixels == [(1, 0, 0), (2, 0, 0)]
+    folder = worker._images.dir.parent
+    assert len(list(worker._images.dir.iterdir())) == 2  # the same two frames for both requests
+    worker.close()
+    assert not folder.exists()
+
+
+@pytest.mark.slow
+def test_mtflow_run_ray_stores_the_images_like_a_local_run(tmp_path):
+    pytest.importorskip('ray')
+    pytest.importorskip('gymnasium')
+    from mtflow.cli import main
+
+    config = str(ROOT / 'configs' / 'grid_game.yaml')
+    local, fanned = tmp_path / 'local', tmp_path / 'ray'
+    assert main(['run', config, '-q', '--out', str(local)]) == 0
+    assert main(['run', config, '-q', '--out', str(fanned), '--ray', '2']) == 0
+
+    def lines(d):
+        return {t['uuid']: {k: v for k, v in t.items() if k != 'rank'}
+                for t in map(json.loads, (d / 'trajectories.jsonl').read_text().splitlines())}
+
+    want, got = lines(local), lines(fanned)
+    assert got == want and all(t['images'] for t in got.values())
+    files = sorted(f.name for f in (fanned / 'images').iterdir())
+    assert files == sorted(f.name for f in (local / 'images').iterdir())
+    assert {f'images/{f}' for f in files} == {ref for t in got.values() for ref in t['images']}
+    for f in (fanned / 'images').iterdir():
+        assert f.name == hashlib.sha256(f.read_bytes()).hexdigest() + '.png'
+    for t in got.values():
+        assert sum(m['content'].count(IMAGE_TOKEN) for m in t['messages']) == len(t['images'])
+    assert 'base64' not in (fanned / 'trajectories.jsonl').read_text() + (fanned / 'trace.jsonl').read_text()
