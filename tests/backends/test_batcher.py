@@ -244,7 +244,7 @@ def test_requests_coming_back_one_after_another_go_as_one_batch():
     """The returners arrive 30 ms apart; with a plain 0-ms window the first would go alone (the
     case that made async mode slower than lockstep on vllm.LLM)."""
     fn = Echo()
-    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=2.0, settle_s=5.0, max_delay_s=60.0) as first_turn:
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=5.0, settle_s=5.0, max_delay_s=60.0) as first_turn:
         _play(first_turn, ['a', 'b', 'c', 'd'], turns=1)
     assert first_turn.batch_sizes == [4]
     fn = Echo()
@@ -257,9 +257,9 @@ def test_requests_coming_back_one_after_another_go_as_one_batch():
 
 def test_a_request_that_does_not_come_back_is_waited_for_only_a_quiet_gap():
     fn = Echo()
-    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=0.2, max_delay_s=60.0) as batcher:
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=2.0, max_delay_s=60.0) as batcher:
         batcher.call([req('a'), req('b'), req('gone')])
-        _play(batcher, ['a', 'b'], turns=1)  # 'gone' finished: the batch goes after 0.2 s of quiet
+        _play(batcher, ['a', 'b'], turns=1)  # 'gone' finished: the batch goes after 2 s of quiet
     assert batcher.batch_sizes == [3, 2]
 
 
