@@ -134,11 +134,11 @@ class MixedMaxTokens:
     """Async ``rollout_fn`` over a batch backend whose ``max_tokens`` depends on the request (one in
     ten long): each distinct config is its own batcher group, as a trainer mixing budgets would."""
 
-    def __init__(self, backend: Any, short: int, long: int, async_mode: bool) -> None:
+    def __init__(self, backend: Any, short: int, long: int, async_mode: bool, settle_s: float = 0.05) -> None:
         self.backend, self.short, self.long = backend, short, long
         self.async_mode = async_mode
         self.configs = {k: RequestConfig(temperature=0, max_tokens=k, logprobs=True) for k in (short, long)}
-        self.batcher = backend.async_rollout_fn(max_wait_s=0.01) if async_mode else None
+        self.batcher = backend.async_rollout_fn(max_wait_s=0.01, settle_s=settle_s) if async_mode else None
 
     def budget(self, request: Any) -> int:
         return self.long if int(str(request.uuid)[1:]) % 10 == 0 else self.short
@@ -215,15 +215,19 @@ def bench_backend(args: argparse.Namespace) -> None:
         print(f'warm-up call: {time.perf_counter() - t:.2f} s; {args.repeats} round(s), modes alternating, best kept')
         results: Dict[str, Any] = {}
         order = ['lockstep', 'async']
+        if args.engine == 'hf':  # the batcher's settle_s values, each an async run (0: the old fixed window)
+            order = ['lockstep'] + [f'async@{v:g}' for v in args.settle_ms]
         for k in range(args.repeats):
             for mode in (order if k % 2 == 0 else order[::-1]):
                 _one_backend_run(args, w, backend, mode, results)
-        lock, asy = results['lockstep']['result'], results['async']['result']
-        same = [a.response_token_ids == b.response_token_ids and a.messages == b.messages
-                for a, b in zip(asy.outputs, lock.outputs)]
-        print(f'best: lockstep {results["lockstep"]["wall"]:.2f} s, async {results["async"]["wall"]:.2f} s; '
-              f'lockstep/async: {results["lockstep"]["wall"] / results["async"]["wall"]:.2f}x; '
-              f'same token ids and messages: {sum(same)} of {len(same)}')
+        lock = results['lockstep']['result']
+        for mode in order[1:]:
+            asy = results[mode]['result']
+            same = [a.response_token_ids == b.response_token_ids and a.messages == b.messages
+                    for a, b in zip(asy.outputs, lock.outputs)]
+            print(f'best: lockstep {results["lockstep"]["wall"]:.2f} s, {mode} {results[mode]["wall"]:.2f} s; '
+                  f'lockstep/async: {results["lockstep"]["wall"] / results[mode]["wall"]:.2f}x; '
+                  f'same token ids and messages: {sum(same)} of {len(same)}')
     finally:
         backend.close()
         if server is not None:
@@ -233,16 +237,18 @@ def bench_backend(args: argparse.Namespace) -> None:
 def _one_backend_run(args: argparse.Namespace, w: Workload, backend: Any, mode: str, results: Dict[str, Any]) -> None:
     """One run of ``mode``; keeps the faster run per mode in ``results``."""
     if args.engine == 'hf':  # the batch backend through the dynamic batcher
-        rollout = MixedMaxTokens(backend, args.short_tokens, args.long_tokens, mode == 'async')
+        settle = float(mode.split('@')[1]) / 1000 if '@' in mode else 0.05
+        rollout = MixedMaxTokens(backend, args.short_tokens, args.long_tokens, mode.startswith('async'), settle)
     elif args.engine == 'vllm':
         rollout = _StreamsMixed(backend, args.short_tokens, args.long_tokens, False)
     else:
         rollout = _OpenAIMixed(backend, args.short_tokens, args.long_tokens, mode == 'async')
     calls0 = backend.stats.calls
-    r = run_mode(mode, LongTailScheduler(w), rollout, _prompts(w, args.n),
-                 max_concurrency=args.max_concurrency if mode == 'async' else None)
+    driver = 'async' if mode.startswith('async') else mode
+    r = run_mode(driver, LongTailScheduler(w), rollout, _prompts(w, args.n),
+                 max_concurrency=args.max_concurrency if driver == 'async' else None)
     rollout.close()
-    batches = getattr(rollout.batcher, 'batch_sizes', None) if mode == 'async' else None
+    batches = getattr(rollout.batcher, 'batch_sizes', None) if driver == 'async' else None
     if mode not in results or r['wall'] < results[mode]['wall']:
         results[mode] = r
     extra = f', batch sizes {batches[:12]}{"..." if batches and len(batches) > 12 else ""}' if batches else ''
@@ -295,6 +301,8 @@ def main() -> None:
     p.add_argument('--long-tokens', type=int, default=96)
     p.add_argument('--max-turns', type=int, default=3, help='hf/openai: turns per request (2..this)')
     p.add_argument('--max-concurrency', type=int, default=None, help='hf/openai: async mode bound')
+    p.add_argument('--settle-ms', type=float, nargs='+', default=[0, 50],
+                   help="hf: the dynamic batcher's settle_s values to run async mode with (0: the old fixed window)")
     p.add_argument('--cost-only', action='store_true',
                    help='sim: only the drivers\' own cost per request-turn, with the GC on and off (flatness)')
     args = p.parse_args()

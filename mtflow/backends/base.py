@@ -274,15 +274,19 @@ class Backend:
         self._record(outputs, time.perf_counter() - t0)
         return outputs
 
-    def async_rollout_fn(self, *, max_batch_size: Optional[int] = None, max_wait_s: float = 0.005) -> Any:
+    def async_rollout_fn(self, *, max_batch_size: Optional[int] = None, max_wait_s: float = 0.005,
+                         settle_s: float = 0.05, max_delay_s: float = 1.0) -> Any:
         """The ``rollout_fn`` for ``Executor(..., mode='async')``: :meth:`acall` when the backend
         serves single requests concurrently itself, else a dynamic batcher that groups the
         concurrent single-request calls into batch calls of this backend (``max_batch_size``:
-        default the backend's own, else 16). Close a batcher when done (it is a context manager)."""
+        default the backend's own, else 16; ``settle_s``, ``max_delay_s``: how it waits for the
+        last batch's requests to come back, see :class:`DynamicBatcher`). Close a batcher when
+        done (it is a context manager)."""
         if self.native_async:
             return self.acall
         size = max_batch_size or getattr(self, 'max_batch_size', None) or 16
-        return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s)
+        return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s, settle_s=settle_s,
+                              max_delay_s=max_delay_s)
 
     def close(self) -> None:
         """Release what the backend holds (connections, engines). Safe to call twice."""

@@ -7,6 +7,16 @@ run one request per forward pass. :class:`DynamicBatcher` sits in between: calls
 within ``max_wait_s`` of the first waiting one (or until ``max_batch_size`` requests wait) are
 sent to the wrapped function as **one** call, and each caller gets back exactly its own outputs.
 
+* **Coalescing what comes back.** When a batch call returns, its requests come back one after
+  another as the driver applies each output (a scheduler step, an environment, a short tool):
+  milliseconds apart, not at once. A fixed window from the first arrival cut such a turn into
+  calls of 1, 6 and 9 requests on ``vllm.LLM`` (a lone request cost a whole engine call: async
+  mode ran 1.2x slower than lockstep). So while requests of the last batch are still expected
+  back (tracked by ``uuid``), the next batch waits until they are all back, or until none has
+  arrived for ``settle_s`` (the others finished, or are in a long tool call), and never longer
+  than ``max_delay_s`` for its oldest request. A request not expected back (a new one, or after
+  all came back) waits ``max_wait_s`` as before.
+
 * While a batch call runs, new requests keep queueing; the next batch starts as soon as a
   dispatcher is free and holds everything that waited (up to ``max_batch_size``). With
   ``max_concurrent_batches=1`` (default) the engine never sees two calls at once, which is what
@@ -30,7 +40,8 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from collections import deque
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ['DynamicBatcher', 'BatcherClosed']
 
@@ -73,26 +84,44 @@ class DynamicBatcher:
             dispatcher thread's own loop).
         max_batch_size: the most requests in one batch call (a caller's list is never split, so a
             single call with more requests is sent alone).
-        max_wait_s: how long the first waiting request waits for company before its batch goes.
+        max_wait_s: how long the first waiting request waits for company before its batch goes
+            (when no request of the last batch is expected back).
+        settle_s: while requests of the last batch are expected back, the batch goes once none
+            has arrived for this long (the quiet gap; see the module docstring). 50 ms covers a
+            driver applying a turn's outputs one by one; ``return_lags_s`` records what a real
+            workload needs.
+        max_delay_s: the longest any request waits for company, whatever comes back.
         max_concurrent_batches: batch calls in flight at once (dispatcher threads).
     """
 
     def __init__(self, batch_fn: Callable[[List[Any], Any], Any], *, max_batch_size: int = 16,
-                 max_wait_s: float = 0.005, max_concurrent_batches: int = 1) -> None:
+                 max_wait_s: float = 0.005, settle_s: float = 0.05, max_delay_s: float = 1.0,
+                 max_concurrent_batches: int = 1) -> None:
         if not callable(batch_fn):
             raise TypeError(f'batch_fn must be callable, not {type(batch_fn).__name__}')
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f'max_batch_size must be a positive int, not {max_batch_size!r}')
         if not isinstance(max_wait_s, (int, float)) or max_wait_s < 0:
             raise ValueError(f'max_wait_s must be a number >= 0, not {max_wait_s!r}')
+        for label, value in (('settle_s', settle_s), ('max_delay_s', max_delay_s)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f'{label} must be a number >= 0, not {value!r}')
         if not isinstance(max_concurrent_batches, int) or max_concurrent_batches < 1:
             raise ValueError(f'max_concurrent_batches must be a positive int, not {max_concurrent_batches!r}')
         self.batch_fn = batch_fn
         self.max_batch_size = max_batch_size
         self.max_wait_s = float(max_wait_s)
+        self.settle_s = float(settle_s)
+        self.max_delay_s = float(max_delay_s)
         self.max_concurrent_batches = max_concurrent_batches
         #: the number of requests in every batch call made, in order (tests and benchmarks read it)
         self.batch_sizes: List[int] = []
+        #: seconds from a batch call's return to each of its requests' next call (the last 10000;
+        #: what ``settle_s`` must cover: benchmarks read it)
+        self.return_lags_s: 'deque[float]' = deque(maxlen=10000)
+        self._expected: Dict[Any, float] = {}  # uuid -> when its batch returned
+        self._all_back = False  # every request of the last batch came back: the next batch is due
+        self._last_arrival = 0.0
         self._pending: List[_Item] = []
         self._cond = threading.Condition()
         self._threads: List[threading.Thread] = []
@@ -112,7 +141,15 @@ class DynamicBatcher:
         with self._cond:
             if self._closed:
                 raise BatcherClosed('the dynamic batcher is closed')
-            self._pending.append(_Item(requests, request_config, fut))
+            item = _Item(requests, request_config, fut)
+            self._pending.append(item)
+            self._last_arrival = item.enqueued
+            if self._expected:
+                for r in requests:
+                    returned = self._expected.pop(_key(r), None)
+                    if returned is not None:
+                        self.return_lags_s.append(item.enqueued - returned)
+                self._all_back = not self._expected
             self._start_threads()
             self._cond.notify_all()
         return fut
@@ -147,7 +184,7 @@ class DynamicBatcher:
             oldest = self._pending[0]
             same = [it for it in self._pending if _same_config(it.config, oldest.config)]
             size = sum(len(it.requests) for it in same)
-            due = oldest.enqueued + self.max_wait_s - time.perf_counter()
+            due = self._due_in(oldest, time.perf_counter())
             if size < self.max_batch_size and due > 0:
                 self._cond.wait(timeout=due)
                 continue
@@ -160,7 +197,18 @@ class DynamicBatcher:
                 total += len(it.requests)
             taken = set(map(id, batch))
             self._pending = [it for it in self._pending if id(it) not in taken]
+            self._expected.clear()  # who is still out is not waited for again
+            self._all_back = False
             return batch
+
+    def _due_in(self, oldest: _Item, now: float) -> float:
+        """Seconds until the batch of ``oldest`` is due (<= 0: now)."""
+        cap = oldest.enqueued + self.max_delay_s - now
+        if self._all_back:
+            return 0.0
+        if self._expected:  # the last batch's requests are coming back: wait for a quiet gap
+            return min(self._last_arrival + self.settle_s - now, cap)
+        return min(oldest.enqueued + self.max_wait_s - now, cap)
 
     def _dispatch_loop(self) -> None:
         loop: Optional[asyncio.AbstractEventLoop] = None
@@ -188,6 +236,10 @@ class DynamicBatcher:
                     if not isinstance(exc, Exception):
                         raise
                     continue
+                with self._cond:  # before the callers wake: their next calls are expected
+                    done = time.perf_counter()
+                    self._expected = {k: done for k in map(_key, requests) if k is not None}
+                    self._all_back = False
                 k = 0
                 for it in batch:
                     _resolve(it.future, result=outputs[k:k + len(it.requests)])
@@ -218,10 +270,16 @@ class DynamicBatcher:
 
     def describe(self) -> str:
         inner = self.batch_fn.describe() if hasattr(self.batch_fn, 'describe') else type(self.batch_fn).__name__
-        return f'{inner} + dynamic batcher (max_batch_size {self.max_batch_size}, max_wait {self.max_wait_s * 1000:g} ms)'
+        return (f'{inner} + dynamic batcher (max_batch_size {self.max_batch_size}, max_wait {self.max_wait_s * 1000:g} ms, '
+                f'settle {self.settle_s * 1000:g} ms)')
 
     def __repr__(self) -> str:
         return f'<DynamicBatcher {self.describe()}>'
+
+
+def _key(request: Any) -> Any:
+    """What identifies a request across its turns (``None``: not tracked)."""
+    return getattr(request, 'uuid', None)
 
 
 def _same_config(a: Any, b: Any) -> bool:

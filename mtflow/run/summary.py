@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mtflow.run.config import RunConfig
+from mtflow.run.engine_figures import engine_rows, engine_settings, prefix_cache_figures
 from mtflow.run.reward_spread import spread_rows
 from mtflow.run.serving import serving_figures, serving_rows
 from mtflow.run.store import RunStore
@@ -62,6 +63,8 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
         'failures': tally.failures,
         'finish_policy': tally.policy.summary(),
         'serving': serving_figures(backend),
+        **({'engine': engine_settings(backend)} if engine_settings(backend) else {}),
+        **({'prefix_cache': prefix_cache_figures(backend)} if prefix_cache_figures(backend) else {}),
         **({'context': tally.context_summary()} if tally.context_summary() else {}),
     }
 
@@ -115,6 +118,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('tokens/s', f"{tps} (wall {summary['wall_s']} s"
                   + (f", generating {summary['generate_s']} s)" if summary['generate_s'] is not None else ')'))
     for label, text in serving_rows(summary.get('serving')):
+        table.add_row(label, text)
+    for label, text in engine_rows(summary.get('engine'), summary.get('prefix_cache')):
         table.add_row(label, text)
     cached = summary['model_cached']
     table.add_row('model load', f"{summary['model_load_s']} s" +

@@ -81,6 +81,7 @@ class RequestOutput:
     prompt_logprobs: Any
     outputs: List[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: Optional[int] = None
 
 
 @dataclass
@@ -92,10 +93,28 @@ class FakeLLM:
     forced: List[List[int]] = field(default_factory=list)
     #: the engine's context, as vLLM reports it (``llm.llm_engine.model_config.max_model_len``)
     max_model_len: Optional[int] = None
+    #: a prefix cache of this block size (``None``: outputs carry no ``num_cached_tokens``, as an
+    #: engine that does not count): a prompt's cached tokens are the whole blocks it shares with an
+    #: earlier prompt, at least one token left to compute, as vLLM's prefix cache counts them
+    block_size: Optional[int] = None
+    seen: List[List[int]] = field(default_factory=list)
 
     @property
     def llm_engine(self) -> Any:
-        return SimpleNamespace(model_config=SimpleNamespace(max_model_len=self.max_model_len))
+        return SimpleNamespace(model_config=SimpleNamespace(max_model_len=self.max_model_len),
+                               vllm_config=SimpleNamespace(cache_config=SimpleNamespace(block_size=self.block_size)))
+
+    def _cached(self, prompt: List[int]) -> Optional[int]:
+        if self.block_size is None:
+            return None
+        best = 0
+        for old in self.seen:
+            n = 0
+            while n < min(len(old), len(prompt)) and old[n] == prompt[n]:
+                n += 1
+            best = max(best, n)
+        self.seen.append(list(prompt))
+        return min(best, len(prompt) - 1) // self.block_size * self.block_size
 
     def get_tokenizer(self, lora_request: Any = None) -> Any:
         return self.tokenizer
@@ -114,7 +133,10 @@ class FakeLLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the prompts'
         self.calls.append({'method': 'generate', 'prompts': prompts, 'params': params, 'use_tqdm': use_tqdm})
-        return [self._one(i, p['prompt_token_ids'], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        outs = [self._one(i, p['prompt_token_ids'], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for o, p in zip(outs, prompts):
+            o.num_cached_tokens = self._cached(p['prompt_token_ids'])
+        return outs
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True, lora_request: Any = None,
              chat_template: Optional[str] = None, chat_template_content_format: str = 'auto',

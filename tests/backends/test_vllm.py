@@ -192,3 +192,37 @@ def test_a_seed_becomes_seed_plus_position_in_the_call(tiny, mode):
     llm.calls.clear()
     _backend(llm, prompt_mode=mode)([_req('a')], RequestConfig(max_tokens=2, temperature=1.0))
     assert llm.calls[0]['params'][0].seed is None
+
+
+class _Observe(Scheduler):
+    """Every turn appends the sampled ids and a short observation: later prompts extend earlier ones."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': f'no, {current_turn}'})
+        ids = list(response_choice.token_ids)
+        return {'infer_request': infer_request, 'response_token_ids': ids, 'response_loss_mask': [1] * len(ids)}
+
+
+def test_the_prefix_cache_hit_rate_comes_from_the_engines_counts(tiny):
+    from mtflow.run.engine_figures import engine_rows
+
+    llm = FakeLLM(*tiny, block_size=4)
+    backend = _backend(llm)
+    result = Executor(_Observe(), backend, GREEDY, max_turns=3).run([_req('a'), _req('b')])
+    assert result.ok and len(llm.calls) == 3
+    lengths = [[len(p['prompt_token_ids']) for p in call['prompts']] for call in llm.calls]
+    cached = [list(map(llm._cached, (p['prompt_token_ids'] for p in call['prompts']))) for call in llm.calls]
+    figures = backend.prefix_cache_summary()
+    assert figures['prompt_tokens'] == sum(map(sum, lengths)) and figures['block_size'] == 4
+    # the fake counts again (each prompt is now in its cache): not more than what the run saw
+    assert 0 < figures['cached_tokens'] <= sum(map(sum, cached))
+    later = sum(map(sum, lengths[1:]))
+    assert figures['hit_rate_after_turn_1'] > figures['hit_rate'] > 0, 'turns 2-3 extend turn 1: most of them hit'
+    assert figures['hit_rate_after_turn_1'] <= 1 and later > 0
+    rows = dict(engine_rows(None, figures))
+    assert rows['engine prefix cache'].startswith(f"{100 * figures['hit_rate']:.1f}% of {figures['prompt_tokens']} "
+                                                  'prompt tokens') and 'block_size 4' in rows['engine prefix cache']
+    assert _backend(FakeLLM(*tiny)).prefix_cache_summary() is None, 'an engine that does not count shows nothing'

@@ -131,3 +131,47 @@ def test_async_engine_options_are_checked(tiny):
         backend([req('a')], GREEDY)
     sync = _backend(FakeLLM(*tiny))
     assert not sync.native_async and not sync.is_async
+
+
+def test_closing_an_async_engine_cancels_its_output_handler_first_then_shuts_it_down_once():
+    """What ``close()`` does to an ``AsyncLLM`` it built (issue 29's clean exit), on a stand-in
+    with AsyncLLM's shutdown shape: the output-handler task is cancelled and awaited on the
+    engine's loop before the engine stops (vLLM logged ``EngineDeadError`` from it, and asyncio
+    "Task was destroyed but it is pending!"), shutdown gets a timeout long enough for the worker to
+    exit (vLLM's 5 s default killed it and leaked a shared-memory block), and the engine's own
+    ``__del__`` -> ``shutdown()`` is a no-op afterwards."""
+    from mtflow.backends.loop_thread import LoopThread
+    from mtflow.backends.vllm_engine import SHUTDOWN_TIMEOUT_S, _shutdown_async_engine
+
+    events = []
+
+    class Engine:
+
+        def __init__(self):
+            async def handler():
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    events.append('handler cancelled')
+                    raise
+
+            self.output_handler = asyncio.get_running_loop().create_task(handler())
+
+        def shutdown(self, timeout=None):
+            events.append(('shutdown', timeout, self.output_handler))
+
+    runner = LoopThread('test-shutdown')
+    try:
+        async def build():
+            engine = Engine()
+            await asyncio.sleep(0)
+            return engine
+
+        engine = runner.run(build())
+        runner.run(_shutdown_async_engine(engine, SHUTDOWN_TIMEOUT_S))
+    finally:
+        runner.stop()
+    assert events == ['handler cancelled', ('shutdown', SHUTDOWN_TIMEOUT_S, None)]
+    assert SHUTDOWN_TIMEOUT_S >= 30
+    engine.shutdown()  # what AsyncLLM.__del__ does at interpreter exit
+    assert len(events) == 2, 'the second shutdown does nothing'
