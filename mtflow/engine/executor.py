@@ -177,8 +177,8 @@ class Executor:
 
     def set_policy_version(self, version: int) -> None:
         """Declare the version of the weights ``rollout_fn`` samples with from now on (any
-        thread; versions only go forward). Async runs and streams stamp every generated turn
-        with it (``rollout_infos['policy_versions']``); a running stream with ``max_staleness``
+        thread; versions only go forward). Runs (lockstep and async) and streams stamp every
+        generated turn with it (``rollout_infos['policy_versions']``); a running stream with ``max_staleness``
         reacts at once (``docs/streaming.md``). A backend's own ``policy_version`` wins."""
         self.clock.set(version)
 
@@ -250,7 +250,7 @@ class Executor:
             return AsyncDriver(RunState(self.settings, loop, requests, first_turn_outputs), budget, self.clock)
         if until is not None or any(isinstance(r, UnfinishedRequest) for r in requests):
             raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
-        return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs))
+        return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs), self.clock)
 
     def stream(self, source: Any, *, max_concurrency: Optional[int] = None, buffer: Optional[int] = None,
                until: Any = None, max_staleness: Optional[int] = None, stale: str = 'restart',

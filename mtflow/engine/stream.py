@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import queue
 import threading
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, AsyncIterator, Deque, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Union
 
 from collections import deque
 
@@ -159,6 +160,22 @@ class _NoEvents(list):
         pass
 
 
+def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
+    """The ``forget(uuid)`` of a ``rollout_fn`` that keeps state per request (the scripted and
+    replay backends), looked up through its wrappers (``__wrapped__``, a bound method's object),
+    or ``None``. A stream calls it once for each request that is final, so that such a backend's
+    memory stays flat however many requests stream through it."""
+    fn = rollout_fn
+    for _ in range(8):  # a few wrappers deep, never a cycle
+        if fn is None:
+            return None
+        forget = getattr(fn, 'forget', None)
+        if callable(forget):
+            return forget
+        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
+    return None
+
+
 def _fresh(request: Any) -> Any:
     """A copy of a request before its first turn (messages are extended in place)."""
     copier = getattr(request, 'model_copy', None)
@@ -185,6 +202,7 @@ class StreamDriver(AsyncDriver):
         self.stale_policy = stale
         self.on_update = on_update
         self.deliver_fn = deliver
+        self.forget_request = forget_fn(run.settings.rollout_fn)
         self.groups: Dict[int, _Group] = {}  # record index -> its group
         self.next_index = 0
         self.next_seq = 0
@@ -441,6 +459,7 @@ class StreamDriver(AsyncDriver):
         if group.doomed or self.too_stale(group):
             if self.stale_policy == 'drop':
                 self.stats['dropped_groups'] += 1
+                self.release(rec.uuid for rec in group.records)
                 return
             self.stats['restarted_groups'] += 1
             group.restarts += 1
@@ -454,6 +473,14 @@ class StreamDriver(AsyncDriver):
         self.delivered_requests += len(group.records)
         self.delivered_tokens += group.tokens
         self.deliver_fn(delivered)
+
+    def release(self, uuids: Iterable[str]) -> None:
+        """These requests are final (taken by the consumer, or dropped): the ``rollout_fn``'s
+        ``forget`` drops what it keeps for them (:func:`forget_fn`). Not for a group that runs
+        again (a restart replays from its prompts, as before) nor for a request handed back."""
+        if self.forget_request is not None:
+            for uuid in uuids:
+                self.forget_request(uuid)
 
     def delivered(self, group: _Group, current: int) -> StreamGroup:
         """The :class:`StreamGroup` of a finished group (its failures leave the run's list)."""
@@ -555,12 +582,13 @@ class Stream:
                 if self._error is not None:
                     raise self._error
                 raise StopIteration
-            if self._fresh_enough(item):
-                self.driver.taken += 1
-                self.driver.poke()
-                return item
+            fresh = self._fresh_enough(item)
+            if fresh or self.driver.stale_policy == 'drop':  # final: delivered, or dropped
+                self.driver.release(item.uuids)
             self.driver.taken += 1
             self.driver.poke()
+            if fresh:
+                return item
 
     def _fresh_enough(self, group: StreamGroup) -> bool:
         """The bound again when the consumer takes a group (the weights may have moved while it
