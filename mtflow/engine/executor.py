@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from dataclasses import fields
-from typing import Any, AsyncIterator, List, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, List, Optional, Sequence
 
 from mtflow.core.errors import (DuplicateUuidError, MultiTurnRolloutError, RankMismatchError, RolloutInterrupted)
 from mtflow.core.scheduler import HookSet
@@ -116,6 +116,10 @@ class Executor:
         context: a :class:`mtflow.ContextBudget`: the context length, per-turn and total token
             budgets and the compaction policy (``docs/context.md``); checked against the backend
             here (a context larger than the model's is a :class:`mtflow.engine.context.ContextError`).
+        turn_reward: ``fn(infer_request, response_choice, current_turn) -> float | None`` (sync
+            or async), called after every turn's ``on_turn_end``; each number is recorded in
+            ``rollout_infos['turn_rewards']`` with the turn's token span (source ``turn_reward``,
+            ``docs/streaming.md``). Takes the place of the scheduler's own ``turn_reward`` method.
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -146,20 +150,22 @@ class Executor:
                  mode: str = 'lockstep',
                  max_concurrency: Optional[int] = None,
                  skip_empty_calls: bool = False,
-                 context: Optional[ContextBudget] = None) -> None:
+                 context: Optional[ContextBudget] = None,
+                 turn_reward: Optional[Callable[..., Any]] = None) -> None:
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
             rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
             check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
-            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context)
+            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context,
+            turn_reward=turn_reward)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
         self.rollout_fn = rollout_fn
         self.request_config = request_config
         self.options = options
-        hooks = HookSet(scheduler)
+        hooks = HookSet(scheduler, turn_reward)
         self.settings = RunSettings(
             options=options,
             hooks=hooks,
