@@ -268,7 +268,9 @@ class Executor:
         budget (``{'requests'|'groups'|'seconds'|'tokens': n}``), ``max_staleness`` versions at
         most between a group's oldest turn and the weights at delivery (``stale``: ``'restart'``
         or ``'drop'`` a group that would be staler; ``on_update='abort'``: generations in flight
-        at an update are issued again under the new weights). ``docs/streaming.md``."""
+        at an update are issued again under the new weights; ``'resume'``: they go on from the
+        ids they had, with a resumable ``rollout_fn``, :mod:`mtflow.engine.resume`).
+        ``docs/streaming.md``."""
         return open_stream(self.settings, self.clock, close_loop, source, max_concurrency=max_concurrency,
                            buffer=buffer, until=until, max_staleness=max_staleness, stale=stale, on_update=on_update)
 

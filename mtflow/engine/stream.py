@@ -21,7 +21,9 @@ fed from an iterator instead of a list:
   prompts, ``'drop'`` discards it. Such a group is interrupted as soon as an update makes it
   stale (its generations in flight are cancelled), not when it finishes. ``on_update='abort'``
   also cancels every generation in flight at an update and issues it again under the new weights
-  from the exact token record it had (AReaL's interruptible generation at turn granularity);
+  from the exact token record it had (the turn is generated again); ``'resume'`` (a resumable
+  ``rollout_fn``, :mod:`mtflow.engine.resume`) cancels them too but continues each from the
+  exact ids it had generated, under the new version (AReaL's interruptible generation);
   ``'keep'`` (default) lets it finish.
 
 The driver runs in its own thread (:class:`Stream`), so the engine keeps generating while the
@@ -42,14 +44,18 @@ from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator
 
 from collections import deque
 
-from mtflow.core.calls import OK, RAISED
+from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RequestFailure
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, RequestRecord
 from mtflow.core.trace import TraceEvent
+from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.async_driver import AsyncDriver, _Stopped, _is_async_callable
+from mtflow.engine.context import with_max_tokens
 from mtflow.engine.handlers import start
 from mtflow.engine.moves import apply_moves, interrupt_all
 from mtflow.engine.partial import UnfinishedRequest
+from mtflow.engine.resume import (SEGMENTS_KEY, GenerationAborted, ResumeFrom, is_resumable, merged_output,
+                                  reset_prefix, segment_of, set_prefix, version_spans)
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
 from mtflow.engine.versions import PolicyClock, versions_of
 
@@ -62,7 +68,7 @@ DEFAULT_STREAM_CONCURRENCY = 64
 #: what happens to a group that would be delivered too stale
 STALE_POLICIES = ('restart', 'drop')
 #: what happens to the generations in flight when the weights change
-UPDATE_POLICIES = ('keep', 'abort')
+UPDATE_POLICIES = ('keep', 'abort', 'resume')
 
 _END = object()
 
@@ -218,7 +224,11 @@ class StreamDriver(AsyncDriver):
         #: groups the consumer found too stale when it took them, to run again (its thread appends)
         self.returned: Deque[StreamGroup] = deque()
         self.unfinished: List[UnfinishedRequest] = []
+        #: ``on_update='resume'``: the segments a cut generation had, by record index
+        self.prefixes: Dict[int, ResumeFrom] = {}
+        self.resumed_spans: Dict[int, List[List[Any]]] = {}
         self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
+                      'resumed_generations': 0,
                       'backpressure_waits': 0, 'max_active': 0}
 
     # ---- other threads -----------------------------------------------------------------------
@@ -370,7 +380,7 @@ class StreamDriver(AsyncDriver):
             if self.kinds.get(index) != 'generate':
                 continue
             group = self.groups.get(index)
-            if self.on_update == 'abort' or (group is not None and self.too_stale(group)):
+            if self.on_update != 'keep' or (group is not None and self.too_stale(group)):
                 task.cancel()
         if self.max_staleness is not None:
             for group in {id(g): g for g in self.groups.values()}.values():
@@ -393,9 +403,36 @@ class StreamDriver(AsyncDriver):
             group.doomed = True
             self.wind_down(rec)  # no more work for a group that will not be delivered
             return
-        super().generate(rec, turn)
+        prefix = self.prefixes.get(rec.index)
+        if prefix is None:
+            super().generate(rec, turn)
+            return
+        token = set_prefix(prefix)  # the call's task copies the context: it sees the prefix
+        try:
+            super().generate(rec, turn)
+        finally:
+            reset_prefix(token)
+
+    def call_config(self, rec: RequestRecord, config: Any) -> Any:
+        """A resumed generation's ``max_tokens``: what is left after the ids it already has."""
+        prefix = self.prefixes.get(rec.index)
+        if prefix is None:
+            return config
+        limit = config.get('max_tokens') if isinstance(config, dict) else getattr(config, 'max_tokens', None)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return config  # the backend's own default: it is told the prefix, it knows its limit
+        return with_max_tokens(config, max(1, limit - len(prefix)))
 
     def on_completion(self, kind: str, rec: Any, turn: int, outcome: Any) -> None:
+        if kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, GenerationAborted):
+            if self.stopping:  # the budget: handed back, the turn generated again on resume
+                self.prefixes.pop(rec.index, None)
+                outcome = Outcome(RAISED, _Stopped('cancelled'), outcome.duration)
+            else:
+                self.resume(rec, turn, outcome.value)
+                return
+        if kind == 'generate' and outcome.kind == OK and rec.index in self.prefixes:
+            outcome = self.merge(rec, outcome)
         stopped = kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, _Stopped)
         if stopped and not self.stopping:  # cancelled by an update, not by the budget
             group = self.groups.get(rec.index)
@@ -412,6 +449,45 @@ class StreamDriver(AsyncDriver):
             if group is not None:
                 group.tokens += _completion_tokens(outcome.value)
         super().on_completion(kind, rec, turn, outcome)
+
+    def resume(self, rec: RequestRecord, turn: int, aborted: GenerationAborted) -> None:
+        """A generation cut by an update (``on_update='resume'``): keep what it generated, with
+        the version that sampled it, and issue the rest under the new version."""
+        group = self.groups.get(rec.index)
+        self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
+        if group is not None and (group.doomed or self.too_stale(group)):
+            group.doomed = True
+            self.prefixes.pop(rec.index, None)
+            self.wind_down(rec)
+            return
+        prefix = self.prefixes.setdefault(rec.index, ResumeFrom())
+        prefix.segments.append(segment_of(aborted.output, self.issued_version.get(rec.index)))
+        self.stats['resumed_generations'] += 1
+        self.generate(rec, turn)
+
+    def merge(self, rec: RequestRecord, outcome: Outcome) -> Outcome:
+        """The last segment of a resumed turn arrived: the turn's one output, stamped with its
+        oldest segment's version; the segments' spans are recorded when it is applied."""
+        prefix = self.prefixes.pop(rec.index)
+        merged = merged_output(prefix, outcome.value)
+        last = self.issued_version.get(rec.index)
+        own = len(merged[0].response.choices[0].token_ids or []) - len(prefix) if merged is not outcome.value else 0
+        self.resumed_spans[rec.index] = version_spans(prefix, own, last)
+        oldest = next((seg.version for seg in prefix.segments if seg.version is not None), None)
+        if oldest is not None:
+            self.issued_version[rec.index] = oldest
+        return Outcome(OK, merged, outcome.duration)
+
+    def on_generated(self, rec: RequestRecord, turn: int) -> None:
+        super().on_generated(rec, turn)
+        spans = self.resumed_spans.pop(rec.index, None)
+        if spans is None:
+            return
+        rec.infos.setdefault(SEGMENTS_KEY, []).append({'turn': turn, 'segments': spans})
+        record = getattr(rec.request, RECORD_ATTR, None)
+        turns = getattr(record, 'turns', None)
+        if turns:
+            turns[-1].segments = spans
 
     def restore_record(self, rec: RequestRecord) -> None:
         before = self.records_before.pop(rec.index, None)
@@ -452,6 +528,8 @@ class StreamDriver(AsyncDriver):
         self.records_before.pop(index, None)
         self.issued_version.pop(index, None)
         self.admission_moves.pop(index, None)
+        self.prefixes.pop(index, None)
+        self.resumed_spans.pop(index, None)
 
     def complete(self, group: _Group) -> None:
         for rec in group.records:
@@ -698,9 +776,12 @@ def open_stream(settings: RunSettings, clock: PolicyClock, close_loop: Any, sour
         raise ValueError(f'stream: stale must be one of {STALE_POLICIES}, not {stale!r}')
     if on_update not in UPDATE_POLICIES:
         raise ValueError(f'stream: on_update must be one of {UPDATE_POLICIES}, not {on_update!r}')
-    if on_update == 'abort' and not _is_async_callable(settings.rollout_fn):
-        raise ValueError("stream: on_update='abort' needs an async rollout_fn (a generation in a thread cannot "
-                         'be cancelled; a backend\'s async_rollout_fn() is one)')
+    if on_update != 'keep' and not _is_async_callable(settings.rollout_fn):
+        raise ValueError(f"stream: on_update={on_update!r} needs an async rollout_fn (a generation in a thread "
+                         'cannot be cancelled; a backend\'s async_rollout_fn() is one)')
+    if on_update == 'resume' and not is_resumable(settings.rollout_fn):
+        raise ValueError("stream: on_update='resume' needs a rollout_fn that returns what it generated when it is "
+                         "cut (resumable = True; mtflow.engine.resume); use 'abort' to generate the turn again")
     if settings.options.gather_fn is not None:
         raise ValueError('stream: one rank per stream (no gather_fn): each rank streams its own source')
     budget = StreamUntil.coerce(until)

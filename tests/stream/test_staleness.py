@@ -20,9 +20,9 @@ def _workload() -> Workload:
     return Workload(seed=11, tool_median_s=0.004, reply_median=16)
 
 
-def _stream(**options) -> tuple:
+def _stream(resumable: bool = False, **options) -> tuple:
     w = _workload()
-    ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64))
+    ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64, resumable=resumable))
     reqs = w.requests(160)
     groups = [reqs[i:i + 4] for i in range(0, len(reqs), 4)]
     stop = threading.Event()
@@ -78,3 +78,37 @@ def test_abort_on_update_resumes_from_the_exact_ids():
             assert a == b, f'{req.uuid} segment {k}'
         versions = mine.rollout_infos['policy_versions']
         assert versions == sorted(versions) and len(versions) == mine.rollout_infos['num_turns']
+
+
+def test_resume_on_update_continues_each_cut_generation_from_its_exact_ids():
+    got, stream = _stream(resumable=True, on_update='resume')
+    assert stream.stats['resumed_generations'] > 0
+    w = _workload()
+    ref = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64), mode='async').run(w.requests(160))
+    by_uuid = {u: o for g in got for u, o in zip(g.uuids, g.outputs)}
+    cut_turns = 0
+    for req, out in zip(w.requests(160), ref.outputs):
+        mine = by_uuid[req.uuid]
+        assert mine.response_token_ids == out.response_token_ids, req.uuid  # not regenerated: continued
+        assert mine.rollout_logprobs == out.rollout_logprobs, req.uuid
+        assert mine.messages == out.messages, req.uuid
+        versions = mine.rollout_infos['policy_versions']
+        assert versions == sorted(versions) and len(versions) == mine.rollout_infos['num_turns']
+        for entry in mine.rollout_infos.get('policy_version_segments', []):
+            t, spans = entry['turn'], entry['segments']
+            segment = out.response_token_ids[t - 1]  # the turn's sampled ids, then 4 tool ids (not the last turn)
+            sampled = segment if t == mine.rollout_infos['num_turns'] else segment[:-4]
+            assert spans[0][0] == 0 and spans[-1][1] == len(sampled)  # the segments cover the turn ...
+            assert all(a[1] == b[0] and a[2] <= b[2] for a, b in zip(spans, spans[1:]))  # ... in order
+            for start, end, _v in spans:  # the exact-id check, per segment
+                assert mine.response_token_ids[t - 1][start:end] == sampled[start:end], (req.uuid, t, start)
+            assert versions[t - 1] == spans[0][2]  # the turn counts as old as its first token
+            cut_turns += len({v for _, _, v in spans}) > 1
+    assert cut_turns > 0  # some turn was sampled by two versions and still came out exact
+
+
+def test_resume_needs_a_resumable_rollout_fn():
+    w = _workload()
+    ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64))
+    with pytest.raises(ValueError, match="on_update='resume' needs a rollout_fn that returns what it generated"):
+        ex.stream(iter([]), on_update='resume')
