@@ -223,12 +223,16 @@ class StreamDriver(AsyncDriver):
         self.handed_out = 0  # groups put in the consumer's queue, ever
         #: groups the consumer found too stale when it took them, to run again (its thread appends)
         self.returned: Deque[StreamGroup] = deque()
+        #: guards ``returned`` against the driver's end: a group the consumer sends back after
+        #: the driver ended is handed back (``unfinished``) in the consumer's thread instead
+        self.returned_lock = threading.Lock()
+        self.ended = False
         self.unfinished: List[UnfinishedRequest] = []
         #: ``on_update='resume'``: the segments a cut generation had, by record index
         self.prefixes: Dict[int, ResumeFrom] = {}
         self.resumed_spans: Dict[int, List[List[Any]]] = {}
         self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
-                      'resumed_generations': 0,
+                      'resumed_generations': 0, 'handed_back_groups': 0,
                       'backpressure_waits': 0, 'max_active': 0}
 
     # ---- other threads -----------------------------------------------------------------------
@@ -268,6 +272,8 @@ class StreamDriver(AsyncDriver):
                     if self.over_budget():
                         self.stop()
         except BaseException:
+            with self.returned_lock:
+                self.ended = True
             self.cancel_all()
             self.close_pools(wait=False)
             raise
@@ -275,6 +281,12 @@ class StreamDriver(AsyncDriver):
         self.restore_records()
         if self.interrupting and self.unfinished:
             self.deliver_interrupted()
+        with self.returned_lock:
+            self.ended = True
+            left = list(self.returned)
+            self.returned.clear()
+        for stale in left:  # sent back after the budget stopped the stream: run again on resume
+            self.hand_back_group(stale)
 
     def deliver_interrupted(self) -> None:
         """An interrupt (:meth:`Stream.interrupt`): the requests handed back are finished with
@@ -294,15 +306,43 @@ class StreamDriver(AsyncDriver):
         come back to run again): the stream ends only once every group handed out was taken."""
         return self.max_staleness is None or (self.taken >= self.handed_out and not self.returned)
 
+    def take_back(self, group: StreamGroup) -> None:
+        """The consumer found ``group`` too stale (its thread): run it again, or, once the driver
+        has ended, hand it back unfinished at once."""
+        with self.returned_lock:
+            if not self.ended:
+                self.returned.append(group)
+                return
+        self.hand_back_group(group)
+
+    def hand_back_group(self, stale: StreamGroup) -> None:
+        """A stale group that cannot run again here (the stream is stopping or over): not
+        delivered after all; its members go back in :attr:`unfinished` as fresh prompts (not
+        started), so that ``Executor(mode='async').run(stream.unfinished)`` or ``mtflow run
+        --resume`` runs them."""
+        self.uncount(stale)
+        self.stats['handed_back_groups'] += 1
+        for prompt in stale.prompts:
+            index = self.next_index
+            self.next_index += 1
+            self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))
+
+    def uncount(self, stale: StreamGroup) -> None:
+        self.delivered_groups -= 1
+        self.delivered_requests -= len(stale.outputs)
+        self.delivered_tokens -= stale.tokens
+
     def readmit_returned(self) -> None:
-        """Run again, from their prompts, the groups the consumer found too stale."""
-        while self.returned:
-            stale = self.returned.popleft()
+        """Run again, from their prompts, the groups the consumer found too stale (handed back
+        instead when the stream is stopping)."""
+        with self.returned_lock:
+            returned = list(self.returned)
+            self.returned.clear()
+        for stale in returned:
             if self.stopping:
+                self.hand_back_group(stale)
                 continue
-            self.delivered_groups -= 1
-            self.delivered_requests -= len(stale.outputs)
-            self.delivered_tokens -= stale.tokens
+            self.uncount(stale)
             self.stats['restarted_groups'] += 1
             group = _Group(stale.seq, [_fresh(p) for p in stale.prompts], restarts=stale.restarts + 1)
             self.admit(group, stale.prompts)
@@ -683,7 +723,7 @@ class Stream:
         if driver.stale_policy == 'drop':
             self.dropped_when_taken += 1
         else:
-            driver.returned.append(group)
+            driver.take_back(group)
         return False
 
     def close(self) -> None:

@@ -112,3 +112,30 @@ def test_resume_needs_a_resumable_rollout_fn():
     ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64))
     with pytest.raises(ValueError, match="on_update='resume' needs a rollout_fn that returns what it generated"):
         ex.stream(iter([]), on_update='resume')
+
+
+def test_a_group_found_stale_after_until_stopped_the_stream_is_handed_back_unfinished():
+    w = Workload(seed=3, tool_median_s=0.001, reply_median=4)
+    ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0001, 64))
+    reqs = w.requests(20)
+    groups = [reqs[i:i + 2] for i in range(0, 20, 2)]
+    ex.set_policy_version(0)
+    stream = ex.stream(iter(groups), max_concurrency=20, buffer=10, until={'groups': 3}, max_staleness=0)
+    first = next(stream)
+    deadline = time.monotonic() + 30
+    while not stream.driver.ended and time.monotonic() < deadline:  # the budget stops the driver meanwhile
+        time.sleep(0.01)
+    assert stream.driver.ended
+    ex.set_policy_version(1)  # the two groups still in the buffer are now a version too old
+    rest = list(stream)
+    assert rest == []  # too stale to deliver, and the stream is over: not delivered ...
+    stale = {u for g in groups for u in (r.uuid for r in g)} - set(first.uuids)
+    back = {item.record.uuid: item for item in stream.unfinished}
+    assert stream.stats['handed_back_groups'] == 2
+    handed = {u for u, item in back.items() if not item.started}
+    assert len(handed) == 4 and handed <= stale  # ... but handed back, to run again, never lost
+    assert all(item.record.turns == 0 for item in back.values() if not item.started)
+    assert stream.stats['delivered_groups'] == 1
+    again = Executor(LongTailScheduler(w), SimEngine(w, 0.0001, 64), mode='async').run(
+        [back[u] for u in sorted(handed)])
+    assert all(r != 'error' for r in again.finish_reasons) and len(again.outputs) == 4
