@@ -30,6 +30,7 @@ from typing import Any, Deque, Dict, List
 
 from mtflow import RolloutInferRequest, Scheduler
 from mtflow.core.protocol import RolloutOutput, make_choice, make_response
+from mtflow.engine.resume import GenerationAborted, current_prefix
 
 
 _CACHE: Dict[Any, Dict[tuple, Any]] = {}  # drawn values per workload: the same draws, computed once
@@ -109,9 +110,11 @@ class _Core:
         self.running = 0
         self.max_active = 0
 
-    async def generate(self, steps: int) -> None:
+    async def generate(self, steps: int, progress: Any = None) -> None:
+        """``steps`` decode steps; ``progress`` (a dict) gets ``'t0'``, when a slot was given."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        fut.progress = progress  # type: ignore[attr-defined]
         if self.running < self.slots:
             self._admit(loop, steps, fut)
         else:
@@ -119,6 +122,8 @@ class _Core:
         await fut
 
     def _admit(self, loop: asyncio.AbstractEventLoop, steps: int, fut: asyncio.Future) -> None:
+        if getattr(fut, 'progress', None) is not None:
+            fut.progress['t0'] = loop.time()
         self.running += 1
         self.max_active = max(self.max_active, self.running)
         handle = loop.call_later(steps * self.decode_s, self._finished, loop, fut)
@@ -144,10 +149,18 @@ class SimEngine:
 
     Works in both modes: lockstep awaits one call per turn (it ends with its longest sequence),
     async mode one call per request. One engine state per event loop (each executor run has its
-    own loop)."""
+    own loop).
 
-    def __init__(self, workload: Workload, decode_s: float = 0.0005, slots: int = 256) -> None:
+    ``resumable=True``: interruptible generation (``mtflow.engine.resume``): a single-request call
+    that is cancelled raises ``GenerationAborted`` with the ids decoded so far (one per decode step
+    since it got its slot), and a call with a prefix decodes only the rest. Token ``k`` of a reply
+    is a function of its position, so a resumed reply is the uninterrupted one exactly; the text
+    comes with the last segment (the cut ones carry ids and logprobs only)."""
+
+    def __init__(self, workload: Workload, decode_s: float = 0.0005, slots: int = 256,
+                 resumable: bool = False) -> None:
         self.workload, self.decode_s, self.slots = workload, decode_s, slots
+        self.resumable = resumable
         # by loop object, not id(): a closed loop's id recurs, and its core's state must not carry over
         self._cores: 'weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Core]' = weakref.WeakKeyDictionary()
         self.calls: List[int] = []  # requests per call
@@ -161,14 +174,17 @@ class SimEngine:
             core = self._cores[loop] = _Core(self.decode_s, self.slots)
         return core
 
-    def reply(self, request: Any) -> RolloutOutput:
+    def reply(self, request: Any, start: int = 0, end: Any = None) -> RolloutOutput:
+        """The reply's tokens ``start:end`` (all of it by default; the text only with its end)."""
         uuid = str(request.uuid)
         turn = _turn_of(request)
         n = self.workload.reply_tokens(uuid, turn)
+        stop = n if end is None else end
         base = zlib.crc32(f'{uuid}/{turn}'.encode())
-        ids = [(base + 7 * k) % 50000 for k in range(n)]
-        logprobs = [-((base + k) % 97) / 97.0 for k in range(n)]
-        choice = make_choice(f'{uuid} turn {turn}: {n} tokens', token_ids=ids, logprobs=logprobs, finish_reason='stop')
+        ids = [(base + 7 * k) % 50000 for k in range(start, stop)]
+        logprobs = [-((base + k) % 97) / 97.0 for k in range(start, stop)]
+        text = f'{uuid} turn {turn}: {n} tokens' if stop == n else ''
+        choice = make_choice(text, token_ids=ids, logprobs=logprobs, finish_reason='stop')
         return RolloutOutput(response=make_response(choice, model='sim'))
 
     async def __call__(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
@@ -180,6 +196,8 @@ class SimEngine:
         try:
             core = self.core()
             steps = [self.workload.reply_tokens(str(r.uuid), _turn_of(r)) for r in requests]
+            if self.resumable and len(steps) == 1:
+                return await self._resumable(core, requests[0], steps[0])
             if len(steps) == 1:
                 await core.generate(steps[0])
             else:
@@ -187,6 +205,20 @@ class SimEngine:
             return [self.reply(r) for r in requests]
         finally:
             self.in_flight -= len(requests)
+
+
+    async def _resumable(self, core: _Core, request: Any, n: int) -> List[RolloutOutput]:
+        prefix = current_prefix()
+        done = len(prefix) if prefix is not None else 0
+        progress: Dict[str, float] = {}
+        try:
+            await core.generate(max(0, n - done), progress)
+        except asyncio.CancelledError:
+            t0 = progress.get('t0')
+            made = 0 if t0 is None else int((asyncio.get_running_loop().time() - t0) / self.decode_s)
+            made = max(0, min(n - done - 1, made))  # cut before its last token (else it had finished)
+            raise GenerationAborted([self.reply(request, done, done + made)]) from None
+        return [self.reply(request, done)]
 
 
 def _turn_of(request: Any) -> int:

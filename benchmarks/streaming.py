@@ -17,7 +17,8 @@ request was waiting). Outputs of the stream are checked equal, per request, to t
 
 **Memory** (``--part memory``): ``--sizes`` requests (default 10k, 100k; add 1000000) in groups
 of 8, 2 turns each, streamed with a trivial scheduler over a stateless async ``rollout_fn``
-(``--model scripted``: the scripted backend, whose per-uuid call counters grow with N by design),
+(``--model scripted``: the scripted backend, which keeps a call counter per request until the
+stream tells it the request is final, ``ScriptedBackend.forget``),
 each size in its own child process (peak RSS from ``wait4``) against
 ``Executor(mode='async').run`` over the whole list (the baseline: it holds every request and
 output).
@@ -152,7 +153,7 @@ class TwoTurns(Scheduler):
         return {'infer_request': infer_request}
 
 n, group, how, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-if model == 'scripted':  # keeps a call counter per uuid (what replays by request and turn need): grows with n
+if model == 'scripted':  # a call counter per uuid (replays by request and turn need it), forgotten at delivery
     backend = ScriptedBackend(outputs=[{'content': 'a reply of a few words', 'token_ids': [1, 2, 3, 4, 5]}], cycle=True)
 else:  # stateless and async: only the producer's own memory is measured
     async def backend(requests, request_config):
@@ -219,7 +220,8 @@ def main() -> None:
     p.add_argument('--sizes', type=int, nargs='+', default=[10000, 100000])
     p.add_argument('--baseline-max', type=int, default=100000)
     p.add_argument('--model', choices=('stateless', 'scripted'), default='stateless',
-                   help='memory part: a stateless async rollout_fn, or the scripted backend (per-uuid counters)')
+                   help='memory part: a stateless async rollout_fn, or the scripted backend (per-uuid counters, '
+                        'forgotten at delivery)')
     args = p.parse_args()
     if args.part in ('throughput', 'both'):
         bench_throughput(args)

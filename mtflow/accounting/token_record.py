@@ -61,6 +61,9 @@ class TokenTurn:
     rendered: Optional[str] = None
     #: the policy version that sampled this turn (``mtflow.engine.versions``; ``None``: not tracked)
     version: Optional[int] = None
+    #: a generation cut by a weight update and resumed (``mtflow.engine.resume``): the
+    #: ``[start, end, version]`` of each part of ``sampled``; ``None``: one version sampled it all
+    segments: Optional[List[List[int]]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

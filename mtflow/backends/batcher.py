@@ -129,6 +129,9 @@ class DynamicBatcher:
         # passthrough for code that reads a backend's attributes through the rollout_fn
         self.tokenizer = getattr(batch_fn, 'tokenizer', None)
         self.stats = getattr(batch_fn, 'stats', None)
+        forget = getattr(batch_fn, 'forget', None)
+        if callable(forget):  # a backend that keeps per-request state is told when a request is final
+            self.forget = forget
 
     # ---- calling -------------------------------------------------------------------------------
     def submit(self, requests: List[Any], request_config: Any = None) -> Future:

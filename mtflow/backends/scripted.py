@@ -23,10 +23,16 @@ error naming the request.
 as a real engine would; the text is cut with them (to the token strings when the line has them,
 else word by word when it has one word per id; otherwise the line cannot be cut: an error).
 Context-budget tests use it (``docs/context.md``).
+
+Memory: the per-request state (the call count that numbers its turns, a copy's place in its
+prompt's lines) is dropped by :meth:`ScriptedBackend.forget` once the request is final, which a
+stream (``Executor.stream``) and ``mtflow run`` call for every delivered request; so a stream of
+any length holds only the requests in flight (``benchmarks/streaming.py --model scripted``).
 """
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple, Union
@@ -105,6 +111,16 @@ class ScriptedBackend(Backend):
                 self._free.append(line)
         self._next = 0
         self._calls: Dict[str, int] = defaultdict(int)
+        #: an async run calls a sync backend from several threads: the counters move together
+        self._lock = threading.Lock()
+
+    def forget(self, uuid: str) -> None:
+        """Request ``uuid`` is final (delivered, written): drop its call count and copy position,
+        so that memory does not grow with the number of requests served. Its uuid-keyed lines
+        already served stay served (they are the script's, not per-request state)."""
+        with self._lock:
+            self._calls.pop(str(uuid), None)
+            self._copy_pos.pop(str(uuid), None)
 
     def _line_for(self, request: Any) -> Line:
         uuid = str(getattr(request, 'uuid', None))
@@ -137,7 +153,8 @@ class ScriptedBackend(Backend):
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         outputs = []
         for request in requests:
-            line = self._line_for(request)
+            with self._lock:
+                line = self._line_for(request)
             if self.honor_max_tokens:
                 line = _cut(line, options.max_tokens, request)
             lps = line.get('logprobs') if options.logprobs else None

@@ -240,7 +240,7 @@ class RequestRecord:
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
                  'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result',
-                 'finalize_trace', 'segment_start')
+                 'finalize_trace', 'segment_start', 'turn_rewards')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -265,6 +265,8 @@ class RequestRecord:
         self.turn_result: Any = None  # what on_turn_end returned (validated)
         self.finalize_trace: Optional[Dict[str, Any]] = None  # finalize_output's trace_info, for the finish event
         self.segment_start = 0  # turns before the current training segment (a compaction starts one)
+        #: the ``turn_reward`` hook's entries (the executor's; a scheduler's own are in ``infos``)
+        self.turn_rewards: List[Dict[str, Any]] = []
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

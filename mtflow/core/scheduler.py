@@ -82,6 +82,14 @@ class Scheduler:
         (stop, ``max_turns``, error, timeout, interrupted), e.g. to close an environment. Sync or async."""
         return None
 
+    def turn_reward(self, infer_request: Any, response_choice: Any, current_turn: int) -> Optional[float]:
+        """mtflow extension: the reward of this turn's reply, or ``None`` for none. Called after
+        ``on_turn_end``, before the stop decision, for every applied turn; each number is recorded
+        in ``rollout_infos['turn_rewards']`` as ``{'turn', 'reward', 'source': 'turn_reward'}``
+        with the turn's token span, as the YAML ``turn_reward:`` hook's are (``docs/streaming.md``).
+        Anything else fails the request (field ``turn_reward``). Sync or async."""
+        return None
+
     def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
         """mtflow extension: called once per request right after its output is built, before
         ``on_request_finished``; return a replacement output, or ``None`` to keep it (e.g. a
@@ -112,7 +120,10 @@ class HookSet:
     """A scheduler's hooks, resolved once: the bound methods to call, ``None`` for those to skip,
     and which ones are coroutines."""
 
-    def __init__(self, scheduler: Any, image_store: Optional[Callable[[Any], Any]] = None) -> None:
+    def __init__(self, scheduler: Any, turn_reward: Optional[Callable[..., Any]] = None,
+                 image_store: Optional[Callable[[Any], Any]] = None) -> None:
+        """``turn_reward``: ``Executor(turn_reward=fn)``, which takes the place of the scheduler's own;
+        ``image_store``: where each image a step adds goes as the step returns."""
         step = getattr(scheduler, 'step', None)
         if not callable(step):
             raise TypeError(f'scheduler {type(scheduler).__name__!r} has no step(infer_request, response_choice, '
@@ -140,6 +151,12 @@ class HookSet:
 
         end = getattr(scheduler, 'on_trajectory_end', None)
         self.on_trajectory_end = None if end is None or is_default_hook(end, 'on_trajectory_end') else end
+
+        if turn_reward is None:
+            own = getattr(scheduler, 'turn_reward', None)
+            turn_reward = None if not callable(own) or is_default_hook(own, 'turn_reward') else own
+        self.turn_reward: Optional[Callable[..., Any]] = turn_reward
+        self.turn_reward_is_async = turn_reward is not None and _is_async(turn_reward)
 
         finalize = getattr(scheduler, 'finalize_output', None)
         self.finalize_output: Optional[Callable[..., Any]] = (

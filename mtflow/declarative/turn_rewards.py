@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from mtflow.accounting.turn_spans import TURN_REWARDS_KEY, turn_reward_entry
-from mtflow.core.errors import SchedulerResultError
+from mtflow.accounting.turn_spans import TURN_REWARDS_KEY, checked_turn_reward, turn_reward_entry
 from mtflow.core.registry import resolve_reference
 from mtflow.declarative.request_state import RequestState, maybe_await
 from mtflow.declarative.schema import SchedulerConfig
@@ -47,12 +46,9 @@ class TurnRewards:
         if self.hook is None:
             return
         value = await maybe_await(self.hook(request, completion, dict(infos), turn))
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SchedulerResultError(f'turn_reward must return a number or None, got {type(value).__name__}',
-                                       uuid=getattr(request, 'uuid', None), turn=turn, field='turn_reward')
-        state.turn_rewards.append(turn_reward_entry(turn, value, 'turn_reward'))
+        entry = checked_turn_reward(value, turn, getattr(request, 'uuid', None))
+        if entry is not None:
+            state.turn_rewards.append(entry)
 
     @staticmethod
     def infos(state: RequestState) -> Dict[str, Any]:

@@ -263,6 +263,7 @@ class AsyncDriver(Driver):
         config = settings.request_config
         if self.run.context is not None:  # a context budget: this request's max_tokens
             config = self.run.context.config_for(rec, config)
+        config = self.call_config(rec, config)
         timeout = self.run.options.rollout_timeout_s
         self.run.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
         self.in_flight += 1
@@ -281,6 +282,11 @@ class AsyncDriver(Driver):
         finally:
             self.in_flight -= 1
         return Outcome(OK, value, perf_counter() - t)
+
+    def call_config(self, rec: RequestRecord, config: Any) -> Any:
+        """The request config of ``rec``'s call (a stream resuming a cut generation lowers its
+        ``max_tokens``)."""
+        return config
 
     def _rollout_threads(self) -> cf.ThreadPoolExecutor:
         if self.rollout_pool is None:

@@ -119,6 +119,10 @@ class Executor:
         image_store: ``image -> ImageRef``, called with each image a ``step`` added the moment
             it returns (after the image checks); the request then holds the reference, not the
             pixels (``mtflow run`` gives its run directory's store, ``docs/multimodal.md``).
+        turn_reward: ``fn(infer_request, response_choice, current_turn) -> float | None`` (sync
+            or async), called after every turn's ``on_turn_end``; each number is recorded in
+            ``rollout_infos['turn_rewards']`` with the turn's token span (source ``turn_reward``,
+            ``docs/streaming.md``). Takes the place of the scheduler's own ``turn_reward`` method.
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -150,20 +154,22 @@ class Executor:
                  max_concurrency: Optional[int] = None,
                  skip_empty_calls: bool = False,
                  context: Optional[ContextBudget] = None,
-                 image_store: Optional[Callable[[Any], Any]] = None) -> None:
+                 image_store: Optional[Callable[[Any], Any]] = None,
+                 turn_reward: Optional[Callable[..., Any]] = None) -> None:
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
             rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
             check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
-            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context)
+            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context,
+            turn_reward=turn_reward)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
         self.rollout_fn = rollout_fn
         self.request_config = request_config
         self.options = options
-        hooks = HookSet(scheduler, image_store=image_store)
+        hooks = HookSet(scheduler, turn_reward, image_store=image_store)
         self.settings = RunSettings(
             options=options,
             hooks=hooks,
@@ -181,8 +187,8 @@ class Executor:
 
     def set_policy_version(self, version: int) -> None:
         """Declare the version of the weights ``rollout_fn`` samples with from now on (any
-        thread; versions only go forward). Async runs and streams stamp every generated turn
-        with it (``rollout_infos['policy_versions']``); a running stream with ``max_staleness``
+        thread; versions only go forward). Runs (lockstep and async) and streams stamp every
+        generated turn with it (``rollout_infos['policy_versions']``); a running stream with ``max_staleness``
         reacts at once (``docs/streaming.md``). A backend's own ``policy_version`` wins."""
         self.clock.set(version)
 
@@ -254,7 +260,7 @@ class Executor:
             return AsyncDriver(RunState(self.settings, loop, requests, first_turn_outputs), budget, self.clock)
         if until is not None or any(isinstance(r, UnfinishedRequest) for r in requests):
             raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
-        return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs))
+        return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs), self.clock)
 
     def stream(self, source: Any, *, max_concurrency: Optional[int] = None, buffer: Optional[int] = None,
                until: Any = None, max_staleness: Optional[int] = None, stale: str = 'restart',
@@ -266,7 +272,9 @@ class Executor:
         budget (``{'requests'|'groups'|'seconds'|'tokens': n}``), ``max_staleness`` versions at
         most between a group's oldest turn and the weights at delivery (``stale``: ``'restart'``
         or ``'drop'`` a group that would be staler; ``on_update='abort'``: generations in flight
-        at an update are issued again under the new weights). ``docs/streaming.md``."""
+        at an update are issued again under the new weights; ``'resume'``: they go on from the
+        ids they had, with a resumable ``rollout_fn``, :mod:`mtflow.engine.resume`).
+        ``docs/streaming.md``."""
         return open_stream(self.settings, self.clock, close_loop, source, max_concurrency=max_concurrency,
                            buffer=buffer, until=until, max_staleness=max_staleness, stale=stale, on_update=on_update)
 

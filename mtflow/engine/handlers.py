@@ -10,7 +10,7 @@ async mode with one request at a time.
 - ``pending``: :func:`check_uuids` and :func:`start` (``on_trajectory_start``, then into
   ``generating``/``continuing``);
 - ``generating``/``continuing`` (phase ``waiting``): :func:`handle_waiting` applies the model's
-  output (``record.incoming``), runs ``on_turn_end`` and ``check_finished`` and the stop
+  output (``record.incoming``), runs ``on_turn_end``, the ``turn_reward`` hook, ``check_finished`` and the stop
   decision -> ``finish`` / ``run_step`` / ``fail``;
 - ``tool_step``: :func:`handle_tool_step` runs the scheduler's ``step`` -> ``generate`` /
   ``continue_message`` / ``fail``; its two halves, :func:`begin_steps` and :func:`end_steps`,
@@ -34,6 +34,7 @@ from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
+from mtflow.accounting.turn_spans import checked_turn_reward
 from mtflow.engine.context import handle_compacting, relabel, route
 from mtflow.engine.moves import fail_move, outcome_move, wait_move
 from mtflow.engine.model_call import request_failed
@@ -92,7 +93,7 @@ def handle_waiting(run: RunState, records: List[RequestRecord], turn: int) -> Tu
                 failed[rec.index] = fail_move(rec, turn, 'materialize', exc, tokens=rec.tokens)
                 applied.remove(rec)
     try:
-        stops = _stops(run, _turn_end(run, applied, turn, failed), turn, failed)
+        stops = _stops(run, _turn_rewards(run, _turn_end(run, applied, turn, failed), turn, failed), turn, failed)
     finally:
         for rec in records if snapshots else ():
             snapshot = snapshots.get(rec.index)
@@ -179,6 +180,34 @@ def _turn_end(run: RunState, applied: List[RequestRecord], turn: int,
             infos = turn_result.get('rollout_infos')
             if infos:
                 rec.infos.update(infos)
+        kept.append(rec)
+    return kept
+
+
+def _turn_rewards(run: RunState, going: List[RequestRecord], turn: int,
+                  failed: Dict[int, Move]) -> List[RequestRecord]:
+    """The ``turn_reward`` hook (the scheduler's method or ``Executor(turn_reward=)``) for the
+    records still going: each number is kept on the record, in its entry
+    (:func:`mtflow.accounting.turn_spans.checked_turn_reward`, the YAML hook's rule too); a hook
+    that raises, times out or returns something else fails its request only."""
+    hooks = run.hooks
+    hook = hooks.turn_reward
+    if hook is None or not going:
+        return going
+    values, problems, _ = run.caller.values(hook, [(r.request, r.choice, turn) for r in going],
+                                            hooks.turn_reward_is_async, run.options.step_timeout_s, timed=False)
+    kept = []
+    for k, rec in enumerate(going):
+        if problems is not None and k in problems:
+            failed[rec.index] = outcome_move(rec, turn, 'turn_reward', problems[k], rec.tokens)
+            continue
+        try:
+            entry = checked_turn_reward(values[k], turn, rec.uuid)
+        except Exception as exc:
+            failed[rec.index] = fail_move(rec, turn, 'turn_reward', exc, tokens=rec.tokens)
+            continue
+        if entry is not None:
+            rec.turn_rewards.append(entry)
         kept.append(rec)
     return kept
 

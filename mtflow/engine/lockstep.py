@@ -9,12 +9,19 @@ One turn (see ``docs/executor.md``):
 3. ``rollout_fn`` once, with the requests that go on (``[]`` on a rank with nothing live while
    another rank works), so every rank calls it the same number of times (``skip_empty_calls``,
    single rank only: no call when nothing is live, e.g. after the final turn).
+
+Policy versions (:mod:`mtflow.engine.versions`) are stamped as the async driver stamps them:
+once a version was set (``executor.set_policy_version``) or the backend declares one, each
+generated turn gets the version current when its ``rollout_fn`` call was issued (read before
+the call, so an update during it counts the turn as old), after its output is handed over and
+before the turn's hooks run; outputs given as ``first_turn_outputs`` are not stamped (nothing
+was issued). Without a version nothing is stamped and the outputs are as before.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import List
+from typing import List, Optional
 
 from mtflow.core.errors import RankMismatchError
 from mtflow.core.machine import COMPACTING, PENDING, WAITING_STATES, RequestRecord
@@ -23,12 +30,31 @@ from mtflow.engine.handlers import PHASE_HANDLERS, check_uuids, phases, start
 from mtflow.engine.model_call import call_model, deliver
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.result import RunResult
+from mtflow.engine.run_state import RunState
+from mtflow.engine.versions import PolicyClock, stamp
 
 __all__ = ['LockstepDriver']
 
 
 class LockstepDriver(Driver):
     """Every live request moves one turn together, on every rank alike."""
+
+    def __init__(self, run: RunState, clock: Optional[PolicyClock] = None) -> None:
+        super().__init__(run)
+        self.clock = clock
+
+    def issued_version(self) -> Optional[int]:
+        """The version a ``rollout_fn`` call issued now is stamped with, or ``None`` (none set)."""
+        clock, rollout_fn = self.clock, self.run.settings.rollout_fn
+        return clock.current(rollout_fn) if clock is not None and clock.active(rollout_fn) else None
+
+    def stamp_delivered(self, live: List[RequestRecord], version: Optional[int]) -> None:
+        """Stamp the turn each of ``live`` was just handed (a failed call handed none)."""
+        if version is None:
+            return
+        for rec in live:
+            if rec.incoming is not None:
+                stamp(rec, version)
 
     def drive(self) -> RunResult:
         run = self.run
@@ -41,8 +67,10 @@ class LockstepDriver(Driver):
             if compacting:
                 apply_moves(run, PHASE_HANDLERS['compacting'](run, compacting, 1))
             live = [r for r in pending if r.state in WAITING_STATES]
+            version = self.issued_version()
             outputs = call_model(run, live, 1)
         else:
+            version = None  # given, not issued: as the async driver, not stamped
             apply_moves(run, [wait_move(rec, 1) for rec in pending])
             live = [r for r in pending if r.state in WAITING_STATES]
             outputs = run.first_turn_outputs
@@ -59,6 +87,7 @@ class LockstepDriver(Driver):
             run.loops += 1
             if live:
                 deliver(run, live, outputs, turn)
+                self.stamp_delivered(live, version)
             for _name, states, handler in turn_phases:
                 batch = [r for r in live if r.state in states]
                 if batch:
@@ -66,6 +95,7 @@ class LockstepDriver(Driver):
             live = [r for r in live if r.state in WAITING_STATES]
             turn += 1
             run.turn = turn
+            version = self.issued_version()
             if not live and run.options.skip_empty_calls:
                 outputs = []  # one rank, nothing to generate: the contract's empty call is not needed
             else:

@@ -62,6 +62,7 @@ class ExecutorOptions:
     max_concurrency: Optional[int] = None
     skip_empty_calls: bool = False
     context: Optional[ContextBudget] = None
+    turn_reward: Optional[Callable[..., Any]] = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ('raise', 'return'):
@@ -72,6 +73,8 @@ class ExecutorOptions:
             raise ValueError(f'turn_cap must be an int >= 1, not {self.turn_cap!r}')
         if self.on_finished is not None and not callable(self.on_finished):
             raise TypeError(f'on_finished must be callable, not {type(self.on_finished).__name__}')
+        if self.turn_reward is not None and not callable(self.turn_reward):
+            raise TypeError(f'turn_reward must be callable, not {type(self.turn_reward).__name__}')
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'lockstep' or 'async', not {self.mode!r}")
         if self.max_concurrency is not None and (not _is_int(self.max_concurrency) or self.max_concurrency < 1):

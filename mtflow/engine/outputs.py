@@ -15,7 +15,7 @@ from mtflow.core.protocol import RolloutOutput
 from mtflow.core.records import FinishedRequest
 from mtflow.core.trace import TraceEvent
 from mtflow.accounting.segments import checked_logprobs
-from mtflow.accounting.turn_spans import TURN_REWARDS_KEY, with_spans
+from mtflow.accounting.turn_spans import TURN_REWARDS_KEY, merged_entries, with_spans
 from mtflow.engine.run_state import RunState, failure_of
 
 __all__ = ['OutputFailed', 'finalized_output', 'build_output', 'notify_finished', 'detach_messages']
@@ -69,6 +69,8 @@ def build_output(run: RunState, rec: RequestRecord, turn: int, strict: bool = Fa
     """The output of the run's output class from the record. ``strict``: a record that cannot
     make one raises :class:`OutputFailed`; otherwise mtflow's own output class takes it."""
     infos = {**rec.infos, 'num_turns': turn}
+    if rec.turn_rewards:  # the executor's turn_reward hook, beside the scheduler's own entries
+        infos[TURN_REWARDS_KEY] = merged_entries(infos.get(TURN_REWARDS_KEY), rec.turn_rewards)
     if TURN_REWARDS_KEY in infos:  # each per-turn reward with the span of its turn's tokens
         infos[TURN_REWARDS_KEY] = with_spans(infos[TURN_REWARDS_KEY], rec.ids, turn)
     if rec.error is not None:

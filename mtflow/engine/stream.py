@@ -21,7 +21,9 @@ fed from an iterator instead of a list:
   prompts, ``'drop'`` discards it. Such a group is interrupted as soon as an update makes it
   stale (its generations in flight are cancelled), not when it finishes. ``on_update='abort'``
   also cancels every generation in flight at an update and issues it again under the new weights
-  from the exact token record it had (AReaL's interruptible generation at turn granularity);
+  from the exact token record it had (the turn is generated again); ``'resume'`` (a resumable
+  ``rollout_fn``, :mod:`mtflow.engine.resume`) cancels them too but continues each from the
+  exact ids it had generated, under the new version (AReaL's interruptible generation);
   ``'keep'`` (default) lets it finish.
 
 The driver runs in its own thread (:class:`Stream`), so the engine keeps generating while the
@@ -33,22 +35,27 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import queue
 import threading
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, AsyncIterator, Deque, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Union
 
 from collections import deque
 
-from mtflow.core.calls import OK, RAISED
+from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RequestFailure
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, RequestRecord
 from mtflow.core.trace import TraceEvent
+from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.async_driver import AsyncDriver, _Stopped, _is_async_callable
+from mtflow.engine.context import with_max_tokens
 from mtflow.engine.handlers import start
 from mtflow.engine.moves import apply_moves, interrupt_all
 from mtflow.engine.partial import UnfinishedRequest
+from mtflow.engine.resume import (SEGMENTS_KEY, GenerationAborted, ResumeFrom, is_resumable, merged_output,
+                                  reset_prefix, segment_of, set_prefix, version_spans)
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
 from mtflow.engine.versions import PolicyClock, versions_of
 
@@ -61,7 +68,7 @@ DEFAULT_STREAM_CONCURRENCY = 64
 #: what happens to a group that would be delivered too stale
 STALE_POLICIES = ('restart', 'drop')
 #: what happens to the generations in flight when the weights change
-UPDATE_POLICIES = ('keep', 'abort')
+UPDATE_POLICIES = ('keep', 'abort', 'resume')
 
 _END = object()
 
@@ -159,6 +166,22 @@ class _NoEvents(list):
         pass
 
 
+def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
+    """The ``forget(uuid)`` of a ``rollout_fn`` that keeps state per request (the scripted and
+    replay backends), looked up through its wrappers (``__wrapped__``, a bound method's object),
+    or ``None``. A stream calls it once for each request that is final, so that such a backend's
+    memory stays flat however many requests stream through it."""
+    fn = rollout_fn
+    for _ in range(8):  # a few wrappers deep, never a cycle
+        if fn is None:
+            return None
+        forget = getattr(fn, 'forget', None)
+        if callable(forget):
+            return forget
+        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
+    return None
+
+
 def _fresh(request: Any) -> Any:
     """A copy of a request before its first turn (messages are extended in place)."""
     copier = getattr(request, 'model_copy', None)
@@ -185,6 +208,7 @@ class StreamDriver(AsyncDriver):
         self.stale_policy = stale
         self.on_update = on_update
         self.deliver_fn = deliver
+        self.forget_request = forget_fn(run.settings.rollout_fn)
         self.groups: Dict[int, _Group] = {}  # record index -> its group
         self.next_index = 0
         self.next_seq = 0
@@ -199,8 +223,16 @@ class StreamDriver(AsyncDriver):
         self.handed_out = 0  # groups put in the consumer's queue, ever
         #: groups the consumer found too stale when it took them, to run again (its thread appends)
         self.returned: Deque[StreamGroup] = deque()
+        #: guards ``returned`` against the driver's end: a group the consumer sends back after
+        #: the driver ended is handed back (``unfinished``) in the consumer's thread instead
+        self.returned_lock = threading.Lock()
+        self.ended = False
         self.unfinished: List[UnfinishedRequest] = []
+        #: ``on_update='resume'``: the segments a cut generation had, by record index
+        self.prefixes: Dict[int, ResumeFrom] = {}
+        self.resumed_spans: Dict[int, List[List[Any]]] = {}
         self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
+                      'resumed_generations': 0, 'handed_back_groups': 0,
                       'backpressure_waits': 0, 'max_active': 0}
 
     # ---- other threads -----------------------------------------------------------------------
@@ -240,6 +272,8 @@ class StreamDriver(AsyncDriver):
                     if self.over_budget():
                         self.stop()
         except BaseException:
+            with self.returned_lock:
+                self.ended = True
             self.cancel_all()
             self.close_pools(wait=False)
             raise
@@ -247,6 +281,12 @@ class StreamDriver(AsyncDriver):
         self.restore_records()
         if self.interrupting and self.unfinished:
             self.deliver_interrupted()
+        with self.returned_lock:
+            self.ended = True
+            left = list(self.returned)
+            self.returned.clear()
+        for stale in left:  # sent back after the budget stopped the stream: run again on resume
+            self.hand_back_group(stale)
 
     def deliver_interrupted(self) -> None:
         """An interrupt (:meth:`Stream.interrupt`): the requests handed back are finished with
@@ -266,15 +306,43 @@ class StreamDriver(AsyncDriver):
         come back to run again): the stream ends only once every group handed out was taken."""
         return self.max_staleness is None or (self.taken >= self.handed_out and not self.returned)
 
+    def take_back(self, group: StreamGroup) -> None:
+        """The consumer found ``group`` too stale (its thread): run it again, or, once the driver
+        has ended, hand it back unfinished at once."""
+        with self.returned_lock:
+            if not self.ended:
+                self.returned.append(group)
+                return
+        self.hand_back_group(group)
+
+    def hand_back_group(self, stale: StreamGroup) -> None:
+        """A stale group that cannot run again here (the stream is stopping or over): not
+        delivered after all; its members go back in :attr:`unfinished` as fresh prompts (not
+        started), so that ``Executor(mode='async').run(stream.unfinished)`` or ``mtflow run
+        --resume`` runs them."""
+        self.uncount(stale)
+        self.stats['handed_back_groups'] += 1
+        for prompt in stale.prompts:
+            index = self.next_index
+            self.next_index += 1
+            self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))
+
+    def uncount(self, stale: StreamGroup) -> None:
+        self.delivered_groups -= 1
+        self.delivered_requests -= len(stale.outputs)
+        self.delivered_tokens -= stale.tokens
+
     def readmit_returned(self) -> None:
-        """Run again, from their prompts, the groups the consumer found too stale."""
-        while self.returned:
-            stale = self.returned.popleft()
+        """Run again, from their prompts, the groups the consumer found too stale (handed back
+        instead when the stream is stopping)."""
+        with self.returned_lock:
+            returned = list(self.returned)
+            self.returned.clear()
+        for stale in returned:
             if self.stopping:
+                self.hand_back_group(stale)
                 continue
-            self.delivered_groups -= 1
-            self.delivered_requests -= len(stale.outputs)
-            self.delivered_tokens -= stale.tokens
+            self.uncount(stale)
             self.stats['restarted_groups'] += 1
             group = _Group(stale.seq, [_fresh(p) for p in stale.prompts], restarts=stale.restarts + 1)
             self.admit(group, stale.prompts)
@@ -352,7 +420,7 @@ class StreamDriver(AsyncDriver):
             if self.kinds.get(index) != 'generate':
                 continue
             group = self.groups.get(index)
-            if self.on_update == 'abort' or (group is not None and self.too_stale(group)):
+            if self.on_update != 'keep' or (group is not None and self.too_stale(group)):
                 task.cancel()
         if self.max_staleness is not None:
             for group in {id(g): g for g in self.groups.values()}.values():
@@ -375,9 +443,36 @@ class StreamDriver(AsyncDriver):
             group.doomed = True
             self.wind_down(rec)  # no more work for a group that will not be delivered
             return
-        super().generate(rec, turn)
+        prefix = self.prefixes.get(rec.index)
+        if prefix is None:
+            super().generate(rec, turn)
+            return
+        token = set_prefix(prefix)  # the call's task copies the context: it sees the prefix
+        try:
+            super().generate(rec, turn)
+        finally:
+            reset_prefix(token)
+
+    def call_config(self, rec: RequestRecord, config: Any) -> Any:
+        """A resumed generation's ``max_tokens``: what is left after the ids it already has."""
+        prefix = self.prefixes.get(rec.index)
+        if prefix is None:
+            return config
+        limit = config.get('max_tokens') if isinstance(config, dict) else getattr(config, 'max_tokens', None)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return config  # the backend's own default: it is told the prefix, it knows its limit
+        return with_max_tokens(config, max(1, limit - len(prefix)))
 
     def on_completion(self, kind: str, rec: Any, turn: int, outcome: Any) -> None:
+        if kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, GenerationAborted):
+            if self.stopping:  # the budget: handed back, the turn generated again on resume
+                self.prefixes.pop(rec.index, None)
+                outcome = Outcome(RAISED, _Stopped('cancelled'), outcome.duration)
+            else:
+                self.resume(rec, turn, outcome.value)
+                return
+        if kind == 'generate' and outcome.kind == OK and rec.index in self.prefixes:
+            outcome = self.merge(rec, outcome)
         stopped = kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, _Stopped)
         if stopped and not self.stopping:  # cancelled by an update, not by the budget
             group = self.groups.get(rec.index)
@@ -394,6 +489,45 @@ class StreamDriver(AsyncDriver):
             if group is not None:
                 group.tokens += _completion_tokens(outcome.value)
         super().on_completion(kind, rec, turn, outcome)
+
+    def resume(self, rec: RequestRecord, turn: int, aborted: GenerationAborted) -> None:
+        """A generation cut by an update (``on_update='resume'``): keep what it generated, with
+        the version that sampled it, and issue the rest under the new version."""
+        group = self.groups.get(rec.index)
+        self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
+        if group is not None and (group.doomed or self.too_stale(group)):
+            group.doomed = True
+            self.prefixes.pop(rec.index, None)
+            self.wind_down(rec)
+            return
+        prefix = self.prefixes.setdefault(rec.index, ResumeFrom())
+        prefix.segments.append(segment_of(aborted.output, self.issued_version.get(rec.index)))
+        self.stats['resumed_generations'] += 1
+        self.generate(rec, turn)
+
+    def merge(self, rec: RequestRecord, outcome: Outcome) -> Outcome:
+        """The last segment of a resumed turn arrived: the turn's one output, stamped with its
+        oldest segment's version; the segments' spans are recorded when it is applied."""
+        prefix = self.prefixes.pop(rec.index)
+        merged = merged_output(prefix, outcome.value)
+        last = self.issued_version.get(rec.index)
+        own = len(merged[0].response.choices[0].token_ids or []) - len(prefix) if merged is not outcome.value else 0
+        self.resumed_spans[rec.index] = version_spans(prefix, own, last)
+        oldest = next((seg.version for seg in prefix.segments if seg.version is not None), None)
+        if oldest is not None:
+            self.issued_version[rec.index] = oldest
+        return Outcome(OK, merged, outcome.duration)
+
+    def on_generated(self, rec: RequestRecord, turn: int) -> None:
+        super().on_generated(rec, turn)
+        spans = self.resumed_spans.pop(rec.index, None)
+        if spans is None:
+            return
+        rec.infos.setdefault(SEGMENTS_KEY, []).append({'turn': turn, 'segments': spans})
+        record = getattr(rec.request, RECORD_ATTR, None)
+        turns = getattr(record, 'turns', None)
+        if turns:
+            turns[-1].segments = spans
 
     def restore_record(self, rec: RequestRecord) -> None:
         before = self.records_before.pop(rec.index, None)
@@ -434,6 +568,8 @@ class StreamDriver(AsyncDriver):
         self.records_before.pop(index, None)
         self.issued_version.pop(index, None)
         self.admission_moves.pop(index, None)
+        self.prefixes.pop(index, None)
+        self.resumed_spans.pop(index, None)
 
     def complete(self, group: _Group) -> None:
         for rec in group.records:
@@ -441,6 +577,7 @@ class StreamDriver(AsyncDriver):
         if group.doomed or self.too_stale(group):
             if self.stale_policy == 'drop':
                 self.stats['dropped_groups'] += 1
+                self.release(rec.uuid for rec in group.records)
                 return
             self.stats['restarted_groups'] += 1
             group.restarts += 1
@@ -454,6 +591,14 @@ class StreamDriver(AsyncDriver):
         self.delivered_requests += len(group.records)
         self.delivered_tokens += group.tokens
         self.deliver_fn(delivered)
+
+    def release(self, uuids: Iterable[str]) -> None:
+        """These requests are final (taken by the consumer, or dropped): the ``rollout_fn``'s
+        ``forget`` drops what it keeps for them (:func:`forget_fn`). Not for a group that runs
+        again (a restart replays from its prompts, as before) nor for a request handed back."""
+        if self.forget_request is not None:
+            for uuid in uuids:
+                self.forget_request(uuid)
 
     def delivered(self, group: _Group, current: int) -> StreamGroup:
         """The :class:`StreamGroup` of a finished group (its failures leave the run's list)."""
@@ -555,12 +700,13 @@ class Stream:
                 if self._error is not None:
                     raise self._error
                 raise StopIteration
-            if self._fresh_enough(item):
-                self.driver.taken += 1
-                self.driver.poke()
-                return item
+            fresh = self._fresh_enough(item)
+            if fresh or self.driver.stale_policy == 'drop':  # final: delivered, or dropped
+                self.driver.release(item.uuids)
             self.driver.taken += 1
             self.driver.poke()
+            if fresh:
+                return item
 
     def _fresh_enough(self, group: StreamGroup) -> bool:
         """The bound again when the consumer takes a group (the weights may have moved while it
@@ -577,7 +723,7 @@ class Stream:
         if driver.stale_policy == 'drop':
             self.dropped_when_taken += 1
         else:
-            driver.returned.append(group)
+            driver.take_back(group)
         return False
 
     def close(self) -> None:
@@ -670,9 +816,12 @@ def open_stream(settings: RunSettings, clock: PolicyClock, close_loop: Any, sour
         raise ValueError(f'stream: stale must be one of {STALE_POLICIES}, not {stale!r}')
     if on_update not in UPDATE_POLICIES:
         raise ValueError(f'stream: on_update must be one of {UPDATE_POLICIES}, not {on_update!r}')
-    if on_update == 'abort' and not _is_async_callable(settings.rollout_fn):
-        raise ValueError("stream: on_update='abort' needs an async rollout_fn (a generation in a thread cannot "
-                         'be cancelled; a backend\'s async_rollout_fn() is one)')
+    if on_update != 'keep' and not _is_async_callable(settings.rollout_fn):
+        raise ValueError(f"stream: on_update={on_update!r} needs an async rollout_fn (a generation in a thread "
+                         'cannot be cancelled; a backend\'s async_rollout_fn() is one)')
+    if on_update == 'resume' and not is_resumable(settings.rollout_fn):
+        raise ValueError("stream: on_update='resume' needs a rollout_fn that returns what it generated when it is "
+                         "cut (resumable = True; mtflow.engine.resume); use 'abort' to generate the turn again")
     if settings.options.gather_fn is not None:
         raise ValueError('stream: one rank per stream (no gather_fn): each rank streams its own source')
     budget = StreamUntil.coerce(until)

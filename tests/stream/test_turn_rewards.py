@@ -68,3 +68,76 @@ def test_a_turn_reward_that_is_not_a_number_fails_its_request_by_name():
     result = Executor(sched, _scripted({'a': ['x', 'y']}), max_turns=2, on_error='return').run([req('a')])
     assert result.finish_reasons == ['error']
     assert 'turn_reward must return a number or None' in str(result.failures[0].error)
+
+
+# ---- the engine's turn_reward hook: a Python scheduler's method, or Executor(turn_reward=) --------------
+from mtflow import Scheduler  # noqa: E402
+
+
+class Talk(Scheduler):
+    """Three turns of plain replies; the reward is the reply's word count, none for 'skip'."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= 3
+
+    def step(self, infer_request, response_choice, current_turn):  # the contract: a step names its turn's ids
+        infer_request.messages.append({'role': 'user', 'content': 'go on'})
+        return {'infer_request': infer_request, 'response_token_ids': response_choice.token_ids}
+
+    def turn_reward(self, infer_request, response_choice, current_turn):
+        text = response_choice.message.content
+        return None if 'skip' in text else float(len(text.split()))
+
+
+TALK = {'a': ['one two', 'skip this', 'three four five'], 'b': ['x', 'y z', 'skip']}
+
+
+@pytest.mark.parametrize('mode', ['lockstep', 'async'])
+def test_a_python_schedulers_turn_reward_is_recorded_with_its_span(mode):
+    result = Executor(Talk(max_turns=3), _scripted(TALK), mode=mode).run([req('a'), req('b')])
+    a, b = result.outputs
+    assert _spans(a) == [(1, 'turn_reward', 2.0, True), (3, 'turn_reward', 3.0, True)]
+    assert _spans(b) == [(1, 'turn_reward', 1.0, True), (2, 'turn_reward', 2.0, True)]
+    assert a.rollout_infos['turn_rewards'][1]['span'] == [4, 7]  # 2 + 2 ids before turn 3's three
+
+
+def test_executor_turn_reward_takes_the_schedulers_place_and_may_be_async():
+    calls = []
+
+    async def bonus(infer_request, response_choice, current_turn):
+        calls.append((infer_request.uuid, current_turn))
+        return -0.5 if current_turn == 2 else None
+
+    result = Executor(Talk(max_turns=3), _scripted(TALK), turn_reward=bonus).run([req('a')])
+    assert sorted(calls) == [('a', 1), ('a', 2), ('a', 3)]
+    assert _spans(result.outputs[0]) == [(2, 'turn_reward', -0.5, True)]
+    with pytest.raises(TypeError, match='turn_reward must be callable'):
+        Executor(Talk(), _scripted(TALK), turn_reward=3)
+
+
+def test_the_engine_hook_and_a_yaml_schedulers_own_rewards_are_merged_in_turn_order():
+    sched = load_scheduler({
+        'name': 'calc', 'max_turns': 4, 'parser': 'hermes',
+        'tools': [{'name': 'calculator', 'reward': {'ok': 0.5, 'error': -1.0}}],
+        'observation': {'mode': 'message', 'role': 'tool'},
+    })
+    replies = {'a': [CALC.format('2 + 3'), CALC.format('2 +'), 'skip: the answer is 5']}
+    result = Executor(sched, _scripted(replies), max_turns=4, on_error='return',
+                      turn_reward=lambda r, c, t: float(t)).run([req('a')])
+    assert result.failures == []
+    got = _spans(result.outputs[0])
+    assert got == [(1, 'tools', 0.5, True), (1, 'turn_reward', 1.0, True), (2, 'tools', -1.0, True),
+                   (2, 'turn_reward', 2.0, True), (3, 'turn_reward', 3.0, True)]
+
+
+def test_a_python_turn_reward_that_is_not_a_number_fails_its_request_by_name():
+    class Bad(Talk):
+        def turn_reward(self, infer_request, response_choice, current_turn):
+            return 'high' if infer_request.uuid == 'b' else 1
+
+    result = Executor(Bad(max_turns=3), _scripted(TALK), on_error='return').run([req('a'), req('b')])
+    assert result.finish_reasons[0] != 'error' and result.finish_reasons[1] == 'error'
+    failure = result.failures[0]
+    assert failure.uuid == 'b' and failure.phase == 'turn_reward'
+    assert 'turn_reward must return a number or None, got str' in str(failure.error)
+    assert [e['reward'] for e in result.outputs[0].rollout_infos['turn_rewards']] == [1.0, 1.0, 1.0]

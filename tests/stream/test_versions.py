@@ -79,3 +79,77 @@ def test_the_token_record_keeps_each_turns_version():
     for req, o in zip(reqs, out):
         assert o.rollout_infos['policy_versions'] == [0, 1, 2]
         assert [t.version for t in req.token_record.turns] == [0, 1, 2]
+
+
+@pytest.mark.parametrize('mode, n', [('lockstep', 1), ('async', 1), ('lockstep', 3)])
+def test_lockstep_stamps_each_turn_as_async_does(mode, n):
+    w = Workload(seed=0)
+    box: list = []
+    ex = Executor(Bump(box), SimEngine(w, 0.0001, 8), mode=mode)
+    box.append(ex)
+    ex.set_policy_version(0)
+    result = ex.run(_requests(n))
+    # lockstep: every request's step moves to the turn just finished, and the next turn is issued
+    # after all of them, so each request's turns are 0, 1, 2, as one request's are in async mode
+    assert [o.rollout_infos['policy_versions'] for o in result.outputs] == [[0, 1, 2]] * n
+
+
+def test_lockstep_reads_the_version_when_the_call_is_issued():
+    w = Workload(seed=0)
+    engine = SimEngine(w, 0.0001, 8)
+    box: list = []
+
+    def rollout_fn(requests, request_config=None):
+        out = engine(requests, request_config)
+        box[0].set_policy_version(box[0].policy_version + 10)  # an update during the call: the turn is old
+        return out
+
+    class TwoTurns(Scheduler):
+        def check_finished(self, infer_request, response_choice, current_turn):
+            return current_turn >= 2
+
+        def step(self, infer_request, response_choice, current_turn):
+            infer_request.messages.append({'role': 'user', 'content': 'more'})
+            return {'infer_request': infer_request}
+
+    ex = Executor(TwoTurns(max_turns=2), rollout_fn, skip_empty_calls=True)
+    box.append(ex)
+    ex.set_policy_version(1)
+    out = ex.run(_requests(2)).outputs
+    assert [o.rollout_infos['policy_versions'] for o in out] == [[1, 11]] * 2
+
+
+def test_lockstep_plain_runs_and_first_turn_outputs_stamp_nothing_new():
+    from mtflow.backends.scripted import ScriptedBackend
+
+    w = Workload(seed=0)
+    plain = Executor(LongTailScheduler(w), SimEngine(w, 0.0001, 8)).run(w.requests(3)).outputs
+    assert all('policy_versions' not in o.rollout_infos for o in plain)
+    for mode in ('lockstep', 'async'):
+        backend = ScriptedBackend(outputs=['a reply'], cycle=True)
+        first = backend(_requests(1))  # one request: in async mode two would race their updates
+        box: list = []
+        ex = Executor(Bump(box), backend, mode=mode)
+        box.append(ex)
+        ex.set_policy_version(0)
+        out = ex.run(_requests(1), first_turn_outputs=first).outputs
+        assert out[0].rollout_infos['policy_versions'] == [1, 2], mode  # turn 1 was given, not issued
+
+
+@pytest.mark.slow  # the tiny model on CPU: tens of seconds on a loaded machine
+def test_lockstep_token_record_keeps_each_turns_version():
+    pytest.importorskip('transformers')
+    from mtflow.backends.hf import HFBackend
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    backend = HFBackend(make_model(tok, seed=1), tok, default_max_tokens=4)
+    box: list = []
+    ex = Executor(Bump(box), backend, {'max_tokens': 4, 'temperature': 0})
+    box.append(ex)
+    ex.set_policy_version(0)
+    reqs = _requests(2)
+    out = ex.run(reqs).outputs
+    for req, o in zip(reqs, out):
+        assert o.rollout_infos['policy_versions'] == [0, 1, 2]
+        assert [t.version for t in req.token_record.turns] == [0, 1, 2]
