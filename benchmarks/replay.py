@@ -72,7 +72,7 @@ def _child_out(argv: List[str], cwd: Path) -> Tuple[int, float, float, str]:
 
 #: the command timed inside the child, after the imports (what both commands share: the interpreter
 #: start and mtflow's imports, ~1-2 s here, are left out)
-TIMED = 'import sys, time; from mtflow.cli import main; t = time.perf_counter(); main(sys.argv[1:]); ' \
+TIMED = 'import sys, time; from mtflow.cli import main; t = time.perf_counter(); main(); ' \
         'print(f"TIMED {time.perf_counter() - t:.4f}")'
 
 

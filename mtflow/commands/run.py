@@ -40,7 +40,6 @@ from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
 from mtflow.data.sources import count_requests
-from mtflow.distributed.ray_cli import RayRollout
 from mtflow.run.assembly import SchedulerFactory, build_backend, scheduler_factory, seed_everything
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
@@ -266,6 +265,7 @@ class _Attempt:
         if getattr(self.args, 'otel', None):
             raise RunSetupError("--otel is not available with --ray: the actors' trace events do not pass "
                                 'through this process')
+        from mtflow.distributed.ray_cli import RayRollout  # lazy: only --ray needs the fan-out (every start paid it)
         fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.progress_mode)
         self.backend = fan_out.backend
         fan_out.run(self.figures)

@@ -53,12 +53,16 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec='seconds')
 
 
+#: ``json.dumps(obj, ensure_ascii=False, default=str)`` without building an encoder per line
+_LINE_ENCODER = json.JSONEncoder(ensure_ascii=False, default=str)
+
+
 def json_line(obj: Record) -> str:
     """One record as JSON without its newline: ``json.dumps`` escapes newlines inside strings, so
     a record is always one line."""
     if not isinstance(obj, dict):
         obj = obj.to_dict()
-    return json.dumps(obj, ensure_ascii=False, default=str)
+    return _LINE_ENCODER.encode(obj)
 
 
 def fsync_dir(path: Path) -> None:

@@ -76,6 +76,9 @@ class TurnLog:
         self._notes: Dict[str, List[Dict[str, Any]]] = {}
         #: called with each finished request's uuid (the replay backend drops its record)
         self.on_finish: Optional[Callable[[str], None]] = None
+        #: the prompt digest the backend already computed for a request of the call just made, or
+        #: ``None`` (the replay backend compares digests: each is computed once, not twice)
+        self.known_digest: Optional[Callable[[Any], Optional[str]]] = None
 
     def note(self, requests: List[Any], outputs: Any) -> None:
         try:
@@ -84,11 +87,13 @@ class TurnLog:
             return
         if len(outs) != len(requests):
             return  # the executor fails these requests; nothing to replay
+        known = self.known_digest
         for request, output in zip(requests, outs):
             turn = output_turn(output)
             if turn is None:
                 continue
-            turn['prompt'] = prompt_digest(getattr(request, 'messages', None))
+            digest = known(request) if known is not None else None
+            turn['prompt'] = digest if digest is not None else prompt_digest(getattr(request, 'messages', None))
             self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
 
     def wrap(self, rollout_fn: Any) -> Any:
