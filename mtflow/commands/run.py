@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from rich.console import Console
-
 from mtflow.backends import BackendError, check_backend_name, split_options
 from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
@@ -303,6 +301,7 @@ class _Attempt:
         cfg = self.cfg
         status = None
         if self.progress_mode == 'bar':
+            from rich.console import Console  # rich only for the shown status (``-q`` shows none)
             status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
             status.start()
         started = time.perf_counter()
