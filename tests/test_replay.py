@@ -40,6 +40,7 @@ def test_every_line_records_each_model_call_without_a_second_copy(recorded):
     _, cfg, run = recorded
     info = json.loads((run / 'run.json').read_text())
     assert info['replay_format'] == 1 and info['config_file'] == str(cfg.resolve())
+    assert (run / info['config_file_from_run']).resolve() == cfg.resolve()
     script = [json.loads(line) for line in SCRIPT.read_text().splitlines()]
     by_text = {s['content']: s for s in script}
     for line in _lines(run):

@@ -41,6 +41,7 @@ from mtflow.data.sources import count_requests
 from mtflow.run.assembly import SchedulerFactory, build_backend, scheduler_factory, seed_everything
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
+from mtflow.run.files import config_file_meta
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load, check_env_servers
 from mtflow.run.progress import progress_mode
@@ -191,8 +192,9 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
 
 def run_meta(cfg: RunConfig) -> Dict[str, Any]:
     """What ``run.json`` says beyond the fingerprint, for ``mtflow replay`` / ``rescore``: the
-    config file (the default config of a replay) and the version of the lines' ``turns``."""
-    return {'config_file': str(Path(cfg.source).resolve()) if cfg.source else None, 'replay_format': REPLAY_FORMAT}
+    config file (the default config of a replay; absolute, and relative to the run directory:
+    ``mtflow/run/files.py`` ``config_file_meta``) and the version of the lines' ``turns``."""
+    return {**config_file_meta(cfg.source, cfg.out), 'replay_format': REPLAY_FORMAT}
 
 
 def dataset_file(cfg: RunConfig) -> Optional[Path]:
