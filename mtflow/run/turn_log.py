@@ -38,6 +38,10 @@ def _message_dict(message: Any) -> Dict[str, Any]:
     return dump() if callable(dump) else dict(vars(message))
 
 
+#: ``json.dumps(..., ensure_ascii=False, sort_keys=True, default=str)``, one encoder for every digest
+_DIGEST_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, default=str)
+
+
 def prompt_digest(messages: Any) -> str:
     """A short, stable digest of the messages a model call was given (role, content, tool calls):
     equal prompts, equal digests. 16 hex digits of SHA-256 (a collision by chance is negligible)."""
@@ -45,7 +49,7 @@ def prompt_digest(messages: Any) -> str:
     for m in messages or ():
         d = _message_dict(m)
         shown.append([d.get('role'), d.get('content'), d.get('tool_calls')])
-    raw = json.dumps(shown, ensure_ascii=False, sort_keys=True, default=str)
+    raw = _DIGEST_ENCODER.encode(shown)
     return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:16]
 
 
