@@ -5,8 +5,11 @@
 the sandboxed ``python`` tool (a real subprocess per call, as in training) and whose second turn
 answers; then ``mtflow replay --tools recorded`` of it (the recorded outputs, tool results from
 the record, the scheduler and reward re-run). Both are child processes on the same machine, run
-side by side (original, replay, original, replay, ... ``--repeats``), best wall time of each; the
-replay must be identical (``mtflow diff`` exit 0).
+side by side (original, replay, original, replay, ... ``--repeats``), best wall time of each, and
+the least CPU time of each (user + sys from ``wait4``: the child and the sandboxes it waited for;
+on a loaded machine the wall ratio falls, the CPU ratio does not); the replay must be identical
+(``mtflow diff`` exit 0). The children compile mtflow once into a bytecode cache first (as an
+installed package is), unless ``--cold-imports``.
 
 ``diff``: two runs of N requests each (default 10k and 100k; lines copied from a real scripted
 run, new uuids, 1% of B's requests with another observation and reward), compared by
