@@ -24,7 +24,7 @@ While a test runs, every :class:`mtflow.Executor` run it makes publishes its tra
   test and fails with the diff unless the runs are identical (``docs/replay.md``)::
 
       def test_env_unchanged(mtflow_replay):
-          mtflow_replay('tests/data/replay_example/run', 'tests/data/replay_example/config.yaml')
+          mtflow_replay('tests/data/replay_example/run')  # its own config, found next to it
 
 It costs nothing in a session that runs no executor: the listener only appends to a list, and the
 viewer is imported only to format a failure.
@@ -166,7 +166,8 @@ def mtflow_check_tokens() -> Any:
 def mtflow_replay(tmp_path: Path) -> Any:
     """``replay(run_dir, config=None, *, tools='live', fields=None) -> dict``: replay a stored run
     directory (``mtflow replay``: its recorded model outputs) against ``config`` (the environment,
-    tools, scheduler and reward under test; default: the run's own config), compare the new run
+    tools, scheduler and reward under test; default: the run's own config, found relative to the
+    run directory first, so a run committed with its config finds it anywhere), compare the new run
     with the stored one (``mtflow diff``), and raise ``AssertionError`` with the diff (each request
     that differs, its first differing turn and fields, the totals) unless they are identical.
     Returns the diff's totals. ``tools='recorded'`` serves tool and environment results from the

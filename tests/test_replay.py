@@ -40,6 +40,7 @@ def test_every_line_records_each_model_call_without_a_second_copy(recorded):
     _, cfg, run = recorded
     info = json.loads((run / 'run.json').read_text())
     assert info['replay_format'] == 1 and info['config_file'] == str(cfg.resolve())
+    assert (run / info['config_file_from_run']).resolve() == cfg.resolve()
     script = [json.loads(line) for line in SCRIPT.read_text().splitlines()]
     by_text = {s['content']: s for s in script}
     for line in _lines(run):
@@ -62,6 +63,27 @@ def test_replay_against_the_unchanged_config_is_identical(recorded, capsys):
     assert 'identical 16, different 0, only in A 0, only in B 0' in capsys.readouterr().out
     summary = json.loads((tmp / 'same' / 'run.json').read_text())['attempts'][-1]
     assert summary['replayed_outputs'] == sum(len(l['turns']) for l in _lines(run)) and summary['diverged'] == 0
+
+
+def test_each_prompt_digest_is_computed_once_per_model_call(recorded, capsys, monkeypatch):
+    """The replay backend compares the prompt's digest; the turn log notes the same digest
+    (``ReplayBackend.known_digest``) instead of computing it a second time."""
+    import mtflow.run.replay as replay_module
+    import mtflow.run.turn_log as turn_log_module
+    calls = []
+    real = turn_log_module.prompt_digest
+
+    def counted(messages):
+        calls.append(1)
+        return real(messages)
+
+    monkeypatch.setattr(replay_module, 'prompt_digest', counted)
+    monkeypatch.setattr(turn_log_module, 'prompt_digest', counted)
+    tmp, _, run = recorded
+    assert main(['replay', str(run), '--out', str(tmp / 'once'), '-q']) == 0
+    capsys.readouterr()
+    assert main(['diff', str(run), str(tmp / 'once')]) == 0
+    assert len(calls) == sum(len(l['turns']) for l in _lines(run))
 
 
 def _changed_targets(tmp: Path, changes: dict) -> Path:

@@ -16,6 +16,23 @@ def test_hot_cold_env_still_answers_as_recorded(mtflow_replay):
     assert totals['identical'] == 6 and totals['different'] == 0
 
 
+def test_the_committed_run_finds_its_config_wherever_the_tree_is(mtflow_replay, tmp_path):
+    """run.json names the config relative to the run directory too (``config_file_from_run``):
+    the example moved elsewhere replays against its own config with none given, although the
+    absolute ``config_file`` it recorded is another machine's (here: made to be missing)."""
+    import json
+    import shutil
+    moved = tmp_path / 'elsewhere' / 'replay_example'
+    shutil.copytree(EXAMPLE, moved)
+    info_path = moved / 'run' / 'run.json'
+    info = json.loads(info_path.read_text())
+    assert info['config_file_from_run'] == '../config.yaml'
+    info['config_file'] = str(tmp_path / 'another-machine' / 'config.yaml')
+    info_path.write_text(json.dumps(info))
+    assert mtflow_replay(moved / 'run')['identical'] == 6
+    assert mtflow_replay(moved / 'run', tools='recorded')['identical'] == 6
+
+
 def test_the_recorded_tools_and_env_give_the_same_rewards(mtflow_replay):
     assert mtflow_replay(RUN, CONFIG, tools='recorded')['identical'] == 6
 

@@ -70,6 +70,15 @@ def test_rescore_with_the_runs_own_config_changes_nothing(run, capsys):
     assert (run / 'same' / 'trace.jsonl').read_bytes() == (run / 'orig' / 'trace.jsonl').read_bytes()
 
 
+def test_the_progress_says_rescore(run, capsys):
+    """Not a terminal here, so the progress is log lines; they name the rescore, not a rollout."""
+    assert main(['rescore', str(run / 'orig'), '--out', str(run / 'shown')]) == 0
+    lines = (run / 'orig' / 'trajectories.jsonl').read_text().count('\n')
+    out = capsys.readouterr().out
+    assert f'mtflow rescore: done: {lines}/{lines} requests' in out
+    assert 'rollout' not in out
+
+
 def test_a_new_reward_changes_only_rewards_and_the_spread_follows(run, monkeypatch, capsys):
     def no_env(self, *args, **kwargs):
         raise AssertionError('rescore called the environment')

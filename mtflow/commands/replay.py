@@ -23,7 +23,7 @@ from mtflow.data.sources import count_requests
 from mtflow.run.assembly import scheduler_factory, seed_everything
 from mtflow.run.config import load_run_config
 from mtflow.run.driver import roll_out
-from mtflow.run.files import RUN_INFO
+from mtflow.run.files import RUN_INFO, recorded_config_file
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
 from mtflow.run.recorded_steps import RecordedSteps
@@ -72,12 +72,13 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
 
 
-def _run_prompter(info: Dict[str, Any]) -> Any:
+def _run_prompter(info: Dict[str, Any], run_dir: Path) -> Any:
     """The recorded run's tokenizer and prompt settings (``run.json``'s fingerprint), for a run
     whose backend kept an exact-id token record (``mtflow/run/replay.py``: ``run_prompter``)."""
     config = (info.get('fingerprint') or {}).get('config') or {}
     model = config.get('model')
-    base = Path(info['config_file']).parent if info.get('config_file') else None
+    config_file = recorded_config_file(run_dir, info)
+    base = Path(config_file).parent if config_file else None
     if model and base is not None and not Path(model).expanduser().is_absolute() and (base / model).exists():
         model = str(base / model)
     try:
@@ -104,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     info = _run_info(run_dir)
     trajectories = trajectories_file(run_dir)
-    config = args.config or info.get('config_file')
+    config = args.config or recorded_config_file(run_dir, info)
     if not config:
         raise UserError(f'{run_dir / RUN_INFO} names no config_file: give the CONFIG to replay against')
     cfg = load_run_config(config, {'out': args.out})
@@ -122,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         try:
             live = _live_backend(args)
-            prompter = _run_prompter(info) if live is None else None
+            prompter = _run_prompter(info, run_dir) if live is None else None
             backend = ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None),
                                     prompter=prompter)
             load_s = time.perf_counter() - started

@@ -20,7 +20,7 @@ from mtflow.declarative import load_scheduler
 from mtflow.run.assembly import ProgressBar
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.diff import trajectories_file
-from mtflow.run.files import RUN_INFO
+from mtflow.run.files import RUN_INFO, recorded_config_file
 from mtflow.run.rescore import Rescorer, count_lines
 
 
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _config(run_dir: Path, config: Optional[str]) -> RunConfig:
     if config is None:
         try:
-            config = json.loads((run_dir / RUN_INFO).read_text(encoding='utf-8')).get('config_file')
+            config = recorded_config_file(run_dir, json.loads((run_dir / RUN_INFO).read_text(encoding='utf-8')))
         except (OSError, ValueError):
             config = None
         if not config:
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     reward, policy, describe = _scoring(cfg, args.reward)
     requests = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
     total = count_lines(source)
-    progress = ProgressBar(not args.quiet, total, 'rescoring')
+    progress = ProgressBar(not args.quiet, total, 'rescoring', label='rescore')
     done = [0]
 
     def on_line() -> None:

@@ -33,17 +33,15 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from rich.console import Console
-
 from mtflow.backends import BackendError, check_backend_name, split_options
 from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
 from mtflow.data.sources import count_requests
-from mtflow.distributed.ray_cli import RayRollout
 from mtflow.run.assembly import SchedulerFactory, build_backend, scheduler_factory, seed_everything
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
+from mtflow.run.files import config_file_meta
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load, check_env_servers
 from mtflow.run.progress import progress_mode
@@ -194,8 +192,9 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
 
 def run_meta(cfg: RunConfig) -> Dict[str, Any]:
     """What ``run.json`` says beyond the fingerprint, for ``mtflow replay`` / ``rescore``: the
-    config file (the default config of a replay) and the version of the lines' ``turns``."""
-    return {'config_file': str(Path(cfg.source).resolve()) if cfg.source else None, 'replay_format': REPLAY_FORMAT}
+    config file (the default config of a replay; absolute, and relative to the run directory:
+    ``mtflow/run/files.py`` ``config_file_meta``) and the version of the lines' ``turns``."""
+    return {**config_file_meta(cfg.source, cfg.out), 'replay_format': REPLAY_FORMAT}
 
 
 def dataset_file(cfg: RunConfig) -> Optional[Path]:
@@ -266,6 +265,7 @@ class _Attempt:
         if getattr(self.args, 'otel', None):
             raise RunSetupError("--otel is not available with --ray: the actors' trace events do not pass "
                                 'through this process')
+        from mtflow.distributed.ray_cli import RayRollout  # lazy: only --ray needs the fan-out (every start paid it)
         fan_out = RayRollout(self.cfg, self.args, self.store, self.total, self.progress_mode)
         self.backend = fan_out.backend
         fan_out.run(self.figures)
@@ -303,6 +303,7 @@ class _Attempt:
         cfg = self.cfg
         status = None
         if self.progress_mode == 'bar':
+            from rich.console import Console  # rich only for the shown status (``-q`` shows none)
             status = Console(stderr=True).status(f'loading backend {cfg.backend} ({cfg.model or "default model"}) ...')
             status.start()
         started = time.perf_counter()

@@ -137,6 +137,15 @@ class Caller:
                 outcome.value = timeout
         return outcome
 
+    def awaited(self, awaitable: Any, timeout: Optional[float]) -> Outcome:
+        """The outcome of one awaitable a sync-looking hook returned, by the coroutine fast path
+        (driven directly; on the loop, under ``timeout``, only if it suspends): a hook such as
+        ``on_request_finished`` that has nothing to await costs a ``send``, not a loop run."""
+        values, problems, _ = self._coroutines(_same, [(awaitable,)], timeout, timed=False)
+        if problems:
+            return problems[0]
+        return Outcome(OK, values[0], 0.0)
+
     # ---- sync --------------------------------------------------------------------------------
     @staticmethod
     def _inline(fn: Callable[..., Any], args: Sequence[tuple]) -> Results:
@@ -291,6 +300,10 @@ class Caller:
 
 
 _NOT_STARTED = object()
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class _Worker:

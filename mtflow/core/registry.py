@@ -86,6 +86,8 @@ def import_plugins(modules: List[str], base_dir: Optional[str] = None) -> List[T
 #: ``(group, sys.path) -> entry points``: scanning every installed distribution costs tens of ms,
 #: and names are looked up several times per file; a change of ``sys.path`` rescans
 _SCANNED: Dict[Tuple[str, Tuple[str, ...]], List[Any]] = {}
+#: ``sys.path -> every entry point``: one scan serves every group (a config looks up several)
+_ALL: Dict[Tuple[str, ...], Any] = {}
 
 #: ``(group, name) -> 'value (distribution)'`` of every entry point loaded in this process, in the
 #: order they were loaded (``mtflow validate`` lists them in that order)
@@ -93,10 +95,13 @@ _LOADED: Dict[Tuple[str, str], str] = {}
 
 
 def _entry_points(group: str) -> List[Any]:
-    key = (group, tuple(sys.path))
+    path = tuple(sys.path)
+    key = (group, path)
     if key not in _SCANNED:
         try:
-            _SCANNED[key] = list(metadata.entry_points(group=group))
+            if path not in _ALL:
+                _ALL[path] = metadata.entry_points()
+            _SCANNED[key] = list(_ALL[path].select(group=group))
         except Exception:  # a broken installed distribution must not break every config
             _SCANNED[key] = []
     return _SCANNED[key]
@@ -105,6 +110,7 @@ def _entry_points(group: str) -> List[Any]:
 def refresh_entry_points() -> None:
     """Forget the scanned entry points (after installing a package into a running process)."""
     _SCANNED.clear()
+    _ALL.clear()
 
 
 def entry_point_names(group: str) -> List[str]:

@@ -96,7 +96,7 @@ class RunState:
     def await_value(self, awaitable: Any) -> Any:
         """The value of an awaitable a sync-looking hook returned, on the run's private loop,
         under ``step_timeout_s``; its exception (or a :class:`StepTimeout`) is raised."""
-        [outcome] = self.caller.run_awaitables([awaitable], 0.0, self.options.step_timeout_s)
+        outcome = self.caller.awaited(awaitable, self.options.step_timeout_s)
         if outcome.kind == RAISED:
             raise outcome.value
         if outcome.kind == TIMED_OUT:

@@ -265,6 +265,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     with ``forget(uuid)`` (the replay backend) is told when each request is finished."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend, image_store=store.images.put_ref)
     make_executor.turn_log.on_finish = getattr(backend, 'forget', None)
+    make_executor.turn_log.known_digest = getattr(backend, 'known_digest', None)
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),

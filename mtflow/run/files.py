@@ -17,7 +17,7 @@ from mtflow.core.errors import UserError
 __all__ = [
     'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'RUN_INFO', 'SUMMARY',
     'LOCK', 'IMAGES_DIR', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all', 'write_json_atomic',
-    'count_lines', 'scan_jsonl', 'DirLock', 'set_aside', 'not_empty_message'
+    'count_lines', 'scan_jsonl', 'DirLock', 'set_aside', 'not_empty_message', 'config_file_meta', 'recorded_config_file'
 ]
 
 TRAJECTORIES = 'trajectories.jsonl'
@@ -53,12 +53,40 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec='seconds')
 
 
+#: ``json.dumps(obj, ensure_ascii=False, default=str)`` without building an encoder per line
+_LINE_ENCODER = json.JSONEncoder(ensure_ascii=False, default=str)
+
+
+def config_file_meta(config: Optional[Union[str, Path]], out_dir: Union[str, Path]) -> Dict[str, Optional[str]]:
+    """How ``run.json`` names the config a run was made from: ``config_file``, its absolute path,
+    and ``config_file_from_run``, the same file relative to the run directory, so that a run
+    committed to a repository (or moved) together with its config still finds it."""
+    if not config:
+        return {'config_file': None, 'config_file_from_run': None}
+    path = Path(config).resolve()
+    return {'config_file': str(path), 'config_file_from_run': os.path.relpath(path, Path(out_dir).resolve())}
+
+
+def recorded_config_file(run_dir: Union[str, Path], info: Dict[str, Any]) -> Optional[str]:
+    """The config a run was made from (``run.json``'s ``info``; :func:`config_file_meta`): the
+    relative ``config_file_from_run`` taken from ``run_dir`` when that file is there, else the
+    absolute ``config_file`` (a run written before the relative path, or moved without its
+    config), else ``None``."""
+    relative = info.get('config_file_from_run')
+    if isinstance(relative, str) and relative:
+        path = Path(run_dir) / relative
+        if path.is_file():
+            return os.path.normpath(path)
+    absolute = info.get('config_file')
+    return absolute if isinstance(absolute, str) and absolute else None
+
+
 def json_line(obj: Record) -> str:
     """One record as JSON without its newline: ``json.dumps`` escapes newlines inside strings, so
     a record is always one line."""
     if not isinstance(obj, dict):
         obj = obj.to_dict()
-    return json.dumps(obj, ensure_ascii=False, default=str)
+    return _LINE_ENCODER.encode(obj)
 
 
 def fsync_dir(path: Path) -> None:

@@ -53,11 +53,14 @@ class RunProgress:
         stream: where log lines go (default: stdout, where the summary table goes).
         listener: called with :meth:`figures` at every turn and finished request, and once at
             :meth:`stop` (``--log tensorboard|wandb``, ``mtflow/run/tracking.py``), in every mode.
+        label: what the bar says the run does (``rollout``; ``mtflow rescore``: ``rescore``); a
+            log line of another label than ``rollout`` starts ``mtflow <label>:``.
     """
 
     def __init__(self, mode: str, total: int, max_turns: Optional[int] = None, interval_s: float = 10.0,
                  tokens: Optional[Callable[[], Optional[int]]] = None, stream: Optional[IO[str]] = None,
-                 description: str = '', listener: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+                 description: str = '', listener: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 label: str = 'rollout') -> None:
         if mode not in MODES:
             raise ValueError(f'progress mode must be one of {MODES}, not {mode!r}')
         if interval_s <= 0:
@@ -73,6 +76,7 @@ class RunProgress:
         self.finished_tokens = 0
         self.live = 0
         self.description = description
+        self.label = label
         self.started: Optional[float] = None
         self._counted_turns = False  # a turn counter feeds turns_done (lockstep); else the finished requests do
         self._bar: Any = None
@@ -149,7 +153,7 @@ class RunProgress:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
-            self._bar = Progress(SpinnerColumn(), TextColumn('[bold]rollout'), BarColumn(), TextColumn('{task.description}'),
+            self._bar = Progress(SpinnerColumn(), TextColumn(f'[bold]{self.label}'), BarColumn(), TextColumn('{task.description}'),
                                  console=Console(stderr=True), transient=False)
             bound = self.total * self.max_turns if self.max_turns else self.total
             self._task = self._bar.add_task(self.text(), total=bound or 1)
@@ -189,7 +193,8 @@ class RunProgress:
     def _log_line(self, tag: str = '') -> None:
         stream = self.stream or sys.stdout
         try:
-            stream.write(f"mtflow: {'done: ' if tag else ''}{self.text()}\n")
+            who = 'mtflow' if self.label == 'rollout' else f'mtflow {self.label}'
+            stream.write(f"{who}: {'done: ' if tag else ''}{self.text()}\n")
             stream.flush()
             self.lines += 1
         except (OSError, ValueError):  # a closed pipe: the run goes on without its log

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from mtflow.backends.base import Backend, BackendError, build_output, sampling_options
 from mtflow.backends.models import load_tokenizer
@@ -63,6 +63,9 @@ class ReplayBackend(Backend):
         self.live_calls = 0
         self.diverged: List[str] = []
         self._checked_format = False
+        #: id(request) -> (request, its prompt digest) for the requests of the latest call
+        #: (:meth:`known_digest`); holding the request keeps its id from being reused
+        self._digests: Dict[int, Tuple[Any, str]] = {}
 
     def _recorded(self, uuid: str) -> List[Dict[str, Any]]:
         turns = self._turns.get(uuid)
@@ -86,8 +89,18 @@ class ReplayBackend(Backend):
         self._calls.pop(uuid, None)
         self._live.discard(uuid)
 
+    def known_digest(self, request: Any) -> Optional[str]:
+        """The prompt digest this backend computed for ``request`` in its latest call (``None``
+        for another request): the turn log (``mtflow/run/turn_log.py``) notes it instead of
+        computing it again. The request's messages are not changed in between: the replay
+        backend does not touch them, and a live-continued request has no entry."""
+        entry = self._digests.pop(id(request), None)
+        return entry[1] if entry is not None and entry[0] is request else None
+
     def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
         t0 = time.perf_counter()
+        digests = self._digests
+        digests.clear()
         options = sampling_options(request_config, self.default_max_tokens)
         outputs: List[Any] = [None] * len(requests)
         live_at: List[int] = []
@@ -99,7 +112,8 @@ class ReplayBackend(Backend):
                 continue
             turns = self._recorded(uuid)
             rec = turns[turn - 1] if turn <= len(turns) else None
-            if rec is None or rec['prompt'] != prompt_digest(getattr(request, 'messages', None)):
+            digest = prompt_digest(getattr(request, 'messages', None))
+            if rec is None or rec['prompt'] != digest:
                 self.diverged.append(uuid)
                 if self.live is not None:
                     self._live.add(uuid)
@@ -115,6 +129,7 @@ class ReplayBackend(Backend):
             if plan is not None:
                 commit_outputs(self.prompter, [request], [plan], [out])
             outputs[k] = out
+            digests[id(request)] = (request, digest)
             self.served += 1
         if live_at:
             live_outputs = list(self.live([requests[k] for k in live_at], request_config))

@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
-from rich.console import Console
-from rich.table import Table
 
 from mtflow.run.config import RunConfig
 from mtflow.run.engine_figures import engine_rows, engine_settings, prefix_cache_figures
@@ -71,6 +69,8 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
 
 def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     """The table ``mtflow run`` prints at the end, from the figures of :func:`summarize`."""
+    from rich.console import Console  # rich only where a table is printed (``-q`` prints none)
+    from rich.table import Table
 
     table = Table(title='mtflow run', show_header=False, title_justify='left')
     table.add_column('', style='bold')

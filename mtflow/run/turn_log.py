@@ -38,6 +38,10 @@ def _message_dict(message: Any) -> Dict[str, Any]:
     return dump() if callable(dump) else dict(vars(message))
 
 
+#: ``json.dumps(..., ensure_ascii=False, sort_keys=True, default=str)``, one encoder for every digest
+_DIGEST_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, default=str)
+
+
 def prompt_digest(messages: Any) -> str:
     """A short, stable digest of the messages a model call was given (role, content, tool calls):
     equal prompts, equal digests. 16 hex digits of SHA-256 (a collision by chance is negligible)."""
@@ -45,7 +49,7 @@ def prompt_digest(messages: Any) -> str:
     for m in messages or ():
         d = _message_dict(m)
         shown.append([d.get('role'), d.get('content'), d.get('tool_calls')])
-    raw = json.dumps(shown, ensure_ascii=False, sort_keys=True, default=str)
+    raw = _DIGEST_ENCODER.encode(shown)
     return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:16]
 
 
@@ -76,6 +80,9 @@ class TurnLog:
         self._notes: Dict[str, List[Dict[str, Any]]] = {}
         #: called with each finished request's uuid (the replay backend drops its record)
         self.on_finish: Optional[Callable[[str], None]] = None
+        #: the prompt digest the backend already computed for a request of the call just made, or
+        #: ``None`` (the replay backend compares digests: each is computed once, not twice)
+        self.known_digest: Optional[Callable[[Any], Optional[str]]] = None
 
     def note(self, requests: List[Any], outputs: Any) -> None:
         try:
@@ -84,11 +91,13 @@ class TurnLog:
             return
         if len(outs) != len(requests):
             return  # the executor fails these requests; nothing to replay
+        known = self.known_digest
         for request, output in zip(requests, outs):
             turn = output_turn(output)
             if turn is None:
                 continue
-            turn['prompt'] = prompt_digest(getattr(request, 'messages', None))
+            digest = known(request) if known is not None else None
+            turn['prompt'] = digest if digest is not None else prompt_digest(getattr(request, 'messages', None))
             self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
 
     def wrap(self, rollout_fn: Any) -> Any:
