@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-__all__ = ['annotate', 'serving_figures', 'serving_rows']
+__all__ = ['annotate', 'serving_figures', 'serving_rows', 'admission_figures', 'admission_rows']
 
 _OUTPUT_STATES = ('generating', 'continuing')
 
@@ -60,3 +60,37 @@ def serving_rows(figures: Optional[Dict[str, Any]]) -> List[tuple]:
 
 def _pct(value: Optional[float]) -> str:
     return 'n/a' if value is None else f'{100 * value:.1f}%'
+
+
+def admission_figures(gates: Optional[Dict[str, Any]], serving: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The ``admission`` block of ``summary.json``: the run's gates (tool calls, environment
+    sessions: limit, peak in flight, how many waited and for how long) and, for a backend with a
+    router, the model requests per replica (``max_in_flight_per_replica``, peak, time queued).
+    ``None`` when the run config has no ``admission:`` block."""
+    if gates is None:
+        return None
+    block = dict(gates)
+    if serving:
+        block['model'] = {'queued': serving.get('queued', 0), 'queued_s': serving.get('queued_s', 0.0),
+                          'replicas': [{'url': r['url'], 'limit': r.get('max_in_flight'),
+                                        'peak': r.get('peak_in_flight')} for r in serving['replicas']]}
+    return block
+
+
+def admission_rows(block: Optional[Dict[str, Any]]) -> List[tuple]:
+    """The summary table's rows of the admission block: one per resource."""
+    if not block:
+        return []
+    rows = []
+    for name in ('tool_calls', 'env_sessions'):
+        g = block.get(name)
+        if g and g.get('entered'):
+            limit = 'no bound' if g['limit'] is None else f"bound {g['limit']}"
+            rows.append((f"admission: {name.replace('_', ' ')}", f"peak {g['peak']} in flight ({limit}), "
+                         f"{g['queued']} queued for {g['queued_s']:.2f} s"))
+    model = block.get('model')
+    if model:
+        peaks = ', '.join(f"{r['peak']}/{r['limit'] if r['limit'] is not None else '-'}" for r in model['replicas'])
+        rows.append(('admission: model', f"peak/bound per server {peaks}, {model['queued']} queued for "
+                     f"{model['queued_s']:.2f} s"))
+    return rows

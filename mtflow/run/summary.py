@@ -13,7 +13,7 @@ from rich.table import Table
 
 from mtflow.run.config import RunConfig
 from mtflow.run.reward_spread import spread_rows
-from mtflow.run.serving import serving_figures, serving_rows
+from mtflow.run.serving import admission_figures, admission_rows, serving_figures, serving_rows
 from mtflow.run.store import RunStore
 
 __all__ = ['summarize', 'print_summary']
@@ -62,6 +62,8 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
         'failures': tally.failures,
         'finish_policy': tally.policy.summary(),
         'serving': serving_figures(backend),
+        **({'admission': admission_figures(figures['admission'], serving_figures(backend))}
+           if figures.get('admission') is not None else {}),
         **({'context': tally.context_summary()} if tally.context_summary() else {}),
     }
 
@@ -115,6 +117,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('tokens/s', f"{tps} (wall {summary['wall_s']} s"
                   + (f", generating {summary['generate_s']} s)" if summary['generate_s'] is not None else ')'))
     for label, text in serving_rows(summary.get('serving')):
+        table.add_row(label, text)
+    for label, text in admission_rows(summary.get('admission')):
         table.add_row(label, text)
     cached = summary['model_cached']
     table.add_row('model load', f"{summary['model_load_s']} s" +
