@@ -26,7 +26,7 @@ from mtflow.run.store import RunDirError, RunStore, finished_to_record
 from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
-from mtflow.run.serving import annotate as annotate_serving
+from mtflow.run.serving import annotate as annotate_serving, begin_server_metrics, end_server_metrics
 
 __all__ = ['StreamingRun', 'roll_out']
 
@@ -282,6 +282,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
                            listener=tracker.log if tracker is not None else None)
     run = StreamingRun(make_executor, backend, store, make_executor.batch_size(), reference_key=reference_field(scheduler),
                        progress=progress if progress.enabled else None, on_request=on_request)
+    begin_server_metrics(backend)  # the servers' /metrics counters, read again for the summary
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
@@ -293,6 +294,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     finally:
         make_executor.close()
         progress.stop()
+        end_server_metrics(backend)
         figures.update(run.figures())
         if make_executor.admission is not None:
             figures['admission'] = make_executor.admission.summary()
