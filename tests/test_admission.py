@@ -229,3 +229,27 @@ def test_the_admission_block_is_checked_with_file_line_and_field(tmp_path):
     (tmp_path / 'run.yaml').write_text('scheduler: x.yaml\nbackend: scripted\nadmission: {tool_call: 2}\n')
     with pytest.raises(RunConfigError, match=r'run.yaml:3.*admission.*tool_call'):
         load_run_config(str(tmp_path / 'run.yaml'))
+
+
+# ---- a real OpenEnv server whose session cap is the bound ----------------------------------------
+def test_openenv_sessions_queue_for_the_bound_instead_of_failing():
+    """The failure of ``test_client_side_capacity_waits_then_fails_clearly`` (tests/envs): 6
+    requests against OpenEnv servers capped at 2 sessions fail past the capacity wait; with
+    ``admission: {env_sessions: 2}`` they wait for a session and all succeed."""
+    pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv-core)")
+    from tests.envs.test_openenv import ROOT as REPO, Guesser, config, requests as guess_requests, settled
+
+    names = ['g1-a', 'g2-b', 'g3-c', 'w-d', 'g1-e', 'w-f']
+    scheduler = load_scheduler(config(max_sessions=2, capacity_wait_s=0.5), base_dir=str(REPO))
+    admission = Admission(env_sessions=2)
+    try:
+        result = Executor(scheduler, Guesser(), max_turns=6, mode='async', admission=admission,
+                          on_error='return').run(guess_requests(names))
+        [server] = scheduler.env_factory.servers
+        seen = settled(server.url)
+    finally:
+        scheduler.close()
+    assert result.failures == [] and all(r == 'stop_rule:env_done' for r in result.finish_reasons)
+    assert seen['resets'] == 6 and seen['closes'] == 6 and seen['open'] == 0
+    figures = admission.summary()['env_sessions']
+    assert figures['peak'] == 2 and figures['entered'] == 6 and figures['queued'] == 4
