@@ -2,8 +2,10 @@
 """10k concurrent multi-turn requests against simulated engine replicas: does the client keep the
 servers busy, does it hang, what does it cost per request; httpx against aiohttp.
 
-The replicas run in a subprocess (their CPU is not the client's): aiohttp web servers on
-127.0.0.1 that behave like a continuous-batching engine with a prefix cache: at most
+The replicas run in subprocesses (their CPU is not the client's; ``--fleet-procs``, default one
+per replica, each with its own event loop), and ``--client-cpus`` / ``--fleet-cpus`` pin the
+client and the fleet to separate cores (``os.sched_setaffinity``), so that on a small machine
+the client's share of the CPU is known. They are aiohttp web servers on 127.0.0.1 that behave like a continuous-batching engine with a prefix cache: at most
 ``--max-num-seqs`` requests generate at once per replica (the others wait in the server's
 queue, as vLLM's), each taking ``ttft + uncached prompt tokens * prefill + max_tokens * decode``
 seconds, where the prompt tokens a replica served for the same conversation on its last turn
@@ -20,6 +22,7 @@ one service time), client CPU per model call (``time.process_time`` of this proc
 prefix-cache hit rate, and whether every request finished (``--deadline`` s or it is a hang).
 
     .venv/bin/python benchmarks/serving.py                       # 10,000 requests x 3 turns, 4 replicas
+    .venv/bin/python benchmarks/serving.py --clients aiohttp --client-cpus 0 --fleet-cpus 1
     .venv/bin/python benchmarks/serving.py --requests 2000 --clients httpx
 """
 from __future__ import annotations
@@ -40,7 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # ---- the simulated replicas (in a subprocess) ------------------------------------------------------
 def _serve(ports: List[int], args: Dict[str, Any], ready: Any) -> None:
+    import os
+
     from aiohttp import web
+
+    if args.get('cpus'):
+        os.sched_setaffinity(0, args['cpus'])
+    import random
+
+    rng = random.Random(ports[0])
 
     async def main() -> None:
         runners = []
@@ -58,6 +69,8 @@ def _serve(ports: List[int], args: Dict[str, Any], ready: Any) -> None:
                 key = str(messages[0].get('content'))[:64]
                 cached = min(cache.get(key, 0), prompt)
                 completion = int(body.get('max_tokens') or 16)
+                if args['spread']:  # replies of different lengths, as a model's are: 1 - spread .. 1 of max_tokens
+                    completion = max(1, round(completion * (1 - args['spread'] * rng.random())))
                 async with slots:
                     await asyncio.sleep(args['ttft'] + (prompt - cached) * args['prefill'] + completion * args['decode'])
                 cache[key] = prompt + completion
@@ -80,6 +93,28 @@ def _serve(ports: List[int], args: Dict[str, Any], ready: Any) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def _cpus(spec: str) -> List[int]:
+    """``'0'``, ``'1-3'``, ``'0,2'`` as a list of CPU numbers (empty: no pinning)."""
+    out: List[int] = []
+    for part in filter(None, spec.split(',')):
+        lo, _, hi = part.partition('-')
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _cpu_s(pids: List[int]) -> float:
+    """User + system CPU seconds the processes used so far (``/proc/<pid>/stat``)."""
+    import os
+
+    tick = os.sysconf('SC_CLK_TCK')
+    total = 0
+    for pid in pids:
+        with open(f'/proc/{pid}/stat') as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def _free_ports(n: int) -> List[int]:
@@ -143,42 +178,72 @@ def main() -> None:
     ap.add_argument('--routing', default='sticky_least_loaded')
     ap.add_argument('--clients', default='httpx,aiohttp')
     ap.add_argument('--deadline', type=float, default=600.0)
+    ap.add_argument('--spread', type=float, default=0.0,
+                    help='reply lengths uniform in [1 - spread, 1] x max_tokens (0: every reply max_tokens long, '
+                         'so every call takes the same time and the replies of a wave arrive together)')
+    ap.add_argument('--admission', choices=('both', 'bounded', 'none'), default='both',
+                    help='rows with the per-replica bound, without it, or both')
+    ap.add_argument('--fleet-procs', type=int, default=0, help='server processes (0: one per replica)')
+    ap.add_argument('--client-cpus', default='', help="pin the client to these CPUs ('0', '0-1'); '': no pinning")
+    ap.add_argument('--fleet-cpus', default='', help='pin the simulated servers to these CPUs')
     args = ap.parse_args()
+    import os
+
+    if args.client_cpus:
+        os.sched_setaffinity(0, _cpus(args.client_cpus))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.requests + 1024)), hard))
 
     ports = _free_ports(args.replicas)
-    ready = mp.get_context('spawn').Event()
-    server = mp.get_context('spawn').Process(target=_serve, args=(ports, {
-        'max_num_seqs': args.max_num_seqs, 'ttft': args.ttft, 'prefill': args.prefill, 'decode': args.decode}, ready),
-                                             daemon=True)
-    server.start()
-    ready.wait(60)
+    procs = args.fleet_procs or args.replicas
+    ctx = mp.get_context('spawn')
+    servers, readies = [], []
+    for k in range(procs):
+        ready = ctx.Event()
+        servers.append(ctx.Process(target=_serve, args=(ports[k::procs], {
+            'max_num_seqs': args.max_num_seqs, 'ttft': args.ttft, 'prefill': args.prefill, 'decode': args.decode,
+            'cpus': _cpus(args.fleet_cpus), 'spread': args.spread}, ready), daemon=True))
+        readies.append(ready)
+    for server in servers:
+        server.start()
+    for ready in readies:
+        ready.wait(60)
+    fleet_pids = [server.pid for server in servers]
     urls = [f'http://127.0.0.1:{p}/v1' for p in ports]
     # the service time of a cached turn (turn >= 2: only the new tokens are prefilled) and of turn 1
-    first = args.ttft + (200 * 5 // 4 + 8) * args.prefill + args.max_tokens * args.decode
-    later = args.ttft + 20 * args.prefill + args.max_tokens * args.decode
+    mean_tokens = args.max_tokens * (1 - args.spread / 2)  # the mean reply length
+    first = args.ttft + (200 * 5 // 4 + 8) * args.prefill + mean_tokens * args.decode
+    later = args.ttft + 20 * args.prefill + mean_tokens * args.decode
     mean_service = (first + (args.turns - 1) * later) / args.turns
     capacity = args.replicas * args.max_num_seqs / mean_service
     calls = args.requests * args.turns
     ideal = calls / capacity + mean_service
     print(f'{args.requests} requests x {args.turns} turns = {calls} model calls; {args.replicas} replicas x '
-          f'{args.max_num_seqs} seqs, service {mean_service * 1000:.0f} ms: capacity {capacity:.0f} calls/s, '
+          f'{args.max_num_seqs} seqs, service {mean_service * 1000:.0f} ms (reply lengths spread {args.spread:g}): '
+          f'capacity {capacity:.0f} calls/s, '
           f'ideal wall {ideal:.1f} s')
-    print('| client | admission | wall s | calls/s | of capacity | client CPU ms/call | hit after turn 1 | finished | queued |')
-    print('|---|---|---:|---:|---:|---:|---:|---:|---:|')
+    print(f'fleet: {procs} process(es) on CPUs {args.fleet_cpus or "any"}; client on CPUs '
+          f'{args.client_cpus or "any"}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start')
+    print('| client | admission | wall s | calls/s | of capacity | client CPU ms/call | client cores busy '
+          '| fleet CPU ms/call | hit after turn 1 | finished | queued |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
     try:
         for client in args.clients.split(','):
-            for bounded in (True, False):
+            for bounded in {'both': (True, False), 'bounded': (True, ), 'none': (False, )}[args.admission]:
+                fleet0 = _cpu_s(fleet_pids)
                 r = _run(urls, client, bounded, args)
+                fleet = _cpu_s(fleet_pids) - fleet0
                 rate = r['calls'] / r['wall_s']
                 print(f"| {client} | {'per replica ' + str(args.max_num_seqs) if bounded else 'none (10k sockets)'} "
                       f"| {r['wall_s']:.1f} | {rate:.0f} | {rate / capacity:.0%} | {1000 * r['cpu_s'] / r['calls']:.2f} "
+                      f"| {r['cpu_s'] / r['wall_s']:.2f} | {1000 * fleet / r['calls']:.2f} "
                       f"| {r['hit']:.0%} | {r['ok']}/{args.requests} (delivered {r['delivered']}) | {r['queued']} |",
                       flush=True)
     finally:
-        server.terminate()
-        server.join(5)
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.join(5)
 
 
 if __name__ == '__main__':

@@ -9,6 +9,7 @@ from mtflow.core.errors import (DuplicateUuidError, IllegalTransition, MtflowErr
 from mtflow.engine.executor import Executor, RunResult, identity_gather, run_multi_turn
 from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.engine.context_budget import ContextBudget
+from mtflow.engine.admission import Admission
 from mtflow.engine.stream import Stream, StreamGroup, StreamUntil
 from mtflow.core.machine import StateGraph
 from mtflow.core.records import FinishedRequest
@@ -27,6 +28,6 @@ __all__ = [
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
     'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
-    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', 'ContextBudget', 'Stream', 'StreamGroup',
+    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', 'ContextBudget', 'Admission', 'Stream', 'StreamGroup',
     'StreamUntil', '__version__'
 ]

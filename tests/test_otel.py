@@ -150,3 +150,55 @@ def test_mtflow_run_otel_otlp_reaches_a_collector_on_loopback(tmp_path, monkeypa
     assert len(failed) == 1 and attrs(failed[0])['mtflow.error_kind'].string_value == 'exception'
     ids = {s.span_id for s in spans}
     assert all(s.parent_span_id in ids for s in spans if s.name != 'request')
+
+
+def _compaction_run(exporter, requests):
+    from mtflow import ContextBudget
+    from mtflow.backends.scripted import ScriptedBackend
+    from tests.context.helpers import GrowingObservations, count_words
+
+    def shorten(request, budget):  # the hook policy: a long task is cut, observations elided
+        msgs = [dict(m) for m in request.messages]
+        msgs[1]['content'] = ' '.join(msgs[1]['content'].split()[:20])
+        return msgs[:2] + [dict(m, content='(elided)') if m['role'] == 'tool' else m for m in msgs[2:]]
+
+    budget = ContextBudget(context_length=1000, policy=shorten, count_tokens=count_words)
+    backend = ScriptedBackend(outputs=[{'content': 'I will look further', 'token_ids': [11, 12, 13, 14]}], cycle=True)
+    return Executor(GrowingObservations(max_turns=8), backend, RequestConfig(max_tokens=50), context=budget,
+                    on_finished=exporter.on_finished).run(requests)
+
+
+def test_a_compaction_is_a_span_of_its_turn_with_policy_tokens_and_segment():
+    memory = InMemorySpanExporter()
+    exporter = OtelExporter(SimpleSpanProcessor(memory))
+    long_task = ' '.join(['word'] * 990)  # the first prompt is over the budget: compacted before turn 1
+    requests = [RolloutInferRequest(uuid='grow', messages=[{'role': 'system', 'content': 'Agent.'},
+                                                           {'role': 'user', 'content': 'Task: explore.'}]),
+                RolloutInferRequest(uuid='long', messages=[{'role': 'system', 'content': 'Agent.'},
+                                                           {'role': 'user', 'content': long_task}])]
+    result = _compaction_run(exporter, requests)
+    exporter.close()
+    assert result.finish_reasons == ['max_turns', 'max_turns']
+    trees = _tree(memory.get_finished_spans())
+    events = {u: [e for e in result.trace.events if e.uuid == u and e.src == 'compacting'] for u in ('grow', 'long')}
+    for uuid, (root, children) in trees.items():
+        turns = sorted(children[root.context.span_id], key=lambda s: s.attributes['mtflow.turn'])
+        assert [t.attributes['mtflow.turn'] for t in turns] == list(range(1, 9))  # numbered as the trace
+        spans = [(t, k) for t in turns for k in children.get(t.context.span_id, []) if k.name == 'compaction']
+        assert len(spans) == len(events[uuid]) >= 1
+        for (turn, span), event in zip(sorted(spans, key=lambda p: p[1].start_time), events[uuid]):
+            comp, a = event.extra['compaction'], span.attributes
+            assert turn.attributes['mtflow.turn'] == event.turn == a['mtflow.turn']
+            assert a['mtflow.compaction.policy'] == 'hook:shorten' == comp['policy']
+            assert a['mtflow.compaction.prompt_tokens_before'] == comp['prompt_tokens_before'] > 950
+            assert a['mtflow.compaction.prompt_tokens_after'] == comp['prompt_tokens_after'] < 950
+            assert a['mtflow.compaction.segment'] == comp['segment'] >= 1
+            assert a['mtflow.compaction.outcome'] == 'generating'
+            assert turn.start_time <= span.start_time <= span.end_time <= turn.end_time
+    # the long task's compaction came before its first turn, and belongs to turn 1
+    [(long_turn, _)] = [(e.turn, e) for e in events['long'][:1]]
+    assert long_turn == 1
+    root, children = trees['long']
+    first = min(children[root.context.span_id], key=lambda s: s.attributes['mtflow.turn'])
+    names = [k.name for k in sorted(children[first.context.span_id], key=lambda k: k.start_time)]
+    assert names[:2] == ['compaction', 'model_call'], names

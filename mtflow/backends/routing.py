@@ -64,6 +64,7 @@ class Replica:
     url: str
     max_in_flight: Optional[int] = None
     in_flight: int = 0
+    peak_in_flight: int = 0  # the most requests it held at once
     served: int = 0
     healthy: bool = True
     down_since: Optional[float] = None
@@ -130,6 +131,7 @@ class Router:
         self.weight_version = weight_version
         self.moves = 0  # requests moved off a failing replica
         self.queued = 0  # acquisitions that had to wait for capacity
+        self.queued_s = 0.0  # their time waiting, summed
         self._sticky: Dict[str, int] = {}
         self._rr = 0
         self._ring: List[int] = []
@@ -203,11 +205,14 @@ class Router:
             replica = self.pick(key, avoid)
         else:
             self.queued += 1
+            t = time.perf_counter()
             async with self._cond:
                 await self._cond.wait_for(lambda: any(r.healthy and not r.full() for r in self.replicas)
                                           or not any(r.healthy for r in self.replicas))
                 replica = self.pick(key, avoid)
+            self.queued_s += time.perf_counter() - t
         replica.in_flight += 1
+        replica.peak_in_flight = max(replica.peak_in_flight, replica.in_flight)
         return replica
 
     async def release(self, replica: Replica) -> None:
@@ -284,6 +289,7 @@ class Router:
         rows = []
         for r in self.replicas:
             rows.append({'url': r.url, 'served': r.served, 'failures': r.failures, 'healthy': r.healthy,
+                         'max_in_flight': r.max_in_flight, 'peak_in_flight': r.peak_in_flight,
                          'prompt_tokens': r.prompt_tokens, 'cached_tokens': r.cached_tokens,
                          'hit_rate': hit_rate(r.cached_tokens, r.prompt_tokens),
                          'hit_rate_after_turn_1': hit_rate(r.later_cached_tokens, r.later_prompt_tokens)})
@@ -292,6 +298,7 @@ class Router:
         later_p = sum(r.later_prompt_tokens for r in self.replicas)
         later_c = sum(r.later_cached_tokens for r in self.replicas)
         return {'policy': self.policy, 'replicas': rows, 'moves': self.moves, 'queued': self.queued,
+                'queued_s': round(self.queued_s, 4),
                 'weight_version': self.weight_version, 'prompt_tokens': prompt, 'cached_tokens': cached,
                 'hit_rate': hit_rate(cached, prompt), 'hit_rate_after_turn_1': hit_rate(later_c, later_p)}
 

@@ -53,6 +53,7 @@ from mtflow.declarative.stop_rules import StopRules
 from mtflow.declarative.tips import TipRules, cut_before_markers
 from mtflow.declarative.tool_calls import build_tool, read_calls, run_calls
 from mtflow.declarative.turn_rewards import TurnRewards
+from mtflow.engine.admission import Admission
 from mtflow.declarative.templates import render
 from mtflow.tools.runner import ERROR_INFO_CHARS, ToolResult, ToolRunner
 from mtflow.tools.tool import Tool
@@ -97,6 +98,7 @@ class YamlScheduler(Scheduler):
         self.result_images = ResultImages(images_from, base_dir) if images_from is not None else None
         #: each tip's images_impl, resolved once (by the tip's position)
         self._tip_images = {id(t): resolve_reference(t.images_impl, base_dir) for t in config.tips if t.images_impl}
+        self.admission: Optional[Admission] = None  # use_admission
         #: where tool results come from instead of running the tools (``use_recorded``)
         self.recorded_tools: Optional[Any] = None
 
@@ -112,6 +114,26 @@ class YamlScheduler(Scheduler):
             if callable(close_factory):
                 close_factory()
             self._env_factory = recorded.env_factory()
+
+    @property
+    def opens_env_sessions(self) -> bool:
+        """Each request holds an environment session from its reset to its close (the drivers
+        start requests within ``admission.env_sessions``, :mod:`mtflow.engine.admission`)."""
+        return self._env_factory is not None
+
+    def use_admission(self, admission: Admission) -> None:
+        """The run's admission control (the executor calls this): its ``tool_calls`` gate bounds
+        the tool calls of all tools in flight; its ``env_sessions`` gate counts the sessions open."""
+        self.admission = admission
+        self.runner.admission = admission
+
+    def _session_opened(self) -> None:
+        if self.admission is not None:
+            self.admission.env_sessions.opened()
+
+    def _session_closed(self) -> None:
+        if self.admission is not None:
+            self.admission.env_sessions.closed()
 
     @property
     def env_factory(self) -> Optional[Callable[[], Any]]:
@@ -174,6 +196,7 @@ class YamlScheduler(Scheduler):
     async def _ensure_env(self, infer_request: Any, state: RequestState) -> Any:
         if state.env is None and self._env_factory is not None:
             state.env = self._env_factory()
+            self._session_opened()
             await maybe_await(state.env.reset(infer_request))
         return state.env
 
@@ -190,6 +213,7 @@ class YamlScheduler(Scheduler):
         state = self._state(request)
         try:
             state.env = self._env_factory()
+            self._session_opened()
             opening = await maybe_await(state.env.reset(request))
         except Exception as error:
             state.env_error = error
@@ -217,13 +241,17 @@ class YamlScheduler(Scheduler):
         state = self._states.pop(self._key(infer_request), None)
         if state is not None and state.env is not None:
             env, state.env = state.env, None
-            await maybe_await(env.close())
+            try:
+                await maybe_await(env.close())
+            finally:
+                self._session_closed()
 
     def close(self) -> None:
         """Release the tool thread pool, any environment still open, and what the environment
         factory holds (e.g. the OpenEnv servers it launched)."""
         for state in self._states.values():
             if state.env is not None:
+                self._session_closed()
                 abandon = getattr(state.env, 'abandon', None)
                 if callable(abandon):  # an async env whose close needs the executor's loop
                     abandon()

@@ -115,6 +115,12 @@ class AsyncDriver(Driver):
         self.started = resume_carried(run)  # indexes whose on_trajectory_start already ran
         options = run.options
         self.max_concurrency = options.max_concurrency or max(1, len(run.records))
+        #: environment sessions bound the requests started and not finished: each one's
+        #: ``on_trajectory_start`` (its reset) runs when it gets a slot (``mtflow.engine.admission``)
+        self.session_bound = run.settings.session_bound
+        if self.session_bound is not None:
+            self.max_concurrency = min(self.max_concurrency, self.session_bound)
+        self.start_rounds = 0
         self.in_flight = 0
         self.max_in_flight = 0  # rollout_fn calls in flight at once (tests read it)
         self.completions: Deque[Completion] = deque()
@@ -183,6 +189,9 @@ class AsyncDriver(Driver):
         apply_moves(run, check_uuids(run))
         fresh = [r for r in run.records if r.state == PENDING and r.index not in self.started]
         first_outputs = run.first_turn_outputs
+        if self.session_bound is not None and first_outputs is None:
+            self.queue.extend(rec for rec in run.records if rec.state != FINISHED)
+            return  # started in fill_slots, as sessions free up
         moves = [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else start(run, fresh)
         for mv in moves:
             if mv.trigger in (GENERATE, CONTINUE):
@@ -206,7 +215,29 @@ class AsyncDriver(Driver):
             apply_moves(run, [self.admission_moves.pop(rec.index)])
             self.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
 
+    def start_deferred(self) -> None:
+        """Under a session bound: ``on_trajectory_start`` for the queued requests that get a slot
+        now, together (their resets run concurrently); the wait of each one admitted after the
+        first round is counted as time queued for a session."""
+        room = self.max_concurrency - self.active
+        due = [rec for rec in list(self.queue)[:max(0, room)] if rec.state == PENDING and rec.index not in self.started]
+        if not due:
+            return
+        if self.start_rounds:  # not the first round: these waited for a session since the run began
+            gate = self.run.options.admission.env_sessions
+            for _ in due:
+                gate.waited(perf_counter() - self.t_start)
+        self.start_rounds += 1
+        for mv in start(self.run, due):
+            if mv.trigger in (GENERATE, CONTINUE):
+                self.admission_moves[mv.record.index] = mv
+            else:
+                apply_moves(self.run, [mv])
+        self.started.update(rec.index for rec in due)
+
     def fill_slots(self) -> None:
+        if self.session_bound is not None:
+            self.start_deferred()
         while self.queue and self.active < self.max_concurrency:
             rec = self.queue.popleft()
             self.active += 1

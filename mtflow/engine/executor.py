@@ -30,6 +30,7 @@ from mtflow.core.scheduler import HookSet
 from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
 from mtflow.accounting.choose import accounting_for
 from mtflow.accounting.token_record import native_accounting
+from mtflow.engine.admission import Admission
 from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.context import resolve_context
 from mtflow.engine.context_budget import ContextBudget
@@ -123,6 +124,11 @@ class Executor:
             or async), called after every turn's ``on_turn_end``; each number is recorded in
             ``rollout_infos['turn_rewards']`` with the turn's token span (source ``turn_reward``,
             ``docs/streaming.md``). Takes the place of the scheduler's own ``turn_reward`` method.
+        admission: a :class:`mtflow.Admission` (or a dict of its bounds): tool and sandbox calls
+            in flight across all tools, environment sessions open; what exceeds a bound waits
+            (``docs/admission.md``). The scheduler gets it through ``use_admission(admission)``
+            when it has that method; async mode and streams start a request only when a session
+            is free; lockstep refuses a batch larger than ``env_sessions`` (it runs together).
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -155,14 +161,16 @@ class Executor:
                  skip_empty_calls: bool = False,
                  context: Optional[ContextBudget] = None,
                  image_store: Optional[Callable[[Any], Any]] = None,
-                 turn_reward: Optional[Callable[..., Any]] = None) -> None:
+                 turn_reward: Optional[Callable[..., Any]] = None,
+                 admission: Any = None) -> None:
+        admission = Admission.coerce(admission)
         options = ExecutorOptions(
             max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
             output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
             rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
             check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
             max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context,
-            turn_reward=turn_reward)
+            turn_reward=turn_reward, admission=admission)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -181,7 +189,12 @@ class Executor:
             unique_uuids=bool(getattr(scheduler, 'requires_unique_uuids', False)) if unique_uuids is None else
             bool(unique_uuids),
             turn_bound=options.turn_bound(hooks.default_max_turns),
-            context=resolve_context(context, rollout_fn, request_config))
+            context=resolve_context(context, rollout_fn, request_config),
+            session_bound=admission.session_bound(scheduler) if admission is not None else None)
+        if admission is not None:
+            use = getattr(scheduler, 'use_admission', None)
+            if callable(use):
+                use(admission)
         self.unbounded = options.unbounded(hooks.default_max_turns)
         self.clock = PolicyClock()
 
@@ -260,6 +273,12 @@ class Executor:
             return AsyncDriver(RunState(self.settings, loop, requests, first_turn_outputs), budget, self.clock)
         if until is not None or any(isinstance(r, UnfinishedRequest) for r in requests):
             raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
+        bound = self.settings.session_bound
+        if bound is not None and len(requests) > bound:
+            raise ValueError(f'admission.env_sessions is {bound} but this lockstep batch has {len(requests)} requests, '
+                             f'each holding an environment session from its first turn to its last (lockstep runs '
+                             f"them together); use mode='async' (requests wait for a free session) or batches of at "
+                             f'most {bound}')
         return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs), self.clock)
 
     def stream(self, source: Any, *, max_concurrency: Optional[int] = None, buffer: Optional[int] = None,

@@ -11,6 +11,7 @@ from typing import Any, Callable, Literal, Optional
 
 from mtflow.core.records import FinishedRequest
 from mtflow.core.types import Accounting, GatherFn
+from mtflow.engine.admission import Admission
 from mtflow.engine.context_budget import ContextBudget
 
 __all__ = ['ExecutorOptions', 'OnError', 'OnFinished', 'MODES', 'DEFAULT_TURN_CAP', 'bound_of']
@@ -63,6 +64,7 @@ class ExecutorOptions:
     skip_empty_calls: bool = False
     context: Optional[ContextBudget] = None
     turn_reward: Optional[Callable[..., Any]] = None
+    admission: Optional[Admission] = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ('raise', 'return'):
@@ -91,6 +93,8 @@ class ExecutorOptions:
                 self.context.total_response_tokens is not None or self.context.policy != 'stop'):
             raise ValueError('a total response budget or a compaction policy needs a single rank (no gather_fn): '
                              'cut max_tokens and compactions make extra model calls on one rank only')
+        if self.admission is not None and not isinstance(self.admission, Admission):
+            raise TypeError(f'admission must be an Admission, not {type(self.admission).__name__}')
         _check_timeout('step_timeout_s', self.step_timeout_s)
         _check_timeout('rollout_timeout_s', self.rollout_timeout_s)
 

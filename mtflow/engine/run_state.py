@@ -38,6 +38,9 @@ class RunSettings:
     turn_bound: Optional[int]
     #: the context budget resolved against the backend (``mtflow.engine.context.ResolvedContext``)
     context: Optional[Any] = None
+    #: the most requests started and not finished, when the scheduler opens an environment
+    #: session per request and ``admission.env_sessions`` bounds them (``mtflow.engine.admission``)
+    session_bound: Optional[int] = None
 
 
 def uuid_of(request: Any, index: int) -> str:

@@ -201,7 +201,10 @@ class StreamDriver(AsyncDriver):
             run.recorder.raw = _NoEvents()
         self.source = source
         self.source_done = False
-        self.max_concurrency = max_concurrency
+        self.max_concurrency = max_concurrency if self.session_bound is None else min(max_concurrency,
+                                                                                      self.session_bound)
+        self.held: Optional[List[Any]] = None  # a group pulled that must wait for free sessions
+        self.stream_started_rounds = 0
         self.buffer = buffer
         self.budget = until
         self.max_staleness = max_staleness
@@ -364,19 +367,43 @@ class StreamDriver(AsyncDriver):
     def pull(self) -> bool:
         """Take the next group from the source and admit its members; ``False``: nothing to take
         (the source is done, the consumer is behind, or the stream is stopping)."""
-        if self.source_done or self.stopping or self.backpressured():
+        if (self.source_done and self.held is None) or self.stopping or self.backpressured():
             return False
-        try:
-            item = next(self.source)
-        except StopIteration:
-            self.source_done = True
-            return False
-        members = list(item) if isinstance(item, (list, tuple)) else [item]
+        if self.held is not None:
+            members, self.held = self.held, None
+        else:
+            try:
+                item = next(self.source)
+            except StopIteration:
+                self.source_done = True
+                return False
+            members = list(item) if isinstance(item, (list, tuple)) else [item]
         if not members:
             return True
+        if not self.room_for(members):
+            self.held = members
+            return False
         group = _Group(self.next_seq, [_fresh(m) for m in members])
         self.next_seq += 1
         self.admit(group, members)
+        return True
+
+    def room_for(self, members: List[Any]) -> bool:
+        """Under a session bound (``mtflow.engine.admission``): do ``members`` fit beside the
+        requests started and not finished (each holds an environment session)? A group larger than
+        the bound never fits: an error, not a wait."""
+        bound = self.session_bound
+        if bound is None:
+            return True
+        if len(members) > bound:
+            raise ValueError(f'a stream group of {len(members)} requests is larger than admission.env_sessions '
+                             f'({bound}): its members hold their sessions together')
+        started = self.active + len(self.queue)
+        if started and started + len(members) > bound:
+            return False
+        if self.stream_started_rounds:
+            self.run.options.admission.env_sessions.waited(perf_counter() - self.t_start)
+        self.stream_started_rounds += 1
         return True
 
     def admit(self, group: _Group, requests: List[Any]) -> None:

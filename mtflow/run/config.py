@@ -20,6 +20,7 @@
     mode: lockstep                            # lockstep | async (each request on its own)
     max_concurrency: null                     # async: requests in flight at once; null: the batch
     context: null                             # context budgets and compaction (docs/context.md)
+    admission: null                           # {tool_calls: N, env_sessions: M} (docs/admission.md)
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -43,12 +44,26 @@ from mtflow.core.keys import unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
 from mtflow.declarative.context import ContextConfig
+from mtflow.engine.admission import Admission
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS', 'parse_sets',
            'config_keys']
 
 #: backend options that hold paths (resolved like ``dataset``)
 PATH_OPTIONS = ('path', )
+
+
+class AdmissionConfig(BaseModel):
+    """The ``admission:`` block: the run's bounds (:class:`mtflow.Admission`)."""
+    model_config = ConfigDict(extra='forbid', strict=True)
+
+    tool_calls: Optional[int] = Field(None, ge=1, description='Tool and sandbox calls in flight at once, across '
+                                      "all tools (beside each tool's own max_concurrency); null: no bound.")
+    env_sessions: Optional[int] = Field(None, ge=1, description='Environment sessions open at once (each request '
+                                        'holds one from its reset to its close); null: no bound.')
+
+    def make(self) -> Admission:
+        return Admission(tool_calls=self.tool_calls, env_sessions=self.env_sessions)
 
 
 class RunConfigError(UserError):
@@ -87,6 +102,10 @@ class RunConfig(BaseModel):
                                                "request a turn at a time) or 'async' (each on its own).")
     max_concurrency: Optional[int] = Field(None, ge=1, description='Async mode: requests in flight at once; null: '
                                            'the whole batch.')
+    admission: Optional[AdmissionConfig] = Field(None, description='Admission control (docs/admission.md): '
+                                                 'tool_calls (tool and sandbox calls in flight across all tools), '
+                                                 'env_sessions (environment sessions open); what exceeds a bound '
+                                                 'waits.')
     context: Optional[ContextConfig] = Field(None, description='Context budgets and the compaction policy '
                                              '(docs/context.md): context_length, max_tokens, total_response_tokens, '
                                              'prompt_budget, policy, ...')

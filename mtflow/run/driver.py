@@ -26,7 +26,7 @@ from mtflow.run.store import RunDirError, RunStore, finished_to_record
 from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
-from mtflow.run.serving import annotate as annotate_serving
+from mtflow.run.serving import annotate as annotate_serving, begin_server_metrics, end_server_metrics
 
 __all__ = ['StreamingRun', 'roll_out']
 
@@ -198,6 +198,8 @@ class _ExecutorFactory:
         self.image_store = image_store
         self.request_config = cfg.make_request_config()
         self.closing: List[Callable[[], None]] = []  # a batcher's threads, stopped when the run ends
+        #: the run's admission control (``admission:``), one for every batch and the stream
+        self.admission = cfg.admission.make() if cfg.admission is not None else None
         self.turn_log = TurnLog()
 
     def __call__(self, rollout_fn: Any, on_finished: Callable[[Any], None]) -> Executor:
@@ -205,6 +207,7 @@ class _ExecutorFactory:
         options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
                                        accounting=record_accounting(self.scheduler), image_store=self.image_store)
         options.update(self._context())
+        options.update(self._admission())
         if cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
             return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, skip_empty_calls=True,
                             **options)
@@ -226,6 +229,16 @@ class _ExecutorFactory:
         return {'context': cfg.context.budget(self.backend, str(cfg.base_dir) if cfg.base_dir else None,
                                               cfg.where('context'))}
 
+    def _admission(self) -> Dict[str, Any]:
+        return {} if self.admission is None else {'admission': self.admission}
+
+    def batch_size(self) -> int:
+        """``batch_size``, or fewer in lockstep when ``admission.env_sessions`` is smaller (the
+        batch holds its sessions together; the next batch waits for it)."""
+        size = self.cfg.batch_size
+        bound = self.admission.session_bound(self.scheduler) if self.admission is not None else None
+        return min(size, bound) if bound is not None and self.cfg.mode != 'async' else size
+
     def stream_executor(self) -> Executor:
         """The executor of a streamed run (``mtflow/run/streamed.py``): the backend's async
         ``rollout_fn`` when it has one, the requests written from the delivered groups."""
@@ -237,7 +250,7 @@ class _ExecutorFactory:
             self.closing.append(close)
         return Executor(self.scheduler, self.turn_log.wrap(fn), self.request_config, max_turns=cfg.max_turns or None,
                         on_error='return', accounting=record_accounting(self.scheduler), image_store=self.image_store,
-                        **self._context())
+                        **self._context(), **self._admission())
 
     def close(self) -> None:
         for close in self.closing:
@@ -270,8 +283,9 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),
                            listener=tracker.log if tracker is not None else None)
-    run = StreamingRun(make_executor, backend, store, cfg.batch_size, reference_key=reference_field(scheduler),
+    run = StreamingRun(make_executor, backend, store, make_executor.batch_size(), reference_key=reference_field(scheduler),
                        progress=progress if progress.enabled else None, on_request=on_request)
+    begin_server_metrics(backend)  # the servers' /metrics counters, read again for the summary
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
@@ -283,4 +297,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     finally:
         make_executor.close()
         progress.stop()
+        end_server_metrics(backend)
         figures.update(run.figures())
+        if make_executor.admission is not None:
+            figures['admission'] = make_executor.admission.summary()

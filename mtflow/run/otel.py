@@ -16,7 +16,11 @@ span               attributes (``mtflow.*``)
 ``env_step``       turn, duration_s, tool_calls, tool_errors (the scheduler's ``step``: tools,
                    environment)
 ``tool_call``      tool, ok, error_kind, duration_s (a child of the step, one per call)
-other moves        a span named by the trigger (a compaction, an interrupt) with its extra
+``compaction``     turn, policy, prompt_tokens_before, prompt_tokens_after, segment (the training
+                   segment that begins after it), outcome (the state it left to: ``generating``,
+                   ``continuing``, or ``finished`` when it could not make the prompt fit), fits,
+                   changed (the ``compacting`` state of a context budget, ``docs/context.md``)
+other moves        a span named by the trigger (an interrupt) with its extra
 =================  =================================================================================
 
 Times are the events' (seconds since the run started) on the run's wall clock. Nothing is
@@ -158,13 +162,18 @@ class OtelExporter:
         for e in events:
             turn = int(e.get('turn') or 0)
             src, dst, extra = e.get('from'), e.get('to'), e.get('extra') or {}
-            # an event entering generation after turn t's step (turn t) starts turn t + 1
-            starts = turn if src == 'pending' else turn + 1
+            # an event entering generation after turn t's step (turn t) starts turn t + 1; from
+            # pending (or a compaction of the first prompt) it starts turn t itself
+            first = src == 'pending' or (src == 'compacting' and (open_at.get('compacting') or {}).get('from')
+                                         == 'pending')
+            starts = turn if first else turn + 1
             if dst in _GEN_STATES and starts not in turns:
                 prev = turns.get(starts - 1)
                 if prev is not None:
                     prev.end(end_time=ns(e.get('t')))
-                turns[starts] = self.tracer.start_span('turn', context=ctx, start_time=ns(e.get('t')), attributes={
+                # a first turn whose prompt was compacted begins where the compaction did
+                begun = open_at['compacting'].get('t') if first and src == 'compacting' else e.get('t')
+                turns[starts] = self.tracer.start_span('turn', context=ctx, start_time=ns(begun), attributes={
                     'mtflow.uuid': record.get('uuid'), 'mtflow.turn': starts})
                 turn_ctx[starts] = trace.set_span_in_context(turns[starts])
             parent = turn_ctx.get(turn, ctx)
@@ -195,6 +204,17 @@ class OtelExporter:
                         'mtflow.duration_s': duration},
                         Status(StatusCode.ERROR, str(call.get('error') or 'tool error')[:200]) if failed else None)
                 step.end(end_time=ns(e.get('t')))
+            elif src == 'compacting':
+                compaction = extra.get('compaction') or {}
+                self._span('compaction', parent, ns(entered.get('t') if entered else e.get('t')), ns(e.get('t')), {
+                    'mtflow.uuid': record.get('uuid'), 'mtflow.turn': turn,
+                    'mtflow.compaction.policy': compaction.get('policy'),
+                    'mtflow.compaction.prompt_tokens_before': compaction.get('prompt_tokens_before'),
+                    'mtflow.compaction.prompt_tokens_after': compaction.get('prompt_tokens_after'),
+                    'mtflow.compaction.segment': compaction.get('segment'),
+                    'mtflow.compaction.fits': compaction.get('fits'),
+                    'mtflow.compaction.changed': compaction.get('changed'),
+                    'mtflow.compaction.outcome': dst, 'mtflow.finish_reason': e.get('reason')})
             elif src not in _GEN_STATES and src != 'tool_step' and src != 'pending' and src is not None:
                 self._span(str(e.get('trigger') or src), parent, ns(entered.get('t') if entered else e.get('t')),
                            ns(e.get('t')), {'mtflow.uuid': record.get('uuid'), 'mtflow.turn': turn})

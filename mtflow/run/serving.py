@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-__all__ = ['annotate', 'serving_figures', 'serving_rows']
+__all__ = ['annotate', 'begin_server_metrics', 'end_server_metrics', 'serving_figures', 'serving_rows', 'admission_figures', 'admission_rows']
 
 _OUTPUT_STATES = ('generating', 'continuing')
 
@@ -37,6 +37,24 @@ def annotate(backend: Any, uuid: str, events: List[Dict[str, Any]]) -> List[Dict
     return events
 
 
+def begin_server_metrics(backend: Any) -> None:
+    """Read the servers' prefix-cache counters at the start of a run (a backend with
+    ``begin_server_metrics``: the OpenAI backend), so the summary reports their growth."""
+    begin = getattr(backend, 'begin_server_metrics', None)
+    if callable(begin):
+        begin()
+
+
+def end_server_metrics(backend: Any) -> None:
+    """Read them again when the rollout ends (before the backend closes)."""
+    end = getattr(backend, 'end_server_metrics', None)
+    if callable(end):
+        try:
+            end()
+        except Exception:  # the figures are informational: a failed read never fails the run
+            pass
+
+
 def serving_figures(backend: Any) -> Optional[Dict[str, Any]]:
     """The router's figures for ``summary.json`` (``None`` for a backend without one)."""
     summary = getattr(backend, 'serving_summary', None)
@@ -46,17 +64,56 @@ def serving_figures(backend: Any) -> Optional[Dict[str, Any]]:
 def serving_rows(figures: Optional[Dict[str, Any]]) -> List[tuple]:
     """The summary table's rows: the overall hit rate and moves, then one row per replica
     (only for several servers, or when the server reported cached tokens)."""
-    if not figures or (len(figures['replicas']) < 2 and not figures['cached_tokens']):
+    if not figures or (len(figures['replicas']) < 2 and not figures['cached_tokens']
+                       and not figures.get('server_cache')):
         return []
     rows = [('routing', f"{figures['policy']}, {figures['moves']} moved off a failing server, "
              f"{figures['queued']} queued for capacity")]
+    server = figures.get('server_cache')
     rows.append(('prefix cache hit', f"{_pct(figures['hit_rate'])} of prompt tokens "
-                 f"({_pct(figures['hit_rate_after_turn_1'])} after turn 1)"))
+                 f"({_pct(figures['hit_rate_after_turn_1'])} after turn 1)"
+                 + (f"; servers' /metrics {_pct(server['hit_rate'])}" if server else '')))
     for i, r in enumerate(figures['replicas']):
         state = '' if r['healthy'] else ', down'
-        rows.append((f'  server {i}', f"{r['url']}: {r['served']} served, hit {_pct(r['hit_rate'])}{state}"))
+        own = r.get('server_cache')
+        metrics = f", /metrics {_pct(own['hit_rate'])}" if own else ''
+        rows.append((f'  server {i}', f"{r['url']}: {r['served']} served, hit {_pct(r['hit_rate'])}{metrics}{state}"))
     return rows
 
 
 def _pct(value: Optional[float]) -> str:
     return 'n/a' if value is None else f'{100 * value:.1f}%'
+
+
+def admission_figures(gates: Optional[Dict[str, Any]], serving: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The ``admission`` block of ``summary.json``: the run's gates (tool calls, environment
+    sessions: limit, peak in flight, how many waited and for how long) and, for a backend with a
+    router, the model requests per replica (``max_in_flight_per_replica``, peak, time queued).
+    ``None`` when the run config has no ``admission:`` block."""
+    if gates is None:
+        return None
+    block = dict(gates)
+    if serving:
+        block['model'] = {'queued': serving.get('queued', 0), 'queued_s': serving.get('queued_s', 0.0),
+                          'replicas': [{'url': r['url'], 'limit': r.get('max_in_flight'),
+                                        'peak': r.get('peak_in_flight')} for r in serving['replicas']]}
+    return block
+
+
+def admission_rows(block: Optional[Dict[str, Any]]) -> List[tuple]:
+    """The summary table's rows of the admission block: one per resource."""
+    if not block:
+        return []
+    rows = []
+    for name in ('tool_calls', 'env_sessions'):
+        g = block.get(name)
+        if g and g.get('entered'):
+            limit = 'no bound' if g['limit'] is None else f"bound {g['limit']}"
+            rows.append((f"admission: {name.replace('_', ' ')}", f"peak {g['peak']} in flight ({limit}), "
+                         f"{g['queued']} queued for {g['queued_s']:.2f} s"))
+    model = block.get('model')
+    if model:
+        peaks = ', '.join(f"{r['peak']}/{r['limit'] if r['limit'] is not None else '-'}" for r in model['replicas'])
+        rows.append(('admission: model', f"peak/bound per server {peaks}, {model['queued']} queued for "
+                     f"{model['queued_s']:.2f} s"))
+    return rows

@@ -12,7 +12,7 @@ from typing import Any, Dict
 from mtflow.run.config import RunConfig
 from mtflow.run.engine_figures import engine_rows, engine_settings, prefix_cache_figures
 from mtflow.run.reward_spread import spread_rows
-from mtflow.run.serving import serving_figures, serving_rows
+from mtflow.run.serving import admission_figures, admission_rows, serving_figures, serving_rows
 from mtflow.run.store import RunStore
 
 __all__ = ['summarize', 'print_summary']
@@ -63,6 +63,8 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
         'serving': serving_figures(backend),
         **({'engine': engine_settings(backend)} if engine_settings(backend) else {}),
         **({'prefix_cache': prefix_cache_figures(backend)} if prefix_cache_figures(backend) else {}),
+        **({'admission': admission_figures(figures['admission'], serving_figures(backend))}
+           if figures.get('admission') is not None else {}),
         **({'context': tally.context_summary()} if tally.context_summary() else {}),
     }
 
@@ -120,6 +122,8 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     for label, text in serving_rows(summary.get('serving')):
         table.add_row(label, text)
     for label, text in engine_rows(summary.get('engine'), summary.get('prefix_cache')):
+        table.add_row(label, text)
+    for label, text in admission_rows(summary.get('admission')):
         table.add_row(label, text)
     cached = summary['model_cached']
     table.add_row('model load', f"{summary['model_load_s']} s" +

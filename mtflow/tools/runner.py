@@ -6,7 +6,8 @@ call:
 
 - async tools on the event loop; sync tools in one bounded thread pool (``max_threads``);
 - at most ``tool.max_concurrency`` calls of one tool at a time, across all requests (a semaphore
-  per tool and per event loop: the executor uses a fresh loop per run);
+  per tool and per event loop: the executor uses a fresh loop per run), and at most the run's
+  ``admission.tool_calls`` calls of all tools together (:mod:`mtflow.engine.admission`);
 - with ``tool.timeout_s``: a timed-out async call is cancelled; a timed-out sync call is
   abandoned (a thread cannot be killed) and its late result ignored, so a sync tool that can hang
   should enforce its own limit, or be async (like ``python``, whose process is killed);
@@ -29,6 +30,7 @@ from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence
 
 from mtflow.core.images import ImageError, observation_parts
+from mtflow.engine.admission import Admission
 from mtflow.tools.tool import Tool
 
 
@@ -126,9 +128,13 @@ def check_arguments(tool: Tool, arguments: Any) -> Dict[str, Any]:
 class ToolRunner:
     """Runs calls to a fixed set of tools; see the module docstring."""
 
-    def __init__(self, tools: Sequence[Tool], max_threads: int = 64) -> None:
+    def __init__(self, tools: Sequence[Tool], max_threads: int = 64, admission: Optional[Admission] = None) -> None:
         self.tools: Dict[str, Tool] = {t.name: t for t in tools}
         self.max_threads = max_threads
+        #: the run's admission control: its ``tool_calls`` gate bounds the calls in flight across
+        #: every tool (taken after the tool's own ``max_concurrency`` slot, so one busy tool's
+        #: queue never holds the shared slots); ``None``: only the per-tool bounds
+        self.admission = admission
         self._pool: Optional[ThreadPoolExecutor] = None
         self._semaphores: 'weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[str, asyncio.Semaphore]]' = (
             weakref.WeakKeyDictionary())
@@ -164,8 +170,14 @@ class ToolRunner:
         sem = self._semaphore(tool)
         if sem is not None:
             async with sem:
-                return await self._run(tool, kwargs)
-        return await self._run(tool, kwargs)
+                return await self._admitted(tool, kwargs)
+        return await self._admitted(tool, kwargs)
+
+    async def _admitted(self, tool: Tool, kwargs: Dict[str, Any]) -> ToolResult:
+        if self.admission is None:
+            return await self._run(tool, kwargs)
+        async with self.admission.tool_calls.hold():
+            return await self._run(tool, kwargs)
 
     async def _run(self, tool: Tool, kwargs: Dict[str, Any]) -> ToolResult:
         t = perf_counter()

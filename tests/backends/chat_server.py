@@ -22,6 +22,12 @@ longest cached prefix of each prompt as ``usage.prompt_tokens_details.cached_tok
 the prompt less one token, as vLLM). ``kill()`` makes it a crashed server: the listening socket
 closes and every open connection, also one in the middle of a request, is dropped without an
 answer. Servers given one ``lock`` share one model without generating at once.
+
+With the simulated cache, ``GET /metrics`` (at the server's root, as vLLM's) exports vLLM v1's
+counters in Prometheus text format: ``vllm:prefix_cache_queries_total`` (prompt tokens looked up)
+and ``vllm:prefix_cache_hits_total`` (the ones found), labelled ``engine`` and ``model_name``;
+``report_cached=False`` leaves ``prompt_tokens_details`` out of the replies (vLLM without
+``--enable-prompt-tokens-details``), so only the counters tell the hit rate.
 """
 from __future__ import annotations
 
@@ -42,9 +48,10 @@ class ChatServer:
 
     def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True, *,
                  prefix_cache: bool = False, cache_tokens: Optional[int] = None, cache_block: int = 1,
-                 lock: Optional[Any] = None) -> None:
+                 lock: Optional[Any] = None, report_cached: bool = True) -> None:
         self.backend = backend
         self.prefix_cache = prefix_cache
+        self.report_cached = report_cached
         self.cache_tokens, self.cache_block = cache_tokens, cache_block
         self.cache: 'OrderedDict[tuple, None]' = OrderedDict()
         self.cached_total = self.prompt_total = 0
@@ -93,6 +100,13 @@ class ChatServer:
                     return
                 if self.path == '/v1/models':
                     self._reply(200, {'object': 'list', 'data': [{'id': server.model_name, 'object': 'model'}]})
+                elif self.path == '/metrics' and server.prefix_cache:
+                    data = server.metrics_text().encode()
+                    self.send_response(200)
+                    self.send_header('Content-Type', 'text/plain; version=0.0.4; charset=utf-8')
+                    self.send_header('Content-Length', str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 else:
                     self._reply(404, {'error': {'message': f'no route {self.path}'}})
 
@@ -234,7 +248,8 @@ class ChatServer:
             if best:
                 self.cache.move_to_end(hit)
             cached = min(best, max(len(prompt) - 1, 0)) // self.cache_block * self.cache_block
-            usage['prompt_tokens_details'] = {'cached_tokens': cached}
+            if self.report_cached:
+                usage['prompt_tokens_details'] = {'cached_tokens': cached}
             self.cached_total += cached
             self.prompt_total += len(prompt)
             seq = tuple(prompt + list(completion))
@@ -244,6 +259,18 @@ class ChatServer:
             if self.cache_tokens is not None:
                 while len(self.cache) > 1 and sum(len(s) for s in self.cache) > self.cache_tokens:
                     self.cache.popitem(last=False)
+
+    def metrics_text(self) -> str:
+        """``/metrics``: the simulated cache's counters as vLLM v1 exports them."""
+        with self._count_lock:
+            queries, hits = self.prompt_total, self.cached_total
+        labels = f'{{engine="0",model_name="{self.model_name}"}}'
+        return (f'# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+                f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {float(self.in_flight)}\n'
+                f'# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n'
+                f'# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{labels} {float(queries)}\n'
+                f'# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n'
+                f'# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{labels} {float(hits)}\n')
 
     def kill(self) -> None:
         """Crash: stop listening and drop every connection, also those in the middle of a request."""

@@ -59,10 +59,12 @@ def _servers(hf, n, **kw):
     return [ChatServer(hf, prefix_cache=True, lock=lock, **kw) for _ in range(n)]
 
 
-def _rollout(servers, tok, routing, n_requests=7, max_turns=5, **kw):
+def _rollout(servers, tok, routing, n_requests=7, max_turns=5, begin_metrics=False, **kw):
     delivered = []
     with OpenAIBackend(urls=[s.base_url for s in servers], routing=routing, tokenizer=tok, backoff=0.01,
                        model='tiny-qwen2', **kw) as client:
+        if begin_metrics:  # the servers' /metrics counters now, read again by serving_summary
+            client.begin_server_metrics()
         result = Executor(_GoOn(), client, CONFIG, max_turns=max_turns, accounting=RecordAccounting(),
                           on_finished=lambda f: delivered.append(f.uuid)).run([_task(i) for i in range(n_requests)])
         summary = client.serving_summary()
