@@ -155,33 +155,45 @@ def _apply_outputs(run: RunState, records: List[RequestRecord], turn: int,
     return applied
 
 
+def _per_record_hook(run: RunState, records: List[RequestRecord], turn: int, failed: Dict[int, Move],
+                     phase: str, hook: Optional[Callable[..., Any]], is_async: bool,
+                     take: Callable[[RequestRecord, Any], None]) -> List[RequestRecord]:
+    """One rule for the hooks called once per record after a turn (``on_turn_end``, ``turn_reward``):
+    all records at once; a hook that raises or times out, or whose value ``take`` refuses (it
+    raises), fails its request only, in ``phase``; the others are kept, ``take`` having applied
+    their value."""
+    if hook is None or not records:
+        return records
+    values, problems, _ = run.caller.values(hook, [(r.request, r.choice, turn) for r in records],
+                                            is_async, run.options.step_timeout_s, timed=False)
+    kept = []
+    for k, rec in enumerate(records):
+        if problems is not None and k in problems:
+            failed[rec.index] = outcome_move(rec, turn, phase, problems[k], rec.tokens)
+            continue
+        try:
+            take(rec, values[k])
+        except Exception as exc:
+            failed[rec.index] = fail_move(rec, turn, phase, exc, tokens=rec.tokens)
+            continue
+        kept.append(rec)
+    return kept
+
+
 def _turn_end(run: RunState, applied: List[RequestRecord], turn: int,
               failed: Dict[int, Move]) -> List[RequestRecord]:
     """``on_turn_end`` for the applied records (all at once): those whose result is good, with
     it kept in ``turn_result`` and its ``rollout_infos`` merged."""
-    hooks = run.hooks
-    on_turn_end = hooks.on_turn_end
-    if on_turn_end is None or not applied:
-        return applied
-    values, problems, _ = run.caller.values(on_turn_end, [(r.request, r.choice, turn) for r in applied],
-                                            hooks.on_turn_end_is_async, run.options.step_timeout_s, timed=False)
-    kept = []
-    for k, rec in enumerate(applied):
-        if problems is not None and k in problems:
-            failed[rec.index] = outcome_move(rec, turn, 'on_turn_end', problems[k], rec.tokens)
-            continue
-        try:
-            turn_result = check_turn_result(values[k], rec.uuid, turn)
-        except Exception as exc:
-            failed[rec.index] = fail_move(rec, turn, 'on_turn_end', exc, tokens=rec.tokens)
-            continue
+    def take(rec: RequestRecord, value: Any) -> None:
+        turn_result = check_turn_result(value, rec.uuid, turn)
         rec.turn_result = turn_result
-        if turn_result:
-            infos = turn_result.get('rollout_infos')
-            if infos:
-                rec.infos.update(infos)
-        kept.append(rec)
-    return kept
+        infos = turn_result.get('rollout_infos') if turn_result else None
+        if infos:
+            rec.infos.update(infos)
+
+    hooks = run.hooks
+    return _per_record_hook(run, applied, turn, failed, 'on_turn_end', hooks.on_turn_end,
+                            hooks.on_turn_end_is_async, take)
 
 
 def _turn_rewards(run: RunState, going: List[RequestRecord], turn: int,
@@ -190,26 +202,14 @@ def _turn_rewards(run: RunState, going: List[RequestRecord], turn: int,
     records still going: each number is kept on the record, in its entry
     (:func:`mtflow.accounting.turn_spans.checked_turn_reward`, the YAML hook's rule too); a hook
     that raises, times out or returns something else fails its request only."""
-    hooks = run.hooks
-    hook = hooks.turn_reward
-    if hook is None or not going:
-        return going
-    values, problems, _ = run.caller.values(hook, [(r.request, r.choice, turn) for r in going],
-                                            hooks.turn_reward_is_async, run.options.step_timeout_s, timed=False)
-    kept = []
-    for k, rec in enumerate(going):
-        if problems is not None and k in problems:
-            failed[rec.index] = outcome_move(rec, turn, 'turn_reward', problems[k], rec.tokens)
-            continue
-        try:
-            entry = checked_turn_reward(values[k], turn, rec.uuid)
-        except Exception as exc:
-            failed[rec.index] = fail_move(rec, turn, 'turn_reward', exc, tokens=rec.tokens)
-            continue
+    def take(rec: RequestRecord, value: Any) -> None:
+        entry = checked_turn_reward(value, turn, rec.uuid)
         if entry is not None:
             rec.turn_rewards.append(entry)
-        kept.append(rec)
-    return kept
+
+    hooks = run.hooks
+    return _per_record_hook(run, going, turn, failed, 'turn_reward', hooks.turn_reward,
+                            hooks.turn_reward_is_async, take)
 
 
 def _stops(run: RunState, going: List[RequestRecord], turn: int, failed: Dict[int, Move]) -> Dict[int, str]:
