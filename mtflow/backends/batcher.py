@@ -15,7 +15,8 @@ sent to the wrapped function as **one** call, and each caller gets back exactly 
   back (tracked by ``uuid``), the next batch waits until they are all back, or until none has
   arrived for ``settle_s`` (the others finished, or are in a long tool call), and never longer
   than ``max_delay_s`` for its oldest request. A request not expected back (a new one, or after
-  all came back) waits ``max_wait_s`` as before.
+  all came back) waits ``max_wait_s`` as before. These waits count from when the engine became
+  free: a request queued behind a running batch waits for that batch's requests too.
 
 * While a batch call runs, new requests keep queueing; the next batch starts as soon as a
   dispatcher is free and holds everything that waited (up to ``max_batch_size``). With
@@ -122,6 +123,7 @@ class DynamicBatcher:
         self._expected: Dict[Any, float] = {}  # uuid -> when its batch returned
         self._all_back = False  # every request of the last batch came back: the next batch is due
         self._last_arrival = 0.0
+        self._free_since = 0.0  # when the last batch call returned (the engine became free)
         self._pending: List[_Item] = []
         self._cond = threading.Condition()
         self._threads: List[threading.Thread] = []
@@ -206,11 +208,17 @@ class DynamicBatcher:
 
     def _due_in(self, oldest: _Item, now: float) -> float:
         """Seconds until the batch of ``oldest`` is due (<= 0: now)."""
-        cap = oldest.enqueued + self.max_delay_s - now
+        # The waits count from when the engine became free, not from when a request queued: a
+        # request that queued behind a running batch has not waited for company yet. Counted from
+        # its arrival, it went the moment that batch returned, without the batch's own requests,
+        # and two half-size cohorts alternated for the rest of the run (12 vllm.LLM calls of 7-11
+        # requests for 16 games x 6 turns instead of 6 of 14-16; docs/benchmarks.md).
+        start = max(oldest.enqueued, self._free_since)
+        cap = start + self.max_delay_s - now
         if self._all_back:
             return 0.0
         if self._expected:  # the last batch's requests are coming back: wait for a quiet gap
-            return min(self._last_arrival + self.settle_s - now, cap)
+            return min(max(self._last_arrival, self._free_since) + self.settle_s - now, cap)
         return min(oldest.enqueued + self.max_wait_s - now, cap)
 
     def _dispatch_loop(self) -> None:
@@ -242,6 +250,7 @@ class DynamicBatcher:
                 with self._cond:  # before the callers wake: their next calls are expected
                     done = time.perf_counter()
                     self._expected = {k: done for k in map(_key, requests) if k is not None}
+                    self._free_since = done
                     self._all_back = False
                 k = 0
                 for it in batch:

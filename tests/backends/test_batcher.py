@@ -5,6 +5,7 @@ Grouping is asserted through ``batch_sizes`` and the wrapped function's recorded
 through wall-clock time; windows are generous (seconds) so a loaded machine cannot split a group."""
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -270,6 +271,23 @@ def test_max_delay_caps_the_wait_for_the_last_batch():
         fut = batcher.submit([req('a')])
         assert _text(fut.result(timeout=30)[0]) == 'a:2', 'the oldest waits max_delay_s, not settle_s'
     assert batcher.batch_sizes == [2, 1]
+
+
+def test_a_request_queued_behind_a_running_batch_waits_for_that_batchs_requests():
+    """'b' queued while 'a''s call ran, for longer than max_delay_s; when that call returns, 'b'
+    still waits for 'a' to come back (the delay counts from the engine becoming free). Counted from
+    b's arrival it went alone, and the two cohorts alternated for the whole run on vllm.LLM."""
+    fn = Echo(gate=threading.Event())
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=5.0, max_delay_s=1.0) as batcher:
+        first = batcher.submit([req('a')])
+        assert fn.entered.wait(timeout=30)
+        queued = batcher.submit([req('b')])
+        time.sleep(1.5)  # longer than max_delay_s, while 'a''s call runs
+        fn.gate.set()
+        first.result(timeout=30)
+        back = batcher.submit([req('a')])
+        assert [_text(back.result(timeout=30)[0]), _text(queued.result(timeout=30)[0])] == ['a:2', 'b:2']
+    assert batcher.batch_sizes == [1, 2]
 
 
 def test_when_all_came_back_the_batch_goes_without_waiting_for_the_gap():
