@@ -25,8 +25,18 @@ policy                   a request's turn goes to
 load again) and changes the consistent-hash salt; the OpenAI backend also sends the version as
 vLLM's ``cache_salt`` so a server never serves a new-weights prompt from old-weights blocks.
 
-**Admission.** :meth:`Router.acquire` waits (a queue, not a failure) while every healthy replica
-holds its ``max_in_flight`` requests; :meth:`Router.release` wakes the next waiter.
+**Admission.** With ``max_in_flight`` per replica, :meth:`Router.acquire` waits (a queue, not a
+failure) when the replica the policy chose is full. The queues are per replica, so that a full
+fleet does not undo the placement: a request's next turn waits for the replica that holds its
+cache (``sticky_least_loaded``, ``consistent_hash``) instead of taking whichever slot frees first
+(which spread turns over the fleet by load: 37% hits after turn 1 on 4 saturated replicas in
+``benchmarks/serving.py``). A new request, or one placed by load (``least_loaded``,
+``round_robin``), waits in one shared queue for any replica. A freed slot goes, in this order,
+to its replica's own queue, then to the shared queue, then to the longest other queue if that one
+is more than ``sticky_slack`` long (a move, counted in ``rebalanced``: a slot never idles while a
+replica's backlog is more than the slack); a request whose replica's backlog is already past the
+slack when it arrives goes to a free replica at once. :meth:`Router.release` hands the slot
+straight to the next waiter (no wake-up of every waiter).
 
 **Health.** A replica that refuses a connection is marked down at once (:meth:`mark_down`) and
 its requests move to another (each move counted, and noted in the request's serving log, which
@@ -43,9 +53,9 @@ import asyncio
 import bisect
 import hashlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set
 
 from mtflow.backends.base import BackendError
 
@@ -109,6 +119,15 @@ class _Entry:
         return d
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """One :meth:`Router.acquire` waiting for a slot: on ``target``'s queue, or on the shared one."""
+    key: Optional[str]
+    avoid: Set[int]
+    future: 'asyncio.Future[Replica]'
+    target: Optional[int] = None
+
+
 class Router:
     """Places each request's turns on one of ``urls`` by ``policy`` (module docstring). Lives on
     one event loop (the backend's private one): :meth:`acquire` waits there."""
@@ -137,8 +156,10 @@ class Router:
         self._ring: List[int] = []
         self._ring_owner: List[int] = []
         self._build_ring()
+        self.rebalanced = 0  # waiting requests moved off their replica's queue to a free slot elsewhere
         self._log: 'OrderedDict[str, List[_Entry]]' = OrderedDict()
-        self._cond: Optional[asyncio.Condition] = None
+        self._waiting: List[Deque[_Waiter]] = [deque() for _ in self.replicas]  # per replica
+        self._shared: Deque[_Waiter] = deque()  # new requests and load-placed ones: any replica
 
     # ---- placement ------------------------------------------------------------------------------
     def set_weight_version(self, version: Any) -> None:
@@ -163,9 +184,15 @@ class Router:
             pool = [r for r in self.replicas if r.healthy and r.index not in avoid] or \
                    [r for r in self.replicas if r.index not in avoid] or list(self.replicas)
         chosen = self._choose(key, pool)
-        if key is not None and self.policy == 'sticky_least_loaded':
-            self._sticky[key] = chosen.index
+        self._remember(key, chosen)
         return chosen
+
+    def _remember(self, key: Optional[str], replica: Replica) -> None:
+        if key is not None and self.policy == 'sticky_least_loaded':
+            self._sticky[key] = replica.index
+
+    def _load(self, replica: Replica) -> int:
+        return replica.in_flight + len(self._waiting[replica.index])
 
     def _choose(self, key: Optional[str], pool: List[Replica]) -> Replica:
         policy = self.policy
@@ -177,77 +204,176 @@ class Router:
                 if i in allowed:
                     self._rr = i + 1
                     return self.replicas[i]
-        least = min(pool, key=lambda r: (r.in_flight, r.served, r.index))
+        least = min(pool, key=lambda r: (self._load(r), r.served, r.index))
         if key is None or policy == 'least_loaded':
             return least
         if policy == 'consistent_hash':
-            allowed = {r.index for r in pool}
-            start = bisect.bisect(self._ring, _hash(f'{self.weight_version}:{key}'))
-            for step in range(len(self._ring)):
-                owner = self._ring_owner[(start + step) % len(self._ring)]
-                if owner in allowed:
-                    return self.replicas[owner]
-            return least
+            owner = self._ring_choice(key, {r.index for r in pool})
+            return self.replicas[owner] if owner is not None else least
         last = self._sticky.get(key)  # sticky_least_loaded
         if last is not None:
             mine = self.replicas[last]
-            if mine in pool and mine.in_flight <= least.in_flight + self.sticky_slack:
+            if mine in pool and self._load(mine) <= self._load(least) + self.sticky_slack:
                 return mine
         return least
 
-    async def acquire(self, key: Optional[str], avoid: Iterable[int] = ()) -> Replica:
-        """A replica for ``key``, with its slot taken: waits while every healthy replica is full
-        (admission control: a queue, not a failure)."""
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        avoid = tuple(avoid)
-        if any(r.healthy and not r.full() for r in self.replicas):
-            replica = self.pick(key, avoid)
+    def _ring_choice(self, key: str, allowed: Set[int]) -> Optional[int]:
+        start = bisect.bisect(self._ring, _hash(f'{self.weight_version}:{key}'))
+        for step in range(len(self._ring)):
+            owner = self._ring_owner[(start + step) % len(self._ring)]
+            if owner in allowed:
+                return owner
+        return None
+
+    def _home(self, key: Optional[str], avoid: Set[int]) -> Optional[Replica]:
+        """The healthy replica whose cache holds ``key``'s conversation, whether full or not:
+        the one to wait for. ``None`` for a new key or a load-placed policy."""
+        if key is None or self.policy in ('least_loaded', 'round_robin'):
+            return None
+        healthy = {r.index for r in self.replicas if r.healthy and r.index not in avoid}
+        if self.policy == 'consistent_hash':
+            owner = self._ring_choice(key, healthy)
         else:
+            owner = self._sticky.get(key)
+        return self.replicas[owner] if owner is not None and owner in healthy else None
+
+    async def acquire(self, key: Optional[str], avoid: Iterable[int] = ()) -> Replica:
+        """A replica for ``key``, with its slot taken: waits while the chosen replica is full
+        (admission control: a queue, not a failure; module docstring)."""
+        avoid = set(avoid)
+        replica = self._place_now(key, avoid)
+        if replica is None:
+            home = self._home(key, avoid)
+            waiter = _Waiter(key, avoid, asyncio.get_running_loop().create_future(),
+                             home.index if home is not None else None)
+            (self._waiting[home.index] if home is not None else self._shared).append(waiter)
             self.queued += 1
             t = time.perf_counter()
-            async with self._cond:
-                await self._cond.wait_for(lambda: any(r.healthy and not r.full() for r in self.replicas)
-                                          or not any(r.healthy for r in self.replicas))
-                replica = self.pick(key, avoid)
-            self.queued_s += time.perf_counter() - t
-        replica.in_flight += 1
-        replica.peak_in_flight = max(replica.peak_in_flight, replica.in_flight)
+            try:
+                replica = await waiter.future
+            except asyncio.CancelledError:
+                self._forget(waiter)
+                raise
+            finally:
+                self.queued_s += time.perf_counter() - t
+            return replica
+        self._take(replica)
         return replica
 
-    async def release(self, replica: Replica) -> None:
-        replica.in_flight -= 1
-        if self._cond is not None:
-            async with self._cond:
-                self._cond.notify(1)
+    def _place_now(self, key: Optional[str], avoid: Set[int]) -> Optional[Replica]:
+        """A replica with a free slot for ``key`` now, or ``None`` when it must wait."""
+        if not any(r.healthy for r in self.replicas):
+            return self.pick(key, avoid)  # a dead fleet: try it again rather than wait forever
+        home = self._home(key, avoid)
+        free = [r for r in self.replicas if r.healthy and not r.full() and r.index not in avoid]
+        if home is not None and not home.full() and not self._waiting[home.index]:
+            chosen = self._choose(key, free)
+        elif home is not None and len(self._waiting[home.index]) < self.sticky_slack:
+            return None  # wait for the replica that holds the cache
+        elif free and not (home is None and self._shared):
+            chosen = self._choose(key, free)
+        else:
+            return None
+        if home is not None and chosen is not home:
+            self.rebalanced += 1
+        self._remember(key, chosen)
+        return chosen
 
-    async def _notify_all(self) -> None:
-        if self._cond is not None:
-            async with self._cond:
-                self._cond.notify_all()
+    def _take(self, replica: Replica) -> None:
+        replica.in_flight += 1
+        replica.peak_in_flight = max(replica.peak_in_flight, replica.in_flight)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        """A cancelled waiter leaves its queue; a slot already handed to it is given back."""
+        queue = self._waiting[waiter.target] if waiter.target is not None else self._shared
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            pass
+        fut = waiter.future
+        if fut.done() and not fut.cancelled():
+            self._free(fut.result())
+
+    async def release(self, replica: Replica) -> None:
+        self._free(replica)
+
+    def _free(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self._dispatch(replica)
+
+    def _dispatch(self, replica: Replica) -> None:
+        """Hand ``replica``'s free slots to waiters: its own queue, then the shared one, then the
+        longest other queue past the slack (a move)."""
+        while replica.healthy and not replica.full():
+            waiter = self._next_for(replica)
+            if waiter is None:
+                return
+            self._take(replica)
+            self._remember(waiter.key, replica)
+            waiter.future.set_result(replica)
+
+    def _next_for(self, replica: Replica) -> Optional[_Waiter]:
+        own = self._waiting[replica.index]
+        while own:
+            waiter = own.popleft()
+            if not waiter.future.done():
+                return waiter
+        for i, waiter in enumerate(self._shared):
+            if replica.index not in waiter.avoid and not waiter.future.done():
+                del self._shared[i]
+                return waiter
+        longest = max(self._waiting, key=len)
+        if len(longest) > self.sticky_slack:
+            for i, waiter in enumerate(longest):
+                if replica.index not in waiter.avoid and not waiter.future.done():
+                    del longest[i]
+                    self.rebalanced += 1
+                    return waiter
+        return None
+
+    def _redispatch(self, replica: Replica) -> None:
+        """``replica`` went down: its waiters go to the shared queue's front (oldest first), and
+        every free slot elsewhere takes what it can; with no healthy replica left, every waiter
+        is sent to try the dead fleet again (as a new request would be)."""
+        orphans = self._waiting[replica.index]
+        while orphans:
+            waiter = orphans.pop()
+            waiter.target = None
+            self._shared.appendleft(waiter)
+        if not any(r.healthy for r in self.replicas):
+            waiters = [w for q in (*self._waiting, self._shared) for w in q]
+            for q in (*self._waiting, self._shared):
+                q.clear()
+            for waiter in waiters:
+                if not waiter.future.done():
+                    chosen = self.pick(waiter.key, waiter.avoid)
+                    self._take(chosen)
+                    waiter.future.set_result(chosen)
+            return
+        for other in self.replicas:
+            self._dispatch(other)
 
     # ---- health ---------------------------------------------------------------------------------
     def mark_down(self, replica: Replica) -> None:
         if replica.healthy:
             replica.healthy = False
             replica.down_since = time.monotonic()
+            self._redispatch(replica)
 
     def mark_up(self, replica: Replica) -> None:
-        replica.healthy, replica.down_since = True, None
+        if not replica.healthy:
+            replica.healthy, replica.down_since = True, None
+            self._dispatch(replica)
 
     async def check_health(self, probe: Any) -> None:
         """One round of health checks: ``await probe(replica) -> bool`` for every replica,
         concurrently; waiters are woken when one comes back."""
         results = await asyncio.gather(*(probe(r) for r in self.replicas), return_exceptions=True)
-        came_back = False
         for replica, ok in zip(self.replicas, results):
             if ok is True:
-                came_back = came_back or not replica.healthy
                 self.mark_up(replica)
             else:
                 self.mark_down(replica)
-        if came_back:
-            await self._notify_all()
 
     # ---- the serving log and figures ------------------------------------------------------------
     def begin(self, key: Optional[str]) -> _Entry:
@@ -298,7 +424,7 @@ class Router:
         later_p = sum(r.later_prompt_tokens for r in self.replicas)
         later_c = sum(r.later_cached_tokens for r in self.replicas)
         return {'policy': self.policy, 'replicas': rows, 'moves': self.moves, 'queued': self.queued,
-                'queued_s': round(self.queued_s, 4),
+                'queued_s': round(self.queued_s, 4), 'rebalanced': self.rebalanced,
                 'weight_version': self.weight_version, 'prompt_tokens': prompt, 'cached_tokens': cached,
                 'hit_rate': hit_rate(cached, prompt), 'hit_rate_after_turn_1': hit_rate(later_c, later_p)}
 

@@ -68,7 +68,8 @@ def serving_rows(figures: Optional[Dict[str, Any]]) -> List[tuple]:
                        and not figures.get('server_cache')):
         return []
     rows = [('routing', f"{figures['policy']}, {figures['moves']} moved off a failing server, "
-             f"{figures['queued']} queued for capacity")]
+             f"{figures['queued']} queued for capacity, {figures.get('rebalanced', 0)} rebalanced off a "
+             f"backlog")]
     server = figures.get('server_cache')
     rows.append(('prefix cache hit', f"{_pct(figures['hit_rate'])} of prompt tokens "
                  f"({_pct(figures['hit_rate_after_turn_1'])} after turn 1)"

@@ -294,3 +294,75 @@ def test_a_slow_replica_times_out_and_its_request_moves(hf, tok):
     assert summary['moves'] == 1 and summary['replicas'][0]['healthy'], 'slow is not dead'
     moved = [log[0] for log in logs if log[0].get('moves')]
     assert len(moved) == 1 and moved[0]['replica'] == 1 and 'timed out after 2.0 s' in moved[0]['moves'][0]['reason']
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_full_fleet_keeps_a_turn_waiting_for_the_replica_that_holds_its_cache():
+    """Every replica full: x's next turn waits for x's replica, not for whichever slot frees first
+    (that spread turns over the fleet by load, losing the cache)."""
+    router = Router(['http://a', 'http://b'], max_in_flight=1)
+
+    async def go():
+        ra = await router.acquire('x')
+        rb = await router.acquire('y')
+        assert (ra.index, rb.index) == (0, 1)
+        x_next = asyncio.ensure_future(router.acquire('x'))
+        await asyncio.sleep(0)
+        await router.release(rb)  # b frees first: x does not take it
+        await asyncio.sleep(0)
+        assert not x_next.done() and rb.in_flight == 0
+        y_next = await router.acquire('y')  # y's own replica is free: no wait
+        await router.release(ra)
+        got = await asyncio.wait_for(x_next, 1)
+        return got, y_next
+
+    got, y_next = _run(go())
+    assert got.index == 0 and y_next.index == 1 and router.rebalanced == 0 and router.queued == 1
+
+
+def test_a_backlog_past_the_slack_moves_to_a_free_replica_and_is_counted():
+    router = Router(['http://a', 'http://b'], max_in_flight=1, sticky_slack=1)
+
+    async def go():
+        ra = await router.acquire('x')
+        rb = await router.acquire('y')
+        router._sticky.update(p=0, q=0)  # two more conversations whose cache is on a
+        p = asyncio.ensure_future(router.acquire('p'))
+        q = asyncio.ensure_future(router.acquire('q'))
+        x = asyncio.ensure_future(router.acquire('x'))
+        await asyncio.sleep(0)
+        assert [len(w) for w in router._waiting] == [3, 0]
+        await router.release(rb)  # b's own queue and the shared one are empty: it takes a's oldest
+        first = await asyncio.wait_for(p, 1)
+        await router.release(ra)  # a serves its own queue: q
+        second = await asyncio.wait_for(q, 1)
+        return first, second, x
+
+    first, second, x = _run(go())
+    assert first.index == 1 and second.index == 0 and router.rebalanced == 1
+    assert router._sticky['p'] == 1, 'the moved conversation now sticks to where its cache is'
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_a_downed_replicas_waiters_move():
+    router = Router(['http://a', 'http://b'], max_in_flight=1)
+
+    async def go():
+        ra = await router.acquire('x')
+        await router.acquire('y')
+        gone = asyncio.ensure_future(router.acquire('x'))
+        stays = asyncio.ensure_future(router.acquire('x'))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert len(router._waiting[0]) == 1
+        router.mark_down(ra)  # a dies: its waiter goes to the shared queue, for b
+        await asyncio.sleep(0)
+        assert not stays.done() and len(router._shared) == 1
+        await router.release(router.replicas[1])
+        return await asyncio.wait_for(stays, 1)
+
+    assert _run(go()).index == 1
+    assert router.replicas[1].in_flight == 1
