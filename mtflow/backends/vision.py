@@ -23,7 +23,8 @@ from mtflow.backends.images import has_images, normalized_images, refuse_images
 from mtflow.backends.tokens import PromptPlan, TokenPrompter
 from mtflow.core.images import IMAGE_TOKEN, image_bytes
 
-__all__ = ['VisionPrompter', 'expand_pads', 'vision_inputs', 'pil_images', 'pil_images_of', 'generate_with_images', 'token_prompt']
+__all__ = ['VisionPrompter', 'expand_pads', 'collapse_pads', 'check_engine_prompt', 'vision_inputs', 'pil_images',
+           'pil_images_of', 'generate_with_images', 'token_prompt']
 
 #: model inputs the processor returns that belong to the text, rebuilt from the exact ids
 _TEXT_KEYS = frozenset(('input_ids', 'attention_mask', 'mm_token_type_ids', 'token_type_ids'))
@@ -181,13 +182,43 @@ def generate_with_images(backend: Any, requests: List[Any], plans: List[PromptPl
     return outputs
 
 
+def collapse_pads(ids: List[int], pad_id: int) -> List[int]:
+    """``ids`` with each run of ``pad_id`` made one long: one placeholder per image, the form
+    vLLM's multimodal processor takes in a token prompt and expands itself."""
+    out: List[int] = []
+    for t in ids:
+        if t != pad_id or not out or out[-1] != pad_id:
+            out.append(t)
+    return out
+
+
 def token_prompt(prompter: Any, request: Any, ids: List[int], backend: str) -> Dict[str, Any]:
     """vLLM's token prompt for ``ids`` (``TokensPrompt``): with the request's images as
-    ``multi_modal_data`` when the prompter is a :class:`VisionPrompter` (the ids already hold
-    the expanded pads, as vLLM keeps them); a text prompter refuses a request with images."""
+    ``multi_modal_data`` when the prompter is a :class:`VisionPrompter`, each image's pads
+    collapsed to one, because vLLM's processor replaces every image placeholder of a token prompt
+    by the image's pads (vLLM 0.32: a prompt sent with its 4 pads came back with 7); the engine's
+    ``prompt_token_ids`` are then checked against ``ids`` (:func:`check_engine_prompt`). A text
+    prompter refuses a request with images."""
     if not has_images(request):
         return {'prompt_token_ids': ids}
     if not isinstance(prompter, VisionPrompter):
         refuse_images(request, backend, 'give processor= (AutoProcessor) for token prompts with images, or use '
                       'prompt_mode chat (image content parts)')
-    return {'prompt_token_ids': ids, 'multi_modal_data': {'image': pil_images(request)}}
+    return {'prompt_token_ids': collapse_pads(ids, prompter.pad_id), 'multi_modal_data': {'image': pil_images(request)}}
+
+
+def check_engine_prompt(request: Any, ids: List[int], engine_ids: Any, pad_id: Optional[int]) -> Optional[BackendError]:
+    """``None`` when the engine ran ``ids`` (the pads expanded as the processor expands them),
+    else the error that fails ``request`` alone: the engine resized an image by other rules, and
+    the token record would not be the ids the model saw."""
+    if engine_ids is None or list(engine_ids) == list(ids):
+        return None
+    where = f'request {getattr(request, "uuid", None)!r}'
+    got, want = list(engine_ids), list(ids)
+    if pad_id is not None and got.count(pad_id) != want.count(pad_id):
+        return BackendError(f'{where}: the engine expanded its images to {got.count(pad_id)} pad tokens, the '
+                            f'processor to {want.count(pad_id)}: give the engine the same image processor settings '
+                            '(mm_processor_kwargs, min_pixels/max_pixels)')
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return BackendError(f'{where}: the engine ran a prompt of {len(got)} ids that differs from the {len(want)} mtflow '
+                        f'built at position {first}')

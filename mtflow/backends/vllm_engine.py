@@ -49,7 +49,7 @@ from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.vllm_defaults import choose_engine_kwargs
-from mtflow.backends.vision import VisionPrompter, token_prompt
+from mtflow.backends.vision import VisionPrompter, check_engine_prompt, token_prompt
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
 
@@ -277,14 +277,16 @@ class VLLMBackend(Backend):
         results = self.llm.generate(prompts, params, use_tqdm=False)
         if len(results) != len(requests):
             raise BackendError(f'vllm returned {len(results)} results for {len(requests)} prompts')
-        outputs = [
-            choice_from_completion(res.outputs[0], p['prompt_token_ids'], options, self.model_name, self.tokenizer)
-            for res, p in zip(results, prompts)
-        ]
-        for res, p, plan in zip(results, prompts, plans):
-            self.prefix_cache.add(len(p['prompt_token_ids']), getattr(res, 'num_cached_tokens', None),
-                                  plan.appended is not None)
-        commit_outputs(self.prompter, requests, plans, outputs)
+        outputs: List[Any] = []
+        for r, res, p, plan in zip(requests, results, prompts, plans):
+            # an image prompt went with one pad per image; the engine expands them: it must run plan.ids
+            mismatch = check_engine_prompt(r, plan.ids, getattr(res, 'prompt_token_ids', None),
+                                           getattr(self.prompter, 'pad_id', None)) if 'multi_modal_data' in p else None
+            outputs.append(mismatch or choice_from_completion(res.outputs[0], plan.ids, options, self.model_name,
+                                                              self.tokenizer))
+            self.prefix_cache.add(len(plan.ids), getattr(res, 'num_cached_tokens', None), plan.appended is not None)
+        kept = [k for k, out in enumerate(outputs) if not isinstance(out, BaseException)]
+        commit_outputs(self.prompter, [requests[k] for k in kept], [plans[k] for k in kept], [outputs[k] for k in kept])
         return outputs
 
     def _generate_chat(self, requests: List[Any], options: SamplingOptions) -> List[Any]:

@@ -98,6 +98,11 @@ class FakeLLM:
     #: earlier prompt, at least one token left to compute, as vLLM's prefix cache counts them
     block_size: Optional[int] = None
     seen: List[List[int]] = field(default_factory=list)
+    #: a Qwen2-VL ``AutoProcessor``: a token prompt's images are expanded as vLLM 0.32 does it, each
+    #: image's first placeholder token (``<|image_pad|>``) replaced by the image's pads, any pads
+    #: after it kept (so a prompt sent with 4 pads runs with 7), and the expanded ids are the
+    #: output's ``prompt_token_ids``
+    processor: Any = None
 
     @property
     def llm_engine(self) -> Any:
@@ -133,10 +138,25 @@ class FakeLLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         assert len(params) == len(prompts), 'vLLM pairs a list of SamplingParams one by one with the prompts'
         self.calls.append({'method': 'generate', 'prompts': prompts, 'params': params, 'use_tqdm': use_tqdm})
-        outs = [self._one(i, p['prompt_token_ids'], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for o, p in zip(outs, prompts):
-            o.num_cached_tokens = self._cached(p['prompt_token_ids'])
+        ran = [self._expand(p) for p in prompts]
+        outs = [self._one(i, ids, sp) for i, (ids, sp) in enumerate(zip(ran, params))]
+        for o, ids in zip(outs, ran):
+            o.num_cached_tokens = self._cached(ids)
         return outs
+
+    def _expand(self, prompt: Dict[str, Any]) -> List[int]:
+        ids = list(prompt['prompt_token_ids'])
+        images = (prompt.get('multi_modal_data') or {}).get('image') or []
+        if not images or self.processor is None:
+            return ids
+        pad = self.processor.image_token_id
+        merge = self.processor.image_processor.merge_size
+        grids = self.processor.image_processor(images=list(images), return_tensors='pt')['image_grid_thw']
+        counts = [int(g.prod()) // merge**2 for g in grids]
+        out: List[int] = []
+        for t in ids:  # the first pad of each image is its placeholder; any pads after it stay
+            out.extend([pad] * counts.pop(0) if t == pad and counts else [t])
+        return out
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True, lora_request: Any = None,
              chat_template: Optional[str] = None, chat_template_content_format: str = 'auto',

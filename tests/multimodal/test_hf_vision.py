@@ -30,8 +30,9 @@ CONFIG = RequestConfig(temperature=0, max_tokens=4, logprobs=True)
 
 
 class ToolAtTurn2(Scheduler):
-    """Turn 1: a user nudge; turn 2: the `square` tool's result (text and a PIL image) as a tool
-    message; turn 3 ends (max_turns; the length limit does not stop it)."""
+    """Turn 1: a user nudge; turn 2: the `square` tool's result (text and a PIL image of
+    ``side`` pixels) as a tool message; turn 3 ends (max_turns; the length limit does not stop it)."""
+    side = 40
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
         return current_turn >= self.max_turns
@@ -40,7 +41,7 @@ class ToolAtTurn2(Scheduler):
         if current_turn == 1:
             infer_request.messages.append({'role': 'user', 'content': 'Draw it.'})
         else:
-            text, images = observation_parts(fixtures.square('red', size=40))
+            text, images = observation_parts(fixtures.square('red', size=self.side))
             infer_request.messages.append({'role': 'tool', 'content': text})
             infer_request.images.extend(to_image_url(im) for im in images)
         return {'infer_request': infer_request}
@@ -132,24 +133,71 @@ def test_text_only_model_refuses_images():
         HFBackend(make_model(tok), tok)([r], CONFIG)
 
 
-def test_vllm_token_prompts_carry_multi_modal_data_and_expanded_pads(vlm):
-    """vLLM's token mode with the processor, through the ``vllm.LLM`` stand-in: the turn-3 prompt
-    is the same exact ids the HF backend builds (pads expanded as the processor does), with the
-    image as ``multi_modal_data``."""
+class Side56(ToolAtTurn2):
+    """A 56x56 square: the processor keeps it 56x56, a 4x4 patch grid, 4 merged pads."""
+    side = 56
+
+
+def test_vllm_token_prompts_carry_multi_modal_data_and_one_pad_per_image(vlm):
+    """vLLM's token mode with the processor, through the ``vllm.LLM`` stand-in (which expands an
+    image's placeholder as vLLM 0.32 does): the turn-3 prompt goes with one pad per image and the
+    image as ``multi_modal_data``; the engine runs the ids the HF backend builds (4 pads), and the
+    token record holds those."""
     from mtflow.backends.vllm_engine import VLLMBackend
     from tests.backends.fake_vllm import FakeLLM, SamplingParams
 
     model, proc = vlm
-    llm = FakeLLM(model, proc.tokenizer)
+    llm = FakeLLM(model, proc.tokenizer, processor=proc)
     backend = VLLMBackend(llm, sampling_params_cls=SamplingParams, processor=proc)
     r = req('v')
-    result = Executor(ToolAtTurn2(max_turns=3), backend, max_turns=3, request_config=CONFIG,
+    result = Executor(Side56(max_turns=3), backend, max_turns=3, request_config=CONFIG,
                       accounting=RecordAccounting()).run([r])
     assert result.failures == []
     prompts = [c['prompts'][0] for c in llm.calls]
     assert ['multi_modal_data' in p for p in prompts] == [False, False, True]
     [image] = prompts[2]['multi_modal_data']['image']
-    assert image.size == (40, 40) and image.getpixel((0, 0)) == (255, 0, 0)
+    assert image.size == (56, 56) and image.getpixel((0, 0)) == (255, 0, 0)
+    pad = proc.image_token_id
     turns = r.token_record.turns
-    assert prompts[2]['prompt_token_ids'] == prompts[1]['prompt_token_ids'] + turns[1].sampled + turns[1].appended
-    assert prompts[2]['prompt_token_ids'].count(proc.image_token_id) == 1  # 40x40 -> 28x28: one merged patch
+    ran = prompts[1]['prompt_token_ids'] + turns[1].sampled + turns[1].appended
+    assert turns[1].appended.count(pad) == 4, 'the record holds the pads the engine ran'
+    assert prompts[2]['prompt_token_ids'] == [t for i, t in enumerate(ran) if t != pad or ran[i - 1] != pad]
+    assert prompts[2]['prompt_token_ids'].count(pad) == 1
+    assert llm._expand(prompts[2]) == ran
+
+
+def test_an_engine_that_expands_an_image_otherwise_fails_that_request_only(vlm):
+    """The engine ran other ids than mtflow built for a request with an image (its processor
+    resized the image by other rules): that request fails, naming the counts; the call's other
+    request goes on."""
+    from mtflow.backends.vllm_engine import VLLMBackend
+    from tests.backends.fake_vllm import FakeLLM, SamplingParams
+
+    model, proc = vlm
+
+    class OtherRules(FakeLLM):
+        def _expand(self, prompt):
+            ids = super()._expand(prompt)
+            if prompt.get('multi_modal_data'):
+                i = ids.index(proc.image_token_id)
+                ids = ids[:i] + [proc.image_token_id] + ids[i:]
+            return ids
+
+    backend = VLLMBackend(OtherRules(model, proc.tokenizer, processor=proc), sampling_params_cls=SamplingParams,
+                          processor=proc)
+
+    class OnlyV(Side56):
+        def step(self, infer_request, response_choice, current_turn):
+            if infer_request.uuid == 'v':
+                return super().step(infer_request, response_choice, current_turn)
+            infer_request.messages.append({'role': 'user', 'content': 'Go on.'})
+            return {'infer_request': infer_request}
+
+    result = Executor(OnlyV(max_turns=3), backend, max_turns=3, request_config=CONFIG, on_error='return',
+                      accounting=RecordAccounting()).run([req('v'), req('t')])
+    [failure] = result.failures
+    assert failure.uuid == 'v' and failure.phase == 'rollout_fn'
+    assert 'expanded its images to 5 pad tokens, the processor to 4' in str(failure.error)
+    assert result.finish_reasons == ['error', 'check_finished']
+
+
