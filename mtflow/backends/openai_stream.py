@@ -26,20 +26,20 @@ alone, with an error naming it; before the first chunk the usual retries apply.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from mtflow.backends.base import BackendError, async_seed_index, sampling_options
+from mtflow.backends.base import BackendError, async_seed_index
 from mtflow.backends.http_client import TimedOut, Unreachable
 from mtflow.backends.images import refuse_images
+from mtflow.backends.resumable import bridged, resumed_options
 from mtflow.backends.tokens import commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput,
                                   UsageInfo)
-from mtflow.engine.resume import GenerationAborted, ResumeFrom, current_prefix, merged_output
+from mtflow.engine.resume import ResumeFrom, current_prefix, merged_output
 
 __all__ = ['StreamedReply', 'streamed_acall', 'stream_body', 'completion_items', 'token_ids_from_logprobs']
 
@@ -232,36 +232,25 @@ async def _on_server(backend: Any, request: Any, options: Any, seed: int, prompt
 
 async def streamed_acall(backend: Any, request: Any, request_config: Any) -> List[RolloutOutput]:
     """One resumable single-request call (``OpenAIBackend.acall`` with ``resumable=True``), on
-    the caller's loop: the stream runs on the backend's loop; a cancellation of the caller
-    becomes :class:`GenerationAborted` with what had arrived. The token record is planned and
-    committed here, on the caller's side, so a cut call never commits a turn."""
+    the caller's loop: the stream runs on the backend's loop (:func:`~mtflow.backends.resumable.bridged`);
+    the token record is planned and committed here, so a cut call never commits a turn."""
     if backend._runner is None:
         raise BackendError('openai backend: used after close()')
     prefix = current_prefix()
-    options = sampling_options(request_config, backend.default_max_tokens)
-    limit = getattr(request_config, 'max_tokens', None) if not isinstance(request_config, dict) \
-        else request_config.get('max_tokens')
-    if prefix is not None and len(prefix) and limit is None:  # the backend's default: what is left of it
-        options = dataclasses.replace(options, max_tokens=max(1, options.max_tokens - len(prefix)))
+    options = resumed_options(request_config, backend.default_max_tokens, prefix)
     if backend.seed is not None and options.seed is None:
         options = dataclasses.replace(options, seed=backend.seed)
     where = f'request {getattr(request, "uuid", None)!r}'
     reply = StreamedReply(where, backend.prompter is not None, prefix)
-    plan = sent = None
+    plan = sent = turn_prompt = None
     if backend.prompter is not None:
         refuse_images(request, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
         plan = backend.prompter.plan(request)
+        turn_prompt = plan.ids
         sent = list(plan.ids) + (prefix.ids if prefix is not None else [])
     t0 = time.perf_counter()
-    future = asyncio.run_coroutine_threadsafe(
-        _on_server(backend, request, options, async_seed_index(request, 0), sent, reply), backend._runner.loop)
-    turn_prompt = plan.ids if plan is not None else None
-    try:
-        await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
-        if reply.finish is None:
-            raise GenerationAborted([reply.output(turn_prompt)]) from None
-        # it had ended: the turn is whole, nothing is left to resume
+    on_server = _on_server(backend, request, options, async_seed_index(request, 0), sent, reply)
+    await bridged(on_server, backend._runner.loop, lambda: (reply.finish is not None, reply.output(turn_prompt)))
     out = reply.output(turn_prompt, sent)
     if plan is not None:
         whole = merged_output(prefix, [out])[0] if prefix is not None else out
