@@ -63,7 +63,7 @@ from mtflow.backends.openai_stream import completion_items, stream_body, streame
 from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of
-from mtflow.backends.server_metrics import counter_delta, prefix_cache_counters
+from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
 
@@ -234,7 +234,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     return RolloutOutput(response=response)
 
 
-class OpenAIBackend(Backend):
+class OpenAIBackend(ServerMetrics, Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
     Args:
@@ -344,9 +344,6 @@ class OpenAIBackend(Backend):
         self._sem: Optional[asyncio.Semaphore] = None
         self._model_lock: Optional[asyncio.Lock] = None
         self.retries = 0  # total retries made (for tests and the summary)
-        #: the servers' prefix-cache counters at begin_server_metrics and end_server_metrics
-        self._metrics_start: Optional[List[Optional[Tuple[float, float]]]] = None
-        self._metrics_end: Optional[List[Optional[Tuple[float, float]]]] = None
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -538,55 +535,6 @@ class OpenAIBackend(Backend):
         """Request ``uuid``'s serving log, one entry per turn (replica, prompt and cached tokens,
         moves), removed from the backend; ``mtflow run`` writes it into the trace."""
         return self.router.take(str(uuid))
-
-    def begin_server_metrics(self) -> None:
-        """Read every server's prefix-cache counters (``GET /metrics``,
-        :mod:`mtflow.backends.server_metrics`) now: :meth:`serving_summary` then reports how much
-        they grew since, per server, beside the usage-based hit rate (``mtflow run`` calls this
-        when the run starts)."""
-        if self._runner is not None:
-            self._metrics_start, self._metrics_end = self._runner.run(self._read_metrics()), None
-
-    def end_server_metrics(self) -> None:
-        """Read the counters again at the end of the run (the summary may be built after
-        :meth:`close`); without this call :meth:`serving_summary` reads them when it is called."""
-        if self._runner is not None and self._metrics_start is not None:
-            self._metrics_end = self._runner.run(self._read_metrics())
-
-    async def _read_metrics(self) -> List[Optional[Tuple[float, float]]]:
-        await self._ensure_client()
-
-        async def one(replica: Any) -> Optional[Tuple[float, float]]:
-            root = replica.url[:-len('/v1')] if replica.url.endswith('/v1') else replica.url
-            try:
-                resp = await self._client.request('GET', root + '/metrics', None, timeout=min(self.timeout, 5.0))
-            except (TimedOut, Unreachable):
-                return None
-            return prefix_cache_counters(resp.text) if resp.status_code == 200 else None
-
-        return list(await asyncio.gather(*(one(r) for r in self.router.replicas)))
-
-    def serving_summary(self) -> Dict[str, Any]:
-        """Per replica and overall: served requests, moves, prefix-cache hit rates (from the
-        replies' usage, and from the servers' ``/metrics`` counters since
-        :meth:`begin_server_metrics`, as ``server_cache``)."""
-        summary = self.router.summary()
-        start, end = self._metrics_start, self._metrics_end
-        if start is None or (end is None and self._runner is None):
-            return summary
-        if end is None:
-            end = self._runner.run(self._read_metrics())
-        deltas = [counter_delta(a, b) for a, b in zip(start, end)]
-        for row, delta in zip(summary['replicas'], deltas):
-            row['server_cache'] = delta
-        known = [d for d in deltas if d is not None]
-        if known:
-            queries, hits = sum(d['queries'] for d in known), sum(d['hits'] for d in known)
-            summary['server_cache'] = {'queries': queries, 'hits': hits, 'servers': len(known),
-                                       'hit_rate': round(hits / queries, 4) if queries else None}
-        else:
-            summary['server_cache'] = None
-        return summary
 
     def close(self) -> None:
         runner, self._runner = self._runner, None
