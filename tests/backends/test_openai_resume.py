@@ -79,14 +79,14 @@ def _stream(tok, mode: str, updates: int):
             deadline = time.monotonic() + 5  # a handler notices a disconnect at its next write
             while any(e['outcome'] is None for e in server.streams) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            return {u: o for g in got for u, o in zip(g.uuids, g.outputs)}, stream, list(server.streams)
+            return {u: o for g in got for u, o in zip(g.uuids, g.outputs)}, stream, list(server.streams), server.bodies
 
 
 @pytest.mark.parametrize('mode', ['tokens', 'chat'])
 def test_resume_through_the_server_equals_an_uninterrupted_run(tok, mode):
-    ref, ref_stream, ref_log = _stream(tok, mode, 0)
+    ref, ref_stream, ref_log, _ = _stream(tok, mode, 0)
     assert ref_stream.stats['resumed_generations'] == 0 and all(e['outcome'] == 'finished' for e in ref_log)
-    mine, stream, log = _stream(tok, mode, UPDATES)
+    mine, stream, log, bodies = _stream(tok, mode, UPDATES)
     resumed = stream.stats['resumed_generations']
     assert resumed > 0
     aborted = [e for e in log if e['outcome'] == 'aborted']
@@ -113,8 +113,12 @@ def test_resume_through_the_server_equals_an_uninterrupted_run(tok, mode):
             assert versions[t - 1] <= spans[0][2]
             cut_turns += len({v for _, _, v in spans}) > 1
     assert cut_turns > 0  # some turn was sampled by two versions and still came out exact
-    if mode == 'chat':  # the continuation went through continue_final_message
-        assert any(e['prompt_len'] > 0 for e in log)
+    resumed_bodies = [b for b in bodies if b.get('continue_final_message')]
+    if mode == 'chat':  # each turn starts with a user message: only a resumed call continues one
+        assert resumed_bodies and all(b['messages'][-1]['role'] == 'assistant' and b['add_generation_prompt'] is False
+                                      for b in resumed_bodies)
+    else:  # token mode: the prefix ids went into the token prompt, never a chat continuation
+        assert not resumed_bodies and all(b['stream'] is True and 'prompt' in b for b in bodies)
 
 
 def test_the_backend_declares_itself_resumable(tok):
