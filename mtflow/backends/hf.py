@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
                                   prepare_chat)
+from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.models import load_model
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.vision import VisionPrompter, generate_with_images
@@ -103,6 +104,9 @@ class HFBackend(Backend):
         processor: a vision-language model's ``AutoProcessor``: requests with images are
             generated with their pixel values, their placeholders expanded as the processor
             does (:mod:`mtflow.backends.vision`); without one, a request with images is refused.
+        resumable, resume_chunk: ``async_rollout_fn()`` generates each single-request call in
+            chunks of ``resume_chunk`` tokens, so a stream's ``on_update='resume'`` can cut it
+            between chunks and continue it from its exact ids (:mod:`mtflow.backends.hf_resume`).
     """
     name = 'hf'
 
@@ -119,9 +123,15 @@ class HFBackend(Backend):
                  dtype: Optional[str] = None,
                  exact_ids: bool = True,
                  prefix_policy: str = 'exact',
-                 processor: Any = None) -> None:
+                 processor: Any = None,
+                 resumable: bool = False,
+                 resume_chunk: int = 16) -> None:
         super().__init__()
         import torch
+
+        if not isinstance(resume_chunk, int) or isinstance(resume_chunk, bool) or resume_chunk < 1:
+            raise BackendError(f'hf backend: resume_chunk must be a positive int, not {resume_chunk!r}')
+        self.resumable, self.resume_chunk = bool(resumable), resume_chunk
 
         if logprobs_mode not in ('raw', 'processed'):
             raise BackendError(f"hf backend: logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
@@ -153,6 +163,14 @@ class HFBackend(Backend):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         if seed is not None:
             torch.manual_seed(seed)
+
+    def async_rollout_fn(self, **options: Any) -> Any:
+        """As :meth:`Backend.async_rollout_fn`; with ``resumable=True`` the chunked, resumable
+        one (:class:`~mtflow.backends.hf_resume.ChunkedRollout`; close it when done)."""
+        if not self.resumable:
+            return super().async_rollout_fn(**options)
+        batcher = {k: v for k, v in options.items() if k in ('max_wait_s', 'settle_s', 'max_delay_s') and v is not None}
+        return ChunkedRollout(self, self.resume_chunk, **batcher)
 
     def count_prompt_tokens(self, request: Any) -> int:
         """The exact length of the prompt ``request``'s next turn would send (context budgets)."""

@@ -14,20 +14,27 @@ built on the backend's private loop with its pool sized deliberately:
 
 :meth:`request` returns a :class:`Reply` or raises :class:`Unreachable` (connection refused,
 reset, dropped: the server may be dead) or :class:`TimedOut`; the backend decides about retries.
+:meth:`stream` is the same for a streamed (SSE) answer: each line of a ``text/event-stream``
+reply is handed to ``on_line`` as it arrives (the reply comes back with ``streamed=True`` and
+no text); an error status or a plain JSON answer comes back whole, as from :meth:`request`.
+Cancelling the awaiting task leaves the ``async with`` of the response, which closes its
+connection: the server sees the disconnect (vLLM's server then aborts the request).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from mtflow.backends.base import BackendError
 
-__all__ = ['CLIENTS', 'Reply', 'Unreachable', 'TimedOut', 'make_client']
+__all__ = ['CLIENTS', 'Reply', 'Unreachable', 'TimedOut', 'make_client', 'RETRY_STATUS', 'error_message',
+           'retry_after']
 
 CLIENTS = ('httpx', 'aiohttp')
 KEEPALIVE_S = 30.0
+RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 
 class Unreachable(Exception):
@@ -43,9 +50,14 @@ class Reply:
     status_code: int
     headers: Mapping[str, str]
     text: str
+    streamed: bool = False  # an SSE stream, its lines handed to ``on_line`` (``text`` is empty)
 
     def json(self) -> Any:
         return json.loads(self.text)
+
+
+def _is_sse(headers: Mapping[str, str]) -> bool:
+    return 'text/event-stream' in (headers.get('content-type') or '').lower()
 
 
 class _Httpx:
@@ -70,6 +82,22 @@ class _Httpx:
         except httpx.TransportError as exc:
             raise Unreachable(f'{type(exc).__name__}: {exc}') from exc
         return Reply(resp.status_code, resp.headers, resp.text)
+
+    async def stream(self, method: str, url: str, body: Optional[Dict[str, Any]],
+                     on_line: Callable[[str], None]) -> Reply:
+        httpx = self._httpx
+        try:
+            async with self.client.stream(method, url, json=body) as resp:
+                if resp.status_code >= 400 or not _is_sse(resp.headers):
+                    text = (await resp.aread()).decode('utf-8', 'replace')
+                    return Reply(resp.status_code, resp.headers, text)
+                async for line in resp.aiter_lines():
+                    on_line(line)
+                return Reply(resp.status_code, resp.headers, '', True)
+        except httpx.TimeoutException as exc:
+            raise TimedOut(str(exc)) from exc
+        except httpx.TransportError as exc:
+            raise Unreachable(f'{type(exc).__name__}: {exc}') from exc
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -99,6 +127,25 @@ class _Aiohttp:
         except aiohttp.ClientError as exc:
             raise Unreachable(f'{_HTTPX_NAMES.get(type(exc).__name__, type(exc).__name__)}: {exc}') from exc
 
+    async def stream(self, method: str, url: str, body: Optional[Dict[str, Any]],
+                     on_line: Callable[[str], None]) -> Reply:
+        aiohttp = self._aiohttp
+        try:
+            async with self.session.request(method, url, json=body) as resp:
+                if resp.status >= 400 or not _is_sse(resp.headers):
+                    return Reply(resp.status, resp.headers, await resp.text())
+                try:
+                    async for raw in resp.content:
+                        on_line(raw.decode('utf-8', 'replace').rstrip('\r\n'))
+                except BaseException:
+                    resp.close()  # not read to the end (cancelled, or a bad event): drop the connection
+                    raise
+                return Reply(resp.status, resp.headers, '', True)
+        except asyncio.TimeoutError as exc:
+            raise TimedOut(str(exc) or 'timeout') from exc
+        except aiohttp.ClientError as exc:
+            raise Unreachable(f'{_HTTPX_NAMES.get(type(exc).__name__, type(exc).__name__)}: {exc}') from exc
+
     async def close(self) -> None:
         await self.session.close()
 
@@ -115,3 +162,29 @@ def make_client(kind: str, headers: Dict[str, str], timeout: float, max_connecti
     if kind == 'aiohttp':
         return _Aiohttp(headers, timeout, max_connections)
     raise BackendError(f'openai backend: http_client must be one of {", ".join(CLIENTS)}, not {kind!r}')
+
+
+def error_message(resp: Any) -> str:
+    """The server's error message in an answer (OpenAI's ``{"error": {"message": ...}}`` and
+    the common variants), else the start of its body."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:200]
+    if isinstance(data, dict):
+        err = data.get('error', data.get('message', data.get('detail')))
+        if isinstance(err, dict):
+            err = err.get('message', err)
+        if err is not None:
+            return str(err)[:300]
+    return json.dumps(data)[:200]
+
+
+def retry_after(value: Optional[str]) -> Optional[float]:
+    """A ``Retry-After`` header in seconds (``None``: absent or not a number)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None

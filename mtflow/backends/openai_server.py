@@ -41,6 +41,10 @@ previous prompt + the sampled ids + the template's delta) and sends it as a toke
 ``return_token_ids``; ``response.prompt_token_ids`` is the prompt sent. ``prompt_mode='chat'``,
 or ``'auto'`` without a tokenizer or with another flavor, uses chat completions and warns once
 that exact ids cannot be guaranteed.
+
+**Resumable** (``resumable=True``): single-request async calls are streamed (SSE) so that a
+stream's ``on_update='resume'`` can cut them at a weight update and continue each from its
+exact ids (:mod:`mtflow.backends.openai_stream`).
 """
 from __future__ import annotations
 
@@ -54,18 +58,18 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
-from mtflow.backends.http_client import CLIENTS, TimedOut, Unreachable, make_client
+from mtflow.backends.http_client import RETRY_STATUS, CLIENTS, TimedOut, Unreachable, error_message, make_client, retry_after
+from mtflow.backends.openai_stream import completion_items, stream_body, streamed_acall, token_ids_from_logprobs
 from mtflow.backends.images import openai_messages, refuse_images
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of
-from mtflow.backends.server_metrics import counter_delta, prefix_cache_counters
+from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
 
 __all__ = ['OpenAIBackend', 'build_body', 'build_completion_body', 'parse_choice', 'parse_completion', 'FLAVORS']
 
 FLAVORS = ('vllm', 'sglang', 'swift', 'openai')
-RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 
 def build_body(request: Any, options: SamplingOptions, model: str, flavor: str = 'vllm',
@@ -158,21 +162,11 @@ def parse_completion(data: Dict[str, Any], prompt_ids: List[int], where: str) ->
     reason = raw.get('finish_reason')
     if reason not in ('stop', 'length', None):
         reason = 'stop'
-    lp = raw.get('logprobs') if isinstance(raw.get('logprobs'), dict) else None
-    logprobs = None
-    if lp is not None and lp.get('token_logprobs') is not None:
-        tokens = lp.get('tokens') or [''] * len(lp['token_logprobs'])
-        tops = lp.get('top_logprobs') or [None] * len(tokens)
-        content = []
-        for token, value, top in zip(tokens, lp['token_logprobs'], tops):
-            item: Dict[str, Any] = {'token': token, 'logprob': float(value)}
-            if top:
-                item['top_logprobs'] = [{'token': k, 'logprob': float(v)} for k, v in top.items()]
-            content.append(item)
-        logprobs = {'content': content}
+    content = completion_items(raw.get('logprobs'))
+    logprobs = {'content': content} if content is not None else None
     token_ids = raw.get('token_ids')
     if token_ids is None:
-        token_ids = _token_ids_from_logprobs(logprobs)
+        token_ids = token_ids_from_logprobs(logprobs)
     if token_ids is None:
         raise BackendError(f'{where}: the server returned no token ids for a token prompt; token mode needs '
                            "vLLM >= 0.10.2 (return_token_ids) or --return-tokens-as-token-ids; else prompt_mode='chat'")
@@ -199,22 +193,6 @@ def parse_completion(data: Dict[str, Any], prompt_ids: List[int], where: str) ->
     return RolloutOutput(response=response)
 
 
-def _token_ids_from_logprobs(logprobs: Optional[Dict[str, Any]]) -> Optional[List[int]]:
-    content = (logprobs or {}).get('content') if isinstance(logprobs, dict) else None
-    if not content:
-        return None
-    ids = []
-    for item in content:
-        token = item.get('token', '') if isinstance(item, dict) else ''
-        if not isinstance(token, str) or not token.startswith('token_id:'):
-            return None
-        try:
-            ids.append(int(token[len('token_id:'):]))
-        except ValueError:
-            return None
-    return ids
-
-
 def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     """A server's chat completion (JSON) as a rollout output; ``where`` names the request in errors."""
     choices = data.get('choices') if isinstance(data, dict) else None
@@ -233,7 +211,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
         logprobs = None
     token_ids = raw.get('token_ids')
     if token_ids is None:
-        token_ids = _token_ids_from_logprobs(logprobs)
+        token_ids = token_ids_from_logprobs(logprobs)
     choice = ChatCompletionResponseChoice(
         index=0,
         message=ChatMessage(role='assistant', content=content, tool_calls=message.get('tool_calls') or None,
@@ -256,7 +234,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     return RolloutOutput(response=response)
 
 
-class OpenAIBackend(Backend):
+class OpenAIBackend(ServerMetrics, Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
     Args:
@@ -294,6 +272,9 @@ class OpenAIBackend(Backend):
             (``benchmarks/serving.py``, ``docs/benchmarks.md``).
         health_interval_s: seconds between health checks (``GET <url>/models``) of several
             servers; a server that refused a connection is used again once it answers. 0: off.
+        resumable: stream each single-request async call (SSE) so that a stream's
+            ``on_update='resume'`` can cut it at a weight update and continue it from its exact
+            ids (:mod:`mtflow.backends.openai_stream`); needs a server that streams.
     """
     name = 'openai'
 
@@ -321,8 +302,13 @@ class OpenAIBackend(Backend):
                  max_in_flight_per_replica: Optional[int] = None,
                  weight_version: Optional[Any] = None,
                  health_interval_s: float = 5.0,
-                 http_client: str = 'auto') -> None:
+                 http_client: str = 'auto',
+                 resumable: bool = False) -> None:
         super().__init__()
+        if resumable and flavor == 'openai':
+            raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
+                               "or token prompts, which flavor 'openai' cannot")
+        self.resumable = bool(resumable)
         if http_client not in CLIENTS + ('auto', ):
             raise BackendError(f'openai backend: http_client must be auto, {" or ".join(CLIENTS)}, not {http_client!r}')
         if http_client == 'auto':
@@ -358,9 +344,6 @@ class OpenAIBackend(Backend):
         self._sem: Optional[asyncio.Semaphore] = None
         self._model_lock: Optional[asyncio.Lock] = None
         self.retries = 0  # total retries made (for tests and the summary)
-        #: the servers' prefix-cache counters at begin_server_metrics and end_server_metrics
-        self._metrics_start: Optional[List[Optional[Tuple[float, float]]]] = None
-        self._metrics_end: Optional[List[Optional[Tuple[float, float]]]] = None
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -410,21 +393,23 @@ class OpenAIBackend(Backend):
         return self.served_model
 
     async def _send(self, method: str, path: str, body: Optional[Dict[str, Any]], where: str,
-                    key: Optional[str] = None, entry: Any = None) -> Tuple[Dict[str, Any], Any]:
+                    key: Optional[str] = None, entry: Any = None, fetch: Any = None) -> Tuple[Any, Any]:
         """The server's JSON answer and the replica that gave it. A failed try is retried on
         another replica when there is one (a move, counted and noted in ``entry``), at once
-        while an untried healthy replica is left, else after a backoff delay."""
+        while an untried healthy replica is left, else after a backoff delay. ``fetch``: a
+        streamed request (:mod:`mtflow.backends.openai_stream`); its answer is ``None`` when
+        the server streamed, else the JSON it sent instead."""
         client = await self._ensure_client()
         router = self.router
         attempt = 0
         failed: set = set()
         while True:
-            retry_after: Optional[float] = None
+            wait_s: Optional[float] = None
             async with self._sem:
                 replica = await router.acquire(key, failed)
                 url = replica.url + path
                 try:
-                    resp = await client.request(method, url, body)
+                    resp = await (fetch(client, method, url, body) if fetch else client.request(method, url, body))
                 except TimedOut:
                     resp, problem = None, f'timed out after {self.timeout} s'
                 except Unreachable as exc:
@@ -437,14 +422,14 @@ class OpenAIBackend(Backend):
                     if not replica.healthy:
                         router.mark_up(replica)
                     try:
-                        return resp.json(), replica
+                        return (None if resp.streamed else resp.json()), replica
                     except ValueError as exc:
                         raise BackendError(f'{where}: the server answered {resp.status_code} with non-JSON: '
                                            f'{resp.text[:200]!r}') from exc
-                problem = f'HTTP {resp.status_code}: {_error_message(resp)}'
+                problem = f'HTTP {resp.status_code}: {error_message(resp)}'
                 if resp.status_code not in RETRY_STATUS:
                     raise BackendError(f'{where}: {url} answered {problem}')
-                retry_after = _retry_after(resp.headers.get('retry-after'))
+                wait_s = retry_after(resp.headers.get('retry-after'))
             if attempt >= self.max_retries:
                 raise BackendError(f'{where}: {url} failed after {attempt + 1} attempt(s): {problem}')
             failed.add(replica.index)
@@ -455,13 +440,15 @@ class OpenAIBackend(Backend):
             if any(r.healthy and r.index not in failed for r in router.replicas):
                 continue  # another replica is there: move at once
             delay = min(self.backoff_max, self.backoff * (2**attempt)) * (0.5 + random.random() / 2)
-            if retry_after is not None:
-                delay = min(max(delay, retry_after), max(self.backoff_max, retry_after))
+            if wait_s is not None:
+                delay = min(max(delay, wait_s), max(self.backoff_max, wait_s))
             failed.clear()  # every replica failed once: any may serve the retry
             await asyncio.sleep(delay)
 
     async def _one(self, request: Any, options: SamplingOptions, model: str, index: int,
-                   prompt_ids: Optional[List[int]] = None) -> RolloutOutput:
+                   prompt_ids: Optional[List[int]] = None, reply: Any = None) -> Optional[RolloutOutput]:
+        """One request's HTTP request; with ``reply`` (a resumable call) it is streamed into
+        ``reply`` and ``None`` is returned."""
         uuid = getattr(request, 'uuid', None)
         where = f'request {uuid!r}'
         key = str(uuid) if uuid else None
@@ -473,6 +460,14 @@ class OpenAIBackend(Backend):
             body.setdefault('cache_salt', f'weights-{self.router.weight_version}')
         entry = self.router.begin(key)
         path = '/completions' if prompt_ids is not None else '/chat/completions'
+        if reply is not None:
+            data, replica = await self._send('POST', path, stream_body(body, reply.prefix, self.flavor, where), where,
+                                             key, entry, reply.fetch())
+            if data is not None:
+                raise BackendError(f'{where}: {replica.url} answered a streamed request (stream: true) with one JSON '
+                                   'body: resumable=True needs a server that streams (SSE); else resumable=False')
+            self.router.served(entry, replica, len(prompt_ids or ()), None)
+            return None
         data, replica = await self._send('POST', path, body, where, key, entry)
         out = parse_completion(data, prompt_ids, where) if prompt_ids is not None else parse_choice(data, where)
         usage = out.response.usage
@@ -523,6 +518,13 @@ class OpenAIBackend(Backend):
             options = dataclasses.replace(options, seed=self.seed)
         return await self._runner.wrap(self._gather(requests, options, seeds))
 
+    async def acall(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
+        """As :meth:`Backend.acall`; with ``resumable=True`` a single request is streamed and
+        can be cut and resumed (:mod:`mtflow.backends.openai_stream`)."""
+        if self.resumable and len(requests) == 1:
+            return await streamed_acall(self, requests[0], request_config)
+        return await super().acall(requests, request_config)
+
     # ---- several servers ------------------------------------------------------------------------------
     def set_weight_version(self, version: Any) -> None:
         """Tell the router the policy's weights changed (after a weight sync): see ``weight_version``."""
@@ -533,55 +535,6 @@ class OpenAIBackend(Backend):
         """Request ``uuid``'s serving log, one entry per turn (replica, prompt and cached tokens,
         moves), removed from the backend; ``mtflow run`` writes it into the trace."""
         return self.router.take(str(uuid))
-
-    def begin_server_metrics(self) -> None:
-        """Read every server's prefix-cache counters (``GET /metrics``,
-        :mod:`mtflow.backends.server_metrics`) now: :meth:`serving_summary` then reports how much
-        they grew since, per server, beside the usage-based hit rate (``mtflow run`` calls this
-        when the run starts)."""
-        if self._runner is not None:
-            self._metrics_start, self._metrics_end = self._runner.run(self._read_metrics()), None
-
-    def end_server_metrics(self) -> None:
-        """Read the counters again at the end of the run (the summary may be built after
-        :meth:`close`); without this call :meth:`serving_summary` reads them when it is called."""
-        if self._runner is not None and self._metrics_start is not None:
-            self._metrics_end = self._runner.run(self._read_metrics())
-
-    async def _read_metrics(self) -> List[Optional[Tuple[float, float]]]:
-        await self._ensure_client()
-
-        async def one(replica: Any) -> Optional[Tuple[float, float]]:
-            root = replica.url[:-len('/v1')] if replica.url.endswith('/v1') else replica.url
-            try:
-                resp = await self._client.request('GET', root + '/metrics', None, timeout=min(self.timeout, 5.0))
-            except (TimedOut, Unreachable):
-                return None
-            return prefix_cache_counters(resp.text) if resp.status_code == 200 else None
-
-        return list(await asyncio.gather(*(one(r) for r in self.router.replicas)))
-
-    def serving_summary(self) -> Dict[str, Any]:
-        """Per replica and overall: served requests, moves, prefix-cache hit rates (from the
-        replies' usage, and from the servers' ``/metrics`` counters since
-        :meth:`begin_server_metrics`, as ``server_cache``)."""
-        summary = self.router.summary()
-        start, end = self._metrics_start, self._metrics_end
-        if start is None or (end is None and self._runner is None):
-            return summary
-        if end is None:
-            end = self._runner.run(self._read_metrics())
-        deltas = [counter_delta(a, b) for a, b in zip(start, end)]
-        for row, delta in zip(summary['replicas'], deltas):
-            row['server_cache'] = delta
-        known = [d for d in deltas if d is not None]
-        if known:
-            queries, hits = sum(d['queries'] for d in known), sum(d['hits'] for d in known)
-            summary['server_cache'] = {'queries': queries, 'hits': hits, 'servers': len(known),
-                                       'hit_rate': round(hits / queries, 4) if queries else None}
-        else:
-            summary['server_cache'] = None
-        return summary
 
     def close(self) -> None:
         runner, self._runner = self._runner, None
@@ -627,26 +580,3 @@ def _resolve_prompt_mode(prompt_mode: str, tokenizer: Any, flavor: str) -> str:
     if prompt_mode == 'tokens' and tokenizer is None:
         raise BackendError("openai backend: prompt_mode='tokens' needs the model's tokenizer (tokenizer=...)")
     return prompt_mode
-
-
-def _error_message(resp: Any) -> str:
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:200]
-    if isinstance(data, dict):
-        err = data.get('error', data.get('message', data.get('detail')))
-        if isinstance(err, dict):
-            err = err.get('message', err)
-        if err is not None:
-            return str(err)[:300]
-    return json.dumps(data)[:200]
-
-
-def _retry_after(value: Optional[str]) -> Optional[float]:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None

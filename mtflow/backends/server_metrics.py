@@ -14,11 +14,14 @@ because two counters are all it needs; ``prometheus_client``'s parser reads the 
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import re
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ['QUERIES', 'HITS', 'parse_samples', 'prefix_cache_counters', 'counter_delta']
+from mtflow.backends.http_client import TimedOut, Unreachable
+
+__all__ = ['QUERIES', 'HITS', 'parse_samples', 'prefix_cache_counters', 'counter_delta', 'ServerMetrics']
 
 #: the counters' sample names (vLLM v1); the family names without ``_total`` are accepted too
 QUERIES = 'vllm:prefix_cache_queries_total'
@@ -71,3 +74,66 @@ def counter_delta(start: Optional[Tuple[float, float]], end: Optional[Tuple[floa
         return None
     return {'queries': int(queries), 'hits': int(hits),
             'hit_rate': round(hits / queries, 4) if queries else None}
+
+
+class ServerMetrics:
+    """The OpenAI backend's server-counter methods, a mixin of
+    :class:`~mtflow.backends.openai_server.OpenAIBackend` (it uses the backend's ``_runner``,
+    ``_client``, ``_ensure_client()``, ``router`` and ``timeout``)."""
+
+    #: the servers' prefix-cache counters at begin_server_metrics and end_server_metrics
+    _metrics_start: Optional[List[Optional[Tuple[float, float]]]] = None
+    _metrics_end: Optional[List[Optional[Tuple[float, float]]]] = None
+    _runner: Any
+    _client: Any
+    router: Any
+    timeout: float
+
+    def begin_server_metrics(self) -> None:
+        """Read every server's prefix-cache counters (``GET /metrics``,
+        :mod:`mtflow.backends.server_metrics`) now: :meth:`serving_summary` then reports how much
+        they grew since, per server, beside the usage-based hit rate (``mtflow run`` calls this
+        when the run starts)."""
+        if self._runner is not None:
+            self._metrics_start, self._metrics_end = self._runner.run(self._read_metrics()), None
+
+    def end_server_metrics(self) -> None:
+        """Read the counters again at the end of the run (the summary may be built after
+        :meth:`close`); without this call :meth:`serving_summary` reads them when it is called."""
+        if self._runner is not None and self._metrics_start is not None:
+            self._metrics_end = self._runner.run(self._read_metrics())
+
+    async def _read_metrics(self) -> List[Optional[Tuple[float, float]]]:
+        await self._ensure_client()
+
+        async def one(replica: Any) -> Optional[Tuple[float, float]]:
+            root = replica.url[:-len('/v1')] if replica.url.endswith('/v1') else replica.url
+            try:
+                resp = await self._client.request('GET', root + '/metrics', None, timeout=min(self.timeout, 5.0))
+            except (TimedOut, Unreachable):
+                return None
+            return prefix_cache_counters(resp.text) if resp.status_code == 200 else None
+
+        return list(await asyncio.gather(*(one(r) for r in self.router.replicas)))
+
+    def serving_summary(self) -> Dict[str, Any]:
+        """Per replica and overall: served requests, moves, prefix-cache hit rates (from the
+        replies' usage, and from the servers' ``/metrics`` counters since
+        :meth:`begin_server_metrics`, as ``server_cache``)."""
+        summary = self.router.summary()
+        start, end = self._metrics_start, self._metrics_end
+        if start is None or (end is None and self._runner is None):
+            return summary
+        if end is None:
+            end = self._runner.run(self._read_metrics())
+        deltas = [counter_delta(a, b) for a, b in zip(start, end)]
+        for row, delta in zip(summary['replicas'], deltas):
+            row['server_cache'] = delta
+        known = [d for d in deltas if d is not None]
+        if known:
+            queries, hits = sum(d['queries'] for d in known), sum(d['hits'] for d in known)
+            summary['server_cache'] = {'queries': queries, 'hits': hits, 'servers': len(known),
+                                       'hit_rate': round(hits / queries, 4) if queries else None}
+        else:
+            summary['server_cache'] = None
+        return summary

@@ -49,6 +49,7 @@ from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.vllm_defaults import choose_engine_kwargs
+from mtflow.backends.vllm_resume import resumable_acall, snapshot
 from mtflow.backends.vision import VisionPrompter, check_engine_prompt, token_prompt
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
@@ -160,6 +161,9 @@ class VLLMBackend(Backend):
         processor: a vision-language model's ``AutoProcessor``: token prompts of requests with
             images carry ``multi_modal_data`` and the image pads expanded as the processor does
             (:mod:`mtflow.backends.vision`); without one, token mode refuses images.
+        resumable: the async engine's single-request calls can be cut at a weight update and
+            continued from their exact ids (a stream's ``on_update='resume'``,
+            :mod:`mtflow.backends.vllm_resume`).
     """
     name = 'vllm'
 
@@ -175,10 +179,15 @@ class VLLMBackend(Backend):
                  exact_ids: bool = True,
                  prefix_policy: str = 'exact',
                  engine: str = 'auto',
-                 processor: Any = None) -> None:
+                 processor: Any = None,
+                 resumable: bool = False) -> None:
         super().__init__()
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
+        if resumable and not self.is_async:
+            raise BackendError("vllm backend: resumable=True needs the async engine (engine='async' or an AsyncLLM): "
+                               'vllm.LLM runs a batch to its end and cannot hand back a cut generation')
+        self.resumable = bool(resumable)
         self._runner: Any = None
         self._closed = False
         self._owns_engine = not given
@@ -334,6 +343,13 @@ class VLLMBackend(Backend):
         seeds = [async_seed_index(r, i) for i, r in enumerate(requests)]
         return await self._live_runner().wrap(self._streams(requests, options, seeds))
 
+    async def acall(self, requests: List[Any], request_config: Any = None) -> List[Any]:
+        """As :meth:`Backend.acall`; with ``resumable=True`` a single request can be cut and
+        resumed (:mod:`mtflow.backends.vllm_resume`)."""
+        if self.resumable and len(requests) == 1:
+            return await resumable_acall(self, requests[0], request_config, choice_from_completion)
+        return await super().acall(requests, request_config)
+
     async def _streams(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[Any]:
         for r in requests:
             refuse_images(r, "vllm's async engine", 'use the LLM engine (engine: llm) for requests with images')
@@ -343,16 +359,20 @@ class VLLMBackend(Backend):
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
-    async def _stream(self, request: Any, plan: Any, options: SamplingOptions, seed_index: int) -> Any:
+    async def _stream(self, request: Any, plan: Any, options: SamplingOptions, seed_index: int,
+                      prefix_ids: Optional[List[int]] = None, progress: Optional[Dict[str, Any]] = None) -> Any:
         """One request's stream: consumed as vLLM produces it; its last (cumulative) output is the
-        request's output. Cancelled: the vLLM request is aborted."""
-        prompt = plan.ids
+        request's output. Cancelled: the vLLM request is aborted. A resumed call continues after
+        ``prefix_ids`` (appended to the prompt) and notes each output in ``progress``."""
+        prompt = plan.ids + list(prefix_ids or ())
         request_id = f'mtflow-{getattr(request, "uuid", None) or "request"}-{next(self._request_ids)}'
         last = None
         try:
             async for out in self.llm.generate({'prompt_token_ids': prompt}, self._params(options, seed_index, per_request=True),
                                                request_id):
                 last = out
+                if progress is not None:
+                    progress['last'] = snapshot(out)
         except (asyncio.CancelledError, GeneratorExit):
             abort = getattr(self.llm, 'abort', None)
             if abort is not None:
@@ -365,7 +385,7 @@ class VLLMBackend(Backend):
         if getattr(last, 'finished', True) is False:
             raise BackendError(f'vllm stream {request_id} ended before the request finished')
         self.prefix_cache.add(len(prompt), getattr(last, 'num_cached_tokens', None), plan.appended is not None)
-        return choice_from_completion(last.outputs[0], prompt, options, self.model_name, self.tokenizer)
+        return choice_from_completion(last.outputs[0], plan.ids, options, self.model_name, self.tokenizer)
 
     def close(self) -> None:
         """Shut down an engine this backend built (its engine process stops now, not when the

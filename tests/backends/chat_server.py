@@ -28,13 +28,29 @@ counters in Prometheus text format: ``vllm:prefix_cache_queries_total`` (prompt 
 and ``vllm:prefix_cache_hits_total`` (the ones found), labelled ``engine`` and ``model_name``;
 ``report_cached=False`` leaves ``prompt_tokens_details`` out of the replies (vLLM without
 ``--enable-prompt-tokens-details``), so only the counters tell the hit rate.
+
+**Streaming** (the resumable-generation tests): given ``lm`` (a :class:`ToyLM`, a deterministic
+autoregressive model whose next token is a function of the context ids), a request with
+``"stream": true`` is answered as vLLM's server does, in SSE chunks (``Transfer-Encoding:
+chunked``), one token each, ``stream_delay`` seconds apart: the delta text, ``token_ids`` (with
+``return_token_ids``; ``prompt_token_ids`` in the first chunk), logprobs in the endpoint's shape,
+a usage chunk (``stream_options.include_usage``) and ``data: [DONE]``. Chat requests are rendered
+with the tokenizer's chat template (``continue_final_message``/``add_generation_prompt``
+honoured), token prompts are taken as they are. Each stream is logged in ``streams``
+(``planned`` and ``sent`` tokens, ``outcome``: ``finished``, ``aborted`` when the client
+disconnected before the end, which the server notices at its next write and stops generating,
+as vLLM aborts, or ``error``/``dropped`` for the ones ``break_streams`` breaks: ``(k, 'error')``
+sends an error event after ``k`` tokens, ``(k, 'drop')`` closes the connection there). Without
+``lm`` the server ignores ``stream`` and answers one JSON body (a server that does not stream).
 """
 from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
@@ -48,8 +64,12 @@ class ChatServer:
 
     def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True, *,
                  prefix_cache: bool = False, cache_tokens: Optional[int] = None, cache_block: int = 1,
-                 lock: Optional[Any] = None, report_cached: bool = True) -> None:
+                 lock: Optional[Any] = None, report_cached: bool = True, lm: Optional['ToyLM'] = None) -> None:
         self.backend = backend
+        self.lm = lm
+        self.stream_delay = 0.0
+        self.break_streams: List[tuple] = []
+        self.streams: List[Dict[str, Any]] = []
         self.prefix_cache = prefix_cache
         self.report_cached = report_cached
         self.cache_tokens, self.cache_block = cache_tokens, cache_block
@@ -75,6 +95,12 @@ class ChatServer:
 
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
+
+            def handle(self) -> None:
+                try:
+                    super().handle()
+                except (ConnectionResetError, BrokenPipeError):  # a client that went away (a cut stream)
+                    self.close_connection = True
 
             def _reply(self, status: int, payload: Dict[str, Any], headers: Optional[Dict[str, str]] = None) -> None:
                 data = json.dumps(payload).encode()
@@ -134,6 +160,9 @@ class ChatServer:
                     if server.closed.is_set():  # and generates nothing more (no torch at exit)
                         self._drop()
                         return
+                    if body.get('stream') and server.lm is not None:
+                        server.stream(self, body, self.path == '/v1/chat/completions')
+                        return
                     if self.path == '/v1/completions':
                         status, payload = server.complete_text(body)
                     else:
@@ -151,6 +180,104 @@ class ChatServer:
         self.port = self.httpd.server_address[1]
         self.base_url = f'http://127.0.0.1:{self.port}/v1'
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def stream(self, handler: Any, body: Dict[str, Any], chat: bool) -> None:
+        """Answer ``body`` as an SSE stream of the toy model's tokens (see the module docstring)."""
+        status, prompt = self._lm_prompt(body, chat)
+        if status != 200:
+            handler._reply(status, prompt)
+            return
+        tokens, finish = self.lm.generate(prompt, int(body.get('max_tokens') or 16))
+        entry: Dict[str, Any] = {'planned': len(tokens), 'sent': 0, 'outcome': None, 'prompt_len': len(prompt)}
+        with self._count_lock:
+            self.streams.append(entry)
+            broken = self.break_streams.pop(0) if self.break_streams else None
+        handler.send_response(200)
+        handler.send_header('Content-Type', 'text/event-stream')
+        handler.send_header('Transfer-Encoding', 'chunked')
+        handler.end_headers()
+
+        def send(event: Any) -> None:
+            data = b'data: ' + (event if isinstance(event, bytes) else json.dumps(event).encode()) + b'\n\n'
+            handler.wfile.write(b'%x\r\n%s\r\n' % (len(data), data))
+
+        ids_too, want_lp = bool(body.get('return_token_ids')), (body.get('logprobs') is not None and body.get('logprobs') is not False)
+        try:
+            if chat:
+                send(self._chunk(chat, {'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None},
+                                 prompt if ids_too else None))
+            for k, (tid, lp) in enumerate(tokens):
+                if broken is not None and k == broken[0]:
+                    if broken[1] == 'error':
+                        send({'error': {'message': 'injected mid-stream failure', 'type': 'InternalServerError',
+                                        'code': 500}})
+                        handler.wfile.write(b'0\r\n\r\n')
+                    else:
+                        handler._drop()
+                    entry['outcome'] = 'error' if broken[1] == 'error' else 'dropped'
+                    return
+                if self.stream_delay:
+                    self.closed.wait(self.stream_delay)
+                if self.closed.is_set():
+                    handler._drop()
+                    entry['outcome'] = 'dropped'
+                    return
+                text = self.lm.text(tid)
+                raw: Dict[str, Any] = {'finish_reason': finish if k == len(tokens) - 1 else None}
+                if chat:
+                    raw['delta'] = {'content': text}
+                    raw['logprobs'] = {'content': [{'token': text, 'logprob': lp, 'bytes': list(text.encode()),
+                                                    'top_logprobs': []}]} if want_lp else None
+                else:
+                    raw['text'] = text
+                    raw['logprobs'] = {'tokens': [text], 'token_logprobs': [lp], 'top_logprobs': [None],
+                                       'text_offset': [0]} if want_lp else None
+                if ids_too:
+                    raw['token_ids'] = [tid]
+                send(self._chunk(chat, raw, prompt if (ids_too and not chat and k == 0) else None))
+                entry['sent'] = k + 1
+            if (body.get('stream_options') or {}).get('include_usage'):
+                n = len(tokens)
+                send({'id': 'stream-test', 'object': 'chat.completion.chunk' if chat else 'text_completion',
+                      'model': self.model_name, 'choices': [],
+                      'usage': {'prompt_tokens': len(prompt), 'completion_tokens': n, 'total_tokens': len(prompt) + n}})
+            send(b'[DONE]')
+            handler.wfile.write(b'0\r\n\r\n')
+            entry['outcome'] = 'finished'
+        except OSError:  # the client went away (a cancelled call): stop generating, as vLLM aborts
+            entry['outcome'] = 'aborted' if entry['sent'] < len(tokens) else 'finished'  # it had every token
+            handler.close_connection = True
+
+    def _chunk(self, chat: bool, raw: Dict[str, Any], prompt: Optional[List[int]]) -> Dict[str, Any]:
+        chunk: Dict[str, Any] = {'id': 'stream-test', 'object': 'chat.completion.chunk' if chat else 'text_completion',
+                                 'created': int(time.time()), 'model': self.model_name,
+                                 'choices': [{'index': 0, **raw}]}
+        if prompt is not None:
+            if chat:
+                chunk['prompt_token_ids'] = prompt
+            else:
+                chunk['choices'][0]['prompt_token_ids'] = prompt
+        return chunk
+
+    def _lm_prompt(self, body: Dict[str, Any], chat: bool) -> tuple:
+        """The prompt ids of a streamed request: the chat rendered by the template, or the token prompt."""
+        if body.get('model') != self.model_name:
+            return 404, {'error': {'message': f"model {body.get('model')!r} does not exist"}}
+        if not chat:
+            prompt = body.get('prompt')
+            if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                return 400, {'error': {'message': 'the streaming test server takes token prompts only'}}
+            return 200, list(prompt)
+        messages = body.get('messages') or []
+        cont = bool(body.get('continue_final_message'))
+        if messages and messages[-1].get('role') == 'assistant' and not cont:
+            return 400, {'error': {'message': 'last message is an assistant message; set continue_final_message'}}
+        if cont and body.get('add_generation_prompt', True):
+            return 400, {'error': {'message': 'continue_final_message needs add_generation_prompt=false'}}
+        tok = self.lm.tokenizer
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not cont,
+                                       continue_final_message=cont)
+        return 200, tok(text, add_special_tokens=False)['input_ids']
 
     def complete(self, body: Dict[str, Any]) -> tuple:
         messages = body.get('messages') or []
@@ -304,3 +431,42 @@ def _common_prefix(a: Any, b: Any) -> int:
             break
         n += 1
     return n
+
+
+class ToyLM:
+    """A deterministic autoregressive "model" for the streaming tests: the next token and its
+    logprob are a function of the context ids (the prompt and what was generated so far: a hash
+    of the last four ids and the position), so a generation cut anywhere and continued from the
+    prompt and the ids so far goes on exactly as an uninterrupted one, and any wrong or missing
+    id changes what follows. It samples whole-word tokens (``' word'``, one token each when
+    encoded alone) and ``<|im_end|>``, so a chat-mode continuation re-tokenizes to the same ids."""
+
+    def __init__(self, tokenizer: Any, eos_every: int = 37) -> None:
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.convert_tokens_to_ids('<|im_end|>')
+        self.eos_every = eos_every
+        words = []
+        for i in range(len(tokenizer)):
+            s = tokenizer.decode([i])
+            if len(s) > 2 and s[0] == ' ' and s[1:].isalpha() and tokenizer.encode(s, add_special_tokens=False) == [i]:
+                words.append(i)
+        assert len(words) >= 16, 'the tokenizer has too few whole-word tokens'
+        self.words = words
+
+    def step(self, context: List[int]) -> tuple:
+        h = zlib.crc32(struct.pack('<5q', len(context), *([0] * 4 + list(context))[-4:]))
+        tid = self.eos if h % self.eos_every == 0 else self.words[h % len(self.words)]
+        return tid, -((h >> 8) % 1000) / 256.0  # a binary fraction: exact through JSON
+
+    def generate(self, prompt: List[int], max_tokens: int) -> tuple:
+        context, out = list(prompt), []
+        while len(out) < max_tokens:
+            tid, lp = self.step(context)
+            out.append((tid, lp))
+            context.append(tid)
+            if tid == self.eos:
+                return out, 'stop'
+        return out, 'length'
+
+    def text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=True)
