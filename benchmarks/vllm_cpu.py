@@ -11,21 +11,35 @@ as the docs say, measured in one process against what it should reach.
   then the same run in ``--mode async`` (the dynamic batcher on ``vllm.LLM``). Prints each one's
   generated tokens, seconds and tokens/s, mtflow's share of the plain loop's tokens/s, the engine
   calls and their sizes.
+* ``servers``: two ``vllm serve`` processes (this interpreter's vLLM, the embedded model, float32,
+  block size 32, ``--enable-prompt-tokens-details``, each bound to its own core with
+  ``VLLM_CPU_OMP_THREADS_BIND``) on loopback ports, and ``mtflow run configs/openai_server.yaml``
+  against both (``backend_options.urls``, token prompts) with each routing policy in turn:
+  wall time, the hit rate from the replies' ``cached_tokens`` and from the servers' own
+  ``/metrics`` counters, requests per server, and whether the outputs equal the first policy's.
+  Each run has its own ``weight_version`` (sent as vLLM's ``cache_salt``), so no run is served
+  from blocks an earlier run computed. Take an odd ``--limit``: the lockstep run sends a turn's
+  calls in one order, so with an even number of games ``round_robin`` over two servers puts each
+  game on the same server every turn (sticky by accident).
 
 Each engine start is minutes on CPU; each figure comes with the load average, since the machine
 may be shared (compare within one run only).
 
     PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/vllm_cpu.py blocks --limit 16 --max-turns 6
     PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/vllm_cpu.py compare --limit 16
+    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/vllm_cpu.py servers --limit 15
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -39,10 +53,10 @@ def load() -> str:
     return '/'.join(f'{x:.1f}' for x in os.getloadavg())
 
 
-def run(args: List[str]) -> Dict[str, Any]:
+def run(args: List[str], config: str = 'vllm.yaml') -> Dict[str, Any]:
     """``mtflow run`` in this process; its summary.json and every trajectory's ids."""
     out = Path(tempfile.mkdtemp(prefix='mtflow-vllm-bench-'))
-    code = mtflow_main(['run', str(ROOT / 'configs' / 'vllm.yaml'), '-q', '--out', str(out), *args])
+    code = mtflow_main(['run', str(ROOT / 'configs' / config), '-q', '--out', str(out), *args])
     if code != 0:
         raise SystemExit(f'mtflow run {" ".join(args)} exited {code}')
     summary = json.loads((out / 'summary.json').read_text())
@@ -130,6 +144,79 @@ def bench_compare(a: argparse.Namespace) -> None:
           f"turn 1), engine {lock.get('engine')}, engine start {lock['model_load_s']:.0f} s")
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(model: str, port: int, core: int, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core))
+    cmd = [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', '--model', model, '--host', '127.0.0.1',
+           '--port', str(port), '--dtype', 'float32', '--block-size', '32', '--max-model-len', '4096',
+           '--kv-cache-memory-bytes', str(1 << 30), '--enable-prompt-tokens-details', '--enable-prefix-caching']
+    return subprocess.Popen(cmd, env=env, stdout=log.open('w'), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 1800) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < timeout_s:
+        if proc.poll() is not None:
+            raise SystemExit(f'the server for {url} exited {proc.returncode}: {log.read_text()[-2000:]}')
+        try:
+            with urllib.request.urlopen(url + '/models', timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f'the server for {url} did not answer in {timeout_s} s (log {log})')
+
+
+def bench_servers(a: argparse.Namespace) -> None:
+    from mtflow.backends.models import embedded_model_dir
+
+    model = str(embedded_model_dir())
+    logs = Path(tempfile.mkdtemp(prefix='mtflow-vllm-servers-'))
+    ports = [_free_port() for _ in range(2)]
+    urls = [f'http://127.0.0.1:{p}/v1' for p in ports]
+    procs = [_start_server(model, p, core, logs / f'server{core}.log') for core, p in enumerate(ports)]
+    try:
+        t0 = time.perf_counter()
+        for i, (u, p) in enumerate(zip(urls, procs)):
+            _wait_ready(u, p, logs / f'server{i}.log')
+        print(f'greedy guess-number, {a.limit} games x up to {a.max_turns} turns, max_tokens {a.max_tokens}; '
+              f'2 vllm serve processes (cores 0 and 1), both ready after {time.perf_counter() - t0:.0f} s; '
+              f'load average {load()}; logs {logs}')
+        head = (f'{"routing":<20} {"wall s":>7} {"tokens":>6} {"tok/s":>6} {"hit":>6} {"hit t>1":>7} '
+                f'{"/metrics":>8} {"per server":>11} {"same":>5} {"load":>14}')
+        print(head + '\n' + '-' * len(head), flush=True)
+        first = None
+        for n, policy in enumerate(a.routing):
+            s = run(['--limit', str(a.limit), '--max-turns', str(a.max_turns),
+                     '--set', f'backend_options.urls=[{urls[0]}, {urls[1]}]', '--set', f'backend_options.routing={policy}',
+                     '--set', f'backend_options.tokenizer={model}', '--set', 'backend_options.prompt_mode=tokens',
+                     '--set', f'backend_options.weight_version=bench{n}-{int(time.time())}',
+                     '--set', 'request_config.temperature=0', '--set', f'request_config.max_tokens={a.max_tokens}'],
+                    config='openai_server.yaml')
+            serving = s.get('serving') or {}
+            server = serving.get('server_cache') or {}
+            served = '/'.join(str(r.get('served')) for r in serving.get('replicas', []))
+            first = first if first is not None else s['_ids']
+            print(f'{policy:<20} {s["wall_s"]:>7.1f} {s["generated_tokens"]:>6} {s["tokens_per_s"]:>6.1f} '
+                  f'{pct(serving.get("hit_rate")):>6} {pct(serving.get("hit_rate_after_turn_1")):>7} '
+                  f'{pct(server.get("hit_rate")):>8} {served:>11} {"yes" if s["_ids"] == first else "NO":>5} '
+                  f'{load():>14}', flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest='what', required=True)
@@ -141,8 +228,13 @@ def main() -> None:
     c = sub.add_parser('compare')
     c.add_argument('--limit', type=int, default=16)
     c.add_argument('--max-turns', type=int, default=0, help="0: the config's")
+    v = sub.add_parser('servers')
+    v.add_argument('--limit', type=int, default=15)
+    v.add_argument('--max-turns', type=int, default=6)
+    v.add_argument('--max-tokens', type=int, default=64)
+    v.add_argument('--routing', nargs='+', default=['sticky_least_loaded', 'round_robin', 'least_loaded'])
     a = ap.parse_args()
-    bench_blocks(a) if a.what == 'blocks' else bench_compare(a)
+    {'blocks': bench_blocks, 'compare': bench_compare, 'servers': bench_servers}[a.what](a)
 
 
 if __name__ == '__main__':
