@@ -25,7 +25,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 from mtflow.core.calls import RAISED, Outcome
 from mtflow.core.machine import RequestRecord
-from mtflow.engine.async_driver import _Stopped, _is_async_callable
+from mtflow.engine.in_flight import Stopped, is_async_callable
 from mtflow.engine.partial import UnfinishedRequest
 from mtflow.engine.resume import is_resumable
 from mtflow.engine.run_state import uuid_of
@@ -49,7 +49,7 @@ def check_policies(max_staleness: Optional[int], stale: str, on_update: str, rol
         raise ValueError(f'stream: stale must be one of {STALE_POLICIES}, not {stale!r}')
     if on_update not in UPDATE_POLICIES:
         raise ValueError(f'stream: on_update must be one of {UPDATE_POLICIES}, not {on_update!r}')
-    if on_update != 'keep' and not _is_async_callable(rollout_fn):
+    if on_update != 'keep' and not is_async_callable(rollout_fn):
         raise ValueError(f"stream: on_update={on_update!r} needs an async rollout_fn (a generation in a thread "
                          'cannot be cancelled; a backend\'s async_rollout_fn() is one)')
     if on_update == 'resume' and not is_resumable(rollout_fn):
@@ -65,14 +65,13 @@ def oldest_version(records: List[RequestRecord]) -> Optional[int]:
 
 class StalenessMixin:
     """The staleness half of the stream driver (see the module docstring). It reads the driver's
-    ``groups`` (record index -> :class:`InFlightGroup`), ``tasks``, ``kinds``, ``stats``,
+    ``groups`` (record index -> :class:`InFlightGroup`), ``flight`` (its tasks), ``stats``,
     ``clock``, ``stopping`` and calls its ``admit``, ``wind_down``, ``restore_record`` and
     ``generate``."""
     run: Any
     clock: Any
     groups: Dict[int, InFlightGroup]
-    tasks: Dict[int, Any]
-    kinds: Dict[int, str]
+    flight: Any
     stats: Dict[str, int]
     stopping: bool
 
@@ -114,8 +113,8 @@ class StalenessMixin:
         if current == self.seen_version or self.stopping:
             return
         self.seen_version = current
-        for index, task in list(self.tasks.items()):
-            if self.kinds.get(index) != 'generate':
+        for index, task in list(self.flight.tasks.items()):
+            if self.flight.kinds.get(index) != 'generate':
                 continue
             group = self.groups.get(index)
             if self.on_update != 'keep' or (group is not None and self.too_stale(group)):
@@ -129,7 +128,7 @@ class StalenessMixin:
         """A generation cancelled by an update (not by the budget): its group wound down when it
         is now too stale, else the turn issued again from the exact record it had, under the new
         version. ``False``: not such a completion."""
-        if not (outcome.kind == RAISED and isinstance(outcome.value, _Stopped)) or self.stopping:
+        if not (outcome.kind == RAISED and isinstance(outcome.value, Stopped)) or self.stopping:
             return False
         self.restore_record(rec)
         if self.doomed(rec):

@@ -174,17 +174,17 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
     def poke(self) -> None:
         """Wake the driver from another thread (a group taken, a new version, close)."""
         self.poked = True
-        loop = self.run.loop
-        if self.wake is not None and not loop.is_closed():
+        loop, wake = self.run.loop, self.flight.wake
+        if wake is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(self.wake.set)
+                loop.call_soon_threadsafe(wake.set)
             except RuntimeError:  # the loop closed meanwhile
                 pass
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> None:  # type: ignore[override]
-        loop = self.run.loop
-        self.wake = asyncio.Event()
+        flight = self.flight
+        flight.start()
         self.t_start = perf_counter()
         try:
             while True:
@@ -195,13 +195,12 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                     self.stop()
                 elif not self.stopping:
                     self.fill_slots()
-                if not self.tasks and not self.completions:
+                if flight.idle():
                     if self.stopping or (self.source_done and not self.queue and self.active == 0
                                          and self.consumer_caught_up()):
                         break
                     self.stats['backpressure_waits'] += 1  # only the consumer can free a place now
-                self.waiter = loop.create_task(self.next_completions())
-                batch = loop.run_until_complete(self.waiter)
+                batch = flight.wait(self.has_news, self.budget_left())
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
                     self.on_completion(kind, rec, turn, outcome)
                     if self.over_budget():
@@ -209,10 +208,10 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         except BaseException:
             with self.returned_lock:
                 self.ended = True
-            self.cancel_all()
-            self.close_pools(wait=False)
+            flight.cancel_all()
+            flight.close(wait=False)
             raise
-        self.close_pools(wait=True)
+        flight.close(wait=True)
         self.restore_records()
         if self.interrupting and self.unfinished:
             self.deliver_interrupted()
@@ -233,7 +232,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.deliver_fn(delivered_group(run, InFlightGroup(-1, [], records, len(records)), self.seen_version))
 
     def has_news(self) -> bool:
-        return bool(self.completions) or self.poked  # poked: a weight update or a taken group
+        return bool(self.flight.completions) or self.poked  # poked: a weight update or a taken group
 
     # ---- admission ---------------------------------------------------------------------------
     def backpressured(self) -> bool:
@@ -356,7 +355,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))
         self.groups.pop(rec.index, None)
-        self.kinds.pop(rec.index, None)
+        self.flight.kinds.pop(rec.index, None)
 
     def member_done(self, rec: RequestRecord) -> None:
         group = self.groups.get(rec.index)
@@ -371,7 +370,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         index = rec.index
         self.groups.pop(index, None)
         self.started.discard(index)
-        self.kinds.pop(index, None)
+        self.flight.kinds.pop(index, None)
         self.records_before.pop(index, None)
         self.issued_version.pop(index, None)
         self.admission_moves.pop(index, None)

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.machine import RequestRecord
 from mtflow.accounting.token_record import RECORD_ATTR
-from mtflow.engine.async_driver import _Stopped
+from mtflow.engine.in_flight import Stopped
 from mtflow.engine.context import with_max_tokens
 from mtflow.engine.resume import (SEGMENTS_KEY, GenerationAborted, ResumeFrom, merged_output, reset_prefix,
                                   segment_of, set_prefix, version_spans)
@@ -78,7 +78,7 @@ class ResumeMixin:
                 self.resume(rec, turn, outcome.value)
                 return None
             self.prefixes.pop(rec.index, None)
-            return Outcome(RAISED, _Stopped('cancelled'), outcome.duration)
+            return Outcome(RAISED, Stopped('cancelled'), outcome.duration)
         if outcome.kind == OK and rec.index in self.prefixes:
             return self.merge(rec, outcome)
         return outcome
