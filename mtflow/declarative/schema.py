@@ -109,7 +109,6 @@ class ToolConfig(StrictModel):
         None, description="A per-turn reward for the turn's calls of this tool: {ok: 0.1, error: -0.1}; recorded "
         "in rollout_infos['turn_rewards'] with the turn's token span (docs/streaming.md).")
 
-
     @field_validator('parameters')
     @classmethod
     def _object_schema(cls, v: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -155,7 +154,6 @@ class ResultImagesConfig(StrictModel):
     dir: Optional[str] = Field(
         None, description="The directory a path the pattern matches must lie in (relative: to the YAML file's "
         'directory); a path outside it fails the request. Without dir, only data URLs are read.')
-
 
     @model_validator(mode='after')
     def _one(self) -> 'ResultImagesConfig':
@@ -237,7 +235,6 @@ class AnswerConfig(StrictModel):
     compare: str = Field('numeric', description="'exact' (after stripping), 'numeric' (as numbers when both parse, "
                          "else exact) or 'module:function'(answer, reference) -> bool.")
 
-
     @field_validator('compare')
     @classmethod
     def _compare(cls, v: str, info: ValidationInfo) -> str:
@@ -279,7 +276,6 @@ class TipConfig(StrictModel):
             if why:
                 raise ValueError(f'images[{k}]: {why}')
         return v
-
 
     @model_validator(mode='after')
     def _needs(self) -> 'TipConfig':
@@ -400,7 +396,6 @@ class SchedulerConfig(StrictModel):
     @classmethod
     def _system_prompt(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None else check_template(v, FIELDS['system_prompt'])
-
 
     @model_validator(mode='after')
     def _cross(self, info: ValidationInfo) -> 'SchedulerConfig':
