@@ -32,7 +32,8 @@ from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.models import load_model
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
-from mtflow.backends.vision import VisionPrompter, generate_with_images
+from mtflow.backends.images import serving_the_others
+from mtflow.backends.vision import VisionPrompter, generate_with_images, image_refusals
 
 __all__ = ['HFBackend', 'render_prompt']
 
@@ -103,7 +104,8 @@ class HFBackend(Backend):
         device, dtype: where and how to load ``model`` when it is given by name.
         processor: a vision-language model's ``AutoProcessor``: requests with images are
             generated with their pixel values, their placeholders expanded as the processor
-            does (:mod:`mtflow.backends.vision`); without one, a request with images is refused.
+            does (:mod:`mtflow.backends.vision`); without one, a request with images fails alone (its
+            output is the error naming it) and the call's other requests are generated.
         resumable, resume_chunk: ``async_rollout_fn()`` generates each single-request call in
             chunks of ``resume_chunk`` tokens, so a stream's ``on_update='resume'`` can cut it
             between chunks and continue it from its exact ids (:mod:`mtflow.backends.hf_resume`).
@@ -191,6 +193,10 @@ class HFBackend(Backend):
 
     # ---- one call ------------------------------------------------------------------------------
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        refusals = image_refusals(self.prompter, requests, 'the hf backend without a processor',
+                                  'give processor= (AutoProcessor) for a vision-language model')
+        if any(refusals):  # only the requests with images fail; the call's others are generated
+            return serving_the_others(requests, refusals, lambda others: self.generate(others, options))
         plans = [self.prompter.plan(r) for r in requests]
         if any(getattr(r, 'images', None) for r in requests):
             outputs = generate_with_images(self, requests, plans, options)

@@ -8,12 +8,12 @@ model, a token prompt without a processor), so an image is never silently droppe
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from mtflow.backends.base import BackendError
 from mtflow.core.images import ImageError, ImageURL, to_content_parts, to_image_url
 
-__all__ = ['has_images', 'openai_messages', 'normalized_images', 'refuse_images']
+__all__ = ['has_images', 'openai_messages', 'normalized_images', 'image_refusal', 'refuse_images', 'serving_the_others']
 
 
 def has_images(request: Any) -> bool:
@@ -43,8 +43,31 @@ def normalized_images(request: Any) -> List[ImageURL]:
         raise BackendError(f'{_where(request)}: {exc}') from None
 
 
+def image_refusal(request: Any, backend: str, why: str) -> Optional[BackendError]:
+    """The :class:`BackendError` naming ``request`` when it has images that ``backend`` cannot
+    show (``why``: what to do instead), else ``None``."""
+    if not has_images(request):
+        return None
+    return BackendError(f'{_where(request)} has {len(request.images)} image(s), which {backend} cannot show the '
+                        f'model: {why}')
+
+
 def refuse_images(request: Any, backend: str, why: str) -> None:
     """Raise :class:`BackendError` when ``request`` has images that ``backend`` cannot show."""
-    if has_images(request):
-        raise BackendError(f'{_where(request)} has {len(request.images)} image(s), which {backend} cannot show the '
-                           f'model: {why}')
+    error = image_refusal(request, backend, why)
+    if error is not None:
+        raise error
+
+
+def serving_the_others(requests: List[Any], refusals: List[Optional[BaseException]],
+                       serve: Callable[[List[Any]], List[Any]]) -> List[Any]:
+    """A call's outputs when some of its requests are refused (``refusals[k]``, an exception, or
+    ``None``): each refusal is given in place of its request's output, so that request alone
+    fails (phase ``rollout_fn``, the fault table of ``docs/executor.md``), and ``serve`` generates
+    the others (one output each, in order); request order is kept."""
+    outputs: List[Any] = list(refusals)
+    going = [k for k, refusal in enumerate(refusals) if refusal is None]
+    if going:
+        for k, out in zip(going, serve([requests[k] for k in going])):
+            outputs[k] = out
+    return outputs

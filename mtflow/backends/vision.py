@@ -19,12 +19,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from mtflow.accounting.token_record import RECORD_ATTR, record_of
 from mtflow.backends.base import BackendError
-from mtflow.backends.images import has_images, normalized_images, refuse_images
+from mtflow.backends.images import has_images, image_refusal, normalized_images, refuse_images
 from mtflow.backends.tokens import PromptPlan, TokenPrompter
 from mtflow.core.images import IMAGE_TOKEN, image_bytes
 
 __all__ = ['VisionPrompter', 'expand_pads', 'collapse_pads', 'check_engine_prompt', 'vision_inputs', 'pil_images',
-           'pil_images_of', 'generate_with_images', 'token_prompt']
+           'pil_images_of', 'generate_with_images', 'token_prompt', 'image_refusals', 'NO_PROCESSOR_FOR_TOKENS']
 
 #: model inputs the processor returns that belong to the text, rebuilt from the exact ids
 _TEXT_KEYS = frozenset(('input_ids', 'attention_mask', 'mm_token_type_ids', 'token_type_ids'))
@@ -160,13 +160,9 @@ def vision_inputs(prompter: VisionPrompter, request: Any, ids: List[int]) -> Dic
 
 def generate_with_images(backend: Any, requests: List[Any], plans: List[PromptPlan], options: Any) -> List[Any]:
     """The HF backend's outputs for a call in which some requests have images: those are
-    generated one by one with their vision inputs, the others batched as text. A backend built
-    without a processor refuses images (naming the request) rather than dropping them."""
+    generated one by one with their vision inputs, the others batched as text. Only for a backend
+    with a processor: one without refuses each request with images first (:func:`image_refusals`)."""
     prompter = backend.prompter
-    if not isinstance(prompter, VisionPrompter):
-        for r in requests:
-            refuse_images(r, 'the hf backend without a processor', 'give processor= (AutoProcessor) for a '
-                          'vision-language model')
     outputs: List[Any] = [None] * len(requests)
     text = [i for i, r in enumerate(requests) if not has_images(r)]
     if text:
@@ -192,6 +188,21 @@ def collapse_pads(ids: List[int], pad_id: int) -> List[int]:
     return out
 
 
+#: what a token prompt without a processor should do instead of carrying images
+NO_PROCESSOR_FOR_TOKENS = 'give processor= (AutoProcessor) for token prompts with images, or use prompt_mode chat ' \
+    '(image content parts)'
+
+
+def image_refusals(prompter: Any, requests: List[Any], backend: str, why: str) -> List[Optional[BackendError]]:
+    """For each request, the error that refuses it when it has images and ``prompter`` cannot
+    show them (it is not a :class:`VisionPrompter`), else ``None``; a backend gives each error in
+    place of that request's output (:func:`~mtflow.backends.images.serving_the_others`), so only
+    the requests with images fail and the call's others are served."""
+    if isinstance(prompter, VisionPrompter):
+        return [None] * len(requests)
+    return [image_refusal(r, backend, why) for r in requests]
+
+
 def token_prompt(prompter: Any, request: Any, ids: List[int], backend: str) -> Dict[str, Any]:
     """vLLM's token prompt for ``ids`` (``TokensPrompt``): with the request's images as
     ``multi_modal_data`` when the prompter is a :class:`VisionPrompter`, each image's pads
@@ -202,8 +213,7 @@ def token_prompt(prompter: Any, request: Any, ids: List[int], backend: str) -> D
     if not has_images(request):
         return {'prompt_token_ids': ids}
     if not isinstance(prompter, VisionPrompter):
-        refuse_images(request, backend, 'give processor= (AutoProcessor) for token prompts with images, or use '
-                      'prompt_mode chat (image content parts)')
+        refuse_images(request, backend, NO_PROCESSOR_FOR_TOKENS)
     return {'prompt_token_ids': collapse_pads(ids, prompter.pad_id), 'multi_modal_data': {'image': pil_images(request)}}
 
 

@@ -44,13 +44,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, async_seed_index, build_output,
                                   context_length_of, prepare_chat)
-from mtflow.backends.images import openai_messages, refuse_images
+from mtflow.backends.images import openai_messages, refuse_images, serving_the_others
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.vllm_defaults import choose_engine_kwargs
 from mtflow.backends.vllm_resume import resumable_acall, snapshot
-from mtflow.backends.vision import VisionPrompter, check_engine_prompt, token_prompt
+from mtflow.backends.vision import NO_PROCESSOR_FOR_TOKENS, VisionPrompter, check_engine_prompt, image_refusals, token_prompt
 
 __all__ = ['VLLMBackend', 'sampling_kwargs', 'choice_from_completion']
 
@@ -160,7 +160,7 @@ class VLLMBackend(Backend):
             generator, else ``'llm'``).
         processor: a vision-language model's ``AutoProcessor``: token prompts of requests with
             images carry ``multi_modal_data`` and the image pads expanded as the processor does
-            (:mod:`mtflow.backends.vision`); without one, token mode refuses images.
+            (:mod:`mtflow.backends.vision`); without one, a token-mode request with images fails alone.
         resumable: the async engine's single-request calls can be cut at a weight update and
             continued from their exact ids (a stream's ``on_update='resume'``,
             :mod:`mtflow.backends.vllm_resume`).
@@ -279,6 +279,9 @@ class VLLMBackend(Backend):
         return self._generate_chat(requests, options)
 
     def _generate_tokens(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
+        refusals = image_refusals(self.prompter, requests, 'vllm token prompts', NO_PROCESSOR_FOR_TOKENS)
+        if any(refusals):  # only the requests with images fail; the call's others are generated
+            return serving_the_others(requests, refusals, lambda others: self._generate_tokens(others, options))
         plans = [self.prompter.plan(r) for r in requests]
         # vllm.inputs.TokensPrompt (with multi_modal_data for a request with images)
         prompts = [token_prompt(self.prompter, r, p.ids, 'vllm token prompts') for r, p in zip(requests, plans)]

@@ -1,12 +1,23 @@
 """The one message for a key that is not known, used by every config of mtflow (scheduler YAML,
 run configs, ``scheduler_args``, ``request_config``): the key, the closest known key, and every
-known key, so a typo is fixed from the message alone."""
+known key, so a typo is fixed from the message alone; and :class:`StrictModel`, the base of the
+config blocks whose unknown keys are errors."""
 from __future__ import annotations
 
 import difflib
 from typing import Iterable, List, Optional
 
-__all__ = ['closest_key', 'unknown_key_message']
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ['closest_key', 'unknown_key_message', 'StrictModel']
+
+
+class StrictModel(BaseModel):
+    """A block a user writes in a config file (the scheduler YAML's sections, the run config and
+    its ``admission:`` and ``context:`` blocks, a ``finish_policy`` action): an unknown key is an
+    error (the loaders report it with :func:`unknown_key_message`, at its file, line and field),
+    and types are strict: ``true`` is not 1, ``"3"`` is not 3."""
+    model_config = ConfigDict(extra='forbid', strict=True)
 
 
 def closest_key(key: str, known: Iterable[str]) -> Optional[str]:

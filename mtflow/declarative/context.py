@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mtflow.core.errors import UserError
+from mtflow.core.keys import StrictModel
 from mtflow.core.registry import resolve_reference
 from mtflow.engine.context_budget import DEFAULT_PLACEHOLDER, DEFAULT_SUMMARY_PROMPT, POLICIES, ContextBudget
 
@@ -35,9 +36,8 @@ def count_words(request: Any) -> int:
     return sum(len(str(m.get('content') or '').split()) for m in request.messages)
 
 
-class ContextConfig(BaseModel):
+class ContextConfig(StrictModel):
     """The ``context:`` block (see the module docstring)."""
-    model_config = ConfigDict(extra='forbid', strict=True)
 
     context_length: Optional[int] = Field(None, ge=1, description="The engine's context in tokens; null: the "
                                           "backend's own.")

@@ -28,8 +28,9 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from mtflow.core.keys import StrictModel
 from mtflow.core.machine import FINISH_REASONS, STOP_RULE_PREFIX
 
 #: kinds of tool error the YAML scheduler and its runner count (``rollout_infos['tool_error_kinds']``);
@@ -40,9 +41,8 @@ DROP_KEY = 'mtflow_drop'
 INFO_KEY = 'mtflow_policy'
 
 
-class PolicyAction(BaseModel):
+class PolicyAction(StrictModel):
     """What to do with a trajectory: any of mask, drop and a reward."""
-    model_config = ConfigDict(extra='forbid', strict=True)
     mask: bool = Field(False, description='Set every loss-mask value to 0 (the tokens stay; nothing is trained).')
     drop: bool = Field(False, description="Set rollout_infos['mtflow_drop'] = True, for the trainer to skip it.")
     reward: Optional[float] = Field(None, description="Set rollout_infos['reward'] to this value.")

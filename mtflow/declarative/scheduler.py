@@ -30,7 +30,6 @@ naming the request, the turn and ``observation.mode``; a backend that returns no
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestError
@@ -41,7 +40,8 @@ from mtflow.core.registry import resolve_reference
 from mtflow.core.scheduler import Scheduler
 from mtflow.core.stop import turn_limit_reached
 from mtflow.declarative.answers import AnswerCheck
-from mtflow.declarative.envs import make_env_factory, normalize_step
+from mtflow.declarative.env_sessions import EnvSessions
+from mtflow.declarative.envs import make_env_factory
 from mtflow.declarative.images import (ResultImages, add_images, limits_of, normalize_all, split_observation,
                                        tip_images, tool_images)
 from mtflow.declarative.observations import add_observations, render_result
@@ -71,7 +71,8 @@ class YamlScheduler(Scheduler):
     Subclass it (and name the subclass in ``scheduler_class``) to override any hook while keeping
     the YAML behaviour for the rest. Each section of the config has its collaborator: the stop
     rules (:mod:`.stop_rules`), the answer check (:mod:`.answers`), the tips (:mod:`.tips`), the
-    tool calls (:mod:`.tool_calls`) and the observations (:mod:`.observations`); the class keeps
+    tool calls (:mod:`.tool_calls`), the observations (:mod:`.observations`) and the environment
+    sessions (:mod:`.env_sessions`); the class keeps
     the hooks, the per-request state and the token accounting."""
     requires_unique_uuids = True  # per-request state is keyed by uuid (see _key)
 
@@ -89,11 +90,13 @@ class YamlScheduler(Scheduler):
         self.turn_rewards = TurnRewards(config, base_dir)
         self.answers = AnswerCheck(config.answer, base_dir) if config.answer else None
         self.tip_rules = TipRules(config.tips, base_dir)
-        self._env_factory = make_env_factory(config.env, base_dir) if config.env else None
         self._states: Dict[Any, RequestState] = {}
         self.finish_reasons = tuple(self.stop_rules.finish_reasons(config, self.idle_rule))
         self.finish_policy = FinishPolicy(config.finish_policy) if config.finish_policy else None
         self.image_limits = limits_of(config.images)
+        #: the ``env:`` section: each request's environment session
+        self.envs = EnvSessions(make_env_factory(config.env, base_dir) if config.env else None, self.image_limits,
+                                self.turn_rewards)
         images_from = config.observation.images_from
         self.result_images = ResultImages(images_from, base_dir) if images_from is not None else None
         #: each tip's images_impl, resolved once (by the tip's position)
@@ -109,37 +112,27 @@ class YamlScheduler(Scheduler):
         answers with the recorded observations. The configured environment factory is closed
         unused (it is cheap and starts nothing until called)."""
         self.recorded_tools = recorded
-        if self._env_factory is not None:
-            close_factory = getattr(self._env_factory, 'close', None)
-            if callable(close_factory):
-                close_factory()
-            self._env_factory = recorded.env_factory()
+        if self.envs.factory is not None:
+            self.envs.replace_factory(recorded.env_factory())
 
     @property
     def opens_env_sessions(self) -> bool:
         """Each request holds an environment session from its reset to its close (the drivers
         start requests within ``admission.env_sessions``, :mod:`mtflow.engine.admission`)."""
-        return self._env_factory is not None
+        return self.envs.factory is not None
 
     def use_admission(self, admission: Admission) -> None:
         """The run's admission control (the executor calls this): its ``tool_calls`` gate bounds
         the tool calls of all tools in flight; its ``env_sessions`` gate counts the sessions open."""
         self.admission = admission
         self.runner.admission = admission
-
-    def _session_opened(self) -> None:
-        if self.admission is not None:
-            self.admission.env_sessions.opened()
-
-    def _session_closed(self) -> None:
-        if self.admission is not None:
-            self.admission.env_sessions.closed()
+        self.envs.admission = admission
 
     @property
     def env_factory(self) -> Optional[Callable[[], Any]]:
         """What makes each request's environment (``None`` without ``env``); for OpenEnv, the
         :class:`~mtflow.declarative.envs.openenv_env.OpenEnvPool` with its servers."""
-        return self._env_factory
+        return self.envs.factory
 
     @property
     def reward_function(self) -> Optional[Callable[..., Any]]:
@@ -193,40 +186,14 @@ class YamlScheduler(Scheduler):
             msgs[0]['content'] = f'{text}\n\n{msgs[0]["content"]}'
         return infer_request
 
-    async def _ensure_env(self, infer_request: Any, state: RequestState) -> Any:
-        if state.env is None and self._env_factory is not None:
-            state.env = self._env_factory()
-            self._session_opened()
-            await maybe_await(state.env.reset(infer_request))
-        return state.env
-
     async def on_trajectory_start(self, requests: List[Any]) -> None:
         for request in requests:
             self.prepare(request)
-        if self._env_factory is not None:
+        if self.envs.factory is not None:
             # All resets at once (remote environments open their sessions concurrently). A reset
             # that fails fails its own request only, at its first turn: an exception here would
             # fail the whole batch.
-            await asyncio.gather(*[self._start_env(request) for request in requests])
-
-    async def _start_env(self, request: Any) -> None:
-        state = self._state(request)
-        try:
-            state.env = self._env_factory()
-            self._session_opened()
-            opening = await maybe_await(state.env.reset(request))
-        except Exception as error:
-            state.env_error = error
-            return
-        if opening and not any(m.get('role') == 'user' for m in request.messages):
-            try:
-                text, images = split_observation(opening, self.image_limits, request.uuid, 1,
-                                                 'the environment reset observation')
-            except Exception as error:
-                state.env_error = error
-                return
-            request.messages.append({'role': 'user', 'content': text})
-            add_images(request, images, None)
+            await asyncio.gather(*[self.envs.start(request, self._state(request)) for request in requests])
 
     def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
         """Apply ``finish_policy`` (the executor calls this once per request, on every finish path:
@@ -239,31 +206,16 @@ class YamlScheduler(Scheduler):
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         state = self._states.pop(self._key(infer_request), None)
-        if state is not None and state.env is not None:
-            env, state.env = state.env, None
-            try:
-                await maybe_await(env.close())
-            finally:
-                self._session_closed()
+        if state is not None:
+            await self.envs.close_session(state)
 
     def close(self) -> None:
         """Release the tool thread pool, any environment still open, and what the environment
         factory holds (e.g. the OpenEnv servers it launched)."""
-        for state in self._states.values():
-            if state.env is not None:
-                self._session_closed()
-                abandon = getattr(state.env, 'abandon', None)
-                if callable(abandon):  # an async env whose close needs the executor's loop
-                    abandon()
-                    continue
-                close = state.env.close()
-                if inspect.isawaitable(close):
-                    close.close()
+        self.envs.abandon(self._states.values())
         self._states.clear()
         self.runner.close()
-        close_factory = getattr(self._env_factory, 'close', None)
-        if callable(close_factory):
-            close_factory()
+        self.envs.close_factory()
 
     # ---- deciding -------------------------------------------------------------------------------
     def extract_answer(self, text: str) -> Optional[str]:
@@ -281,7 +233,7 @@ class YamlScheduler(Scheduler):
         state.calls, state.tip, state.env_obs = [], None, None
         completion = response_choice.message.content or ''
         infos: Dict[str, Any] = {}
-        reason = None if self._env_factory is None else await self._step_env(infer_request, state, completion, infos,
+        reason = None if self.envs.factory is None else await self.envs.step(infer_request, state, completion, infos,
                                                                              current_turn)
         answer = correct = None
         if self.answers is not None:
@@ -306,26 +258,6 @@ class YamlScheduler(Scheduler):
         await self.turn_rewards.hook_reward(state, infer_request, completion, infos, current_turn)
         infos.update(self.turn_rewards.infos(state))
         return await self._turn_result(infer_request, state, reason, infos)
-
-    async def _step_env(self, infer_request: Any, state: RequestState, completion: str,
-                        infos: Dict[str, Any], turn: int) -> Optional[str]:
-        """Step the request's environment with the completion: ``stop_rule:env_done`` or
-        ``stop_rule:env_truncated`` when the episode ended, else its observation for ``step``."""
-        if state.env_error is not None:
-            error, state.env_error = state.env_error, None
-            raise error
-        env = await self._ensure_env(infer_request, state)
-        out = normalize_step(await maybe_await(env.step(completion)))
-        state.rewards.append(out.reward)
-        self.turn_rewards.env(state, turn, out.reward)
-        infos.update(env_steps=len(state.rewards), rewards=list(state.rewards), reward=float(sum(state.rewards)),
-                     env_info=out.info)
-        if out.terminated:
-            return 'stop_rule:env_done'
-        if out.truncated:
-            return 'stop_rule:env_truncated'
-        state.env_obs = out.observation
-        return None
 
     async def _turn_result(self, infer_request: Any, state: RequestState, reason: Optional[str],
                            infos: Dict[str, Any]) -> Dict[str, Any]:

@@ -12,10 +12,11 @@ import os
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Annotated
 
 from mtflow.core.images import ImageError, to_image_url
+from mtflow.core.keys import StrictModel
 from mtflow.core.registry import resolve_reference
 from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
 from mtflow.declarative.gym import ENVS
@@ -23,11 +24,6 @@ from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
 from mtflow.declarative.templates import FIELDS, check_template
 from mtflow.tools.registry import TOOLS
-
-
-class _Strict(BaseModel):
-    """Unknown keys are errors, and types are strict: ``true`` is not 1, ``"3"`` is not 3."""
-    model_config = ConfigDict(extra='forbid', strict=True)
 
 
 def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
@@ -74,19 +70,25 @@ def _check_regex(value: Optional[str]) -> Optional[str]:
     return value
 
 
-class ToolReward(_Strict):
+#: a ``module:attribute`` field: it must import (:func:`_check_ref`), one rule for every such field
+Ref = Annotated[str, AfterValidator(_check_ref)]
+#: a regex field: it must compile (:func:`_check_regex`)
+Regex = Annotated[str, AfterValidator(_check_regex)]
+
+
+class ToolReward(StrictModel):
     """A per-turn reward for this tool's calls (``rollout_infos['turn_rewards']``, source ``tools``)."""
     ok: float = Field(0.0, description='Added for each call of the tool that succeeded.')
     error: float = Field(0.0, description='Added for each call that failed (bad arguments, exception, timeout).')
 
 
-class ToolConfig(_Strict):
+class ToolConfig(StrictModel):
     """One tool the model may call."""
     name: str = Field(description='The name the model uses to call the tool.', min_length=1)
     builtin: Optional[str] = Field(
         None, description="A built-in tool: 'calculator' or 'python' (or one added with register_tool). "
         'Defaults to `name` when neither builtin nor impl is given.')
-    impl: Optional[str] = Field(
+    impl: Optional[Ref] = Field(
         None, description="A Python callable 'package.module:function' (sync or async); a module next to the "
         'YAML file may be named too. Its signature and docstring give the default parameters and description.')
     description: Optional[str] = Field(None, description='What the tool does, shown to the model.')
@@ -106,11 +108,6 @@ class ToolConfig(_Strict):
     reward: Optional[ToolReward] = Field(
         None, description="A per-turn reward for the turn's calls of this tool: {ok: 0.1, error: -0.1}; recorded "
         "in rollout_infos['turn_rewards'] with the turn's token span (docs/streaming.md).")
-
-    @field_validator('impl')
-    @classmethod
-    def _impl_resolves(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        return _check_ref(v, info)
 
     @field_validator('parameters')
     @classmethod
@@ -135,7 +132,7 @@ class ToolConfig(_Strict):
         return self
 
 
-class ImagesConfig(_Strict):
+class ImagesConfig(StrictModel):
     """Limits on the images tools and environments hand back (docs/multimodal.md)."""
     max_per_request: Optional[int] = Field(None, ge=1, description='At most this many images in one request; one '
                                            'more fails that request (error naming the uuid and turn).')
@@ -143,30 +140,20 @@ class ImagesConfig(_Strict):
                                       'image; a bigger one fails its request.')
 
 
-class ResultImagesConfig(_Strict):
+class ResultImagesConfig(StrictModel):
     """Images a tool names in its text result, read into the observation (docs/multimodal.md):
     a tool that prints a markdown image or a data URL, or any result a function can turn into
     images."""
-    pattern: Optional[str] = Field(
+    pattern: Optional[Regex] = Field(
         None, description="Regex searched in each successful result's text; each match names one image (its group "
         "1, else the whole match): a data:image/ URL, or a file path inside `dir`. The match is replaced by an "
         "<image> placeholder. E.g. markdown images: '!\\[[^\\]]*\\]\\(([^)\\s]+)\\)'.")
-    impl: Optional[str] = Field(
+    impl: Optional[Ref] = Field(
         None, description="'module:function'(name, result, index) called for each successful result: None (no "
         'image), an image, a list mixing text and images, or an Observation (whose text then replaces the result).')
     dir: Optional[str] = Field(
         None, description="The directory a path the pattern matches must lie in (relative: to the YAML file's "
         'directory); a path outside it fails the request. Without dir, only data URLs are read.')
-
-    @field_validator('pattern')
-    @classmethod
-    def _pattern(cls, v: Optional[str]) -> Optional[str]:
-        return _check_regex(v)
-
-    @field_validator('impl')
-    @classmethod
-    def _impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        return _check_ref(v, info)
 
     @model_validator(mode='after')
     def _one(self) -> 'ResultImagesConfig':
@@ -177,7 +164,7 @@ class ResultImagesConfig(_Strict):
         return self
 
 
-class ObservationConfig(_Strict):
+class ObservationConfig(StrictModel):
     """How tool results reach the model."""
     mode: Literal['message', 'inline'] = Field(
         'message', description="'message': a new message (next turn generates a new assistant message); "
@@ -212,7 +199,7 @@ class ObservationConfig(_Strict):
         return self
 
 
-class StopConfig(_Strict):
+class StopConfig(StrictModel):
     """When a request stops. The first rule that matches names the finish reason
     (``stop_rule:<name>``), checked in this order: env_done, correct_answer, regex rules,
     stop_tools, length, predicate. A turn that nothing continues (no tool call, no tip, no environment)
@@ -221,13 +208,13 @@ class StopConfig(_Strict):
     stop_tools: List[str] = Field(default_factory=list,
                                   description="Stop ('stop_rule:stop_tool') when one of these tools is called; the "
                                   'call is not run.')
-    regex: Dict[str, Annotated[str, AfterValidator(lambda v: _check_regex(v))]] = Field(default_factory=dict,
+    regex: Dict[str, Regex] = Field(default_factory=dict,
                                   description="name -> regex searched in the turn's completion; a match stops with "
                                   "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:').")
     on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
     correct_answer: bool = Field(False, description="Stop ('stop_rule:correct_answer') when the answer (see `answer`) "
                                  'matches the data_dict field.')
-    predicate: Optional[str] = Field(
+    predicate: Optional[Ref] = Field(
         None, description="'module:function'(infer_request, response_choice, turn) -> bool or a rule name; truthy "
         "stops with 'stop_rule:predicate' (or 'stop_rule:<returned name>').")
 
@@ -239,24 +226,14 @@ class StopConfig(_Strict):
             raise ValueError(f'rule names must be identifiers: {", ".join(map(repr, bad))}')
         return v
 
-    @field_validator('predicate')
-    @classmethod
-    def _predicate(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        return _check_ref(v, info)
 
-
-class AnswerConfig(_Strict):
+class AnswerConfig(StrictModel):
     """How to read the model's final answer and check it against the request's ``data_dict``."""
-    pattern: str = Field(r'\\boxed\{([^{}]*)\}|<answer>(.*?)</answer>',
+    pattern: Regex = Field(r'\\boxed\{([^{}]*)\}|<answer>(.*?)</answer>',
                          description='Regex; the first non-empty group of the LAST match is the answer.')
     field: str = Field('solution', description='data_dict key holding the reference answer.')
     compare: str = Field('numeric', description="'exact' (after stripping), 'numeric' (as numbers when both parse, "
                          "else exact) or 'module:function'(answer, reference) -> bool.")
-
-    @field_validator('pattern')
-    @classmethod
-    def _pattern(cls, v: str) -> str:
-        return _check_regex(v)
 
     @field_validator('compare')
     @classmethod
@@ -268,14 +245,14 @@ class AnswerConfig(_Strict):
         return _check_ref(v, info)
 
 
-class TipConfig(_Strict):
+class TipConfig(StrictModel):
     """A hint injected when a condition holds (the "tip and re-check" pattern); the request continues."""
     name: str = Field('tip', description='Recorded in rollout_infos (tips_given).')
     when: Literal['wrong_answer', 'no_answer', 'no_tool_call', 'regex', 'predicate', 'always'] = Field(
         'wrong_answer', description="Condition: the answer is missing or wrong ('wrong_answer'), missing "
         "('no_answer'), the turn called no tool, `regex` matched, `predicate` returned true, or 'always'.")
-    regex: Optional[str] = Field(None, description="Regex for when: regex.")
-    predicate: Optional[str] = Field(None, description="'module:function'(infer_request, response_choice, turn) -> bool.")
+    regex: Optional[Regex] = Field(None, description="Regex for when: regex.")
+    predicate: Optional[Ref] = Field(None, description="'module:function'(infer_request, response_choice, turn) -> bool.")
     text: str = Field(description='The tip text.')
     placement: Literal['inline', 'user'] = Field(
         'inline', description="'inline': appended to the assistant message (loss mask 0; next turn continues it); "
@@ -287,7 +264,7 @@ class TipConfig(_Strict):
     images: List[str] = Field(
         default_factory=list, description="Images shown with the tip (placement user): file paths (relative: to the "
         'YAML file\'s directory) or data:image/ URLs; each is read and checked when the file is validated.')
-    images_impl: Optional[str] = Field(
+    images_impl: Optional[Ref] = Field(
         None, description="'module:function'(infer_request, response_choice, turn) -> the images shown with the tip "
         '(None, an image, or a list of images), after `images` (placement user).')
 
@@ -299,21 +276,6 @@ class TipConfig(_Strict):
             if why:
                 raise ValueError(f'images[{k}]: {why}')
         return v
-
-    @field_validator('images_impl')
-    @classmethod
-    def _images_impl(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        return _check_ref(v, info)
-
-    @field_validator('regex')
-    @classmethod
-    def _regex(cls, v: Optional[str]) -> Optional[str]:
-        return _check_regex(v)
-
-    @field_validator('predicate')
-    @classmethod
-    def _predicate(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        return _check_ref(v, info)
 
     @model_validator(mode='after')
     def _needs(self) -> 'TipConfig':
@@ -327,7 +289,7 @@ class TipConfig(_Strict):
         return self
 
 
-class EnvConfig(_Strict):
+class EnvConfig(StrictModel):
     """An environment per request, of one kind: ``impl`` (mtflow's own protocol: ``reset``,
     ``step -> observation, reward, done, info``, ``close``), ``gym`` (a Gymnasium-style object:
     ``step -> observation, reward, terminated, truncated, info``), ``openenv`` (an OpenEnv server)
@@ -374,9 +336,9 @@ class EnvConfig(_Strict):
         return v
 
 
-class SchedulerConfig(_Strict):
+class SchedulerConfig(StrictModel):
     """A scheduler defined in YAML: tools, how calls are parsed, how results are shown, when to stop."""
-    model_config = ConfigDict(extra='forbid', strict=True, title='mtflow scheduler')
+    model_config = ConfigDict(title='mtflow scheduler')  # and StrictModel's: unknown keys, strict types
     plugins: List[str] = Field(
         default_factory=list, description='Python modules imported before the rest of the file is checked (a '
         'module next to the YAML works too), so that their register_tool / register_parser / register_env calls '
@@ -406,10 +368,10 @@ class SchedulerConfig(_Strict):
     system_prompt_mode: Literal['if_missing', 'prepend', 'replace'] = Field(
         'if_missing', description='When the request already has a system message: keep it (if_missing), put ours '
         'before it (prepend), or replace it.')
-    reward: Optional[str] = Field(
+    reward: Optional[Ref] = Field(
         None, description="'module:function'(infer_request, rollout_infos) -> float, called when the request "
         "stops; stored as rollout_infos['reward'].")
-    turn_reward: Optional[str] = Field(
+    turn_reward: Optional[Ref] = Field(
         None, description="'module:function'(infer_request, completion, rollout_infos, turn) -> float or None, "
         "called at every turn's end; recorded in rollout_infos['turn_rewards'] with the turn's token span.")
     finish_policy: Dict[str, Union[Literal['keep', 'mask', 'drop'], PolicyAction]] = Field(
@@ -417,7 +379,7 @@ class SchedulerConfig(_Strict):
         "(length, max_turns, timeout, error, interrupted, stop_rule:<name>), 'stop_rule:*', 'tool_error:<kind>' "
         "(the request had such a tool error), 'tool_error:*' or 'default'; values keep, mask (loss mask all 0), "
         "drop (rollout_infos['mtflow_drop']) or {mask, drop, reward}. See docs/declarative.md.")
-    scheduler_class: Optional[str] = Field(
+    scheduler_class: Optional[Ref] = Field(
         None, description="'module:Class', a subclass of mtflow.declarative.YamlScheduler to use instead (drop to "
         'Python for what YAML cannot say).')
 
@@ -434,11 +396,6 @@ class SchedulerConfig(_Strict):
     @classmethod
     def _system_prompt(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None else check_template(v, FIELDS['system_prompt'])
-
-    @field_validator('reward', 'turn_reward', 'scheduler_class')
-    @classmethod
-    def _refs(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
-        return _check_ref(v, info)
 
     @model_validator(mode='after')
     def _cross(self, info: ValidationInfo) -> 'SchedulerConfig':

@@ -40,20 +40,19 @@ resumes them exactly where they stopped.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
-import inspect
 from collections import deque
 from time import perf_counter
-from typing import Any, Awaitable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
-from mtflow.core.errors import MtflowError, RolloutFnError
+from mtflow.core.calls import OK, RAISED, Outcome
+from mtflow.core.errors import RolloutFnError
 from mtflow.core.machine import (COMPACTING, CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES,
                                  RequestRecord)
 from mtflow.core.records import Move
 from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.driver import Driver, publish
+from mtflow.engine.in_flight import InFlight
+from mtflow.engine.in_flight import Stopped as _Stopped
 from mtflow.engine.handlers import PHASE_HANDLERS, begin_steps, check_uuids, end_steps, handle_waiting, start
 from mtflow.engine.context import route
 from mtflow.engine.model_call import deliver, model_failure_moves
@@ -65,17 +64,6 @@ from mtflow.engine.run_state import RunState
 from mtflow.engine.versions import PolicyClock, stamp
 
 __all__ = ['AsyncDriver', 'Until', 'UnfinishedRequest', 'MODES', 'resume_carried']
-
-#: the most threads the driver starts for a synchronous ``rollout_fn`` (each call blocks one)
-MAX_ROLLOUT_THREADS = 256
-
-#: one completion: (``'generate'`` or ``'step'``, the record, its turn, the call's outcome)
-Completion = Tuple[str, RequestRecord, int, Outcome]
-
-
-class _Stopped(MtflowError):
-    """A generation cancelled by the partial-rollout budget (never a failure)."""
-
 
 def resume_carried(run: RunState) -> Set[int]:
     """Put the records of the :class:`UnfinishedRequest` items among the run's requests back in
@@ -121,13 +109,9 @@ class AsyncDriver(Driver):
         if self.session_bound is not None:
             self.max_concurrency = min(self.max_concurrency, self.session_bound)
         self.start_rounds = 0
-        self.in_flight = 0
-        self.max_in_flight = 0  # rollout_fn calls in flight at once (tests read it)
-        self.completions: Deque[Completion] = deque()
-        self.wake: Optional[asyncio.Event] = None
-        self.waiter: Optional[asyncio.Task] = None
-        self.tasks: Dict[int, asyncio.Task] = {}
-        self.kinds: Dict[int, str] = {}
+        #: the generations and steps running as tasks on the run's loop, the completions they
+        #: posted, the worker pools of synchronous calls (``mtflow.engine.in_flight``)
+        self.flight = InFlight(run.loop, run.settings.rollout_fn)
         #: each admitted request's move into generating/continuing, carried out when it gets a slot
         self.admission_moves: Dict[int, Move] = {}
         self.queue: Deque[RequestRecord] = deque()
@@ -135,9 +119,6 @@ class AsyncDriver(Driver):
         self.finished_here = 0
         self.stopping = False
         self.t_start = 0.0
-        self.rollout_pool: Optional[cf.ThreadPoolExecutor] = None
-        self.step_pool: Optional[cf.ThreadPoolExecutor] = None
-        self.rollout_is_async = _is_async_callable(run.settings.rollout_fn)
         #: each generation's request token record when it was issued (a dropped generation's
         #: backend may have extended it; the request goes back with the one it had)
         self.records_before: Dict[int, Any] = {}
@@ -145,8 +126,8 @@ class AsyncDriver(Driver):
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> RunResult:
-        loop = self.run.loop
-        self.wake = asyncio.Event()
+        flight = self.flight
+        flight.start()
         self.t_start = perf_counter()
         try:
             self.admit_all()
@@ -155,31 +136,21 @@ class AsyncDriver(Driver):
                     self.stop()
                 elif not self.stopping:
                     self.fill_slots()
-                if not self.tasks and not self.completions:
+                if flight.idle():
                     break  # every request finished, or was handed back by the budget
-                self.waiter = loop.create_task(self.next_completions())
-                batch = loop.run_until_complete(self.waiter)
+                batch = flight.wait(self.has_news, self.budget_left())
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
                     self.on_completion(kind, rec, turn, outcome)
                     if self.over_budget():  # after every completion: the budget is met exactly
                         self.stop()
         except BaseException:  # an interrupt (or a bug): nothing of ours is left running
-            self.cancel_all()
-            self.close_pools(wait=False)
+            flight.cancel_all()
+            flight.close(wait=False)
             raise
-        self.close_pools(wait=True)
+        flight.close(wait=True)
         self.restore_records()
         self.run.settings.gather_fn([self.finished_here])  # ranks stay in step: once, at the end
         return self.result()
-
-    def close_pools(self, wait: bool) -> None:
-        """Shut the worker pools down. ``wait``: join the threads of synchronous calls still
-        running (a generation the budget cancelled cannot be stopped inside its thread), so that
-        no thread of this run is left running native code when the interpreter exits; an interrupt
-        does not wait (the threads are not daemons: the interpreter joins them at exit)."""
-        for pool in (self.rollout_pool, self.step_pool):
-            if pool is not None:
-                pool.shutdown(wait=wait, cancel_futures=True)
 
     def admit_all(self) -> None:
         """Fail duplicates, run ``on_trajectory_start`` once for every new request (as lockstep
@@ -213,7 +184,7 @@ class AsyncDriver(Driver):
         for rec in live:  # the first turn is already generated: every request starts at once
             self.active += 1
             apply_moves(run, [self.admission_moves.pop(rec.index)])
-            self.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
+            self.flight.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
 
     def start_deferred(self) -> None:
         """Under a session bound: ``on_trajectory_start`` for the queued requests that get a slot
@@ -261,33 +232,7 @@ class AsyncDriver(Driver):
         clock, rollout_fn = self.clock, self.run.settings.rollout_fn
         if clock is not None and (self.stamp_always or clock.active(rollout_fn)):
             self.issued_version[rec.index] = clock.current(rollout_fn)
-        self.launch('generate', rec, turn, self._rollout(rec, turn))
-
-    def launch(self, kind: str, rec: RequestRecord, turn: int, coro: Any) -> None:
-        """Start ``coro`` as a task whose end, however it comes, posts exactly one completion.
-
-        The completion is posted by a done callback, not by code inside the task: a task that
-        :meth:`stop` cancels before it ever ran never executes a line of its coroutine, and it
-        must still leave :attr:`tasks` and report (as a stopped generation), or the driver would
-        wait for it forever."""
-        task = self.run.loop.create_task(coro)
-        self.tasks[rec.index] = task
-        self.kinds[rec.index] = kind
-        task.add_done_callback(lambda done: self.post_completion(kind, rec, turn, done))
-
-    def post_completion(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
-        """A task ended: post its completion. Cancelled (by the budget, or while unwinding an
-        interrupt): a stopped generation; an interrupt raised inside it: that exception, which the
-        driver is already unwinding (retrieved here, so it is never reported as unretrieved)."""
-        if self.tasks.get(rec.index) is task:
-            del self.tasks[rec.index]
-        if task.cancelled():
-            outcome = Outcome(RAISED, _Stopped('cancelled'), 0.0)
-        else:
-            exc = task.exception()
-            outcome = Outcome(RAISED, exc, 0.0) if exc is not None else task.result()
-        self.completions.append((kind, rec, turn, outcome))
-        self.wake.set()
+        self.flight.launch('generate', rec, turn, self._rollout(rec, turn))
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
         settings = self.run.settings
@@ -295,56 +240,23 @@ class AsyncDriver(Driver):
         if self.run.context is not None:  # a context budget: this request's max_tokens
             config = self.run.context.config_for(rec, config)
         config = self.call_config(rec, config)
-        timeout = self.run.options.rollout_timeout_s
         self.run.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        t = perf_counter()
-        try:
-            if self.rollout_is_async:
-                call = settings.rollout_fn([rec.request], config)
-            else:
-                call = asyncio.wrap_future(self._rollout_threads().submit(settings.rollout_fn, [rec.request], config))
-            value = await _bounded(call, timeout)
-        except asyncio.TimeoutError:
-            return Outcome(TIMED_OUT, timeout, perf_counter() - t)
-        except Exception as exc:
-            return Outcome(RAISED, exc, perf_counter() - t)
-        finally:
-            self.in_flight -= 1
-        return Outcome(OK, value, perf_counter() - t)
+        return await self.flight.rollout(settings.rollout_fn, rec.request, config, self.run.options.rollout_timeout_s,
+                                         threads=self.max_concurrency)
 
     def call_config(self, rec: RequestRecord, config: Any) -> Any:
         """The request config of ``rec``'s call (a stream resuming a cut generation lowers its
         ``max_tokens``)."""
         return config
 
-    def _rollout_threads(self) -> cf.ThreadPoolExecutor:
-        if self.rollout_pool is None:
-            self.rollout_pool = cf.ThreadPoolExecutor(min(self.max_concurrency, MAX_ROLLOUT_THREADS),
-                                                      thread_name_prefix='mtflow-rollout')
-        return self.rollout_pool
-
-    def _step(self, rec: RequestRecord, turn: int) -> Awaitable[Outcome]:
-        hooks = self.run.hooks
-        if self.step_pool is None and not hooks.step_is_async:  # one at a time, as lockstep runs sync steps
-            self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
-        return timed_step(hooks, self.run.options.step_timeout_s, self.step_pool, rec, turn)
-
     def has_news(self) -> bool:
         """Something to handle without waiting: a completion (a subclass adds its own events)."""
-        return bool(self.completions)
+        return bool(self.flight.completions)
 
-    async def next_completions(self) -> List[Completion]:
-        if not self.has_news():
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.budget_left())
-            except asyncio.TimeoutError:
-                pass
-        batch = list(self.completions)
-        self.completions.clear()
-        return batch
+    @property
+    def max_in_flight(self) -> int:
+        """The most ``rollout_fn`` calls in flight at once."""
+        return self.flight.max_calls
 
     # ---- handling what completed ---------------------------------------------------------------
     def on_completion(self, kind: str, rec: RequestRecord, turn: int, outcome: Outcome) -> None:
@@ -386,7 +298,8 @@ class AsyncDriver(Driver):
         if moves:
             apply_moves(self.run, moves)
         if going:
-            self.launch('step', rec, turn, self._step(rec, turn))
+            self.flight.launch('step', rec, turn, self.flight.step(self.run.hooks, self.run.options.step_timeout_s,
+                                                                   rec, turn))
 
     def release_finished(self, rec: RequestRecord) -> None:
         """A request finished: its slot is free."""
@@ -415,25 +328,6 @@ class AsyncDriver(Driver):
         back unfinished (:attr:`RunResult.unfinished`)."""
         self.active -= 1
 
-    def cancel_all(self) -> None:
-        """Cancel every task of this run and let them unwind. A task whose coroutine raised an
-        interrupt re-raises it while unwinding; that is swallowed here (the first one is already on
-        its way up), so the loop closes clean."""
-        tasks = [t for t in list(self.tasks.values()) + [self.waiter] if t is not None and not t.done()]
-        for task in tasks:
-            task.cancel()
-        for _ in range(5):
-            pending = [t for t in tasks if not t.done()]
-            if not pending:
-                break
-            try:
-                self.run.loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
-            except BaseException:  # noqa: BLE001 - see the docstring
-                continue
-        for task in tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: no "exception was never retrieved" at exit
-
     # ---- the budget ------------------------------------------------------------------------------
     def budget_left(self) -> Optional[float]:
         if self.until is None or self.stopping:
@@ -452,8 +346,8 @@ class AsyncDriver(Driver):
             return
         self.stopping = True
         self.queue.clear()
-        for index, task in list(self.tasks.items()):
-            if self.kinds.get(index) == 'generate':
+        for index, task in list(self.flight.tasks.items()):
+            if self.flight.kinds.get(index) == 'generate':
                 task.cancel()
 
     # ---- the result ------------------------------------------------------------------------------
@@ -478,48 +372,3 @@ def partial_result(run: RunState, started: Set[int]) -> RunResult:
     result.unfinished = [UnfinishedRequest(r, r.index in started) for r in run.records if r.state != FINISHED]
     publish(run, result)
     return result
-
-
-async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[cf.ThreadPoolExecutor],
-                     rec: RequestRecord, turn: int) -> Outcome:
-    """One request's ``step`` under its deadline: an async step on the loop, a sync one in the
-    driver's single step thread."""
-    t = perf_counter()
-    try:
-        if hooks.step_is_async:
-            call = hooks.step(rec.request, rec.choice, turn)
-        else:
-            call = asyncio.wrap_future(step_pool.submit(hooks.step, rec.request, rec.choice, turn))
-        value = await _bounded(call, timeout)
-    except asyncio.TimeoutError:
-        return Outcome(TIMED_OUT, timeout, perf_counter() - t)
-    except Exception as exc:
-        return Outcome(RAISED, exc, perf_counter() - t)
-    return Outcome(OK, value, perf_counter() - t)
-
-
-def _is_async_callable(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
-        inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
-
-
-async def _bounded(call: Any, timeout: Optional[float]) -> Any:
-    """Await ``call`` (a coroutine, a future, or a plain value) within ``timeout``. A coroutine
-    that a cancellation or the deadline stops before it ever ran is closed (no "never awaited"
-    warning)."""
-    try:
-        if timeout is None:
-            return await _await_result(call)
-        return await asyncio.wait_for(_await_result(call), timeout)
-    except BaseException:
-        if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
-            call.close()
-        raise
-
-
-async def _await_result(value: Any) -> Any:
-    """A value that may be awaitable (an async ``rollout_fn`` or step) or already there (a sync
-    ``rollout_fn`` declared as a plain function that returned an awaitable, or a list)."""
-    while inspect.isawaitable(value):
-        value = await value
-    return value

@@ -34,41 +34,31 @@ stops it: the generations in flight are cancelled and their requests handed back
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
-from collections import deque
-
-from mtflow.core.calls import OK, RAISED, Outcome
-from mtflow.core.errors import RequestFailure
+from mtflow.core.calls import OK
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, RequestRecord
-from mtflow.core.trace import TraceEvent
-from mtflow.accounting.token_record import RECORD_ATTR
-from mtflow.engine.async_driver import AsyncDriver, _Stopped, _is_async_callable
-from mtflow.engine.context import with_max_tokens
+from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.handlers import start
 from mtflow.engine.moves import apply_moves, interrupt_all
 from mtflow.engine.partial import UnfinishedRequest
-from mtflow.engine.resume import (SEGMENTS_KEY, GenerationAborted, ResumeFrom, is_resumable, merged_output,
-                                  reset_prefix, segment_of, set_prefix, version_spans)
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
-from mtflow.engine.versions import PolicyClock, versions_of
+from mtflow.engine.staleness import STALE_POLICIES, UPDATE_POLICIES, StalenessMixin, check_policies
+from mtflow.engine.stream_groups import (InFlightGroup, StreamGroup, completion_tokens, delivered_group, fresh_copy,
+                                         span_and_age)
+from mtflow.engine.stream_resume import ResumeMixin
+from mtflow.engine.versions import PolicyClock
 
 __all__ = ['Stream', 'StreamGroup', 'StreamUntil', 'StreamDriver', 'STALE_POLICIES', 'UPDATE_POLICIES', 'open_stream',
            'DEFAULT_STREAM_CONCURRENCY']
 
 #: requests in flight when neither the stream nor the executor says (``max_concurrency``)
 DEFAULT_STREAM_CONCURRENCY = 64
-
-#: what happens to a group that would be delivered too stale
-STALE_POLICIES = ('restart', 'drop')
-#: what happens to the generations in flight when the weights change
-UPDATE_POLICIES = ('keep', 'abort', 'resume')
 
 _END = object()
 
@@ -116,49 +106,6 @@ class StreamUntil:
                 or (self.seconds is not None and elapsed >= self.seconds))
 
 
-@dataclass
-class StreamGroup:
-    """One delivered group (a request alone is a group of one), members in source order.
-
-    ``versions[k]`` are member ``k``'s per-turn policy versions; ``version_span`` is the newest
-    minus the oldest of all of them, ``age`` the version at delivery minus the oldest (``0`` when
-    nothing was generated); ``restarts``: how often staleness restarted it."""
-    seq: int
-    uuids: List[str]
-    outputs: List[Any]
-    finish_reasons: List[Optional[str]]
-    requests: List[Any]
-    events: List[List[TraceEvent]]
-    failures: List[RequestFailure]
-    versions: List[List[int]]
-    version: int
-    version_span: int
-    age: int
-    tokens: int
-    restarts: int = 0
-    #: fresh copies of the members' prompts (a group found stale when taken starts again from them)
-    prompts: List[Any] = field(default_factory=list, repr=False)
-
-    @property
-    def output(self) -> Any:
-        """The output of a group of one."""
-        if len(self.outputs) != 1:
-            raise ValueError(f'group {self.seq} has {len(self.outputs)} outputs; read .outputs')
-        return self.outputs[0]
-
-
-@dataclass
-class _Group:
-    """A group in flight: its records, the prompts it restarts from, what is finished."""
-    seq: int
-    prompts: List[Any]
-    records: List[RequestRecord] = field(default_factory=list)
-    done: int = 0
-    tokens: int = 0
-    restarts: int = 0
-    doomed: bool = False  # too stale to deliver: being wound down
-
-
 class _NoEvents(list):
     """The run-wide trace list of a stream: kept per request instead (constant memory)."""
 
@@ -182,14 +129,10 @@ def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
     return None
 
 
-def _fresh(request: Any) -> Any:
-    """A copy of a request before its first turn (messages are extended in place)."""
-    copier = getattr(request, 'model_copy', None)
-    return copier(deep=True) if callable(copier) else copy.deepcopy(request)
-
-
-class StreamDriver(AsyncDriver):
-    """The async driver over a source (see the module docstring); runs in :class:`Stream`'s thread."""
+class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
+    """The async driver over a source (see the module docstring); runs in :class:`Stream`'s thread.
+    It drives (the loop, admission, delivery, the budget); what an update does to the work in
+    flight is :class:`StalenessMixin`'s, continuing a cut generation :class:`ResumeMixin`'s."""
     stamp_always = True
 
     def __init__(self, run: RunState, source: Iterator[Any], clock: PolicyClock, *, max_concurrency: int,
@@ -207,12 +150,9 @@ class StreamDriver(AsyncDriver):
         self.stream_started_rounds = 0
         self.buffer = buffer
         self.budget = until
-        self.max_staleness = max_staleness
-        self.stale_policy = stale
-        self.on_update = on_update
         self.deliver_fn = deliver
         self.forget_request = forget_fn(run.settings.rollout_fn)
-        self.groups: Dict[int, _Group] = {}  # record index -> its group
+        self.groups: Dict[int, InFlightGroup] = {}  # record index -> its group
         self.next_index = 0
         self.next_seq = 0
         self.delivered_groups = 0
@@ -222,37 +162,29 @@ class StreamDriver(AsyncDriver):
         self.closing = False
         self.interrupting = False
         self.poked = False
-        self.seen_version = clock.current(run.settings.rollout_fn)
         self.handed_out = 0  # groups put in the consumer's queue, ever
-        #: groups the consumer found too stale when it took them, to run again (its thread appends)
-        self.returned: Deque[StreamGroup] = deque()
-        #: guards ``returned`` against the driver's end: a group the consumer sends back after
-        #: the driver ended is handed back (``unfinished``) in the consumer's thread instead
-        self.returned_lock = threading.Lock()
-        self.ended = False
         self.unfinished: List[UnfinishedRequest] = []
-        #: ``on_update='resume'``: the segments a cut generation had, by record index
-        self.prefixes: Dict[int, ResumeFrom] = {}
-        self.resumed_spans: Dict[int, List[List[Any]]] = {}
         self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
                       'resumed_generations': 0, 'handed_back_groups': 0,
                       'backpressure_waits': 0, 'max_active': 0}
+        self.init_staleness(max_staleness, stale, on_update)
+        self.init_resume()
 
     # ---- other threads -----------------------------------------------------------------------
     def poke(self) -> None:
         """Wake the driver from another thread (a group taken, a new version, close)."""
         self.poked = True
-        loop = self.run.loop
-        if self.wake is not None and not loop.is_closed():
+        loop, wake = self.run.loop, self.flight.wake
+        if wake is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(self.wake.set)
+                loop.call_soon_threadsafe(wake.set)
             except RuntimeError:  # the loop closed meanwhile
                 pass
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> None:  # type: ignore[override]
-        loop = self.run.loop
-        self.wake = asyncio.Event()
+        flight = self.flight
+        flight.start()
         self.t_start = perf_counter()
         try:
             while True:
@@ -263,13 +195,12 @@ class StreamDriver(AsyncDriver):
                     self.stop()
                 elif not self.stopping:
                     self.fill_slots()
-                if not self.tasks and not self.completions:
+                if flight.idle():
                     if self.stopping or (self.source_done and not self.queue and self.active == 0
                                          and self.consumer_caught_up()):
                         break
                     self.stats['backpressure_waits'] += 1  # only the consumer can free a place now
-                self.waiter = loop.create_task(self.next_completions())
-                batch = loop.run_until_complete(self.waiter)
+                batch = flight.wait(self.has_news, self.budget_left())
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
                     self.on_completion(kind, rec, turn, outcome)
                     if self.over_budget():
@@ -277,18 +208,14 @@ class StreamDriver(AsyncDriver):
         except BaseException:
             with self.returned_lock:
                 self.ended = True
-            self.cancel_all()
-            self.close_pools(wait=False)
+            flight.cancel_all()
+            flight.close(wait=False)
             raise
-        self.close_pools(wait=True)
+        flight.close(wait=True)
         self.restore_records()
         if self.interrupting and self.unfinished:
             self.deliver_interrupted()
-        with self.returned_lock:
-            self.ended = True
-            left = list(self.returned)
-            self.returned.clear()
-        for stale in left:  # sent back after the budget stopped the stream: run again on resume
+        for stale in self.end_returns():  # sent back after the budget stopped the stream: run again on resume
             self.hand_back_group(stale)
 
     def deliver_interrupted(self) -> None:
@@ -302,56 +229,10 @@ class StreamDriver(AsyncDriver):
         interrupt_all(run)
         run.records = []
         self.handed_out += 1
-        self.deliver_fn(self.delivered(_Group(-1, [], records, len(records)), self.seen_version))
-
-    def consumer_caught_up(self) -> bool:
-        """With ``max_staleness``, a group is checked again when the consumer takes it (it may
-        come back to run again): the stream ends only once every group handed out was taken."""
-        return self.max_staleness is None or (self.taken >= self.handed_out and not self.returned)
-
-    def take_back(self, group: StreamGroup) -> None:
-        """The consumer found ``group`` too stale (its thread): run it again, or, once the driver
-        has ended, hand it back unfinished at once."""
-        with self.returned_lock:
-            if not self.ended:
-                self.returned.append(group)
-                return
-        self.hand_back_group(group)
-
-    def hand_back_group(self, stale: StreamGroup) -> None:
-        """A stale group that cannot run again here (the stream is stopping or over): not
-        delivered after all; its members go back in :attr:`unfinished` as fresh prompts (not
-        started), so that ``Executor(mode='async').run(stream.unfinished)`` or ``mtflow run
-        --resume`` runs them."""
-        self.uncount(stale)
-        self.stats['handed_back_groups'] += 1
-        for prompt in stale.prompts:
-            index = self.next_index
-            self.next_index += 1
-            self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))
-
-    def uncount(self, stale: StreamGroup) -> None:
-        self.delivered_groups -= 1
-        self.delivered_requests -= len(stale.outputs)
-        self.delivered_tokens -= stale.tokens
-
-    def readmit_returned(self) -> None:
-        """Run again, from their prompts, the groups the consumer found too stale (handed back
-        instead when the stream is stopping)."""
-        with self.returned_lock:
-            returned = list(self.returned)
-            self.returned.clear()
-        for stale in returned:
-            if self.stopping:
-                self.hand_back_group(stale)
-                continue
-            self.uncount(stale)
-            self.stats['restarted_groups'] += 1
-            group = _Group(stale.seq, [_fresh(p) for p in stale.prompts], restarts=stale.restarts + 1)
-            self.admit(group, stale.prompts)
+        self.deliver_fn(delivered_group(run, InFlightGroup(-1, [], records, len(records)), self.seen_version))
 
     def has_news(self) -> bool:
-        return bool(self.completions) or self.poked  # poked: a weight update or a taken group
+        return bool(self.flight.completions) or self.poked  # poked: a weight update or a taken group
 
     # ---- admission ---------------------------------------------------------------------------
     def backpressured(self) -> bool:
@@ -383,7 +264,7 @@ class StreamDriver(AsyncDriver):
         if not self.room_for(members):
             self.held = members
             return False
-        group = _Group(self.next_seq, [_fresh(m) for m in members])
+        group = InFlightGroup(self.next_seq, [fresh_copy(m) for m in members])
         self.next_seq += 1
         self.admit(group, members)
         return True
@@ -406,7 +287,7 @@ class StreamDriver(AsyncDriver):
         self.stream_started_rounds += 1
         return True
 
-    def admit(self, group: _Group, requests: List[Any]) -> None:
+    def admit(self, group: InFlightGroup, requests: List[Any]) -> None:
         """``on_trajectory_start`` for the group's members and their place in the queue."""
         run = self.run
         records = []
@@ -435,126 +316,24 @@ class StreamDriver(AsyncDriver):
             else:
                 self.queue.append(rec)
 
-    # ---- versions and staleness ----------------------------------------------------------------
-    def check_version(self) -> None:
-        """A new version: with ``on_update='abort'``, cancel the generations in flight (issued
-        again under it); with ``max_staleness``, wind down every group it makes too stale."""
-        current = self.clock.current(self.run.settings.rollout_fn)
-        if current == self.seen_version or self.stopping:
-            return
-        self.seen_version = current
-        for index, task in list(self.tasks.items()):
-            if self.kinds.get(index) != 'generate':
-                continue
-            group = self.groups.get(index)
-            if self.on_update != 'keep' or (group is not None and self.too_stale(group)):
-                task.cancel()
-        if self.max_staleness is not None:
-            for group in {id(g): g for g in self.groups.values()}.values():
-                if not group.doomed and self.too_stale(group):
-                    group.doomed = True
-
-    def oldest(self, group: _Group) -> Optional[int]:
-        versions = [v for rec in group.records for v in versions_of(rec)]
-        return min(versions) if versions else None
-
-    def too_stale(self, group: _Group) -> bool:
-        if self.max_staleness is None:
-            return False
-        oldest = self.oldest(group)
-        return oldest is not None and self.seen_version - oldest > self.max_staleness
-
+    # ---- issuing work ----------------------------------------------------------------------------
     def generate(self, rec: RequestRecord, turn: int) -> None:
-        group = self.groups.get(rec.index)
-        if group is not None and (group.doomed or self.too_stale(group)):
-            group.doomed = True
+        if self.doomed(rec):
             self.wind_down(rec)  # no more work for a group that will not be delivered
             return
-        prefix = self.prefixes.get(rec.index)
-        if prefix is None:
+        with self.prefixed(rec):
             super().generate(rec, turn)
-            return
-        token = set_prefix(prefix)  # the call's task copies the context: it sees the prefix
-        try:
-            super().generate(rec, turn)
-        finally:
-            reset_prefix(token)
-
-    def call_config(self, rec: RequestRecord, config: Any) -> Any:
-        """A resumed generation's ``max_tokens``: what is left after the ids it already has."""
-        prefix = self.prefixes.get(rec.index)
-        if prefix is None:
-            return config
-        limit = config.get('max_tokens') if isinstance(config, dict) else getattr(config, 'max_tokens', None)
-        if not isinstance(limit, int) or isinstance(limit, bool):
-            return config  # the backend's own default: it is told the prefix, it knows its limit
-        return with_max_tokens(config, max(1, limit - len(prefix)))
 
     def on_completion(self, kind: str, rec: Any, turn: int, outcome: Any) -> None:
-        if kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, GenerationAborted):
-            if self.stopping:  # the budget: handed back, the turn generated again on resume
-                self.prefixes.pop(rec.index, None)
-                outcome = Outcome(RAISED, _Stopped('cancelled'), outcome.duration)
-            else:
-                self.resume(rec, turn, outcome.value)
+        if kind == 'generate':
+            outcome = self.resumed(rec, turn, outcome)
+            if outcome is None or self.cancelled_by_update(rec, turn, outcome):
                 return
-        if kind == 'generate' and outcome.kind == OK and rec.index in self.prefixes:
-            outcome = self.merge(rec, outcome)
-        stopped = kind == 'generate' and outcome.kind == RAISED and isinstance(outcome.value, _Stopped)
-        if stopped and not self.stopping:  # cancelled by an update, not by the budget
-            group = self.groups.get(rec.index)
-            self.restore_record(rec)
-            if group is not None and (group.doomed or self.too_stale(group)):
-                group.doomed = True
-                self.wind_down(rec)
-            else:
-                self.stats['aborted_generations'] += 1
-                self.generate(rec, turn)  # again, from the exact record it had, under the new version
-            return
-        if kind == 'generate' and outcome.kind == OK:
-            group = self.groups.get(rec.index)
-            if group is not None:
-                group.tokens += _completion_tokens(outcome.value)
+            if outcome.kind == OK:
+                group = self.groups.get(rec.index)
+                if group is not None:
+                    group.tokens += completion_tokens(outcome.value)
         super().on_completion(kind, rec, turn, outcome)
-
-    def resume(self, rec: RequestRecord, turn: int, aborted: GenerationAborted) -> None:
-        """A generation cut by an update (``on_update='resume'``): keep what it generated, with
-        the version that sampled it, and issue the rest under the new version."""
-        group = self.groups.get(rec.index)
-        self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
-        if group is not None and (group.doomed or self.too_stale(group)):
-            group.doomed = True
-            self.prefixes.pop(rec.index, None)
-            self.wind_down(rec)
-            return
-        prefix = self.prefixes.setdefault(rec.index, ResumeFrom())
-        prefix.segments.append(segment_of(aborted.output, self.issued_version.get(rec.index)))
-        self.stats['resumed_generations'] += 1
-        self.generate(rec, turn)
-
-    def merge(self, rec: RequestRecord, outcome: Outcome) -> Outcome:
-        """The last segment of a resumed turn arrived: the turn's one output, stamped with its
-        oldest segment's version; the segments' spans are recorded when it is applied."""
-        prefix = self.prefixes.pop(rec.index)
-        merged = merged_output(prefix, outcome.value)
-        last = self.issued_version.get(rec.index)
-        own = len(merged[0].response.choices[0].token_ids or []) - len(prefix) if merged is not outcome.value else 0
-        self.resumed_spans[rec.index] = version_spans(prefix, own, last)
-        oldest = next((seg.version for seg in prefix.segments if seg.version is not None), None)
-        if oldest is not None:
-            self.issued_version[rec.index] = oldest
-        return Outcome(OK, merged, outcome.duration)
-
-    def on_generated(self, rec: RequestRecord, turn: int) -> None:
-        super().on_generated(rec, turn)
-        spans = self.resumed_spans.pop(rec.index, None)
-        if spans is None:
-            return
-        rec.infos.setdefault(SEGMENTS_KEY, []).append({'turn': turn, 'segments': spans})
-        record = getattr(rec.request, RECORD_ATTR, None)
-        turns = getattr(record, 'turns', None)
-        if turns:
-            turns[-1].segments = spans
 
     def restore_record(self, rec: RequestRecord) -> None:
         before = self.records_before.pop(rec.index, None)
@@ -576,7 +355,7 @@ class StreamDriver(AsyncDriver):
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))
         self.groups.pop(rec.index, None)
-        self.kinds.pop(rec.index, None)
+        self.flight.kinds.pop(rec.index, None)
 
     def member_done(self, rec: RequestRecord) -> None:
         group = self.groups.get(rec.index)
@@ -591,28 +370,18 @@ class StreamDriver(AsyncDriver):
         index = rec.index
         self.groups.pop(index, None)
         self.started.discard(index)
-        self.kinds.pop(index, None)
+        self.flight.kinds.pop(index, None)
         self.records_before.pop(index, None)
         self.issued_version.pop(index, None)
         self.admission_moves.pop(index, None)
-        self.prefixes.pop(index, None)
-        self.resumed_spans.pop(index, None)
+        self.forget_resume(index)
 
-    def complete(self, group: _Group) -> None:
+    def complete(self, group: InFlightGroup) -> None:
         for rec in group.records:
             self.forget(rec)
-        if group.doomed or self.too_stale(group):
-            if self.stale_policy == 'drop':
-                self.stats['dropped_groups'] += 1
-                self.release(rec.uuid for rec in group.records)
-                return
-            self.stats['restarted_groups'] += 1
-            group.restarts += 1
-            prompts = group.prompts
-            group.prompts = [_fresh(p) for p in prompts]
-            self.admit(group, prompts)
+        if self.rerun_if_stale(group):
             return
-        delivered = self.delivered(group, self.seen_version)
+        delivered = delivered_group(self.run, group, self.seen_version)
         self.handed_out += 1
         self.delivered_groups += 1
         self.delivered_requests += len(group.records)
@@ -626,25 +395,6 @@ class StreamDriver(AsyncDriver):
         if self.forget_request is not None:
             for uuid in uuids:
                 self.forget_request(uuid)
-
-    def delivered(self, group: _Group, current: int) -> StreamGroup:
-        """The :class:`StreamGroup` of a finished group (its failures leave the run's list)."""
-        versions = [versions_of(rec) for rec in group.records]
-        flat = [v for vs in versions for v in vs]
-        rank = self.run.options.rank
-        events = [[TraceEvent(rec.uuid, i, rank, t, src, dst, trig, reason, tokens, dur, ts, extra)
-                   for (i, t, src, dst, trig, reason, tokens, dur, ts, extra) in (rec.events or [])]
-                  for rec in group.records]
-        uuids = {rec.uuid for rec in group.records}
-        failures = [f for f in self.run.failures if f.uuid in uuids]
-        if failures:
-            self.run.failures = [f for f in self.run.failures if f.uuid not in uuids]
-        return StreamGroup(
-            seq=group.seq, uuids=[r.uuid for r in group.records], outputs=[r.output for r in group.records],
-            finish_reasons=[r.reason for r in group.records], requests=[r.request for r in group.records],
-            events=events, failures=failures, versions=versions, version=current,
-            version_span=(max(flat) - min(flat)) if flat else 0, age=(current - min(flat)) if flat else 0,
-            tokens=group.tokens, restarts=group.restarts, prompts=group.prompts)
 
     # ---- the budget ------------------------------------------------------------------------------
     def budget_left(self) -> Optional[float]:
@@ -667,21 +417,6 @@ class StreamDriver(AsyncDriver):
             self.unfinished.append(UnfinishedRequest(rec, True))
             self.groups.pop(rec.index, None)
         super().stop()
-
-
-def _completion_tokens(outputs: Any) -> int:
-    """Completion tokens of a one-request ``rollout_fn`` result (usage, else the choice's ids)."""
-    try:
-        output = outputs[0]
-        response = getattr(output, 'response', output)
-        usage = getattr(response, 'usage', None)
-        tokens = getattr(usage, 'completion_tokens', None)
-        if isinstance(tokens, int):
-            return tokens
-        ids = getattr(response.choices[0], 'token_ids', None)
-        return len(ids or [])
-    except Exception:  # an output the handlers will reject anyway
-        return 0
 
 
 class Stream:
@@ -740,11 +475,10 @@ class Stream:
         waited in the buffer): its ``age`` and ``version`` are updated to now; a group now too
         stale goes back to the driver (``restart``) or is dropped, and the next one is taken."""
         driver = self.driver
-        flat = [v for vs in group.versions for v in vs]
-        if not flat or group.seq < 0:
+        if not any(group.versions) or group.seq < 0:
             return True
         current = driver.clock.current(driver.run.settings.rollout_fn)
-        group.version, group.age = current, current - min(flat)
+        group.version, group.age = current, span_and_age(group.versions, current)[1]
         if driver.max_staleness is None or group.age <= driver.max_staleness:
             return True
         if driver.stale_policy == 'drop':
@@ -836,19 +570,7 @@ def open_stream(settings: RunSettings, clock: PolicyClock, close_loop: Any, sour
 
     positive('max_concurrency', max_concurrency)
     positive('buffer', buffer)
-    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                      or max_staleness < 0):
-        raise ValueError(f'stream: max_staleness must be None or an int >= 0, not {max_staleness!r}')
-    if stale not in STALE_POLICIES:
-        raise ValueError(f'stream: stale must be one of {STALE_POLICIES}, not {stale!r}')
-    if on_update not in UPDATE_POLICIES:
-        raise ValueError(f'stream: on_update must be one of {UPDATE_POLICIES}, not {on_update!r}')
-    if on_update != 'keep' and not _is_async_callable(settings.rollout_fn):
-        raise ValueError(f"stream: on_update={on_update!r} needs an async rollout_fn (a generation in a thread "
-                         'cannot be cancelled; a backend\'s async_rollout_fn() is one)')
-    if on_update == 'resume' and not is_resumable(settings.rollout_fn):
-        raise ValueError("stream: on_update='resume' needs a rollout_fn that returns what it generated when it is "
-                         "cut (resumable = True; mtflow.engine.resume); use 'abort' to generate the turn again")
+    check_policies(max_staleness, stale, on_update, settings.rollout_fn)
     if settings.options.gather_fn is not None:
         raise ValueError('stream: one rank per stream (no gather_fn): each rank streams its own source')
     budget = StreamUntil.coerce(until)

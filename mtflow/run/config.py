@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
-from mtflow.core.keys import unknown_key_message
+from mtflow.core.keys import StrictModel, unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
 from mtflow.declarative.context import ContextConfig
@@ -53,10 +53,8 @@ __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'P
 PATH_OPTIONS = ('path', )
 
 
-class AdmissionConfig(BaseModel):
+class AdmissionConfig(StrictModel):
     """The ``admission:`` block: the run's bounds (:class:`mtflow.Admission`)."""
-    model_config = ConfigDict(extra='forbid', strict=True)
-
     tool_calls: Optional[int] = Field(None, ge=1, description='Tool and sandbox calls in flight at once, across '
                                       "all tools (beside each tool's own max_concurrency); null: no bound.")
     env_sessions: Optional[int] = Field(None, ge=1, description='Environment sessions open at once (each request '
@@ -70,10 +68,9 @@ class RunConfigError(UserError):
     """A run config that cannot be used; the message names file, line and field."""
 
 
-class RunConfig(BaseModel):
+class RunConfig(StrictModel):
     """A validated run config. See the module docstring for every key. Types are strict, as in
     scheduler files: ``batch_size: true`` is an error, not 1."""
-    model_config = ConfigDict(extra='forbid', strict=True)
 
     scheduler: str = Field(description="A scheduler YAML file, or a Python scheduler as 'module:Class' or "
                            "'path/file.py:Class'.")

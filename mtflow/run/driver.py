@@ -203,22 +203,30 @@ class _ExecutorFactory:
         self.turn_log = TurnLog()
 
     def __call__(self, rollout_fn: Any, on_finished: Callable[[Any], None]) -> Executor:
-        cfg = self.cfg
-        options: Dict[str, Any] = dict(max_turns=cfg.max_turns or None, on_error='return', on_finished=on_finished,
-                                       accounting=record_accounting(self.scheduler), image_store=self.image_store)
-        options.update(self._context())
-        options.update(self._admission())
-        if cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
+        options = dict(self._options(), on_finished=on_finished)
+        if self.cfg.mode != 'async':  # one process: the contract's last empty rollout_fn call is waste
             return Executor(self.scheduler, self.turn_log.wrap(rollout_fn), self.request_config, skip_empty_calls=True,
                             **options)
         # the async driver has no turns to count, so it gets the backend itself, not the counter
+        return Executor(self.scheduler, self.turn_log.wrap(self.async_rollout_fn()), self.request_config,
+                        mode='async', max_concurrency=self.cfg.max_concurrency, **options)
+
+    def _options(self) -> Dict[str, Any]:
+        """The Executor options every executor of the run shares (batches and the stream)."""
+        return dict(max_turns=self.cfg.max_turns or None, on_error='return',
+                    accounting=record_accounting(self.scheduler), image_store=self.image_store,
+                    **self._context(), **self._admission())
+
+    def async_rollout_fn(self) -> Any:
+        """The backend's async ``rollout_fn`` (``async_rollout_fn()``: its own concurrent path, or
+        a dynamic batcher over its batch calls), else the backend itself; one with a ``close``
+        (a batcher's threads) is closed when the run ends (:meth:`close`)."""
         make = getattr(self.backend, 'async_rollout_fn', None)
-        async_fn = make() if callable(make) else self.backend
-        close = getattr(async_fn, 'close', None) if async_fn is not self.backend else None
+        fn = make() if callable(make) else self.backend
+        close = getattr(fn, 'close', None) if fn is not self.backend else None
         if callable(close):
             self.closing.append(close)
-        return Executor(self.scheduler, self.turn_log.wrap(async_fn), self.request_config, mode='async',
-                        max_concurrency=cfg.max_concurrency, **options)
+        return fn
 
     def _context(self) -> Dict[str, Any]:
         """The run config's context budget as an Executor option (the backend counts the prompt
@@ -242,15 +250,8 @@ class _ExecutorFactory:
     def stream_executor(self) -> Executor:
         """The executor of a streamed run (``mtflow/run/streamed.py``): the backend's async
         ``rollout_fn`` when it has one, the requests written from the delivered groups."""
-        cfg = self.cfg
-        make = getattr(self.backend, 'async_rollout_fn', None)
-        fn = make() if callable(make) else self.backend
-        close = getattr(fn, 'close', None) if fn is not self.backend else None
-        if callable(close):
-            self.closing.append(close)
-        return Executor(self.scheduler, self.turn_log.wrap(fn), self.request_config, max_turns=cfg.max_turns or None,
-                        on_error='return', accounting=record_accounting(self.scheduler), image_store=self.image_store,
-                        **self._context(), **self._admission())
+        return Executor(self.scheduler, self.turn_log.wrap(self.async_rollout_fn()), self.request_config,
+                        **self._options())
 
     def close(self) -> None:
         for close in self.closing:

@@ -2,7 +2,6 @@
 test chat server with its simulated prefix cache), a multi-turn workload, and the routing
 policies' prefix-cache hit rates; a replica killed mid-run; the router's placement rules."""
 import asyncio
-import random
 import threading
 
 import pytest
@@ -11,82 +10,23 @@ pytest.importorskip('httpx')
 pytest.importorskip('torch')
 pytest.importorskip('transformers')
 
-from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # noqa: E402
+from mtflow import Executor  # noqa: E402
 from mtflow.accounting.token_record import RecordAccounting  # noqa: E402
 from mtflow.backends import BackendError  # noqa: E402
-from mtflow.backends.hf import HFBackend  # noqa: E402
 from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
 from mtflow.backends.routing import Router  # noqa: E402
 from tests.backends.chat_server import ChatServer  # noqa: E402
-from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
+from tests.backends.routing_util import (CONFIG, GoOn, enter, hf, leave, make_servers, rollout,  # noqa: E402,F401
+                                         run_cli_over, task, tok)
 
 pytestmark = pytest.mark.hf
-CONFIG = RequestConfig(temperature=0, max_tokens=4)
-WORDS = 'the quick brown fox jumps over lazy dog number guess higher lower answer please check again'.split()
-
-
-@pytest.fixture(scope='module')
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope='module')
-def hf(tok):
-    return HFBackend(make_model(tok, seed=3), tok)
-
-
-class _GoOn(Scheduler):
-    """Every turn answered with a short user message; max_turns ends each request."""
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return False
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({'role': 'user', 'content': 'go on'})
-        return {'infer_request': infer_request}
-
-
-def _task(i):
-    """A long first message of its own per request (no prefix shared across requests but the
-    template's), as a multi-turn task description is."""
-    rng = random.Random(i)
-    return RolloutInferRequest(uuid=f'r{i}', messages=[{'role': 'user', 'content': f'task {i}: ' + ' '.join(
-        rng.choice(WORDS) for _ in range(240))}])
-
-
-def _servers(hf, n, **kw):
-    lock = threading.Lock()  # one model, one generate at a time across the replicas
-    return [ChatServer(hf, prefix_cache=True, lock=lock, **kw) for _ in range(n)]
-
-
-def _rollout(servers, tok, routing, n_requests=7, max_turns=5, begin_metrics=False, **kw):
-    delivered = []
-    with OpenAIBackend(urls=[s.base_url for s in servers], routing=routing, tokenizer=tok, backoff=0.01,
-                       model='tiny-qwen2', **kw) as client:
-        if begin_metrics:  # the servers' /metrics counters now, read again by serving_summary
-            client.begin_server_metrics()
-        result = Executor(_GoOn(), client, CONFIG, max_turns=max_turns, accounting=RecordAccounting(),
-                          on_finished=lambda f: delivered.append(f.uuid)).run([_task(i) for i in range(n_requests)])
-        summary = client.serving_summary()
-        logs = {f'r{i}': client.serving(f'r{i}') for i in range(n_requests)}
-    return result, summary, logs, delivered
-
-
-def _enter(servers):
-    for s in servers:
-        s.__enter__()
-
-
-def _exit(servers):
-    for s in servers:
-        s.__exit__(None, None, None)
 
 
 def test_sticky_routing_keeps_the_prefix_cache_and_round_robin_loses_it(hf, tok):
-    servers = _servers(hf, 4)
-    _enter(servers)
+    servers = make_servers(hf, 4)
+    enter(servers)
     try:
-        result, sticky, logs, _ = _rollout(servers, tok, 'sticky_least_loaded')
+        result, sticky, logs, _ = rollout(servers, tok, 'sticky_least_loaded')
         assert result.ok and result.finish_reasons == ['max_turns'] * 7
         assert sticky['hit_rate_after_turn_1'] >= 0.9, sticky
         # each request's turns all on one replica; the 7 requests spread over the 4
@@ -98,22 +38,22 @@ def test_sticky_routing_keeps_the_prefix_cache_and_round_robin_loses_it(hf, tok)
         assert sum(s.cached_total for s in servers) == sticky['cached_tokens']
         for s in servers:
             s.cache.clear()
-        _, rr, rr_logs, _ = _rollout(servers, tok, 'round_robin')
+        _, rr, rr_logs, _ = rollout(servers, tok, 'round_robin')
         assert rr['hit_rate_after_turn_1'] <= 0.35, rr
         assert all(len({e['replica'] for e in log}) > 1 for log in rr_logs.values())
     finally:
-        _exit(servers)
+        leave(servers)
 
 
 @pytest.mark.parametrize('http_client', ['httpx', 'aiohttp'])
 def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok, http_client):
     pytest.importorskip(http_client)
-    servers = _servers(hf, 3)
-    _enter(servers)
+    servers = make_servers(hf, 3)
+    enter(servers)
     victim = servers[1]
     turns = {'n': 0}
 
-    class _KillAtTurn2(_GoOn):
+    class _KillAtTurn2(GoOn):
 
         def step(self, infer_request, response_choice, current_turn):
             if current_turn == 2 and not victim.dead:
@@ -127,11 +67,11 @@ def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok, http_c
         with OpenAIBackend(urls=[s.base_url for s in servers], tokenizer=tok, backoff=0.01, model='tiny-qwen2',
                            health_interval_s=0.2, http_client=http_client) as client:
             result = Executor(_KillAtTurn2(), client, CONFIG, max_turns=4, accounting=RecordAccounting(),
-                              on_finished=lambda f: delivered.append(f.uuid)).run([_task(i) for i in range(6)])
+                              on_finished=lambda f: delivered.append(f.uuid)).run([task(i) for i in range(6)])
             summary = client.serving_summary()
             logs = {f'r{i}': client.serving(f'r{i}') for i in range(6)}
     finally:
-        _exit(servers)
+        leave(servers)
     assert victim.dead
     assert result.ok and result.finish_reasons == ['max_turns'] * 6
     assert sorted(delivered) == sorted(f'r{i}' for i in range(6)), 'every trajectory exactly once'
@@ -149,9 +89,9 @@ def test_a_killed_replica_moves_its_requests_and_nothing_is_lost(hf, tok, http_c
 def test_weight_version_goes_to_the_server_as_cache_salt(hf, tok):
     with ChatServer(hf) as server:
         with OpenAIBackend(urls=[server.base_url], tokenizer=tok, model='tiny-qwen2', weight_version=3) as client:
-            client([_task(0)], CONFIG)
+            client([task(0)], CONFIG)
             client.set_weight_version(4)
-            client([_task(1)], CONFIG)
+            client([task(1)], CONFIG)
     assert [b['cache_salt'] for b in server.bodies] == ['weights-3', 'weights-4']
 
 
@@ -229,31 +169,14 @@ def test_mtflow_run_writes_the_serving_log_into_the_trace_and_the_hit_rates_into
         hf, tmp_path, monkeypatch, capsys):
     import json
 
-    from mtflow.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / 'prompts.jsonl').write_text(''.join(
-        json.dumps({'uuid': f'p{i}', 'prompt': _task(i).messages[0]['content']}) + '\n' for i in range(4)))
-    servers = _servers(hf, 2)
-    _enter(servers)
-    try:
-        urls = ', '.join(s.base_url for s in servers)
-        (tmp_path / 'run.yaml').write_text(
-            'scheduler: tests.backends.test_routing:_GoOn\n'
-            f'backend: {{kind: openai, urls: [{urls}], health_interval_s: 0}}\n'
-            'model: tiny-qwen2\ndataset: prompts.jsonl\nout: out\nmax_turns: 3\nbatch_size: 4\n'
-            'request_config: {max_tokens: 4, temperature: 0}\n')
-        with pytest.warns(UserWarning, match='not guaranteed the exact ids'):
-            assert main(['run', 'run.yaml', '--no-progress']) == 0
-    finally:
-        _exit(servers)
+    out = run_cli_over(make_servers(hf, 2), tmp_path, monkeypatch)
     shown = capsys.readouterr().out
     assert 'sticky_least_loaded' in shown and 'prefix cache hit' in shown
-    summary = json.loads((tmp_path / 'out' / 'summary.json').read_text())
+    summary = json.loads((out / 'summary.json').read_text())
     serving = summary['serving']
     assert serving['policy'] == 'sticky_least_loaded' and [r['served'] for r in serving['replicas']] == [6, 6]
     assert serving['hit_rate_after_turn_1'] >= 0.9
-    events = [json.loads(line) for line in (tmp_path / 'out' / 'trace.jsonl').read_text().splitlines()]
+    events = [json.loads(line) for line in (out / 'trace.jsonl').read_text().splitlines()]
     served = [e for e in events if (e.get('extra') or {}).get('serving')]
     assert len(served) == 12 and all(e['from'] == 'generating' for e in served)
     for uuid in (f'p{i}' for i in range(4)):
@@ -279,17 +202,17 @@ def test_a_backend_mapping_is_kind_plus_backend_options(tmp_path):
 
 
 def test_a_slow_replica_times_out_and_its_request_moves(hf, tok):
-    servers = _servers(hf, 2)
-    _enter(servers)
+    servers = make_servers(hf, 2)
+    enter(servers)
     servers[0].delay = 8.0  # answers far too late
     try:
         with OpenAIBackend(urls=[s.base_url for s in servers], tokenizer=tok, backoff=0.01, model='tiny-qwen2',
                            timeout=2.0, routing='round_robin', health_interval_s=0) as client:
-            outs = client([_task(0), _task(1)], CONFIG)
+            outs = client([task(0), task(1)], CONFIG)
             summary = client.serving_summary()
             logs = [client.serving('r0'), client.serving('r1')]
     finally:
-        _exit(servers)
+        leave(servers)
     assert len(outs) == 2 and all(o.response.choices[0].token_ids for o in outs)
     assert summary['moves'] == 1 and summary['replicas'][0]['healthy'], 'slow is not dead'
     moved = [log[0] for log in logs if log[0].get('moves')]

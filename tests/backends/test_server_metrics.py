@@ -42,21 +42,20 @@ pytest.importorskip('httpx')
 pytest.importorskip('torch')
 pytest.importorskip('transformers')
 
-from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
 from tests.backends.chat_server import ChatServer  # noqa: E402
-from tests.backends.test_routing import _enter, _exit, _rollout, _servers, hf, tok, _task  # noqa: E402,F401
+from tests.backends.routing_util import enter, hf, leave, make_servers, rollout, run_cli_over, tok  # noqa: E402,F401
 
 
 @pytest.mark.hf
 def test_the_servers_counters_give_the_hit_rate_when_the_replies_report_none(hf, tok):
-    servers = _servers(hf, 2, report_cached=False)  # vLLM without --enable-prompt-tokens-details
-    _enter(servers)
+    servers = make_servers(hf, 2, report_cached=False)  # vLLM without --enable-prompt-tokens-details
+    enter(servers)
     try:
         servers[0].cached_total, servers[0].prompt_total = 7000, 9000  # what the server did before this run
-        result, summary, _, _ = _rollout(servers, tok, 'sticky_least_loaded', n_requests=4, max_turns=3,
-                                         begin_metrics=True)
+        result, summary, _, _ = rollout(servers, tok, 'sticky_least_loaded', n_requests=4, max_turns=3,
+                                        begin_metrics=True)
     finally:
-        _exit(servers)
+        leave(servers)
     assert result.ok
     assert summary['cached_tokens'] == 0 and summary['hit_rate'] is None  # the replies said nothing
     for row, server in zip(summary['replicas'], servers):
@@ -71,13 +70,13 @@ def test_the_servers_counters_give_the_hit_rate_when_the_replies_report_none(hf,
 
 @pytest.mark.hf
 def test_with_usage_too_the_two_hit_rates_agree_and_a_server_without_metrics_is_none(hf, tok):
-    servers = _servers(hf, 2) + [ChatServer(hf, prefix_cache=False)]
-    _enter(servers)
+    servers = make_servers(hf, 2) + [ChatServer(hf, prefix_cache=False)]
+    enter(servers)
     try:
-        result, summary, _, _ = _rollout(servers, tok, 'sticky_least_loaded', n_requests=3, max_turns=3,
-                                         begin_metrics=True)
+        result, summary, _, _ = rollout(servers, tok, 'sticky_least_loaded', n_requests=3, max_turns=3,
+                                        begin_metrics=True)
     finally:
-        _exit(servers)
+        leave(servers)
     assert result.ok
     rows = summary['replicas']
     for row in rows[:2]:
@@ -88,27 +87,11 @@ def test_with_usage_too_the_two_hit_rates_agree_and_a_server_without_metrics_is_
 
 @pytest.mark.hf
 def test_mtflow_run_shows_the_servers_hit_rate_per_replica(hf, tmp_path, monkeypatch, capsys):
-    from mtflow.cli import main
-
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv('COLUMNS', '200')  # the summary table's rows on one line each
-    (tmp_path / 'prompts.jsonl').write_text(''.join(
-        json.dumps({'uuid': f'p{i}', 'prompt': _task(i).messages[0]['content']}) + '\n' for i in range(4)))
-    servers = _servers(hf, 2, report_cached=False)
-    _enter(servers)
-    try:
-        urls = ', '.join(s.base_url for s in servers)
-        (tmp_path / 'run.yaml').write_text(
-            'scheduler: tests.backends.test_routing:_GoOn\n'
-            f'backend: {{kind: openai, urls: [{urls}], health_interval_s: 0}}\n'
-            'model: tiny-qwen2\ndataset: prompts.jsonl\nout: out\nmax_turns: 3\nbatch_size: 4\n'
-            'request_config: {max_tokens: 4, temperature: 0}\n')
-        with pytest.warns(UserWarning, match='not guaranteed the exact ids'):
-            assert main(['run', 'run.yaml', '--no-progress']) == 0
-    finally:
-        _exit(servers)
+    servers = make_servers(hf, 2, report_cached=False)
+    out = run_cli_over(servers, tmp_path, monkeypatch)
     shown = capsys.readouterr().out
-    serving = json.loads((tmp_path / 'out' / 'summary.json').read_text())['serving']
+    serving = json.loads((out / 'summary.json').read_text())['serving']
     for row, server in zip(serving['replicas'], servers):
         assert row['server_cache'] == {'queries': server.prompt_total, 'hits': server.cached_total,
                                        'hit_rate': round(server.cached_total / server.prompt_total, 4)}

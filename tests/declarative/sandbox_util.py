@@ -3,9 +3,13 @@ the tool's reply): processes left behind, files, connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
-from typing import List
+import shutil
+import subprocess
+import sys
+from typing import Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -13,6 +17,9 @@ from mtflow.tools import isolation
 from mtflow.tools.sandbox import run_python
 
 KINDS = ('bwrap', 'unshare')
+
+#: the checkout (an unprivileged uid imports mtflow from it)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: 40 forks, each child alive for the whole loop: under ``max_processes=8`` it prints ``7 33`` (7
 #: children + the program itself), which shows the process limit binds in that sandbox
@@ -125,3 +132,44 @@ class HostMemory:
 
     def growth(self) -> dict:
         return {name: round(abs(self.peak[name] - self.before[name]), 1) for name in self.FIELDS}
+
+
+def as_uid(uid: int) -> List[str]:
+    """The command prefix that runs the rest as ``uid`` (its own group, no others)."""
+    return ['setpriv', f'--reuid={uid}', f'--regid={uid}', '--clear-groups', '--']
+
+
+def interpreter_for(uid: int, env: dict) -> Optional[str]:
+    """An interpreter of this Python version that ``uid`` can run with mtflow importable, or None."""
+    for exe in (os.path.realpath(getattr(sys, '_base_executable', sys.executable)),
+                shutil.which(f'python{sys.version_info[0]}.{sys.version_info[1]}', path='/usr/bin:/bin')):
+        if not exe:
+            continue
+        check = subprocess.run(as_uid(uid) + [exe, '-c',
+                                              'import os, sys, mtflow.tools.sandbox\n'
+                                              'for d in (os.path.dirname(os.path.realpath(sys.executable)), '
+                                              'sys.base_prefix):\n'
+                                              '    os.listdir(d)'], env=env, capture_output=True, timeout=60, cwd='/')
+        if check.returncode == 0:
+            return exe
+    return None
+
+
+@contextlib.contextmanager
+def unprivileged_uid() -> Iterator[Tuple[int, str, dict]]:
+    """``(uid, interpreter, env)`` for running mtflow as a normal user: a uid leased for the block
+    (so nothing else runs as it; released after), an interpreter it can run mtflow with, and the
+    environment to run it in. Skips the test where that is impossible (not root, no setpriv or
+    bwrap, no interpreter and checkout that uid can read)."""
+    if os.geteuid() != 0 or not shutil.which('setpriv') or not shutil.which('bwrap'):
+        pytest.skip('needs root (to become an unprivileged uid), setpriv and bwrap')
+    lease = isolation.UidLease()
+    try:
+        site = [p for p in sys.path if p.endswith('site-packages')]
+        env = {'PATH': '/usr/bin:/bin', 'HOME': '/', 'PYTHONPATH': os.pathsep.join([ROOT] + site)}
+        exe = interpreter_for(lease.uid, env)
+        if exe is None:
+            pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
+        yield lease.uid, exe, env
+    finally:
+        lease.release()

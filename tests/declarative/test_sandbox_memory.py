@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
-import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,8 +16,7 @@ import pytest
 from mtflow.tools import cgroup, isolation
 from mtflow.tools.sandbox import process, run_python
 
-from .sandbox_util import KINDS, HostMemory, assert_nothing_survives, require
-from .test_sandbox_rootless import ROOT, _interpreter_for
+from .sandbox_util import KINDS, HostMemory, as_uid, assert_nothing_survives, require, unprivileged_uid
 
 kinds = pytest.mark.parametrize('kind', KINDS)
 
@@ -243,19 +239,10 @@ def test_rootless_memory_no_process_maps_is_denied_and_tmp_inodes_are_capped():
     """As a normal user (an unprivileged uid, leased so nothing else runs as it): no cgroup can be
     made, so the filter's extra denials and the launcher's own ``/tmp`` (with ``nr_inodes``) are
     what bound the call; the host is sampled while both attacks run."""
-    if os.geteuid() != 0 or not shutil.which('setpriv') or not shutil.which('bwrap'):
-        pytest.skip('needs root (to become an unprivileged uid), setpriv and bwrap')
-    lease = isolation.UidLease()
-    try:
-        site = [p for p in sys.path if p.endswith('site-packages')]
-        env = {'PATH': '/usr/bin:/bin', 'HOME': '/', 'PYTHONPATH': os.pathsep.join([ROOT] + site)}
-        exe = _interpreter_for(lease.uid, env)
-        if exe is None:
-            pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
+    with unprivileged_uid() as (uid, exe, env):
         with HostMemory() as host:
-            proc = subprocess.run(['setpriv', f'--reuid={lease.uid}', f'--regid={lease.uid}', '--clear-groups', '--',
-                                   exe, '-c', _ROOTLESS, SHARED_HOG, FILE_FLOOD, str(MEMORY_MB), PID1, EPOLL], env=env,
-                                  capture_output=True, text=True, timeout=300, cwd='/')
+            proc = subprocess.run(as_uid(uid) + [exe, '-c', _ROOTLESS, SHARED_HOG, FILE_FLOOD, str(MEMORY_MB), PID1,
+                                                 EPOLL], env=env, capture_output=True, text=True, timeout=300, cwd='/')
         out = proc.stdout
         assert proc.returncode == 0, proc.stderr[-2000:]
         if "call shared ''" not in out and 'user namespace' in out + proc.stderr:
@@ -269,6 +256,4 @@ def test_rootless_memory_no_process_maps_is_denied_and_tmp_inodes_are_capped():
         _check_unbounded_mode(shared, host.growth())
         _check_flood(flood, host.growth(), 64)
         assert _stopped(flood, 'flood')[1] == str(errno.ENOSPC), flood  # the inode cap, rootless too
-        assert isolation.processes_of_uid(lease.uid) == []
-    finally:
-        lease.release()
+        assert isolation.processes_of_uid(uid) == []

@@ -4,9 +4,7 @@ unprivileged uid (leased, so nothing else uses it) with an interpreter that uid 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import textwrap
 import uuid
 
@@ -14,9 +12,7 @@ import pytest
 
 from mtflow.tools import isolation
 
-from .sandbox_util import BOUNDED_FORKS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .sandbox_util import BOUNDED_FORKS, as_uid, unprivileged_uid
 
 SCRIPT = textwrap.dedent('''
     import asyncio, os, sys
@@ -63,35 +59,11 @@ KERNEL_ATTACKS = textwrap.dedent('''
 ''')
 
 
-def _interpreter_for(uid: int, env: dict):
-    """An interpreter of this Python version that ``uid`` can run with mtflow importable, or None."""
-    for exe in (os.path.realpath(getattr(sys, '_base_executable', sys.executable)),
-                shutil.which(f'python{sys.version_info[0]}.{sys.version_info[1]}', path='/usr/bin:/bin')):
-        if not exe:
-            continue
-        check = subprocess.run(['setpriv', f'--reuid={uid}', f'--regid={uid}', '--clear-groups', '--', exe, '-c',
-                                'import os, sys, mtflow.tools.sandbox\n'
-                                'for d in (os.path.dirname(os.path.realpath(sys.executable)), sys.base_prefix):\n'
-                                '    os.listdir(d)'], env=env, capture_output=True, timeout=60, cwd='/')
-        if check.returncode == 0:
-            return exe
-    return None
-
-
 def test_rootless_bwrap_isolates_and_limits_processes():
-    if os.geteuid() != 0 or not shutil.which('setpriv') or not shutil.which('bwrap'):
-        pytest.skip('needs root (to become an unprivileged uid), setpriv and bwrap')
-    lease = isolation.UidLease()
-    try:
-        site = [p for p in sys.path if p.endswith('site-packages')]
-        env = {'PATH': '/usr/bin:/bin', 'HOME': '/', 'PYTHONPATH': os.pathsep.join([ROOT] + site)}
-        exe = _interpreter_for(lease.uid, env)
-        if exe is None:
-            pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
+    with unprivileged_uid() as (uid, exe, env):
         marker = 'mtflow-' + uuid.uuid4().hex
-        proc = subprocess.run(['setpriv', f'--reuid={lease.uid}', f'--regid={lease.uid}', '--clear-groups', '--',
-                               exe, '-c', SCRIPT, marker, BOUNDED_FORKS, KERNEL_ATTACKS], env=env, capture_output=True, text=True, timeout=300,
-                              cwd='/')
+        proc = subprocess.run(as_uid(uid) + [exe, '-c', SCRIPT, marker, BOUNDED_FORKS, KERNEL_ATTACKS], env=env,
+                              capture_output=True, text=True, timeout=300, cwd='/')
         out = proc.stdout
         assert proc.returncode == 0, proc.stderr
         if 'probe bwrap: None' not in out:
@@ -104,10 +76,8 @@ def test_rootless_bwrap_isolates_and_limits_processes():
             assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 mq_open e24 write / e30 write /dev e30 write /dev/shm e30' in out
         assert 'sigxcpu: timeout' in out
         assert 'seccomp filter' in out and 'no cgroup per call' in out  # said at load time
-        assert isolation.processes_of_uid(lease.uid) == []
+        assert isolation.processes_of_uid(uid) == []
         assert not any(marker.encode() in _cmdline(p) for p in os.listdir('/proc') if p.isdigit())
-    finally:
-        lease.release()
 
 
 def _cmdline(pid: str) -> bytes:

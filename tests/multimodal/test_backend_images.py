@@ -1,10 +1,11 @@
 """An image a tool returns at turn 2 reaches the model at turn 3, through each backend in the
 layout it reads: the OpenAI-compatible backend's request body (a real HTTP server on 127.0.0.1),
 vLLM's chat (``image_url`` parts, through the ``vllm.LLM`` stand-in), ms-swift's ``InferRequest``
-(``images``, decoded by ms-swift's own ``load_image``). Token prompts without a vision processor
-refuse images, naming the request."""
+(``images``, decoded by ms-swift's own ``load_image``). Token prompts and the HF backend without
+a vision processor fail only the requests with images, naming each."""
 from __future__ import annotations
 
+import re
 from typing import Any, List
 
 import pytest
@@ -125,8 +126,46 @@ def test_vllm_chat_sends_image_parts(tiny):
     parts = conv[-1]['content']
     assert [p['type'] for p in parts] == ['text', 'image_url'] and parts[1]['image_url']['url'] == str(r.images[0])
     tokens = VLLMBackend(FakeLLM(*tiny), sampling_params_cls=SamplingParams, prompt_mode='tokens')
-    with pytest.raises(BackendError, match="request 'pic' has 1 image.*vllm token prompts"):
-        tokens([r], CONFIG)
+    [out] = tokens([r], CONFIG)  # without a processor: the request fails alone, its output is the error
+    assert isinstance(out, BackendError) and re.search("request 'pic' has 1 image.*vllm token prompts", str(out))
+
+
+def _hf(tiny: Any) -> Any:
+    return HFBackend(*tiny), None
+
+
+def _vllm_tokens(tiny: Any) -> Any:
+    llm = FakeLLM(*tiny)
+    return VLLMBackend(llm, sampling_params_cls=SamplingParams, prompt_mode='tokens'), llm
+
+
+@pytest.mark.parametrize('make, refusal', [(_hf, 'the hf backend without a processor'),
+                                           (_vllm_tokens, 'vllm token prompts')], ids=['hf', 'vllm-tokens'])
+def test_without_a_processor_only_the_requests_with_images_fail(tiny, make, refusal):
+    """An engine without a vision processor: a request with images fails alone, its output the
+    error naming its uuid; the call's other requests are generated as they are without it, and
+    through the executor they finish while the image request fails in phase rollout_fn."""
+    backend, llm = make(tiny)
+    alone = backend([req('t1'), req('t2')], CONFIG)  # the same call without the image request
+    pic = req('pic', {'role': 'user', 'content': f'{IMAGE_TOKEN}look'})
+    pic.images = [open_png()]
+    outs = backend([req('t1'), pic, req('t2')], CONFIG)
+    assert isinstance(outs[1], BackendError)
+    assert f"request 'pic' has 1 image(s), which {refusal} cannot show the model" in str(outs[1])
+    assert [o.response.choices[0].token_ids for o in (outs[0], outs[2])] == \
+        [o.response.choices[0].token_ids for o in alone]
+    assert backend.stats.requests == 4  # two calls of two served requests: the image request never generated
+    if llm is not None:
+        assert len(llm.calls[-1]['prompts']) == 2
+    pic = req('pic', {'role': 'user', 'content': f'{IMAGE_TOKEN}look'})
+    pic.images = [open_png()]
+    result = Executor(load_scheduler({'name': 'text', 'max_turns': 2, 'stop': {'on_length': False}, 'tips': [
+        {'when': 'always', 'text': 'Again.', 'placement': 'user'}]}), backend, max_turns=2, request_config=CONFIG,
+        on_error='return').run([req('a'), pic, req('b')])
+    assert result.finish_reasons == ['stop_rule:tips_exhausted', 'error', 'stop_rule:tips_exhausted']
+    [failure] = result.failures
+    assert failure.uuid == 'pic' and failure.turn == 1 and failure.phase == 'rollout_fn'
+    assert "rollout_fn failed this request: BackendError: request 'pic' has 1 image(s)" in str(failure.error)
 
 
 def test_swift_infer_request_gets_the_images(tiny):

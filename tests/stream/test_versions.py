@@ -27,12 +27,36 @@ def _requests(n: int):
     return [RolloutInferRequest(messages=[{'role': 'user', 'content': f'count {i}'}], uuid=f'q{i}') for i in range(n)]
 
 
+def _bumping(rollout_fn, request_config=None, **options) -> Executor:
+    """An executor whose every step is a weight update (:class:`Bump`), from version 0 (the
+    trainer declares its starting weights: turns are stamped from there)."""
+    box: list = []
+    ex = Executor(Bump(box), rollout_fn, request_config, **options)
+    box.append(ex)
+    ex.set_policy_version(0)
+    return ex
+
+
+def _check_token_record_versions(**options) -> None:
+    """Two requests over the tiny HF model: each turn's version is in ``rollout_infos`` and on
+    the token record's turn."""
+    pytest.importorskip('transformers')
+    from mtflow.backends.hf import HFBackend
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    backend = HFBackend(make_model(tok, seed=1), tok, default_max_tokens=4)
+    ex = _bumping(backend, {'max_tokens': 4, 'temperature': 0}, **options)
+    reqs = _requests(2)
+    out = ex.run(reqs).outputs
+    for req, o in zip(reqs, out):
+        assert o.rollout_infos['policy_versions'] == [0, 1, 2]
+        assert [t.version for t in req.token_record.turns] == [0, 1, 2]
+
+
 def test_an_update_between_two_turns_is_in_the_requests_infos():
     w = Workload(seed=0)
-    box: list = []
-    ex = Executor(Bump(box), SimEngine(w, 0.0001, 8), mode='async', max_concurrency=1)
-    box.append(ex)
-    ex.set_policy_version(0)  # the trainer declares its starting weights: turns are stamped from here
+    ex = _bumping(SimEngine(w, 0.0001, 8), mode='async', max_concurrency=1)
     result = ex.run(_requests(1))
     assert result.outputs[0].rollout_infos['policy_versions'] == [0, 1, 2]
     assert ex.policy_version == 2
@@ -64,30 +88,13 @@ def test_versions_only_go_forward():
 
 
 def test_the_token_record_keeps_each_turns_version():
-    pytest.importorskip('transformers')
-    from mtflow.backends.hf import HFBackend
-    from tests.tiny_model import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    backend = HFBackend(make_model(tok, seed=1), tok, default_max_tokens=4)
-    box: list = []
-    ex = Executor(Bump(box), backend, {'max_tokens': 4, 'temperature': 0}, mode='async')
-    box.append(ex)
-    ex.set_policy_version(0)
-    reqs = _requests(2)
-    out = ex.run(reqs).outputs
-    for req, o in zip(reqs, out):
-        assert o.rollout_infos['policy_versions'] == [0, 1, 2]
-        assert [t.version for t in req.token_record.turns] == [0, 1, 2]
+    _check_token_record_versions(mode='async')
 
 
 @pytest.mark.parametrize('mode, n', [('lockstep', 1), ('async', 1), ('lockstep', 3)])
 def test_lockstep_stamps_each_turn_as_async_does(mode, n):
     w = Workload(seed=0)
-    box: list = []
-    ex = Executor(Bump(box), SimEngine(w, 0.0001, 8), mode=mode)
-    box.append(ex)
-    ex.set_policy_version(0)
+    ex = _bumping(SimEngine(w, 0.0001, 8), mode=mode)
     result = ex.run(_requests(n))
     # lockstep: every request's step moves to the turn just finished, and the next turn is issued
     # after all of them, so each request's turns are 0, 1, 2, as one request's are in async mode
@@ -128,28 +135,11 @@ def test_lockstep_plain_runs_and_first_turn_outputs_stamp_nothing_new():
     for mode in ('lockstep', 'async'):
         backend = ScriptedBackend(outputs=['a reply'], cycle=True)
         first = backend(_requests(1))  # one request: in async mode two would race their updates
-        box: list = []
-        ex = Executor(Bump(box), backend, mode=mode)
-        box.append(ex)
-        ex.set_policy_version(0)
+        ex = _bumping(backend, mode=mode)
         out = ex.run(_requests(1), first_turn_outputs=first).outputs
         assert out[0].rollout_infos['policy_versions'] == [1, 2], mode  # turn 1 was given, not issued
 
 
 @pytest.mark.slow  # the tiny model on CPU: tens of seconds on a loaded machine
 def test_lockstep_token_record_keeps_each_turns_version():
-    pytest.importorskip('transformers')
-    from mtflow.backends.hf import HFBackend
-    from tests.tiny_model import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    backend = HFBackend(make_model(tok, seed=1), tok, default_max_tokens=4)
-    box: list = []
-    ex = Executor(Bump(box), backend, {'max_tokens': 4, 'temperature': 0})
-    box.append(ex)
-    ex.set_policy_version(0)
-    reqs = _requests(2)
-    out = ex.run(reqs).outputs
-    for req, o in zip(reqs, out):
-        assert o.rollout_infos['policy_versions'] == [0, 1, 2]
-        assert [t.version for t in req.token_record.turns] == [0, 1, 2]
+    _check_token_record_versions()

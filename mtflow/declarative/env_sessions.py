@@ -1,0 +1,123 @@
+"""The ``env:`` section of a YAML scheduler: one environment session per request.
+
+A session is opened by ``on_trajectory_start`` (all resets of a batch at once), stepped with
+each completion in ``on_turn_end``, and closed when its request finishes or the scheduler closes.
+Each open session is counted by the run's ``admission.env_sessions`` gate
+(:mod:`mtflow.engine.admission`), which bounds the requests started and not finished. A reset
+that fails fails its own request only, at its first turn (kept in ``RequestState.env_error``).
+:class:`EnvSessions` is :class:`~mtflow.declarative.scheduler.YamlScheduler`'s collaborator for it.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Iterable, Optional
+
+from mtflow.declarative.envs import normalize_step
+from mtflow.declarative.images import add_images, split_observation
+from mtflow.declarative.request_state import RequestState, maybe_await
+from mtflow.declarative.turn_rewards import TurnRewards
+from mtflow.engine.admission import Admission
+
+__all__ = ['EnvSessions']
+
+
+class EnvSessions:
+    """The environment factory (``None`` without ``env:``) and the sessions it opens."""
+
+    def __init__(self, factory: Optional[Callable[[], Any]], image_limits: Any, turn_rewards: TurnRewards) -> None:
+        self.factory = factory
+        self.image_limits = image_limits
+        self.turn_rewards = turn_rewards
+        self.admission: Optional[Admission] = None  # the run's, given by use_admission
+
+    def replace_factory(self, factory: Callable[[], Any]) -> None:
+        """Use ``factory`` instead (a replay's recorded environment): the configured one is closed
+        unused (it is cheap and starts nothing until called)."""
+        self.close_factory()
+        self.factory = factory
+
+    def _opened(self) -> None:
+        if self.admission is not None:
+            self.admission.env_sessions.opened()
+
+    def _closed(self) -> None:
+        if self.admission is not None:
+            self.admission.env_sessions.closed()
+
+    async def start(self, request: Any, state: RequestState) -> None:
+        """Open ``request``'s session and reset it; an opening observation becomes the first user
+        message when the request has none. A failure is kept for the request's first turn."""
+        try:
+            state.env = self.factory()
+            self._opened()
+            opening = await maybe_await(state.env.reset(request))
+        except Exception as error:
+            state.env_error = error
+            return
+        if opening and not any(m.get('role') == 'user' for m in request.messages):
+            try:
+                text, images = split_observation(opening, self.image_limits, request.uuid, 1,
+                                                 'the environment reset observation')
+            except Exception as error:
+                state.env_error = error
+                return
+            request.messages.append({'role': 'user', 'content': text})
+            add_images(request, images, None)
+
+    async def _ensure(self, request: Any, state: RequestState) -> Any:
+        """The request's environment, opened and reset now when ``on_trajectory_start`` did not
+        (a request whose first turn was generated outside mtflow)."""
+        if state.env is None and self.factory is not None:
+            state.env = self.factory()
+            self._opened()
+            await maybe_await(state.env.reset(request))
+        return state.env
+
+    async def step(self, request: Any, state: RequestState, completion: str, infos: Dict[str, Any],
+                   turn: int) -> Optional[str]:
+        """Step the request's environment with the completion: ``stop_rule:env_done`` or
+        ``stop_rule:env_truncated`` when the episode ended, else its observation for ``step``."""
+        if state.env_error is not None:
+            error, state.env_error = state.env_error, None
+            raise error
+        env = await self._ensure(request, state)
+        out = normalize_step(await maybe_await(env.step(completion)))
+        state.rewards.append(out.reward)
+        self.turn_rewards.env(state, turn, out.reward)
+        infos.update(env_steps=len(state.rewards), rewards=list(state.rewards), reward=float(sum(state.rewards)),
+                     env_info=out.info)
+        if out.terminated:
+            return 'stop_rule:env_done'
+        if out.truncated:
+            return 'stop_rule:env_truncated'
+        state.env_obs = out.observation
+        return None
+
+    async def close_session(self, state: RequestState) -> None:
+        """The request finished: close its session (counted closed even when closing raises)."""
+        if state.env is not None:
+            env, state.env = state.env, None
+            try:
+                await maybe_await(env.close())
+            finally:
+                self._closed()
+
+    def abandon(self, states: Iterable[RequestState]) -> None:
+        """The scheduler closes with sessions still open: each is abandoned (an async env whose
+        close needs the executor's loop) or closed without a loop."""
+        for state in states:
+            if state.env is not None:
+                self._closed()
+                abandon = getattr(state.env, 'abandon', None)
+                if callable(abandon):
+                    abandon()
+                    continue
+                close = state.env.close()
+                if inspect.isawaitable(close):
+                    close.close()
+
+    def close_factory(self) -> None:
+        """Release what the factory holds (e.g. the OpenEnv servers it launched)."""
+        close = getattr(self.factory, 'close', None)
+        if callable(close):
+            close()

@@ -1,0 +1,210 @@
+"""What the async driver has running: each generation or step as a task on the run's loop.
+
+Split from :mod:`mtflow.engine.async_driver` (which decides *what* runs next) so that the rules
+of running it are in one place:
+
+* every task posts exactly one completion, however it ends (:meth:`InFlight.launch`): a task
+  cancelled before it ever ran never executes a line of its coroutine, so the completion is
+  posted by a done callback, not from inside the task;
+* a synchronous ``rollout_fn`` runs in a worker pool (each call blocks one thread, at most
+  :data:`MAX_ROLLOUT_THREADS`), a synchronous ``step`` in one step thread (one at a time, as the
+  lockstep driver runs them); async ones are awaited on the loop; both under their deadlines;
+* an interrupt cancels every task and lets them unwind (:meth:`InFlight.cancel_all`), and the
+  pools are shut down with or without joining their threads (:meth:`InFlight.close`).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import inspect
+from collections import deque
+from time import perf_counter
+from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
+
+from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
+from mtflow.core.errors import MtflowError
+from mtflow.core.machine import RequestRecord
+
+__all__ = ['InFlight', 'Completion', 'Stopped', 'MAX_ROLLOUT_THREADS', 'timed_step', 'is_async_callable']
+
+#: the most threads the driver starts for a synchronous ``rollout_fn`` (each call blocks one)
+MAX_ROLLOUT_THREADS = 256
+
+#: one completion: (``'generate'`` or ``'step'``, the record, its turn, the call's outcome)
+Completion = Tuple[str, RequestRecord, int, Outcome]
+
+
+class Stopped(MtflowError):
+    """A generation cancelled by the partial-rollout budget (never a failure)."""
+
+
+class InFlight:
+    """The tasks of one async run (by record index, with their kind), the completions they posted
+    and not yet handled, and the worker pools of synchronous calls."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rollout_fn: Any) -> None:
+        self.loop = loop
+        self.rollout_is_async = is_async_callable(rollout_fn)
+        self.tasks: Dict[int, asyncio.Task] = {}
+        self.kinds: Dict[int, str] = {}
+        self.completions: Deque[Completion] = deque()
+        self.wake: Optional[asyncio.Event] = None  # set by start(), when the driver begins
+        self.waiter: Optional[asyncio.Task] = None
+        self.rollout_pool: Optional[cf.ThreadPoolExecutor] = None
+        self.step_pool: Optional[cf.ThreadPoolExecutor] = None
+        self.calls = 0  # rollout_fn calls running now
+        self.max_calls = 0  # the most at once
+
+    def start(self) -> None:
+        self.wake = asyncio.Event()
+
+    def launch(self, kind: str, rec: RequestRecord, turn: int, coro: Any) -> None:
+        """Start ``coro`` as a task whose end, however it comes, posts exactly one completion
+        (see the module docstring: a task :meth:`cancel_all` or the budget cancels before it ran
+        must still leave :attr:`tasks` and report, as a stopped generation, or the driver would
+        wait for it forever)."""
+        task = self.loop.create_task(coro)
+        self.tasks[rec.index] = task
+        self.kinds[rec.index] = kind
+        task.add_done_callback(lambda done: self._post(kind, rec, turn, done))
+
+    def _post(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
+        """A task ended: post its completion. Cancelled (by the budget, or while unwinding an
+        interrupt): a stopped generation; an interrupt raised inside it: that exception, which the
+        driver is already unwinding (retrieved here, so it is never reported as unretrieved)."""
+        if self.tasks.get(rec.index) is task:
+            del self.tasks[rec.index]
+        if task.cancelled():
+            outcome = Outcome(RAISED, Stopped('cancelled'), 0.0)
+        else:
+            exc = task.exception()
+            outcome = Outcome(RAISED, exc, 0.0) if exc is not None else task.result()
+        self.completions.append((kind, rec, turn, outcome))
+        self.wake.set()
+
+    def idle(self) -> bool:
+        """Nothing running and nothing to handle."""
+        return not self.tasks and not self.completions
+
+    def wait(self, has_news: Callable[[], bool], timeout: Optional[float]) -> List[Completion]:
+        """Sleep on the loop until a completion is posted (or ``has_news()``, or ``timeout``
+        seconds), then take every completion posted."""
+        self.waiter = self.loop.create_task(self._next(has_news, timeout))
+        return self.loop.run_until_complete(self.waiter)
+
+    async def _next(self, has_news: Callable[[], bool], timeout: Optional[float]) -> List[Completion]:
+        if not has_news():
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        batch = list(self.completions)
+        self.completions.clear()
+        return batch
+
+    # ---- the calls -------------------------------------------------------------------------------
+    async def rollout(self, rollout_fn: Any, request: Any, config: Any, timeout: Optional[float],
+                      threads: int) -> Outcome:
+        """One request's ``rollout_fn([request], config)`` under its deadline: awaited when it is
+        async, in the rollout pool (``threads`` workers, made at the first call) when it is sync."""
+        self.calls += 1
+        self.max_calls = max(self.max_calls, self.calls)
+        t = perf_counter()
+        try:
+            if self.rollout_is_async:
+                call = rollout_fn([request], config)
+            else:
+                if self.rollout_pool is None:
+                    self.rollout_pool = cf.ThreadPoolExecutor(min(threads, MAX_ROLLOUT_THREADS),
+                                                              thread_name_prefix='mtflow-rollout')
+                call = asyncio.wrap_future(self.rollout_pool.submit(rollout_fn, [request], config))
+            value = await _bounded(call, timeout)
+        except asyncio.TimeoutError:
+            return Outcome(TIMED_OUT, timeout, perf_counter() - t)
+        except Exception as exc:
+            return Outcome(RAISED, exc, perf_counter() - t)
+        finally:
+            self.calls -= 1
+        return Outcome(OK, value, perf_counter() - t)
+
+    def step(self, hooks: Any, timeout: Optional[float], rec: RequestRecord, turn: int) -> Awaitable[Outcome]:
+        """One request's ``step`` under its deadline (a sync one in the single step thread)."""
+        if self.step_pool is None and not hooks.step_is_async:  # one at a time, as lockstep runs sync steps
+            self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
+        return timed_step(hooks, timeout, self.step_pool, rec, turn)
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def close(self, wait: bool) -> None:
+        """Shut the worker pools down. ``wait``: join the threads of synchronous calls still
+        running (a generation the budget cancelled cannot be stopped inside its thread), so that
+        no thread of this run is left running native code when the interpreter exits; an interrupt
+        does not wait (the threads are not daemons: the interpreter joins them at exit)."""
+        for pool in (self.rollout_pool, self.step_pool):
+            if pool is not None:
+                pool.shutdown(wait=wait, cancel_futures=True)
+
+    def cancel_all(self) -> None:
+        """Cancel every task of this run and let them unwind. A task whose coroutine raised an
+        interrupt re-raises it while unwinding; that is swallowed here (the first one is already on
+        its way up), so the loop closes clean."""
+        tasks = [t for t in list(self.tasks.values()) + [self.waiter] if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        for _ in range(5):
+            pending = [t for t in tasks if not t.done()]
+            if not pending:
+                break
+            try:
+                self.loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+            except BaseException:  # noqa: BLE001 - see the docstring
+                continue
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: no "exception was never retrieved" at exit
+
+
+async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[cf.ThreadPoolExecutor],
+                     rec: RequestRecord, turn: int) -> Outcome:
+    """One request's ``step`` under its deadline: an async step on the loop, a sync one in the
+    driver's single step thread."""
+    t = perf_counter()
+    try:
+        if hooks.step_is_async:
+            call = hooks.step(rec.request, rec.choice, turn)
+        else:
+            call = asyncio.wrap_future(step_pool.submit(hooks.step, rec.request, rec.choice, turn))
+        value = await _bounded(call, timeout)
+    except asyncio.TimeoutError:
+        return Outcome(TIMED_OUT, timeout, perf_counter() - t)
+    except Exception as exc:
+        return Outcome(RAISED, exc, perf_counter() - t)
+    return Outcome(OK, value, perf_counter() - t)
+
+
+def is_async_callable(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine (an ``async def`` function, method or ``__call__``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
+        inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
+
+
+async def _bounded(call: Any, timeout: Optional[float]) -> Any:
+    """Await ``call`` (a coroutine, a future, or a plain value) within ``timeout``. A coroutine
+    that a cancellation or the deadline stops before it ever ran is closed (no "never awaited"
+    warning)."""
+    try:
+        if timeout is None:
+            return await _await_result(call)
+        return await asyncio.wait_for(_await_result(call), timeout)
+    except BaseException:
+        if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
+            call.close()
+        raise
+
+
+async def _await_result(value: Any) -> Any:
+    """A value that may be awaitable (an async ``rollout_fn`` or step) or already there (a sync
+    ``rollout_fn`` declared as a plain function that returned an awaitable, or a list)."""
+    while inspect.isawaitable(value):
+        value = await value
+    return value

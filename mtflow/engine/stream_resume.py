@@ -1,0 +1,125 @@
+"""A stream's ``on_update='resume'``: a generation cut by an update goes on from its exact ids.
+
+The contract with a resumable ``rollout_fn`` (abort, resume, merge) is
+:mod:`mtflow.engine.resume`'s; this module is the stream driver's side of it:
+
+* **cut**: the call raised :class:`~mtflow.engine.resume.GenerationAborted`; what it generated
+  becomes a segment of the turn, with the version that sampled it, and the request is issued
+  again under the new version (or wound down, when its group is now too stale);
+* **re-issue**: during the next call :func:`~mtflow.engine.resume.current_prefix` gives the
+  segments so far, and ``max_tokens`` is lowered by their ids;
+* **merge**: the last segment's output is joined with the prefix into the turn's one output,
+  stamped with its oldest segment's version; the per-segment spans go to
+  ``rollout_infos['policy_version_segments']`` (and the token record's ``TokenTurn.segments``).
+
+:class:`ResumeMixin` is that part of :class:`~mtflow.engine.stream.StreamDriver`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
+
+from mtflow.core.calls import OK, RAISED, Outcome
+from mtflow.core.machine import RequestRecord
+from mtflow.accounting.token_record import RECORD_ATTR
+from mtflow.engine.in_flight import Stopped
+from mtflow.engine.context import with_max_tokens
+from mtflow.engine.resume import (SEGMENTS_KEY, GenerationAborted, ResumeFrom, merged_output, reset_prefix,
+                                  segment_of, set_prefix, version_spans)
+
+__all__ = ['ResumeMixin']
+
+
+class ResumeMixin:
+    """The resume half of the stream driver (see the module docstring). It keeps, per record
+    index, the segments of a cut turn (``prefixes``) and a merged turn's spans until the turn is
+    applied (``resumed_spans``); it uses the driver's ``issued_version``, ``stats``, ``stopping``
+    and its ``doomed``, ``wind_down``, ``restore_record`` and ``generate``."""
+    issued_version: Dict[int, int]
+    stats: Dict[str, int]
+    stopping: bool
+
+    def init_resume(self) -> None:
+        #: the segments a cut generation had, by record index
+        self.prefixes: Dict[int, ResumeFrom] = {}
+        self.resumed_spans: Dict[int, List[List[Any]]] = {}
+
+    @contextlib.contextmanager
+    def prefixed(self, rec: RequestRecord) -> Iterator[None]:
+        """Around issuing ``rec``'s call: the call's task copies the context, so it sees the
+        prefix of a cut turn (none for a fresh one)."""
+        prefix = self.prefixes.get(rec.index)
+        if prefix is None:
+            yield
+            return
+        token = set_prefix(prefix)
+        try:
+            yield
+        finally:
+            reset_prefix(token)
+
+    def call_config(self, rec: RequestRecord, config: Any) -> Any:
+        """A resumed generation's ``max_tokens``: what is left after the ids it already has."""
+        prefix = self.prefixes.get(rec.index)
+        if prefix is None:
+            return config
+        limit = config.get('max_tokens') if isinstance(config, dict) else getattr(config, 'max_tokens', None)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return config  # the backend's own default: it is told the prefix, it knows its limit
+        return with_max_tokens(config, max(1, limit - len(prefix)))
+
+    def resumed(self, rec: RequestRecord, turn: int, outcome: Outcome) -> Optional[Outcome]:
+        """A generation's outcome seen through resumption: ``None`` when it was cut and issued
+        again (nothing more to do); else the outcome to handle, the whole turn when it was the
+        last segment of a cut one. A cut once the budget stopped the stream is a plain
+        cancellation (handed back; the turn is generated again on resume)."""
+        if outcome.kind == RAISED and isinstance(outcome.value, GenerationAborted):
+            if not self.stopping:
+                self.resume(rec, turn, outcome.value)
+                return None
+            self.prefixes.pop(rec.index, None)
+            return Outcome(RAISED, Stopped('cancelled'), outcome.duration)
+        if outcome.kind == OK and rec.index in self.prefixes:
+            return self.merge(rec, outcome)
+        return outcome
+
+    def resume(self, rec: RequestRecord, turn: int, aborted: GenerationAborted) -> None:
+        """A generation cut by an update (``on_update='resume'``): keep what it generated, with
+        the version that sampled it, and issue the rest under the new version."""
+        self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
+        if self.doomed(rec):
+            self.prefixes.pop(rec.index, None)
+            self.wind_down(rec)
+            return
+        prefix = self.prefixes.setdefault(rec.index, ResumeFrom())
+        prefix.segments.append(segment_of(aborted.output, self.issued_version.get(rec.index)))
+        self.stats['resumed_generations'] += 1
+        self.generate(rec, turn)
+
+    def merge(self, rec: RequestRecord, outcome: Outcome) -> Outcome:
+        """The last segment of a resumed turn arrived: the turn's one output, stamped with its
+        oldest segment's version; the segments' spans are recorded when it is applied."""
+        prefix = self.prefixes.pop(rec.index)
+        merged = merged_output(prefix, outcome.value)
+        last = self.issued_version.get(rec.index)
+        own = len(merged[0].response.choices[0].token_ids or []) - len(prefix) if merged is not outcome.value else 0
+        self.resumed_spans[rec.index] = version_spans(prefix, own, last)
+        oldest = next((seg.version for seg in prefix.segments if seg.version is not None), None)
+        if oldest is not None:
+            self.issued_version[rec.index] = oldest
+        return Outcome(OK, merged, outcome.duration)
+
+    def on_generated(self, rec: RequestRecord, turn: int) -> None:
+        super().on_generated(rec, turn)  # type: ignore[misc]
+        spans = self.resumed_spans.pop(rec.index, None)
+        if spans is None:
+            return
+        rec.infos.setdefault(SEGMENTS_KEY, []).append({'turn': turn, 'segments': spans})
+        record = getattr(rec.request, RECORD_ATTR, None)
+        turns = getattr(record, 'turns', None)
+        if turns:
+            turns[-1].segments = spans
+
+    def forget_resume(self, index: int) -> None:
+        self.prefixes.pop(index, None)
+        self.resumed_spans.pop(index, None)
