@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
 from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
 from mtflow.core.errors import MtflowError
 from mtflow.core.machine import RequestRecord
+from mtflow.engine.resume import GenerationAborted
 
 __all__ = ['InFlight', 'Completion', 'Stopped', 'MAX_ROLLOUT_THREADS', 'timed_step', 'is_async_callable']
 
@@ -195,7 +196,15 @@ async def _bounded(call: Any, timeout: Optional[float]) -> Any:
     try:
         if timeout is None:
             return await _await_result(call)
-        return await asyncio.wait_for(_await_result(call), timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            return await asyncio.wait_for(_await_result(call), timeout)
+        except GenerationAborted as exc:
+            # a resumable call answers the deadline's cancellation with its partial output, and
+            # wait_for (3.11) passes that on instead of TimeoutError: it is still the deadline
+            if asyncio.get_running_loop().time() >= deadline:
+                raise asyncio.TimeoutError() from exc
+            raise
     except BaseException:
         if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
             call.close()

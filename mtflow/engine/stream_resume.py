@@ -104,7 +104,9 @@ class ResumeMixin:
         last = self.issued_version.get(rec.index)
         own = len(merged[0].response.choices[0].token_ids or []) - len(prefix) if merged is not outcome.value else 0
         self.resumed_spans[rec.index] = version_spans(prefix, own, last)
-        oldest = next((seg.version for seg in prefix.segments if seg.version is not None), None)
+        # the version of the turn's first sampled token: a segment cut before it had any ids
+        # (an update right after the call went out) sampled nothing, so its version is not the turn's
+        oldest = next((seg.version for seg in prefix.segments if seg.ids and seg.version is not None), None)
         if oldest is not None:
             self.issued_version[rec.index] = oldest
         return Outcome(OK, merged, outcome.duration)

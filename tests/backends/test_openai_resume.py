@@ -108,9 +108,9 @@ def test_resume_through_the_server_equals_an_uninterrupted_run(tok, mode):
             sampled = len(out.rollout_logprobs[t - 1])
             assert spans[0][0] == 0 and spans[-1][1] == sampled, (uuid, t, spans)
             assert all(a[1] == b[0] and a[2] <= b[2] for a, b in zip(spans, spans[1:]))
-            # the turn counts as old as its first segment; a cut before the first token leaves an
-            # empty segment, whose version the stream still counts (engine/stream.py merge)
-            assert versions[t - 1] <= spans[0][2]
+            # the turn counts as old as its first token: a cut before any token left an empty
+            # segment, which sampled nothing (engine/stream_resume.py merge)
+            assert versions[t - 1] == spans[0][2], "a turn is stamped with the version of its first token"
             cut_turns += len({v for _, _, v in spans}) > 1
     assert cut_turns > 0  # some turn was sampled by two versions and still came out exact
     resumed_bodies = [b for b in bodies if b.get('continue_final_message')]

@@ -103,7 +103,7 @@ def test_resume_on_the_async_engine_equals_an_uninterrupted_run(tiny):
             t, spans = entry['turn'], entry['segments']
             assert spans[0][0] == 0 and spans[-1][1] == len(out.rollout_logprobs[t - 1])
             assert all(a[1] == b[0] and a[2] <= b[2] for a, b in zip(spans, spans[1:]))
-            assert versions[t - 1] <= spans[0][2]
+            assert versions[t - 1] == spans[0][2], "a turn is stamped with the version of its first token"
             cut_turns += len({v for _, _, v in spans}) > 1
     assert cut_turns > 0
     assert len(resumed_prompts) > 8  # 4 requests x 2 turns, and the resumed calls on top

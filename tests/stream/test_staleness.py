@@ -139,3 +139,33 @@ def test_a_group_found_stale_after_until_stopped_the_stream_is_handed_back_unfin
     again = Executor(LongTailScheduler(w), SimEngine(w, 0.0001, 64), mode='async').run(
         [back[u] for u in sorted(handed)])
     assert all(r != 'error' for r in again.finish_reasons) and len(again.outputs) == 4
+
+
+def test_a_resumable_call_past_its_deadline_times_out_like_any_other():
+    """At the deadline a resumable rollout_fn answers the cancellation with GenerationAborted (its
+    partial output), which asyncio.wait_for passes on in place of TimeoutError: the request must
+    still end as a timeout, exactly as with a rollout_fn that is not resumable."""
+    import asyncio
+
+    from mtflow import RolloutInferRequest, Scheduler
+    from mtflow.engine.resume import GenerationAborted
+
+    async def slow(requests, request_config=None):
+        await asyncio.sleep(30)
+
+    async def resumable(requests, request_config=None):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise GenerationAborted(None) from None
+
+    resumable.resumable = True
+
+    def run(fn):
+        reqs = [RolloutInferRequest(uuid='late', messages=[{'role': 'user', 'content': 'hi'}])]
+        return Executor(Scheduler(), fn, mode='async', rollout_timeout_s=0.2, on_error='return').run(reqs)
+
+    plain, cut = run(slow), run(resumable)
+    assert plain.finish_reasons == ['timeout'] and cut.finish_reasons == ['timeout']
+    assert [(f.uuid, f.phase, type(f.error).__name__) for f in cut.failures] == \
+        [(f.uuid, f.phase, type(f.error).__name__) for f in plain.failures]
