@@ -175,3 +175,19 @@ def test_closing_an_async_engine_cancels_its_output_handler_first_then_shuts_it_
     assert SHUTDOWN_TIMEOUT_S >= 30
     engine.shutdown()  # what AsyncLLM.__del__ does at interpreter exit
     assert len(events) == 2, 'the second shutdown does nothing'
+
+
+def test_the_async_engine_fails_only_the_requests_with_images(tiny):
+    """The async engine shows no images: a request that has one fails alone, named, and the call's
+    other requests stream as they would without it."""
+    from PIL import Image
+
+    requests = _requests()
+    requests[1].images = [Image.new('RGB', (8, 8))]
+    with _backend(FakeAsyncLLM(*tiny)) as backend:
+        got = backend(requests, GREEDY)
+    with _backend(FakeAsyncLLM(*tiny)) as backend:
+        alone = backend([requests[0], requests[2]], GREEDY)
+    assert isinstance(got[1], BackendError) and "request 'b' has 1 image(s)" in str(got[1])
+    assert "vllm's async engine" in str(got[1])
+    assert [_c(o).token_ids for o in (got[0], got[2])] == [_c(o).token_ids for o in alone]
