@@ -23,14 +23,15 @@ connection: the server sees the disconnect (vLLM's server then aborts the reques
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional
 
 from mtflow.backends.base import BackendError
 
-__all__ = ['CLIENTS', 'Reply', 'Unreachable', 'TimedOut', 'make_client', 'RETRY_STATUS', 'error_message',
-           'retry_after']
+__all__ = ['CLIENTS', 'Reply', 'Unreachable', 'TimedOut', 'choose_client', 'make_client', 'RETRY_STATUS',
+           'error_message', 'retry_after']
 
 CLIENTS = ('httpx', 'aiohttp')
 KEEPALIVE_S = 30.0
@@ -153,6 +154,21 @@ class _Aiohttp:
 #: aiohttp's errors named as httpx names them, so that a message does not depend on the client
 _HTTPX_NAMES = {'ClientConnectorError': 'ConnectError', 'ServerDisconnectedError': 'RemoteProtocolError',
                 'ClientOSError': 'ReadError'}
+
+
+def choose_client(http_client: str) -> str:
+    """The client a backend's ``http_client`` option names (``'auto'``: aiohttp when it is
+    installed, else httpx), checked to import here so a missing one is named at construction."""
+    if http_client not in CLIENTS + ('auto', ):
+        raise BackendError(f'openai backend: http_client must be auto, {" or ".join(CLIENTS)}, not {http_client!r}')
+    if http_client == 'auto':
+        http_client = 'aiohttp' if importlib.util.find_spec('aiohttp') is not None else 'httpx'
+    try:
+        __import__(http_client)
+    except ImportError as exc:
+        extra = 'openai' if http_client == 'httpx' else 'aiohttp'
+        raise BackendError(f"the openai backend needs {http_client}: pip install 'mtflow[{extra}]'") from exc
+    return http_client
 
 
 def make_client(kind: str, headers: Dict[str, str], timeout: float, max_connections: int) -> Any:

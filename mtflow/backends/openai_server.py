@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -58,11 +57,12 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
-from mtflow.backends.http_client import RETRY_STATUS, CLIENTS, TimedOut, Unreachable, error_message, make_client, retry_after
+from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
+                                         retry_after)
 from mtflow.backends.openai_stream import completion_items, stream_body, streamed_acall, token_ids_from_logprobs
-from mtflow.backends.images import openai_messages, refuse_images
+from mtflow.backends.images import image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
-from mtflow.backends.routing import Router, cached_tokens_of
+from mtflow.backends.routing import Router, cached_tokens_of, watch_health
 from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
@@ -266,10 +266,8 @@ class OpenAIBackend(ServerMetrics, Backend):
         weight_version: the policy weights' version (:meth:`set_weight_version` after an update):
             sticky placements are forgotten when it changes, and flavor ``vllm`` sends it as
             ``cache_salt`` so no prefix-cache block is reused across weights.
-        http_client: ``'aiohttp'``, ``'httpx'`` or ``'auto'`` (default: aiohttp when it is
-            installed, else httpx; :mod:`mtflow.backends.http_client`): at 500 concurrent requests
-            httpx's pool costs ~50 ms of client CPU per request, aiohttp ~1.3 ms
-            (``benchmarks/serving.py``, ``docs/benchmarks.md``).
+        http_client: ``'aiohttp'``, ``'httpx'`` or ``'auto'`` (aiohttp when installed: at 500
+            requests in flight it costs ~1.3 ms of client CPU per request, httpx ~50 ms; ``docs/benchmarks.md``).
         health_interval_s: seconds between health checks (``GET <url>/models``) of several
             servers; a server that refused a connection is used again once it answers. 0: off.
         resumable: stream each single-request async call (SSE) so that a stream's
@@ -309,16 +307,7 @@ class OpenAIBackend(ServerMetrics, Backend):
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")
         self.resumable = bool(resumable)
-        if http_client not in CLIENTS + ('auto', ):
-            raise BackendError(f'openai backend: http_client must be auto, {" or ".join(CLIENTS)}, not {http_client!r}')
-        if http_client == 'auto':
-            http_client = 'aiohttp' if importlib.util.find_spec('aiohttp') is not None else 'httpx'
-        try:
-            __import__(http_client)
-        except ImportError as exc:
-            extra = 'openai' if http_client == 'httpx' else 'aiohttp'
-            raise BackendError(f"the openai backend needs {http_client}: pip install 'mtflow[{extra}]'") from exc
-        self.http_client = http_client
+        self.http_client = choose_client(http_client)
         _check_connection_options(flavor, max_connections, max_retries, timeout)
         if urls is not None and (isinstance(urls, str) or not isinstance(urls, (list, tuple))):
             raise BackendError(f'openai backend: urls must be a list of server URLs, not {urls!r}')
@@ -331,9 +320,7 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.served_model = model
         self.model_name = model or self.base_url
         self.flavor = flavor
-        self.max_connections = max_connections
-        self.timeout = timeout
-        self.max_retries = max_retries
+        self.max_connections, self.timeout, self.max_retries = max_connections, timeout, max_retries
         self.backoff, self.backoff_max = backoff, backoff_max
         self.default_max_tokens = default_max_tokens
         self.extra_body = dict(extra_body or {})
@@ -344,11 +331,7 @@ class OpenAIBackend(ServerMetrics, Backend):
         self._sem: Optional[asyncio.Semaphore] = None
         self._model_lock: Optional[asyncio.Lock] = None
         self.retries = 0  # total retries made (for tests and the summary)
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer = _loaded_tokenizer(tokenizer)
         self.prompt_mode = prompt_mode = _resolve_prompt_mode(prompt_mode, tokenizer, flavor)
         self.seed = seed
         self._seeded = 0
@@ -365,18 +348,12 @@ class OpenAIBackend(ServerMetrics, Backend):
             self._client = make_client(self.http_client, self._headers, self.timeout, self.max_connections)
             self._sem = asyncio.Semaphore(self.max_connections)
             if len(self.router.replicas) > 1 and self.health_interval_s > 0:
-                self._health_task = asyncio.ensure_future(self._health_loop())
+                self._health_task = asyncio.ensure_future(watch_health(self.router, self._probe, self.health_interval_s))
         return self._client
 
     async def _probe(self, replica: Any) -> bool:
         resp = await self._client.request('GET', replica.url + '/models', None, timeout=min(self.timeout, 5.0))
         return resp.status_code < 500
-
-    async def _health_loop(self) -> None:
-        """Health checks of every replica, every ``health_interval_s`` (see the routing module)."""
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            await self.router.check_health(self._probe)
 
     async def _resolve_model(self) -> str:
         if self.served_model is None:
@@ -483,12 +460,9 @@ class OpenAIBackend(ServerMetrics, Backend):
             self._seeded += len(requests)
         if self.prompter is None:
             return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
-        outputs: List[Any] = [None] * len(requests)
-        for k, r in enumerate(requests):  # a request with images fails alone; the call's others go on
-            try:
-                refuse_images(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
-            except BackendError as exc:
-                outputs[k] = exc
+        # a request with images fails alone (its output is the error naming it); the call's others go on
+        outputs: List[Any] = [image_refusal(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
+                              for r in requests]
         going = [k for k, out in enumerate(outputs) if out is None]
         plans = [self.prompter.plan(requests[k]) for k in going]
         sent = await asyncio.gather(*(self._one(requests[k], options, model, seed_index[k], p.ids)
@@ -559,6 +533,15 @@ class OpenAIBackend(ServerMetrics, Backend):
         n = len(self.router.replicas)
         where = self.base_url if n == 1 else f'{n} servers, routing {self.router.policy}'
         return f'openai ({self.model_name} at {where}, flavor {self.flavor})'
+
+
+def _loaded_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` as given, or loaded with ``AutoTokenizer`` from a local path / hub id."""
+    if not isinstance(tokenizer, str):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer)
 
 
 def _check_connection_options(flavor: str, max_connections: Any, max_retries: int, timeout: float) -> None:

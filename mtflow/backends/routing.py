@@ -59,7 +59,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set
 
 from mtflow.backends.base import BackendError
 
-__all__ = ['POLICIES', 'Replica', 'Router', 'cached_tokens_of', 'hit_rate']
+__all__ = ['POLICIES', 'Replica', 'Router', 'cached_tokens_of', 'hit_rate', 'watch_health']
 
 POLICIES = ('sticky_least_loaded', 'least_loaded', 'round_robin', 'consistent_hash')
 #: serving-log entries kept for requests nobody took (a Python caller that never calls take)
@@ -431,3 +431,11 @@ class Router:
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), 'big')
+
+
+async def watch_health(router: Router, probe: Any, interval_s: float) -> None:
+    """``router``'s health checks (:meth:`Router.check_health`) every ``interval_s`` seconds,
+    until cancelled (the task a backend of several servers keeps on its loop)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await router.check_health(probe)

@@ -209,3 +209,8 @@ def test_make_backend_builds_it_by_name(server):
         backend.close()
     with pytest.raises(BackendError, match='flavor must be one of'):
         make_backend('openai', flavor='tgi')
+
+
+def test_an_unknown_http_client_is_named_at_construction():
+    with pytest.raises(BackendError, match="http_client must be auto, httpx or aiohttp, not 'curl'"):
+        OpenAIBackend(model='m', base_url='http://127.0.0.1:9/v1', http_client='curl')
