@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
+from mtflow.core.scheduler import Scheduler
 
 
 def req(uuid: str, *messages: Dict[str, Any], **kw: Any) -> RolloutInferRequest:
@@ -90,3 +91,16 @@ def run_contents(out: Path) -> tuple:
     for e in jsonl_lines(out / 'trace.jsonl'):
         events.setdefault(e['uuid'], []).append({k: v for k, v in e.items() if k not in ('t', 'duration_s')})
     return {t['uuid']: t for t in trajectories}, events
+
+
+class SaysLower(Scheduler):
+    """Never finishes by itself: every turn the user answers 'lower' (``max_turns`` ends it), and
+    the turn's sampled ids are its response ids, all in the loss (the resume tests' scheduler)."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'lower'})
+        ids = response_choice.token_ids or []
+        return {'infer_request': infer_request, 'response_token_ids': ids, 'response_loss_mask': [1] * len(ids)}

@@ -6,8 +6,6 @@ continues it from the exact ids it had, appended to the prompt. A chunk boundary
 prefill, so logprobs agree with an uncut run to float rounding, not bit for bit."""
 from __future__ import annotations
 
-import asyncio
-import threading
 
 import pytest
 
@@ -17,25 +15,15 @@ pytest.importorskip('transformers')
 from mtflow import Executor, RequestConfig  # noqa: E402
 from mtflow.backends import BackendError  # noqa: E402
 from mtflow.backends.hf import HFBackend  # noqa: E402
-from mtflow.core.scheduler import Scheduler  # noqa: E402
-from mtflow.engine.resume import GenerationAborted, is_resumable  # noqa: E402
-from tests.helpers import req  # noqa: E402
+from mtflow.engine.resume import is_resumable  # noqa: E402
+from tests.backends.resume_util import after_steps, check_resumed, cut_midway, stream_with_updates  # noqa: E402
+from tests.helpers import SaysLower, req  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.hf
 CONFIG = RequestConfig(temperature=0, max_tokens=16, logprobs=True)
 UPDATES, STEP = 4, 6  # an update after every 6 chunk calls
 
-
-class _Lower(Scheduler):
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return False
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({'role': 'user', 'content': 'lower'})
-        ids = response_choice.token_ids or []
-        return {'infer_request': infer_request, 'response_token_ids': ids, 'response_loss_mask': [1] * len(ids)}
 
 
 @pytest.fixture(scope='module')
@@ -58,32 +46,16 @@ def _stream(hf, updates):
             return inner(chunks, options)
 
         rollout.batcher.batch_fn = counting
-        ex = Executor(_Lower(), rollout, CONFIG, max_turns=2)
-        stop = threading.Event()
-
-        def trainer():
-            for v in range(1, updates + 1):
-                mark = calls['n'] + STEP
-                while calls['n'] < mark:
-                    if stop.wait(0.002):
-                        return
-                ex.set_policy_version(v)
-
-        thread = threading.Thread(target=trainer, daemon=True)
+        ex = Executor(SaysLower(), rollout, CONFIG, max_turns=2)
         reqs = _requests()
-        stream = ex.stream(iter([reqs[:2], reqs[2:]]), max_concurrency=4, on_update='resume')
-        thread.start()
-        got = list(stream)
-        stop.set()
-        thread.join()
-    return {u: o for g in got for u, o in zip(g.uuids, g.outputs)}, stream
+        return stream_with_updates(ex, [reqs[:2], reqs[2:]], updates, after_steps(lambda: calls['n'], STEP), 4)
 
 
 def test_chunked_generation_equals_the_plain_one(hf):
     chunked, _ = _stream(hf, 0)
     plain = HFBackend(hf.model, hf.tokenizer)
     with plain.async_rollout_fn() as batcher:
-        ref = Executor(_Lower(), batcher, CONFIG, max_turns=2, mode='async').run(_requests())
+        ref = Executor(SaysLower(), batcher, CONFIG, max_turns=2, mode='async').run(_requests())
     for i, out in enumerate(ref.outputs):
         got = chunked[f'r{i}']
         assert got.response_token_ids == out.response_token_ids
@@ -97,21 +69,7 @@ def test_resume_between_chunks_equals_an_uninterrupted_run(hf):
     assert ref_stream.stats['resumed_generations'] == 0
     mine, stream = _stream(hf, UPDATES)
     assert stream.stats['resumed_generations'] > 0
-    cut_turns = 0
-    for uuid, out in ref.items():
-        got = mine[uuid]
-        assert got.response_token_ids == out.response_token_ids, uuid
-        assert got.messages == out.messages, uuid
-        for a, b in zip(got.rollout_logprobs, out.rollout_logprobs):
-            assert a == pytest.approx(b, abs=1e-4), uuid
-        versions = got.rollout_infos['policy_versions']
-        assert versions == sorted(versions) and len(versions) == 2
-        for entry in got.rollout_infos.get('policy_version_segments', []):
-            t, spans = entry['turn'], entry['segments']
-            assert spans[0][0] == 0 and spans[-1][1] == len(out.rollout_logprobs[t - 1])
-            assert all(a[1] == b[0] and a[2] <= b[2] for a, b in zip(spans, spans[1:]))
-            cut_turns += len({v for _, _, v in spans}) > 1
-    assert cut_turns > 0
+    assert check_resumed(ref, mine, turns=2, logprob_abs=1e-4) > 0
 
 
 def test_a_cut_call_hands_back_its_whole_chunks(hf):
@@ -128,16 +86,7 @@ def test_a_cut_call_hands_back_its_whole_chunks(hf):
 
         rollout.batcher.batch_fn = counting
 
-        async def cut():
-            task = asyncio.ensure_future(rollout([r], CONFIG))
-            while done['n'] < 2:
-                await asyncio.sleep(0.002)
-            task.cancel()
-            with pytest.raises(GenerationAborted) as info:
-                await task
-            return info.value.output[0]
-
-        partial = asyncio.run(cut())
+        partial = cut_midway(lambda: rollout([r], CONFIG), lambda: done['n'] >= 2)
         assert rollout.backend.prompter.find_record(r)[0] is None, 'a cut call commits no turn'
     full = HFBackend(hf.model, hf.tokenizer)([req('c', {'role': 'user', 'content': 'guess 2'})], CONFIG)[0]
     got, want = partial.response.choices[0], full.response.choices[0]

@@ -7,7 +7,6 @@ server sees the disconnect and stops) and continues it from the exact ids it had
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import List
 
@@ -19,26 +18,15 @@ pytest.importorskip('transformers')
 from mtflow import Executor, RequestConfig  # noqa: E402
 from mtflow.backends.base import BackendError  # noqa: E402
 from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
-from mtflow.core.scheduler import Scheduler  # noqa: E402
-from mtflow.engine.resume import GenerationAborted, is_resumable  # noqa: E402
+from mtflow.engine.resume import is_resumable  # noqa: E402
 from tests.backends.chat_server import ChatServer, ToyLM  # noqa: E402
-from tests.helpers import req  # noqa: E402
+from tests.backends.resume_util import check_resumed, cut_midway, every, stream_with_updates  # noqa: E402
+from tests.helpers import SaysLower, req  # noqa: E402
 from tests.tiny_model import make_tokenizer  # noqa: E402
 
 CONFIG = RequestConfig(temperature=0, max_tokens=24, logprobs=True)
 UPDATES, EVERY_S = 6, 0.12
 
-
-class _Lower(Scheduler):
-    """Every turn the user answers 'lower' (three model turns)."""
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return False
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({'role': 'user', 'content': 'lower'})
-        ids = response_choice.token_ids or []
-        return {'infer_request': infer_request, 'response_token_ids': ids, 'response_loss_mask': [1] * len(ids)}
 
 
 @pytest.fixture(scope='module')
@@ -60,26 +48,13 @@ def _stream(tok, mode: str, updates: int):
     with ChatServer(None, lm=ToyLM(tok)) as server:
         server.stream_delay = 0.008
         with _client(server, tok, mode) as client:
-            ex = Executor(_Lower(), client.async_rollout_fn(), CONFIG, max_turns=3)
+            ex = Executor(SaysLower(), client.async_rollout_fn(), CONFIG, max_turns=3)
             reqs = _requests()
-            stop = threading.Event()
-
-            def trainer():
-                for v in range(1, updates + 1):
-                    if stop.wait(EVERY_S):
-                        return
-                    ex.set_policy_version(v)
-
-            thread = threading.Thread(target=trainer, daemon=True)
-            stream = ex.stream(iter([reqs[i:i + 2] for i in range(0, 8, 2)]), max_concurrency=8, on_update='resume')
-            thread.start()
-            got = list(stream)
-            stop.set()
-            thread.join()
+            got, stream = stream_with_updates(ex, [reqs[i:i + 2] for i in range(0, 8, 2)], updates, every(EVERY_S), 8)
             deadline = time.monotonic() + 5  # a handler notices a disconnect at its next write
             while any(e['outcome'] is None for e in server.streams) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            return {u: o for g in got for u, o in zip(g.uuids, g.outputs)}, stream, list(server.streams), server.bodies
+            return got, stream, list(server.streams), server.bodies
 
 
 @pytest.mark.parametrize('mode', ['tokens', 'chat'])
@@ -93,26 +68,8 @@ def test_resume_through_the_server_equals_an_uninterrupted_run(tok, mode):
     assert 1 <= len(aborted) <= resumed, (len(aborted), resumed)  # the cut calls' streams were closed ...
     assert all(e['sent'] < e['planned'] for e in aborted)  # ... and the server stopped them early
     assert sum(e['planned'] - e['sent'] for e in aborted) > 0
-    assert set(mine) == set(ref) and len(ref) == 8
-    cut_turns = 0
-    for uuid, out in ref.items():
-        got = mine[uuid]
-        assert got.response_token_ids == out.response_token_ids, uuid  # continued, not regenerated
-        assert got.rollout_logprobs == out.rollout_logprobs, uuid
-        assert got.messages == out.messages, uuid
-        assert got.rollout_infos['num_turns'] == 3
-        versions = got.rollout_infos['policy_versions']
-        assert versions == sorted(versions)
-        for entry in got.rollout_infos.get('policy_version_segments', []):
-            t, spans = entry['turn'], entry['segments']
-            sampled = len(out.rollout_logprobs[t - 1])
-            assert spans[0][0] == 0 and spans[-1][1] == sampled, (uuid, t, spans)
-            assert all(a[1] == b[0] and a[2] <= b[2] for a, b in zip(spans, spans[1:]))
-            # the turn counts as old as its first token: a cut before any token left an empty
-            # segment, which sampled nothing (engine/stream_resume.py merge)
-            assert versions[t - 1] == spans[0][2], "a turn is stamped with the version of its first token"
-            cut_turns += len({v for _, _, v in spans}) > 1
-    assert cut_turns > 0  # some turn was sampled by two versions and still came out exact
+    assert len(ref) == 8
+    assert check_resumed(ref, mine, turns=3) > 0  # some turn was sampled by two versions and still came out exact
     resumed_bodies = [b for b in bodies if b.get('continue_final_message')]
     if mode == 'chat':  # each turn starts with a user message: only a resumed call continues one
         assert resumed_bodies and all(b['messages'][-1]['role'] == 'assistant' and b['add_generation_prompt'] is False
@@ -146,16 +103,8 @@ def test_a_cancelled_call_raises_generation_aborted_with_the_ids_so_far(tok, htt
         with _client(server, tok, 'tokens', http_client=http_client) as client:
             r = req('c', {'role': 'user', 'content': content})
 
-            async def cut():
-                task = asyncio.ensure_future(client.acall([r], CONFIG))
-                while not (server.streams and server.streams[0]['sent'] >= 4):  # cut in the middle
-                    await asyncio.sleep(0.005)
-                task.cancel()
-                with pytest.raises(GenerationAborted) as info:
-                    await task
-                return info.value.output[0]
-
-            partial = asyncio.run(cut())
+            partial = cut_midway(lambda: client.acall([r], CONFIG),
+                                 lambda: bool(server.streams and server.streams[0]['sent'] >= 4))
             assert client.prompter.find_record(r)[0] is None, 'a cut call commits no turn to the token record'
             choice = partial.response.choices[0]
             whole = client.async_rollout_fn()  # the same request, uncut: the partial is its prefix
@@ -178,13 +127,13 @@ def test_a_broken_stream_fails_only_its_request(tok, how):
         server.stream_delay = 0.002
         server.break_streams = [(3, how)]
         with _client(server, tok, 'tokens', max_retries=0) as client:
-            result = Executor(_Lower(), client.async_rollout_fn(), CONFIG, max_turns=1, on_error='return',
+            result = Executor(SaysLower(), client.async_rollout_fn(), CONFIG, max_turns=1, on_error='return',
                               mode='async').run([req('only', {'role': 'user', 'content': 'guess 0'})])
             assert result.finish_reasons == ['error']
             message = str(result.outputs[0].rollout_infos)
             want = 'failed mid-stream after 3 token' if how == 'error' else 'broke after 3 token'
             assert want in message and "'only'" in message, message
-            again = Executor(_Lower(), client.async_rollout_fn(), CONFIG, max_turns=1, on_error='return',
+            again = Executor(SaysLower(), client.async_rollout_fn(), CONFIG, max_turns=1, on_error='return',
                              mode='async').run([req(f'ok{i}', {'role': 'user', 'content': 'guess 0'}) for i in range(3)])
     assert again.finish_reasons == ['max_turns'] * 3
 
@@ -194,7 +143,7 @@ def test_a_server_that_does_not_stream_is_a_clear_error(tok):
         server.complete = lambda body: (200, {'id': 'x', 'model': 'tiny-qwen2', 'choices': [
             {'index': 0, 'message': {'role': 'assistant', 'content': 'hi'}, 'finish_reason': 'stop'}]})
         with _client(server, tok, 'chat') as client:
-            result = Executor(_Lower(), client.async_rollout_fn(), CONFIG, max_turns=1, on_error='return',
+            result = Executor(SaysLower(), client.async_rollout_fn(), CONFIG, max_turns=1, on_error='return',
                               mode='async').run([req('nostream')])
     assert result.finish_reasons == ['error']
     message = str(result.outputs[0].rollout_infos)

@@ -7,8 +7,6 @@ exact ids it had, appended to the token prompt. The real engine is checked by th
 ``test_vllm_real_resume.py``."""
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import pytest
@@ -19,26 +17,16 @@ pytest.importorskip('transformers')
 from mtflow import Executor, RequestConfig  # noqa: E402
 from mtflow.backends import BackendError  # noqa: E402
 from mtflow.backends.vllm_engine import VLLMBackend  # noqa: E402
-from mtflow.core.scheduler import Scheduler  # noqa: E402
-from mtflow.engine.resume import GenerationAborted, is_resumable  # noqa: E402
+from mtflow.engine.resume import is_resumable  # noqa: E402
 from tests.backends.fake_vllm import FakeAsyncLLM, FakeLLM, SamplingParams  # noqa: E402
-from tests.helpers import req  # noqa: E402
+from tests.backends.resume_util import after_steps, check_resumed, cut_midway, stream_with_updates  # noqa: E402
+from tests.helpers import SaysLower, req  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.hf
 CONFIG = RequestConfig(temperature=0, max_tokens=16, logprobs=True)
 UPDATES, STEP = 4, 10  # an update after every 10 tokens the engine yields
 
-
-class _Lower(Scheduler):
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return False
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({'role': 'user', 'content': 'lower'})
-        ids = response_choice.token_ids or []
-        return {'infer_request': infer_request, 'response_token_ids': ids, 'response_loss_mask': [1] * len(ids)}
 
 
 @pytest.fixture(scope='module')
@@ -62,25 +50,11 @@ class _Counting(FakeAsyncLLM):
 def _stream(tiny, updates):
     engine = _Counting(*tiny, delay_per_token={'mtflow': 0.01})
     with VLLMBackend(engine, sampling_params_cls=SamplingParams, resumable=True) as backend:
-        ex = Executor(_Lower(), backend.async_rollout_fn(), CONFIG, max_turns=2)
+        ex = Executor(SaysLower(), backend.async_rollout_fn(), CONFIG, max_turns=2)
         reqs = [req(f'r{i}', {'role': 'user', 'content': f'guess {i}'}) for i in range(4)]
-        stop = threading.Event()
-
-        def trainer():
-            for v in range(1, updates + 1):
-                mark = engine.yielded + STEP
-                while engine.yielded < mark:
-                    if stop.wait(0.002):
-                        return
-                ex.set_policy_version(v)
-
-        thread = threading.Thread(target=trainer, daemon=True)
-        stream = ex.stream(iter([reqs[i:i + 2] for i in range(0, 4, 2)]), max_concurrency=4, on_update='resume')
-        thread.start()
-        got = list(stream)
-        stop.set()
-        thread.join()
-    return {u: o for g in got for u, o in zip(g.uuids, g.outputs)}, stream, engine
+        got, stream = stream_with_updates(ex, [reqs[i:i + 2] for i in range(0, 4, 2)], updates,
+                                          after_steps(lambda: engine.yielded, STEP), 4)
+    return got, stream, engine
 
 
 @pytest.mark.slow  # ~7-12 s: the stand-in recomputes the tiny model for every token
@@ -91,21 +65,7 @@ def test_resume_on_the_async_engine_equals_an_uninterrupted_run(tiny):
     assert stream.stats['resumed_generations'] > 0
     assert 1 <= len(engine.aborted) <= stream.stats['resumed_generations']  # the cut requests were aborted
     resumed_prompts = [q['prompt']['prompt_token_ids'] for q in engine.requests]
-    cut_turns = 0
-    for uuid, out in ref.items():
-        got = mine[uuid]
-        assert got.response_token_ids == out.response_token_ids, uuid
-        assert got.rollout_logprobs == out.rollout_logprobs, uuid
-        assert got.messages == out.messages, uuid
-        versions = got.rollout_infos['policy_versions']
-        assert versions == sorted(versions) and len(versions) == 2
-        for entry in got.rollout_infos.get('policy_version_segments', []):
-            t, spans = entry['turn'], entry['segments']
-            assert spans[0][0] == 0 and spans[-1][1] == len(out.rollout_logprobs[t - 1])
-            assert all(a[1] == b[0] and a[2] <= b[2] for a, b in zip(spans, spans[1:]))
-            assert versions[t - 1] == spans[0][2], "a turn is stamped with the version of its first token"
-            cut_turns += len({v for _, _, v in spans}) > 1
-    assert cut_turns > 0
+    assert check_resumed(ref, mine, turns=2) > 0
     assert len(resumed_prompts) > 8  # 4 requests x 2 turns, and the resumed calls on top
 
 
@@ -115,16 +75,7 @@ def test_a_cut_call_aborts_its_engine_request_and_hands_back_the_ids_so_far(tiny
         assert is_resumable(backend.async_rollout_fn())
         r = req('c', {'role': 'user', 'content': 'guess 3'})
 
-        async def cut():
-            task = asyncio.ensure_future(backend.acall([r], CONFIG))
-            while engine.yielded < 4:  # cut in the middle
-                await asyncio.sleep(0.005)
-            task.cancel()
-            with pytest.raises(GenerationAborted) as info:
-                await task
-            return info.value.output[0]
-
-        partial = asyncio.run(cut())
+        partial = cut_midway(lambda: backend.acall([r], CONFIG), lambda: engine.yielded >= 4)
         assert backend.prompter.find_record(r)[0] is None, 'a cut call commits no turn'
         deadline = time.monotonic() + 5  # the abort runs on the backend's loop after the cut
         while not engine.aborted and time.monotonic() < deadline:
