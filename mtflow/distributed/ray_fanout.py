@@ -54,7 +54,35 @@ from mtflow.run.images import ImageStore
 from mtflow.run.trajectories import finished_to_record, reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
-__all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run']
+__all__ = ['WorkerSpec', 'ShardWorker', 'RayRecord', 'RayRunResult', 'RayRunError', 'ray_run',
+           'sweep_orphan_image_dirs']
+
+#: an actor's image folder in the node's temp dir: ``<prefix><slot>-pid<actor pid>-<random>``
+IMAGE_DIR_PREFIX = 'mtflow-ray-images-'
+_IMAGE_DIR_PID = re.compile(re.escape(IMAGE_DIR_PREFIX) + r'\d+-pid(\d+)-')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_orphan_image_dirs(root: Optional[Path] = None) -> List[Path]:
+    """Remove the image folders of actors that died without cleaning up (a killed actor never
+    reaches its ``close``): a folder whose actor pid no longer runs. Each new actor sweeps its
+    node's temp dir once, so a crashed run's images do not pile up. Returns what it removed."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob(IMAGE_DIR_PREFIX + '*'):
+        match = _IMAGE_DIR_PID.match(folder.name)
+        if match and folder.is_dir() and not _alive(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 #: how long the driver waits for the live actors to close their schedulers and backends at the end
 CLOSE_TIMEOUT_S = 10.0
@@ -165,7 +193,9 @@ class ShardWorker:
         """The executor's ``image_store``: ``image`` stored in this actor's own folder, as an
         :class:`~mtflow.core.images.ImageRef`."""
         if self._images is None:
-            self._images = ImageStore(Path(tempfile.mkdtemp(prefix=f'mtflow-ray-images-{self.slot}-')), fsync=False)
+            sweep_orphan_image_dirs()
+            folder = tempfile.mkdtemp(prefix=f'{IMAGE_DIR_PREFIX}{self.slot}-pid{os.getpid()}-')
+            self._images = ImageStore(Path(folder), fsync=False)
         return self._images.put_ref(image)
 
     def encoded_images(self, request: Any) -> List[bytes]:

@@ -48,6 +48,44 @@ def test_a_shard_ships_each_requests_images_and_cleans_up():
     assert not folder.exists()
 
 
+_KILLED_ACTOR = """
+import sys
+from PIL import Image
+from mtflow.distributed import ShardWorker, WorkerSpec
+worker = ShardWorker(WorkerSpec(lambda: None, lambda tok: None), slot=3)
+worker.store_image(Image.new('RGB', (2, 2)))
+print(worker._images.dir.parent, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_killed_actors_image_folder_is_swept_by_the_next_actor(tmp_path, monkeypatch):
+    """A killed actor never reaches close(): its folder stays until an actor of a later run on the
+    node sweeps the folders whose actor is gone (and leaves a live actor's alone)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    env = dict(__import__('os').environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    child = subprocess.Popen([sys.executable, '-c', _KILLED_ACTOR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=env, text=True)
+    try:
+        orphan = Path(child.stdout.readline().strip())
+        assert orphan.parent == tmp_path and orphan.is_dir()
+    finally:
+        child.kill()
+        child.wait()
+    unrelated = tmp_path / 'mtflow-ray-images-notours'
+    unrelated.mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    worker = ShardWorker(WorkerSpec(backend, lambda tok: Frames(max_turns=1)), slot=1)
+    mine = Path(worker.store_image(Image.new('RGB', (2, 2)))).parent.parent
+    assert not orphan.exists(), 'the killed actor\'s folder is removed'
+    assert mine.is_dir() and unrelated.is_dir(), 'a live actor\'s folder and a foreign one stay'
+    worker.close()
+    assert not mine.exists()
+
+
 @pytest.mark.slow
 def test_mtflow_run_ray_stores_the_images_like_a_local_run(tmp_path):
     pytest.importorskip('ray')
