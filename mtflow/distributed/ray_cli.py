@@ -77,7 +77,7 @@ class RayRollout:
         def sink(rec: RayRecord) -> None:
             try:
                 if rec.images:  # stored (fsynced) before the line that names them, as a local run does
-                    rec.trajectory['images'] = store.images.put_all(rec.images)
+                    rec.trajectory['images'] = store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
                 if rec.finish_reason == INTERRUPTED:
                     store.write_interrupted(rec.trajectory, rec.events)
                     return
@@ -86,6 +86,9 @@ class RayRollout:
                 write_error['error'] = exc
                 raise
             store.tick()
+
+        def on_duplicate(rec: RayRecord) -> None:  # no line, but its actor counts its images shipped
+            store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
 
         def on_progress(delivered: int, description: str) -> None:
             progress.update(delivered, description)
@@ -97,8 +100,9 @@ class RayRollout:
         try:
             prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
                                     check_unique=False)  # checked in full by count_requests
-            ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, batch_size=cfg.batch_size,
-                    skip=set(store.done), address=self.args.ray_address, on_progress=on_progress,
+            ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, on_duplicate=on_duplicate,
+                    batch_size=cfg.batch_size, skip=set(store.done), address=self.args.ray_address,
+                    on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
             progress.update(self.result.delivered, '')
         except RayRunError as exc:

@@ -26,8 +26,9 @@ How it keeps every trajectory exactly once:
 Images (``docs/multimodal.md``): an actor stores each image a step adds in a content-addressed
 folder of its own (a temporary directory, removed when it closes), as ``mtflow run`` does in the
 run directory, so its requests in flight hold paths, not pixels; a finished request's record
-carries its images' encoded bytes (:attr:`RayRecord.images`, placeholder order), which the
-driver's sink stores (``mtflow run --ray``: ``<run>/images``, the names a local run gives).
+carries its images' encoded bytes (:attr:`RayRecord.images`, placeholder order; an image the
+actor shipped before goes by its file name), which the driver's sink stores (``mtflow run
+--ray``: ``<run>/images``, the names a local run gives).
 
 Ray is imported when :func:`ray_run` is called. A cluster is joined with ``address=`` (or when
 Ray is already initialised); otherwise a local one is started on 127.0.0.1 and shut down at the
@@ -50,7 +51,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 from mtflow.core.errors import MtflowError
 from mtflow.engine.executor import Executor
-from mtflow.run.images import ImageStore
+from mtflow.run.images import ImageStore, ShippedName
 from mtflow.run.trajectories import finished_to_record, reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
@@ -121,9 +122,10 @@ class RayRecord:
     actor: int  # the actor slot that ran it
     attempt: int = 1  # 1 + how many actors died with this request in flight
     failure: Optional[Dict[str, Any]] = None
-    #: the request's images, encoded (PNG, or a tool's own JPEG...), in placeholder order: the
-    #: sink stores them and names them in ``trajectory['images']``
-    images: List[bytes] = field(default_factory=list)
+    #: the request's images, encoded (PNG, or a tool's own JPEG...), in placeholder order, or the
+    #: ``ShippedName`` of one the actor shipped before: the sink stores them
+    #: (``ImageStore.put_shipped``) and names them in ``trajectory['images']``
+    images: List[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -164,6 +166,7 @@ class ShardWorker:
         self.turn_log = TurnLog()
         #: the images the steps add, stored as they return (made on the first image; removed on close)
         self._images: Optional[ImageStore] = None
+        self._shipped: Set[str] = set()  # the images this actor has sent the driver (their file names)
         self.load_s = time.perf_counter() - t0
         self.pid = os.getpid()
 
@@ -198,9 +201,21 @@ class ShardWorker:
             self._images = ImageStore(Path(folder), fsync=False)
         return self._images.put_ref(image)
 
-    def encoded_images(self, request: Any) -> List[bytes]:
-        """The encoded bytes of ``request``'s images, in order (what the driver stores)."""
-        return [Path(self.store_image(im)).read_bytes() for im in getattr(request, 'images', None) or ()]
+    def encoded_images(self, request: Any) -> List[Any]:
+        """``request``'s images, in order, for the driver to store: the encoded bytes of each the
+        first time this actor ships it, its :class:`~mtflow.run.images.ShippedName` after that
+        (the driver stored it before the line of the record that carried it; a group's copies
+        of one prompt, or an environment's recurring frame, cross once)."""
+        items: List[Any] = []
+        for image in getattr(request, 'images', None) or ():
+            ref = self.store_image(image)
+            name = self._images.name_of(ref)
+            if name in self._shipped:
+                items.append(ShippedName(name))
+            else:
+                items.append(Path(ref).read_bytes())
+                self._shipped.add(name)
+        return items
 
     def stats(self) -> Dict[str, float]:
         stats = getattr(self.backend, 'stats', None)
@@ -351,6 +366,7 @@ def ray_run(requests: Iterable[Any],
             *,
             num_actors: int = 2,
             sink: Optional[Callable[[RayRecord], None]] = None,
+            on_duplicate: Optional[Callable[[RayRecord], None]] = None,
             batch_size: int = 8,
             skip: Iterable[str] = (),
             address: Optional[str] = None,
@@ -366,6 +382,9 @@ def ray_run(requests: Iterable[Any],
     this thread once per finished request (uuid), in the order they finish.
 
     Args:
+        on_duplicate: called with a record dropped as a duplicate (its uuid was delivered by an
+            actor since declared lost): its ``images`` must still be stored, as the actor that
+            sent them counts them shipped and names them only from then on.
         skip: uuids already done (e.g. a run store's ``done`` set on ``--resume``): not run.
         address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
             default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
@@ -394,7 +413,8 @@ def ray_run(requests: Iterable[Any],
     t_start = time.perf_counter()
     t0_unix = time.time()
     fan_out = _FanOut(spec, result, pending, attempts, done, num_actors=num_actors, sink=sink,
-                      max_restarts=max_restarts, max_attempts=max_attempts, on_progress=on_progress,
+                      on_duplicate=on_duplicate, max_restarts=max_restarts, max_attempts=max_attempts,
+                      on_progress=on_progress,
                       prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
                       actor_options={'num_cpus': 1, **(actor_options or {})})
     try:
@@ -455,13 +475,15 @@ class _FanOut:
 
     def __init__(self, spec: WorkerSpec, result: RayRunResult, pending: Deque[List[Tuple[int, Any]]],
                  attempts: Dict[str, int], done: Set[str], *, num_actors: int,
-                 sink: Optional[Callable[[RayRecord], None]], max_restarts: Optional[int], max_attempts: int,
+                 sink: Optional[Callable[[RayRecord], None]], on_duplicate: Optional[Callable[[RayRecord], None]],
+                 max_restarts: Optional[int], max_attempts: int,
                  on_progress: Optional[Callable[[int, str], None]], prefix: str, actor_options: Dict[str, Any]) -> None:
         import ray
 
         self.ray = ray
         self.spec, self.result, self.pending, self.attempts, self.done = spec, result, pending, attempts, done
-        self.sink, self.max_attempts, self.on_progress = sink, max_attempts, on_progress
+        self.sink, self.on_duplicate, self.on_progress = sink, on_duplicate, on_progress
+        self.max_attempts = max_attempts
         self.prefix, self.actor_options = prefix, actor_options
         self.max_restarts = num_actors if max_restarts is None else max_restarts
         self.restarts_left = self.max_restarts
@@ -561,6 +583,8 @@ class _FanOut:
         result = self.result
         if rec.uuid in self.done:
             result.duplicates_dropped += 1
+            if self.on_duplicate is not None and rec.images:
+                self.on_duplicate(rec)
             return
         self.done.add(rec.uuid)
         result.delivered += 1

@@ -24,9 +24,16 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 from mtflow.core.images import ImageError, ImageRef, image_bytes, to_image_url
 from mtflow.run.files import IMAGES_DIR, RunDirError
 
-__all__ = ['IMAGES_DIR', 'ImageStore', 'store_request_images']
+__all__ = ['IMAGES_DIR', 'ImageStore', 'ShippedName', 'store_request_images']
 
 _EXT = {'image/png': 'png', 'image/jpeg': 'jpg', 'image/gif': 'gif', 'image/webp': 'webp', 'image/bmp': 'bmp'}
+
+
+class ShippedName(str):
+    """An image's file name (``<sha256>.<ext>``) sent in place of its bytes by a sender that
+    shipped those bytes before (:meth:`ImageStore.put_shipped`)."""
+
+    __slots__ = ()
 
 
 class ImageStore:
@@ -53,6 +60,10 @@ class ImageStore:
             return f'{IMAGES_DIR}/{os.path.basename(image)}'  # stored by put_ref: nothing to read
         return f'{IMAGES_DIR}/{self._store(image)[0]}'
 
+    def name_of(self, ref: ImageRef) -> str:
+        """The file name of an image this store holds (what :meth:`put_ref` returned)."""
+        return os.path.basename(ref)
+
     def put_ref(self, image: Any) -> ImageRef:
         """Store ``image`` now and return its :class:`~mtflow.core.images.ImageRef` (the
         absolute path of its file), to hold instead of the pixels."""
@@ -74,6 +85,21 @@ class ImageStore:
 
     def put_all(self, images: Sequence[Any]) -> List[str]:
         return [self.put(im) for im in images]
+
+    def put_shipped(self, items: Sequence[Any], sender: str) -> List[str]:
+        """The run-relative names of images shipped by ``sender`` (a Ray actor): each item is the
+        encoded bytes, stored as :meth:`put` does, or a :class:`ShippedName`, an image the sender
+        shipped in an earlier record (stored then, before that record's line)."""
+        names = []
+        for item in items:
+            if isinstance(item, ShippedName):
+                if str(item) not in self.known:
+                    raise RunDirError(f'{sender} named image {item} as shipped before, but {self.dir} has no such '
+                                      'file')
+                names.append(f'{IMAGES_DIR}/{item}')
+            else:
+                names.append(self.put(item))
+        return names
 
     def _write(self, name: str, data: bytes) -> None:
         try:

@@ -5,7 +5,9 @@ lines, image names and files."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,10 @@ from PIL import Image
 
 from mtflow.core.images import IMAGE_TOKEN, ImageRef
 from mtflow.core.scheduler import Scheduler
-from mtflow.distributed import ShardWorker, WorkerSpec
+from mtflow.distributed import RayRecord, ShardWorker, WorkerSpec
+from mtflow.distributed.ray_fanout import _FanOut
+from mtflow.run.files import RunDirError
+from mtflow.run.images import ImageStore, ShippedName
 from tests.helpers import out, req
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,18 +45,45 @@ def test_a_shard_ships_each_requests_images_and_cleans_up():
     assert [r['uuid'] for r in records] == ['a', 'b']
     for r in records:
         assert r['trajectory']['rollout_infos']['held_2'] == [True]  # the turn-1 frame: a path, not pixels
-        pixels = [Image.open(__import__('io').BytesIO(b)).getpixel((0, 0)) for b in r['images']]
-        assert pixels == [(1, 0, 0), (2, 0, 0)]
+    first, second = (r['images'] for r in records)
+    assert [Image.open(io.BytesIO(b)).getpixel((0, 0)) for b in first] == [(1, 0, 0), (2, 0, 0)]
+    # b shows the same two frames: the actor shipped them with a, so it sends their names
+    assert [type(i) for i in second] == [ShippedName, ShippedName]
+    assert [f'{hashlib.sha256(b).hexdigest()}.png' for b in first] == list(second)
     folder = worker._images.dir.parent
     assert len(list(worker._images.dir.iterdir())) == 2  # the same two frames for both requests
     worker.close()
     assert not folder.exists()
 
 
+def test_the_driver_stores_shipped_bytes_and_checks_shipped_names(tmp_path):
+    store = ImageStore(tmp_path)
+    png = io.BytesIO()
+    Image.new('RGB', (2, 2), (9, 9, 9)).save(png, format='PNG')
+    name = f'{hashlib.sha256(png.getvalue()).hexdigest()}.png'
+    assert store.put_shipped([png.getvalue()], 'ray actor 0') == [f'images/{name}']
+    assert store.put_shipped([ShippedName(name)], 'ray actor 0') == [f'images/{name}']
+    with pytest.raises(RunDirError, match=r'ray actor 1 named image 0+\.png as shipped before, but .* has no such file'):
+        store.put_shipped([ShippedName('0' * 64 + '.png')], 'ray actor 1')
+
+
+def test_a_dropped_duplicate_still_hands_over_its_images():
+    """A duplicate record writes no line, but its actor counts its images shipped from then on."""
+    written, kept = [], []
+    fan_out = types.SimpleNamespace(done={'a'}, result=types.SimpleNamespace(duplicates_dropped=0),
+                                    sink=written.append, on_duplicate=kept.append)
+    rec = RayRecord(0, 'a', 'stop', {}, [], 0, 2, None, [b'png'])
+    _FanOut.deliver(fan_out, rec)
+    assert written == [] and kept == [rec] and fan_out.result.duplicates_dropped == 1
+
+
 _KILLED_ACTOR = """
 import sys
 from PIL import Image
-from mtflow.distributed import ShardWorker, WorkerSpec
+from mtflow.distributed import RayRecord, ShardWorker, WorkerSpec
+from mtflow.distributed.ray_fanout import _FanOut
+from mtflow.run.files import RunDirError
+from mtflow.run.images import ImageStore, ShippedName
 worker = ShardWorker(WorkerSpec(lambda: None, lambda tok: None), slot=3)
 worker.store_image(Image.new('RGB', (2, 2)))
 print(worker._images.dir.parent, flush=True)
