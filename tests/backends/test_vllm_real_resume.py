@@ -42,7 +42,8 @@ def test_resume_on_a_real_async_llm_keeps_the_exact_ids(tmp_path):
         backend.close()
     assert stream.stats['resumed_generations'] > 0, stream.stats
     # greedy, float32: the continuation from prompt + prefix ids is the uninterrupted one
-    assert check_resumed(ref, mine, turns=2, logprob_abs=1e-3) > 0
+    cut_turns = check_resumed(ref, mine, turns=2, logprob_abs=1e-3)
+    assert cut_turns > 0
     worst = max(abs(x - y) for uuid, out in ref.items() for a, b in zip(mine[uuid].rollout_logprobs, out.rollout_logprobs)
                 for x, y in zip(a, b))
     print(f"resumed {stream.stats['resumed_generations']} generations, {cut_turns} turns by two versions or more, "
