@@ -417,6 +417,7 @@ class Router:
             rows.append({'url': r.url, 'served': r.served, 'failures': r.failures, 'healthy': r.healthy,
                          'max_in_flight': r.max_in_flight, 'peak_in_flight': r.peak_in_flight,
                          'prompt_tokens': r.prompt_tokens, 'cached_tokens': r.cached_tokens,
+                         'later_prompt_tokens': r.later_prompt_tokens, 'later_cached_tokens': r.later_cached_tokens,
                          'hit_rate': hit_rate(r.cached_tokens, r.prompt_tokens),
                          'hit_rate_after_turn_1': hit_rate(r.later_cached_tokens, r.later_prompt_tokens)})
         prompt = sum(r.prompt_tokens for r in self.replicas)

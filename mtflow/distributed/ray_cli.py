@@ -27,6 +27,7 @@ from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
 from mtflow.run.assembly import ProgressBar, actor_setup, backend_from_config, scheduler_from_config
 from mtflow.run.config import RunConfig
+from mtflow.run.serving import merged_serving
 from mtflow.run.store import RunDirError, RunStore
 
 __all__ = ['RayRollout', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
@@ -41,8 +42,13 @@ class _FanOutBackend:
         self.stats: Optional[SimpleNamespace] = None
         self.load_info: Dict[str, Any] = {}
 
+        self.serving: Optional[Dict[str, Any]] = None  # the actors' router figures, merged
+
     def describe(self) -> str:
         return f'{self.name or self.cfg.backend} on {self.actors} Ray actor(s)'
+
+    def serving_summary(self) -> Optional[Dict[str, Any]]:
+        return self.serving
 
 
 class RayRollout:
@@ -127,6 +133,7 @@ class RayRollout:
         if stats:
             self.backend.stats = SimpleNamespace(completion_tokens=int(stats.get('completion_tokens', 0)),
                                                  generate_s=stats.get('generate_s'))
+        self.backend.serving = merged_serving(result.serving)
         self.load_s = max(result.actor_load_s, default=0.0)
         figures.update({'rollout_fn_calls': result.rollout_fn_calls, 'batches': result.shards,
                         'skipped': result.skipped, 'finished': result.delivered,

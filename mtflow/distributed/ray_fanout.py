@@ -52,6 +52,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 from mtflow.core.errors import MtflowError
 from mtflow.engine.executor import Executor
 from mtflow.run.images import ImageStore, ShippedName
+from mtflow.run.serving import annotate as annotate_serving
 from mtflow.run.trajectories import finished_to_record, reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
@@ -146,6 +147,8 @@ class RayRunResult:
     per_actor: Dict[int, int] = field(default_factory=dict)  # slot -> records delivered
     backend: Optional[str] = None  # the first actor's backend description
     backend_stats: Dict[str, float] = field(default_factory=dict)  # summed over actors that reported
+    #: each reporting actor's router figures (a backend with several servers: ``serving_summary``)
+    serving: List[Dict[str, Any]] = field(default_factory=list)
     actor_load_s: List[float] = field(default_factory=list)
 
 
@@ -217,6 +220,12 @@ class ShardWorker:
                 self._shipped.add(name)
         return items
 
+    def serving_summary(self) -> Optional[Dict[str, Any]]:
+        """This actor's router figures (requests, tokens and cached tokens per server), or
+        ``None`` for a backend without a router; the driver merges the actors'."""
+        summary = getattr(self.backend, 'serving_summary', None)
+        return summary() if callable(summary) else None
+
     def stats(self) -> Dict[str, float]:
         stats = getattr(self.backend, 'stats', None)
         if stats is None:
@@ -269,6 +278,7 @@ class ShardWorker:
         record, events = finished_to_record(finished, index=index, rank=self.slot, t_offset=t_offset, request=request,
                                             reference_key=reference_field(self.scheduler))
         record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
+        annotate_serving(self.backend, record['uuid'], events)  # which server each turn went to, as a local run
         for e in events:
             e['rank'] = self.slot
         failure = finished.failure.to_dict() if finished.failure is not None else None
@@ -326,6 +336,9 @@ def _actor_class() -> Any:
         def stats(self) -> Dict[str, float]:
             return self.worker.stats()
 
+        def serving_summary(self) -> Optional[Dict[str, Any]]:
+            return self.worker.serving_summary()
+
         def close(self) -> None:
             self.worker.close()
 
@@ -382,9 +395,8 @@ def ray_run(requests: Iterable[Any],
     this thread once per finished request (uuid), in the order they finish.
 
     Args:
-        on_duplicate: called with a record dropped as a duplicate (its uuid was delivered by an
-            actor since declared lost): its ``images`` must still be stored, as the actor that
-            sent them counts them shipped and names them only from then on.
+        on_duplicate: gets a record dropped as a duplicate: store its ``images`` all the same
+            (its actor counts them shipped, and names them only from then on).
         skip: uuids already done (e.g. a run store's ``done`` set on ``--resume``): not run.
         address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
             default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
@@ -622,15 +634,20 @@ class _FanOut:
 
     # ---- the end ------------------------------------------------------------------------------
     def collect_stats(self) -> None:
-        """Backend figures of the actors still alive, summed."""
+        """Backend figures of the actors still alive: generation figures summed, router figures
+        kept per actor (the driver merges them)."""
         stats = self.result.backend_stats
         for slot in self.slots:
             if slot.state == 'idle':
                 try:
-                    for k, v in self.ray.get(slot.actor.stats.remote(), timeout=60).items():
-                        stats[k] = stats.get(k, 0.0) + v
+                    figures, serving = self.ray.get([slot.actor.stats.remote(), slot.actor.serving_summary.remote()],
+                                                    timeout=60)
                 except Exception:  # an actor that died at the very end: its figures are lost, not its work
-                    pass
+                    continue
+                for k, v in figures.items():
+                    stats[k] = stats.get(k, 0.0) + v
+                if serving:
+                    self.result.serving.append(serving)
 
     def shut_down(self) -> None:
         """The live actors close their schedulers and backends first (bounded: a wedged actor is

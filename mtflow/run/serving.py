@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-__all__ = ['annotate', 'begin_server_metrics', 'end_server_metrics', 'serving_figures', 'serving_rows', 'admission_figures', 'admission_rows']
+from mtflow.backends.routing import hit_rate
+
+__all__ = ['annotate', 'begin_server_metrics', 'end_server_metrics', 'serving_figures', 'merged_serving', 'serving_rows',
+           'admission_figures', 'admission_rows']
 
 _OUTPUT_STATES = ('generating', 'continuing')
 
@@ -61,6 +64,40 @@ def serving_figures(backend: Any) -> Optional[Dict[str, Any]]:
     return summary() if callable(summary) else None
 
 
+def merged_serving(summaries: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """One ``serving`` block from several backends' (the Ray actors of ``mtflow run --ray``, each
+    routing its own requests over the same servers): per server URL, the counts summed and the
+    hit rates recomputed from the summed tokens; a server is healthy when every actor last saw
+    it so; ``peak_in_flight`` is the sum of the actors' peaks (a bound on the server's own)."""
+    summaries = [s for s in summaries if s]
+    if not summaries:
+        return None
+    counts = ('served', 'failures', 'peak_in_flight', 'prompt_tokens', 'cached_tokens', 'later_prompt_tokens',
+              'later_cached_tokens')
+    by_url: Dict[str, Dict[str, Any]] = {}
+    for summary in summaries:
+        for row in summary['replicas']:
+            into = by_url.setdefault(row['url'], {'url': row['url'], 'healthy': True, 'max_in_flight': None,
+                                                  **{k: 0 for k in counts}})
+            for k in counts:
+                into[k] += row.get(k) or 0
+            into['healthy'] = into['healthy'] and row['healthy']
+            limit = row.get('max_in_flight')
+            into['max_in_flight'] = None if limit is None else limit * len(summaries)
+    rows = list(by_url.values())
+    for row in rows:
+        row['hit_rate'] = hit_rate(row['cached_tokens'], row['prompt_tokens'])
+        row['hit_rate_after_turn_1'] = hit_rate(row['later_cached_tokens'], row['later_prompt_tokens'])
+    total = {k: sum(r[k] for r in rows) for k in ('prompt_tokens', 'cached_tokens', 'later_prompt_tokens',
+                                                     'later_cached_tokens')}
+    return {'policy': summaries[0]['policy'], 'replicas': rows, 'actors': len(summaries),
+            **{k: sum(s.get(k) or 0 for s in summaries) for k in ('moves', 'queued', 'rebalanced')},
+            'queued_s': round(sum(s.get('queued_s') or 0.0 for s in summaries), 4),
+            'weight_version': summaries[0].get('weight_version'), **total,
+            'hit_rate': hit_rate(total['cached_tokens'], total['prompt_tokens']),
+            'hit_rate_after_turn_1': hit_rate(total['later_cached_tokens'], total['later_prompt_tokens'])}
+
+
 def serving_rows(figures: Optional[Dict[str, Any]]) -> List[tuple]:
     """The summary table's rows: the overall hit rate and moves, then one row per replica
     (only for several servers, or when the server reported cached tokens)."""
@@ -69,7 +106,7 @@ def serving_rows(figures: Optional[Dict[str, Any]]) -> List[tuple]:
         return []
     rows = [('routing', f"{figures['policy']}, {figures['moves']} moved off a failing server, "
              f"{figures['queued']} queued for capacity, {figures.get('rebalanced', 0)} rebalanced off a "
-             f"backlog")]
+             f"backlog" + (f"; {figures['actors']} actors summed" if figures.get('actors') else ''))]
     server = figures.get('server_cache')
     rows.append(('prefix cache hit', f"{_pct(figures['hit_rate'])} of prompt tokens "
                  f"({_pct(figures['hit_rate_after_turn_1'])} after turn 1)"

@@ -77,9 +77,9 @@ def leave(servers):
         s.__exit__(None, None, None)
 
 
-def run_cli_over(servers, tmp_path, monkeypatch):
+def run_cli_over(servers, tmp_path, monkeypatch, ray=0):
     """``mtflow run`` of ``GoOn`` over ``servers`` (started here, stopped after) in ``tmp_path``:
-    4 prompts, 3 turns; returns the run's output directory."""
+    4 prompts, 3 turns (with ``ray``: ``--ray N``, shards of 1); returns the run's output directory."""
     from mtflow.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -91,10 +91,13 @@ def run_cli_over(servers, tmp_path, monkeypatch):
         (tmp_path / 'run.yaml').write_text(
             f'scheduler: {__name__}:GoOn\n'
             f'backend: {{kind: openai, urls: [{urls}], health_interval_s: 0}}\n'
-            'model: tiny-qwen2\ndataset: prompts.jsonl\nout: out\nmax_turns: 3\nbatch_size: 4\n'
+            f'model: tiny-qwen2\ndataset: prompts.jsonl\nout: out\nmax_turns: 3\nbatch_size: {1 if ray else 4}\n'
             'request_config: {max_tokens: 4, temperature: 0}\n')
-        with pytest.warns(UserWarning, match='not guaranteed the exact ids'):
-            assert main(['run', 'run.yaml', '--no-progress']) == 0
+        if ray:  # the chat-mode warning is the actors' own
+            assert main(['run', 'run.yaml', '--no-progress', '--ray', str(ray)]) == 0
+        else:
+            with pytest.warns(UserWarning, match='not guaranteed the exact ids'):
+                assert main(['run', 'run.yaml', '--no-progress']) == 0
     finally:
         leave(servers)
     return tmp_path / 'out'

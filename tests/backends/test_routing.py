@@ -185,6 +185,29 @@ def test_mtflow_run_writes_the_serving_log_into_the_trace_and_the_hit_rates_into
         assert mine[0][1]['cached_tokens'] < mine[1][1]['cached_tokens'] < mine[2][1]['cached_tokens']
 
 
+@pytest.mark.slow
+def test_mtflow_run_ray_merges_the_actors_serving_figures(hf, tmp_path, monkeypatch, capsys):
+    """Under --ray each actor routes its own requests: the summary's serving block is their sum,
+    per server, with the hit rates recomputed from the summed tokens."""
+    import json
+
+    pytest.importorskip('ray')
+    out = run_cli_over(make_servers(hf, 2), tmp_path, monkeypatch, ray=2)
+    shown = capsys.readouterr().out
+    flat = ' '.join(shown.replace('│', ' ').split())  # the table's cells wrap
+    assert 'prefix cache hit' in shown and 'rebalanced off a backlog; 2 actors summed' in flat
+    summary = json.loads((out / 'summary.json').read_text())
+    serving = summary['serving']
+    assert serving['actors'] == 2 and serving['policy'] == 'sticky_least_loaded'
+    assert sum(r['served'] for r in serving['replicas']) == 12  # 4 requests x 3 turns, each counted once
+    rows = serving['replicas']
+    assert serving['prompt_tokens'] == sum(r['prompt_tokens'] for r in rows) > 0
+    assert serving['hit_rate'] == round(serving['cached_tokens'] / serving['prompt_tokens'], 4)
+    assert serving['hit_rate_after_turn_1'] >= 0.9  # each actor keeps its conversations where their cache is
+    events = [json.loads(line) for line in (out / 'trace.jsonl').read_text().splitlines()]
+    assert sum(1 for e in events if (e.get('extra') or {}).get('serving')) == 12
+
+
 def test_a_backend_mapping_is_kind_plus_backend_options(tmp_path):
     from mtflow.run.config import RunConfigError, load_run_config
 
