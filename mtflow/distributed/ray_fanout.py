@@ -407,11 +407,8 @@ def ray_run(requests: Iterable[Any],
         max_attempts: actors a request may see die before it is given up.
         on_progress: ``on_progress(delivered, description)`` after each record and state change.
         name_prefix: actors are named ``<prefix>-<slot>`` (``ray.get_actor`` finds them).
-        result: a :class:`RayRunResult` to fill in (so a caller interrupted mid-run still has
-            the figures so far).
+        result: a :class:`RayRunResult` to fill in (an interrupted caller keeps the figures so far).
     """
-    import ray
-
     if num_actors < 1:
         raise ValueError(f'num_actors must be >= 1, not {num_actors}')
     if batch_size < 1:
@@ -422,8 +419,7 @@ def ray_run(requests: Iterable[Any],
     if not pending:
         return result
     started_ray = _start_ray(address, init_options)
-    t_start = time.perf_counter()
-    t0_unix = time.time()
+    t_start, t0_unix = time.perf_counter(), time.time()
     fan_out = _FanOut(spec, result, pending, attempts, done, num_actors=num_actors, sink=sink,
                       on_duplicate=on_duplicate, max_restarts=max_restarts, max_attempts=max_attempts,
                       on_progress=on_progress,
@@ -436,7 +432,7 @@ def ray_run(requests: Iterable[Any],
         result.wall_s = round(time.perf_counter() - t_start, 3)
         fan_out.shut_down()
         if started_ray:
-            ray.shutdown()
+            fan_out.ray.shutdown()
     return result
 
 
