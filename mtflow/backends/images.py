@@ -8,12 +8,13 @@ model, a token prompt without a processor), so an image is never silently droppe
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional
 
 from mtflow.backends.base import BackendError
 from mtflow.core.images import ImageError, ImageURL, to_content_parts, to_image_url
 
-__all__ = ['has_images', 'openai_messages', 'normalized_images', 'image_refusal', 'refuse_images', 'serving_the_others']
+__all__ = ['has_images', 'openai_messages', 'normalized_images', 'image_refusal', 'refuse_images', 'serving_the_others',
+           'aserving_the_others']
 
 
 def has_images(request: Any) -> bool:
@@ -69,5 +70,18 @@ def serving_the_others(requests: List[Any], refusals: List[Optional[BaseExceptio
     going = [k for k, refusal in enumerate(refusals) if refusal is None]
     if going:
         for k, out in zip(going, serve([requests[k] for k in going])):
+            outputs[k] = out
+    return outputs
+
+
+async def aserving_the_others(refusals: List[Optional[BaseException]],
+                              serve: Callable[[List[int]], Awaitable[List[Any]]]) -> List[Any]:
+    """:func:`serving_the_others` for an async backend: ``await serve(indices)`` generates the
+    requests not refused, given by their indices in the call (a caller needs them for each
+    request's seed index), one output each, in order."""
+    outputs: List[Any] = list(refusals)
+    going = [k for k, refusal in enumerate(refusals) if refusal is None]
+    if going:
+        for k, out in zip(going, await serve(going)):
             outputs[k] = out
     return outputs

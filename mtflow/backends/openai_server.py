@@ -60,7 +60,7 @@ from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_s
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
 from mtflow.backends.openai_stream import completion_items, stream_body, streamed_acall, token_ids_from_logprobs
-from mtflow.backends.images import image_refusal, openai_messages
+from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
 from mtflow.backends.server_metrics import ServerMetrics
@@ -348,7 +348,8 @@ class OpenAIBackend(ServerMetrics, Backend):
             self._client = make_client(self.http_client, self._headers, self.timeout, self.max_connections)
             self._sem = asyncio.Semaphore(self.max_connections)
             if len(self.router.replicas) > 1 and self.health_interval_s > 0:
-                self._health_task = asyncio.ensure_future(watch_health(self.router, self._probe, self.health_interval_s))
+                watch = watch_health(self.router, self._probe, self.health_interval_s)
+                self._health_task = asyncio.ensure_future(watch)
         return self._client
 
     async def _probe(self, replica: Any) -> bool:
@@ -460,17 +461,17 @@ class OpenAIBackend(ServerMetrics, Backend):
             self._seeded += len(requests)
         if self.prompter is None:
             return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
+
+        async def send(going: List[int]) -> List[Any]:
+            plans = [self.prompter.plan(requests[k]) for k in going]
+            sent = list(await asyncio.gather(*(self._one(requests[k], options, model, seed_index[k], p.ids)
+                                               for k, p in zip(going, plans))))
+            commit_outputs(self.prompter, [requests[k] for k in going], plans, sent)
+            return sent
+
         # a request with images fails alone (its output is the error naming it); the call's others go on
-        outputs: List[Any] = [image_refusal(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
-                              for r in requests]
-        going = [k for k, out in enumerate(outputs) if out is None]
-        plans = [self.prompter.plan(requests[k]) for k in going]
-        sent = await asyncio.gather(*(self._one(requests[k], options, model, seed_index[k], p.ids)
-                                      for k, p in zip(going, plans)))
-        commit_outputs(self.prompter, [requests[k] for k in going], plans, list(sent))
-        for k, out in zip(going, sent):
-            outputs[k] = out
-        return outputs
+        return await aserving_the_others([image_refusal(r, 'a token prompt (/v1/completions)', 'use prompt_mode chat')
+                                          for r in requests], send)
 
     # ---- the rollout_fn side ------------------------------------------------------------------------
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, async_seed_index, build_output,
                                   context_length_of, prepare_chat)
-from mtflow.backends.images import image_refusal, openai_messages, serving_the_others
+from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages, serving_the_others
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
@@ -354,17 +354,16 @@ class VLLMBackend(Backend):
         return await super().acall(requests, request_config)
 
     async def _streams(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[Any]:
+        async def stream(going: List[int]) -> List[Any]:
+            plans = [self.prompter.plan(requests[k]) for k in going]  # exact ids from each request's token record
+            sent = list(await asyncio.gather(*(self._stream(requests[k], p, options, seed_index[k])
+                                               for k, p in zip(going, plans))))
+            commit_outputs(self.prompter, [requests[k] for k in going], plans, sent)
+            return sent
+
         # a request with images fails alone (its output is the error naming it); the others stream
-        outputs: List[Any] = [image_refusal(r, "vllm's async engine", 'use the LLM engine (engine: llm) for requests '
-                                            'with images') for r in requests]
-        going = [k for k, out in enumerate(outputs) if out is None]
-        plans = [self.prompter.plan(requests[k]) for k in going]  # exact ids from each request's token record
-        sent = list(await asyncio.gather(*(self._stream(requests[k], p, options, seed_index[k])
-                                           for k, p in zip(going, plans))))
-        commit_outputs(self.prompter, [requests[k] for k in going], plans, sent)
-        for k, out in zip(going, sent):
-            outputs[k] = out
-        return outputs
+        return await aserving_the_others([image_refusal(r, "vllm's async engine", 'use the LLM engine (engine: llm) '
+                                                        'for requests with images') for r in requests], stream)
 
     async def _stream(self, request: Any, plan: Any, options: SamplingOptions, seed_index: int,
                       prefix_ids: Optional[List[int]] = None, progress: Optional[Dict[str, Any]] = None) -> Any:
