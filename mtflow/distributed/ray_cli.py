@@ -41,7 +41,6 @@ class _FanOutBackend:
         self.name: Optional[str] = None
         self.stats: Optional[SimpleNamespace] = None
         self.load_info: Dict[str, Any] = {}
-
         self.serving: Optional[Dict[str, Any]] = None  # the actors' router figures, merged
 
     def describe(self) -> str:

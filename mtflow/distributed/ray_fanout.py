@@ -52,7 +52,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 from mtflow.core.errors import MtflowError
 from mtflow.engine.executor import Executor
 from mtflow.run.images import ImageStore, ShippedName
-from mtflow.run.serving import annotate as annotate_serving
+from mtflow.run.serving import annotate as annotate_serving, serving_figures
 from mtflow.run.trajectories import finished_to_record, reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
@@ -221,10 +221,9 @@ class ShardWorker:
         return items
 
     def serving_summary(self) -> Optional[Dict[str, Any]]:
-        """This actor's router figures (requests, tokens and cached tokens per server), or
-        ``None`` for a backend without a router; the driver merges the actors'."""
-        summary = getattr(self.backend, 'serving_summary', None)
-        return summary() if callable(summary) else None
+        """This actor's router figures (``None`` for a backend without a router); the driver
+        merges the actors'."""
+        return serving_figures(self.backend)
 
     def stats(self) -> Dict[str, float]:
         stats = getattr(self.backend, 'stats', None)

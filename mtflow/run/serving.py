@@ -77,13 +77,12 @@ def merged_serving(summaries: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     by_url: Dict[str, Dict[str, Any]] = {}
     for summary in summaries:
         for row in summary['replicas']:
-            into = by_url.setdefault(row['url'], {'url': row['url'], 'healthy': True, 'max_in_flight': None,
-                                                  **{k: 0 for k in counts}})
+            limit = row.get('max_in_flight')  # each actor's bound on the server: the same config everywhere
+            into = by_url.setdefault(row['url'], {'url': row['url'], 'healthy': True, **{k: 0 for k in counts},
+                                                  'max_in_flight': None if limit is None else limit * len(summaries)})
             for k in counts:
                 into[k] += row.get(k) or 0
             into['healthy'] = into['healthy'] and row['healthy']
-            limit = row.get('max_in_flight')
-            into['max_in_flight'] = None if limit is None else limit * len(summaries)
     rows = list(by_url.values())
     for row in rows:
         row['hit_rate'] = hit_rate(row['cached_tokens'], row['prompt_tokens'])
