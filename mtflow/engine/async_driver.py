@@ -67,16 +67,19 @@ __all__ = ['AsyncDriver', 'Until', 'UnfinishedRequest', 'MODES', 'resume_carried
 
 def resume_carried(run: RunState) -> Set[int]:
     """Put the records of the :class:`UnfinishedRequest` items among the run's requests back in
-    their places (their machine state goes on); the indexes whose ``on_trajectory_start`` ran."""
+    their places (their machine state goes on); the indexes whose ``on_trajectory_start`` ran. A
+    finished one (a member of a stream group handed back whole) is carried as it is: its output
+    comes back unchanged and nothing runs for it."""
     started: Set[int] = set()
     requests = run.requests
     for i, item in enumerate(requests):
         if not isinstance(item, UnfinishedRequest):
             continue
         rec = item.record
-        if rec.state == FINISHED:
-            raise ValueError(f'request {rec.uuid}: already finished, nothing to resume')
         rec.index = i
+        if rec.state == FINISHED:
+            run.records[i] = rec
+            continue
         rec.incoming = None
         rec.events = [] if run.recorder is not None and run.options.on_finished is not None else None
         run.records[i] = rec

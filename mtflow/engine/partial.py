@@ -57,8 +57,10 @@ class UnfinishedRequest:
     """A request a partial rollout handed back, with its machine state: pass it (in a list, in
     any position, with new requests beside it) to ``Executor.run`` to resume it.
 
-    ``state`` is ``'pending'`` (never started) or ``'generating'``/``'continuing'`` (its next
-    generation was not done yet); ``turn`` is the turn that generation belongs to; ``request``
+    ``state`` is ``'pending'`` (never started), ``'generating'``/``'continuing'`` (its next
+    generation was not done yet), or ``'finished'`` (a stream's group is handed back whole: a
+    member that finished while the others ran comes back with its output, and resuming the
+    group returns that output unchanged); ``turn`` is the turn that generation belongs to; ``request``
     is what will be sent. The record keeps the token segments, loss masks, logprobs and infos
     collected so far."""
     __slots__ = ('record', 'started')

@@ -175,8 +175,12 @@ class StalenessMixin:
         started), so that ``Executor(mode='async').run(stream.unfinished)`` or ``mtflow run
         --resume`` runs them."""
         self.uncount(stale)
+        self.hand_back_prompts(stale.prompts)
+
+    def hand_back_prompts(self, prompts: List[Any]) -> None:
+        """A group that will not be delivered goes back in :attr:`unfinished` as fresh prompts."""
         self.stats['handed_back_groups'] += 1
-        for prompt in stale.prompts:
+        for prompt in prompts:
             index = self.next_index
             self.next_index += 1
             self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))

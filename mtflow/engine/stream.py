@@ -213,10 +213,42 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
             raise
         flight.close(wait=True)
         self.restore_records()
+        self.hand_back_whole()
         if self.interrupting and self.unfinished:
             self.deliver_interrupted()
         for stale in self.end_returns():  # sent back after the budget stopped the stream: run again on resume
             self.hand_back_group(stale)
+
+    def hand_back_whole(self) -> None:
+        """The stream stopped: every group still in flight goes back whole, its members together
+        and in source order in :attr:`unfinished`. A member that finished while the rest of its
+        group ran goes back finished (resuming the group returns its output as it is); on an
+        interrupt it is delivered instead, under its group's ``seq``, before the last group of
+        interrupted requests. A group too stale to deliver goes back as fresh prompts, as a stale
+        group does."""
+        in_flight = {id(g): g for g in self.groups.values()}
+        if not in_flight:
+            return
+        back = {item.record.index: item for item in self.unfinished}
+        members = {rec.index for g in in_flight.values() for rec in g.records}
+        rest = [item for item in self.unfinished if item.record.index not in members]
+        grouped: List[UnfinishedRequest] = []
+        for group in sorted(in_flight.values(), key=lambda g: min(r.index for r in g.records)):
+            if group.doomed:  # too stale to deliver: its fresh prompts are appended to self.unfinished
+                self.hand_back_prompts(group.prompts)
+                continue
+            members = group.records
+            if self.interrupting:  # what finished is delivered under the group's seq, the rest interrupted
+                done = [rec for rec in members if rec.state == FINISHED]
+                if done:
+                    self.handed_out += 1
+                    self.deliver_fn(delivered_group(self.run, InFlightGroup(group.seq, [], done, len(done)),
+                                                    self.seen_version))
+                members = [rec for rec in members if rec.state != FINISHED]
+            grouped.extend(back.get(rec.index) or UnfinishedRequest(rec, True) for rec in members)
+        moved = self.unfinished[len(back):]  # the doomed groups' fresh prompts, just appended
+        self.unfinished = grouped + rest + moved
+        self.groups.clear()
 
     def deliver_interrupted(self) -> None:
         """An interrupt (:meth:`Stream.interrupt`): the requests handed back are finished with
@@ -353,8 +385,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
 
     def hand_back(self, rec: RequestRecord) -> None:
         super().hand_back(rec)
-        self.unfinished.append(UnfinishedRequest(rec, True))
-        self.groups.pop(rec.index, None)
+        self.unfinished.append(UnfinishedRequest(rec, True))  # its group goes back whole (hand_back_whole)
         self.flight.kinds.pop(rec.index, None)
 
     def member_done(self, rec: RequestRecord) -> None:
@@ -415,7 +446,6 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
             return
         for rec in self.queue:  # admitted, never generated (no slot held): handed back as they are
             self.unfinished.append(UnfinishedRequest(rec, True))
-            self.groups.pop(rec.index, None)
         super().stop()
 
 
@@ -432,6 +462,8 @@ class Stream:
         self._close_loop = close_loop
         self.driver: StreamDriver = make_driver(self._loop, self._out.put)
         self._finished = False
+        #: groups that finished but were not taken when the stream was closed (:meth:`close`)
+        self.untaken: List[StreamGroup] = []
         self.dropped_when_taken = 0
         self._unlisten = clock.listen(lambda _version: self.driver.poke())
         self._thread = threading.Thread(target=self._main, name='mtflow-stream', daemon=True)
@@ -488,19 +520,20 @@ class Stream:
         return False
 
     def close(self) -> None:
-        """Stop: nothing new is admitted, generations in flight are cancelled, their requests
-        handed back (:attr:`unfinished`); groups already finished are discarded."""
+        """Stop: nothing new is admitted, generations in flight are cancelled, their groups
+        handed back whole (:attr:`unfinished`); groups already finished and not taken are kept in
+        :attr:`untaken`."""
         if not self._finished:
             self.driver.closing = True
             self.driver.poke()
-            while next(self, None) is not None:
-                pass
+            self.untaken.extend(self)
 
     def interrupt(self) -> List[StreamGroup]:
         """Stop as :meth:`close` does, but finish the requests in flight with reason
         ``interrupted`` (partial outputs, what ``mtflow run`` keeps in ``interrupted.jsonl``).
-        Returns what was not taken yet: the groups that finished, then (when anything was in
-        flight) one group of the interrupted requests, ``seq`` -1."""
+        Returns what was not taken yet: the groups that finished (a group the interrupt cut
+        comes as its finished members, under its ``seq``), then (when anything was in flight) one
+        group of the interrupted requests, ``seq`` -1."""
         if self._finished:
             return []
         self.driver.interrupting = True
