@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import threading
 from asyncio import events as _events
@@ -30,9 +31,19 @@ from time import perf_counter
 from types import CoroutineType as _CoroutineType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK']
+__all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK', 'is_async_callable']
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
+
+
+def is_async_callable(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine: an ``async def`` function or method, an object
+    whose ``__call__`` is one, or a ``functools.partial`` of one. The one test of this for hooks,
+    steps, tools and ``rollout_fn``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
+        inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
 
 
 class Outcome:

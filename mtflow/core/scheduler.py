@@ -5,16 +5,21 @@
 for ms-swift runs unchanged, and an ms-swift subclass (or any object with a ``step`` method) can
 be handed to the executor directly: the executor never requires this base class.
 
-:class:`HookSet` inspects a scheduler once, when an executor is built: which hooks it really
-overrides (the base implementations are no-ops and are skipped, so they cost nothing per request)
+:data:`HOOKS` declares every hook the executor calls (name and arguments): :class:`HookSet`
+inspects a scheduler once, when an executor is built, against it: an ``on_*`` method that is not a
+hook, or a hook that cannot take its arguments, is a :class:`HookError` naming the closest hook;
+then which hooks it really overrides (the base implementations are no-ops and are skipped, so they cost nothing per request)
 and which are ``async def`` (those run concurrently across the requests of a turn).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from mtflow.core.calls import is_async_callable
 from mtflow.core.images import ImageLimits, with_stored_images
+from mtflow.core.keys import closest_key
 from mtflow.core.machine import FINISH_REASONS, StateGraph
 from mtflow.core.stop import default_check
 
@@ -112,59 +117,92 @@ def is_default_hook(fn: Any, name: str) -> bool:
     } and name != 'step'
 
 
-def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None))
+@dataclass(frozen=True)
+class Hook:
+    """One hook the executor calls on a scheduler: its name and the arguments it is called with."""
+    name: str
+    params: Tuple[str, ...]
+
+    def call_shape(self) -> str:
+        return f'{self.name}({", ".join(self.params)})'
+
+
+#: every hook the executor calls, the one declaration of the contract: :class:`HookSet` reads
+#: exactly these, rejects an ``on_*`` method that is not among them and a hook that cannot take
+#: these arguments, when the executor is built
+HOOKS: Tuple[Hook, ...] = (
+    Hook('step', ('infer_request', 'response_choice', 'current_turn')),
+    Hook('check_finished', ('infer_request', 'response_choice', 'current_turn')),
+    Hook('on_turn_end', ('infer_request', 'response_choice', 'current_turn')),
+    Hook('on_trajectory_start', ('requests', )),
+    Hook('on_trajectory_end', ('requests', 'error')),
+    Hook('on_request_finished', ('infer_request', 'reason', 'turn')),
+    Hook('turn_reward', ('infer_request', 'response_choice', 'current_turn')),
+    Hook('finalize_output', ('output', 'finish_reason', 'turn')),
+)
+HOOK_NAMES = tuple(h.name for h in HOOKS)
+
+
+class HookError(TypeError):
+    """A scheduler whose hooks do not fit the contract (:data:`HOOKS`): raised when the executor
+    is built, so a misspelled or mis-declared hook is never silently skipped."""
+
+
+def _check_arity(owner: str, hook: Hook, fn: Any) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    try:
+        sig.bind(*hook.params)
+    except TypeError as exc:
+        raise HookError(f'scheduler {owner!r}: {hook.name}{sig} cannot be called as {hook.call_shape()} ({exc})') \
+            from None
+
+
+def _check_unknown_hooks(scheduler: Any, owner: str) -> None:
+    """An ``on_*`` method that is not a hook is a typo the executor would never call."""
+    for name in dir(type(scheduler)):
+        if not name.startswith('on_') or name in HOOK_NAMES:
+            continue
+        attr = getattr(type(scheduler), name, None)
+        module = getattr(attr, '__module__', '') or ''
+        if not callable(attr) or module.startswith('swift.'):  # ms-swift's own base methods are its business
+            continue
+        close = closest_key(name, HOOK_NAMES)
+        hint = f'; did you mean {close!r}?' if close else ''
+        raise HookError(f'scheduler {owner!r} defines {name}(), which is not a hook mtflow calls{hint} '
+                        f'(hooks: {", ".join(HOOK_NAMES)})')
 
 
 class HookSet:
-    """A scheduler's hooks, resolved once: the bound methods to call, ``None`` for those to skip,
-    and which ones are coroutines."""
+    """A scheduler's hooks, resolved once from :data:`HOOKS`: the bound methods to call, ``None``
+    for those to skip (absent, or the no-op default), and which ones are coroutines
+    (``<name>_is_async``)."""
 
     def __init__(self, scheduler: Any, turn_reward: Optional[Callable[..., Any]] = None,
                  image_store: Optional[Callable[[Any], Any]] = None) -> None:
         """``turn_reward``: ``Executor(turn_reward=fn)``, which takes the place of the scheduler's own;
         ``image_store``: where each image a step adds goes as the step returns."""
+        owner = type(scheduler).__name__
         step = getattr(scheduler, 'step', None)
         if not callable(step):
-            raise TypeError(f'scheduler {type(scheduler).__name__!r} has no step(infer_request, response_choice, '
+            raise TypeError(f'scheduler {owner!r} has no step(infer_request, response_choice, '
                             f'current_turn) method')
+        _check_unknown_hooks(scheduler, owner)
         self.scheduler = scheduler
-        self.step_is_async = _is_async(step)
+        given = {'turn_reward': turn_reward} if turn_reward is not None else {}
+        for hook in HOOKS:
+            fn = given.get(hook.name) or getattr(scheduler, hook.name, None)
+            if not callable(fn) or (hook.name != 'step' and hook.name not in given and is_default_hook(fn, hook.name)):
+                fn = None
+            if fn is not None:
+                _check_arity(owner, hook, fn)
+            setattr(self, hook.name, fn)
+            setattr(self, f'{hook.name}_is_async', fn is not None and is_async_callable(fn))
         if image_store is not None:  # each step's new images go to the store as it returns
-            step = with_stored_images(step, self.step_is_async, image_store, getattr(scheduler, 'image_limits', None))
-        self.step: Callable[..., Any] = step
-
-        on_turn_end = getattr(scheduler, 'on_turn_end', None)
-        self.on_turn_end: Optional[Callable[..., Any]] = (
-            None if on_turn_end is None or is_default_hook(on_turn_end, 'on_turn_end') else on_turn_end)
-        self.on_turn_end_is_async = self.on_turn_end is not None and _is_async(self.on_turn_end)
-
-        check = getattr(scheduler, 'check_finished', None)
-        # The default rule is evaluated inline (same result, no call); a custom one is called.
-        self.check_finished: Optional[Callable[..., Any]] = (
-            None if check is None or is_default_hook(check, 'check_finished') else check)
-        self.check_is_async = self.check_finished is not None and _is_async(self.check_finished)
-
-        start = getattr(scheduler, 'on_trajectory_start', None)
-        self.on_trajectory_start = None if start is None or is_default_hook(start, 'on_trajectory_start') else start
-        self.on_trajectory_start_is_async = self.on_trajectory_start is not None and _is_async(start)
-
-        end = getattr(scheduler, 'on_trajectory_end', None)
-        self.on_trajectory_end = None if end is None or is_default_hook(end, 'on_trajectory_end') else end
-
-        if turn_reward is None:
-            own = getattr(scheduler, 'turn_reward', None)
-            turn_reward = None if not callable(own) or is_default_hook(own, 'turn_reward') else own
-        self.turn_reward: Optional[Callable[..., Any]] = turn_reward
-        self.turn_reward_is_async = turn_reward is not None and _is_async(turn_reward)
-
-        finalize = getattr(scheduler, 'finalize_output', None)
-        self.finalize_output: Optional[Callable[..., Any]] = (
-            None if finalize is None or is_default_hook(finalize, 'finalize_output') else finalize)
-
-        finished = getattr(scheduler, 'on_request_finished', None)
-        self.on_request_finished = None if finished is None or is_default_hook(finished,
-                                                                             'on_request_finished') else finished
+            self.step = with_stored_images(self.step, self.step_is_async, image_store,
+                                           getattr(scheduler, 'image_limits', None))
 
         extra = tuple(getattr(scheduler, 'finish_reasons', ()) or ())
         self.finish_reasons = tuple(dict.fromkeys(FINISH_REASONS + extra))

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mtflow.core.calls import RAISED, TIMED_OUT, Outcome
+from mtflow.core.calls import RAISED, TIMED_OUT, Outcome, is_async_callable
 from mtflow.core.errors import MtflowError, RequestError, StepTimeout
 from mtflow.core.machine import (COMPACT, CONTEXT_FULL, CONTINUE, FINISH, GENERATE, LENGTH, LENGTH_TOTAL, TIMEOUT,
                                  RequestRecord)
@@ -46,11 +45,6 @@ _GOING = (GENERATE, CONTINUE)
 class ContextError(RequestError):
     """A context budget that cannot work with this backend (larger than the model's context, no
     way to count prompt tokens, no per-turn ``max_tokens``), or a compaction that failed."""
-
-
-def _is_async(fn: Any) -> bool:
-    """Whether ``fn`` (a ``rollout_fn``) is a coroutine function, or an object whose ``__call__`` is."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None))
 
 
 def _max_tokens_of(request_config: Any) -> Optional[int]:
@@ -264,7 +258,7 @@ class ContextRun:
         calls = [([r.request for r in group], self.config_for(group[0], settings.request_config))
                  for group in groups.values()]
         run.rollout_calls += len(calls)
-        if _is_async(settings.rollout_fn):  # the calls of one turn run at once, as one call would have
+        if is_async_callable(settings.rollout_fn):  # the calls of one turn run at once, as one call would have
             t0 = perf_counter()
             outcomes = run.caller.run_awaitables([settings.rollout_fn(*a) for a in calls], t0,
                                                  run.options.rollout_timeout_s)

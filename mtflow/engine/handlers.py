@@ -219,8 +219,8 @@ def _stops(run: RunState, going: List[RequestRecord], turn: int, failed: Dict[in
     checks: Optional[List[Outcome]] = None
     if check is not None and going:
         # a sync check_finished is a cheap predicate: called inline, in the driver's thread
-        checks = run.caller.batch(check, [(r.request, r.choice, turn) for r in going], hooks.check_is_async,
-                                  run.options.step_timeout_s if hooks.check_is_async else None)
+        checks = run.caller.batch(check, [(r.request, r.choice, turn) for r in going], hooks.check_finished_is_async,
+                                  run.options.step_timeout_s if hooks.check_finished_is_async else None)
     default_max = hooks.default_max_turns
     limit, limit_reason = run.limit, run.limit_reason
     stops: Dict[int, str] = {}

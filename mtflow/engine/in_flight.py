@@ -21,12 +21,12 @@ from collections import deque
 from time import perf_counter
 from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
 
-from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome
+from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome, is_async_callable
 from mtflow.core.errors import MtflowError
 from mtflow.core.machine import RequestRecord
 from mtflow.engine.resume import GenerationAborted
 
-__all__ = ['InFlight', 'Completion', 'Stopped', 'MAX_ROLLOUT_THREADS', 'timed_step', 'is_async_callable']
+__all__ = ['InFlight', 'Completion', 'Stopped', 'MAX_ROLLOUT_THREADS', 'timed_step']
 
 #: the most threads the driver starts for a synchronous ``rollout_fn`` (each call blocks one)
 MAX_ROLLOUT_THREADS = 256
@@ -181,12 +181,6 @@ async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[c
     except Exception as exc:
         return Outcome(RAISED, exc, perf_counter() - t)
     return Outcome(OK, value, perf_counter() - t)
-
-
-def is_async_callable(fn: Any) -> bool:
-    """Whether calling ``fn`` gives a coroutine (an ``async def`` function, method or ``__call__``)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
-        inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
 
 
 async def _bounded(call: Any, timeout: Optional[float]) -> Any:

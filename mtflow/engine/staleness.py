@@ -25,7 +25,8 @@ from typing import Any, Deque, Dict, List, Optional
 
 from mtflow.core.calls import RAISED, Outcome
 from mtflow.core.machine import RequestRecord
-from mtflow.engine.in_flight import Stopped, is_async_callable
+from mtflow.core.calls import is_async_callable
+from mtflow.engine.in_flight import Stopped
 from mtflow.engine.partial import UnfinishedRequest
 from mtflow.engine.resume import is_resumable
 from mtflow.engine.run_state import uuid_of

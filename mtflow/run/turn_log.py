@@ -23,6 +23,8 @@ import inspect
 import json
 from typing import Any, Callable, Dict, List, Optional
 
+from mtflow.core.calls import is_async_callable
+
 __all__ = ['REPLAY_FORMAT', 'TURNS_KEY', 'TurnLog', 'prompt_digest', 'output_turn', 'compact_turns', 'expand_turns']
 
 #: the version of the ``turns`` entries (also written to ``run.json`` as ``replay_format``)
@@ -101,8 +103,7 @@ class TurnLog:
             self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
 
     def wrap(self, rollout_fn: Any) -> Any:
-        if inspect.iscoroutinefunction(rollout_fn) or inspect.iscoroutinefunction(getattr(rollout_fn, '__call__',
-                                                                                          None)):
+        if is_async_callable(rollout_fn):
 
             async def noted_async(requests: List[Any], request_config: Any = None) -> Any:
                 outputs = await rollout_fn(requests, request_config)

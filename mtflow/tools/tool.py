@@ -6,11 +6,12 @@ from its docstring, so a ``module:function`` named in YAML needs no schema writt
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional
+
+from mtflow.core.calls import is_async_callable
 
 __all__ = ['Tool', 'TruncateSide', 'schema_from_callable', 'tool_from_callable']
 
@@ -31,10 +32,7 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        fn = self.fn
-        while isinstance(fn, functools.partial):
-            fn = fn.func
-        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None))
+        return is_async_callable(self.fn)
 
     def spec(self) -> Dict[str, Any]:
         """The OpenAI/Qwen function-calling description of this tool."""
