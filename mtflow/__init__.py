@@ -17,9 +17,6 @@ from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponse
                        RolloutInferRequest, RolloutOutput, UsageInfo)
 from mtflow.core.scheduler import Scheduler
 from mtflow.core.trace import Trace, TraceEvent
-from mtflow import _compat
-
-_compat.install()
 
 __version__ = '0.1.0'
 

@@ -163,7 +163,7 @@ def test_illegal_transitions_raise():
     graph = StateGraph()
     record = RequestRecord(0, 'x', None)
     with pytest.raises(IllegalTransition, match="request x: illegal transition 'finish' from state 'pending'"):
-        graph.fire(record, FINISH)
+        graph.move(record, FINISH, 1)
     assert record.state == 'pending'
 
 

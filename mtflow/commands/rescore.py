@@ -17,7 +17,7 @@ from mtflow.core.errors import UserError
 from mtflow.core.registry import resolve_reference
 from mtflow.data.sources import iter_requests
 from mtflow.declarative import load_scheduler
-from mtflow.run.assembly import ProgressBar
+from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.diff import trajectories_file
 from mtflow.run.files import RUN_INFO, recorded_config_file

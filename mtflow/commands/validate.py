@@ -40,11 +40,6 @@ def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]]]:
     return pre.problems, pre.imports
 
 
-def problems_of(path: str) -> List[Any]:
-    """Every problem of one file (see :func:`report_of`)."""
-    return report_of(path)[0]
-
-
 def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:
     """The safety note: every Python module or callable the file makes mtflow import."""
     if imports:

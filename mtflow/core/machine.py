@@ -156,14 +156,6 @@ class StateGraph:
         """``(source, trigger, dest)`` for every declared move."""
         return [(src, trig, dst) for src, moves in self.table.items() for trig, dst in moves.items()]
 
-    def fire(self, record: 'RequestRecord', trigger: str) -> str:
-        """Move ``record`` by ``trigger``; raise :class:`IllegalTransition` if undeclared."""
-        dest = self.table[record.state].get(trigger)
-        if dest is None:
-            raise IllegalTransition(record.uuid, record.state, trigger)
-        record.state = dest
-        return dest
-
     def move(self, record: 'RequestRecord', trigger: str, turn: int, recorder: Any = None,
              tokens: Optional[int] = None, duration: Optional[float] = None, extra: Optional[dict] = None) -> str:
         """The one way a request changes state: move ``record`` by ``trigger`` (raising

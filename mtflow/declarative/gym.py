@@ -103,12 +103,6 @@ def register_env(name: str, factory: Callable[..., Any]) -> None:
     ENVS.register(name, factory)
 
 
-def builtin_envs() -> List[str]:
-    """Registered environments, and those installed packages declare (``mtflow.envs`` entry
-    points, imported only when a config names one)."""
-    return ENVS.names()
-
-
 def make_env_factory(impl: str, kwargs: Dict[str, Any], base_dir: Optional[str] = None) -> Callable[[], Any]:
     """A zero-argument callable making a fresh environment per request."""
     cls = ENVS.get(impl, base_dir)

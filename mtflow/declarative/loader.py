@@ -284,14 +284,6 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
     return found
 
 
-def build_problems(config: SchedulerConfig, file: str, lines: Dict[Loc, int],
-                   base_dir: Optional[str]) -> List[Problem]:
-    """Problems only building finds, for a validated config (see :func:`check_data`)."""
-    data = config.model_dump(exclude_unset=True)
-    return [Problem(file, _line_of(lines, loc), format_path(loc), msg)
-            for loc, msg in _build_problems(data, base_dir, [])]
-
-
 #: the keys that name Python code (``module:attribute``) the scheduler will import
 _REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('turn_reward', ), ('scheduler_class', ),
                                ('stop', 'predicate'), ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),

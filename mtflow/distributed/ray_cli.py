@@ -25,7 +25,8 @@ from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
-from mtflow.run.assembly import ProgressBar, actor_setup, backend_from_config, scheduler_from_config
+from mtflow.run.assembly import actor_setup, backend_from_config, scheduler_from_config
+from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
 from mtflow.run.serving import merged_serving
 from mtflow.run.store import RunDirError, RunStore

@@ -46,8 +46,9 @@ from mtflow.engine.versions import PolicyClock
 __all__ = ['Executor', 'RunResult', 'RankMismatchError', 'DuplicateUuidError', 'run_multi_turn', 'identity_gather',
            'DEFAULT_TURN_CAP']
 
-_OPTION_NAMES = frozenset(f.name for f in fields(ExecutorOptions))
-_SETTING_NAMES = frozenset(f.name for f in fields(RunSettings)) - {'options'}
+#: the keyword options of :class:`Executor`, declared once, by :class:`ExecutorOptions` (a test
+#: checks that the signature names exactly these)
+OPTION_NAMES = tuple(f.name for f in fields(ExecutorOptions))
 
 
 def identity_gather(values: List[Any]) -> List[Any]:
@@ -164,13 +165,8 @@ class Executor:
                  turn_reward: Optional[Callable[..., Any]] = None,
                  admission: Any = None) -> None:
         admission = Admission.coerce(admission)
-        options = ExecutorOptions(
-            max_turns=max_turns, gather_fn=gather_fn, trace=trace, on_error=on_error, rank=rank,
-            output_cls=output_cls, accounting=accounting, on_finished=on_finished, step_timeout_s=step_timeout_s,
-            rollout_timeout_s=rollout_timeout_s, turn_cap=turn_cap, scheduler_bounds_run=scheduler_bounds_run,
-            check_ranks=check_ranks, unique_uuids=unique_uuids, eager_coroutines=eager_coroutines, mode=mode,
-            max_concurrency=max_concurrency, skip_empty_calls=skip_empty_calls, context=context,
-            turn_reward=turn_reward, admission=admission)
+        given = locals()
+        options = ExecutorOptions(**{name: given[name] for name in OPTION_NAMES})
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -209,16 +205,6 @@ class Executor:
     def policy_version(self) -> int:
         """The current weights version (the backend's declared one, else the last set)."""
         return self.clock.current(self.rollout_fn)
-
-    def __getattr__(self, name: str) -> Any:
-        """The options and the resolved settings read as attributes (``executor.rank``,
-        ``executor.step_timeout_s``, ``executor.accounting``, ``executor.graph``, ...)."""
-        attributes = self.__dict__
-        if name in _SETTING_NAMES and 'settings' in attributes:
-            return getattr(attributes['settings'], name)
-        if name in _OPTION_NAMES and 'options' in attributes:
-            return getattr(attributes['options'], name)
-        raise AttributeError(f'{type(self).__name__!r} object has no attribute {name!r}')
 
     # ---- entry points ------------------------------------------------------------------------
     def run(self, requests: List[Any], first_turn_outputs: Optional[Sequence[Any]] = None, *,

@@ -22,10 +22,9 @@ from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.registry import import_module
 from mtflow.declarative import load_scheduler
 from mtflow.run.config import RunConfig
-from mtflow.run.progress import ProgressBar  # noqa: F401  (its old home: mtflow.run.assembly.ProgressBar)
 
 __all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'load_python_scheduler', 'scheduler_factory',
-           'ProgressBar', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
+           'actor_setup', 'backend_from_config', 'scheduler_from_config']
 
 #: ``make(tokenizer) -> scheduler``: the scheduler is built once the backend (and its tokenizer) is
 SchedulerFactory = Callable[[Any], Any]

@@ -30,9 +30,8 @@ is relative to the current directory. Errors name the file, the line and the fie
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -352,10 +351,6 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
     except ValidationError as exc:
         raise RunConfigError(_format_errors(exc, str(path), root, origin)) from None
     return cfg
-
-
-def default_out_name(path: Union[str, Path]) -> str:
-    return os.path.join('runs', Path(path).stem)
 
 
 def is_run_config(path: Union[str, Path]) -> bool:

@@ -46,7 +46,6 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Union
 
@@ -317,5 +316,3 @@ class RunStore:
         """Requests written (all attempts), by this attempt, and interrupted in this attempt."""
         return {'done': len(self.done), 'written': self.written, 'interrupted': self.interrupted}
 
-    def recovery_dict(self) -> Dict[str, Any]:
-        return asdict(self.recovery)

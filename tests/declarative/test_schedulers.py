@@ -330,4 +330,4 @@ def test_scheduler_reports_its_stop_rules():
     s = load_scheduler(schedulers.path('react_calculator'))
     assert s.finish_reasons == ('stop_rule:final_answer', 'stop_rule:no_tool_call')
     assert load_scheduler(schedulers.path('guess_number')).finish_reasons == ('stop_rule:env_done', )
-    assert 'stop_rule:final_answer' in Executor(s, lambda r, c: []).graph.finish_reasons
+    assert 'stop_rule:final_answer' in Executor(s, lambda r, c: []).settings.graph.finish_reasons

@@ -158,8 +158,8 @@ def test_new_finish_reasons_and_deadline_keywords():
     assert M.reason_kind('timeout') == 'error' and M.reason_kind('stop_rule:x') == 'ok'
     assert M.reason_kind('max_turns') == 'limit' and M.reason_kind(None) == 'none'
     ex = mtflow.Executor(Stops(), rollout(), step_timeout_s=1.5, rollout_timeout_s=None)
-    assert (ex.step_timeout_s, ex.rollout_timeout_s) == (1.5, None)
-    assert mtflow.Executor(Stops(), rollout()).step_timeout_s == 600.0
+    assert (ex.options.step_timeout_s, ex.options.rollout_timeout_s) == (1.5, None)
+    assert mtflow.Executor(Stops(), rollout()).options.step_timeout_s == 600.0
     for bad in (0, -1, 'soon', True):
         with pytest.raises(ValueError, match='step_timeout_s'):
             mtflow.Executor(Stops(), rollout(), step_timeout_s=bad)

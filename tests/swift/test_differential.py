@@ -37,7 +37,7 @@ MATH_SCRIPT = {
 
 def test_accounting_is_chosen_for_swift_46_schedulers() -> None:
     ex = Executor(MathTipsScheduler(tokenizer=TOK), lambda r, c: [])
-    assert isinstance(ex.accounting, Swift46Accounting)
+    assert isinstance(ex.settings.accounting, Swift46Accounting)
 
 
 @pytest.mark.parametrize('max_turns', [None, 1, 3])

@@ -177,7 +177,7 @@ def test_swift_46_schedulers_generate_from_exact_ids(engine: Any) -> None:
 
     requests = [sreq(f'x{i}', {'role': 'user', 'content': f'What is {i} + 1?'}) for i in range(2)]
     executor = mtflow.Executor(AskAgain(tokenizer=engine.tokenizer), probe)
-    assert executor.accounting.name == 'swift46'
+    assert executor.settings.accounting.name == 'swift46'
     result = executor.run(requests)
     assert result.ok
     for uuid in ('x0', 'x1'):

@@ -180,7 +180,7 @@ def test_yaml_scheduler_in_swift_matches_plain_mtflow(react_yaml: Any) -> None:
     reqs2 = yaml_requests()
     rollout2 = ScriptedSwift(copy.deepcopy(REACT_SCRIPT), tokenizer=TOK)
     result = mtflow.Executor(plain, rollout2).run(reqs2)
-    assert isinstance(mtflow.Executor(plain, rollout2).accounting, ContractAccounting)
+    assert isinstance(mtflow.Executor(plain, rollout2).settings.accounting, ContractAccounting)
 
     for s, m, reason in zip(swift_outs, result.outputs, result.finish_reasons):
         assert s.response_token_ids == m.response_token_ids

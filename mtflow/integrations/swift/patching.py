@@ -110,9 +110,9 @@ def mtflow_run_multi_turn(requests: List[Any],
     try:
         result = executor.run(requests, first_turn_outputs)
     except MultiTurnRolloutError as err:  # the run is complete: keep its trace, then raise
-        _keep_run(state, executor.rank, err.result)
+        _keep_run(state, executor.options.rank, err.result)
         raise
-    _keep_run(state, executor.rank, result)
+    _keep_run(state, executor.options.rank, result)
     return result.outputs
 
 
