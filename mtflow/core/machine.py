@@ -4,8 +4,9 @@ The graph is declared once with the ``transitions`` library (see :class:`StateGr
 into a plain ``{state: {trigger: dest}}`` table. Requests do not become ``transitions`` models:
 attaching thousands of models to a ``Machine`` is quadratic and costs kilobytes per model. Each
 request is a :class:`RequestRecord` (``__slots__``) whose ``state`` moves only through
-:meth:`StateGraph.fire`, which consults the compiled table and raises
-:class:`IllegalTransition` for any move the declaration does not allow.
+:meth:`StateGraph.move`, which consults the compiled table and raises
+:class:`IllegalTransition` for any move the declaration does not allow. What a request does in
+each state is its handler's (``mtflow.engine.handlers.STATE_HANDLERS``, one per state).
 
 The same declaration feeds validation, the executor's legal moves and the diagrams
 (:meth:`StateGraph.mermaid`), so they cannot drift apart.
@@ -113,20 +114,6 @@ CORE_TRANSITIONS: List[Dict[str, Any]] = [
     {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
 ]
 
-#: The turn, as the graph dispatches it: each phase names the handler that takes the requests in
-#: its states (``waiting``: apply the model's output, ``on_turn_end``, the stop decision;
-#: ``tool_step``: the scheduler's ``step``; ``compacting``: the context policy, entered only when
-#: a context budget is set). ``pending`` and ``finished`` have no handler; the
-#: model call that moves nobody (``rollout_fn``) closes the turn. Adding a state means declaring
-#: it above, its moves in :data:`CORE_TRANSITIONS`, and its phase here (see
-#: ``docs/state-machine.md``).
-TURN_PHASES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ('waiting', (GENERATING, CONTINUING)),
-    ('tool_step', (TOOL_STEP, )),
-    ('compacting', (COMPACTING, )),
-)
-
-
 class StateGraph:
     """The declared state graph of one scheduler.
 
@@ -232,7 +219,7 @@ class RequestRecord:
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
                  'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result',
-                 'finalize_trace', 'segment_start', 'turn_rewards')
+                 'finalize_trace', 'segment_start', 'turn_rewards', 'step_outcome')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -259,6 +246,7 @@ class RequestRecord:
         self.segment_start = 0  # turns before the current training segment (a compaction starts one)
         #: the ``turn_reward`` hook's entries (the executor's; a scheduler's own are in ``infos``)
         self.turn_rewards: List[Dict[str, Any]] = []
+        self.step_outcome: Any = None  # its step's outcome, when a driver ran the step as its own task
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

@@ -46,14 +46,13 @@ from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
-from mtflow.core.machine import (COMPACTING, CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES,
-                                 RequestRecord)
+from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
 from mtflow.core.records import Move
 from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.driver import Driver, publish
 from mtflow.engine.in_flight import InFlight
 from mtflow.engine.in_flight import Stopped as _Stopped
-from mtflow.engine.handlers import PHASE_HANDLERS, begin_steps, check_uuids, end_steps, handle_waiting, start
+from mtflow.engine.handlers import STATE_HANDLERS, advance, check_uuids, prepare_steps
 from mtflow.engine.context import route
 from mtflow.engine.model_call import deliver, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
@@ -166,7 +165,8 @@ class AsyncDriver(Driver):
         if self.session_bound is not None and first_outputs is None:
             self.queue.extend(rec for rec in run.records if rec.state != FINISHED)
             return  # started in fill_slots, as sessions free up
-        moves = [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else start(run, fresh)
+        moves = [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else \
+            STATE_HANDLERS[PENDING](run, fresh, 1)
         for mv in moves:
             if mv.trigger in (GENERATE, CONTINUE):
                 self.admission_moves[mv.record.index] = mv
@@ -202,7 +202,7 @@ class AsyncDriver(Driver):
             for _ in due:
                 gate.waited(perf_counter() - self.t_start)
         self.start_rounds += 1
-        for mv in start(self.run, due):
+        for mv in STATE_HANDLERS[PENDING](self.run, due, 1):
             if mv.trigger in (GENERATE, CONTINUE):
                 self.admission_moves[mv.record.index] = mv
             else:
@@ -216,16 +216,11 @@ class AsyncDriver(Driver):
             rec = self.queue.popleft()
             self.active += 1
             admission = self.admission_moves.pop(rec.index, None)
-            if rec.state == PENDING:
+            if rec.state == PENDING:  # its on_trajectory_start ran at admission: the move it led to
                 if admission is None:  # carried from a partial run: on_trajectory_start already ran
                     [admission] = route(self.run, [wait_move(rec, 1)], 1)
                 apply_moves(self.run, [admission])
-            if rec.state == COMPACTING:  # the first prompt is over the context budget
-                apply_moves(self.run, PHASE_HANDLERS['compacting'](self.run, [rec], rec.turns or 1))
-            if rec.state == FINISHED:
-                self.release_finished(rec)
-                continue
-            self.generate(rec, rec.turns + 1)
+            self.settle(rec)
             if self.over_budget():  # an admission that finished its request (a failing hook)
                 self.stop()
 
@@ -263,32 +258,45 @@ class AsyncDriver(Driver):
 
     # ---- handling what completed ---------------------------------------------------------------
     def on_completion(self, kind: str, rec: RequestRecord, turn: int, outcome: Outcome) -> None:
-        run = self.run
+        """A generation or a step completed: its result goes to the record, and the record goes
+        on through the state table (:meth:`settle`)."""
         if kind == 'generate':
             if self.stopping or (outcome.kind == RAISED and isinstance(outcome.value, _Stopped)):
                 self.drop_generation(rec)  # past the budget: sent again on resume, unchanged
                 return
             failed = model_failure_moves([rec], turn, outcome)
             if failed:
-                apply_moves(run, failed)
+                apply_moves(self.run, failed)
             else:
-                deliver(run, [rec], outcome.value, turn)
+                deliver(self.run, [rec], outcome.value, turn)
                 self.on_generated(rec, turn)
-            if rec.state in WAITING_STATES:
-                apply_moves(run, handle_waiting(run, [rec], turn))
-            if rec.state == TOOL_STEP:
-                self.begin_step(rec, turn)
-        else:
-            apply_moves(run, end_steps(run, [rec], turn, [outcome]))
-            if rec.state == COMPACTING:
-                apply_moves(run, PHASE_HANDLERS['compacting'](run, [rec], turn))
-            if rec.state in WAITING_STATES:
+            self.settle(rec, delivered=True)
+            return
+        rec.step_outcome = outcome
+        self.settle(rec)
+
+    def settle(self, rec: RequestRecord, delivered: bool = False) -> None:
+        """Hand ``rec`` to its state's handler (:data:`~mtflow.engine.handlers.STATE_HANDLERS`)
+        until it needs work from outside: the model's output (a generation is issued), its step's
+        outcome (the step starts as its own task), or nothing more (finished: its slot is free).
+        ``delivered``: the output of its generation was just handed to it."""
+        while True:
+            state = rec.state
+            if state == FINISHED:
+                self.release_finished(rec)
+                return
+            if state in WAITING_STATES and not delivered:
                 if self.stopping:
                     self.hand_back(rec)
+                else:
+                    self.generate(rec, rec.turns + 1)
+                return
+            if state == TOOL_STEP and rec.step_outcome is None:
+                if self.begin_step(rec, rec.turns):
                     return
-                self.generate(rec, turn + 1)
-        if rec.state == FINISHED:
-            self.release_finished(rec)
+                continue  # prepare_steps failed it
+            delivered = False
+            advance(self.run, [rec], rec.turns + 1 if state in WAITING_STATES else rec.turns or 1)
 
     def on_generated(self, rec: RequestRecord, turn: int) -> None:
         """A generation's output was delivered (before its turn is handled): stamp its version."""
@@ -296,13 +304,16 @@ class AsyncDriver(Driver):
         if version is not None:
             stamp(rec, version)
 
-    def begin_step(self, rec: RequestRecord, turn: int) -> None:
-        going, moves = begin_steps(self.run, [rec], turn)
+    def begin_step(self, rec: RequestRecord, turn: int) -> bool:
+        """Start ``rec``'s step as its own task; ``False``: ``prepare_steps`` failed it."""
+        going, moves = prepare_steps(self.run, [rec], turn)
         if moves:
             apply_moves(self.run, moves)
-        if going:
-            self.flight.launch('step', rec, turn, self.flight.step(self.run.hooks, self.run.options.step_timeout_s,
-                                                                   rec, turn))
+        if not going:
+            return False
+        self.flight.launch('step', rec, turn, self.flight.step(self.run.hooks, self.run.options.step_timeout_s,
+                                                               rec, turn))
+        return True
 
     def release_finished(self, rec: RequestRecord) -> None:
         """A request finished: its slot is free."""

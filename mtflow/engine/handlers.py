@@ -7,20 +7,20 @@ request); it never changes a state itself (:func:`mtflow.engine.moves.apply_move
 moves out). Both drivers call the same handlers: lockstep with every live request of a turn,
 async mode with one request at a time.
 
-- ``pending``: :func:`check_uuids` and :func:`start` (``on_trajectory_start``, then into
-  ``generating``/``continuing``);
+- ``pending``: :func:`handle_pending` (``on_trajectory_start``, then into
+  ``generating``/``continuing``); :func:`check_uuids` fails duplicate uuids when a run begins;
 - ``generating``/``continuing`` (phase ``waiting``): :func:`handle_waiting` applies the model's
   output (``record.incoming``), runs ``on_turn_end``, the ``turn_reward`` hook, ``check_finished`` and the stop
   decision -> ``finish`` / ``run_step`` / ``fail``;
-- ``tool_step``: :func:`handle_tool_step` runs the scheduler's ``step`` -> ``generate`` /
-  ``continue_message`` / ``fail``; its two halves, :func:`begin_steps` and :func:`end_steps`,
-  serve a driver that runs each step on its own;
+- ``tool_step``: :func:`handle_tool_step` applies the scheduler's ``step`` -> ``generate`` /
+  ``continue_message`` / ``fail`` (the step run here, or brought as ``record.step_outcome`` by a
+  driver that ran it as its own task);
 - ``compacting`` (a context budget only): :func:`mtflow.engine.context.handle_compacting`
   applies the policy -> ``finish`` / ``generate`` / ``continue_message`` / ``fail``; the moves
   into ``generating``/``continuing`` of ``start`` and ``tool_step`` are checked against the
   budget first (:func:`mtflow.engine.context.route`: ``compact`` when the prompt does not fit).
 
-:data:`PHASE_HANDLERS` names the handler of each phase of :data:`mtflow.core.machine.TURN_PHASES`.
+:data:`STATE_HANDLERS` names the handler of every state: the one dispatch of every driver.
 """
 from __future__ import annotations
 
@@ -29,19 +29,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mtflow.core.calls import OK, Outcome
 from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResultError
 from mtflow.core.images import check_request_images
-from mtflow.core.machine import CHECK_FINISHED, CONTINUE, FAIL, FINISH, GENERATE, RUN_STEP, TURN_PHASES, RequestRecord
+from mtflow.core.machine import (CHECK_FINISHED, COMPACTING, CONTINUE, CONTINUING, FAIL, FINISH, GENERATE, GENERATING,
+                                 PENDING, RUN_STEP, TOOL_STEP, RequestRecord)
 from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
 from mtflow.accounting.turn_spans import checked_turn_reward
 from mtflow.engine.context import handle_compacting, relabel, route
-from mtflow.engine.moves import fail_move, outcome_move, wait_move
+from mtflow.engine.moves import apply_moves, fail_move, outcome_move, wait_move
 from mtflow.engine.model_call import request_failed
 from mtflow.engine.run_state import RunState
 
-__all__ = ['Handler', 'PHASE_HANDLERS', 'phases', 'check_uuids', 'start', 'handle_waiting', 'handle_tool_step',
-           'begin_steps', 'end_steps']
+__all__ = ['Handler', 'STATE_HANDLERS', 'advance', 'turn_phases', 'check_uuids', 'start', 'handle_pending',
+           'handle_waiting', 'handle_tool_step', 'prepare_steps']
 
 Handler = Callable[[RunState, List[RequestRecord], int], Sequence[Move]]
 
@@ -246,20 +247,33 @@ def _stops(run: RunState, going: List[RequestRecord], turn: int, failed: Dict[in
 
 # ---- tool_step -----------------------------------------------------------------------------------
 def handle_tool_step(run: RunState, records: List[RequestRecord], turn: int) -> Sequence[Move]:
-    """``tool_step``: run the scheduler's ``step`` for every record (async ones concurrently,
-    sync ones in order, each under ``step_timeout_s``), apply each result through the
-    accounting, and return ``generate`` / ``continue_message`` (by the next request's
-    messages) or ``fail`` per record, in order."""
-    going, failed = begin_steps(run, records, turn)
-    hooks = run.hooks
-    values, problems, durations = run.caller.values(hooks.step, [(r.request, r.choice, turn) for r in going],
-                                                    hooks.step_is_async, run.options.step_timeout_s)
-    return _step_moves(run, records, turn, going, values, problems, durations, failed)
+    """``tool_step``: each record's step outcome applied through the accounting -> ``generate`` /
+    ``continue_message`` (by the next request's messages) or ``fail``, one move per record, in
+    order. A record whose step already ran (``record.step_outcome``: a driver that runs each step
+    as its own task, :func:`prepare_steps` having run first) brings its outcome; the others' steps
+    run here, together (async ones concurrently, sync ones in order, each under
+    ``step_timeout_s``)."""
+    given = [rec for rec in records if rec.step_outcome is not None]
+    if not given:
+        going, failed = prepare_steps(run, records, turn)
+        hooks = run.hooks
+        values, problems, durations = run.caller.values(hooks.step, [(r.request, r.choice, turn) for r in going],
+                                                        hooks.step_is_async, run.options.step_timeout_s)
+        return _step_moves(run, records, turn, going, values, problems, durations, failed)
+    if len(given) != len(records):  # one form, one batch: a driver hands over one kind at a time
+        raise ValueError('handle_tool_step: records with and without a step outcome in one batch')
+    outcomes = [rec.step_outcome for rec in records]
+    for rec in records:
+        rec.step_outcome = None
+    values = [o.value if o.kind == OK else None for o in outcomes]
+    problems = {k: o for k, o in enumerate(outcomes) if o.kind != OK} or None
+    return _step_moves(run, records, turn, records, values, problems, [o.duration for o in outcomes], ())
 
 
-def begin_steps(run: RunState, records: List[RequestRecord], turn: int) -> Tuple[List[RequestRecord], List[Move]]:
-    """The first half of :func:`handle_tool_step`: the accounting's ``before_step`` for each
-    record; the records whose step may run, and the ``fail`` moves of the others."""
+def prepare_steps(run: RunState, records: List[RequestRecord],
+                  turn: int) -> Tuple[List[RequestRecord], List[Move]]:
+    """Before a step runs: the accounting's ``before_step`` for each record; the records whose
+    step may run, and the ``fail`` moves of the others."""
     before = getattr(run.accounting, 'before_step', None)
     if before is None:
         return records, []
@@ -272,17 +286,6 @@ def begin_steps(run: RunState, records: List[RequestRecord], turn: int) -> Tuple
             continue
         going.append(rec)
     return going, failed
-
-
-def end_steps(run: RunState, records: List[RequestRecord], turn: int, outcomes: Sequence[Outcome],
-              going: Optional[List[RequestRecord]] = None, failed: Sequence[Move] = ()) -> Sequence[Move]:
-    """The second half of :func:`handle_tool_step`: each step's outcome applied (``going[k]``'s
-    is ``outcomes[k]``; ``going`` defaults to ``records``); one move per record, in order."""
-    going = records if going is None else going
-    values = [o.value if o.kind == OK else None for o in outcomes]
-    problems = {k: o for k, o in enumerate(outcomes) if o.kind != OK} or None
-    durations = [o.duration for o in outcomes]
-    return _step_moves(run, records, turn, going, values, problems, durations, failed)
 
 
 def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: List[RequestRecord],
@@ -333,14 +336,36 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
     return [by_index[rec.index] for rec in records]
 
 
-#: the handler of each phase of :data:`mtflow.core.machine.TURN_PHASES`; a new phase adds its line
-PHASE_HANDLERS: Dict[str, Handler] = {
-    'waiting': handle_waiting,
-    'tool_step': handle_tool_step,
-    'compacting': handle_compacting,
+def handle_pending(run: RunState, records: List[RequestRecord], turn: int) -> List[Move]:
+    """``pending``: :func:`start` (``turn`` is always 1)."""
+    return start(run, records)
+
+
+#: The handler of every state of the graph but ``finished``, in the order a turn visits them: the
+#: only dispatch by state. Every driver hands records to this table (:func:`advance`, or
+#: :func:`turn_phases` for a whole turn); a state's handler takes the records in that state. To
+#: add a state: its line in ``core/machine.py`` (``STATES``, ``CORE_TRANSITIONS``) and its line
+#: here (``docs/architecture.md`` shows it, ``tests/test_add_a_state.py`` runs it).
+STATE_HANDLERS: Dict[str, Handler] = {
+    PENDING: handle_pending,
+    GENERATING: handle_waiting,
+    CONTINUING: handle_waiting,
+    TOOL_STEP: handle_tool_step,
+    COMPACTING: handle_compacting,
 }
 
 
-def phases() -> List[Tuple[str, frozenset, Handler]]:
-    """``(phase, states, handler)`` for each phase of a turn, in the order the turn runs them."""
-    return [(name, frozenset(states), PHASE_HANDLERS[name]) for name, states in TURN_PHASES]
+def advance(run: RunState, records: List[RequestRecord], turn: int) -> None:
+    """Hand ``records`` (all in one state) to their state's handler and carry out its moves."""
+    if records:
+        apply_moves(run, STATE_HANDLERS[records[0].state](run, records, turn))
+
+
+def turn_phases() -> List[Tuple[frozenset, Handler]]:
+    """``(states, handler)`` for each handler of a turn after ``pending``, in table order: the
+    states that share a handler (``generating``, ``continuing``) are one batch."""
+    phases: Dict[Handler, List[str]] = {}
+    for state, handler in STATE_HANDLERS.items():
+        if state != PENDING:
+            phases.setdefault(handler, []).append(state)
+    return [(frozenset(states), handler) for handler, states in phases.items()]

@@ -3,9 +3,11 @@
 One turn (see ``docs/executor.md``):
 
 1. ask every rank whether any has live requests (``gather_fn``); stop when none has;
-2. hand the live requests their outputs, then, for each phase of
-   :data:`mtflow.core.machine.TURN_PHASES`, the phase's handler takes the requests in its states
-   and its moves are carried out (:mod:`mtflow.engine.handlers`, :mod:`mtflow.engine.moves`);
+2. hand the live requests their outputs, then, in the order of
+   :data:`mtflow.engine.handlers.STATE_HANDLERS`, each state's handler takes the requests in
+   that state and its moves are carried out (:mod:`mtflow.engine.handlers`,
+   :mod:`mtflow.engine.moves`); the turn before the first (``pending``, then whatever it led to
+   but the model's turn) goes through the same table;
 3. ``rollout_fn`` once, with the requests that go on (``[]`` on a rank with nothing live while
    another rank works), so every rank calls it the same number of times (``skip_empty_calls``,
    single rank only: no call when nothing is live, e.g. after the final turn).
@@ -24,9 +26,9 @@ from collections import Counter
 from typing import List, Optional
 
 from mtflow.core.errors import RankMismatchError
-from mtflow.core.machine import COMPACTING, PENDING, WAITING_STATES, RequestRecord
+from mtflow.core.machine import PENDING, WAITING_STATES, RequestRecord
 from mtflow.engine.driver import Driver
-from mtflow.engine.handlers import PHASE_HANDLERS, check_uuids, phases, start
+from mtflow.engine.handlers import advance, check_uuids, turn_phases
 from mtflow.engine.model_call import call_model, deliver
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.result import RunResult
@@ -62,10 +64,11 @@ class LockstepDriver(Driver):
         apply_moves(run, check_uuids(run))
         pending = [r for r in records if r.state == PENDING]
         if run.first_turn_outputs is None:
-            apply_moves(run, start(run, pending))
-            compacting = [r for r in pending if r.state == COMPACTING]  # a first prompt over the budget
-            if compacting:
-                apply_moves(run, PHASE_HANDLERS['compacting'](run, compacting, 1))
+            advance(run, pending, 1)
+            for states, handler in turn_phases():  # e.g. a first prompt over the context budget
+                batch = [r for r in pending if r.state in states and r.state not in WAITING_STATES]
+                if batch:
+                    apply_moves(run, handler(run, batch, 1))
             live = [r for r in pending if r.state in WAITING_STATES]
             version = self.issued_version()
             outputs = call_model(run, live, 1)
@@ -77,7 +80,7 @@ class LockstepDriver(Driver):
             if len(live) != len(records) and len(outputs) == len(records):  # duplicates were failed
                 outputs = [outputs[r.index] for r in live]
         turn = 1
-        turn_phases = phases()
+        phases = turn_phases()
         while True:
             live = [r for r in live if r.state in WAITING_STATES]
             has_local = bool(live)
@@ -88,7 +91,7 @@ class LockstepDriver(Driver):
             if live:
                 deliver(run, live, outputs, turn)
                 self.stamp_delivered(live, version)
-            for _name, states, handler in turn_phases:
+            for states, handler in phases:
                 batch = [r for r in live if r.state in states]
                 if batch:
                     apply_moves(run, handler(run, batch, turn))

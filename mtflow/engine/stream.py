@@ -42,9 +42,9 @@ from time import perf_counter
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 from mtflow.core.calls import OK
-from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, RequestRecord
+from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, RequestRecord
 from mtflow.engine.async_driver import AsyncDriver
-from mtflow.engine.handlers import start
+from mtflow.engine.handlers import STATE_HANDLERS
 from mtflow.engine.moves import apply_moves, interrupt_all
 from mtflow.engine.partial import UnfinishedRequest
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
@@ -335,7 +335,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         group.done = 0
         group.tokens = 0
         group.doomed = False
-        for mv in start(run, records):
+        for mv in STATE_HANDLERS[PENDING](run, records, 1):
             if mv.trigger in (GENERATE, CONTINUE):
                 self.admission_moves[mv.record.index] = mv
             else:
