@@ -219,7 +219,12 @@ class RequestRecord:
     """
     __slots__ = ('index', 'uuid', 'request', 'state', 'reason', 'turns', 'is_continuation', 'ids', 'mask', 'logprobs',
                  'infos', 'response', 'output', 'error', 'events', 'incoming', 'choice', 'tokens', 'turn_result',
-                 'finalize_trace', 'segment_start', 'turn_rewards', 'step_outcome')
+                 'finalize_trace', 'segment_start', 'turn_rewards', 'step_outcome',
+                 # what the drivers keep while the request is in flight (async mode, streams):
+                 'admission', 'issued_version', 'sent_record', 'group', 'resume_from', 'resumed_spans',
+                 # a context budget's count (engine/context.py):
+                 'used_tokens', 'counted_turn', 'next_max_tokens', 'over_budget', 'compactions',
+                 'prompt_tokens')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -247,6 +252,20 @@ class RequestRecord:
         #: the ``turn_reward`` hook's entries (the executor's; a scheduler's own are in ``infos``)
         self.turn_rewards: List[Dict[str, Any]] = []
         self.step_outcome: Any = None  # its step's outcome, when a driver ran the step as its own task
+        # in flight under the async and stream drivers (forgetting a request is dropping its record):
+        self.admission: Any = None  # its move into the model's turn, made at admission, carried out at its slot
+        self.issued_version: Optional[int] = None  # the policy version its generation in flight was issued at
+        self.sent_record: Any = None  # its token record when that generation was issued (restored if dropped)
+        self.group: Any = None  # its stream group (``mtflow.engine.stream_groups.InFlightGroup``)
+        self.resume_from: Any = None  # the segments of its turn cut by an update (``on_update='resume'``)
+        self.resumed_spans: Any = None  # a merged turn's per-segment versions, until the turn is applied
+        # a context budget's count (``mtflow.engine.context.ContextRun``):
+        self.used_tokens = 0  # response tokens used over its turns
+        self.counted_turn = 0  # the last turn whose tokens were added to used_tokens
+        self.next_max_tokens: Optional[int] = None  # the max_tokens of its next call
+        self.over_budget: Optional[Dict[str, Any]] = None  # why its next prompt does not fit (compacting)
+        self.compactions = 0
+        self.prompt_tokens: Optional[int] = None  # the last count of its next prompt
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

@@ -42,12 +42,11 @@ from __future__ import annotations
 
 from collections import deque
 from time import perf_counter
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
-from mtflow.core.records import Move
 from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.driver import Driver, publish
 from mtflow.engine.in_flight import InFlight
@@ -101,7 +100,6 @@ class AsyncDriver(Driver):
         #: the weights' version (``mtflow.engine.versions``); each turn is stamped with the version
         #: current when its generation was issued, when a version was set or the backend declares one
         self.clock = clock
-        self.issued_version: Dict[int, int] = {}
         self.started = resume_carried(run)  # indexes whose on_trajectory_start already ran
         options = run.options
         self.max_concurrency = options.max_concurrency or max(1, len(run.records))
@@ -114,16 +112,15 @@ class AsyncDriver(Driver):
         #: the generations and steps running as tasks on the run's loop, the completions they
         #: posted, the worker pools of synchronous calls (``mtflow.engine.in_flight``)
         self.flight = InFlight(run.loop, run.settings.rollout_fn)
-        #: each admitted request's move into generating/continuing, carried out when it gets a slot
-        self.admission_moves: Dict[int, Move] = {}
         self.queue: Deque[RequestRecord] = deque()
         self.active = 0
         self.finished_here = 0
         self.stopping = False
         self.t_start = 0.0
-        #: each generation's request token record when it was issued (a dropped generation's
-        #: backend may have extended it; the request goes back with the one it had)
-        self.records_before: Dict[int, Any] = {}
+        #: what a request keeps while in flight is on its record (``admission``: its move into the
+        #: model's turn, carried out when it gets a slot; ``issued_version``; ``sent_record``: its
+        #: token record when its generation was issued, which a dropped generation's backend may
+        #: have extended: the request goes back with the one it had)
         self.dropped: List[Tuple[RequestRecord, Any]] = []
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -169,7 +166,7 @@ class AsyncDriver(Driver):
             STATE_HANDLERS[PENDING](run, fresh, 1)
         for mv in moves:
             if mv.trigger in (GENERATE, CONTINUE):
-                self.admission_moves[mv.record.index] = mv
+                mv.record.admission = mv
             else:
                 apply_moves(run, [mv])
         self.started.update(rec.index for rec in fresh)
@@ -182,11 +179,13 @@ class AsyncDriver(Driver):
             err = RolloutFnError(f'{len(outputs)} first-turn output(s) for {len(run.records)} request(s)',
                                  turn=1, field='first_turn_outputs')
             apply_moves(run, [fail_move(r, 1, 'rollout_fn', err) for r in run.records if r.state != FINISHED])
-            self.admission_moves.clear()
+            for rec in run.records:
+                rec.admission = None
             return
         for rec in live:  # the first turn is already generated: every request starts at once
             self.active += 1
-            apply_moves(run, [self.admission_moves.pop(rec.index)])
+            admission, rec.admission = rec.admission, None
+            apply_moves(run, [admission])
             self.flight.completions.append(('generate', rec, 1, Outcome(OK, [outputs[rec.index]], 0.0)))
 
     def start_deferred(self) -> None:
@@ -204,7 +203,7 @@ class AsyncDriver(Driver):
         self.start_rounds += 1
         for mv in STATE_HANDLERS[PENDING](self.run, due, 1):
             if mv.trigger in (GENERATE, CONTINUE):
-                self.admission_moves[mv.record.index] = mv
+                mv.record.admission = mv
             else:
                 apply_moves(self.run, [mv])
         self.started.update(rec.index for rec in due)
@@ -215,7 +214,7 @@ class AsyncDriver(Driver):
         while self.queue and self.active < self.max_concurrency:
             rec = self.queue.popleft()
             self.active += 1
-            admission = self.admission_moves.pop(rec.index, None)
+            admission, rec.admission = rec.admission, None
             if rec.state == PENDING:  # its on_trajectory_start ran at admission: the move it led to
                 if admission is None:  # carried from a partial run: on_trajectory_start already ran
                     [admission] = route(self.run, [wait_move(rec, 1)], 1)
@@ -226,10 +225,10 @@ class AsyncDriver(Driver):
 
     # ---- issuing work --------------------------------------------------------------------------
     def generate(self, rec: RequestRecord, turn: int) -> None:
-        self.records_before[rec.index] = getattr(rec.request, RECORD_ATTR, None)
+        rec.sent_record = getattr(rec.request, RECORD_ATTR, None)
         clock, rollout_fn = self.clock, self.run.settings.rollout_fn
         if clock is not None and (self.stamp_always or clock.active(rollout_fn)):
-            self.issued_version[rec.index] = clock.current(rollout_fn)
+            rec.issued_version = clock.current(rollout_fn)
         self.flight.launch('generate', rec, turn, self._rollout(rec, turn))
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
@@ -300,7 +299,7 @@ class AsyncDriver(Driver):
 
     def on_generated(self, rec: RequestRecord, turn: int) -> None:
         """A generation's output was delivered (before its turn is handled): stamp its version."""
-        version = self.issued_version.pop(rec.index, None)
+        version, rec.issued_version = rec.issued_version, None
         if version is not None:
             stamp(rec, version)
 
@@ -324,7 +323,8 @@ class AsyncDriver(Driver):
         """A generation stopped by the budget (cancelled, or completed after the budget was met):
         its output is not used, the request keeps the token record it was sent with, and it goes
         back unfinished."""
-        self.dropped.append((rec, self.records_before.pop(rec.index, None)))
+        self.dropped.append((rec, rec.sent_record))
+        rec.sent_record = None
         self.hand_back(rec)
 
     def restore_records(self) -> None:
@@ -360,9 +360,8 @@ class AsyncDriver(Driver):
             return
         self.stopping = True
         self.queue.clear()
-        for index, task in list(self.flight.tasks.items()):
-            if self.flight.kinds.get(index) == 'generate':
-                task.cancel()
+        for _rec, task in self.flight.generations():
+            task.cancel()
 
     # ---- the result ------------------------------------------------------------------------------
     def result(self) -> RunResult:

@@ -162,25 +162,20 @@ def _transcript(turns: List[List[dict]]) -> str:
 
 
 class ContextRun:
-    """One run's budget state: per request, the response tokens used, the ``max_tokens`` of its
-    next call, why it is compacting, and its compactions."""
+    """One run's budget: the checks, the model call and the compactions. What it counts per
+    request lives on the request's record (``used_tokens``, ``counted_turn``, ``next_max_tokens``,
+    ``over_budget``, ``compactions``, ``prompt_tokens``)."""
 
     def __init__(self, resolved: ResolvedContext) -> None:
         self.resolved = resolved
         self.budget = resolved.budget
-        self.used: Dict[int, int] = {}
-        self.counted: Dict[int, int] = {}  # the last turn whose tokens were added to used
-        self.max_tokens: Dict[int, Optional[int]] = {}
-        self.why: Dict[int, Dict[str, Any]] = {}
-        self.compactions: Dict[int, int] = {}
-        self.prompt_tokens: Dict[int, int] = {}  # the last count of each request's next prompt
 
     # ---- the check ----------------------------------------------------------------------------
     def _used(self, rec: RequestRecord) -> int:
-        if rec.turns > self.counted.get(rec.index, 0):
-            self.used[rec.index] = self.used.get(rec.index, 0) + rec.tokens
-            self.counted[rec.index] = rec.turns
-        return self.used.get(rec.index, 0)
+        if rec.turns > rec.counted_turn:
+            rec.used_tokens += rec.tokens
+            rec.counted_turn = rec.turns
+        return rec.used_tokens
 
     def check(self, rec: RequestRecord) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """``(fits, counts)``: whether the next turn of ``rec`` may be sent, and what the trace
@@ -204,7 +199,7 @@ class ContextRun:
             if max_tokens is None or left < max_tokens:
                 max_tokens = left
         if resolved.count_tokens is not None:
-            prompt = self.prompt_tokens[rec.index] = int(resolved.count_tokens(rec.request))
+            prompt = rec.prompt_tokens = int(resolved.count_tokens(rec.request))
             limit = resolved.prompt_limit(max_tokens or 0)
             if limit is not None and prompt > limit:
                 counts.update(why=CONTEXT_FULL, prompt_tokens=prompt, prompt_limit=limit, max_tokens=max_tokens,
@@ -213,7 +208,7 @@ class ContextRun:
             counts['prompt_tokens'] = prompt
             if limit is not None:
                 counts['prompt_limit'] = limit
-        self.max_tokens[rec.index] = max_tokens
+        rec.next_max_tokens = max_tokens
         if max_tokens is not None:
             counts['max_tokens'] = max_tokens
             if asked is not None and max_tokens < asked:
@@ -223,16 +218,16 @@ class ContextRun:
         return True, counts or None
 
     def view(self, rec: RequestRecord, turn: int) -> BudgetView:
-        why = self.why.get(rec.index, {})
+        why = rec.over_budget or {}
         resolved = self.resolved
         max_tokens = why.get('max_tokens') or resolved.per_turn or 0
         return BudgetView(resolved.context_length, resolved.prompt_limit(max_tokens), why.get('prompt_tokens', 0),
-                          max_tokens, self.used.get(rec.index, 0), turn, resolved.count_tokens or (lambda r: 0))
+                          max_tokens, rec.used_tokens, turn, resolved.count_tokens or (lambda r: 0))
 
     # ---- the model call -----------------------------------------------------------------------
     def config_for(self, rec: RequestRecord, request_config: Any) -> Any:
         """The request config of ``rec``'s next call (a copy when its ``max_tokens`` differs)."""
-        max_tokens = self.max_tokens.get(rec.index)
+        max_tokens = rec.next_max_tokens
         if max_tokens is None or max_tokens == self.resolved.config_max_tokens:
             return request_config
         return with_max_tokens(request_config, max_tokens)
@@ -244,7 +239,7 @@ class ContextRun:
         settings = run.settings
         groups: Dict[Any, List[RequestRecord]] = {}
         for rec in records:
-            groups.setdefault(self.max_tokens.get(rec.index), []).append(rec)
+            groups.setdefault(rec.next_max_tokens, []).append(rec)
         if len(groups) <= 1:
             run.rollout_calls += 1
             config = self.config_for(records[0], settings.request_config) if records else settings.request_config
@@ -314,7 +309,7 @@ class ContextRun:
                 raise ContextError(f'the summarizer must return a str, got {type(text).__name__}', uuid=rec.uuid,
                                    turn=turn, field='summarizer')
             return text, {'summary_s': round(perf_counter() - t0, 6)}
-        n = self.compactions.get(rec.index, 0) + 1
+        n = rec.compactions + 1
         request = RolloutInferRequest(messages=[{'role': 'system', 'content': budget.summary_prompt},
                                                 {'role': 'user', 'content': _transcript(old)}],
                                       uuid=f'{rec.uuid}:summary-{n}')
@@ -337,7 +332,7 @@ def relabel(run: RunState, rec: RequestRecord, reason: str) -> str:
     ctx = run.context
     if ctx is None or reason != LENGTH or ctx.budget.total_response_tokens is None:
         return reason
-    asked, sent = ctx.resolved.per_turn, ctx.max_tokens.get(rec.index)
+    asked, sent = ctx.resolved.per_turn, rec.next_max_tokens
     if sent is None or (asked is not None and sent >= asked):
         return reason
     return LENGTH_TOTAL if ctx._used(rec) >= ctx.budget.total_response_tokens else reason
@@ -392,7 +387,7 @@ def _checked(ctx: ContextRun, rec: RequestRecord, turn: int, trigger: str,
         extra = {**(extra or {}), 'context': counts}
     if fits:
         return trigger, extra, None
-    ctx.why[rec.index] = counts or {}
+    rec.over_budget = counts or {}
     return COMPACT, extra, None
 
 
@@ -408,7 +403,7 @@ def handle_compacting(run: RunState, records: List[RequestRecord], turn: int) ->
     exact_ids = getattr(run.accounting, 'name', None) == 'record'
     todo: List[RequestRecord] = []
     for rec in records:
-        why = ctx.why.get(rec.index, {})
+        why = rec.over_budget or {}
         if why.get('why') == LENGTH_TOTAL:
             moves.append(Move(rec, FINISH, turn, reason=LENGTH_TOTAL, extra={'context': why}))
         elif budget.policy == 'stop':
@@ -432,7 +427,7 @@ def handle_compacting(run: RunState, records: List[RequestRecord], turn: int) ->
             moves[pos] = _compacted(run, ctx, rec, turn, values[k], exact_ids,
                                     durations[k] if durations is not None else None)
     for rec in records:
-        ctx.why.pop(rec.index, None)
+        rec.over_budget = None
     return moves
 
 
@@ -454,7 +449,7 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
                duration: Optional[float]) -> Move:
     """The move after a compaction returned ``(messages, info)``: the segment closed, the
     messages replaced in place, then the check again."""
-    why = ctx.why.get(rec.index, {})
+    why = rec.over_budget or {}
     new_messages, info = value
     if new_messages == list(rec.request.messages):  # nothing left to compact
         return Move(rec, FINISH, turn, reason=CONTEXT_FULL,
@@ -465,8 +460,8 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
     fits, counts = ctx.check(rec)  # counted on the compacted messages
     messages[:] = old_messages
     compaction = {'policy': ctx.budget.policy_name, 'prompt_tokens_before': why.get('prompt_tokens'), **info}
-    if rec.index in ctx.prompt_tokens:
-        compaction['prompt_tokens_after'] = ctx.prompt_tokens[rec.index]
+    if rec.prompt_tokens is not None:
+        compaction['prompt_tokens_after'] = rec.prompt_tokens
     extra: Dict[str, Any] = {'compaction': compaction}
     if counts is not None:
         extra['context'] = counts
@@ -476,7 +471,7 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
                     extra={'context': why, **extra})
     segment = cut_segment(rec, exact_ids)
     messages[:] = new_messages
-    ctx.compactions[rec.index] = ctx.compactions.get(rec.index, 0) + 1
-    rec.infos['compactions'] = ctx.compactions[rec.index]
+    rec.compactions += 1
+    rec.infos['compactions'] = rec.compactions
     compaction['segment'] = segment['segment'] + 1
     return wait_move(rec, turn, duration, extra)

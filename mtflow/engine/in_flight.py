@@ -46,8 +46,9 @@ class InFlight:
     def __init__(self, loop: asyncio.AbstractEventLoop, rollout_fn: Any) -> None:
         self.loop = loop
         self.rollout_is_async = is_async_callable(rollout_fn)
+        #: record index -> its running task, and the generations among them (their records)
         self.tasks: Dict[int, asyncio.Task] = {}
-        self.kinds: Dict[int, str] = {}
+        self.generating: Dict[int, RequestRecord] = {}
         self.completions: Deque[Completion] = deque()
         self.wake: Optional[asyncio.Event] = None  # set by start(), when the driver begins
         self.waiter: Optional[asyncio.Task] = None
@@ -66,7 +67,8 @@ class InFlight:
         wait for it forever)."""
         task = self.loop.create_task(coro)
         self.tasks[rec.index] = task
-        self.kinds[rec.index] = kind
+        if kind == 'generate':
+            self.generating[rec.index] = rec
         task.add_done_callback(lambda done: self._post(kind, rec, turn, done))
 
     def _post(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
@@ -75,6 +77,7 @@ class InFlight:
         driver is already unwinding (retrieved here, so it is never reported as unretrieved)."""
         if self.tasks.get(rec.index) is task:
             del self.tasks[rec.index]
+            self.generating.pop(rec.index, None)
         if task.cancelled():
             outcome = Outcome(RAISED, Stopped('cancelled'), 0.0)
         else:
@@ -82,6 +85,10 @@ class InFlight:
             outcome = Outcome(RAISED, exc, 0.0) if exc is not None else task.result()
         self.completions.append((kind, rec, turn, outcome))
         self.wake.set()
+
+    def generations(self) -> List[Tuple[RequestRecord, 'asyncio.Task[Outcome]']]:
+        """The generations running now, with their tasks (to cancel some)."""
+        return [(rec, self.tasks[index]) for index, rec in list(self.generating.items())]
 
     def idle(self) -> bool:
         """Nothing running and nothing to handle."""

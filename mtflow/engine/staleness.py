@@ -66,12 +66,12 @@ def oldest_version(records: List[RequestRecord]) -> Optional[int]:
 
 class StalenessMixin:
     """The staleness half of the stream driver (see the module docstring). It reads the driver's
-    ``groups`` (record index -> :class:`InFlightGroup`), ``flight`` (its tasks), ``stats``,
+    ``in_flight`` (its groups; each member's record holds its own), ``flight`` (its tasks), ``stats``,
     ``clock``, ``stopping`` and calls its ``admit``, ``wind_down``, ``restore_record`` and
     ``generate``."""
     run: Any
     clock: Any
-    groups: Dict[int, InFlightGroup]
+    in_flight: Dict[int, InFlightGroup]
     flight: Any
     stats: Dict[str, int]
     stopping: bool
@@ -101,7 +101,7 @@ class StalenessMixin:
     def doomed(self, rec: RequestRecord) -> bool:
         """Whether ``rec``'s group will not be delivered (marked so now if an update made it too
         stale): its members get no more work."""
-        group = self.groups.get(rec.index)
+        group = rec.group
         if group is not None and (group.doomed or self.too_stale(group)):
             group.doomed = True
             return True
@@ -114,14 +114,12 @@ class StalenessMixin:
         if current == self.seen_version or self.stopping:
             return
         self.seen_version = current
-        for index, task in list(self.flight.tasks.items()):
-            if self.flight.kinds.get(index) != 'generate':
-                continue
-            group = self.groups.get(index)
+        for rec, task in self.flight.generations():
+            group = rec.group
             if self.on_update != 'keep' or (group is not None and self.too_stale(group)):
                 task.cancel()
         if self.max_staleness is not None:
-            for group in {id(g): g for g in self.groups.values()}.values():
+            for group in list(self.in_flight.values()):
                 if not group.doomed and self.too_stale(group):
                     group.doomed = True
 

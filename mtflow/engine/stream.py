@@ -152,7 +152,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.budget = until
         self.deliver_fn = deliver
         self.forget_request = forget_fn(run.settings.rollout_fn)
-        self.groups: Dict[int, InFlightGroup] = {}  # record index -> its group
+        #: the groups in flight, by id (each member's record holds its own: ``record.group``)
+        self.in_flight: Dict[int, InFlightGroup] = {}
         self.next_index = 0
         self.next_seq = 0
         self.delivered_groups = 0
@@ -168,7 +169,6 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                       'resumed_generations': 0, 'handed_back_groups': 0,
                       'backpressure_waits': 0, 'max_active': 0}
         self.init_staleness(max_staleness, stale, on_update)
-        self.init_resume()
 
     # ---- other threads -----------------------------------------------------------------------
     def poke(self) -> None:
@@ -226,7 +226,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         interrupt it is delivered instead, under its group's ``seq``, before the last group of
         interrupted requests. A group too stale to deliver goes back as fresh prompts, as a stale
         group does."""
-        in_flight = {id(g): g for g in self.groups.values()}
+        in_flight = self.in_flight
         if not in_flight:
             return
         back = {item.record.index: item for item in self.unfinished}
@@ -248,7 +248,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
             grouped.extend(back.get(rec.index) or UnfinishedRequest(rec, True) for rec in members)
         moved = self.unfinished[len(back):]  # the doomed groups' fresh prompts, just appended
         self.unfinished = grouped + rest + moved
-        self.groups.clear()
+        self.in_flight = {}
 
     def deliver_interrupted(self) -> None:
         """An interrupt (:meth:`Stream.interrupt`): the requests handed back are finished with
@@ -329,15 +329,16 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
             rec = RequestRecord(index, uuid_of(request, index), request)
             if run.recorder is not None:
                 rec.events = []
-            self.groups[index] = group
+            rec.group = group
             records.append(rec)
         group.records = records
+        self.in_flight[id(group)] = group
         group.done = 0
         group.tokens = 0
         group.doomed = False
         for mv in STATE_HANDLERS[PENDING](run, records, 1):
             if mv.trigger in (GENERATE, CONTINUE):
-                self.admission_moves[mv.record.index] = mv
+                mv.record.admission = mv
             else:
                 apply_moves(run, [mv])
         self.started.update(r.index for r in records)
@@ -362,13 +363,13 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
             if outcome is None or self.cancelled_by_update(rec, turn, outcome):
                 return
             if outcome.kind == OK:
-                group = self.groups.get(rec.index)
+                group = rec.group
                 if group is not None:
                     group.tokens += completion_tokens(outcome.value)
         super().on_completion(kind, rec, turn, outcome)
 
     def restore_record(self, rec: RequestRecord) -> None:
-        before = self.records_before.pop(rec.index, None)
+        before, rec.sent_record = rec.sent_record, None
         self.dropped.append((rec, before))
         self.restore_records()
         self.dropped.clear()
@@ -386,30 +387,21 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
     def hand_back(self, rec: RequestRecord) -> None:
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))  # its group goes back whole (hand_back_whole)
-        self.flight.kinds.pop(rec.index, None)
 
     def member_done(self, rec: RequestRecord) -> None:
-        group = self.groups.get(rec.index)
+        group = rec.group
         if group is None:
             return
         group.done += 1
         if group.done == len(group.records):
             self.complete(group)
 
-    def forget(self, rec: RequestRecord) -> None:
-        """Drop what the driver keeps per record once it leaves (constant memory)."""
-        index = rec.index
-        self.groups.pop(index, None)
-        self.started.discard(index)
-        self.flight.kinds.pop(index, None)
-        self.records_before.pop(index, None)
-        self.issued_version.pop(index, None)
-        self.admission_moves.pop(index, None)
-        self.forget_resume(index)
-
     def complete(self, group: InFlightGroup) -> None:
+        """The group's last member finished: delivered (or run again when too stale). Nothing
+        else is kept for its members: what was in flight was on their records."""
+        self.in_flight.pop(id(group), None)
         for rec in group.records:
-            self.forget(rec)
+            self.started.discard(rec.index)
         if self.rerun_if_stale(group):
             return
         delivered = delivered_group(self.run, group, self.seen_version)

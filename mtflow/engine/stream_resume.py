@@ -17,7 +17,7 @@ The contract with a resumable ``rollout_fn`` (abort, resume, merge) is
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.machine import RequestRecord
@@ -31,24 +31,18 @@ __all__ = ['ResumeMixin']
 
 
 class ResumeMixin:
-    """The resume half of the stream driver (see the module docstring). It keeps, per record
-    index, the segments of a cut turn (``prefixes``) and a merged turn's spans until the turn is
-    applied (``resumed_spans``); it uses the driver's ``issued_version``, ``stats``, ``stopping``
-    and its ``doomed``, ``wind_down``, ``restore_record`` and ``generate``."""
-    issued_version: Dict[int, int]
+    """The resume half of the stream driver (see the module docstring). A record keeps the
+    segments of its cut turn (``record.resume_from``) and a merged turn's spans until the turn is
+    applied (``record.resumed_spans``); it uses the driver's ``stats``, ``stopping`` and its
+    ``doomed``, ``wind_down``, ``restore_record`` and ``generate``."""
     stats: Dict[str, int]
     stopping: bool
-
-    def init_resume(self) -> None:
-        #: the segments a cut generation had, by record index
-        self.prefixes: Dict[int, ResumeFrom] = {}
-        self.resumed_spans: Dict[int, List[List[Any]]] = {}
 
     @contextlib.contextmanager
     def prefixed(self, rec: RequestRecord) -> Iterator[None]:
         """Around issuing ``rec``'s call: the call's task copies the context, so it sees the
         prefix of a cut turn (none for a fresh one)."""
-        prefix = self.prefixes.get(rec.index)
+        prefix = rec.resume_from
         if prefix is None:
             yield
             return
@@ -60,7 +54,7 @@ class ResumeMixin:
 
     def call_config(self, rec: RequestRecord, config: Any) -> Any:
         """A resumed generation's ``max_tokens``: what is left after the ids it already has."""
-        prefix = self.prefixes.get(rec.index)
+        prefix = rec.resume_from
         if prefix is None:
             return config
         limit = config.get('max_tokens') if isinstance(config, dict) else getattr(config, 'max_tokens', None)
@@ -77,9 +71,9 @@ class ResumeMixin:
             if not self.stopping:
                 self.resume(rec, turn, outcome.value)
                 return None
-            self.prefixes.pop(rec.index, None)
+            rec.resume_from = None
             return Outcome(RAISED, Stopped('cancelled'), outcome.duration)
-        if outcome.kind == OK and rec.index in self.prefixes:
+        if outcome.kind == OK and rec.resume_from is not None:
             return self.merge(rec, outcome)
         return outcome
 
@@ -88,32 +82,33 @@ class ResumeMixin:
         the version that sampled it, and issue the rest under the new version."""
         self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
         if self.doomed(rec):
-            self.prefixes.pop(rec.index, None)
+            rec.resume_from = None
             self.wind_down(rec)
             return
-        prefix = self.prefixes.setdefault(rec.index, ResumeFrom())
-        prefix.segments.append(segment_of(aborted.output, self.issued_version.get(rec.index)))
+        if rec.resume_from is None:
+            rec.resume_from = ResumeFrom()
+        rec.resume_from.segments.append(segment_of(aborted.output, rec.issued_version))
         self.stats['resumed_generations'] += 1
         self.generate(rec, turn)
 
     def merge(self, rec: RequestRecord, outcome: Outcome) -> Outcome:
         """The last segment of a resumed turn arrived: the turn's one output, stamped with its
         oldest segment's version; the segments' spans are recorded when it is applied."""
-        prefix = self.prefixes.pop(rec.index)
+        prefix, rec.resume_from = rec.resume_from, None
         merged = merged_output(prefix, outcome.value)
-        last = self.issued_version.get(rec.index)
+        last = rec.issued_version
         own = len(merged[0].response.choices[0].token_ids or []) - len(prefix) if merged is not outcome.value else 0
-        self.resumed_spans[rec.index] = version_spans(prefix, own, last)
+        rec.resumed_spans = version_spans(prefix, own, last)
         # the version of the turn's first sampled token: a segment cut before it had any ids
         # (an update right after the call went out) sampled nothing, so its version is not the turn's
         oldest = next((seg.version for seg in prefix.segments if seg.ids and seg.version is not None), None)
         if oldest is not None:
-            self.issued_version[rec.index] = oldest
+            rec.issued_version = oldest
         return Outcome(OK, merged, outcome.duration)
 
     def on_generated(self, rec: RequestRecord, turn: int) -> None:
         super().on_generated(rec, turn)  # type: ignore[misc]
-        spans = self.resumed_spans.pop(rec.index, None)
+        spans, rec.resumed_spans = rec.resumed_spans, None
         if spans is None:
             return
         rec.infos.setdefault(SEGMENTS_KEY, []).append({'turn': turn, 'segments': spans})
@@ -121,7 +116,3 @@ class ResumeMixin:
         turns = getattr(record, 'turns', None)
         if turns:
             turns[-1].segments = spans
-
-    def forget_resume(self, index: int) -> None:
-        self.prefixes.pop(index, None)
-        self.resumed_spans.pop(index, None)
