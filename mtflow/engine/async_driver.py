@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import deque
 from time import perf_counter
-from typing import Any, Deque, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
@@ -56,7 +56,7 @@ from mtflow.engine.context import route
 from mtflow.engine.model_call import deliver, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.options import MODES
-from mtflow.engine.partial import UnfinishedRequest, Until
+from mtflow.engine.partial import Budget, UnfinishedRequest, Until
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunState
 from mtflow.engine.versions import PolicyClock, stamp
@@ -96,7 +96,10 @@ class AsyncDriver(Driver):
 
     def __init__(self, run: RunState, until: Optional[Until] = None, clock: Optional[PolicyClock] = None) -> None:
         super().__init__(run)
-        self.until = until
+        #: what stops it early (``until=``: an :class:`Until`; a stream's ``StreamUntil``)
+        self.budget: Optional[Budget] = until
+        #: asked to stop from outside (a stream's ``close()``)
+        self.closing = False
         #: the weights' version (``mtflow.engine.versions``); each turn is stamped with the version
         #: current when its generation was issued, when a version was set or the backend declares one
         self.clock = clock
@@ -343,15 +346,19 @@ class AsyncDriver(Driver):
         self.active -= 1
 
     # ---- the budget ------------------------------------------------------------------------------
+    def done_counts(self) -> Dict[str, int]:
+        """What the budget counts, under its names (a stream counts what it delivered)."""
+        return {'finished': self.finished_here}
+
     def budget_left(self) -> Optional[float]:
-        if self.until is None or self.stopping:
+        if self.budget is None or self.stopping:
             return None
-        return self.until.seconds_left(perf_counter() - self.t_start)
+        return self.budget.seconds_left(perf_counter() - self.t_start)
 
     def over_budget(self) -> bool:
-        if self.until is None or self.stopping:
-            return self.stopping
-        return self.until.met(self.finished_here, perf_counter() - self.t_start)
+        if self.stopping or self.closing:
+            return True
+        return self.budget is not None and self.budget.met(self.done_counts(), perf_counter() - self.t_start)
 
     def stop(self) -> None:
         """Stop admitting and generating: cancel the generations in flight (their requests go

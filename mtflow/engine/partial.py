@@ -6,17 +6,39 @@ or a resumed request, in lockstep mode, and recognises a resumed request by its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Mapping, Optional, Tuple
 
 from mtflow.core.machine import RequestRecord
 
-__all__ = ['Until', 'UnfinishedRequest']
+__all__ = ['Budget', 'Until', 'UnfinishedRequest']
+
+
+class Budget:
+    """What stops a run (:class:`Until`) or a stream (``mtflow.StreamUntil``) early: any of its
+    counts reached, or its ``seconds`` passed, whichever comes first. A subclass names its counts
+    (``COUNTS``, fields of the same names) and checks its values; a driver reports what it has
+    done under the same names."""
+    COUNTS: ClassVar[Tuple[str, ...]] = ()
+    seconds: Optional[float]
+
+    def seconds_left(self, elapsed: float) -> Optional[float]:
+        """Seconds until the time budget runs out (``None``: no time budget)."""
+        return None if self.seconds is None else max(0.0, self.seconds - elapsed)
+
+    def met(self, done: Mapping[str, int], elapsed: float) -> bool:
+        """Whether ``done`` (each count's value so far) after ``elapsed`` seconds meets the budget."""
+        for name in self.COUNTS:
+            bound = getattr(self, name)
+            if bound is not None and done[name] >= bound:
+                return True
+        return self.seconds is not None and elapsed >= self.seconds
 
 
 @dataclass(frozen=True)
-class Until:
+class Until(Budget):
     """The budget of a partial rollout: stop once ``finished`` requests have finished in this
     call, or ``seconds`` have passed, whichever comes first."""
+    COUNTS: ClassVar[Tuple[str, ...]] = ('finished', )
     finished: Optional[int] = None
     seconds: Optional[float] = None
 
@@ -29,16 +51,6 @@ class Until:
         if self.seconds is not None and (isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float))
                                          or self.seconds <= 0):
             raise ValueError(f'Until.seconds must be a number > 0, not {self.seconds!r}')
-
-    def seconds_left(self, elapsed: float) -> Optional[float]:
-        """Seconds until the time budget runs out (``None``: no time budget)."""
-        return None if self.seconds is None else max(0.0, self.seconds - elapsed)
-
-    def met(self, finished: int, elapsed: float) -> bool:
-        """Whether ``finished`` requests after ``elapsed`` seconds meet the budget."""
-        if self.finished is not None and finished >= self.finished:
-            return True
-        return self.seconds is not None and elapsed >= self.seconds
 
     @classmethod
     def coerce(cls, value: Any) -> Optional['Until']:

@@ -39,14 +39,14 @@ import queue
 import threading
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, AsyncIterator, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from mtflow.core.calls import OK
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, RequestRecord
 from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.handlers import STATE_HANDLERS
 from mtflow.engine.moves import apply_moves, interrupt_all
-from mtflow.engine.partial import UnfinishedRequest
+from mtflow.engine.partial import Budget, UnfinishedRequest
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
 from mtflow.engine.staleness import STALE_POLICIES, UPDATE_POLICIES, StalenessMixin, check_policies
 from mtflow.engine.stream_groups import (InFlightGroup, StreamGroup, completion_tokens, delivered_group, fresh_copy,
@@ -64,9 +64,10 @@ _END = object()
 
 
 @dataclass(frozen=True)
-class StreamUntil:
+class StreamUntil(Budget):
     """When a stream stops: after ``requests`` delivered requests, ``groups`` delivered groups,
     ``seconds`` of streaming or ``tokens`` delivered completion tokens, whichever comes first."""
+    COUNTS: ClassVar[Tuple[str, ...]] = ('requests', 'groups', 'tokens')
     requests: Optional[int] = None
     groups: Optional[int] = None
     seconds: Optional[float] = None
@@ -95,15 +96,6 @@ class StreamUntil:
                 raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use requests, groups, seconds, tokens')
             return cls(**value)
         raise TypeError(f'until must be None, a StreamUntil or a dict, not {type(value).__name__}')
-
-    def seconds_left(self, elapsed: float) -> Optional[float]:
-        return None if self.seconds is None else max(0.0, self.seconds - elapsed)
-
-    def met(self, requests: int, groups: int, tokens: int, elapsed: float) -> bool:
-        return ((self.requests is not None and requests >= self.requests)
-                or (self.groups is not None and groups >= self.groups)
-                or (self.tokens is not None and tokens >= self.tokens)
-                or (self.seconds is not None and elapsed >= self.seconds))
 
 
 class _NoEvents(list):
@@ -149,7 +141,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.held: Optional[List[Any]] = None  # a group pulled that must wait for free sessions
         self.stream_started_rounds = 0
         self.buffer = buffer
-        self.budget = until
+        self.budget = until  # the stream's StreamUntil (the run's Until is the async driver's)
         self.deliver_fn = deliver
         self.forget_request = forget_fn(run.settings.rollout_fn)
         #: the groups in flight, by id (each member's record holds its own: ``record.group``)
@@ -160,7 +152,6 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.delivered_requests = 0
         self.delivered_tokens = 0
         self.taken = 0  # groups the consumer took (written by the consumer's thread)
-        self.closing = False
         self.interrupting = False
         self.poked = False
         self.handed_out = 0  # groups put in the consumer's queue, ever
@@ -420,18 +411,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                 self.forget_request(uuid)
 
     # ---- the budget ------------------------------------------------------------------------------
-    def budget_left(self) -> Optional[float]:
-        if self.budget is None or self.stopping:
-            return None
-        return self.budget.seconds_left(perf_counter() - self.t_start)
-
-    def over_budget(self) -> bool:
-        if self.stopping:
-            return True
-        if self.closing:
-            return True
-        return self.budget is not None and self.budget.met(self.delivered_requests, self.delivered_groups,
-                                                           self.delivered_tokens, perf_counter() - self.t_start)
+    def done_counts(self) -> Dict[str, int]:
+        return {'requests': self.delivered_requests, 'groups': self.delivered_groups, 'tokens': self.delivered_tokens}
 
     def stop(self) -> None:
         if self.stopping:
