@@ -222,9 +222,8 @@ class RequestRecord:
                  'finalize_trace', 'segment_start', 'turn_rewards', 'step_outcome',
                  # what the drivers keep while the request is in flight (async mode, streams):
                  'admission', 'issued_version', 'sent_record', 'group', 'resume_from', 'resumed_spans',
-                 # a context budget's count (engine/context.py):
-                 'used_tokens', 'counted_turn', 'next_max_tokens', 'over_budget', 'compactions',
-                 'prompt_tokens')
+                 # a context budget's count of it (engine/context.py's ContextUse), made when first needed:
+                 'context_use')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -259,13 +258,7 @@ class RequestRecord:
         self.group: Any = None  # its stream group (``mtflow.engine.stream_groups.InFlightGroup``)
         self.resume_from: Any = None  # the segments of its turn cut by an update (``on_update='resume'``)
         self.resumed_spans: Any = None  # a merged turn's per-segment versions, until the turn is applied
-        # a context budget's count (``mtflow.engine.context.ContextRun``):
-        self.used_tokens = 0  # response tokens used over its turns
-        self.counted_turn = 0  # the last turn whose tokens were added to used_tokens
-        self.next_max_tokens: Optional[int] = None  # the max_tokens of its next call
-        self.over_budget: Optional[Dict[str, Any]] = None  # why its next prompt does not fit (compacting)
-        self.compactions = 0
-        self.prompt_tokens: Optional[int] = None  # the last count of its next prompt
+        self.context_use: Any = None  # a context budget's count (``mtflow.engine.context.ContextUse``)
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

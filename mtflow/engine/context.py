@@ -161,10 +161,32 @@ def _transcript(turns: List[List[dict]]) -> str:
     return '\n\n'.join(f'{m.get("role")}: {m.get("content") or ""}' for turn in turns for m in turn)
 
 
+class ContextUse:
+    """What a context budget counts for one request (``record.context_use``, made when the
+    budget first checks it): response tokens used, the ``max_tokens`` of its next call, why its
+    next prompt does not fit, its compactions."""
+    __slots__ = ('used_tokens', 'counted_turn', 'next_max_tokens', 'over_budget', 'compactions', 'prompt_tokens')
+
+    def __init__(self) -> None:
+        self.used_tokens = 0  # response tokens used over its turns
+        self.counted_turn = 0  # the last turn whose tokens were added to used_tokens
+        self.next_max_tokens: Optional[int] = None
+        self.over_budget: Optional[Dict[str, Any]] = None  # the counts of the check it failed (compacting)
+        self.compactions = 0
+        self.prompt_tokens: Optional[int] = None  # the last count of its next prompt
+
+
+def use_of(rec: RequestRecord) -> ContextUse:
+    """``rec``'s :class:`ContextUse` (made on first use)."""
+    use = rec.context_use
+    if use is None:
+        use = rec.context_use = ContextUse()
+    return use
+
+
 class ContextRun:
     """One run's budget: the checks, the model call and the compactions. What it counts per
-    request lives on the request's record (``used_tokens``, ``counted_turn``, ``next_max_tokens``,
-    ``over_budget``, ``compactions``, ``prompt_tokens``)."""
+    request lives on the request's record (:class:`ContextUse`)."""
 
     def __init__(self, resolved: ResolvedContext) -> None:
         self.resolved = resolved
@@ -172,10 +194,11 @@ class ContextRun:
 
     # ---- the check ----------------------------------------------------------------------------
     def _used(self, rec: RequestRecord) -> int:
-        if rec.turns > rec.counted_turn:
-            rec.used_tokens += rec.tokens
-            rec.counted_turn = rec.turns
-        return rec.used_tokens
+        use = use_of(rec)
+        if rec.turns > use.counted_turn:
+            use.used_tokens += rec.tokens
+            use.counted_turn = rec.turns
+        return use.used_tokens
 
     def check(self, rec: RequestRecord) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """``(fits, counts)``: whether the next turn of ``rec`` may be sent, and what the trace
@@ -199,7 +222,7 @@ class ContextRun:
             if max_tokens is None or left < max_tokens:
                 max_tokens = left
         if resolved.count_tokens is not None:
-            prompt = rec.prompt_tokens = int(resolved.count_tokens(rec.request))
+            prompt = use_of(rec).prompt_tokens = int(resolved.count_tokens(rec.request))
             limit = resolved.prompt_limit(max_tokens or 0)
             if limit is not None and prompt > limit:
                 counts.update(why=CONTEXT_FULL, prompt_tokens=prompt, prompt_limit=limit, max_tokens=max_tokens,
@@ -208,7 +231,7 @@ class ContextRun:
             counts['prompt_tokens'] = prompt
             if limit is not None:
                 counts['prompt_limit'] = limit
-        rec.next_max_tokens = max_tokens
+        use_of(rec).next_max_tokens = max_tokens
         if max_tokens is not None:
             counts['max_tokens'] = max_tokens
             if asked is not None and max_tokens < asked:
@@ -218,16 +241,16 @@ class ContextRun:
         return True, counts or None
 
     def view(self, rec: RequestRecord, turn: int) -> BudgetView:
-        why = rec.over_budget or {}
+        why = use_of(rec).over_budget or {}
         resolved = self.resolved
         max_tokens = why.get('max_tokens') or resolved.per_turn or 0
         return BudgetView(resolved.context_length, resolved.prompt_limit(max_tokens), why.get('prompt_tokens', 0),
-                          max_tokens, rec.used_tokens, turn, resolved.count_tokens or (lambda r: 0))
+                          max_tokens, use_of(rec).used_tokens, turn, resolved.count_tokens or (lambda r: 0))
 
     # ---- the model call -----------------------------------------------------------------------
     def config_for(self, rec: RequestRecord, request_config: Any) -> Any:
         """The request config of ``rec``'s next call (a copy when its ``max_tokens`` differs)."""
-        max_tokens = rec.next_max_tokens
+        max_tokens = use_of(rec).next_max_tokens
         if max_tokens is None or max_tokens == self.resolved.config_max_tokens:
             return request_config
         return with_max_tokens(request_config, max_tokens)
@@ -239,7 +262,7 @@ class ContextRun:
         settings = run.settings
         groups: Dict[Any, List[RequestRecord]] = {}
         for rec in records:
-            groups.setdefault(rec.next_max_tokens, []).append(rec)
+            groups.setdefault(use_of(rec).next_max_tokens, []).append(rec)
         if len(groups) <= 1:
             run.rollout_calls += 1
             config = self.config_for(records[0], settings.request_config) if records else settings.request_config
@@ -309,7 +332,7 @@ class ContextRun:
                 raise ContextError(f'the summarizer must return a str, got {type(text).__name__}', uuid=rec.uuid,
                                    turn=turn, field='summarizer')
             return text, {'summary_s': round(perf_counter() - t0, 6)}
-        n = rec.compactions + 1
+        n = use_of(rec).compactions + 1
         request = RolloutInferRequest(messages=[{'role': 'system', 'content': budget.summary_prompt},
                                                 {'role': 'user', 'content': _transcript(old)}],
                                       uuid=f'{rec.uuid}:summary-{n}')
@@ -332,7 +355,7 @@ def relabel(run: RunState, rec: RequestRecord, reason: str) -> str:
     ctx = run.context
     if ctx is None or reason != LENGTH or ctx.budget.total_response_tokens is None:
         return reason
-    asked, sent = ctx.resolved.per_turn, rec.next_max_tokens
+    asked, sent = ctx.resolved.per_turn, use_of(rec).next_max_tokens
     if sent is None or (asked is not None and sent >= asked):
         return reason
     return LENGTH_TOTAL if ctx._used(rec) >= ctx.budget.total_response_tokens else reason
@@ -387,7 +410,7 @@ def _checked(ctx: ContextRun, rec: RequestRecord, turn: int, trigger: str,
         extra = {**(extra or {}), 'context': counts}
     if fits:
         return trigger, extra, None
-    rec.over_budget = counts or {}
+    use_of(rec).over_budget = counts or {}
     return COMPACT, extra, None
 
 
@@ -403,7 +426,7 @@ def handle_compacting(run: RunState, records: List[RequestRecord], turn: int) ->
     exact_ids = getattr(run.accounting, 'name', None) == 'record'
     todo: List[RequestRecord] = []
     for rec in records:
-        why = rec.over_budget or {}
+        why = use_of(rec).over_budget or {}
         if why.get('why') == LENGTH_TOTAL:
             moves.append(Move(rec, FINISH, turn, reason=LENGTH_TOTAL, extra={'context': why}))
         elif budget.policy == 'stop':
@@ -427,7 +450,7 @@ def handle_compacting(run: RunState, records: List[RequestRecord], turn: int) ->
             moves[pos] = _compacted(run, ctx, rec, turn, values[k], exact_ids,
                                     durations[k] if durations is not None else None)
     for rec in records:
-        rec.over_budget = None
+        use_of(rec).over_budget = None
     return moves
 
 
@@ -449,7 +472,7 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
                duration: Optional[float]) -> Move:
     """The move after a compaction returned ``(messages, info)``: the segment closed, the
     messages replaced in place, then the check again."""
-    why = rec.over_budget or {}
+    why = use_of(rec).over_budget or {}
     new_messages, info = value
     if new_messages == list(rec.request.messages):  # nothing left to compact
         return Move(rec, FINISH, turn, reason=CONTEXT_FULL,
@@ -460,8 +483,8 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
     fits, counts = ctx.check(rec)  # counted on the compacted messages
     messages[:] = old_messages
     compaction = {'policy': ctx.budget.policy_name, 'prompt_tokens_before': why.get('prompt_tokens'), **info}
-    if rec.prompt_tokens is not None:
-        compaction['prompt_tokens_after'] = rec.prompt_tokens
+    if use_of(rec).prompt_tokens is not None:
+        compaction['prompt_tokens_after'] = use_of(rec).prompt_tokens
     extra: Dict[str, Any] = {'compaction': compaction}
     if counts is not None:
         extra['context'] = counts
@@ -471,7 +494,8 @@ def _compacted(run: RunState, ctx: ContextRun, rec: RequestRecord, turn: int, va
                     extra={'context': why, **extra})
     segment = cut_segment(rec, exact_ids)
     messages[:] = new_messages
-    rec.compactions += 1
-    rec.infos['compactions'] = rec.compactions
+    use = use_of(rec)
+    use.compactions += 1
+    rec.infos['compactions'] = use.compactions
     compaction['segment'] = segment['segment'] + 1
     return wait_move(rec, turn, duration, extra)

@@ -253,16 +253,15 @@ def handle_tool_step(run: RunState, records: List[RequestRecord], turn: int) -> 
     as its own task, :func:`prepare_steps` having run first) brings its outcome; the others' steps
     run here, together (async ones concurrently, sync ones in order, each under
     ``step_timeout_s``)."""
-    given = [rec for rec in records if rec.step_outcome is not None]
-    if not given:
+    if not records or records[0].step_outcome is None:  # a batch brings all its outcomes, or none
         going, failed = prepare_steps(run, records, turn)
         hooks = run.hooks
         values, problems, durations = run.caller.values(hooks.step, [(r.request, r.choice, turn) for r in going],
                                                         hooks.step_is_async, run.options.step_timeout_s)
         return _step_moves(run, records, turn, going, values, problems, durations, failed)
-    if len(given) != len(records):  # one form, one batch: a driver hands over one kind at a time
-        raise ValueError('handle_tool_step: records with and without a step outcome in one batch')
     outcomes = [rec.step_outcome for rec in records]
+    if None in outcomes:  # one form, one batch: a driver hands over one kind at a time
+        raise ValueError('handle_tool_step: records with and without a step outcome in one batch')
     for rec in records:
         rec.step_outcome = None
     values = [o.value if o.kind == OK else None for o in outcomes]
