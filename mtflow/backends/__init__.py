@@ -25,7 +25,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-from mtflow.core.registry import resolve_reference
+from mtflow.core.registry import Registry, entry_point_names, load_entry_point, resolve_reference
 from mtflow.backends.base import Backend, BackendError, BackendStats, SamplingOptions, build_output, prepare_chat, sampling_options
 
 __all__ = ['BACKENDS', 'Backend', 'BackendError', 'BackendStats', 'SamplingOptions', 'build_output', 'make_backend',
@@ -36,19 +36,24 @@ __all__ = ['BACKENDS', 'Backend', 'BackendError', 'BackendStats', 'SamplingOptio
 #: reference, or the class itself
 BackendTarget = Union[Tuple[str, str], str, type]
 
-#: name -> target; aliases map to the same entry
-BACKENDS: Dict[str, BackendTarget] = {
-    'hf': ('mtflow.backends.hf', 'HFBackend'),
-    'openai': ('mtflow.backends.openai_server', 'OpenAIBackend'),
-    'vllm': ('mtflow.backends.vllm_engine', 'VLLMBackend'),
-    'scripted': ('mtflow.backends.scripted', 'ScriptedBackend'),
-    'swift': ('mtflow.backends.swift_engine', 'SwiftBackend'),
-}
-ALIASES = {'transformers': 'hf', 'huggingface': 'hf', 'openai_server': 'openai', 'server': 'openai'}
+#: name -> target, in the one registry kind of mtflow (``core/registry.py``): installed packages add
+#: backends under the entry-point group ``mtflow.backends`` (``name = module:Class``), imported
+#: only when a config names one; aliases are other names of the built-in ones
+BACKENDS: Registry = Registry(
+    'mtflow.backends', "unknown backend {name}; choose one of: {known}, or name your own class as 'module:Class'",
+    builtins={
+        'hf': ('mtflow.backends.hf', 'HFBackend'),
+        'openai': ('mtflow.backends.openai_server', 'OpenAIBackend'),
+        'vllm': ('mtflow.backends.vllm_engine', 'VLLMBackend'),
+        'scripted': ('mtflow.backends.scripted', 'ScriptedBackend'),
+        'swift': ('mtflow.backends.swift_engine', 'SwiftBackend'),
+    },
+    aliases={'transformers': 'hf', 'huggingface': 'hf', 'openai_server': 'openai', 'server': 'openai'})
 
 
 def backend_names() -> Tuple[str, ...]:
-    return tuple(BACKENDS)
+    """The registered names (the built-in ones first) and those installed packages declare."""
+    return tuple(dict.fromkeys(list(BACKENDS) + entry_point_names('mtflow.backends')))
 
 
 def register_backend(name: str, target: BackendTarget) -> None:
@@ -56,7 +61,7 @@ def register_backend(name: str, target: BackendTarget) -> None:
     available as ``backend: name``. A name already taken is refused, as a tool's is."""
     if not isinstance(name, str) or not name or ':' in name:
         raise BackendError(f"a backend name must be a non-empty string without ':' (got {name!r})")
-    if name in BACKENDS or name in ALIASES:
+    if name in BACKENDS:
         raise BackendError(f'backend name {name!r} is taken; choose another')
     if not (isinstance(target, (type, str)) or (isinstance(target, tuple) and len(target) == 2)):
         raise BackendError(f"backend {name!r}: register a class, a 'module:Class' reference or (module, class); "
@@ -72,10 +77,19 @@ def is_backend_reference(name: str) -> bool:
 def check_backend_name(name: str) -> str:
     """``name`` if it is a registered name, an alias or a ``'module:Class'`` reference (resolved when
     the backend is built); else a :class:`BackendError` listing the choices."""
-    if name in BACKENDS or name in ALIASES or is_backend_reference(name):
+    if name in BACKENDS or is_backend_reference(name) or _from_entry_point(name):
         return name
-    raise BackendError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}, or name your own "
+    raise BackendError(f"unknown backend {name!r}; choose one of: {', '.join(backend_names())}, or name your own "
                        "class as 'module:Class'")
+
+
+def _from_entry_point(name: str) -> bool:
+    """Register backend ``name`` from an installed package's ``mtflow.backends`` entry point."""
+    try:
+        found = isinstance(name, str) and load_entry_point('mtflow.backends', name)
+    except ImportError as exc:
+        raise BackendError(str(exc)) from None
+    return bool(found) and name in BACKENDS
 
 
 def _import_target(name: str, target: BackendTarget, base_dir: Optional[Union[str, Path]]) -> Any:
@@ -103,8 +117,7 @@ def resolve_backend(name: str, base_dir: Optional[Union[str, Path]] = None) -> t
     """The backend class registered as ``name`` (or an alias), or named by a ``'module:Class'``
     reference (looked up next to ``base_dir`` too), imported on demand."""
     check_backend_name(name)
-    key = ALIASES.get(name, name)
-    cls = _import_target(name, BACKENDS.get(key, key), base_dir)
+    cls = _import_target(name, name if is_backend_reference(name) else BACKENDS[name], base_dir)
     if not callable(cls):
         raise BackendError(f'backend {name!r} is a {type(cls).__name__}, not a backend class or factory')
     return cls

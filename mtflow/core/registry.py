@@ -142,12 +142,14 @@ class Registry:
 
     def __init__(self, group: str, unknown: str, *, references: bool = True,
                  from_entry_point: Optional[Callable[[Any], Any]] = None,
-                 builtins: Optional[Dict[str, Any]] = None) -> None:
+                 builtins: Optional[Dict[str, Any]] = None, aliases: Optional[Dict[str, str]] = None) -> None:
+        """``aliases``: other names of registered names, looked up as those and never listed."""
         self.group = group
         self.references = references
         self._unknown = unknown
         self._from_entry_point = from_entry_point
         self._entries: Dict[str, Any] = dict(builtins or {})
+        self.aliases: Dict[str, str] = dict(aliases or {})
         _REGISTRIES[group] = self
 
     def register(self, name: str, obj: Any = None) -> Any:
@@ -163,7 +165,23 @@ class Registry:
         return obj
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self.aliases
+
+    # a registry reads as the mapping of its registered names (``dict(registry)``, ``registry[name]``)
+    def __getitem__(self, name: str) -> Any:
+        return self._entries[self.aliases.get(name, name)]
+
+    def __setitem__(self, name: str, obj: Any) -> None:
+        self._entries[name] = obj
+
+    def __iter__(self) -> Any:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> List[str]:
+        return list(self._entries)
 
     def names(self) -> List[str]:
         """Registered names and the names installed packages declare (nothing is imported)."""
@@ -177,6 +195,7 @@ class Registry:
         """The object ``name`` stands for (see the class docstring). ``KeyError`` with
         :meth:`unknown` when nothing matches; ``ImportError`` when the entry point or the
         reference does not import."""
+        name = self.aliases.get(name, name)
         is_reference = self.references and ':' in name
         if name not in self._entries and not is_reference:
             self.load_entry_point(name)

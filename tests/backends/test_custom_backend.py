@@ -105,3 +105,42 @@ def _request(text):
     from mtflow.core.protocol import RolloutInferRequest
 
     return RolloutInferRequest(messages=[{'role': 'user', 'content': text}], uuid='r1')
+
+
+def test_a_backend_from_an_installed_package_entry_point(tmp_path, monkeypatch):
+    """Backends are in the one Registry: a package declares ``[mtflow.backends] name = module:Class``;
+    it is listed without importing, and imported when a config names it."""
+    import sys
+    import textwrap
+
+    from mtflow.backends import backend_names, check_backend_name
+    from mtflow.core.registry import refresh_entry_points
+    site = tmp_path / 'site'
+    (site / 'mtflow_ep_backend').mkdir(parents=True)
+    (site / 'mtflow_ep_backend' / '__init__.py').write_text(textwrap.dedent('''\
+        from mtflow.backends import Backend, build_output
+
+        class Loud(Backend):
+            def generate(self, requests, request_config=None):
+                return [build_output(r.messages[-1]['content'].upper(), [1], 'stop') for r in requests]
+        '''))
+    dist = site / 'mtflow_ep_backend-1.0.dist-info'
+    dist.mkdir()
+    (dist / 'METADATA').write_text('Metadata-Version: 2.1\nName: mtflow-ep-backend\nVersion: 1.0\n')
+    (dist / 'entry_points.txt').write_text('[mtflow.backends]\nloud = mtflow_ep_backend:Loud\n'
+                                           'broken = mtflow_ep_backend_missing:Nothing\n')
+    monkeypatch.syspath_prepend(str(site))
+    refresh_entry_points()
+    try:
+        assert 'loud' in backend_names() and 'mtflow_ep_backend' not in sys.modules
+        assert check_backend_name('loud') == 'loud'
+        out = make_backend('loud')([_request('hello')])
+        assert out[0].response.choices[0].message.content == 'HELLO'
+        with pytest.raises(BackendError, match='entry point mtflow.backends:broken.*mtflow-ep-backend'):
+            make_backend('broken')
+        with pytest.raises(BackendError, match="unknown backend 'lowd'; choose one of: hf, .*loud"):
+            make_backend('lowd')
+    finally:
+        for name in [m for m in sys.modules if m.startswith('mtflow_ep_backend')]:
+            del sys.modules[name]
+        refresh_entry_points()
