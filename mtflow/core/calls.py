@@ -31,9 +31,14 @@ from time import perf_counter
 from types import CoroutineType as _CoroutineType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK', 'is_async_callable']
+__all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK', 'is_async_callable', 'within',
+           'UNWIND_GRACE_S']
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
+
+#: how long a call cancelled at its deadline (or with its task) may take to unwind before it is
+#: left behind: a call that swallows its cancellation cannot hold the run
+UNWIND_GRACE_S = 1.0
 
 
 def is_async_callable(fn: Any) -> bool:
@@ -44,6 +49,70 @@ def is_async_callable(fn: Any) -> bool:
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
         inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
+
+
+async def within(call: Any, timeout: Optional[float], started: Optional[float] = None) -> Outcome:
+    """Await ``call`` (a coroutine, a future, or a value already there) for at most ``timeout``
+    seconds from now: the one call-with-deadline of the package, for the awaitables of hooks and
+    steps, tool calls and model calls (trio's ``move_on_after``, answering an :class:`Outcome`).
+
+    - **returned**: ``OK`` with the value; **raised** an ``Exception``: ``RAISED`` with it; a
+      ``BaseException`` (an interrupt) propagates.
+    - **deadline**: the call is cancelled, given :data:`UNWIND_GRACE_S` to unwind, and the
+      outcome is ``TIMED_OUT`` (value: ``timeout``) whatever it raised in answer (a resumable
+      generation answers with its partial output: past the deadline that is still the deadline).
+    - **the awaiting task is cancelled** (a budget, a weight update): the call is cancelled and
+      what it raised in answer propagates (a resumable generation's ``GenerationAborted`` with
+      what it generated), else the cancellation.
+
+    Durations count from ``started`` (a batch's start) when given. A coroutine stopped before it
+    ever ran is closed (no "never awaited" warning)."""
+    t0 = perf_counter() if started is None else started
+    try:
+        if timeout is None:
+            try:
+                return Outcome(OK, await _result_of(call), perf_counter() - t0)
+            except Exception as exc:
+                return Outcome(RAISED, exc, perf_counter() - t0)
+        task = asyncio.ensure_future(_result_of(call))
+        try:
+            await asyncio.wait((task, ), timeout=timeout)
+        except asyncio.CancelledError:
+            await _unwind(task)
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception() from None  # what the call answered the cancellation with
+            raise
+        if not task.done():
+            await _unwind(task)
+            return Outcome(TIMED_OUT, timeout, perf_counter() - t0)
+        if task.cancelled():  # cancelled by the call itself
+            return Outcome(RAISED, asyncio.CancelledError('cancelled'), perf_counter() - t0)
+        exc = task.exception()
+        if exc is None:
+            return Outcome(OK, task.result(), perf_counter() - t0)
+        if not isinstance(exc, Exception):
+            raise exc
+        return Outcome(RAISED, exc, perf_counter() - t0)
+    finally:
+        if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
+            call.close()
+
+
+async def _result_of(value: Any) -> Any:
+    """What an awaitable comes to, awaited as often as it gives another awaitable (an async
+    ``rollout_fn`` wrapped by a sync-looking one); a plain value is its own result."""
+    while inspect.isawaitable(value):
+        value = await value
+    return value
+
+
+async def _unwind(task: 'asyncio.Future[Any]') -> None:
+    """Cancel ``task`` and give it :data:`UNWIND_GRACE_S` to end; its exception is retrieved
+    (never reported as unretrieved), whether or not anyone reads it."""
+    task.cancel()
+    await asyncio.wait((task, ), timeout=UNWIND_GRACE_S)
+    if task.done() and not task.cancelled():
+        task.exception()
 
 
 class Outcome:
@@ -273,39 +342,16 @@ class Caller:
         return problems
 
     def run_awaitables(self, awaitables: List[Any], t0: float, timeout: Optional[float]) -> List[Outcome]:
-        """Run ``awaitables`` concurrently on the private loop; cancel those past ``timeout``."""
-
-        async def timed(aw: Any) -> Tuple[int, Any, float]:
-            try:
-                return OK, await aw, perf_counter() - t0
-            except Exception as exc:
-                return RAISED, exc, perf_counter() - t0
+        """Run ``awaitables`` concurrently on the private loop, each :func:`within` ``timeout``."""
 
         async def run_all() -> List[Outcome]:
-            tasks = [asyncio.ensure_future(timed(aw)) for aw in awaitables]
+            tasks = [asyncio.ensure_future(within(aw, timeout, t0)) for aw in awaitables]
             try:
-                done, pending = await asyncio.wait(tasks, timeout=timeout)
+                return list(await asyncio.gather(*tasks))
             except BaseException:
                 for task in tasks:
                     task.cancel()
                 raise
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=1.0)  # let them run their cleanup, briefly
-            out = []
-            for task in tasks:
-                if task in pending:
-                    out.append(Outcome(TIMED_OUT, timeout, perf_counter() - t0))
-                elif task.cancelled():  # cancelled by the hook itself
-                    out.append(Outcome(RAISED, asyncio.CancelledError('cancelled'), perf_counter() - t0))
-                else:
-                    exc = task.exception()
-                    if exc is not None:  # a BaseException (interrupt) from inside the hook
-                        raise exc
-                    kind, value, duration = task.result()
-                    out.append(Outcome(kind, value, duration))
-            return out
 
         return self.loop.run_until_complete(run_all())
 

@@ -8,7 +8,8 @@ of running it are in one place:
   posted by a done callback, not from inside the task;
 * a synchronous ``rollout_fn`` runs in a worker pool (each call blocks one thread, at most
   :data:`MAX_ROLLOUT_THREADS`), a synchronous ``step`` in one step thread (one at a time, as the
-  lockstep driver runs them); async ones are awaited on the loop; both under their deadlines;
+  lockstep driver runs them); async ones are awaited on the loop; both under their deadlines
+  (:func:`mtflow.core.calls.within`, the one call-with-deadline);
 * an interrupt cancels every task and lets them unwind (:meth:`InFlight.cancel_all`), and the
   pools are shut down with or without joining their threads (:meth:`InFlight.close`).
 """
@@ -16,15 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import inspect
 from collections import deque
 from time import perf_counter
 from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
 
-from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome, is_async_callable
+from mtflow.core.calls import RAISED, Outcome, is_async_callable, within
 from mtflow.core.errors import MtflowError
 from mtflow.core.machine import RequestRecord
-from mtflow.engine.resume import GenerationAborted
 
 __all__ = ['InFlight', 'Completion', 'Stopped', 'MAX_ROLLOUT_THREADS', 'timed_step']
 
@@ -127,14 +126,13 @@ class InFlight:
                     self.rollout_pool = cf.ThreadPoolExecutor(min(threads, MAX_ROLLOUT_THREADS),
                                                               thread_name_prefix='mtflow-rollout')
                 call = asyncio.wrap_future(self.rollout_pool.submit(rollout_fn, [request], config))
-            value = await _bounded(call, timeout)
-        except asyncio.TimeoutError:
-            return Outcome(TIMED_OUT, timeout, perf_counter() - t)
-        except Exception as exc:
+        except Exception as exc:  # submitting it failed (a pool shut down)
+            self.calls -= 1
             return Outcome(RAISED, exc, perf_counter() - t)
+        try:
+            return await within(call, timeout, t)
         finally:
             self.calls -= 1
-        return Outcome(OK, value, perf_counter() - t)
 
     def step(self, hooks: Any, timeout: Optional[float], rec: RequestRecord, turn: int) -> Awaitable[Outcome]:
         """One request's ``step`` under its deadline (a sync one in the single step thread)."""
@@ -182,39 +180,6 @@ async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[c
             call = hooks.step(rec.request, rec.choice, turn)
         else:
             call = asyncio.wrap_future(step_pool.submit(hooks.step, rec.request, rec.choice, turn))
-        value = await _bounded(call, timeout)
-    except asyncio.TimeoutError:
-        return Outcome(TIMED_OUT, timeout, perf_counter() - t)
-    except Exception as exc:
+    except Exception as exc:  # a sync-looking step that raised as it was called, or a pool shut down
         return Outcome(RAISED, exc, perf_counter() - t)
-    return Outcome(OK, value, perf_counter() - t)
-
-
-async def _bounded(call: Any, timeout: Optional[float]) -> Any:
-    """Await ``call`` (a coroutine, a future, or a plain value) within ``timeout``. A coroutine
-    that a cancellation or the deadline stops before it ever ran is closed (no "never awaited"
-    warning)."""
-    try:
-        if timeout is None:
-            return await _await_result(call)
-        deadline = asyncio.get_running_loop().time() + timeout
-        try:
-            return await asyncio.wait_for(_await_result(call), timeout)
-        except GenerationAborted as exc:
-            # a resumable call answers the deadline's cancellation with its partial output, and
-            # wait_for (3.11) passes that on instead of TimeoutError: it is still the deadline
-            if asyncio.get_running_loop().time() >= deadline:
-                raise asyncio.TimeoutError() from exc
-            raise
-    except BaseException:
-        if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
-            call.close()
-        raise
-
-
-async def _await_result(value: Any) -> Any:
-    """A value that may be awaitable (an async ``rollout_fn`` or step) or already there (a sync
-    ``rollout_fn`` declared as a plain function that returned an awaitable, or a list)."""
-    while inspect.isawaitable(value):
-        value = await value
-    return value
+    return await within(call, timeout, t)

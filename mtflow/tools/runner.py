@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence
 
+from mtflow.core.calls import RAISED, TIMED_OUT, Outcome, within
 from mtflow.core.images import ImageError, observation_parts
 from mtflow.engine.admission import Admission
 from mtflow.tools.tool import Tool
@@ -185,22 +186,16 @@ class ToolRunner:
             if tool.is_async:
                 aw = tool.fn(**kwargs)
             else:
-                loop = asyncio.get_running_loop()
-                aw = loop.run_in_executor(self.pool, functools.partial(tool.fn, **kwargs))
-            value = await (asyncio.wait_for(aw, tool.timeout_s) if tool.timeout_s else aw)
-        except asyncio.TimeoutError:
+                aw = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(tool.fn, **kwargs))
+            outcome = await within(aw, tool.timeout_s or None, t)
+        except Exception as exc:  # an async-declared tool that raised as it was called
+            outcome = Outcome(RAISED, exc, perf_counter() - t)
+        if outcome.kind == TIMED_OUT:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} timed out after {tool.timeout_s:g} s',
-                              error_kind='timeout', duration_s=perf_counter() - t)
-        except ToolError as exc:
-            return ToolResult(tool.name, kwargs, False, error=str(exc), error_kind=exc.kind,
-                              duration_s=perf_counter() - t, usage=exc.usage)
-        except TypeError as exc:
-            kind = 'bad_arguments' if 'argument' in str(exc) else 'exception'
-            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised TypeError: {exc}',
-                              error_kind=kind, duration_s=perf_counter() - t)
-        except Exception as exc:
-            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
-                              error_kind='exception', duration_s=perf_counter() - t)
+                              error_kind='timeout', duration_s=outcome.duration)
+        if outcome.kind == RAISED:
+            return _failed(tool, kwargs, outcome.value, outcome.duration)
+        value = outcome.value
         try:
             text, images = observation_parts(value, place=False)
         except ImageError as exc:
@@ -255,3 +250,14 @@ def truncate(text: str, limit: Optional[int], side: str = 'right', tokenizer: An
         body = text[:limit] if side == 'right' else text[-limit:]
         dropped = f'[... {len(text) - limit} characters truncated]'
     return f'{body}\n{dropped}' if side == 'right' else f'{dropped}\n{body}'
+
+
+def _failed(tool: Tool, kwargs: Dict[str, Any], exc: BaseException, duration: float) -> ToolResult:
+    """The result of a call that raised: a :class:`ToolError` keeps its kind; a ``TypeError``
+    about arguments is ``bad_arguments``; anything else is ``exception``."""
+    if isinstance(exc, ToolError):
+        return ToolResult(tool.name, kwargs, False, error=str(exc), error_kind=exc.kind, duration_s=duration,
+                          usage=exc.usage)
+    kind = 'bad_arguments' if isinstance(exc, TypeError) and 'argument' in str(exc) else 'exception'
+    return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
+                      error_kind=kind, duration_s=duration)

@@ -136,3 +136,30 @@ def test_truncate_chars_and_tokens():
     assert tok.encode(head, add_special_tokens=False) == tok.encode(long, add_special_tokens=False)[:5]
     n = len(tok.encode(long, add_special_tokens=False))
     assert marker == f'[... {n - 5} tokens truncated]'
+
+
+def test_a_sync_tool_and_a_tool_that_swallows_its_cancellation_both_time_out():
+    """The one deadline (core.calls.within) serves tool calls: a sync tool in its thread past the
+    limit is a 'timeout' result (the thread finishes on its own), and an async tool that catches
+    the cancellation and goes on is given up after the unwind grace, still a 'timeout'."""
+    release = threading.Event()
+
+    def stuck(x: int) -> str:
+        release.wait(5)
+        return 'late'
+
+    async def stubborn(x: int) -> str:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            await asyncio.sleep(5)  # ignores the cancel; within() stops waiting after UNWIND_GRACE_S
+        return 'late'
+
+    runner = ToolRunner([tool_from_callable(stuck, timeout_s=0.05), tool_from_callable(stubborn, timeout_s=0.05)])
+    try:
+        results = run(runner.call_all([('stuck', {'x': 1}), ('stubborn', {'x': 1})]))
+    finally:
+        release.set()
+        runner.close()
+    assert [(r.ok, r.error_kind) for r in results] == [(False, 'timeout'), (False, 'timeout')]
+    assert all('timed out after 0.05 s' in r.error for r in results)

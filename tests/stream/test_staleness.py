@@ -20,9 +20,10 @@ def _workload() -> Workload:
     return Workload(seed=11, tool_median_s=0.004, reply_median=16)
 
 
-def _stream(resumable: bool = False, **options) -> tuple:
+def _stream(resumable: bool = False, rollout_timeout_s=None, **options) -> tuple:
     w = _workload()
-    ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64, resumable=resumable))
+    ex = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64, resumable=resumable),
+                  rollout_timeout_s=rollout_timeout_s)
     reqs = w.requests(160)
     groups = [reqs[i:i + 4] for i in range(0, len(reqs), 4)]
     stop = threading.Event()
@@ -80,8 +81,9 @@ def test_abort_on_update_resumes_from_the_exact_ids():
         assert versions == sorted(versions) and len(versions) == mine.rollout_infos['num_turns']
 
 
-def test_resume_on_update_continues_each_cut_generation_from_its_exact_ids():
-    got, stream = _stream(resumable=True, on_update='resume')
+@pytest.mark.parametrize('rollout_timeout_s', [None, 60.0])  # under a deadline too: the cut's ids are kept
+def test_resume_on_update_continues_each_cut_generation_from_its_exact_ids(rollout_timeout_s):
+    got, stream = _stream(resumable=True, on_update='resume', rollout_timeout_s=rollout_timeout_s)
     assert stream.stats['resumed_generations'] > 0
     w = _workload()
     ref = Executor(LongTailScheduler(w), SimEngine(w, 0.0002, 64), mode='async').run(w.requests(160))
