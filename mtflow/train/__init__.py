@@ -1,0 +1,15 @@
+"""From rollouts to a training step: exact-token samples, advantages, importance weights, stale
+tokens, packing, and a plain PyTorch reference loop (``docs/training.md``).
+
+This layer consumes what the engine and ``mtflow run`` produce (outputs, ``StreamGroup``\\ s,
+``trajectories.jsonl``) and imports torch only inside the functions that need it, so
+``import mtflow.train`` stays as light as ``import mtflow``.
+"""
+from __future__ import annotations
+
+from mtflow.train.errors import SampleError
+from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
+                                  samples_from_trajectory)
+
+__all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
+           'samples_from_result', 'samples_from_trajectory']
