@@ -7,9 +7,12 @@ This layer consumes what the engine and ``mtflow run`` produce (outputs, ``Strea
 """
 from __future__ import annotations
 
+from mtflow.train.advantages import ADVANTAGES, assign_advantages, grpo, reinforce, rloo
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
+from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
 
 __all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
-           'samples_from_result', 'samples_from_trajectory']
+           'samples_from_result', 'samples_from_trajectory', 'ADVANTAGES', 'assign_advantages', 'grpo', 'reinforce',
+           'rloo', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']

@@ -1,0 +1,122 @@
+"""Advantages over groups of trajectories, as small named functions of plain numbers.
+
+Each function takes the rewards of a batch and, where it needs them, each reward's group (the
+prompt's copies: ``Sample.group``), and returns one advantage per reward, in order:
+
+* :func:`grpo`: ``A_i = (r_i - mean_g) / (std + eps)``, the group's mean and the unbiased
+  (Bessel) std of the group (``scale_rewards='group'``), of the whole batch (``'batch'``), or no
+  division (``'none'``: Dr. GRPO); ``eps = 1e-4``. TRL's ``GRPOTrainer`` computes exactly this,
+  so advantages compare one to one; a group of one has std 0 (advantage 0).
+* :func:`rloo`: ``A_i = r_i - mean_{j != i} r_j`` (leave-one-out, REINFORCE Leave-One-Out);
+  ``0`` for a group of one.
+* :func:`reinforce`: ``A_i = r_i - b``, ``b`` a constant baseline or the batch mean.
+
+:func:`assign_advantages` applies one of them per trajectory (the segments of one trajectory
+share its reward and count once in the baseline) and writes each sample's ``advantage``.
+Withheld samples (:mod:`mtflow.train.staleness`) are passed in like the others: their rewards
+move the baseline, their zeroed masks keep them out of the loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+from mtflow.train.samples import Sample
+
+__all__ = ['GRPO_EPS', 'SCALE_REWARDS', 'grpo', 'rloo', 'reinforce', 'ADVANTAGES', 'assign_advantages']
+
+#: the epsilon TRL and the GRPO papers add to the std
+GRPO_EPS = 1e-4
+SCALE_REWARDS = ('group', 'batch', 'none')
+
+
+def _by_group(groups: Sequence[str]) -> Dict[str, List[int]]:
+    members: Dict[str, List[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return members
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _std(values: Sequence[float]) -> float:
+    """Unbiased (Bessel) std, as ``torch.std``; ``0`` for fewer than two values."""
+    if len(values) < 2:
+        return 0.0
+    m = _mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _check(rewards: Sequence[float], groups: Optional[Sequence[str]]) -> None:
+    if groups is not None and len(groups) != len(rewards):
+        raise ValueError(f'{len(rewards)} rewards but {len(groups)} groups')
+
+
+def grpo(rewards: Sequence[float], groups: Sequence[str], scale_rewards: str = 'group',
+         eps: float = GRPO_EPS) -> List[float]:
+    """Group-normalised advantages (see the module docstring)."""
+    _check(rewards, groups)
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f'scale_rewards must be one of {SCALE_REWARDS}, not {scale_rewards!r}')
+    out = [0.0] * len(rewards)
+    batch_std = _std(rewards)
+    for members in _by_group(groups).values():
+        values = [rewards[i] for i in members]
+        mean = _mean(values)
+        std = _std(values) if scale_rewards == 'group' else batch_std
+        for i in members:
+            centred = rewards[i] - mean
+            out[i] = centred if scale_rewards == 'none' else centred / (std + eps)
+    return out
+
+
+def rloo(rewards: Sequence[float], groups: Sequence[str]) -> List[float]:
+    """Leave-one-out advantages: each reward minus the mean of the others in its group."""
+    _check(rewards, groups)
+    out = [0.0] * len(rewards)
+    for members in _by_group(groups).values():
+        n = len(members)
+        if n < 2:
+            continue
+        total = sum(rewards[i] for i in members)
+        for i in members:
+            out[i] = rewards[i] - (total - rewards[i]) / (n - 1)
+    return out
+
+
+def reinforce(rewards: Sequence[float], groups: Optional[Sequence[str]] = None,
+              baseline: Optional[float] = None) -> List[float]:
+    """Plain REINFORCE with a baseline: ``r - baseline`` (default: the batch mean). ``groups`` is
+    accepted for a common signature and not used."""
+    _check(rewards, groups)
+    if not rewards:
+        return []
+    b = _mean(rewards) if baseline is None else float(baseline)
+    return [r - b for r in rewards]
+
+
+#: the advantage functions by name (``assign_advantages(method=...)``)
+ADVANTAGES: Dict[str, Callable[..., List[float]]] = {'grpo': grpo, 'rloo': rloo, 'reinforce': reinforce}
+
+
+def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options: float) -> List[Sample]:
+    """Set ``advantage`` on every sample: ``method`` over one reward per trajectory (uuid; its
+    segments share it), grouped by ``Sample.group``. Returns ``samples``."""
+    if method not in ADVANTAGES:
+        raise ValueError(f'advantage method must be one of {sorted(ADVANTAGES)}, not {method!r}')
+    order: List[str] = []
+    reward: Dict[str, float] = {}
+    group: Dict[str, str] = {}
+    for s in samples:
+        if s.uuid not in reward:
+            order.append(s.uuid)
+            reward[s.uuid], group[s.uuid] = s.reward, s.group
+        elif group[s.uuid] != s.group or reward[s.uuid] != s.reward:
+            raise ValueError(f'request {s.uuid}: its segments disagree on the reward or group')
+    values = ADVANTAGES[method]([reward[u] for u in order], [group[u] for u in order], **options)
+    by_uuid = dict(zip(order, values))
+    for s in samples:
+        s.advantage = by_uuid[s.uuid]
+    return list(samples)
