@@ -11,8 +11,9 @@ from mtflow.train.advantages import ADVANTAGES, assign_advantages, grpo, reinfor
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
+from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
 from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
 
 __all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
            'samples_from_result', 'samples_from_trajectory', 'ADVANTAGES', 'assign_advantages', 'grpo', 'reinforce',
-           'rloo', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
+           'rloo', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
