@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mtflow.train.advantages import ADVANTAGES, assign_advantages, grpo, reinforce, rloo
 from mtflow.train.errors import SampleError
+from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_tensors, unpack
 from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
 from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
@@ -16,4 +17,4 @@ from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios,
 
 __all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
            'samples_from_result', 'samples_from_trajectory', 'ADVANTAGES', 'assign_advantages', 'grpo', 'reinforce',
-           'rloo', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
+           'rloo', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors', 'unpack', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
