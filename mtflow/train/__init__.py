@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mtflow.train.advantages import ADVANTAGES, assign_advantages, grpo, reinforce, rloo
 from mtflow.train.errors import SampleError
+from mtflow.train.loop import StepStats, policy_loss, reference_loop, token_logprobs, train_step
 from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_tensors, unpack
 from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
@@ -17,4 +18,4 @@ from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios,
 
 __all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
            'samples_from_result', 'samples_from_trajectory', 'ADVANTAGES', 'assign_advantages', 'grpo', 'reinforce',
-           'rloo', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors', 'unpack', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
+           'rloo', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors', 'unpack', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']

@@ -1,0 +1,98 @@
+"""The plain PyTorch reference loop: a few GRPO steps of the tiny model on multi-turn tool-use
+rollouts through the HF backend, with a hook on the batch the loss receives checking that it holds
+exactly the token record's ids and the mask the record implies (sampled 1; prompt, tool messages
+and template glue 0), the advantages of each group, and that before each update the trainer's
+logprobs of those ids equal the rollout's (which they do only when the ids are exact)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mtflow import Executor, RequestConfig
+from mtflow.train import grpo
+from mtflow.train.loop import policy_loss, reference_loop
+from mtflow.train.packing import unpack
+from mtflow.train.staleness import StalePolicy
+
+from tests.train.helpers import ToolEveryTurn, prompts
+
+torch = pytest.importorskip('torch')
+
+
+def _record_mask(record):
+    mask = [0] * len(record.prompt_ids)
+    for turn in record.turns:
+        mask += [1] * len(turn.sampled) + [0] * len(turn.appended)
+    return mask
+
+
+def _setup(seed=0):
+    from mtflow.backends.hf import HFBackend
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_model(tok, seed=seed)
+    backend = HFBackend(model, tok, default_max_tokens=6, seed=seed)  # the trainer's model: rollouts see updates
+    executor = Executor(ToolEveryTurn(max_turns=3), backend, RequestConfig(max_tokens=6, temperature=1.0, logprobs=True))
+    return model, tok, executor
+
+
+def test_grpo_steps_on_tool_use_rollouts_train_on_mtflows_exact_ids_and_masks():
+    model, tok, executor = _setup()
+    batches = [prompts(2, 4, start=2 * step) for step in range(3)]
+    by_uuid = {r.uuid: r for batch in batches for r in batch}
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+
+    def on_batch(batch, rows, samples):
+        for row, ids, mask, adv in zip(rows, batch['input_ids'], batch['loss_mask'], batch['advantages']):
+            assert ids.tolist() == row.input_ids and mask.tolist() == [float(m) for m in row.loss_mask]
+            for index, part in unpack(row).items():
+                record = by_uuid[samples[index].uuid].token_record
+                assert part['input_ids'] == record.sequence()
+                assert part['loss_mask'] == _record_mask(record)
+                start = row.sample_index.index(index)
+                trained = [adv[start + k].item() for k, m in enumerate(part['loss_mask']) if m]
+                assert trained == pytest.approx([samples[index].advantage] * len(trained))
+        rewards = [s.reward for s in samples]
+        assert [s.advantage for s in samples] == pytest.approx(grpo(rewards, [s.group for s in samples]))
+        seen.append(sum(len(unpack(r)) for r in rows))
+
+    history = reference_loop(executor, model, torch.optim.Adam(model.parameters(), lr=1e-2), batches, row_len=256,
+                             on_batch=on_batch, tis_cap=2.0)
+    assert seen == [8, 8, 8] and [h.step for h in history] == [0, 1, 2]
+    assert [h.version for h in history] == [0, 1, 2]
+    for h in history:
+        assert h.samples == 8 and h.trained_tokens == 8 * 3 * 6  # 3 turns of 6 sampled ids each
+        assert h.max_logprob_gap < 1e-4, h  # the trainer scored exactly the ids the rollout sampled
+        assert math.isfinite(h.loss)
+    for step, batch in enumerate(batches):  # each step's rollouts were stamped with the weights' version
+        assert all(r.token_record.turns[-1].version == step for r in batch)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_withheld_tokens_never_reach_the_loss():
+    model, tok, executor = _setup(seed=1)
+    policy = StalePolicy(0, stale='withhold')  # every sample is stale at the version after its rollout
+
+    class Late:
+        """Roll out at version v, train at v + 1 (a trainer one step ahead of its data)."""
+
+        def apply(self, samples, version):
+            return policy.apply(samples, version + 1)
+
+    masks = []
+    history = reference_loop(executor, model, torch.optim.SGD(model.parameters(), lr=0.1), [prompts(1, 2)],
+                             row_len=256, stale=Late(), on_batch=lambda b, r, s: masks.append(b['loss_mask']))
+    assert masks[0].sum().item() == 0 and history[0].trained_tokens == 0 and history[0].loss == 0.0
+    assert history[0].withheld_tokens == policy.counts.withheld_tokens == 2 * 3 * 6
+
+
+def test_sample_mean_weighs_each_sample_once():
+    logp = torch.zeros(1, 5, requires_grad=True)
+    batch = {'loss_mask': torch.tensor([[1., 1., 1., 0., 1.]]), 'advantages': torch.tensor([[1., 1., 1., 0., -2.]]),
+             'sample_index': torch.tensor([[0, 0, 0, 1, 1]]), 'logprobs': torch.zeros(1, 5)}
+    # per token -A (ratio 1): sample 0 mean -1, sample 1 mean 2; token mean (-3 + 2) / 4, sample mean (-1 + 2) / 2
+    assert policy_loss(logp, batch, agg='token-mean').item() == pytest.approx(-0.25)
+    assert policy_loss(logp, batch, agg='sample-mean').item() == pytest.approx(0.5)
