@@ -120,6 +120,7 @@ def main(argv: Any = None) -> int:
         print(f'{seed:>4}  {first:>8.3f}  {last:>8.3f}  {last - first:>+6.3f}  {"yes" if met else "NO":>10}  '
               f'{sum(still[-10:]) / 10:>17.3f}  {wall:>6.1f}', flush=True)
     if args.svg is not None:
+        args.svg.parent.mkdir(parents=True, exist_ok=True)
         args.svg.write_text(curves_svg(curves, args.margin))
         print(f'curves: {args.svg}')
     return 0 if ok else 1
