@@ -14,8 +14,9 @@ from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_ten
 from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
 from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
+from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
 from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
 
 __all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
            'samples_from_result', 'samples_from_trajectory', 'ADVANTAGES', 'assign_advantages', 'grpo', 'reinforce',
-           'rloo', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors', 'unpack', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
+           'rloo', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors', 'unpack', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'TRLRollout', 'mtflow_reward', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']

@@ -41,6 +41,15 @@ class ToolEveryTurn(Scheduler):
         return {'infer_request': infer_request}
 
 
+def record_mask(record: Any) -> List[int]:
+    """The loss mask a token record implies over its whole sequence: prompt 0, sampled 1, the ids
+    appended after a turn (tool messages, template glue) 0."""
+    mask = [0] * len(record.prompt_ids)
+    for turn in record.turns:
+        mask += [1] * len(turn.sampled) + [0] * len(turn.appended)
+    return mask
+
+
 def tiny_backend(seed: int = 0, max_tokens: int = 6, **config: Any) -> Any:
     from mtflow.backends.hf import HFBackend
     from tests.tiny_model import make_model, make_tokenizer

@@ -15,16 +15,9 @@ from mtflow.train.loop import policy_loss, reference_loop
 from mtflow.train.packing import unpack
 from mtflow.train.staleness import StalePolicy
 
-from tests.train.helpers import ToolEveryTurn, prompts
+from tests.train.helpers import ToolEveryTurn, prompts, record_mask
 
 torch = pytest.importorskip('torch')
-
-
-def _record_mask(record):
-    mask = [0] * len(record.prompt_ids)
-    for turn in record.turns:
-        mask += [1] * len(turn.sampled) + [0] * len(turn.appended)
-    return mask
 
 
 def _setup(seed=0):
@@ -51,7 +44,7 @@ def test_grpo_steps_on_tool_use_rollouts_train_on_mtflows_exact_ids_and_masks():
             for index, part in unpack(row).items():
                 record = by_uuid[samples[index].uuid].token_record
                 assert part['input_ids'] == record.sequence()
-                assert part['loss_mask'] == _record_mask(record)
+                assert part['loss_mask'] == record_mask(record)
                 start = row.sample_index.index(index)
                 trained = [adv[start + k].item() for k, m in enumerate(part['loss_mask']) if m]
                 assert trained == pytest.approx([samples[index].advantage] * len(trained))
