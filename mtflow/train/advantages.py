@@ -9,21 +9,27 @@ prompt's copies: ``Sample.group``), and returns one advantage per reward, in ord
   so advantages compare one to one; a group of one has std 0 (advantage 0).
 * :func:`rloo`: ``A_i = r_i - mean_{j != i} r_j`` (leave-one-out, REINFORCE Leave-One-Out);
   ``0`` for a group of one.
-* :func:`reinforce`: ``A_i = r_i - b``, ``b`` a constant baseline or the batch mean.
+* :func:`reinforce`: ``A_i = r_i - b``, ``b`` a constant baseline or the batch mean;
+* :func:`turn_returns`: per-turn rewards (``rollout_infos['turn_rewards']``) to discounted
+  returns ``G_t = sum_{k >= t} gamma^(k - t) r_k`` over a trajectory's turns.
 
 :func:`assign_advantages` applies one of them per trajectory (the segments of one trajectory
 share its reward and count once in the baseline) and writes each sample's ``advantage``.
 Withheld samples (:mod:`mtflow.train.staleness`) are passed in like the others: their rewards
-move the baseline, their zeroed masks keep them out of the loss.
+move the baseline, their zeroed masks keep them out of the loss. :func:`assign_turn_advantages`
+is the per-turn variant: each trained token gets the advantage of its turn's return, normalised
+with :func:`grpo` over every (trajectory, turn) return of its group.
 """
 from __future__ import annotations
 
 import math
 from typing import Callable, Dict, List, Optional, Sequence
 
+from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample
 
-__all__ = ['GRPO_EPS', 'SCALE_REWARDS', 'grpo', 'rloo', 'reinforce', 'ADVANTAGES', 'assign_advantages']
+__all__ = ['GRPO_EPS', 'SCALE_REWARDS', 'grpo', 'rloo', 'reinforce', 'turn_returns', 'ADVANTAGES', 'assign_advantages',
+           'assign_turn_advantages']
 
 #: the epsilon TRL and the GRPO papers add to the std
 GRPO_EPS = 1e-4
@@ -97,6 +103,19 @@ def reinforce(rewards: Sequence[float], groups: Optional[Sequence[str]] = None,
     return [r - b for r in rewards]
 
 
+def turn_returns(rewards: Dict[int, float], last_turn: int, gamma: float = 1.0) -> Dict[int, float]:
+    """``{t: G_t}`` for turns ``1..last_turn``: ``G_t = sum_{k=t}^{last} gamma^(k - t) r_k``, a turn
+    without a reward counting 0."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f'gamma must be in [0, 1], not {gamma!r}')
+    out: Dict[int, float] = {}
+    running = 0.0
+    for t in range(last_turn, 0, -1):
+        running = rewards.get(t, 0.0) + gamma * running
+        out[t] = running
+    return out
+
+
 #: the advantage functions by name (``assign_advantages(method=...)``)
 ADVANTAGES: Dict[str, Callable[..., List[float]]] = {'grpo': grpo, 'rloo': rloo, 'reinforce': reinforce}
 
@@ -119,4 +138,38 @@ def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options
     by_uuid = dict(zip(order, values))
     for s in samples:
         s.advantage = by_uuid[s.uuid]
+    return list(samples)
+
+
+def assign_turn_advantages(samples: Sequence[Sample], gamma: float = 1.0, outcome: bool = False,
+                           scale_rewards: str = 'group', eps: float = GRPO_EPS) -> List[Sample]:
+    """Per-token advantages from per-turn rewards: for each trajectory (uuid), the per-turn rewards
+    of all its segments (``Sample.turn_rewards``; with ``outcome=True`` the trajectory reward is
+    added to its last turn's), their discounted returns (:func:`turn_returns`), normalised by
+    :func:`grpo` over all (trajectory, turn) returns of the group; each token gets its turn's
+    (``Sample.token_advantages``, 0 on glue). Returns ``samples``."""
+    rewards: Dict[str, Dict[int, float]] = {}
+    last: Dict[str, int] = {}
+    group: Dict[str, str] = {}
+    for s in samples:
+        if s.token_turns is None:
+            raise SampleError('the turn of each token cannot be placed (turns share assistant messages), so per-turn '
+                              'advantages cannot be given', uuid=s.uuid, turn=s.turns[0], field='turn_rewards')
+        merged = rewards.setdefault(s.uuid, {})
+        for t, r in s.turn_rewards.items():
+            merged[t] = merged.get(t, 0.0) + r
+        last[s.uuid] = max(last.get(s.uuid, 0), s.turns[1])
+        group[s.uuid] = s.group
+    keys, values, labels = [], [], []
+    for uuid, per_turn in rewards.items():
+        if outcome:
+            reward = next(s.reward for s in samples if s.uuid == uuid)
+            per_turn = {**per_turn, last[uuid]: per_turn.get(last[uuid], 0.0) + reward}
+        for t, g in turn_returns(per_turn, last[uuid], gamma).items():
+            keys.append((uuid, t))
+            values.append(g)
+            labels.append(group[uuid])
+    advantage = dict(zip(keys, grpo(values, labels, scale_rewards=scale_rewards, eps=eps)))
+    for s in samples:
+        s.token_advantages = [0.0 if t is None else advantage[(s.uuid, t)] for t in s.token_turns]
     return list(samples)

@@ -9,8 +9,8 @@ rows or batches), each as ``prompt_ids + completion_ids`` with
 * ``sample_index``: which sample each position belongs to (``-1``: padding), so an attention mask
   that keeps samples apart (:func:`block_causal_mask`, for SDPA or eager attention, where position
   ids alone do not) and per-token values (advantages, rollout logprobs) are built from it;
-* ``advantages`` and ``logprobs``: each sample's advantage and rollout logprobs on its completion
-  tokens (0 elsewhere).
+* ``advantages`` and ``logprobs``: each sample's advantage (its ``token_advantages`` when set) and
+  rollout logprobs on its trained completion tokens (0 elsewhere).
 
 :func:`pack` fills rows first-fit in the samples' order; :func:`pad` is the padded layout (one
 sample per row, right-padded to the longest). Both are plain lists; :func:`to_tensors` makes
@@ -50,8 +50,12 @@ class PackedRow:
         self.position_ids += list(range(n))
         self.loss_mask += [0] * len(prompt) + list(sample.loss_mask)
         self.sample_index += [index] * n
-        advantage = float(sample.advantage) if sample.advantage is not None else 0.0
-        self.advantages += [0.0] * len(prompt) + [advantage if m else 0.0 for m in sample.loss_mask]
+        if sample.token_advantages is not None:
+            per_token = [float(a) if m else 0.0 for a, m in zip(sample.token_advantages, sample.loss_mask)]
+        else:
+            advantage = float(sample.advantage) if sample.advantage is not None else 0.0
+            per_token = [advantage if m else 0.0 for m in sample.loss_mask]
+        self.advantages += [0.0] * len(prompt) + per_token
         self.logprobs += [0.0] * len(prompt) + (list(sample.logprobs) if sample.logprobs is not None
                                                 else [0.0] * len(completion))
         self.samples.append(index)

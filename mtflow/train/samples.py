@@ -23,7 +23,7 @@ from mtflow.accounting.segments_split import flat_sample, segments_of
 from mtflow.data.sources import group_of
 from mtflow.run.trajectories import Trajectory, iter_trajectories, reward_of
 from mtflow.train.errors import SampleError
-from mtflow.train.token_versions import token_versions
+from mtflow.train.token_turns import token_turns, token_versions
 
 __all__ = ['Sample', 'SampleError', 'samples_from_output', 'samples_from_trajectory', 'samples_from_result',
            'samples_from_group', 'read_samples']
@@ -47,6 +47,11 @@ class Sample:
     loss_mask: List[int]
     logprobs: Optional[List[float]] = None
     versions: Optional[List[Optional[int]]] = None
+    #: aligned with ``completion_ids``: the turn that sampled each token (``None`` on glue; ``None``
+    #: altogether when the turns cannot be placed: :func:`mtflow.train.token_turns.token_turns`)
+    token_turns: Optional[List[Optional[int]]] = None
+    #: the per-turn rewards of the segment's turns (``rollout_infos['turn_rewards']``, summed per turn)
+    turn_rewards: Dict[int, float] = field(default_factory=dict)
     segment: int = 0
     segments: int = 1
     turns: Tuple[int, int] = (1, 1)
@@ -54,6 +59,9 @@ class Sample:
     withheld_tokens: int = 0
     #: set by :func:`mtflow.train.advantages.assign_advantages`
     advantage: Optional[float] = None
+    #: per-token advantages aligned with ``completion_ids`` (:func:`mtflow.train.advantages.assign_turn_advantages`);
+    #: when set, packing uses them instead of ``advantage``
+    token_advantages: Optional[List[float]] = None
     meta: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -120,6 +128,15 @@ def _aligned_logprobs(flat: Dict[str, Any], uuid: str) -> Optional[List[float]]:
     return [float(next(it)) if m else 0.0 for m in mask]
 
 
+def _turn_rewards(infos: Dict[str, Any], turns: Tuple[int, int]) -> Dict[int, float]:
+    out: Dict[int, float] = {}
+    for entry in infos.get('turn_rewards') or ():
+        turn = int(entry.get('turn', 0))
+        if turns[0] <= turn <= turns[1]:
+            out[turn] = out.get(turn, 0.0) + float(entry['reward'])
+    return out
+
+
 def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optional[str] = None,
                         reward: Optional[float] = None) -> List[Sample]:
     """Every context segment of one trajectory as a :class:`Sample` (all share its reward and
@@ -145,11 +162,13 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
         flat = flat_sample(segment)
         _check_exact(flat, uuid, infos, k == len(segments) - 1)
         turns = (int(flat['turns'][0]), int(flat['turns'][1] or flat['turns'][0]))
-        versions = token_versions(segment, flat['loss_mask'], infos, uuid, turns)
+        placed = token_turns(segment, flat['loss_mask'], turns)
+        versions = token_versions(segment, flat['loss_mask'], infos, uuid, turns, placed)
         samples.append(Sample(uuid=uuid, group=group, reward=float(reward), prompt_ids=list(flat['prompt_ids']),
                               completion_ids=list(flat['response_ids']), loss_mask=[int(m) for m in flat['loss_mask']],
                               logprobs=_aligned_logprobs(flat, uuid), versions=versions, segment=flat['segment'],
-                              segments=len(segments), turns=turns))
+                              segments=len(segments), turns=turns, token_turns=placed,
+                              turn_rewards=_turn_rewards(infos, turns)))
     return samples
 
 

@@ -21,7 +21,7 @@ def even_share(ids: List[int]) -> float:
 class ToolEveryTurn(Scheduler):
     """``max_turns`` turns (a reply cut at ``max_tokens`` goes on); each step calls the calculator
     on the reply's ids and appends its answer as a tool message; the reward is the share of even
-    ids over all sampled turns."""
+    ids over all sampled turns, and each turn's own share is its per-turn reward."""
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
         return current_turn >= self.max_turns
@@ -32,6 +32,10 @@ class ToolEveryTurn(Scheduler):
             return {}
         sampled = [t for turn in record.turns for t in turn.sampled]
         return {'rollout_infos': {'reward': even_share(sampled)}}
+
+    def turn_reward(self, infer_request: Any, response_choice: Any, current_turn: int) -> float:
+        """Each turn's own even share (``rollout_infos['turn_rewards']``, for per-turn advantages)."""
+        return even_share(list(response_choice.token_ids or []))
 
     def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
         ids = list(response_choice.token_ids or [])

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from mtflow.train import Sample
+from mtflow.train import Sample, SampleError
 from mtflow.train.advantages import GRPO_EPS, assign_advantages, grpo, reinforce, rloo
 
 R = [1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 0.5]
@@ -84,3 +84,51 @@ def test_importance_weights_by_hand():
     assert not truncated_is(live, beh).requires_grad  # weights, not trained through
     with pytest.raises(ValueError, match='shape'):
         ratios(cur, beh[:2])
+
+
+def test_turn_returns_by_hand():
+    from mtflow.train.advantages import turn_returns
+
+    # G3 = 2, G2 = 0 + 0.5 * 2, G1 = 1 + 0.5 * 1
+    assert turn_returns({1: 1.0, 3: 2.0}, 3, gamma=0.5) == {3: 2.0, 2: 1.0, 1: 1.5}
+    assert turn_returns({2: 1.0}, 2) == {2: 1.0, 1: 1.0}
+    with pytest.raises(ValueError, match='gamma'):
+        turn_returns({}, 1, gamma=1.5)
+
+
+def _two_turns(uuid, rewards):
+    from mtflow.train import samples_from_output
+
+    line = {'uuid': uuid, 'reward': sum(rewards), 'response_token_ids': [[7, 8], [9]],
+            'response_loss_mask': [[1, 1], [1]],
+            'rollout_infos': {'num_turns': 2, 'turn_rewards': [{'turn': t + 1, 'reward': r, 'source': 'env'}
+                                                               for t, r in enumerate(rewards)],
+                              'token_record': {'prompt_ids': [1], 'glue_ids': [[3]], 'exact': True}}}
+    return samples_from_output(line)[0]
+
+
+def test_per_turn_advantages_by_hand_and_through_packing():
+    from mtflow.train.advantages import assign_turn_advantages
+    from mtflow.train.packing import pack
+
+    a, b = _two_turns('q#0', [1.0, 0.0]), _two_turns('q#1', [0.0, 1.0])
+    assert a.token_turns == [1, 1, None, 2] and a.turn_rewards == {1: 1.0, 2: 0.0}
+    assign_turn_advantages([a, b], gamma=1.0)
+    # returns: a: G1 = 1, G2 = 0; b: G1 = 1, G2 = 1; over the group mean 0.75, unbiased std 0.5
+    up, down = 0.25 / (0.5 + 1e-4), -0.75 / (0.5 + 1e-4)
+    assert a.token_advantages == pytest.approx([up, up, 0.0, down])
+    assert b.token_advantages == pytest.approx([up, up, 0.0, up])
+    (row, ) = pack([a, b], row_len=10)
+    assert row.advantages == pytest.approx([0.0, up, up, 0.0, down, 0.0, up, up, 0.0, up])
+    # with gamma 0.5 and the trajectory reward added to the last turn (outcome): a: G2 = 1, G1 = 1.5
+    assign_turn_advantages([a], gamma=0.5, outcome=True, scale_rewards='none')
+    assert a.token_advantages == pytest.approx([0.25, 0.25, 0.0, -0.25])  # centred on the mean 1.25
+
+
+def test_per_turn_advantages_refuse_turns_that_cannot_be_placed():
+    from mtflow.train.advantages import assign_turn_advantages
+
+    s = Sample(uuid='c#0', group='c', reward=1.0, prompt_ids=[1], completion_ids=[2, 3], loss_mask=[1, 1],
+               turns=(1, 2), token_turns=None)
+    with pytest.raises(SampleError, match="request c#0, turn 1, field 'turn_rewards'"):
+        assign_turn_advantages([s])

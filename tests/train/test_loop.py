@@ -5,6 +5,7 @@ and template glue 0), the advantages of each group, and that before each update 
 logprobs of those ids equal the rollout's (which they do only when the ids are exact)."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -89,3 +90,25 @@ def test_sample_mean_weighs_each_sample_once():
     # per token -A (ratio 1): sample 0 mean -1, sample 1 mean 2; token mean (-3 + 2) / 4, sample mean (-1 + 2) / 2
     assert policy_loss(logp, batch, agg='token-mean').item() == pytest.approx(-0.25)
     assert policy_loss(logp, batch, agg='sample-mean').item() == pytest.approx(0.5)
+
+
+def test_per_turn_advantages_reach_the_loss_token_by_token():
+    from mtflow.train.advantages import assign_turn_advantages
+
+    model, tok, executor = _setup(seed=2)
+    batches = []
+    reference_loop(executor, model, torch.optim.SGD(model.parameters(), lr=0.1), [prompts(1, 4)], row_len=256,
+                   advantage='turn', advantage_options={'gamma': 0.9},
+                   on_batch=lambda batch, rows, samples: batches.append((batch, samples)))
+    (batch, samples), = batches
+    expected = assign_turn_advantages([copy.deepcopy(s) for s in samples], gamma=0.9)
+    for row, adv in zip(batch['sample_index'], batch['advantages']):
+        for index in set(row.tolist()) - {-1}:
+            s, want = samples[index], expected[index]
+            got = adv[row == index][len(s.prompt_ids):].tolist()
+            assert got == pytest.approx([a if m else 0.0 for a, m in zip(want.token_advantages, s.loss_mask)])
+            per_turn = {}
+            for t, a in zip(s.token_turns, got):
+                if t is not None:
+                    per_turn.setdefault(t, set()).add(round(a, 6))
+            assert sorted(per_turn) == [1, 2, 3] and all(len(v) == 1 for v in per_turn.values())  # one per turn

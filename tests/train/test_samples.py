@@ -37,6 +37,8 @@ def test_samples_of_a_tool_run_are_the_token_records_ids_masks_and_logprobs():
         assert [v for v, m in zip(sample.versions, sample.loss_mask) if m] == [0] * len(trained)
         assert all(v is None for v, m in zip(sample.versions, sample.loss_mask) if not m)
         assert sample.turns == (1, 3) and sample.segment == 0 and sample.segments == 1
+        assert [t for t, m in zip(sample.token_turns, sample.loss_mask) if m] == [1] * 6 + [2] * 6 + [3] * 6
+        assert sample.turn_rewards == {t + 1: even_share(turn.sampled) for t, turn in enumerate(record.turns)}
         assert sample.reward == even_share(trained)
         # the tool messages are glue: present in the ids, never trained
         glue = record.summary()['glue_ids']
@@ -128,6 +130,7 @@ def test_versions_of_continued_turns_are_placed_per_run_of_trained_tokens():
     line['rollout_infos'].update(num_turns=3, policy_versions=[1, 2, 2])
     (s, ) = samples_from_output(line)
     assert s.versions == [1, 1, None, None, 2, None, 2]
+    assert s.token_turns == [1, 1, None, None, 2, None, 3]
     line['rollout_infos']['policy_versions'] = [1, 2, 3]
     line['response_loss_mask'] = [[1, 1, 1, 1, 1], [1]]  # the scheduler trained the observation: no runs left
     line['rollout_logprobs'] = [[-1.0] * 5, [-1.0]]
