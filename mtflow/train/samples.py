@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from mtflow.accounting.segments_split import flat_sample, segments_of
+from mtflow.core.machine import FAILURE_REASONS
 from mtflow.data.sources import group_of
 from mtflow.run.trajectories import Trajectory, iter_trajectories, reward_of
 from mtflow.train.errors import SampleError
@@ -137,16 +138,36 @@ def _turn_rewards(infos: Dict[str, Any], turns: Tuple[int, int]) -> Dict[int, fl
     return out
 
 
+FAILED = ('raise', 'skip')
+
+
+def _failed(uuid: str, reason: Optional[str], failed: str) -> bool:
+    """Whether a request that finished with ``reason`` is left out (``failed='skip'``); a failed
+    one is an error with ``failed='raise'``."""
+    if failed not in FAILED:
+        raise ValueError(f'failed must be one of {FAILED}, not {failed!r}')
+    if reason not in FAILURE_REASONS:
+        return False
+    if failed == 'skip':
+        return True
+    raise SampleError(f"the request failed (finish reason {reason!r}): its output is partial, not a trajectory to "
+                      "train on (pass failed='skip' to leave failed requests out)", uuid=uuid, field='finish_reason')
+
+
 def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optional[str] = None,
-                        reward: Optional[float] = None) -> List[Sample]:
+                        reward: Optional[float] = None, finish_reason: Optional[str] = None) -> List[Sample]:
     """Every context segment of one trajectory as a :class:`Sample` (all share its reward and
     group). ``output`` is a ``RolloutOutput`` (by attribute) or a trajectory line (a dict);
     ``reward`` and ``group`` default to the line's, else ``rollout_infos['reward']`` and the uuid
-    without its ``#k`` copy suffix. Raises :class:`SampleError` for what is not exact."""
+    without its ``#k`` copy suffix; ``finish_reason`` (default: the line's) of a failed request
+    (``error``, ``timeout``) is refused. Raises :class:`SampleError` for what is not exact."""
     uuid = uuid if uuid is not None else _get(output, 'uuid')
     if uuid is None:
         raise SampleError('a trajectory without a uuid: pass uuid=', field='uuid')
     uuid = str(uuid)
+    reason = finish_reason if finish_reason is not None else (_get(output, 'finish_reason')
+                                                              if isinstance(output, dict) else None)
+    _failed(uuid, reason, 'raise')
     infos = _get(output, 'rollout_infos') or {}
     if reward is None:
         reward = _get(output, 'reward') if isinstance(output, dict) else None
@@ -172,38 +193,51 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
     return samples
 
 
-def samples_from_trajectory(line: Union[Trajectory, Dict[str, Any]]) -> List[Sample]:
-    """The samples of one ``trajectories.jsonl`` line (a dict or a :class:`Trajectory`)."""
-    return samples_from_output(line.to_dict() if isinstance(line, Trajectory) else line)
+def samples_from_trajectory(line: Union[Trajectory, Dict[str, Any]], failed: str = 'raise') -> List[Sample]:
+    """The samples of one ``trajectories.jsonl`` line (a dict or a :class:`Trajectory`); a failed
+    request's line is an error, or ``[]`` with ``failed='skip'``."""
+    d = line.to_dict() if isinstance(line, Trajectory) else line
+    if _failed(str(d.get('uuid')), d.get('finish_reason'), failed):
+        return []
+    return samples_from_output(d)
 
 
-def samples_from_result(result: Any, requests: Sequence[Any]) -> List[Sample]:
+def samples_from_result(result: Any, requests: Sequence[Any], failed: str = 'raise') -> List[Sample]:
     """The samples of an ``Executor.run`` result; ``requests`` (the input, same order) give the
-    uuids and, from their ``data_dict``, the groups."""
+    uuids and, from their ``data_dict``, the groups; failed requests are an error, or left out with
+    ``failed='skip'``."""
     if len(requests) != len(result.outputs):
         raise ValueError(f'{len(result.outputs)} outputs but {len(requests)} requests')
     out: List[Sample] = []
-    for request, output in zip(requests, result.outputs):
+    for request, output, reason in zip(requests, result.outputs, result.finish_reasons):
         uuid = str(getattr(request, 'uuid'))
+        if _failed(uuid, reason, failed):
+            continue
         data = getattr(request, 'data_dict', None)
-        out += samples_from_output(output, uuid, group=group_of(uuid, data if isinstance(data, dict) else None))
+        out += samples_from_output(output, uuid, group=group_of(uuid, data if isinstance(data, dict) else None),
+                                   finish_reason=reason)
     return out
 
 
-def samples_from_group(group: Any, reward: Optional[Sequence[float]] = None) -> List[Sample]:
+def samples_from_group(group: Any, reward: Optional[Sequence[float]] = None, failed: str = 'raise') -> List[Sample]:
     """The samples of a ``StreamGroup`` (``Executor.stream``): one group id for all its members
-    (the first member's), ``reward[k]`` for member ``k`` when given."""
+    (the first member's), ``reward[k]`` for member ``k`` when given; a failed member is an error,
+    or left out with ``failed='skip'``."""
     if not group.uuids:
         return []
     data = getattr(group.requests[0], 'data_dict', None) if group.requests else None
     name = group_of(str(group.uuids[0]), data if isinstance(data, dict) else None)
     out: List[Sample] = []
-    for k, (uuid, output) in enumerate(zip(group.uuids, group.outputs)):
-        out += samples_from_output(output, str(uuid), group=name, reward=None if reward is None else reward[k])
+    for k, (uuid, output, reason) in enumerate(zip(group.uuids, group.outputs, group.finish_reasons)):
+        if _failed(str(uuid), reason, failed):
+            continue
+        out += samples_from_output(output, str(uuid), group=name, reward=None if reward is None else reward[k],
+                                   finish_reason=reason)
     return out
 
 
-def read_samples(path: Union[str, Path]) -> Iterator[Sample]:
-    """The samples of every line of a run's ``trajectories.jsonl``, in file order."""
+def read_samples(path: Union[str, Path], failed: str = 'raise') -> Iterator[Sample]:
+    """The samples of every line of a run's ``trajectories.jsonl``, in file order (``failed``: as
+    :func:`samples_from_trajectory`)."""
     for traj in iter_trajectories(path):
-        yield from samples_from_trajectory(traj)
+        yield from samples_from_trajectory(traj, failed)

@@ -5,6 +5,7 @@ per segment; what cannot be exact is refused naming the request and the turn."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -136,3 +137,38 @@ def test_versions_of_continued_turns_are_placed_per_run_of_trained_tokens():
     line['rollout_logprobs'] = [[-1.0] * 5, [-1.0]]
     with pytest.raises(SampleError, match='turn 1, field .policy_versions.: turns 1-3 were sampled by versions'):
         samples_from_output(line)
+
+
+def test_a_real_mtflow_run_directory_gives_exact_samples_and_failed_requests_are_named(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mtflow.run.trajectories import read_trajectories
+    from tests.swift.tiny_grpo import tiny_setup
+
+    root = Path(__file__).resolve().parents[2]
+    model, _ = tiny_setup(tmp_path / 'tiny')
+    out = tmp_path / 'run'
+    cmd = [sys.executable, '-m', 'mtflow', 'run', str(root / 'configs/scripted_tools.yaml'), '--backend', 'hf',
+           '--model', str(model), '--set', 'scheduler=tests.train.helpers:ToolEveryTurn', '--set',
+           'scheduler_args.max_turns=2', '--set', 'request_config.max_tokens=5', '--set', 'request_config.logprobs=true',
+           '-n', '2', '--out', str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, 'PYTHONPATH': str(root)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = read_trajectories(out / 'trajectories.jsonl')
+    samples = list(read_samples(out / 'trajectories.jsonl'))
+    assert len(samples) == len(lines) == 8 and {s.group for s in samples} == {'mul', 'sum', 'div', 'bad'}
+    for s in samples:
+        line = lines[s.uuid]
+        assert s.prompt_ids == line.rollout_infos['token_record']['prompt_ids']
+        assert s.turns == (1, 2) and s.trained_tokens == 2 * 5 and s.reward == line.reward
+        assert [t for t, m in zip(s.completion_ids, s.loss_mask) if m] == sum(line.response_token_ids, [])
+    # a failed request is named, or left out on request
+    path = tmp_path / 'failed.jsonl'
+    first = lines[samples[0].uuid].to_dict()
+    path.write_text(json.dumps({**first, 'finish_reason': 'error'}) + '\n')
+    with pytest.raises(SampleError, match=rf"request {samples[0].uuid}, field 'finish_reason': the request failed"):
+        list(read_samples(path))
+    assert list(read_samples(path, failed='skip')) == []
