@@ -11,7 +11,8 @@ one optimizer step on
 over the trained tokens (``loss_mask``), where ``rho_t = exp(logp_t - logp_t.detach())`` (one
 update per batch, so ``rho = 1`` and its gradient is the policy gradient), ``A`` the sample's
 advantage, and ``w_t`` the truncated importance weight of the trainer's logprob against the
-rollout's (``tis_cap``; ``None``: no correction). ``agg`` is ``'token-mean'`` (every trained token
+rollout's (``tis_cap``; ``None``: no correction; ``mask_outside`` and ``sequence_weight`` are the
+masked and the sequence-level corrections). ``agg`` is ``'token-mean'`` (every trained token
 of the batch weighs the same) or ``'sample-mean'`` (each sample's token mean, averaged).
 
 The model is shared with the backend (``HFBackend(model, tokenizer)``), so every step's rollouts
@@ -27,7 +28,7 @@ from mtflow.train.advantages import assign_advantages, assign_turn_advantages
 from mtflow.train.packing import block_causal_mask, pack, to_tensors
 from mtflow.train.samples import Sample, samples_from_result
 from mtflow.train.staleness import StalePolicy
-from mtflow.train.weights import truncated_is
+from mtflow.train.weights import geometric_sequence_weight, keep_within, truncated_is
 
 __all__ = ['LOSS_AGGREGATIONS', 'token_logprobs', 'policy_loss', 'train_step', 'StepStats', 'reference_loop']
 
@@ -46,8 +47,12 @@ def token_logprobs(model: Any, batch: Dict[str, Any]) -> Any:
 
 
 def policy_loss(logp: Any, batch: Dict[str, Any], clip_eps: float = 0.2, tis_cap: Optional[float] = None,
-                agg: str = 'token-mean') -> Any:
-    """The clipped policy-gradient loss of the module docstring over ``batch['loss_mask']``."""
+                agg: str = 'token-mean', mask_outside: Optional[float] = None, sequence_weight: bool = False) -> Any:
+    """The clipped policy-gradient loss of the module docstring over ``batch['loss_mask']``, with
+    the rollout corrections of :mod:`mtflow.train.weights` against ``batch['logprobs']``:
+    ``tis_cap`` (token TIS weights), ``mask_outside`` (tokens whose ratio is outside
+    ``[1/u, u]`` leave the mask) and ``sequence_weight`` (each sample weighted by the geometric
+    mean of its ratios)."""
     import torch
 
     if agg not in LOSS_AGGREGATIONS:
@@ -57,6 +62,10 @@ def policy_loss(logp: Any, batch: Dict[str, Any], clip_eps: float = 0.2, tis_cap
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if tis_cap is not None:
         per_token = per_token * truncated_is(logp, batch['logprobs'], cap=tis_cap)
+    if mask_outside is not None:
+        mask = mask * keep_within(logp, batch['logprobs'], upper=mask_outside)
+    if sequence_weight:
+        per_token = per_token * geometric_sequence_weight(logp, batch['logprobs'], mask, batch['sample_index'])
     per_token = per_token * mask
     if agg == 'token-mean':
         return per_token.sum() / mask.sum().clamp(min=1)
@@ -86,6 +95,7 @@ class StepStats:
 
 def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len: int, pad_id: int = 0,
                clip_eps: float = 0.2, tis_cap: Optional[float] = None, agg: str = 'token-mean',
+               mask_outside: Optional[float] = None, sequence_weight: bool = False,
                on_batch: Optional[Callable[[Dict[str, Any], List[Any], Sequence[Sample]], None]] = None) -> Dict[str, Any]:
     """One optimizer step on ``samples`` (advantages already assigned). ``on_batch(batch, rows,
     samples)`` sees the exact tensors the loss receives. Returns the loss, the rows and the
@@ -97,7 +107,8 @@ def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len
     if on_batch is not None:
         on_batch(batch, rows, samples)
     logp = token_logprobs(model, batch)
-    loss = policy_loss(logp, batch, clip_eps=clip_eps, tis_cap=tis_cap, agg=agg)
+    loss = policy_loss(logp, batch, clip_eps=clip_eps, tis_cap=tis_cap, agg=agg, mask_outside=mask_outside,
+                       sequence_weight=sequence_weight)
     gap = None
     trained = batch['loss_mask'] > 0
     if all(s.logprobs is not None for s in samples) and bool(trained.any()):
@@ -112,8 +123,8 @@ def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len
 def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[Sequence[Any]], *, row_len: int,
                    advantage: str = 'grpo', advantage_options: Optional[Dict[str, Any]] = None,
                    stale: Optional[StalePolicy] = None, pad_id: int = 0, clip_eps: float = 0.2,
-                   tis_cap: Optional[float] = None, agg: str = 'token-mean',
-                   on_batch: Optional[Callable[..., None]] = None,
+                   tis_cap: Optional[float] = None, agg: str = 'token-mean', mask_outside: Optional[float] = None,
+                   sequence_weight: bool = False, on_batch: Optional[Callable[..., None]] = None,
                    on_step: Optional[Callable[[StepStats], None]] = None) -> List[StepStats]:
     """A step per batch of prompts from ``batches`` (each a list of requests: whole groups):
     roll out with ``executor``, build samples, withhold stale ones (``stale``), assign
@@ -136,7 +147,8 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
         else:
             assign_advantages(samples, advantage, **(advantage_options or {}))
         done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
-                          tis_cap=tis_cap, agg=agg, on_batch=on_batch)
+                          tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
+                          on_batch=on_batch)
         stats = StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
                           samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'],
                           rows=done['rows'], withheld_tokens=sum(s.withheld_tokens for s in samples),

@@ -45,9 +45,10 @@ def truncated_is(current: Any, behaviour: Any, cap: float = 2.0) -> Any:
     return ratios(current, behaviour).clamp(max=cap)
 
 
-def geometric_sequence_weight(current: Any, behaviour: Any, mask: Any) -> Any:
-    """One weight per row: the geometric mean of the ratios over the row's mask-1 tokens (``1``
-    for a row without any)."""
+def geometric_sequence_weight(current: Any, behaviour: Any, mask: Any, sample_index: Any = None) -> Any:
+    """The geometric mean of the ratios over the mask-1 tokens of each sequence (``1`` for one
+    without any): one weight per row, or, with ``sample_index`` (packed rows: which sample each
+    position holds, ``-1`` for padding), each position its own sample's weight."""
     import torch
 
     cur, beh = _tensors(current, behaviour)
@@ -55,8 +56,16 @@ def geometric_sequence_weight(current: Any, behaviour: Any, mask: Any) -> Any:
     if m.shape != cur.shape:
         raise ValueError(f'mask has shape {tuple(m.shape)}, logprobs {tuple(cur.shape)}')
     log_ratio = (cur - beh) * m
-    count = m.sum(-1)
-    return torch.where(count > 0, (log_ratio.sum(-1) / count.clamp(min=1)).exp(), torch.ones_like(count))
+    if sample_index is None:
+        count = m.sum(-1)
+        return torch.where(count > 0, (log_ratio.sum(-1) / count.clamp(min=1)).exp(), torch.ones_like(count))
+    index = torch.as_tensor(sample_index, dtype=torch.long)
+    slots = index.clamp(min=0).flatten()
+    n = int(index.max().item()) + 1 if index.numel() else 0
+    sums = torch.zeros(max(n, 1)).index_add(0, slots, log_ratio.flatten())
+    count = torch.zeros(max(n, 1)).index_add(0, slots, m.flatten())
+    per_sample = torch.where(count > 0, (sums / count.clamp(min=1)).exp(), torch.ones_like(count))
+    return torch.where(index >= 0, per_sample[index.clamp(min=0)], torch.ones_like(cur))
 
 
 def keep_within(current: Any, behaviour: Any, upper: float = 2.0, lower: Optional[float] = None) -> Any:

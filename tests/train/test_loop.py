@@ -112,3 +112,25 @@ def test_per_turn_advantages_reach_the_loss_token_by_token():
                 if t is not None:
                     per_turn.setdefault(t, set()).add(round(a, 6))
             assert sorted(per_turn) == [1, 2, 3] and all(len(v) == 1 for v in per_turn.values())  # one per turn
+
+
+def test_masked_and_sequence_level_corrections_by_hand():
+    from mtflow.train.weights import geometric_sequence_weight
+
+    index = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    mask = torch.tensor([[0., 1., 1., 0., 1., 0.]])
+    # current - behaviour on the trained tokens: sample 0: 0.2, 0.4 (mean 0.3); sample 1: -0.3
+    cur, beh = torch.zeros(1, 6), -torch.tensor([[9.0, 0.2, 0.4, 9.0, -0.3, 0.0]])
+    w = geometric_sequence_weight(cur, beh, mask, index)
+    assert w.tolist()[0] == pytest.approx([math.exp(0.3)] * 3 + [math.exp(-0.3)] * 2 + [1.0], rel=1e-6)
+    logp = torch.zeros(1, 6, requires_grad=True)
+    batch = {'loss_mask': mask, 'advantages': torch.tensor([[0., 1., 1., 0., -2., 0.]]), 'sample_index': index,
+             'logprobs': beh}
+    expected = (-2 * math.exp(0.3) + 2 * math.exp(-0.3)) / 3
+    assert policy_loss(logp, batch, sequence_weight=True).item() == pytest.approx(expected, rel=1e-6)
+    # masked IS: the ratio exp(1) at position 2 is above 2, so that token leaves the mask
+    batch = {'loss_mask': torch.tensor([[1., 1., 1., 0., 1.]]), 'advantages': torch.tensor([[1., 3., 1., 0., -2.]]),
+             'sample_index': torch.tensor([[0, 0, 0, 1, 1]]), 'logprobs': torch.tensor([[0., 0., -1., 0., 0.]])}
+    logp = torch.zeros(1, 5, requires_grad=True)
+    assert policy_loss(logp, batch).item() == pytest.approx((-1 - 3 - 1 + 2) / 4)
+    assert policy_loss(logp, batch, mask_outside=2.0).item() == pytest.approx((-1 - 3 + 2) / 3)
