@@ -7,7 +7,8 @@ This layer consumes what the engine and ``mtflow run`` produce (outputs, ``Strea
 """
 from __future__ import annotations
 
-from mtflow.train.advantages import ADVANTAGES, assign_advantages, assign_turn_advantages, grpo, reinforce, rloo, turn_returns
+from mtflow.train.advantages import (ADVANTAGES, assign_advantages, assign_turn_advantages, grpo, reinforce, rloo,
+                                     turn_returns)
 from mtflow.train.errors import SampleError
 from mtflow.train.loop import StepStats, policy_loss, reference_loop, token_logprobs, train_step
 from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_tensors, unpack
@@ -17,6 +18,15 @@ from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
 from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
 from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
 
-__all__ = ['Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output',
-           'samples_from_result', 'samples_from_trajectory', 'ADVANTAGES', 'assign_advantages', 'assign_turn_advantages', 'grpo',
-           'reinforce', 'rloo', 'turn_returns', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors', 'unpack', 'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'TRLRollout', 'mtflow_reward', 'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is']
+__all__ = [
+    # samples
+    'Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output', 'samples_from_result',
+    'samples_from_trajectory',
+    # advantages and weights
+    'ADVANTAGES', 'assign_advantages', 'assign_turn_advantages', 'grpo', 'reinforce', 'rloo', 'turn_returns',
+    'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is',
+    # stale tokens, packing, the loop, TRL
+    'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors',
+    'unpack', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'TRLRollout',
+    'mtflow_reward',
+]

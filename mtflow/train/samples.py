@@ -5,8 +5,8 @@ A trajectory (a ``RolloutOutput``, a line of ``trajectories.jsonl``, a member of
 segment per assistant message, the template's glue between them in
 ``rollout_infos['token_record']``, earlier context segments (compactions) in
 ``rollout_infos['context_segments']``. :func:`samples_from_output` turns each context segment into
-one :class:`Sample` (the flattening is :func:`mtflow.accounting.segments_split.training_samples`,
-the one rule for it), so that ``prompt_ids + completion_ids`` is exactly the sequence the model was
+one :class:`Sample` (the segments and their flattening are the accounting's own,
+:func:`mtflow.accounting.segments_split.segments_of` and ``flat_sample``), so that ``prompt_ids + completion_ids`` is exactly the sequence the model was
 conditioned on and ``loss_mask`` is exactly the accounting's.
 
 What cannot be trained on exactly is refused, never patched: a segment without prompt ids (the
@@ -63,7 +63,6 @@ class Sample:
     #: per-token advantages aligned with ``completion_ids`` (:func:`mtflow.train.advantages.assign_turn_advantages`);
     #: when set, packing uses them instead of ``advantage``
     token_advantages: Optional[List[float]] = None
-    meta: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def input_ids(self) -> List[int]:
