@@ -7,12 +7,12 @@ This layer consumes what the engine and ``mtflow run`` produce (outputs, ``Strea
 """
 from __future__ import annotations
 
-from mtflow.train.advantages import (ADVANTAGES, assign_advantages, assign_turn_advantages, grpo, reinforce, rloo,
-                                     turn_returns)
+from mtflow.train.advantages import (ADVANTAGES, assign_advantages, assign_gigpo_advantages, assign_turn_advantages, grpo,
+                                     reinforce, rloo, turn_returns)
 from mtflow.train.errors import SampleError
 from mtflow.train.loop import StepStats, policy_loss, reference_loop, token_logprobs, train_step
 from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_tensors, unpack
-from mtflow.train.samples import (Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
+from mtflow.train.samples import (STATE_KEYS, Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
 from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
 from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
@@ -20,10 +20,10 @@ from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios,
 
 __all__ = [
     # samples
-    'Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output', 'samples_from_result',
+    'STATE_KEYS', 'Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output', 'samples_from_result',
     'samples_from_trajectory',
     # advantages and weights
-    'ADVANTAGES', 'assign_advantages', 'assign_turn_advantages', 'grpo', 'reinforce', 'rloo', 'turn_returns',
+    'ADVANTAGES', 'assign_advantages', 'assign_gigpo_advantages', 'assign_turn_advantages', 'grpo', 'reinforce', 'rloo', 'turn_returns',
     'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is',
     # stale tokens, packing, the loop, TRL
     'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors',

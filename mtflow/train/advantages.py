@@ -18,26 +18,29 @@ share its reward and count once in the baseline) and writes each sample's ``adva
 Withheld samples (:mod:`mtflow.train.staleness`) are passed in like the others: their rewards
 move the baseline, their zeroed masks keep them out of the loss. :func:`assign_turn_advantages`
 is the per-turn variant: each trained token gets the advantage of its turn's return, normalised
-with :func:`grpo` over every (trajectory, turn) return of its group.
+with :func:`grpo` over every (trajectory, turn) return of its group; :func:`assign_gigpo_advantages`
+is GiGPO's two levels: the episode advantage plus ``step_weight`` times a step advantage, the
+turn's return normalised among the turns of the group that were generated from the same
+environment state (``Sample.state_keys``).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample
 
 __all__ = ['GRPO_EPS', 'SCALE_REWARDS', 'grpo', 'rloo', 'reinforce', 'turn_returns', 'ADVANTAGES', 'assign_advantages',
-           'assign_turn_advantages']
+           'assign_turn_advantages', 'assign_gigpo_advantages']
 
 #: the epsilon TRL and the GRPO papers add to the std
 GRPO_EPS = 1e-4
 SCALE_REWARDS = ('group', 'batch', 'none')
 
 
-def _by_group(groups: Sequence[str]) -> Dict[str, List[int]]:
-    members: Dict[str, List[int]] = {}
+def _by_group(groups: Sequence[Hashable]) -> Dict[Hashable, List[int]]:
+    members: Dict[Hashable, List[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
     return members
@@ -55,12 +58,12 @@ def _std(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
-def _check(rewards: Sequence[float], groups: Optional[Sequence[str]]) -> None:
+def _check(rewards: Sequence[float], groups: Optional[Sequence[Hashable]]) -> None:
     if groups is not None and len(groups) != len(rewards):
         raise ValueError(f'{len(rewards)} rewards but {len(groups)} groups')
 
 
-def grpo(rewards: Sequence[float], groups: Sequence[str], scale_rewards: str = 'group',
+def grpo(rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: str = 'group',
          eps: float = GRPO_EPS) -> List[float]:
     """Group-normalised advantages (see the module docstring)."""
     _check(rewards, groups)
@@ -78,7 +81,7 @@ def grpo(rewards: Sequence[float], groups: Sequence[str], scale_rewards: str = '
     return out
 
 
-def rloo(rewards: Sequence[float], groups: Sequence[str]) -> List[float]:
+def rloo(rewards: Sequence[float], groups: Sequence[Hashable]) -> List[float]:
     """Leave-one-out advantages: each reward minus the mean of the others in its group."""
     _check(rewards, groups)
     out = [0.0] * len(rewards)
@@ -92,7 +95,7 @@ def rloo(rewards: Sequence[float], groups: Sequence[str]) -> List[float]:
     return out
 
 
-def reinforce(rewards: Sequence[float], groups: Optional[Sequence[str]] = None,
+def reinforce(rewards: Sequence[float], groups: Optional[Sequence[Hashable]] = None,
               baseline: Optional[float] = None) -> List[float]:
     """Plain REINFORCE with a baseline: ``r - baseline`` (default: the batch mean). ``groups`` is
     accepted for a common signature and not used."""
@@ -141,6 +144,41 @@ def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options
     return list(samples)
 
 
+def _turn_table(samples: Sequence[Sample], why: str) -> Tuple[Dict[str, Dict[int, float]], Dict[str, int], Dict[str, str]]:
+    """Per trajectory: its per-turn rewards (all segments), its last turn, its group."""
+    rewards: Dict[str, Dict[int, float]] = {}
+    last: Dict[str, int] = {}
+    group: Dict[str, str] = {}
+    for s in samples:
+        if s.token_turns is None:
+            raise SampleError(f'the turn of each token cannot be placed (turns share assistant messages), so {why} '
+                              'cannot be given', uuid=s.uuid, turn=s.turns[0], field='turn_rewards')
+        merged = rewards.setdefault(s.uuid, {})
+        for t, r in s.turn_rewards.items():
+            merged[t] = merged.get(t, 0.0) + r
+        last[s.uuid] = max(last.get(s.uuid, 0), s.turns[1])
+        group[s.uuid] = s.group
+    return rewards, last, group
+
+
+def _returns(samples: Sequence[Sample], rewards: Dict[str, Dict[int, float]], last: Dict[str, int], gamma: float,
+             outcome: bool) -> Dict[Tuple[str, int], float]:
+    out: Dict[Tuple[str, int], float] = {}
+    for uuid, per_turn in rewards.items():
+        if outcome:
+            reward = next(s.reward for s in samples if s.uuid == uuid)
+            per_turn = {**per_turn, last[uuid]: per_turn.get(last[uuid], 0.0) + reward}
+        for t, g in turn_returns(per_turn, last[uuid], gamma).items():
+            out[(uuid, t)] = g
+    return out
+
+
+def _spread(samples: Sequence[Sample], advantage: Dict[Tuple[str, int], float]) -> List[Sample]:
+    for s in samples:
+        s.token_advantages = [0.0 if t is None else advantage[(s.uuid, t)] for t in s.token_turns or ()]
+    return list(samples)
+
+
 def assign_turn_advantages(samples: Sequence[Sample], gamma: float = 1.0, outcome: bool = False,
                            scale_rewards: str = 'group', eps: float = GRPO_EPS) -> List[Sample]:
     """Per-token advantages from per-turn rewards: for each trajectory (uuid), the per-turn rewards
@@ -148,28 +186,30 @@ def assign_turn_advantages(samples: Sequence[Sample], gamma: float = 1.0, outcom
     added to its last turn's), their discounted returns (:func:`turn_returns`), normalised by
     :func:`grpo` over all (trajectory, turn) returns of the group; each token gets its turn's
     (``Sample.token_advantages``, 0 on glue). Returns ``samples``."""
-    rewards: Dict[str, Dict[int, float]] = {}
-    last: Dict[str, int] = {}
-    group: Dict[str, str] = {}
+    rewards, last, group = _turn_table(samples, 'per-turn advantages')
+    returns = _returns(samples, rewards, last, gamma, outcome)
+    keys = list(returns)
+    values = grpo([returns[k] for k in keys], [group[u] for u, _ in keys], scale_rewards=scale_rewards, eps=eps)
+    return _spread(samples, dict(zip(keys, values)))
+
+
+def assign_gigpo_advantages(samples: Sequence[Sample], step_weight: float = 1.0, gamma: float = 0.95,
+                            scale_rewards: str = 'group', eps: float = GRPO_EPS) -> List[Sample]:
+    """GiGPO (group-in-group): ``A_{i,t} = A^E_i + step_weight * A^S_{i,t}``, where ``A^E_i`` is
+    :func:`grpo` over the trajectory rewards of the group and ``A^S_{i,t}`` is :func:`grpo` over the
+    discounted per-turn returns (:func:`turn_returns` of ``Sample.turn_rewards``) of the turns of
+    the group generated from the same environment state (``Sample.state_keys``: an anchor group;
+    a turn without a key, or alone in its anchor group, has ``A^S = 0``). Each token gets its
+    turn's (``Sample.token_advantages``). Returns ``samples``."""
+    rewards, last, group = _turn_table(samples, 'GiGPO advantages')
+    returns = _returns(samples, rewards, last, gamma, outcome=False)
+    uuids = list(rewards)
+    episode = dict(zip(uuids, grpo([next(s.reward for s in samples if s.uuid == u) for u in uuids],
+                                   [group[u] for u in uuids], scale_rewards=scale_rewards, eps=eps)))
+    keys: Dict[Tuple[str, int], str] = {}
     for s in samples:
-        if s.token_turns is None:
-            raise SampleError('the turn of each token cannot be placed (turns share assistant messages), so per-turn '
-                              'advantages cannot be given', uuid=s.uuid, turn=s.turns[0], field='turn_rewards')
-        merged = rewards.setdefault(s.uuid, {})
-        for t, r in s.turn_rewards.items():
-            merged[t] = merged.get(t, 0.0) + r
-        last[s.uuid] = max(last.get(s.uuid, 0), s.turns[1])
-        group[s.uuid] = s.group
-    keys, values, labels = [], [], []
-    for uuid, per_turn in rewards.items():
-        if outcome:
-            reward = next(s.reward for s in samples if s.uuid == uuid)
-            per_turn = {**per_turn, last[uuid]: per_turn.get(last[uuid], 0.0) + reward}
-        for t, g in turn_returns(per_turn, last[uuid], gamma).items():
-            keys.append((uuid, t))
-            values.append(g)
-            labels.append(group[uuid])
-    advantage = dict(zip(keys, grpo(values, labels, scale_rewards=scale_rewards, eps=eps)))
-    for s in samples:
-        s.token_advantages = [0.0 if t is None else advantage[(s.uuid, t)] for t in s.token_turns]
-    return list(samples)
+        keys.update({(s.uuid, t): k for t, k in s.state_keys.items()})
+    anchored = [k for k in returns if k in keys]
+    step = dict(zip(anchored, grpo([returns[k] for k in anchored], [(group[k[0]], keys[k]) for k in anchored],
+                                   scale_rewards=scale_rewards, eps=eps)))
+    return _spread(samples, {k: episode[k[0]] + step_weight * step.get(k, 0.0) for k in returns})

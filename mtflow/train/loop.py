@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from mtflow.train.advantages import assign_advantages, assign_turn_advantages
+from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, assign_turn_advantages
 from mtflow.train.packing import block_causal_mask, pack, to_tensors
 from mtflow.train.samples import Sample, samples_from_result
 from mtflow.train.staleness import StalePolicy
@@ -129,7 +129,8 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
     """A step per batch of prompts from ``batches`` (each a list of requests: whole groups):
     roll out with ``executor``, build samples, withhold stale ones (``stale``), assign
     advantages (``advantage``: a name of :data:`~mtflow.train.advantages.ADVANTAGES`, or
-    ``'turn'`` for :func:`~mtflow.train.advantages.assign_turn_advantages`), take one step, then
+    ``'turn'`` / ``'gigpo'`` for :func:`~mtflow.train.advantages.assign_turn_advantages` /
+    :func:`~mtflow.train.advantages.assign_gigpo_advantages`), take one step, then
     move the executor's policy version on by one."""
     version = 0
     executor.set_policy_version(version)
@@ -144,6 +145,8 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
             samples = stale.apply(samples, version)
         if advantage == 'turn':  # per-token: each turn's discounted return, normalised in its group
             assign_turn_advantages(samples, **(advantage_options or {}))
+        elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
+            assign_gigpo_advantages(samples, **(advantage_options or {}))
         else:
             assign_advantages(samples, advantage, **(advantage_options or {}))
         done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,

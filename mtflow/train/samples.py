@@ -26,7 +26,10 @@ from mtflow.run.trajectories import Trajectory, iter_trajectories, reward_of
 from mtflow.train.errors import SampleError
 from mtflow.train.token_turns import token_turns, token_versions
 
-__all__ = ['Sample', 'SampleError', 'samples_from_output', 'samples_from_trajectory', 'samples_from_result',
+#: the ``rollout_infos`` key of the per-turn environment-state fingerprints
+STATE_KEYS = 'state_keys'
+
+__all__ = ['STATE_KEYS', 'Sample', 'SampleError', 'samples_from_output', 'samples_from_trajectory', 'samples_from_result',
            'samples_from_group', 'read_samples']
 
 
@@ -53,6 +56,9 @@ class Sample:
     token_turns: Optional[List[Optional[int]]] = None
     #: the per-turn rewards of the segment's turns (``rollout_infos['turn_rewards']``, summed per turn)
     turn_rewards: Dict[int, float] = field(default_factory=dict)
+    #: the environment-state fingerprint each turn was generated from, where the scheduler or env
+    #: supplies one (``rollout_infos['state_keys']``: ``[{'turn': t, 'key': str}]``; GiGPO's anchors)
+    state_keys: Dict[int, str] = field(default_factory=dict)
     segment: int = 0
     segments: int = 1
     turns: Tuple[int, int] = (1, 1)
@@ -140,6 +146,11 @@ def _turn_rewards(infos: Dict[str, Any], turns: Tuple[int, int]) -> Dict[int, fl
 FAILED = ('raise', 'skip')
 
 
+def _state_keys(infos: Dict[str, Any], turns: Tuple[int, int]) -> Dict[int, str]:
+    return {int(e['turn']): str(e['key']) for e in infos.get(STATE_KEYS) or ()
+            if turns[0] <= int(e['turn']) <= turns[1]}
+
+
 def _failed(uuid: str, reason: Optional[str], failed: str) -> bool:
     """Whether a request that finished with ``reason`` is left out (``failed='skip'``); a failed
     one is an error with ``failed='raise'``."""
@@ -188,7 +199,7 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
                               completion_ids=list(flat['response_ids']), loss_mask=[int(m) for m in flat['loss_mask']],
                               logprobs=_aligned_logprobs(flat, uuid), versions=versions, segment=flat['segment'],
                               segments=len(segments), turns=turns, token_turns=placed,
-                              turn_rewards=_turn_rewards(infos, turns)))
+                              turn_rewards=_turn_rewards(infos, turns), state_keys=_state_keys(infos, turns)))
     return samples
 
 

@@ -96,13 +96,14 @@ def test_turn_returns_by_hand():
         turn_returns({}, 1, gamma=1.5)
 
 
-def _two_turns(uuid, rewards):
+def _two_turns(uuid, rewards, keys=()):
     from mtflow.train import samples_from_output
 
     line = {'uuid': uuid, 'reward': sum(rewards), 'response_token_ids': [[7, 8], [9]],
             'response_loss_mask': [[1, 1], [1]],
             'rollout_infos': {'num_turns': 2, 'turn_rewards': [{'turn': t + 1, 'reward': r, 'source': 'env'}
                                                                for t, r in enumerate(rewards)],
+                              'state_keys': [{'turn': t + 1, 'key': k} for t, k in enumerate(keys)],
                               'token_record': {'prompt_ids': [1], 'glue_ids': [[3]], 'exact': True}}}
     return samples_from_output(line)[0]
 
@@ -132,3 +133,26 @@ def test_per_turn_advantages_refuse_turns_that_cannot_be_placed():
                turns=(1, 2), token_turns=None)
     with pytest.raises(SampleError, match="request c#0, turn 1, field 'turn_rewards'"):
         assign_turn_advantages([s])
+
+
+def test_gigpo_by_hand():
+    from mtflow.train.advantages import assign_gigpo_advantages
+
+    # three trajectories of one group; turn 1 from one state for all, turn 2: a and b from s1, c from s2
+    a, b, c = (_two_turns('q#0', [0.0, 1.0], ['s0', 's1']), _two_turns('q#1', [0.0, 0.0], ['s0', 's1']),
+               _two_turns('q#2', [1.0, 1.0], ['s0', 's2']))
+    assert a.state_keys == {1: 's0', 2: 's1'}
+    assign_gigpo_advantages([a, b, c], step_weight=1.0, gamma=0.5)
+    eps = 1e-4
+    # episode: rewards 1, 0, 2: mean 1, unbiased std 1
+    ea, eb, ec = 0.0, -1 / (1 + eps), 1 / (1 + eps)
+    # anchor s0: returns G1 = 0 + 0.5 * 1, 0, 1 + 0.5 * 1 = 0.5, 0, 1.5: mean 2/3, std sqrt(21) / 6
+    sd0 = math.sqrt(21) / 6
+    # anchor s1: G2 = 1 (a), 0 (b): mean 0.5, std sqrt(0.5); anchor s2: c alone, 0
+    sd1 = math.sqrt(0.5)
+    assert a.token_advantages == pytest.approx([ea + (-1 / 6) / (sd0 + eps)] * 2 + [0.0] + [ea + 0.5 / (sd1 + eps)])
+    assert b.token_advantages == pytest.approx([eb + (-2 / 3) / (sd0 + eps)] * 2 + [0.0] + [eb - 0.5 / (sd1 + eps)])
+    assert c.token_advantages == pytest.approx([ec + (5 / 6) / (sd0 + eps)] * 2 + [0.0] + [ec])
+    # step_weight 0 is the episode-level GRPO advantage on every token
+    assign_gigpo_advantages([a, b, c], step_weight=0.0)
+    assert b.token_advantages == pytest.approx([eb, eb, 0.0, eb])
