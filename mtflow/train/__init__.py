@@ -1,0 +1,32 @@
+"""From rollouts to a training step: exact-token samples, advantages, importance weights, stale
+tokens, packing, and a plain PyTorch reference loop (``docs/training.md``).
+
+This layer consumes what the engine and ``mtflow run`` produce (outputs, ``StreamGroup``\\ s,
+``trajectories.jsonl``) and imports torch only inside the functions that need it, so
+``import mtflow.train`` stays as light as ``import mtflow``.
+"""
+from __future__ import annotations
+
+from mtflow.train.advantages import (ADVANTAGES, assign_advantages, assign_gigpo_advantages, assign_turn_advantages, grpo,
+                                     reinforce, rloo, turn_returns)
+from mtflow.train.errors import SampleError
+from mtflow.train.loop import StepStats, policy_loss, reference_loop, token_logprobs, train_step
+from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_tensors, unpack
+from mtflow.train.samples import (STATE_KEYS, Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
+                                  samples_from_trajectory)
+from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
+from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
+from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
+
+__all__ = [
+    # samples
+    'STATE_KEYS', 'Sample', 'SampleError', 'read_samples', 'samples_from_group', 'samples_from_output', 'samples_from_result',
+    'samples_from_trajectory',
+    # advantages and weights
+    'ADVANTAGES', 'assign_advantages', 'assign_gigpo_advantages', 'assign_turn_advantages', 'grpo', 'reinforce', 'rloo', 'turn_returns',
+    'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is',
+    # stale tokens, packing, the loop, TRL
+    'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors',
+    'unpack', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'TRLRollout',
+    'mtflow_reward',
+]

@@ -1,0 +1,164 @@
+"""A plain PyTorch GRPO loop built only from this package's pieces: the reference a trainer
+integration is checked against, and the loop of ``benchmarks/learning_curve.py``.
+
+One step is: roll out a batch of groups (``Executor.run``), turn the outputs into exact samples
+(:mod:`mtflow.train.samples`), optionally withhold stale ones (:mod:`mtflow.train.staleness`),
+compute advantages (:mod:`mtflow.train.advantages`), pack (:mod:`mtflow.train.packing`), and take
+one optimizer step on
+
+``loss = agg_t( -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) * w_t )``
+
+over the trained tokens (``loss_mask``), where ``rho_t = exp(logp_t - logp_t.detach())`` (one
+update per batch, so ``rho = 1`` and its gradient is the policy gradient), ``A`` the sample's
+advantage, and ``w_t`` the truncated importance weight of the trainer's logprob against the
+rollout's (``tis_cap``; ``None``: no correction; ``mask_outside`` and ``sequence_weight`` are the
+masked and the sequence-level corrections). ``agg`` is ``'token-mean'`` (every trained token
+of the batch weighs the same) or ``'sample-mean'`` (each sample's token mean, averaged).
+
+The model is shared with the backend (``HFBackend(model, tokenizer)``), so every step's rollouts
+come from the weights the previous step left; the executor's policy version moves with each step.
+torch is imported when a function runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, assign_turn_advantages
+from mtflow.train.packing import block_causal_mask, pack, to_tensors
+from mtflow.train.samples import Sample, samples_from_result
+from mtflow.train.staleness import StalePolicy
+from mtflow.train.weights import geometric_sequence_weight, keep_within, truncated_is
+
+__all__ = ['LOSS_AGGREGATIONS', 'token_logprobs', 'policy_loss', 'train_step', 'StepStats', 'reference_loop']
+
+LOSS_AGGREGATIONS = ('token-mean', 'sample-mean')
+
+
+def token_logprobs(model: Any, batch: Dict[str, Any]) -> Any:
+    """``[rows, T]``: the model's logprob of each token given the earlier tokens of its own sample
+    (``0`` at each sample's first token and on padding, which no mask trains)."""
+    import torch
+
+    logits = model(input_ids=batch['input_ids'], attention_mask=block_causal_mask(batch['sample_index']),
+                   position_ids=batch['position_ids']).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch['input_ids'][:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+
+def policy_loss(logp: Any, batch: Dict[str, Any], clip_eps: float = 0.2, tis_cap: Optional[float] = None,
+                agg: str = 'token-mean', mask_outside: Optional[float] = None, sequence_weight: bool = False) -> Any:
+    """The clipped policy-gradient loss of the module docstring over ``batch['loss_mask']``, with
+    the rollout corrections of :mod:`mtflow.train.weights` against ``batch['logprobs']``:
+    ``tis_cap`` (token TIS weights), ``mask_outside`` (tokens whose ratio is outside
+    ``[1/u, u]`` leave the mask) and ``sequence_weight`` (each sample weighted by the geometric
+    mean of its ratios)."""
+    import torch
+
+    if agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f'agg must be one of {LOSS_AGGREGATIONS}, not {agg!r}')
+    mask, adv = batch['loss_mask'], batch['advantages']
+    ratio = (logp - logp.detach()).exp()
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if tis_cap is not None:
+        per_token = per_token * truncated_is(logp, batch['logprobs'], cap=tis_cap)
+    if mask_outside is not None:
+        mask = mask * keep_within(logp, batch['logprobs'], upper=mask_outside)
+    if sequence_weight:
+        per_token = per_token * geometric_sequence_weight(logp, batch['logprobs'], mask, batch['sample_index'])
+    per_token = per_token * mask
+    if agg == 'token-mean':
+        return per_token.sum() / mask.sum().clamp(min=1)
+    index = batch['sample_index']
+    count = int(index.max().item()) + 1 if index.numel() else 0
+    sums = torch.zeros(count).index_add(0, index.clamp(min=0).flatten(), per_token.flatten())
+    tokens = torch.zeros(count).index_add(0, index.clamp(min=0).flatten(), mask.flatten())
+    live = tokens > 0
+    return (sums[live] / tokens[live]).mean() if live.any() else per_token.sum()
+
+
+@dataclass
+class StepStats:
+    """What one step did."""
+    step: int
+    version: int
+    mean_reward: float
+    samples: int
+    trained_tokens: int
+    loss: float
+    rows: int
+    withheld_tokens: int = 0
+    #: max |trainer logprob - rollout logprob| over the trained tokens, before the update
+    max_logprob_gap: Optional[float] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len: int, pad_id: int = 0,
+               clip_eps: float = 0.2, tis_cap: Optional[float] = None, agg: str = 'token-mean',
+               mask_outside: Optional[float] = None, sequence_weight: bool = False,
+               on_batch: Optional[Callable[[Dict[str, Any], List[Any], Sequence[Sample]], None]] = None) -> Dict[str, Any]:
+    """One optimizer step on ``samples`` (advantages already assigned). ``on_batch(batch, rows,
+    samples)`` sees the exact tensors the loss receives. Returns the loss, the rows and the
+    largest trainer-vs-rollout logprob gap on the trained tokens."""
+    import torch
+
+    rows = pack(samples, row_len, pad_id=pad_id)
+    batch = to_tensors(rows)
+    if on_batch is not None:
+        on_batch(batch, rows, samples)
+    logp = token_logprobs(model, batch)
+    loss = policy_loss(logp, batch, clip_eps=clip_eps, tis_cap=tis_cap, agg=agg, mask_outside=mask_outside,
+                       sequence_weight=sequence_weight)
+    gap = None
+    trained = batch['loss_mask'] > 0
+    if all(s.logprobs is not None for s in samples) and bool(trained.any()):
+        gap = float((logp.detach() - batch['logprobs'])[trained].abs().max())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return {'loss': float(loss.detach()), 'rows': len(rows), 'max_logprob_gap': gap,
+            'trained_tokens': int(trained.sum())}
+
+
+def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[Sequence[Any]], *, row_len: int,
+                   advantage: str = 'grpo', advantage_options: Optional[Dict[str, Any]] = None,
+                   stale: Optional[StalePolicy] = None, pad_id: int = 0, clip_eps: float = 0.2,
+                   tis_cap: Optional[float] = None, agg: str = 'token-mean', mask_outside: Optional[float] = None,
+                   sequence_weight: bool = False, on_batch: Optional[Callable[..., None]] = None,
+                   on_step: Optional[Callable[[StepStats], None]] = None) -> List[StepStats]:
+    """A step per batch of prompts from ``batches`` (each a list of requests: whole groups):
+    roll out with ``executor``, build samples, withhold stale ones (``stale``), assign
+    advantages (``advantage``: a name of :data:`~mtflow.train.advantages.ADVANTAGES`, or
+    ``'turn'`` / ``'gigpo'`` for :func:`~mtflow.train.advantages.assign_turn_advantages` /
+    :func:`~mtflow.train.advantages.assign_gigpo_advantages`), take one step, then
+    move the executor's policy version on by one."""
+    version = 0
+    executor.set_policy_version(version)
+    history: List[StepStats] = []
+    for step, requests in enumerate(batches):
+        result = executor.run(list(requests))
+        if result.failures:
+            raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
+        samples = samples_from_result(result, list(requests))
+        rewards = {s.uuid: s.reward for s in samples}
+        if stale is not None:
+            samples = stale.apply(samples, version)
+        if advantage == 'turn':  # per-token: each turn's discounted return, normalised in its group
+            assign_turn_advantages(samples, **(advantage_options or {}))
+        elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
+            assign_gigpo_advantages(samples, **(advantage_options or {}))
+        else:
+            assign_advantages(samples, advantage, **(advantage_options or {}))
+        done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
+                          tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
+                          on_batch=on_batch)
+        stats = StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
+                          samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'],
+                          rows=done['rows'], withheld_tokens=sum(s.withheld_tokens for s in samples),
+                          max_logprob_gap=done['max_logprob_gap'])
+        history.append(stats)
+        if on_step is not None:
+            on_step(stats)
+        version += 1
+        executor.set_policy_version(version)
+    return history

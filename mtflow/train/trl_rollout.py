@@ -1,0 +1,88 @@
+"""TRL's ``GRPOTrainer`` driven by mtflow: a ``rollout_func`` that runs the trainer's prompts
+through an mtflow executor (any scheduler, multi-turn, tools) and hands back exact samples.
+
+TRL (0.29) calls ``rollout_func(prompts, trainer)`` once per generation batch, with the prompts
+its sampler already repeated ``num_generations`` times, consecutively (one group after another),
+and takes per prompt the ``prompt_ids``, ``completion_ids`` and ``logprobs`` of one completion;
+``env_mask`` (its name for the tool mask: 1 model tokens, 0 tool output) multiplies its loss mask,
+and every other key is handed to the reward functions. :class:`TRLRollout` returns, per prompt,
+the one sample of its trajectory (:mod:`mtflow.train.samples`): the token record's prompt ids,
+the completion with the tool messages and template glue between the turns, the loss mask as
+``env_mask``, the rollout logprobs on the trained tokens, and the trajectory's reward as
+``mtflow_reward`` for :func:`mtflow_reward`. The trainer's own ``generate`` is never called, so no
+vLLM is needed; with an HF backend over the trainer's model, every generation batch samples from
+the weights being trained.
+
+A trajectory that compacted (several segments) cannot be one TRL completion: refused with the
+request named (:class:`~mtflow.train.errors.SampleError`). TRL is imported by the trainer, never
+here.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from mtflow.core.protocol import RolloutInferRequest
+from mtflow.train.errors import SampleError
+from mtflow.train.samples import Sample, samples_from_result
+
+__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY']
+
+#: the extra field the rollout hands the reward function
+REWARD_KEY = 'mtflow_reward'
+
+
+def _messages(prompt: Any) -> List[Dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [{'role': 'user', 'content': prompt}]
+    return [dict(m) for m in prompt]
+
+
+class TRLRollout:
+    """``GRPOTrainer(rollout_func=TRLRollout(executor))``. ``executor`` is an
+    :class:`mtflow.Executor` (its scheduler and backend decide the turns and tools); the policy
+    version is set to the trainer's ``global_step`` before each batch. With ``keep=True``,
+    ``batches`` and ``requests`` keep the samples and the requests of every call (for checks and
+    logging)."""
+
+    def __init__(self, executor: Any, keep: bool = False) -> None:
+        self.executor = executor
+        self.keep = keep
+        self.calls = 0
+        self.batches: List[List[Sample]] = []
+        self.requests: List[List[RolloutInferRequest]] = []
+
+    def __call__(self, prompts: Sequence[Any], trainer: Any) -> Dict[str, Any]:
+        n = int(getattr(trainer, 'num_generations', 1) or 1)
+        if len(prompts) % n:
+            raise ValueError(f'rollout_func got {len(prompts)} prompts, not a multiple of num_generations={n}')
+        call, self.calls = self.calls, self.calls + 1
+        requests = [RolloutInferRequest(messages=_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
+                    for i, p in enumerate(prompts)]
+        step = getattr(getattr(trainer, 'state', None), 'global_step', None)
+        if isinstance(step, int) and step >= 0:
+            self.executor.set_policy_version(step)
+        result = self.executor.run(requests)
+        if result.failures:
+            first = result.failures[0]
+            raise RuntimeError(f'{len(result.failures)} of {len(requests)} rollouts failed; first: {first}')
+        samples = samples_from_result(result, requests)
+        for s in samples:
+            if s.segments != 1:
+                raise SampleError(f'{s.segments} context segments cannot be one TRL completion', uuid=s.uuid,
+                                  turn=s.turns[0], field='context_segments')
+        if self.keep:
+            self.batches.append(samples)
+            self.requests.append(requests)
+        have_logprobs = all(s.logprobs is not None for s in samples)
+        return {'prompt_ids': [s.prompt_ids for s in samples], 'completion_ids': [s.completion_ids for s in samples],
+                'logprobs': [s.logprobs for s in samples] if have_logprobs else None,
+                'env_mask': [s.loss_mask for s in samples], REWARD_KEY: [s.reward for s in samples],
+                'mtflow_uuid': [s.uuid for s in samples]}
+
+
+def mtflow_reward(prompts: Sequence[Any], completions: Sequence[Any], mtflow_reward: Optional[Sequence[float]] = None,
+                  **kwargs: Any) -> List[float]:
+    """A TRL reward function that returns the rewards mtflow's scheduler gave the trajectories."""
+    if mtflow_reward is None:
+        raise ValueError(f'no {REWARD_KEY!r} field: use mtflow_reward with rollout_func=TRLRollout(...)')
+    return [float(r) for r in mtflow_reward]

@@ -1,0 +1,79 @@
+"""Shared pieces of the training tests: multi-turn tool-use rollouts of the tiny random Qwen2
+model (``tests/tiny_model.py``) through the HF backend, so every sample comes from a real token
+record.
+
+The tiny model never writes a parseable tool call, so the scheduler calls the tool itself every
+turn: the calculator scores the reply (the share of its sampled ids that are even) and the result
+goes back as a ``tool`` message, exactly the glue a tool call leaves between two assistant
+messages (mask 0)."""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler
+from mtflow.tools.calculator import calculator
+
+
+def even_share(ids: List[int]) -> float:
+    return sum(1 for t in ids if t % 2 == 0) / max(1, len(ids))
+
+
+class ToolEveryTurn(Scheduler):
+    """``max_turns`` turns (a reply cut at ``max_tokens`` goes on); each step calls the calculator
+    on the reply's ids and appends its answer as a tool message; the reward is the share of even
+    ids over all sampled turns, and each turn's own share is its per-turn reward."""
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        return current_turn >= self.max_turns
+
+    async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
+        record = getattr(infer_request, 'token_record', None)  # the exact ids of every turn so far
+        if record is None:  # a backend without one (the scripted backend): no reward
+            return {}
+        sampled = [t for turn in record.turns for t in turn.sampled]
+        return {'rollout_infos': {'reward': even_share(sampled)}}
+
+    def turn_reward(self, infer_request: Any, response_choice: Any, current_turn: int) -> float:
+        """Each turn's own even share (``rollout_infos['turn_rewards']``, for per-turn advantages)."""
+        return even_share(list(response_choice.token_ids or []))
+
+    def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
+        ids = list(response_choice.token_ids or [])
+        evens = sum(1 for t in ids if t % 2 == 0)
+        infer_request.messages.append({'role': 'tool', 'name': 'calculator',
+                                       'content': calculator(f'{evens} / {max(1, len(ids))}')})
+        return {'infer_request': infer_request}
+
+
+def record_mask(record: Any) -> List[int]:
+    """The loss mask a token record implies over its whole sequence: prompt 0, sampled 1, the ids
+    appended after a turn (tool messages, template glue) 0."""
+    mask = [0] * len(record.prompt_ids)
+    for turn in record.turns:
+        mask += [1] * len(turn.sampled) + [0] * len(turn.appended)
+    return mask
+
+
+def tiny_backend(seed: int = 0, max_tokens: int = 6, **config: Any) -> Any:
+    from mtflow.backends.hf import HFBackend
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    return HFBackend(make_model(tok, seed=seed, **config), tok, default_max_tokens=max_tokens, seed=seed)
+
+
+def prompts(groups: int, size: int, start: int = 0) -> List[RolloutInferRequest]:
+    return [RolloutInferRequest(messages=[{'role': 'user', 'content': f'count to {g}'}], uuid=f'p{g}#{k}')
+            for g in range(start, start + groups) for k in range(size)]
+
+
+def tool_run(backend: Any, groups: int = 2, size: int = 3, max_turns: int = 3,
+             max_tokens: int = 6) -> Tuple[Any, List[RolloutInferRequest]]:
+    """One ``Executor.run`` of ``groups`` x ``size`` requests, logprobs on, version 0 stamped."""
+    requests = prompts(groups, size)
+    ex = Executor(ToolEveryTurn(max_turns=max_turns), backend,
+                  RequestConfig(max_tokens=max_tokens, temperature=1.0, logprobs=True))
+    ex.set_policy_version(0)
+    result = ex.run(requests)
+    assert result.ok, result.failures
+    return result, requests
