@@ -81,7 +81,8 @@ class SandboxSpec:
         fd first; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that; not
         ``bounded`` (no cgroup; the filter denies ``epoll_create``) it hides ``select.epoll``, so
         that ``selectors`` and ``asyncio`` fall back to ``poll``."""
-        install = '' if filter_fd is None else seccomp.install_code(filter_fd)
+        # the filter denies fcntl record locks: sqlite then locks with files (seccomp.SQLITE_CODE)
+        install = '' if filter_fd is None else seccomp.install_code(filter_fd) + seccomp.SQLITE_CODE
         mount = mount_tmp_code(self.tmp_mb) if mount_tmp else ''
         ffi = seccomp.FFI_CODE if install or mount else ''
         if ffi:
