@@ -107,9 +107,9 @@ DENIED_ARGS: Tuple[ArgDenial, ...] = (
     ArgDenial('socket', ((0, AF_VSOCK, _INT),),
               'AF_VSOCK is outside the network namespace: the VM\'s port space, shared by every call and the host'),
     *(ArgDenial('socket', ((0, family, _INT),),
-                'IP sockets: TCP buffers are one pool for the whole kernel, not charged to a v1 memory cgroup '
-                '(one call queued 440 MB under memory_mb: 64); only the sandbox\'s own lo is there anyway',
-                bounded_too=False) for family in (AF_INET, AF_INET6)),
+                'IP sockets, with a cgroup too: TCP buffers are one pool for the whole kernel, not charged to a v1 '
+                'memory cgroup (one call queued 440 MB under memory_mb: 64, and could stall every TCP socket of '
+                'the host); only the sandbox\'s own lo is there anyway') for family in (AF_INET, AF_INET6)),
     *(ArgDenial('setsockopt', ((1, SOL_SOCKET, _INT), (2, option, _INT)),
                 f'{name}: raised socket buffers are kernel memory only a cgroup counts (60 unix sockets held 494 MB)',
                 bounded_too=False) for name, option in _BUFFERS),

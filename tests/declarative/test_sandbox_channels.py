@@ -46,6 +46,9 @@ CHANNELS = textwrap.dedent('''
     iov = struct.pack("PN", ctypes.addressof(page), 4096)
     try_("vmsplice", lambda: libc.syscall(NR["vmsplice"], w, iov, 1, 0))
     try_("vsock", lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM))
+    try_("inet", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    try_("inet_udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    try_("inet6", lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM))
     try_("vsock_high_bits", lambda: libc.syscall(NR["socket"], 40 | 1 << 32, 1, 0))  # the kernel reads an int
     buf = bytearray(16)
     try_("preadv2_nowait", lambda: os.preadv(shared, [buf], 0, os.RWF_NOWAIT))
@@ -75,7 +78,7 @@ CHANNELS = textwrap.dedent('''
 ''')
 
 _SYSCALLS = ('vmsplice', 'socket', 'process_madvise', 'cachestat', 'io_setup')
-_DENIED = ('vmsplice', 'vsock', 'vsock_high_bits', 'preadv2_nowait', 'pwritev2_nowait', 'fadvise_dontneed',
+_DENIED = ('vmsplice', 'vsock', 'inet', 'inet_udp', 'inet6', 'vsock_high_bits', 'preadv2_nowait', 'pwritev2_nowait', 'fadvise_dontneed',
            'madvise_cold', 'madvise_pageout', 'process_madvise', 'cachestat', 'io_setup', 'flock_shared_file',
            'setlk_devnull', 'setlkw_devnull', 'getlk_shared_file', 'setlk_rdlck_shared_file', 'ofd_setlk_devnull',
            'ofd_getlk_shared_file', 'lockf_tmp')
@@ -158,6 +161,49 @@ def test_a_flood_of_lock_records_holds_no_kernel_memory(kind):
         r = run(code, kind, memory_mb=64)
     assert r.output.split() == ['0', '200000'], r.output
     assert host.growth()['SUnreclaim'] < 24, host.growth()  # 200000 records would be ~40 MB
+    assert_nothing_survives(r)
+
+
+def _host_tcp_mb() -> float:
+    """The kernel-wide TCP buffer memory (``/proc/net/sockstat``'s ``TCP: ... mem`` pages), MB."""
+    with open('/proc/net/sockstat', encoding='ascii') as f:
+        for line in f:
+            if line.startswith('TCP:'):
+                fields = line.split()
+                return int(fields[fields.index('mem') + 1]) * os.sysconf('SC_PAGE_SIZE') / (1 << 20)
+    raise AssertionError('no TCP line in /proc/net/sockstat')
+
+
+#: the issue's attack: TCP pairs over the sandbox's own lo, each queuing what it can, unread
+TCP_FLOOD = textwrap.dedent('''
+    import socket
+    held, socks = 0, []
+    try:
+        for _ in range(24):
+            srv = socket.create_server(("127.0.0.1", 0))
+            a = socket.create_connection(srv.getsockname())
+            b, _ = srv.accept()
+            a.setblocking(False)
+            socks += [srv, a, b]
+            try:
+                while True:
+                    held += a.send(b"x" * 65536)
+            except BlockingIOError:
+                pass
+        print("queued", held >> 20)
+    except OSError as e:
+        print("refused", e.errno, held)
+''')
+
+
+@kinds
+def test_tcp_memory_outside_the_cgroup_cannot_be_queued(kind):
+    """TCP buffers are one kernel-wide pool a v1 memory cgroup does not charge: no IP socket is
+    made at all, with a cgroup as without one, and the host's TCP memory stays put."""
+    before = _host_tcp_mb()
+    r = run(TCP_FLOOD, kind, memory_mb=64)
+    assert r.output.split() == ['refused', str(errno.EPERM), '0'], r.output
+    assert _host_tcp_mb() - before < 32  # the machine is shared; unrefused, this queues hundreds of MB
     assert_nothing_survives(r)
 
 
