@@ -382,6 +382,16 @@ def mount_tmp_code(tmp_mb: int, shm_mb: int = SHM_MB) -> str:
     return _MOUNT_TMP.format(tmp=tmpfs_options(tmp_mb), shm=tmpfs_options(shm_mb))
 
 
+#: ``/proc`` files of kernel state that no namespace separates, masked with ``/dev/null`` (as
+#: Docker masks them): rootless, ``/proc/keys`` lists the names and payload sizes of the driver
+#: user's keys (the program is that user outside its namespace), ``/proc/key-users`` their counts
+MASKED_PROC = ('/proc/keys', '/proc/key-users')
+
+
+def _masked_proc() -> List[str]:
+    return [p for p in MASKED_PROC if os.path.exists(p)]
+
+
 #: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
 ROOTLESS_UID = 65534
 
@@ -415,7 +425,10 @@ def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: 
                 argv += ['--perms', '0755', '--dir', parent]
                 made.add(parent)
         argv += ['--ro-bind', prefix, prefix]
-    argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--dir', '/tmp', '--remount-ro', '/dev',
+    argv += ['--proc', '/proc']
+    for path in _masked_proc():
+        argv += ['--dev-bind', '/dev/null', path]  # (a device on a --ro-bind is nodev: EACCES)
+    argv += ['--dev', '/dev', '--perms', '01777', '--dir', '/tmp', '--remount-ro', '/dev',
              '--remount-ro', '/', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init',
              *((tmpfs_options(tmp_mb), tmpfs_options(shm_mb)) if uid is not None else ('-', '-'))]
     argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
@@ -453,6 +466,7 @@ done
 for p in $MTFLOW_PREFIXES; do ro_bind "$p"; done
 mkdir -p "$R/proc" "$R/dev" "$R/tmp"
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
+for f in $MTFLOW_MASKED; do mount --bind /dev/null "$R$f"; done
 mount -t tmpfs -o mode=0755,size=64k mtflow-dev "$R/dev"
 for n in null zero full random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 ln -s /proc/self/fd "$R/dev/fd"
@@ -477,7 +491,7 @@ def unshare_command(unshare: str, setpriv: str, interp: Interpreter, uid: int, t
     argv = [setpriv, '--pdeathsig', 'KILL', '--', unshare, '--pid', '--fork', '--kill-child', '--net', '--ipc',
             '--uts', '--mount', '--propagation', 'private', '--', '/bin/sh', '-c', _UNSHARE_SCRIPT, 'mtflow-sandbox',
             scratch, str(uid), tmpfs_options(tmp_mb), setpriv, tmpfs_options(shm_mb)] + list(python_argv)
-    env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes)}
+    env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes), 'MTFLOW_MASKED': ' '.join(_masked_proc())}
     return SandboxCommand(argv, env, scratch=scratch)
 
 

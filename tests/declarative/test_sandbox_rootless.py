@@ -86,3 +86,37 @@ def _cmdline(pid: str) -> bytes:
             return f.read()
     except OSError:
         return b''
+
+
+#: rootless the program is the driver's user outside its namespace: it would see that user's keys
+_ROOTLESS_KEYS = textwrap.dedent('''
+    import asyncio, ctypes, sys
+    from mtflow.tools.sandbox import run_python
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    desc = sys.argv[1]
+    key = libc.syscall(248, b"user", desc.encode(), b"payload", 7, ctypes.c_int(-4))  # add_key to the user keyring
+    print("key", key > 0)
+    with open("/proc/keys") as f:
+        print("driver sees it", desc in f.read())
+    code = "for p in ('/proc/keys', '/proc/key-users'):\\n    print(p, repr(open(p).read()))"
+    r = asyncio.run(run_python(code, isolation="bwrap", timeout_s=60))
+    print(r.error_kind or "ok")
+    print(r.output.rstrip())
+    libc.syscall(250, 3, ctypes.c_int(key))  # KEYCTL_REVOKE
+''')
+
+
+def test_rootless_proc_keys_are_masked():
+    if os.uname().machine != 'x86_64':
+        pytest.skip('the driver script uses x86_64 syscall numbers')
+    with unprivileged_uid() as (uid, exe, env):
+        desc = 'mtflow-' + uuid.uuid4().hex
+        proc = subprocess.run(as_uid(uid) + [exe, '-c', _ROOTLESS_KEYS, desc], env=env, capture_output=True,
+                              text=True, timeout=300, cwd='/')
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    if lines[:2] != ['key True', 'driver sees it True']:
+        pytest.skip(f'kernel keyrings are not available to this user here: {proc.stdout[:200]}')
+    assert lines[2:] == ['ok', "/proc/keys ''", "/proc/key-users ''"], proc.stdout
+    assert desc not in proc.stdout.split('driver sees it')[1]
