@@ -97,7 +97,7 @@ class ToolConfig(StrictModel):
     options: Dict[str, Any] = Field(
         default_factory=dict,
         description="Options for a built-in (python: isolation, timeout_s, memory_mb, cpu_s, max_processes, "
-        "max_output_chars, max_file_mb, tmp_mb, warm_pool, site_packages; see docs/sandbox.md).")
+        "max_output_chars, max_file_mb, tmp_mb, shm_mb, warm_pool, site_packages; see docs/sandbox.md).")
     timeout_s: Optional[float] = Field(None, gt=0, description='Per-call timeout in seconds; a timeout is a tool error.')
     max_concurrency: Optional[int] = Field(
         None, ge=1, description='At most this many calls of this tool run at once, across all requests.')

@@ -334,13 +334,23 @@ def _setpriv(setpriv: str, uid: int) -> List[str]:
 
 
 def tmp_inodes(tmp_mb: int) -> int:
-    """The inode cap of a sandbox's ``/tmp`` (``nr_inodes``: 256 per MB, at least 1024), so that a
-    flood of empty files cannot grow kernel memory far beyond what ``tmp_mb`` says."""
+    """The inode cap of a sandbox's ``/tmp`` or ``/dev/shm`` (``nr_inodes``: 256 per MB, at least
+    1024), so that a flood of empty files cannot grow kernel memory far beyond what ``tmp_mb`` says."""
     return max(1024, tmp_mb * 256)
 
 
+#: the default size of a sandbox's own ``/dev/shm`` (``shm_mb``): POSIX semaphores and shared
+#: memory (``multiprocessing.Pool``, ``Queue``, ``shared_memory``); a ``tmpfs`` like ``/tmp``
+SHM_MB = 16
+
+
+def tmpfs_options(size_mb: int) -> str:
+    """``size`` and ``nr_inodes`` of one of the sandbox's own ``tmpfs`` mounts (``/tmp``, ``/dev/shm``)."""
+    return f'size={size_mb * 1024 * 1024},nr_inodes={tmp_inodes(size_mb)}'
+
+
 #: rootless bwrap: the launcher (``mtflow.tools.sandbox.process``) mounts the sandbox's ``/tmp``
-#: itself, because only a mount made there can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has
+#: (and its own ``/dev/shm``) itself, because only a mount made there can cap its inodes (bubblewrap 0.8's ``--tmpfs`` has
 #: ``--size`` but no ``nr_inodes``, and util-linux ``mount`` refuses a uid other than 0). bwrap
 #: leaves it ``CAP_SYS_ADMIN`` for this (``--cap-add``), but in the nested user namespace bwrap
 #: makes to switch to ``nobody``, which does not own bwrap's mount namespace: so the launcher first
@@ -350,8 +360,9 @@ def tmp_inodes(tmp_mb: int) -> int:
 #: :data:`mtflow.tools.seccomp.FFI_CODE` run before it.
 _MOUNT_TMP = r'''
 if _fn('unshare')(0x20000) != 0 or _fn('mount')(  # CLONE_NEWNS; 6: MS_NOSUID | MS_NODEV
-        b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,size={tmp_bytes},nr_inodes={tmp_inodes}') != 0:
-    os.write(2, b'mtflow launcher: could not mount /tmp (errno %d)\n' % _ct.get_errno())
+        b'mtflow-tmp', b'/tmp', b'tmpfs', 6, b'mode=1777,{tmp}') != 0 or _fn('mount')(
+        b'mtflow-shm', b'/dev/shm', b'tmpfs', 6, b'mode=1777,{shm}') != 0:
+    os.write(2, b'mtflow launcher: could not mount /tmp and /dev/shm (errno %d)\n' % _ct.get_errno())
     os._exit(126)
 os.chdir('/tmp')
 _fn('prctl')(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
@@ -365,10 +376,20 @@ del _f, _caps
 '''
 
 
-def mount_tmp_code(tmp_mb: int) -> str:
+def mount_tmp_code(tmp_mb: int, shm_mb: int = SHM_MB) -> str:
     """Python source (:data:`_MOUNT_TMP`) that mounts a rootless sandbox's ``/tmp`` (``tmp_mb``,
-    :func:`tmp_inodes`) and drops the capability it did so with."""
-    return _MOUNT_TMP.format(tmp_bytes=tmp_mb * 1024 * 1024, tmp_inodes=tmp_inodes(tmp_mb))
+    :func:`tmp_inodes`) and ``/dev/shm`` (``shm_mb``) and drops the capability it did so with."""
+    return _MOUNT_TMP.format(tmp=tmpfs_options(tmp_mb), shm=tmpfs_options(shm_mb))
+
+
+#: ``/proc`` files of kernel state that no namespace separates, masked with ``/dev/null`` (as
+#: Docker masks them): rootless, ``/proc/keys`` lists the names and payload sizes of the driver
+#: user's keys (the program is that user outside its namespace), ``/proc/key-users`` their counts
+MASKED_PROC = ('/proc/keys', '/proc/key-users')
+
+
+def _masked_proc() -> List[str]:
+    return [p for p in MASKED_PROC if os.path.exists(p)]
 
 
 #: the uid a rootless sandbox's program has inside its user namespace (``nobody``)
@@ -382,12 +403,13 @@ def rootless() -> bool:
 
 
 def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: Optional[int], tmp_mb: int,
-                  python_argv: Sequence[str]) -> SandboxCommand:
+                  python_argv: Sequence[str], shm_mb: int = SHM_MB) -> SandboxCommand:
     """bwrap as root, dropping to the leased ``uid`` with setpriv; or, with ``uid=None``
     (:func:`rootless`), in a new user namespace. ``/tmp`` is mounted by the sandbox itself, with
     ``nr_inodes`` (:func:`tmp_inodes`), which bubblewrap 0.8's ``--tmpfs`` cannot set: as root by
     PID 1 (``mount``), rootless by the launcher, which bwrap gives ``CAP_SYS_ADMIN`` of the
-    sandbox's own user namespace for it (``--cap-add``) and which drops it before the program."""
+    sandbox's own user namespace for it (``--cap-add``) and which drops it before the program. Its
+    own writable ``/dev/shm`` (``shm_mb``) is mounted the same way, over the read-only ``/dev``."""
     userns = ['--unshare-user', '--uid', str(ROOTLESS_UID), '--gid', str(ROOTLESS_UID), '--disable-userns',
               '--cap-add', 'CAP_SYS_ADMIN'] if uid is None else []
     argv = [bwrap, *userns, '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
@@ -403,9 +425,12 @@ def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: 
                 argv += ['--perms', '0755', '--dir', parent]
                 made.add(parent)
         argv += ['--ro-bind', prefix, prefix]
-    argv += ['--proc', '/proc', '--dev', '/dev', '--perms', '01777', '--dir', '/tmp', '--remount-ro', '/dev',
+    argv += ['--proc', '/proc']
+    for path in _masked_proc():
+        argv += ['--dev-bind', '/dev/null', path]  # (a device on a --ro-bind is nodev: EACCES)
+    argv += ['--dev', '/dev', '--perms', '01777', '--dir', '/tmp', '--remount-ro', '/dev',
              '--remount-ro', '/', '--chdir', '/tmp', '--as-pid-1', '--', '/bin/sh', '-c', _INIT_SCRIPT, 'mtflow-init',
-             f'size={tmp_mb * 1024 * 1024},nr_inodes={tmp_inodes(tmp_mb)}' if uid is not None else '-']
+             *((tmpfs_options(tmp_mb), tmpfs_options(shm_mb)) if uid is not None else ('-', '-'))]
     argv += (_setpriv(setpriv, uid) if uid is not None and setpriv else []) + list(python_argv)
     return SandboxCommand(argv, {'PATH': SYSTEM_PATH})
 
@@ -415,11 +440,12 @@ def bwrap_command(bwrap: str, setpriv: Optional[str], interp: Interpreter, uid: 
 # root it first mounts the sandbox's /tmp (size and inode cap in $1; "-": the launcher mounts it).
 # It runs the program (pid 2) and reports its status (128 + N for signal N). bwrap itself then
 # waits for this PID 1, so when bwrap exits the namespace is gone, and a kill of PID 1 from
-# outside is reaped by bwrap (no orphan, no zombie for the host's init). The program runs in the
+# outside is reaped by bwrap (no orphan, no zombie for the host's init). As root it also mounts the
+# sandbox's own /dev/shm ($2) over the read-only /dev. The program runs in the
 # background only so that sh prints no "Killed" of its own into the output.
 _INIT_SCRIPT = ('if [ "$1" != - ]; then mount -t tmpfs -o "mode=1777,nosuid,nodev,$1" mtflow-tmp /tmp && cd /tmp '
-                '&& unset OLDPWD '
-                '|| exit 125; fi; shift; exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?')
+                '&& mount -t tmpfs -o "mode=1777,nosuid,nodev,$2" mtflow-shm /dev/shm && unset OLDPWD '
+                '|| exit 125; fi; shift 2; exec 3<&0; "$@" <&3 3<&- & wait $! 2>/dev/null; exit $?')
 # (a background job's stdin would be /dev/null; a warm sandbox's program comes on stdin)
 
 
@@ -430,7 +456,7 @@ _INIT_SCRIPT = ('if [ "$1" != - ]; then mount -t tmpfs -o "mode=1777,nosuid,node
 # its exit ends the namespace.
 _UNSHARE_SCRIPT = r'''
 set -eu
-R=$1; UID_=$2; TMP_BYTES=$3; SETPRIV=$4; TMP_INODES=$5; shift 5
+R=$1; UID_=$2; TMP_OPTS=$3; SETPRIV=$4; SHM_OPTS=$5; shift 5
 mount -t tmpfs -o mode=0755,size=1m mtflow-root "$R"
 ro_bind() { mkdir -p "$R$1"; mount --bind "$1" "$R$1"; mount -o remount,bind,ro "$R$1"; }
 ro_bind /usr
@@ -440,11 +466,14 @@ done
 for p in $MTFLOW_PREFIXES; do ro_bind "$p"; done
 mkdir -p "$R/proc" "$R/dev" "$R/tmp"
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
+for f in $MTFLOW_MASKED; do mount --bind /dev/null "$R$f"; done
 mount -t tmpfs -o mode=0755,size=64k mtflow-dev "$R/dev"
 for n in null zero full random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 ln -s /proc/self/fd "$R/dev/fd"
-mount -t tmpfs -o "mode=1777,nosuid,nodev,size=$TMP_BYTES,nr_inodes=$TMP_INODES" mtflow-tmp "$R/tmp"
+mkdir "$R/dev/shm"
+mount -t tmpfs -o "mode=1777,nosuid,nodev,$TMP_OPTS" mtflow-tmp "$R/tmp"
 mount -o remount,ro,bind "$R/dev"
+mount -t tmpfs -o "mode=1777,nosuid,nodev,$SHM_OPTS" mtflow-shm "$R/dev/shm"
 mount -o remount,ro,bind "$R"
 cd "$R/tmp"
 set +e
@@ -457,12 +486,12 @@ exit $?
 
 
 def unshare_command(unshare: str, setpriv: str, interp: Interpreter, uid: int, tmp_mb: int,
-                    python_argv: Sequence[str]) -> SandboxCommand:
+                    python_argv: Sequence[str], shm_mb: int = SHM_MB) -> SandboxCommand:
     scratch = tempfile.mkdtemp(prefix='mtflow-root-')
     argv = [setpriv, '--pdeathsig', 'KILL', '--', unshare, '--pid', '--fork', '--kill-child', '--net', '--ipc',
             '--uts', '--mount', '--propagation', 'private', '--', '/bin/sh', '-c', _UNSHARE_SCRIPT, 'mtflow-sandbox',
-            scratch, str(uid), str(tmp_mb * 1024 * 1024), setpriv, str(tmp_inodes(tmp_mb))] + list(python_argv)
-    env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes)}
+            scratch, str(uid), tmpfs_options(tmp_mb), setpriv, tmpfs_options(shm_mb)] + list(python_argv)
+    env = {'PATH': SYSTEM_PATH, 'MTFLOW_PREFIXES': ' '.join(interp.prefixes), 'MTFLOW_MASKED': ' '.join(_masked_proc())}
     return SandboxCommand(argv, env, scratch=scratch)
 
 
@@ -488,10 +517,11 @@ def _find_tools() -> _Tools:
 
 
 def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str],
-                  site_packages: Sequence[str] = ()) -> SandboxCommand:
+                  site_packages: Sequence[str] = (), shm_mb: int = SHM_MB) -> SandboxCommand:
     """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
     the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``site_packages``:
-    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter.
+    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter;
+    ``shm_mb``: the size of its own ``/dev/shm``.
     (The seccomp filter is installed by the launcher in ``python_argv``, after ``/tmp`` is mounted.)"""
     tools = _find_tools()
     interp = with_site_packages(current_interpreter(), site_packages)
@@ -507,12 +537,12 @@ def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Seque
         if kind != 'bwrap':
             raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
                                        'without root only bwrap (with a user namespace) can isolate')
-        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv)
+        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv, shm_mb)
     if tools.setpriv is None:
         raise IsolationUnavailable(tools.problems['setpriv'])
     if kind == 'bwrap':
-        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv)
-    return unshare_command(tools.unshare, tools.setpriv, interp, uid, tmp_mb, python_argv)
+        return bwrap_command(tools.bwrap, tools.setpriv, interp, uid, tmp_mb, python_argv, shm_mb)
+    return unshare_command(tools.unshare, tools.setpriv, interp, uid, tmp_mb, python_argv, shm_mb)
 
 
 _PROBE_CODE = ('import os, sys; sys.stdout.write("mtflow-probe %d %d" % '
@@ -534,7 +564,7 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     try:
         # rootless, the probe mounts its /tmp as the launcher will (a kernel that forbids it refuses here)
         code = _PROBE_CODE if lease is not None else \
-            'import os, sys\n' + seccomp.FFI_CODE + mount_tmp_code(1) + _PROBE_CODE
+            'import os, sys\n' + seccomp.FFI_CODE + mount_tmp_code(1, 1) + _PROBE_CODE
         python_argv = [current_interpreter().executable, '-I', '-S', '-c', code]
         cmd = build_command(kind, lease.uid if lease is not None else None, 1, python_argv)
         proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,

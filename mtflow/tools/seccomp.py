@@ -26,9 +26,10 @@ import functools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, TypeVar
 
-__all__ = ['DENIED', 'DENIED_UNBOUNDED', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd',
+__all__ = ['ArgDenial', 'DENIED', 'DENIED_ARGS', 'DENIED_UNBOUNDED', 'SQLITE_CODE', 'NAMESPACE_FLAGS', 'SeccompUnavailable', 'filter_bpf', 'filter_fd',
            'in_fresh_keyring', 'spawn']
 
 T = TypeVar('T')
@@ -52,6 +53,13 @@ DENIED: Tuple[str, ...] = (
     'inotify_init', 'inotify_init1', 'fanotify_init', 'fanotify_mark',
     # secret memory (mlocked, outside the page cache): nothing a sandboxed program needs
     'memfd_secret',
+    # user pages pinned into pipes, owned by no process: 1536 MB through 3 pipes rootless, bounded
+    # only by the user's pipe quota
+    'vmsplice',
+    # channels between calls: flock on a shared read-only file (a filter cannot see which file);
+    # page-cache residency (cachestat; the kernel restricts mincore already), eviction of another
+    # process's pages (process_madvise); AIO, whose iocb can ask RWF_NOWAIT out of the filter's view
+    'flock', 'cachestat', 'process_madvise', 'io_setup', 'io_submit',
 )
 
 #: denied as well where no cgroup bounds the call (rootless, or a host that gives no cgroup): the
@@ -67,13 +75,92 @@ DENIED: Tuple[str, ...] = (
 #: The launcher then hides ``select.epoll``, so ``selectors`` and ``asyncio`` use ``poll``.
 DENIED_UNBOUNDED: Tuple[str, ...] = ('memfd_create', 'shmget', 'msgget', 'semget', 'epoll_create', 'epoll_create1')
 
-#: denied by argument where no cgroup bounds the call: socket buffers are kernel memory too. A
-#: unix socket may queue twice ``net.core.wmem_max`` (8 MB on a host with 4 MB): 60 sockets of one
-#: process held 494 MB with ``memory_mb: 64``. So no raised buffer sizes (``SO_SNDBUF``,
-#: ``SO_RCVBUF`` and their ``FORCE`` forms), and no IP sockets (only the sandbox's own ``lo`` is
-#: there, and TCP grows its buffers by itself); unix sockets with the default buffers remain
-#: (``asyncio`` needs a socketpair).
-SOL_SOCKET, BUFFER_OPTIONS, IP_FAMILIES = 1, (7, 8, 32, 33), (2, 10)  # SO_SNDBUF, RCVBUF, ..FORCE; AF_INET(6)
+@dataclass(frozen=True)
+class ArgDenial:
+    """One syscall denied (``EPERM``) when its arguments match every ``(index, value, mask)`` of
+    ``args`` (``arg & mask == value``); ``bounded_too`` false: only where no cgroup bounds the
+    call. ``reason`` is why (the docs' table repeats it)."""
+    syscall: str
+    args: Tuple[Tuple[int, int, int], ...]
+    reason: str
+    bounded_too: bool = True
+
+
+#: the mask for an ``int`` argument: the kernel reads only its low 32 bits, so a filter that
+#: compared all 64 would let ``AF_VSOCK | 1 << 32`` through
+_INT = 0xFFFFFFFF
+SOL_SOCKET, AF_INET, AF_INET6, AF_VSOCK = 1, 2, 10, 40
+F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE = 5, 6, 7, 36, 37, 38, 1024
+RWF_NOWAIT, POSIX_FADV_DONTNEED, MADV_COLD, MADV_PAGEOUT = 0x8, 4, 20, 21
+_BUFFERS = ('SO_SNDBUF', 7), ('SO_RCVBUF', 8), ('SO_SNDBUFFORCE', 32), ('SO_RCVBUFFORCE', 33)
+_LOCKS = (('F_GETLK', F_GETLK), ('F_SETLK', F_SETLK), ('F_SETLKW', F_SETLKW), ('F_OFD_GETLK', F_OFD_GETLK),
+          ('F_OFD_SETLK', F_OFD_SETLK), ('F_OFD_SETLKW', F_OFD_SETLKW), ('F_SETLEASE', F_SETLEASE))
+
+#: the syscalls denied by argument: what ordinary programs do not need and what a channel between
+#: calls, or memory outside the call's bound, does. Locks: a filter cannot see which file an fd
+#: is, and every lock is a channel on a file two calls share (``flock`` on a read-only ``/usr``
+#: file; ``fcntl`` write locks on the host's ``/dev/null``, which is writable on a read-only mount;
+#: ``F_GETLK`` sees a neighbour's read lock) and kernel memory outside the cgroup (one lock record
+#: per byte range: 341,600 in 5 s), so record locks are denied everywhere and sqlite is given a VFS
+#: that locks with files instead (:data:`SQLITE_CODE`). ``flock`` itself is in :data:`DENIED`.
+DENIED_ARGS: Tuple[ArgDenial, ...] = (
+    ArgDenial('socket', ((0, AF_VSOCK, _INT),),
+              'AF_VSOCK is outside the network namespace: the VM\'s port space, shared by every call and the host'),
+    *(ArgDenial('socket', ((0, family, _INT),),
+                'IP sockets, with a cgroup too: TCP buffers are one pool for the whole kernel, not charged to a v1 '
+                'memory cgroup (one call queued 440 MB under memory_mb: 64, and could stall every TCP socket of '
+                'the host); only the sandbox\'s own lo is there anyway') for family in (AF_INET, AF_INET6)),
+    *(ArgDenial('setsockopt', ((1, SOL_SOCKET, _INT), (2, option, _INT)),
+                f'{name}: raised socket buffers are kernel memory only a cgroup counts (60 unix sockets held 494 MB)',
+                bounded_too=False) for name, option in _BUFFERS),
+    ArgDenial('preadv2', ((5, RWF_NOWAIT, RWF_NOWAIT),),
+              'RWF_NOWAIT reads tell whether a shared file\'s pages are cached: a channel between calls'),
+    ArgDenial('pwritev2', ((5, RWF_NOWAIT, RWF_NOWAIT),), 'RWF_NOWAIT, as for preadv2'),
+    ArgDenial('fadvise64', ((3, POSIX_FADV_DONTNEED, _INT),),
+              'POSIX_FADV_DONTNEED evicts a shared file\'s pages: the sending side of a page-cache channel, and '
+              'it slows every call that uses the file'),
+    *(ArgDenial('madvise', ((2, advice, _INT),), f'{name} pushes shared file pages out, as fadvise DONTNEED does')
+      for name, advice in (('MADV_COLD', MADV_COLD), ('MADV_PAGEOUT', MADV_PAGEOUT))),
+    *(ArgDenial('fcntl', ((1, cmd, _INT),), f'{name}: record locks are a channel on shared files (/dev/null) '
+                                            'and unbounded kernel memory (see above)') for name, cmd in _LOCKS),
+)
+
+#: run by the launcher before the program: the first ``import _sqlite3`` makes SQLite's
+#: ``unix-dotfile`` VFS the default, which locks a database with a ``<name>.lock`` directory beside
+#: it instead of ``fcntl`` record locks (denied, :data:`DENIED_ARGS`), so ``sqlite3.connect`` of a
+#: file in ``/tmp`` works, readers and writers of several processes still excluded (readers
+#: exclude each other too; WAL needs ``locking_mode=EXCLUSIVE``). ``ctypes`` is imported only then.
+SQLITE_CODE = r'''
+class _SqliteDotfile:
+    """The import of ``_sqlite3``, then ``sqlite3_vfs_register(sqlite3_vfs_find("unix-dotfile"), 1)``."""
+    def __init__(self, loader):
+        self.loader = loader
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != '_sqlite3':
+            return None
+        import importlib.machinery
+        sys.meta_path.remove(cls)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            spec.loader = cls(spec.loader)
+        return spec
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        import ctypes
+        try:
+            lib = ctypes.CDLL(module.__file__)
+            lib.sqlite3_vfs_find.restype = ctypes.c_void_p
+            vfs = lib.sqlite3_vfs_find(b'unix-dotfile')
+            if vfs:
+                lib.sqlite3_vfs_register(ctypes.c_void_p(vfs), 1)
+        except (OSError, AttributeError):  # a build without it: sqlite's own locks fail with EPERM
+            pass
+sys.meta_path.insert(0, _SqliteDotfile)
+del _SqliteDotfile
+'''
 
 #: clone flags that make namespaces (``CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID |
 #: NEWNET``, and ``CLONE_NEWTIME`` = 0x80)
@@ -114,12 +201,14 @@ def _build(denied: Tuple[str, ...], bounded: bool = True) -> bytes:
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), 'clone3')
     except (RuntimeError, ValueError, OSError):
         pass
-    if not bounded:
-        for option in BUFFER_OPTIONS:
-            f.add_rule(seccomp.ERRNO(errno.EPERM), 'setsockopt', seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
-                       seccomp.Arg(2, seccomp.EQ, option))
-        for family in IP_FAMILIES:
-            f.add_rule(seccomp.ERRNO(errno.EPERM), 'socket', seccomp.Arg(0, seccomp.EQ, family))
+    for rule in DENIED_ARGS:
+        if bounded and not rule.bounded_too:
+            continue
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), rule.syscall,
+                       *(seccomp.Arg(i, seccomp.MASKED_EQ, mask, value) for i, value, mask in rule.args))
+        except (RuntimeError, ValueError, OSError):  # not a syscall on this architecture / kernel
+            pass
     r, w = os.pipe()
     try:
         with os.fdopen(w, 'wb') as out:

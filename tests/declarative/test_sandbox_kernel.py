@@ -256,12 +256,12 @@ def test_usage_of_the_call_is_reported(kind):
 
 
 @kinds
-def test_root_dev_and_shm_are_read_only(kind):
+def test_root_and_dev_are_read_only_and_dev_shm_is_the_calls_own(kind):
     code = ('import os\nfor d in ["/", "/dev", "/dev/shm", "/usr", "/tmp"]:\n    try:\n'
             '        open(os.path.join(d, "mtflow-w"), "w").close()\n        print("writable", d)\n'
             '    except OSError as e:\n        print("denied", d)\n')
     r = run(code, kind)
-    assert r.output.split('\n')[:5] == ['denied /', 'denied /dev', 'denied /dev/shm', 'denied /usr', 'writable /tmp']
+    assert r.output.split('\n')[:5] == ['denied /', 'denied /dev', 'writable /dev/shm', 'denied /usr', 'writable /tmp']
     assert_nothing_survives(r)
 
 
@@ -331,3 +331,19 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
     sup = cgroup._probe()
     assert sup.version == 0 and "controllers ['memory', 'pids'] not available" in sup.detail
     assert sup.describe().startswith('no cgroup per call (') and sup.describe().endswith('rlimits only')
+
+
+#: what the program sees of the kernel's key lists (masked: both empty)
+_PROC_KEYS = 'for p in ("/proc/keys", "/proc/key-users"):\n    print(p, len(open(p).read()))'
+
+
+@kinds
+def test_proc_keys_and_key_users_are_masked(kind):
+    desc = f'mtflow-{uuid.uuid4().hex}'
+    key = add_key(desc, b'payload', SESSION)
+    try:
+        r = run(_PROC_KEYS, kind)
+    finally:
+        unlink_key(key, SESSION)
+    assert r.output.splitlines() == ['/proc/keys 0', '/proc/key-users 0'], r.output
+    assert desc not in r.output

@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent('''
     print("report:", isolation.resolve_isolation("bwrap").describe())
 ''')
 
-#: run rootless: every line must end in EPERM (1) or EACCES/EROFS for the writes
+#: run rootless: every line must end in EPERM (1) or EROFS for the writes (but /dev/shm, the call's own)
 KERNEL_ATTACKS = textwrap.dedent('''
     import ctypes, os
     libc = ctypes.CDLL(None, use_errno=True)
@@ -73,7 +73,7 @@ def test_rootless_bwrap_isolates_and_limits_processes():
         assert 'forks: 7 33' in out  # 7 children + the program: max_processes binds per namespace
         assert 'loop: timeout started' in out
         if os.uname().machine == 'x86_64':  # the attack uses x86_64 syscall numbers
-            assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 mq_open e24 write / e30 write /dev e30 write /dev/shm e30' in out
+            assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 mq_open e24 write / e30 write /dev e30 write /dev/shm ok' in out
         assert 'sigxcpu: timeout' in out
         assert 'seccomp filter' in out and 'no cgroup per call' in out  # said at load time
         assert isolation.processes_of_uid(uid) == []
@@ -86,3 +86,37 @@ def _cmdline(pid: str) -> bytes:
             return f.read()
     except OSError:
         return b''
+
+
+#: rootless the program is the driver's user outside its namespace: it would see that user's keys
+_ROOTLESS_KEYS = textwrap.dedent('''
+    import asyncio, ctypes, sys
+    from mtflow.tools.sandbox import run_python
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    desc = sys.argv[1]
+    key = libc.syscall(248, b"user", desc.encode(), b"payload", 7, ctypes.c_int(-4))  # add_key to the user keyring
+    print("key", key > 0)
+    with open("/proc/keys") as f:
+        print("driver sees it", desc in f.read())
+    code = "for p in ('/proc/keys', '/proc/key-users'):\\n    print(p, repr(open(p).read()))"
+    r = asyncio.run(run_python(code, isolation="bwrap", timeout_s=60))
+    print(r.error_kind or "ok")
+    print(r.output.rstrip())
+    libc.syscall(250, 3, ctypes.c_int(key))  # KEYCTL_REVOKE
+''')
+
+
+def test_rootless_proc_keys_are_masked():
+    if os.uname().machine != 'x86_64':
+        pytest.skip('the driver script uses x86_64 syscall numbers')
+    with unprivileged_uid() as (uid, exe, env):
+        desc = 'mtflow-' + uuid.uuid4().hex
+        proc = subprocess.run(as_uid(uid) + [exe, '-c', _ROOTLESS_KEYS, desc], env=env, capture_output=True,
+                              text=True, timeout=300, cwd='/')
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    if lines[:2] != ['key True', 'driver sees it True']:
+        pytest.skip(f'kernel keyrings are not available to this user here: {proc.stdout[:200]}')
+    assert lines[2:] == ['ok', "/proc/keys ''", "/proc/key-users ''"], proc.stdout
+    assert desc not in proc.stdout.split('driver sees it')[1]

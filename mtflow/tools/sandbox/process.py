@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from mtflow.tools.isolation import (SandboxCommand, UidLease, build_command, current_interpreter, mount_tmp_code,
+from mtflow.tools.isolation import (SHM_MB, SandboxCommand, UidLease, build_command, current_interpreter, mount_tmp_code,
                                     namespace_init, rootless, wait_uid_gone)
 from mtflow.tools import seccomp
 from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
@@ -48,8 +48,11 @@ _limit(resource.RLIMIT_MSGQUEUE, 0)  # per-user kernel quotas the driver's uid s
 _limit(resource.RLIMIT_SIGPENDING, 256)
 del _limit, resource, _f
 sys.path.extend({site})  # the site_packages option: after the standard library, read-only
+_main = type(sys)('__main__')  # the program's own __main__, so pickle finds what it defines (multiprocessing)
+_main.__builtins__ = __builtins__
+sys.modules['__main__'] = _main
 try:
-    exec(compile(_src, 'main.py', 'exec'), {{'__name__': '__main__', '__builtins__': __builtins__}})
+    exec(compile(_src, 'main.py', 'exec'), _main.__dict__)
 except SystemExit as _e:
     _code = _e.code
     if _code == {mem_status}:
@@ -74,6 +77,7 @@ class SandboxSpec:
     max_processes: int = 64
     tmp_mb: int = 64
     site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
+    shm_mb: int = SHM_MB  # its own /dev/shm (tmpfs)
 
     def launcher(self, code_fd: int, filter_fd: Optional[int] = None, mount_tmp: bool = False,
                  bounded: bool = True) -> str:
@@ -81,8 +85,9 @@ class SandboxSpec:
         fd first; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that; not
         ``bounded`` (no cgroup; the filter denies ``epoll_create``) it hides ``select.epoll``, so
         that ``selectors`` and ``asyncio`` fall back to ``poll``."""
-        install = '' if filter_fd is None else seccomp.install_code(filter_fd)
-        mount = mount_tmp_code(self.tmp_mb) if mount_tmp else ''
+        # the filter denies fcntl record locks: sqlite then locks with files (seccomp.SQLITE_CODE)
+        install = '' if filter_fd is None else seccomp.install_code(filter_fd) + seccomp.SQLITE_CODE
+        mount = mount_tmp_code(self.tmp_mb, self.shm_mb) if mount_tmp else ''
         ffi = seccomp.FFI_CODE if install or mount else ''
         if ffi:
             install += f'del {seccomp.FFI_NAMES}\n'
@@ -128,7 +133,7 @@ class Sandbox:
                 python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=self.lease is None,
                                                 bounded=self.cgroup is not None)
                 self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
-                                         site_packages=spec.site_packages)
+                                         site_packages=spec.site_packages, shm_mb=spec.shm_mb)
                 argv = join_argv(self.cgroup, self.cmd.argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')

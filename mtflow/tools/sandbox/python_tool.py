@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from mtflow.tools.isolation import ISOLATION_CHOICES, IsolationUnavailable, check_site_packages, resolve_isolation
+from mtflow.tools.isolation import ISOLATION_CHOICES, SHM_MB, IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.runner import ToolError, ToolOutput
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import SandboxSpec
@@ -24,7 +24,7 @@ DEFAULT_WARM_POOL = 2
 #: option -> (type, minimum) for the ``python`` tool's YAML ``options``
 PYTHON_OPTIONS: Dict[str, Any] = {
     'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
-    'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'isolation': (str, None),
+    'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'shm_mb': (int, 1), 'isolation': (str, None),
     'warm_pool': (int, 0), 'site_packages': ((str, list), None),
 }
 
@@ -50,6 +50,9 @@ def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
             options = dict(options, site_packages=check_site_packages([site] if isinstance(site, str) else site))
         except ValueError as exc:
             raise ValueError(f'python tool: option \'site_packages\': {exc}') from None
+    if options.get('shm_mb', SHM_MB) > options.get('memory_mb', 512):
+        raise ValueError(f'python tool: option \'shm_mb\' ({options.get("shm_mb", SHM_MB)}) must not exceed '
+                         f'memory_mb ({options.get("memory_mb", 512)}): /dev/shm is memory of the call')
     if options.get('isolation', 'auto') not in ISOLATION_CHOICES:
         raise ValueError(f'python tool: option \'isolation\' must be one of {", ".join(ISOLATION_CHOICES)}, '
                          f'got {options["isolation"]!r}')
@@ -81,7 +84,7 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
         cpu = opts.get('cpu_s') or max(1, int(timeout_s) + 1)
         pool = SandboxPool(SandboxSpec(iso.kind, opts.get('memory_mb', 512), int(cpu), opts.get('max_file_mb', 16),
                                        opts.get('max_processes', 64), opts.get('tmp_mb', 64),
-                                       opts.get('site_packages', ())), warm)
+                                       opts.get('site_packages', ()), opts.get('shm_mb', SHM_MB)), warm)
     if requested == 'none':
         warnings.warn('python tool: isolation: none: model-written code runs unconfined, as this user, with '
                       'this machine\'s files, network and processes in reach', SandboxWarning, stacklevel=2)

@@ -10,7 +10,7 @@ import time
 from typing import Any, List, Optional, Sequence, Tuple
 
 from mtflow.tools import seccomp
-from mtflow.tools.isolation import IsolationUnavailable, check_site_packages, resolve_isolation
+from mtflow.tools.isolation import SHM_MB, IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import Sandbox, SandboxSpec, high_fd
 from mtflow.tools.sandbox.result import SandboxResult, signal_of
@@ -27,6 +27,7 @@ async def run_python(code: str,
                      max_file_mb: int = 16,
                      max_processes: int = 64,
                      tmp_mb: int = 64,
+                     shm_mb: int = SHM_MB,
                      isolation: str = 'auto',
                      site_packages: Sequence[str] = (),
                      pool: Optional['SandboxPool'] = None) -> SandboxResult:
@@ -40,7 +41,7 @@ async def run_python(code: str,
         raise IsolationUnavailable(iso.detail)
     cpu = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
     spec = SandboxSpec(iso.kind, memory_mb, cpu, max_file_mb, max_processes, tmp_mb,
-                       check_site_packages(site_packages))
+                       check_site_packages(site_packages), shm_mb)
     data = code.encode('utf-8', 'surrogatepass')
     sandbox = pool.take() if pool is not None and pool.spec == spec else None
     if sandbox is None:
