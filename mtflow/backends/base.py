@@ -32,7 +32,7 @@ from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make
 
 __all__ = [
     'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output', 'async_seed_index'
+    'build_output', 'async_seed_index', 'PreflightProblem'
 ]
 
 
@@ -210,6 +210,14 @@ def build_output(text: str,
     return RolloutOutput(response=response)
 
 
+@dataclass(frozen=True)
+class PreflightProblem:
+    """One finding of :meth:`Backend.preflight`. ``unreachable``: a server that does not answer
+    now: ``mtflow run`` stops on it, ``mtflow validate`` warns (the server may be started later)."""
+    message: str
+    unreachable: bool = False
+
+
 class Backend:
     """Base class of mtflow's backends: a ``rollout_fn`` with a name, a model name, an optional
     tokenizer (schedulers that count tokens use it) and counters.
@@ -227,6 +235,14 @@ class Backend:
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:  # pragma: no cover
         raise NotImplementedError
+
+    @classmethod
+    def preflight(cls, model: Optional[str], options: Dict[str, Any]) -> List['PreflightProblem']:
+        """What is wrong with building this backend from ``model`` and ``options`` that can be
+        found cheaply before it is built (``mtflow validate``, the start of ``mtflow run``): a
+        server that does not answer, a model it does not serve. The default finds nothing (an
+        engine's problems show when it loads)."""
+        return []
 
     #: used when the request config has no ``max_tokens``
     default_max_tokens = 256

@@ -164,13 +164,14 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     """The run config with the command line's overrides."""
     overrides = _overrides(args)
     backend = overrides.pop('backend')
-    cfg = load_run_config(args.config, overrides, sets=getattr(args, 'sets', None))
+    sampling = {'max_tokens': args.max_tokens, 'temperature': args.temperature}
+    cfg = load_run_config(args.config, overrides, sets=getattr(args, 'sets', None), sampling=sampling)
     if backend is not None and backend != cfg.backend:
         cfg = _switch_backend(cfg, backend)
     if args.option:
-        cfg.backend_options.update(parse_options(args.option))
-    sampling = {'max_tokens': args.max_tokens, 'temperature': args.temperature}
-    cfg.request_config.update({k: v for k, v in sampling.items() if v is not None})
+        options = parse_options(args.option)
+        cfg.backend_options.update(options)
+        cfg.flags.update({f'backend_options.{k}': f'-o {k}={v}' for k, v in options.items()})
     return cfg
 
 
