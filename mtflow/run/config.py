@@ -21,6 +21,7 @@
     max_concurrency: null                     # async: requests in flight at once; null: the batch
     context: null                             # context budgets and compaction (docs/context.md)
     admission: null                           # {tool_calls: N, env_sessions: M} (docs/admission.md)
+    max_failed_share: 0.5                     # exit 1 when more than this share of requests failed
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -101,6 +102,8 @@ class RunConfig(StrictModel):
                                                "request a turn at a time) or 'async' (each on its own).")
     max_concurrency: Optional[int] = Field(None, ge=1, description='Async mode: requests in flight at once; null: '
                                            'the whole batch.')
+    max_failed_share: float = Field(0.5, ge=0, le=1, description='Exit with status 1 when more than this share of '
+                                    'the written requests failed (finish reason error or timeout), or all of them.')
     admission: Optional[AdmissionConfig] = Field(None, description='Admission control (docs/admission.md): '
                                                  'tool_calls (tool and sandbox calls in flight across all tools), '
                                                  'env_sessions (environment sessions open); what exceeds a bound '
