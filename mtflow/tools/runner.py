@@ -11,7 +11,8 @@ call:
 - with ``tool.timeout_s``: a timed-out async call is cancelled; a timed-out sync call is
   abandoned (a thread cannot be killed) and its late result ignored, so a sync tool that can hang
   should enforce its own limit, or be async (like ``python``, whose process is killed);
-- an unknown tool, arguments that do not fit the schema, an exception or a timeout become a
+- an unknown tool, arguments that do not fit the schema, an exception (``SystemExit`` too: a tool
+  that calls ``sys.exit(3)`` fails its call, not the run) or a timeout become a
   :class:`ToolResult` with ``ok=False`` and an ``error`` message for the model, never an exception;
   a tool that knows why it failed raises :class:`ToolError` with a kind (the ``python`` tool:
   ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``), which becomes the ``error_kind``.
@@ -200,6 +201,9 @@ class ToolRunner:
                               error_kind=kind, duration_s=perf_counter() - t)
         except Exception as exc:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
+                              error_kind='exception', duration_s=perf_counter() - t)
+        except SystemExit as exc:  # sys.exit() in a tool ends that call, not the run
+            return ToolResult(tool.name, kwargs, False, error=f'{tool.name} called sys.exit({exc.code!r})',
                               error_kind='exception', duration_s=perf_counter() - t)
         try:
             text, images = observation_parts(value, place=False)
