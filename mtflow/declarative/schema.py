@@ -99,7 +99,9 @@ Ref = Annotated[str, AfterValidator(_check_ref)]
 #: a regex field: it must compile (:func:`_check_regex`)
 Regex = Annotated[str, AfterValidator(_check_regex)]
 #: the hooks a scheduler file names, each with the arguments mtflow passes
-RewardHook = _hook('reward', 'infer_request', 'rollout_infos')
+#: the arguments a ``reward`` is called with (the scheduler, ``mtflow rescore``)
+REWARD_ARGS = ('infer_request', 'rollout_infos')
+RewardHook = _hook('reward', *REWARD_ARGS)
 TurnRewardHook = _hook('turn_reward', 'infer_request', 'completion', 'rollout_infos', 'turn')
 PredicateHook = _hook('predicate', 'infer_request', 'response_choice', 'turn')
 ImagesHook = _hook('images_impl', 'infer_request', 'response_choice', 'turn')
