@@ -230,3 +230,43 @@ def test_an_openai_model_the_server_does_not_list_names_what_it_serves(work, cap
     code, out = _validate([run], capsys)
     assert code == 1
     assert _validate([work('ok.yaml', open(run).read().replace('served-modle', 'served-model'))], capsys)[0] == 0
+
+
+def test_a_stop_regex_that_matches_everything_is_an_error_at_its_line(work, capsys, tmp_path):
+    """An empty stop regex used to stop every request at turn 1, silently."""
+    sched = work('sched.yaml', "name: s\nmax_turns: 3\nstop:\n  regex:\n    answered: '<answer>'\n    done: ''\n"
+                               "    maybe: 'x*'\n")
+    code, out = _validate([sched], capsys)
+    assert code == 1
+    assert ("sched.yaml:6: stop.regex.done: regex '' matches the empty string, so it matches every completion and "
+            'would stop every request at turn 1') in out
+    assert "sched.yaml:7: stop.regex.maybe: regex 'x*' matches the empty string" in out
+    code, err = _run([work('run.yaml', BASE + f'scheduler: {sched}\n')], capsys, tmp_path)
+    assert code == 2 and 'sched.yaml:6: stop.regex.done:' in err
+    run = work('run.yaml', BASE + "scheduler: sched.yaml\nrequest_config:\n  stop: ['</answer>', '']\n")
+    work('sched.yaml', 'name: s\nmax_turns: 3\n')
+    code, err = _run([run], capsys, tmp_path)
+    assert code == 2 and ("run.yaml:7: request_config.stop: an empty string stops every generation at once (stop: "
+                          "['</answer>', ''])") in err
+
+
+def test_several_greedy_copies_of_a_prompt_warn_that_they_are_identical(work, capsys, tmp_path):
+    """``-n 4`` at temperature 0: four identical copies, every group's reward spread 0: no GRPO
+    signal. A warning (the run is valid), from ``validate`` and at the start of ``run``."""
+    (tmp_path / 'script.jsonl').write_text(json.dumps({'content': 'hello'}) + '\n')
+    sched = work('sched.yaml', 'name: s\nmax_turns: 1\n')
+    run = work('run.yaml', f'scheduler: {sched}\nbackend: scripted\nmodel: script.jsonl\nbackend_options: '
+                           '{cycle: true}\ndataset: data.jsonl\nout: out\nrequest_config:\n  temperature: 0\n')
+    warning = ('run.yaml:8: request_config.temperature: num_generations 4 at temperature 0 (greedy decoding) makes '
+               'the 4 copies of each prompt identical: every group has the same reward, zero GRPO signal; sample '
+               '(temperature > 0) or set num_generations: 1')
+    assert main(['run', run, '-q', '-n', '4']) == 0
+    assert f'mtflow: warning: {warning}\n' in capsys.readouterr().err
+    assert main(['run', run, '-q', '-n', '1', '--overwrite', '--delete-old']) == 0
+    assert 'warning' not in capsys.readouterr().err
+    work('run.yaml', open(run).read() + 'num_generations: 4\n')
+    code, out = _validate([run], capsys)
+    assert code == 0 and f'warning: {warning}' in out
+    work('run.yaml', open(run).read().replace('temperature: 0', 'temperature: 0.7'))
+    code, out = _validate([run], capsys)
+    assert code == 0 and 'warning' not in out

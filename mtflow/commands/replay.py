@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f'{run_dir / RUN_INFO} names no config_file: give the CONFIG to replay against')
     cfg = load_run_config(config, {'out': args.out})
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
-    check_before_load(cfg)
+    check_before_load(cfg, with_backend=False)  # the recorded outputs are the model: its backend is not built
     make_scheduler = scheduler_factory(cfg)
     fingerprint = {**run_fingerprint(cfg, dataset_file(cfg)), 'replay_of': str(run_dir.resolve())}
     meta = {**run_meta(cfg), 'replay_of': str(run_dir.resolve())}

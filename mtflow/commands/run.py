@@ -358,7 +358,8 @@ def main(args: argparse.Namespace) -> int:
     # every line (or a generated dataset's spec), then every problem of the scheduler (and its
     # plugins), checked before anything starts and before the slow backend load
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
-    check_before_load(cfg)
+    for warning in check_before_load(cfg):
+        _say(f'warning: {warning}')
     check_tracker(getattr(args, 'log', None))
     check_env_servers(cfg)  # one session on each OpenEnv url server, before the model loads
     make_scheduler = scheduler_factory(cfg)

@@ -38,7 +38,7 @@ def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]], List[str]]:
     except RunConfigError as exc:
         return [str(exc)], [], []
     pre = check_run_config(cfg)
-    return pre.problems, pre.imports, [f'warning: {w} (mtflow run stops on it)' for w in pre.warnings]
+    return pre.problems, pre.imports, [f'warning: {w}' for w in pre.warnings]
 
 
 def problems_of(path: str) -> List[Any]:

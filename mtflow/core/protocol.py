@@ -67,6 +67,8 @@ class RequestConfig(_Model):
     @field_validator('stop', mode='after')
     @classmethod
     def _stop_none_is_empty(cls, v: Optional[List[str]]) -> List[str]:
+        if v and '' in v:  # an empty stop string ends every generation before its first token
+            raise ValueError(f"an empty string stops every generation at once (stop: {v!r})")
         return [] if v is None else v
 
 

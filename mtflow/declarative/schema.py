@@ -96,8 +96,19 @@ def _check_regex(value: Optional[str]) -> Optional[str]:
 
 #: a ``module:attribute`` field: it must import (:func:`_check_ref`), one rule for every such field
 Ref = Annotated[str, AfterValidator(_check_ref)]
+def _matches_something(value: Optional[str]) -> Optional[str]:
+    """A stop regex that matches the empty string (``''``, ``'a*'``) matches every completion:
+    every request would stop at turn 1, silently."""
+    if value is not None and re.search(value, '') is not None:
+        raise ValueError(f'regex {value!r} matches the empty string, so it matches every completion and would '
+                         'stop every request at turn 1')
+    return value
+
+
 #: a regex field: it must compile (:func:`_check_regex`)
 Regex = Annotated[str, AfterValidator(_check_regex)]
+#: a stop rule's regex: it must compile and match something (:func:`_matches_something`)
+StopRegex = Annotated[str, AfterValidator(_check_regex), AfterValidator(_matches_something)]
 #: the hooks a scheduler file names, each with the arguments mtflow passes
 #: the arguments a ``reward`` is called with (the scheduler, ``mtflow rescore``)
 REWARD_ARGS = ('infer_request', 'rollout_infos')
@@ -241,9 +252,10 @@ class StopConfig(StrictModel):
     stop_tools: List[str] = Field(default_factory=list,
                                   description="Stop ('stop_rule:stop_tool') when one of these tools is called; the "
                                   'call is not run.')
-    regex: Dict[str, Regex] = Field(default_factory=dict,
-                                  description="name -> regex searched in the turn's completion; a match stops with "
-                                  "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:').")
+    regex: Dict[str, StopRegex] = Field(default_factory=dict,
+                                      description="name -> regex searched in the turn's completion; a match stops with "
+                                      "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:'); one that matches the "
+                                      'empty string is an error.')
     on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
     correct_answer: bool = Field(False, description="Stop ('stop_rule:correct_answer') when the answer (see `answer`) "
                                  'matches the data_dict field.')

@@ -245,6 +245,8 @@ def _sampling_message(err: Dict[str, Any]) -> str:
     if err.get('type') in words:
         sign, name = words[err['type']]
         msg = f'must be {sign} {ctx.get(name)}'
+    elif err.get('type') == 'value_error':  # the message says what it got
+        return f"{key}: {err.get('msg', 'invalid').removeprefix('Value error, ')}"
     else:
         msg = err.get('msg', 'invalid')
     return f'{key}: {msg} (got {err.get("input")!r})'

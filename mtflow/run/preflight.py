@@ -50,7 +50,7 @@ from mtflow.run.config import RunConfig
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
            'check_before_load', 'check_env_servers', 'check_backend_reference', 'check_backend_options',
-           'check_backend_servers', 'check_answer_field', 'hook_problems', 'scheduler_arg_names',
+           'check_backend_servers', 'check_answer_field', 'sampling_warnings', 'hook_problems', 'scheduler_arg_names',
            'check_scheduler_args']
 
 
@@ -155,10 +155,13 @@ def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
             for key in cfg.scheduler_args if key not in known]
 
 
-def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_answer: bool = False) -> Preflight:
+def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_answer: bool = False,
+                     with_backend: bool = True) -> Preflight:
     """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed).
     ``servers_must_answer``: a backend server that does not answer is a problem (the start of
-    ``mtflow run``), not a warning (``mtflow validate``: it may be started later)."""
+    ``mtflow run``), not a warning (``mtflow validate``: it may be started later);
+    ``with_backend=False``: the config's backend is not built (``mtflow replay``), so its
+    options and servers are not checked."""
     where = cfg.source or '<run config>'
     out = Preflight()
     if cfg.scheduler_is_yaml():
@@ -181,11 +184,15 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
         if not found:
             out.problems += check_scheduler_args(load_python_scheduler(cfg.scheduler, cfg.base_dir), cfg)
     out.problems += check_backend_reference(cfg)
-    options_problems = check_backend_options(cfg)
+    options_problems = check_backend_options(cfg) if with_backend else []
     out.problems += options_problems
-    if not options_problems:
+    if with_backend and not options_problems:
         for problem in check_backend_servers(cfg):
-            (out.warnings if problem.unreachable and not servers_must_answer else out.problems).append(problem.message)
+            if problem.unreachable and not servers_must_answer:
+                out.warnings.append(f'{problem.message} (mtflow run stops on it)')
+            else:
+                out.problems.append(problem.message)
+    out.warnings += sampling_warnings(cfg)
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
@@ -194,6 +201,21 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
             return out
     out.problems += check_answer_field(cfg)
     return out
+
+
+def sampling_warnings(cfg: RunConfig) -> List[str]:
+    """Valid settings that silently waste a run: ``num_generations`` copies of a prompt sampled
+    greedily (``temperature: 0``, or ``top_k: 1``) are identical, so every GRPO group's rewards
+    are equal and its advantage is zero: no signal."""
+    n = cfg.num_generations
+    sampling = cfg.request_config
+    greedy = 'temperature 0' if sampling.get('temperature') == 0 else 'top_k 1' if sampling.get('top_k') == 1 else None
+    if n <= 1 or greedy is None:
+        return []
+    key = 'request_config.temperature' if greedy.startswith('temperature') else 'request_config.top_k'
+    return [f'{cfg.where(key)}: num_generations {n} at {greedy} (greedy decoding) makes the {n} copies of each '
+            'prompt identical: every group has the same reward, zero GRPO signal; sample (temperature > 0) or '
+            'set num_generations: 1']
 
 
 #: how many of the dataset's first prompts ``answer.field`` is checked against
@@ -337,12 +359,14 @@ def check_env_servers(cfg: RunConfig) -> None:
         pool.close()
 
 
-def check_before_load(cfg: RunConfig) -> None:
+def check_before_load(cfg: RunConfig, with_backend: bool = True) -> List[str]:
     """Raise one :class:`RunSetupError` listing every problem ``mtflow validate`` would report,
     the dataset aside (the caller has just read it): the start of ``mtflow run``, before the
-    slow backend load."""
+    slow backend load. Returns the warnings (the run goes on; the caller prints them).
+    ``with_backend=False``: see :func:`check_run_config`."""
     if cfg.scheduler_is_yaml() and not cfg.scheduler_path().is_file():
-        return  # scheduler_factory says so, in the message a missing file always gets
-    problems = check_run_config(cfg, check_dataset=False, servers_must_answer=True).problems
-    if problems:
-        raise RunSetupError('\n'.join(map(str, problems)))
+        return []  # scheduler_factory says so, in the message a missing file always gets
+    found = check_run_config(cfg, check_dataset=False, servers_must_answer=True, with_backend=with_backend)
+    if found.problems:
+        raise RunSetupError('\n'.join(map(str, found.problems)))
+    return found.warnings
