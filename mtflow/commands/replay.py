@@ -34,6 +34,10 @@ from mtflow.run.store import RunStore
 from mtflow.run.summary import print_summary, summarize
 
 
+#: read the arguments intermixed (``mtflow/cli.py``): CONFIG may come after ``--out`` as the docs write it
+INTERMIXED = True
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('replay', help="re-run a run with its recorded model outputs against a (new) config",
                        description='Replay a run directory: recorded model outputs, the scheduler, tools, '

@@ -27,6 +27,10 @@ from mtflow.run.files import RUN_INFO, recorded_config_file
 from mtflow.run.rescore import Rescorer, count_lines
 
 
+#: read the arguments intermixed (``mtflow/cli.py``): CONFIG may come after ``--out`` as the docs write it
+INTERMIXED = True
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('rescore', help='recompute rewards and the finish policy of a run, no model or tool call',
                        description='Recompute the rewards (and the finish policy) of a run directory into a new one.')
