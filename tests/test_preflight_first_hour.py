@@ -139,7 +139,8 @@ def test_an_answer_field_the_dataset_lacks_names_both_files_and_the_keys_it_has(
     ('request_config:\n  top_p: -0.5\n  top_k: -3\n', [],
      'run.yaml:7: request_config.top_p: must be > 0.0 (got -0.5); run.yaml:8: request_config.top_k: must be >= -1 '
      '(got -3)'),
-    ('max_turns: 1000000000000\n', [], 'run.yaml:6: max_turns: Input should be less than or equal to 100000'),
+    ('max_turns: 1000000000000\n', [], 'run.yaml:6: max_turns: Input should be less than or equal to 100000 (got '
+     '1000000000000)'),
     ('max_turns: 3\n', ['--max-turns', '1000000000000'], '--max-turns 1000000000000: max_turns: Input should be '
      'less than or equal to 100000'),
 ])

@@ -327,6 +327,10 @@ def _apply_sets(data: Dict[str, Any], sets: List[Tuple[Tuple[str, ...], Any, str
     return origin
 
 
+#: pydantic's error types for a number outside its bounds (their messages say the bound, not the value)
+_BOUND_ERRORS = ('greater_than', 'greater_than_equal', 'less_than', 'less_than_equal')
+
+
 def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optional[Dict[str, str]] = None) -> str:
     problems: List[str] = []
     for err in exc.errors():
@@ -341,6 +345,8 @@ def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optiona
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
             msg = unknown_key_message(str(loc[-1]), config_keys())
+        if err.get('type') in _BOUND_ERRORS and 'input' in err and where.startswith(source):  # a flag shows it
+            msg += f' (got {err["input"]!r})'
         problems += _at_sub_keys(msg, loc, root, source, origin) or [f'{where}: {field}: {msg}']
     return '; '.join(problems)
 

@@ -57,7 +57,8 @@ __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler',
 @dataclass
 class Preflight:
     """The problems of a run config (one line each), the Python code it makes mtflow import, and
-    warnings (a server that does not answer now: ``mtflow run`` checks it again and stops)."""
+    warnings: what does not stop ``mtflow validate`` (a server that does not answer now, which
+    ``mtflow run`` checks again and stops on) or a run (greedy copies of a prompt)."""
     problems: List[str] = field(default_factory=list)
     imports: List[Tuple[str, str]] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
