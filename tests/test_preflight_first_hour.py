@@ -133,12 +133,14 @@ def test_an_answer_field_the_dataset_lacks_names_both_files_and_the_keys_it_has(
 
 @pytest.mark.parametrize('lines, flags, message', [
     ('request_config:\n  max_tokens: 8\n  temperature: -1.0\n', [],
-     'run.yaml:8: request_config.temperature: must be >= 0.0 (got -1.0)'),
+     'run.yaml:8: request_config.temperature: must be >= 0 (got -1.0)'),
     ('request_config: {max_tokens: 8}\n', ['--temperature', '-1'],
-     '--temperature -1.0: request_config: temperature: must be >= 0.0 (got -1.0)'),
-    ('request_config:\n  top_p: -0.5\n  top_k: -3\n', [],
-     'run.yaml:7: request_config.top_p: must be > 0.0 (got -0.5); run.yaml:8: request_config.top_k: must be >= -1 '
-     '(got -3)'),
+     '--temperature -1.0: request_config: temperature: must be >= 0 (got -1.0)'),
+    ('request_config:\n  max_tokens: 8\n  top_p: -0.5\n', [], 'run.yaml:8: request_config.top_p: must be in (0, 1] '
+     '(got -0.5)'),
+    ('request_config:\n  top_k: -3\n', [], 'run.yaml:7: request_config.top_k: must be >= -1 (-1 and 0: off; got -3)'),
+    ('request_config:\n  min_p: 1.5\n', [], 'run.yaml:7: request_config.min_p: must be in [0, 1] (got 1.5)'),
+    ('request_config:\n  n: 4\n', [], 'run.yaml:7: request_config.n: must be 1 for multi-turn rollouts (got 4)'),
     ('max_turns: 1000000000000\n', [], 'run.yaml:6: max_turns: Input should be less than or equal to 100000 (got '
      '1000000000000)'),
     ('max_turns: 3\n', ['--max-turns', '1000000000000'], '--max-turns 1000000000000: max_turns: Input should be '
@@ -247,8 +249,8 @@ def test_a_stop_regex_that_matches_everything_is_an_error_at_its_line(work, caps
     run = work('run.yaml', BASE + "scheduler: sched.yaml\nrequest_config:\n  stop: ['</answer>', '']\n")
     work('sched.yaml', 'name: s\nmax_turns: 3\n')
     code, err = _run([run], capsys, tmp_path)
-    assert code == 2 and ("run.yaml:7: request_config.stop: an empty string stops every generation at once (stop: "
-                          "['</answer>', ''])") in err
+    assert code == 2 and ("run.yaml:7: request_config.stop: must be a list of non-empty strings (got ['</answer>', ''])"
+                          ': an empty one stops every generation at once') in err
 
 
 def test_several_greedy_copies_of_a_prompt_warn_that_they_are_identical(work, capsys, tmp_path):
@@ -271,3 +273,20 @@ def test_several_greedy_copies_of_a_prompt_warn_that_they_are_identical(work, ca
     work('run.yaml', open(run).read().replace('temperature: 0', 'temperature: 0.7'))
     code, out = _validate([run], capsys)
     assert code == 0 and 'warning' not in out
+
+
+@pytest.mark.parametrize('section, line, key, call', [
+    ('turn_reward: rewards:good_reward\n', 3, 'turn_reward', 'turn_reward(infer_request, completion, rollout_infos, turn)'),
+    ('stop: {predicate: "rewards:good_reward"}\n', 3, 'stop.predicate', 'predicate(infer_request, response_choice, turn)'),
+    ('tips:\n  - {when: predicate, predicate: "rewards:good_reward", text: hint}\n', 4, 'tips[0].predicate',
+     'predicate(infer_request, response_choice, turn)'),
+    ('observation: {mode: message, images_from: {impl: "rewards:good_reward"}}\n', 3, 'observation.images_from.impl',
+     'images_from.impl(name, result, index)'),
+])
+def test_every_hook_a_scheduler_file_names_is_checked_against_its_call(work, capsys, tmp_path, section, line, key,
+                                                                        call):
+    sched = work('sched.yaml', 'name: s\nmax_turns: 2\n' + section)
+    code, out = _validate([sched], capsys)
+    assert code == 1
+    assert (f'sched.yaml:{line}: {key}: good_reward() in {tmp_path / "rewards.py"}:6 takes (infer_request, '
+            f'rollout_infos); mtflow calls it as {call}') in out, out

@@ -40,26 +40,24 @@ class _Model(BaseModel):
 
 
 class RequestConfig(_Model):
-    """Sampling parameters for one ``rollout_fn`` call (ms-swift's ``RequestConfig``). The bounds
-    are the engines' own (vLLM's ``SamplingParams``): a value outside them would fail every
-    request in the backend, so it is refused here, where a run config is checked."""
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0)
-    top_k: Optional[int] = Field(None, ge=-1)  # -1 and 0: off
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
-    num_beams: int = Field(1, ge=1)
+    """Sampling parameters for one ``rollout_fn`` call (ms-swift's ``RequestConfig``)."""
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    num_beams: int = 1
     stop: Optional[List[str]] = Field(default_factory=list)
     seed: Optional[int] = None
     stream: bool = False
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0)
-    prompt_logprobs: Optional[int] = Field(None, ge=0)
-    n: int = Field(1, ge=1)
-    best_of: Optional[int] = Field(None, ge=1)
-    presence_penalty: float = Field(0., ge=-2, le=2)
-    frequency_penalty: float = Field(0., ge=-2, le=2)
+    top_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.
+    frequency_penalty: float = 0.
     length_penalty: float = 1.
     return_details: bool = False
     structured_outputs_regex: Optional[str] = None
@@ -67,8 +65,6 @@ class RequestConfig(_Model):
     @field_validator('stop', mode='after')
     @classmethod
     def _stop_none_is_empty(cls, v: Optional[List[str]]) -> List[str]:
-        if v and '' in v:  # an empty stop string ends every generation before its first token
-            raise ValueError(f"an empty string stops every generation at once (stop: {v!r})")
         return [] if v is None else v
 
 

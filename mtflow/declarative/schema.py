@@ -116,6 +116,7 @@ RewardHook = _hook('reward', *REWARD_ARGS)
 TurnRewardHook = _hook('turn_reward', 'infer_request', 'completion', 'rollout_infos', 'turn')
 PredicateHook = _hook('predicate', 'infer_request', 'response_choice', 'turn')
 ImagesHook = _hook('images_impl', 'infer_request', 'response_choice', 'turn')
+ResultImagesHook = _hook('images_from.impl', 'name', 'result', 'index')
 #: ``answer.compare``'s arguments
 COMPARE_ARGS = ('answer', 'reference')
 
@@ -192,7 +193,7 @@ class ResultImagesConfig(StrictModel):
         None, description="Regex searched in each successful result's text; each match names one image (its group "
         "1, else the whole match): a data:image/ URL, or a file path inside `dir`. The match is replaced by an "
         "<image> placeholder. E.g. markdown images: '!\\[[^\\]]*\\]\\(([^)\\s]+)\\)'.")
-    impl: Optional[Ref] = Field(
+    impl: Optional[ResultImagesHook] = Field(
         None, description="'module:function'(name, result, index) called for each successful result: None (no "
         'image), an image, a list mixing text and images, or an Observation (whose text then replaces the result).')
     dir: Optional[str] = Field(

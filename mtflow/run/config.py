@@ -39,6 +39,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
+from mtflow.backends.base import SamplingError, sampling_options
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
 from mtflow.core.stop import MAX_TURNS_BOUND
@@ -162,10 +163,11 @@ class RunConfig(StrictModel):
         unknown = sorted(set(value) - set(RequestConfig.model_fields))
         if unknown:
             raise ValueError('; '.join(unknown_key_message(k, RequestConfig.model_fields) for k in unknown))
-        try:
-            RequestConfig(**value)  # types and bounds
-        except ValidationError as exc:
-            raise ValueError('; '.join(_sampling_message(e) for e in exc.errors(include_url=False))) from None
+        config = RequestConfig(**value)  # types
+        try:  # the engines' bounds: the rule every backend applies to each call
+            sampling_options(config, default_max_tokens=1)
+        except SamplingError as exc:
+            raise ValueError(f'{exc.field}: {exc.why}') from None
         return value
 
     @field_validator('dataset')
@@ -233,23 +235,6 @@ class RunConfig(StrictModel):
             if isinstance(opts.get(key), str):
                 opts[key] = str(self.resolve(opts[key]))
         return opts
-
-
-def _sampling_message(err: Dict[str, Any]) -> str:
-    """``temperature: must be >= 0 (got -1.0)``: one :class:`RequestConfig` problem, starting with
-    its key (so that the loader points at that key's line)."""
-    key = '.'.join(str(p) for p in err.get('loc', ()))
-    ctx = err.get('ctx') or {}
-    words = {'greater_than_equal': ('>=', 'ge'), 'greater_than': ('>', 'gt'), 'less_than_equal': ('<=', 'le'),
-             'less_than': ('<', 'lt')}
-    if err.get('type') in words:
-        sign, name = words[err['type']]
-        msg = f'must be {sign} {ctx.get(name)}'
-    elif err.get('type') == 'value_error':  # the message says what it got
-        return f"{key}: {err.get('msg', 'invalid').removeprefix('Value error, ')}"
-    else:
-        msg = err.get('msg', 'invalid')
-    return f'{key}: {msg} (got {err.get("input")!r})'
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -357,14 +342,17 @@ def _at_sub_keys(msg: str, loc: tuple, root: Any, source: str, origin: Optional[
     ``[]`` when the message is not of that form (or the value came from the command line)."""
     if root is None or len(loc) != 1 or (origin and str(loc[0]) in origin):
         return []
-    out = []
-    for part in msg.split('; '):
-        sub, sep, rest = part.partition(': ')
-        line = _line_of(root, loc + (sub, ), exact=True) if sep else None
-        if line is None:
-            return []
-        out.append((line, f'{source}:{line}: {loc[0]}.{sub}: {rest}'))
-    return [text for _, text in sorted(out, key=lambda item: item[0])]
+    for parts in (msg.split('; '), [msg]):  # one problem per key, else one problem (its text may hold '; ')
+        out = []
+        for part in parts:
+            sub, sep, rest = part.partition(': ')
+            line = _line_of(root, loc + (sub, ), exact=True) if sep else None
+            if line is None:
+                break
+            out.append((line, f'{source}:{line}: {loc[0]}.{sub}: {rest}'))
+        else:
+            return [text for _, text in sorted(out, key=lambda item: item[0])]
+    return []
 
 
 def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] = None,
