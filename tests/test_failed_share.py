@@ -55,3 +55,15 @@ def test_the_share_is_a_config_key_and_a_flag(run, capsys):
     assert main(['run', run('max_failed_share: 1.0\n'), '-q', '--overwrite', '--delete-old']) == 0
     assert main(['run', run(), '-q', '--overwrite', '--delete-old', '--max-failed-share', '1.5']) == 2
     assert _last_line(capsys) == 'mtflow: --max-failed-share 1.5: max_failed_share: Input should be less than or equal to 1'
+
+
+def test_a_reward_that_returns_text_fails_its_request_naming_the_hook(run, capsys, tmp_path):
+    """Issue 40: a reward returning ``'great'`` failed with ``could not convert string to float``."""
+    (tmp_path / 'rewards.py').write_text(REWARD + '\n\ndef words(infer_request, rollout_infos):\n    return "great"\n')
+    (tmp_path / 'sched.yaml').write_text((tmp_path / 'sched.yaml').read_text().replace('gold_reward', 'words'))
+    assert main(['run', run(), '-q']) == 1
+    assert _last_line(capsys).startswith('mtflow: 6 of 6 requests failed (error 6), more than max_failed_share 0.5')
+    failures = json.loads((tmp_path / 'out' / 'summary.json').read_text())['failures']
+    assert len(failures) == 6
+    assert failures[0]['message'] == (f"request {failures[0]['uuid']}, field 'reward (rewards:words)': must be a "
+                                      "number, got str 'great'"), failures[0]

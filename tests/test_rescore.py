@@ -184,7 +184,7 @@ def test_a_bad_reward_is_one_line_leaves_nothing_behind_and_the_retry_runs(run, 
     assert not out.exists(), 'no trajectories.jsonl.tmp, no directory: the retry is not refused'
     out.mkdir()
     assert main(args + ['../lib/rw:words']) == 2
-    assert "the reward returned 'great', not a number" in _one_error_line(capsys)
+    assert "field 'reward': must be a number, got str 'great'" in _one_error_line(capsys)
     assert out.is_dir() and not any(out.iterdir()), 'the directory the user made is kept, empty'
     assert main(args + ['../lib/nope:fine']) == 2
     assert _one_error_line(capsys) == ("mtflow: --reward ../lib/nope:fine: cannot import module '../lib/nope': no file "

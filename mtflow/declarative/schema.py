@@ -422,7 +422,7 @@ class SchedulerConfig(StrictModel):
         'before it (prepend), or replace it.')
     reward: Optional[RewardHook] = Field(
         None, description="'module:function'(infer_request, rollout_infos) -> float, called when the request "
-        "stops; stored as rollout_infos['reward'].")
+        "stops; stored as rollout_infos['reward'] (anything but a finite number fails the request, field reward).")
     turn_reward: Optional[TurnRewardHook] = Field(
         None, description="'module:function'(infer_request, completion, rollout_infos, turn) -> float or None, "
         "called at every turn's end; recorded in rollout_infos['turn_rewards'] with the turn's token span.")

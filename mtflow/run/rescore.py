@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from mtflow.core.errors import UserError
+from mtflow.core.errors import RequestError, UserError
+from mtflow.core.validate import check_reward
 from mtflow.declarative.policy import DROP_KEY, INFO_KEY, FinishPolicy, apply_policy
 from mtflow.run.trajectories import reward_of as trajectory_reward
 from mtflow.run.files import RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, json_line, write_json_atomic
@@ -96,12 +96,9 @@ def rescore_line(line: Dict[str, Any], request: Any, reward: Optional[Reward],
                 close()  # never awaited: no "coroutine was never awaited" warning
             raise UserError('rescore: the reward function is async; rescore calls it synchronously')
         try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise UserError(f'rescore: request {line.get("uuid")}: the reward returned {value!r}, not a number') \
-                from None
-        if not math.isfinite(value):
-            raise UserError(f'rescore: request {line.get("uuid")}: the reward is {value}')
+            value = check_reward(value, line.get('uuid'), None)
+        except RequestError as exc:
+            raise UserError(f'rescore: {exc}') from None
         infos['reward'], rescored = value, True
     if policy is not None:  # every finish path, as the scheduler's finalize_output
         out = apply_policy(policy, _Line(line), line.get('finish_reason') or '')
