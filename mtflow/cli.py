@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 import traceback
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from mtflow import __version__
 from mtflow.core.errors import UserError
@@ -39,11 +39,15 @@ COMMANDS = {
 CLIError = UserError
 
 
-def _build_parser(argv: List[str]) -> argparse.ArgumentParser:
+def _build_parser(argv: List[str]) -> Tuple[argparse.ArgumentParser, Optional[argparse.ArgumentParser]]:
+    """The ``mtflow`` parser, and the subcommand's own when that command reads its arguments
+    intermixed (its module sets ``INTERMIXED = True``: ``replay RUN_DIR --out NEW_DIR CONFIG``, an
+    optional positional after an option, which ``parse_args`` refuses)."""
     parser = argparse.ArgumentParser(prog='mtflow', description='Multi-turn LLM rollouts as explicit state machines.')
     parser.add_argument('--version', action='version', version=f'mtflow {__version__}')
     sub = parser.add_subparsers(dest='command', metavar='COMMAND')
     wanted = next((a for a in argv if not a.startswith('-')), None)
+    intermixed = None
     for name, (module, help_text) in COMMANDS.items():
         if wanted == name:
             try:
@@ -53,9 +57,20 @@ def _build_parser(argv: List[str]) -> argparse.ArgumentParser:
                     raise UserError(f"'{name}' is not available in this build") from exc
                 raise
             command.add_parser(sub)
+            if getattr(command, 'INTERMIXED', False) and argv and argv[0] == name:
+                intermixed = sub.choices[name]
         else:
             sub.add_parser(name, help=help_text, add_help=False)
-    return parser
+    return parser, intermixed
+
+
+def _parse(argv: List[str]) -> argparse.Namespace:
+    parser, intermixed = _build_parser(argv)
+    if intermixed is None:
+        return parser.parse_args(argv)
+    args = intermixed.parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -66,12 +81,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = _build_parser(argv)
+        args = _parse(argv)
         if whole_process:
             gc.freeze()
-        args = parser.parse_args(argv)
         if not args.command:
-            parser.print_help()
+            _build_parser([])[0].print_help()
             return 0
         return int(args.func(args) or 0)
     except UserError as exc:

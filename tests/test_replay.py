@@ -166,3 +166,19 @@ def test_diff_fields_and_only_in(recorded, tmp_path, capsys):
     assert 'identical 15, different 0, only in A 1' in capsys.readouterr().out
     assert main(['diff', str(run), str(tmp_path), '--fields', 'nonsense']) == 2
     assert 'unknown field' in capsys.readouterr().err
+
+
+def test_config_after_out_as_the_synopsis_writes_it(recorded, capsys):
+    """``mtflow replay RUN_DIR --out NEW_DIR [CONFIG]`` (docs/cli.md, docs/replay.md) and the same for
+    rescore: argparse's ``parse_args`` refused the CONFIG after ``--out`` (``unrecognized
+    arguments``); the commands read their arguments intermixed."""
+    tmp, cfg, run = recorded
+    assert main(['replay', str(run), '--out', str(tmp / 'after'), str(cfg), '-q']) == 0
+    assert main(['replay', str(run), str(cfg), '--out', str(tmp / 'before'), '-q']) == 0
+    assert main(['rescore', str(run), '--out', str(tmp / 'rescored'), str(cfg), '-q']) == 0
+    capsys.readouterr()
+    assert main(['diff', str(tmp / 'after'), str(tmp / 'before')]) == 0
+    assert json.loads((tmp / 'rescored' / 'run.json').read_text())['rescore']['config'] == str(cfg)
+    with pytest.raises(SystemExit):
+        main(['replay', str(run), '--out', str(tmp / 'x'), str(cfg), 'extra'])
+    assert 'mtflow replay: error: unrecognized arguments: extra' in capsys.readouterr().err

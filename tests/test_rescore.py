@@ -140,3 +140,66 @@ def test_rescore_errors_name_what_is_wrong(run, capsys):
     assert '--reward tests.test_rescore:nope' in capsys.readouterr().err
     assert main(['rescore', str(run / 'orig'), '--out', str(run / 'orig'), '-q']) == 2
     assert 'not empty' in capsys.readouterr().err
+
+
+REWARDS = '''
+def one_arg(infos):
+    return 1.0
+
+
+def words(infer_request, infos):
+    return 'great'
+
+
+def fine(infer_request, infos):
+    return 0.5
+'''
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err
+    assert 'Traceback' not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_bad_reward_is_one_line_leaves_nothing_behind_and_the_retry_runs(run, capsys, tmp_path, monkeypatch):
+    """Issue 40: a wrong-signature reward or ``--reward ../dir/mod:fn`` printed a traceback, left
+    ``trajectories.jsonl.tmp`` behind, and the retry was refused (``is not empty``)."""
+    lib = tmp_path / 'lib'
+    lib.mkdir()
+    (lib / 'rw.py').write_text(REWARDS)
+    work = tmp_path / 'work'
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = tmp_path / 'new'
+    args = ['rescore', str(run / 'orig'), '--out', str(out), '-q', '--reward']
+    assert main(args + ['../lib/rw:one_arg']) == 2
+    assert _one_error_line(capsys) == (f'mtflow: --reward ../lib/rw:one_arg: one_arg() in {lib / "rw.py"}:2 takes '
+                                       '(infos); mtflow calls it as reward(infer_request, rollout_infos)')
+    assert not out.exists()
+    assert main(args + ['../lib/rw:words']) == 2
+    assert _one_error_line(capsys).startswith(f'mtflow: {run / "orig" / "trajectories.jsonl"}:1: rescore: request ')
+    assert not out.exists(), 'no trajectories.jsonl.tmp, no directory: the retry is not refused'
+    out.mkdir()
+    assert main(args + ['../lib/rw:words']) == 2
+    assert "field 'reward': must be a number, got str 'great'" in _one_error_line(capsys)
+    assert out.is_dir() and not any(out.iterdir()), 'the directory the user made is kept, empty'
+    assert main(args + ['../lib/nope:fine']) == 2
+    assert _one_error_line(capsys) == ("mtflow: --reward ../lib/nope:fine: cannot import module '../lib/nope': no file "
+                                       f'../lib/nope.py next to {run} or in the current directory')
+    assert main(args + ['../lib/rw.py:fine']) == 0
+    assert {l['reward'] for l in _lines(out) if 'stop_rule' in l['rollout_infos']} == {0.5}
+
+
+def test_a_yaml_schedulers_wrong_signature_reward_is_one_line(run, capsys, tmp_path):
+    (tmp_path / 'rw.py').write_text(REWARDS)
+    (tmp_path / 'sched.yaml').write_text((run / 'sched.yaml').read_text() + '\nreward: rw:one_arg\n')
+    (tmp_path / 'cfg.yaml').write_text((run / 'cfg.yaml').read_text().replace(str(run / 'sched.yaml'),
+                                                                               str(tmp_path / 'sched.yaml')))
+    assert main(['rescore', str(run / 'orig'), str(tmp_path / 'cfg.yaml'), '--out', str(tmp_path / 'new')]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f'mtflow: {tmp_path / "sched.yaml"}:') and \
+        f'reward: one_arg() in {tmp_path / "rw.py"}:2 takes (infos)' in line
+    assert not (tmp_path / 'new').exists()

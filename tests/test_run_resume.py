@@ -336,3 +336,23 @@ def test_resume_of_a_complete_run_runs_nothing(project, baseline, tmp_path, caps
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['status'] == 'complete' and summary['rollout_fn_calls'] == 0 and summary['attempts'] == 2
     assert summary['written'] == 12 and summary['finish_reasons'] == {'check_finished': 12}
+
+
+def test_the_last_progress_line_after_a_signal_counts_only_the_requests_written(project, tmp_path):
+    """Issue 40: after Ctrl-C the last line said ``done: 4/8 requests`` when 2 were written (the
+    requests cut short were counted); now it counts what is on disk and names the others."""
+    out = tmp_path / 'out'
+    cmd = [sys.executable, '-m', 'mtflow', 'run', str(project / 'run.yaml'), '--out', str(out),
+           '--progress-every', '600']  # stdout is a pipe: log lines, the last one at the stop
+    proc = subprocess.Popen(cmd, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env({'MTFLOW_TEST_PAUSE': 'p5:1', 'MTFLOW_TEST_PAUSED': str(tmp_path)}))
+    _wait_for(proc, 'p5:1', tmp_path)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    written = len(_consistent_on_disk(out))
+    cut = len(jsonl_lines(out / 'interrupted.jsonl'))
+    assert written and cut, 'the stop came with requests in flight'
+    last = [line for line in stdout.splitlines() if line.startswith('mtflow: done: ')][-1]
+    assert last.startswith(f'mtflow: done: {written}/12 requests ({cut} interrupted), '), last
+    assert f'interrupted: {written} of 12 requests are written' in stderr

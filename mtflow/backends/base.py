@@ -32,7 +32,7 @@ from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make
 
 __all__ = [
     'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output', 'async_seed_index'
+    'build_output', 'async_seed_index', 'PreflightProblem', 'SamplingError'
 ]
 
 
@@ -108,9 +108,21 @@ class SamplingOptions:
         return self.temperature == 0
 
 
+class SamplingError(BackendError):
+    """A sampling value outside what the engines take; ``field`` is its ``request_config`` key
+    (``temperature``) and ``why`` the rest (``must be >= 0 (got -1.0)``), so that a run config
+    names the key's own line."""
+
+    def __init__(self, field: str, why: str) -> None:
+        self.field, self.why = field, why
+        super().__init__(f'request_config.{field} {why}')
+
+
 def sampling_options(request_config: Any, default_max_tokens: int) -> SamplingOptions:
     """Check ``request_config`` (a :class:`RequestConfig`, an ms-swift one, a dict or ``None``)
-    and return the options every backend reads. Raises :class:`BackendError` naming the field."""
+    and return the options every backend reads. Raises :class:`SamplingError` naming the field:
+    the one rule for sampling values (``mtflow run`` checks a run config's with it before the
+    backend loads)."""
     if request_config is None:
         request_config = RequestConfig()
     elif isinstance(request_config, dict):
@@ -120,38 +132,43 @@ def sampling_options(request_config: Any, default_max_tokens: int) -> SamplingOp
         value = getattr(request_config, name, default)
         return default if value is None else value
 
+    def number(name: str, default: float, ok: Any, bound: str) -> float:
+        value = float(get(name, default))
+        if not ok(value):
+            raise SamplingError(name, f'must be {bound} (got {value})')
+        return value
+
     n = get('n', 1)
     if n != 1:
-        raise BackendError(f'request_config.n must be 1 for multi-turn rollouts (got {n}); '
-                           'repeat the request in the dataset for several samples')
+        raise SamplingError('n', f'must be 1 for multi-turn rollouts (got {n}); repeat the request in the dataset '
+                            '(num_generations) for several samples')
     if get('num_beams', 1) not in (1, None):
-        raise BackendError(f'request_config.num_beams must be 1 (got {get("num_beams")}): beam search is not sampling')
+        raise SamplingError('num_beams', f'must be 1 (got {get("num_beams")}): beam search is not sampling')
     max_tokens = get('max_tokens', default_max_tokens)
     if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BackendError(f'request_config.max_tokens must be a positive int (got {max_tokens!r})')
-    temperature = float(get('temperature', 1.0))
-    if temperature < 0:
-        raise BackendError(f'request_config.temperature must be >= 0 (got {temperature})')
-    top_p = float(get('top_p', 1.0))
-    if not 0 < top_p <= 1:
-        raise BackendError(f'request_config.top_p must be in (0, 1] (got {top_p})')
+        raise SamplingError('max_tokens', f'must be a positive int (got {max_tokens!r})')
+    temperature = number('temperature', 1.0, lambda v: v >= 0, '>= 0')
+    top_p = number('top_p', 1.0, lambda v: 0 < v <= 1, 'in (0, 1]')
     top_k = int(get('top_k', 0))
+    if top_k < -1:
+        raise SamplingError('top_k', f'must be >= -1 (-1 and 0: off; got {top_k})')
     top_k = 0 if top_k < 0 else top_k
     stop = get('stop', []) or []
     if isinstance(stop, str):
         stop = [stop]
     if any(not isinstance(s, str) or not s for s in stop):
-        raise BackendError(f'request_config.stop must be a list of non-empty strings (got {stop!r})')
+        raise SamplingError('stop', f'must be a list of non-empty strings (got {stop!r}): an empty one stops every '
+                            'generation at once')
     top_logprobs = int(get('top_logprobs', 0) or 0)
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        min_p=float(get('min_p', 0.0)),
-        repetition_penalty=float(get('repetition_penalty', 1.0)),
-        presence_penalty=float(get('presence_penalty', 0.0)),
-        frequency_penalty=float(get('frequency_penalty', 0.0)),
+        min_p=number('min_p', 0.0, lambda v: 0 <= v <= 1, 'in [0, 1]'),
+        repetition_penalty=number('repetition_penalty', 1.0, lambda v: v > 0, '> 0'),
+        presence_penalty=number('presence_penalty', 0.0, lambda v: -2 <= v <= 2, 'in [-2, 2]'),
+        frequency_penalty=number('frequency_penalty', 0.0, lambda v: -2 <= v <= 2, 'in [-2, 2]'),
         stop=tuple(stop),
         seed=get('seed', None),
         logprobs=bool(get('logprobs', False)) or top_logprobs > 0,
@@ -210,6 +227,14 @@ def build_output(text: str,
     return RolloutOutput(response=response)
 
 
+@dataclass(frozen=True)
+class PreflightProblem:
+    """One finding of :meth:`Backend.preflight`. ``unreachable``: a server that does not answer
+    now: ``mtflow run`` stops on it, ``mtflow validate`` warns (the server may be started later)."""
+    message: str
+    unreachable: bool = False
+
+
 class Backend:
     """Base class of mtflow's backends: a ``rollout_fn`` with a name, a model name, an optional
     tokenizer (schedulers that count tokens use it) and counters.
@@ -227,6 +252,14 @@ class Backend:
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:  # pragma: no cover
         raise NotImplementedError
+
+    @classmethod
+    def preflight(cls, model: Optional[str], options: Dict[str, Any]) -> List['PreflightProblem']:
+        """What is wrong with building this backend from ``model`` and ``options`` that can be
+        found cheaply before it is built (``mtflow validate``, the start of ``mtflow run``): a
+        server that does not answer, a model it does not serve. The default finds nothing (an
+        engine's problems show when it loads)."""
+        return []
 
     #: used when the request config has no ``max_tokens``
     default_max_tokens = 256

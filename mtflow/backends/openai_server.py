@@ -56,13 +56,15 @@ import random
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from mtflow.backends.base import Backend, BackendError, SamplingOptions, async_seed_index, prepare_chat
+from mtflow.backends.base import (Backend, BackendError, PreflightProblem, SamplingOptions, async_seed_index,
+                                  prepare_chat)
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
 from mtflow.backends.openai_stream import completion_items, stream_body, streamed_acall, token_ids_from_logprobs
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
+from mtflow.backends.server_check import options_problems
 from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
@@ -70,6 +72,8 @@ from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponse
 __all__ = ['OpenAIBackend', 'build_body', 'build_completion_body', 'parse_choice', 'parse_completion', 'FLAVORS']
 
 FLAVORS = ('vllm', 'sglang', 'swift', 'openai')
+#: the server asked when neither base_url, urls nor MTFLOW_OPENAI_BASE_URL says
+DEFAULT_BASE_URL = 'http://127.0.0.1:8000/v1'
 
 
 def build_body(request: Any, options: SamplingOptions, model: str, flavor: str = 'vllm',
@@ -234,6 +238,12 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     return RolloutOutput(response=response)
 
 
+def _preflight(cls: type, model: Optional[str], options: Dict[str, Any]) -> List[PreflightProblem]:
+    """:meth:`Backend.preflight` of the OpenAI backend: each server answers ``GET /models`` and
+    lists ``model`` (:mod:`mtflow.backends.server_check`)."""
+    return options_problems(model, options, DEFAULT_BASE_URL)
+
+
 class OpenAIBackend(ServerMetrics, Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
@@ -275,6 +285,7 @@ class OpenAIBackend(ServerMetrics, Backend):
             ids (:mod:`mtflow.backends.openai_stream`); needs a server that streams.
     """
     name = 'openai'
+    preflight = classmethod(_preflight)
 
     def __init__(self,
                  model: Optional[str] = None,
@@ -312,7 +323,7 @@ class OpenAIBackend(ServerMetrics, Backend):
         if urls is not None and (isinstance(urls, str) or not isinstance(urls, (list, tuple))):
             raise BackendError(f'openai backend: urls must be a list of server URLs, not {urls!r}')
         self.base_url = (base_url or (urls[0] if urls else None) or os.environ.get('MTFLOW_OPENAI_BASE_URL')
-                         or 'http://127.0.0.1:8000/v1').rstrip('/')
+                         or DEFAULT_BASE_URL).rstrip('/')
         self.router = Router(list(urls) if urls else [self.base_url], routing,
                              max_in_flight=max_in_flight_per_replica, weight_version=weight_version)
         self.health_interval_s = health_interval_s

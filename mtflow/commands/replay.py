@@ -34,6 +34,10 @@ from mtflow.run.store import RunStore
 from mtflow.run.summary import print_summary, summarize
 
 
+#: read the arguments intermixed (``mtflow/cli.py``): CONFIG may come after ``--out`` as the docs write it
+INTERMIXED = True
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('replay', help="re-run a run with its recorded model outputs against a (new) config",
                        description='Replay a run directory: recorded model outputs, the scheduler, tools, '
@@ -110,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f'{run_dir / RUN_INFO} names no config_file: give the CONFIG to replay against')
     cfg = load_run_config(config, {'out': args.out})
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
-    check_before_load(cfg)
+    check_before_load(cfg, with_backend=False)  # the recorded outputs are the model: its backend is not built
     make_scheduler = scheduler_factory(cfg)
     fingerprint = {**run_fingerprint(cfg, dataset_file(cfg)), 'replay_of': str(run_dir.resolve())}
     meta = {**run_meta(cfg), 'replay_of': str(run_dir.resolve())}

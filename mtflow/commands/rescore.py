@@ -15,13 +15,20 @@ from typing import Any, Dict, Optional, Tuple
 
 from mtflow.core.errors import UserError
 from mtflow.core.registry import resolve_reference
+from mtflow.core.signatures import call_problem
 from mtflow.data.sources import iter_requests
 from mtflow.declarative import load_scheduler
+from mtflow.declarative.loader import ConfigError
+from mtflow.declarative.schema import REWARD_ARGS
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.diff import trajectories_file
 from mtflow.run.files import RUN_INFO, recorded_config_file
 from mtflow.run.rescore import Rescorer, count_lines
+
+
+#: read the arguments intermixed (``mtflow/cli.py``): CONFIG may come after ``--out`` as the docs write it
+INTERMIXED = True
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +59,10 @@ def _scoring(cfg: RunConfig, reward_ref: Optional[str]) -> Tuple[Any, Any, Dict[
     """(reward function, finish policy, what they are) for ``cfg`` and ``--reward``."""
     reward = policy = None
     if cfg.scheduler_is_yaml():
-        scheduler = load_scheduler(str(cfg.scheduler_path()))
+        try:  # its reward's signature is checked as the file is (the schema)
+            scheduler = load_scheduler(str(cfg.scheduler_path()))
+        except ConfigError as exc:
+            raise UserError('; '.join(map(str, exc.problems))) from None
         try:
             reward, policy = scheduler.reward_function, scheduler.finish_policy
         finally:
@@ -60,12 +70,17 @@ def _scoring(cfg: RunConfig, reward_ref: Optional[str]) -> Tuple[Any, Any, Dict[
     elif reward_ref is None:
         raise UserError(f'{cfg.source}: the scheduler {cfg.scheduler} is not YAML: give --reward module:attr')
     if reward_ref is not None:
-        try:
+        try:  # a module, or a file: --reward ../lib/rewards.py:score
             reward = resolve_reference(reward_ref, str(cfg.base_dir) if cfg.base_dir else None)
         except (ImportError, AttributeError) as exc:
             raise UserError(f'--reward {reward_ref}: {exc}') from None
+        except Exception as exc:  # the module raised while importing
+            raise UserError(f'--reward {reward_ref}: importing it raised {type(exc).__name__}: {exc}') from None
         if not callable(reward):
             raise UserError(f'--reward {reward_ref}: not callable')
+        problem = call_problem(reward, REWARD_ARGS, 'reward')
+        if problem:
+            raise UserError(f'--reward {reward_ref}: {problem}')
     return reward, policy, {'reward': reward_ref or (f'{cfg.scheduler} reward' if reward else None),
                             'config': cfg.source, 'finish_policy': policy is not None}
 

@@ -49,7 +49,7 @@ from mtflow.run.otel import make_exporter
 from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
-from mtflow.run.summary import print_summary, summarize
+from mtflow.run.summary import print_summary, summarize, too_many_failed
 from mtflow.run.turn_log import REPLAY_FORMAT
 from mtflow.run.until import parse_until
 
@@ -111,6 +111,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="OpenTelemetry: each request a trace, each turn, model call, env step and tool call a "
                    "span; TARGET 'otlp' ($OTEL_EXPORTER_OTLP_ENDPOINT), 'otlp=URL' or a .jsonl file "
                    '(docs/telemetry.md)')
+    p.add_argument('--max-failed-share', type=float, metavar='F',
+                   help='exit 1 when more than this share of the requests failed (error or timeout; config key '
+                   'max_failed_share, default 0.5)')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
 
@@ -129,6 +132,7 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         'num_generations': getattr(args, 'num_generations', None),
         'mode': getattr(args, 'mode', None),
         'max_concurrency': getattr(args, 'max_concurrency', None),
+        'max_failed_share': getattr(args, 'max_failed_share', None),
     }
 
 
@@ -164,13 +168,14 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     """The run config with the command line's overrides."""
     overrides = _overrides(args)
     backend = overrides.pop('backend')
-    cfg = load_run_config(args.config, overrides, sets=getattr(args, 'sets', None))
+    sampling = {'max_tokens': args.max_tokens, 'temperature': args.temperature}
+    cfg = load_run_config(args.config, overrides, sets=getattr(args, 'sets', None), sampling=sampling)
     if backend is not None and backend != cfg.backend:
         cfg = _switch_backend(cfg, backend)
     if args.option:
-        cfg.backend_options.update(parse_options(args.option))
-    sampling = {'max_tokens': args.max_tokens, 'temperature': args.temperature}
-    cfg.request_config.update({k: v for k, v in sampling.items() if v is not None})
+        options = parse_options(args.option)
+        cfg.backend_options.update(options)
+        cfg.flags.update({f'backend_options.{k}': f'-o {k}={v}' for k, v in options.items()})
     return cfg
 
 
@@ -353,7 +358,8 @@ def main(args: argparse.Namespace) -> int:
     # every line (or a generated dataset's spec), then every problem of the scheduler (and its
     # plugins), checked before anything starts and before the slow backend load
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
-    check_before_load(cfg)
+    for warning in check_before_load(cfg):
+        _say(f'warning: {warning}')
     check_tracker(getattr(args, 'log', None))
     check_env_servers(cfg)  # one session on each OpenEnv url server, before the model loads
     make_scheduler = scheduler_factory(cfg)
@@ -382,5 +388,9 @@ def main(args: argparse.Namespace) -> int:
         if status == 'partial':
             _say(f'--until {args.until}: stopped with {len(store.done)} of {total} requests written to '
                  f'{store.out_dir}; rerun with --resume to continue')
-    written = summary['written']
-    return 1 if written and summary['finish_reasons'].get('error', 0) == written else 0
+    failed = too_many_failed(summary, cfg.max_failed_share)
+    if failed is not None:  # the last line: what the exit status says
+        _say(f'{failed}: exit status 1 (see {Path(store.out_dir) / "summary.json"}; --max-failed-share sets the '
+             'share)')
+        return 1
+    return 0

@@ -27,17 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]]]:
-    """``(problems, imports)`` of one file: a scheduler YAML, or a run config and what it names."""
+def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]], List[str]]:
+    """``(problems, imports, warnings)`` of one file: a scheduler YAML, or a run config and what
+    it names (a warning: a backend server that does not answer now)."""
     if not is_run_config(path):
         report = inspect_file(path)
-        return report.problems, report.imports
+        return report.problems, report.imports, []
     try:
         cfg = load_run_config(path)
     except RunConfigError as exc:
-        return [str(exc)], []
+        return [str(exc)], [], []
     pre = check_run_config(cfg)
-    return pre.problems, pre.imports
+    return pre.problems, pre.imports, [f'warning: {w}' for w in pre.warnings]
 
 
 def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:
@@ -81,7 +82,7 @@ def isolation_report(path: str) -> List[str]:
 def main(args: argparse.Namespace) -> int:
     bad = 0
     for path in args.files:
-        problems, imports = report_of(path)
+        problems, imports, warnings = report_of(path)
         if problems:
             bad += 1
             for problem in problems:
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f'{path}: OK')
             print_imports(path, imports)
-        for line in isolation_report(path):
+        for line in warnings + isolation_report(path):
             if not args.quiet or line.startswith('warning:'):
                 print(line, flush=True)
     if bad:

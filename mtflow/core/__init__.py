@@ -5,8 +5,9 @@
   (:mod:`~mtflow.core.machine`), the records handed between phases (:mod:`~mtflow.core.records`),
   the stop decision (:mod:`~mtflow.core.stop`), the trace (:mod:`~mtflow.core.trace`);
 - calling user code under deadlines (:mod:`~mtflow.core.calls`), checking what it returns
-  (:mod:`~mtflow.core.validate`), the shapes it must have (:mod:`~mtflow.core.types`), the Python
-  scheduler API (:mod:`~mtflow.core.scheduler`);
+  (:mod:`~mtflow.core.validate`), whether it can be called as mtflow calls it
+  (:mod:`~mtflow.core.signatures`), the shapes it must have (:mod:`~mtflow.core.types`), the
+  Python scheduler API (:mod:`~mtflow.core.scheduler`);
 - the ``module:attr`` resolver (:mod:`~mtflow.core.registry`) and the YAML reader
   (:mod:`~mtflow.core.safe_yaml`).
 

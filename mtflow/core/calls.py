@@ -56,7 +56,8 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
     seconds from now: the one call-with-deadline of the package, for the awaitables of hooks and
     steps, tool calls and model calls (trio's ``move_on_after``, answering an :class:`Outcome`).
 
-    - **returned**: ``OK`` with the value; **raised** an ``Exception``: ``RAISED`` with it; a
+    - **returned**: ``OK`` with the value; **raised** an ``Exception`` or called ``sys.exit()``:
+      ``RAISED`` with it (a callee's exit ends that call, not the run); any other
       ``BaseException`` (an interrupt) propagates.
     - **deadline**: the call is cancelled, given :data:`UNWIND_GRACE_S` to unwind, and the
       outcome is ``TIMED_OUT`` (value: ``timeout``) whatever it raised in answer (a resumable
@@ -70,17 +71,17 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
     t0 = perf_counter() if started is None else started
     try:
         if timeout is None:
-            try:
-                return Outcome(OK, await _result_of(call), perf_counter() - t0)
-            except Exception as exc:
-                return Outcome(RAISED, exc, perf_counter() - t0)
+            value = await _result_of(call)
+            kind = RAISED if isinstance(value, _Raised) else OK
+            return Outcome(kind, value.error if kind == RAISED else value, perf_counter() - t0)
         task = asyncio.ensure_future(_result_of(call))
         try:
             await asyncio.wait((task, ), timeout=timeout)
         except asyncio.CancelledError:
             await _unwind(task)
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception() from None  # what the call answered the cancellation with
+            answer = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
+            if isinstance(answer, _Raised):
+                raise answer.error from None  # what the call answered the cancellation with
             raise
         if not task.done():
             await _unwind(task)
@@ -88,21 +89,35 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
         if task.cancelled():  # cancelled by the call itself
             return Outcome(RAISED, asyncio.CancelledError('cancelled'), perf_counter() - t0)
         exc = task.exception()
-        if exc is None:
-            return Outcome(OK, task.result(), perf_counter() - t0)
-        if not isinstance(exc, Exception):
-            raise exc
-        return Outcome(RAISED, exc, perf_counter() - t0)
+        if exc is not None:
+            raise exc  # an interrupt: _result_of answers every Exception itself
+        value = task.result()
+        if isinstance(value, _Raised):
+            return Outcome(RAISED, value.error, perf_counter() - t0)
+        return Outcome(OK, value, perf_counter() - t0)
     finally:
         if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
             call.close()
 
 
+class _Raised:
+    """What a call raised, carried as its result: a task that raised ``SystemExit`` would stop
+    the event loop itself, so the call's exceptions never leave :func:`_result_of` as such."""
+    __slots__ = ('error', )
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 async def _result_of(value: Any) -> Any:
     """What an awaitable comes to, awaited as often as it gives another awaitable (an async
-    ``rollout_fn`` wrapped by a sync-looking one); a plain value is its own result."""
-    while inspect.isawaitable(value):
-        value = await value
+    ``rollout_fn`` wrapped by a sync-looking one); a plain value is its own result; what it
+    raised (an ``Exception``, ``sys.exit()``) is a :class:`_Raised`."""
+    try:
+        while inspect.isawaitable(value):
+            value = await value
+    except (Exception, SystemExit) as exc:
+        return _Raised(exc)
     return value
 
 

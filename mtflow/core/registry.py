@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,17 +27,27 @@ def import_module(module_name: str, base_dir: Optional[str] = None) -> Any:
     """Import ``module_name``; if it is not importable, ``<base_dir>/<module path>.py`` is tried,
     so a YAML file can name a Python file next to it, then the same file in the current directory
     (a reference given on the command line: ``mtflow`` is a console script, whose ``sys.path``
-    lacks the directory ``python -m`` would put there). ``ImportError`` names what was missing; an
+    lacks the directory ``python -m`` would put there). A name that is a path (``../lib/rewards``,
+    ``tools/mine.py``, absolute or not) is that file. ``ImportError`` names what was missing; an
     exception raised by the module itself propagates."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        relative = os.path.join(*module_name.split('.')) + '.py'
-        candidates = [os.path.join(d, relative) for d in (base_dir, os.getcwd()) if d]
-        candidate = next((c for c in candidates if os.path.isfile(c)), None)
-        if not (candidate and (exc.name or '') in module_name):
-            raise ImportError(f'cannot import module {module_name!r}: {exc}') from None
-    key = f'_mtflow_local_{abs(hash(os.path.abspath(candidate)))}_{module_name.replace(".", "_")}'
+    is_path = '/' in module_name or module_name.endswith('.py')
+    relative = (module_name if module_name.endswith('.py') else module_name + '.py') if is_path else \
+        os.path.join(*module_name.split('.')) + '.py'
+    candidates = [relative] if os.path.isabs(relative) else \
+        [os.path.join(d, relative) for d in (base_dir, os.getcwd()) if d]
+    candidate = next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
+    if is_path:
+        if candidate is None:
+            raise ImportError(f'cannot import module {module_name!r}: no file {relative}'
+                              + (f' next to {base_dir} or' if base_dir and not os.path.isabs(relative) else '')
+                              + ('' if os.path.isabs(relative) else ' in the current directory'))
+    else:
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if not (candidate and (exc.name or '') in module_name):
+                raise ImportError(f'cannot import module {module_name!r}: {exc}') from None
+    key = f'_mtflow_local_{abs(hash(os.path.abspath(candidate)))}_{re.sub(r"[^0-9A-Za-z_]", "_", module_name)}'
     module = sys.modules.get(key)
     if module is None:
         spec = importlib.util.spec_from_file_location(key, candidate)

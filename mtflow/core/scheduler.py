@@ -25,6 +25,19 @@ from mtflow.core.stop import default_check
 
 StepResult = Dict[str, Any]
 
+#: every hook the executor calls on a scheduler, with the arguments it passes (by position): the
+#: one table the preflight checks a Python scheduler's methods against (``inspect.signature``)
+HOOK_ARGS: Dict[str, tuple] = {
+    'step': ('infer_request', 'response_choice', 'current_turn'),
+    'check_finished': ('infer_request', 'response_choice', 'current_turn'),
+    'on_turn_end': ('infer_request', 'response_choice', 'current_turn'),
+    'on_trajectory_start': ('requests', ),
+    'on_trajectory_end': ('requests', 'error'),
+    'on_request_finished': ('infer_request', 'reason', 'turn'),
+    'turn_reward': ('infer_request', 'response_choice', 'current_turn'),
+    'finalize_output': ('output', 'finish_reason', 'turn'),
+}
+
 
 class Scheduler:
     """Base class for Python schedulers (compatible with ms-swift's ``MultiTurnScheduler``).

@@ -17,7 +17,13 @@ from typing import Any, Mapping, Optional, Tuple
 
 from mtflow.core.machine import CHECK_FINISHED, DONE_BY_HOOK, LENGTH, MAX_TURNS, REPLAY_DIVERGED
 
-__all__ = ['default_check', 'decide_stop', 'turn_limit_reached', 'output_finish', 'OUTPUT_FINISH_REASONS']
+__all__ = ['default_check', 'decide_stop', 'turn_limit_reached', 'output_finish', 'OUTPUT_FINISH_REASONS',
+           'MAX_TURNS_BOUND']
+
+#: the largest ``max_turns`` a config may set (a run config, a scheduler file): beyond it the
+#: value is a typo (``1000000000000``) that makes the progress bound and the ETA meaningless;
+#: unlimited is ``null`` (or ``0`` in a run config)
+MAX_TURNS_BOUND = 100_000
 
 #: finish reasons a model output carries itself (``choice.finish_reason``) that end its request
 #: before the output is applied or any hook sees it: the replay backend's ``replay_diverged``

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 from mtflow.core.errors import RequestError, RolloutFnError, SchedulerResultError
 
 __all__ = [
-    'check_output', 'check_turn_result', 'check_bool', 'check_ids', 'check_mask', 'check_logprobs', 'check_infos'
+    'check_output', 'check_turn_result', 'check_bool', 'check_ids', 'check_mask', 'check_logprobs', 'check_infos',
+    'check_reward'
 ]
 
 
@@ -104,6 +105,21 @@ def check_bool(value: Any, uuid: str, turn: Optional[int], field: str) -> bool:
     if type(value).__name__ == 'bool_' or (type(value) is int and value in (0, 1)):
         return bool(value)
     raise _fail(SchedulerResultError, f'must be a bool, got {type(value).__name__} {value!r:.40}', uuid, turn, field)
+
+
+def check_reward(value: Any, uuid: str, turn: Optional[int], field: str = 'reward') -> float:
+    """A finite number (an int, a float, numpy's or torch's scalars: anything ``float()`` takes
+    but text and bools), as a float: a reward of ``'great'`` or ``True`` is a mistake, named."""
+    if not isinstance(value, (str, bytes, bool)) and value is not None:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
+        else:
+            if number == number and number not in (float('inf'), float('-inf')):
+                return number
+            raise _fail(SchedulerResultError, f'must be a finite number, got {number}', uuid, turn, field)
+    raise _fail(SchedulerResultError, f'must be a number, got {type(value).__name__} {value!r:.40}', uuid, turn, field)
 
 
 _EMPTY: Dict[str, Any] = {}

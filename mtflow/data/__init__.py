@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RolloutInferRequest
 
-__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'count_prompts']
+__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'iter_located_prompts', 'count_prompts']
 
 _KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
 
@@ -74,6 +74,13 @@ def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
     is ``None``), so a run of a million prompts never holds them all. Errors name file and line;
     a repeated uuid is an error (only the uuids are kept to check that; ``check_unique=False``
     keeps none, for a second pass over a file already checked)."""
+    return (req for _, req in iter_located_prompts(path, limit, check_unique=check_unique))
+
+
+def iter_located_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None, *,
+                         check_unique: bool = True) -> Iterator[Tuple[str, RolloutInferRequest]]:
+    """:func:`iter_prompts` with where each request comes from (``file:line``), for checks that
+    name the line (``answer.field`` against the first lines, :mod:`mtflow.run.preflight`)."""
     path = bundled_dataset() if path is None else Path(path)
     if path.is_dir():
         raise DatasetError(f'dataset {path} is a directory; give a JSONL file (one JSON object with messages per line)')
@@ -105,7 +112,7 @@ def iter_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] =
                     raise DatasetError(f'{where}: uuid {req.uuid!r} repeats line {seen[req.uuid]}')
                 seen[req.uuid] = no
             count += 1
-            yield req
+            yield where, req
     if not count:
         raise DatasetError(f'{path}: no prompts')
 

@@ -8,16 +8,16 @@ with ``num_generations: 1`` requests are left as they are (their group is their 
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from mtflow.core.protocol import RolloutInferRequest
-from mtflow.data import DatasetError, count_prompts, iter_prompts
+from mtflow.data import DatasetError, count_prompts, iter_located_prompts, iter_prompts
 from mtflow.data.reasoning_gym import ReasoningGymSpec, check_spec
 from mtflow.data.reasoning_gym import count_requests as count_generated_requests
 from mtflow.data.reasoning_gym import iter_requests as iter_generated_requests
 
 __all__ = ['DATASET_KINDS', 'check_dataset_mapping', 'load_requests', 'count_requests', 'iter_requests',
-           'expand_groups', 'iter_groups', 'group_of']
+           'expand_groups', 'iter_groups', 'group_of', 'first_requests']
 
 #: the keys a ``dataset:`` mapping may have (one of them)
 DATASET_KINDS = ('reasoning_gym', )
@@ -72,6 +72,16 @@ def iter_requests(dataset: Any, path: Optional[Any], limit: Optional[int] = None
     else:
         prompts = iter_prompts(path, limit=limit, check_unique=check_unique)
     return iter_groups(prompts, num_generations)
+
+
+def first_requests(dataset: Any, path: Optional[Any], n: int) -> List[Tuple[str, RolloutInferRequest]]:
+    """The first ``n`` prompts with where each comes from (``file:line``, or the generated task),
+    for the checks that compare a scheduler with its data before the run (``answer.field``)."""
+    if isinstance(dataset, dict):
+        spec = _spec(dataset)
+        return [(f'dataset reasoning_gym {spec.name} task {k}', r)
+                for k, r in enumerate(iter_generated_requests(spec, n))]
+    return list(iter_located_prompts(path, limit=n, check_unique=False))
 
 
 def iter_groups(requests: Iterable[RolloutInferRequest], n: int) -> Iterator[RolloutInferRequest]:

@@ -39,6 +39,7 @@ from mtflow.core.protocol import extract_logprobs
 from mtflow.core.registry import resolve_reference
 from mtflow.core.scheduler import Scheduler
 from mtflow.core.stop import turn_limit_reached
+from mtflow.core.validate import check_reward
 from mtflow.declarative.answers import AnswerCheck
 from mtflow.declarative.env_sessions import EnvSessions
 from mtflow.declarative.envs import make_env_factory
@@ -268,7 +269,9 @@ class YamlScheduler(Scheduler):
         if reason is not None:
             infos['stop_rule'] = reason
             if self._reward is not None:
-                infos['reward'] = float(await maybe_await(self._reward(infer_request, dict(infos))))
+                value = await maybe_await(self._reward(infer_request, dict(infos)))
+                infos['reward'] = check_reward(value, getattr(infer_request, 'uuid', None), None,
+                                               f'reward ({self.config.reward})')
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
         return {'done': False, 'rollout_infos': infos}
 

@@ -18,6 +18,8 @@ from typing_extensions import Annotated
 from mtflow.core.images import ImageError, to_image_url
 from mtflow.core.keys import StrictModel
 from mtflow.core.registry import resolve_reference
+from mtflow.core.signatures import call_problem
+from mtflow.core.stop import MAX_TURNS_BOUND
 from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS
@@ -26,23 +28,45 @@ from mtflow.declarative.templates import FIELDS, check_template
 from mtflow.tools.registry import TOOLS
 
 
+def _resolved(value: Optional[str], info: ValidationInfo) -> Any:
+    """The object ``module:attribute`` names (it must import and be callable), when the context
+    allows resolving; else ``None``."""
+    if value is None:
+        return None
+    ctx = info.context or {}
+    if not ctx.get('resolve', True):
+        if ':' not in value:
+            raise ValueError(f"{value!r} must look like 'module:attribute'")
+        return None
+    try:
+        obj = resolve_reference(value, ctx.get('base_dir'))
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f'cannot resolve {value!r}: {exc}') from None
+    except Exception as exc:  # the module itself failed while importing
+        raise ValueError(f'importing {value!r} failed: {type(exc).__name__}: {exc}') from None
+    if not callable(obj):
+        raise ValueError(f'{value!r} is not callable')
+    return obj
+
+
 def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
     """``module:attribute`` must import (when the context allows resolving)."""
-    if value is None:
-        return value
-    ctx = info.context or {}
-    if ctx.get('resolve', True):
-        try:
-            obj = resolve_reference(value, ctx.get('base_dir'))
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f'cannot resolve {value!r}: {exc}') from None
-        except Exception as exc:  # the module itself failed while importing
-            raise ValueError(f'importing {value!r} failed: {type(exc).__name__}: {exc}') from None
-        if not callable(obj):
-            raise ValueError(f'{value!r} is not callable')
-    elif ':' not in value:
-        raise ValueError(f"{value!r} must look like 'module:attribute'")
+    _resolved(value, info)
     return value
+
+
+def _hook(what: str, *args: str) -> Any:
+    """A ``module:function`` field mtflow calls as ``what(*args)``: it must import and take those
+    arguments (:func:`mtflow.core.signatures.call_problem`), found when the file is validated,
+    not on every request once the model has loaded."""
+    def check(value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        obj = _resolved(value, info)
+        problem = call_problem(obj, args, what) if obj is not None else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return Annotated[str, AfterValidator(check)]
 
 
 def check_image_ref(ref: str, base_dir: Optional[str]) -> Optional[str]:
@@ -72,8 +96,29 @@ def _check_regex(value: Optional[str]) -> Optional[str]:
 
 #: a ``module:attribute`` field: it must import (:func:`_check_ref`), one rule for every such field
 Ref = Annotated[str, AfterValidator(_check_ref)]
+def _matches_something(value: Optional[str]) -> Optional[str]:
+    """A stop regex that matches the empty string (``''``, ``'a*'``) matches every completion:
+    every request would stop at turn 1, silently."""
+    if value is not None and re.search(value, '') is not None:
+        raise ValueError(f'regex {value!r} matches the empty string, so it matches every completion and would '
+                         'stop every request at turn 1')
+    return value
+
+
 #: a regex field: it must compile (:func:`_check_regex`)
 Regex = Annotated[str, AfterValidator(_check_regex)]
+#: a stop rule's regex: it must compile and match something (:func:`_matches_something`)
+StopRegex = Annotated[str, AfterValidator(_check_regex), AfterValidator(_matches_something)]
+#: the hooks a scheduler file names, each with the arguments mtflow passes
+#: the arguments a ``reward`` is called with (the scheduler, ``mtflow rescore``)
+REWARD_ARGS = ('infer_request', 'rollout_infos')
+RewardHook = _hook('reward', *REWARD_ARGS)
+TurnRewardHook = _hook('turn_reward', 'infer_request', 'completion', 'rollout_infos', 'turn')
+PredicateHook = _hook('predicate', 'infer_request', 'response_choice', 'turn')
+ImagesHook = _hook('images_impl', 'infer_request', 'response_choice', 'turn')
+ResultImagesHook = _hook('images_from.impl', 'name', 'result', 'index')
+#: ``answer.compare``'s arguments
+COMPARE_ARGS = ('answer', 'reference')
 
 
 class ToolReward(StrictModel):
@@ -148,7 +193,7 @@ class ResultImagesConfig(StrictModel):
         None, description="Regex searched in each successful result's text; each match names one image (its group "
         "1, else the whole match): a data:image/ URL, or a file path inside `dir`. The match is replaced by an "
         "<image> placeholder. E.g. markdown images: '!\\[[^\\]]*\\]\\(([^)\\s]+)\\)'.")
-    impl: Optional[Ref] = Field(
+    impl: Optional[ResultImagesHook] = Field(
         None, description="'module:function'(name, result, index) called for each successful result: None (no "
         'image), an image, a list mixing text and images, or an Observation (whose text then replaces the result).')
     dir: Optional[str] = Field(
@@ -208,13 +253,14 @@ class StopConfig(StrictModel):
     stop_tools: List[str] = Field(default_factory=list,
                                   description="Stop ('stop_rule:stop_tool') when one of these tools is called; the "
                                   'call is not run.')
-    regex: Dict[str, Regex] = Field(default_factory=dict,
-                                  description="name -> regex searched in the turn's completion; a match stops with "
-                                  "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:').")
+    regex: Dict[str, StopRegex] = Field(default_factory=dict,
+                                      description="name -> regex searched in the turn's completion; a match stops with "
+                                      "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:'); one that matches the "
+                                      'empty string is an error.')
     on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
     correct_answer: bool = Field(False, description="Stop ('stop_rule:correct_answer') when the answer (see `answer`) "
                                  'matches the data_dict field.')
-    predicate: Optional[Ref] = Field(
+    predicate: Optional[PredicateHook] = Field(
         None, description="'module:function'(infer_request, response_choice, turn) -> bool or a rule name; truthy "
         "stops with 'stop_rule:predicate' (or 'stop_rule:<returned name>').")
 
@@ -242,7 +288,11 @@ class AnswerConfig(StrictModel):
             return v
         if ':' not in v:
             raise ValueError(f"compare must be 'exact', 'numeric' or 'module:function', not {v!r}")
-        return _check_ref(v, info)
+        obj = _resolved(v, info)
+        problem = call_problem(obj, COMPARE_ARGS, 'compare') if obj is not None else None
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 class TipConfig(StrictModel):
@@ -252,7 +302,8 @@ class TipConfig(StrictModel):
         'wrong_answer', description="Condition: the answer is missing or wrong ('wrong_answer'), missing "
         "('no_answer'), the turn called no tool, `regex` matched, `predicate` returned true, or 'always'.")
     regex: Optional[Regex] = Field(None, description="Regex for when: regex.")
-    predicate: Optional[Ref] = Field(None, description="'module:function'(infer_request, response_choice, turn) -> bool.")
+    predicate: Optional[PredicateHook] = Field(None, description="'module:function'(infer_request, response_choice, "
+                                               "turn) -> bool.")
     text: str = Field(description='The tip text.')
     placement: Literal['inline', 'user'] = Field(
         'inline', description="'inline': appended to the assistant message (loss mask 0; next turn continues it); "
@@ -264,7 +315,7 @@ class TipConfig(StrictModel):
     images: List[str] = Field(
         default_factory=list, description="Images shown with the tip (placement user): file paths (relative: to the "
         'YAML file\'s directory) or data:image/ URLs; each is read and checked when the file is validated.')
-    images_impl: Optional[Ref] = Field(
+    images_impl: Optional[ImagesHook] = Field(
         None, description="'module:function'(infer_request, response_choice, turn) -> the images shown with the tip "
         '(None, an image, or a list of images), after `images` (placement user).')
 
@@ -345,7 +396,8 @@ class SchedulerConfig(StrictModel):
         'make names available; listed by `mtflow validate` with the other code the file imports.')
     name: str = Field('yaml_scheduler', description='Shown in traces and graphs.')
     description: str = Field('', description='Free text.')
-    max_turns: Optional[int] = Field(None, ge=1, description="Stop with 'max_turns' at this turn.")
+    max_turns: Optional[int] = Field(None, ge=1, le=MAX_TURNS_BOUND,
+                                     description=f"Stop with 'max_turns' at this turn (at most {MAX_TURNS_BOUND}).")
     parser: str = Field('hermes', description="Tool-call format: 'hermes' (aliases 'qwen', 'qwen3'), 'llama3_json' "
                         "('llama3'), 'pythonic', 'mistral', 'deepseek', 'react', 'json', a registered name or "
                         "entry point, or 'module:Class'.")
@@ -368,10 +420,10 @@ class SchedulerConfig(StrictModel):
     system_prompt_mode: Literal['if_missing', 'prepend', 'replace'] = Field(
         'if_missing', description='When the request already has a system message: keep it (if_missing), put ours '
         'before it (prepend), or replace it.')
-    reward: Optional[Ref] = Field(
+    reward: Optional[RewardHook] = Field(
         None, description="'module:function'(infer_request, rollout_infos) -> float, called when the request "
-        "stops; stored as rollout_infos['reward'].")
-    turn_reward: Optional[Ref] = Field(
+        "stops; stored as rollout_infos['reward'] (anything but a finite number fails the request, field reward).")
+    turn_reward: Optional[TurnRewardHook] = Field(
         None, description="'module:function'(infer_request, completion, rollout_infos, turn) -> float or None, "
         "called at every turn's end; recorded in rollout_infos['turn_rewards'] with the turn's token span.")
     finish_policy: Dict[str, Union[Literal['keep', 'mask', 'drop'], PolicyAction]] = Field(

@@ -97,7 +97,7 @@ class RayRollout:
             store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
 
         def on_progress(delivered: int, description: str) -> None:
-            progress.update(delivered, description)
+            progress.update(store.written, description)  # what is written, not what came back interrupted
             store.tick()
 
         started = time.perf_counter()

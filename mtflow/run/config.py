@@ -21,6 +21,7 @@
     max_concurrency: null                     # async: requests in flight at once; null: the batch
     context: null                             # context budgets and compaction (docs/context.md)
     admission: null                           # {tool_calls: N, env_sessions: M} (docs/admission.md)
+    max_failed_share: 0.5                     # exit 1 when more than this share of requests failed
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -37,8 +38,10 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
+from mtflow.backends.base import SamplingError, sampling_options
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
+from mtflow.core.stop import MAX_TURNS_BOUND
 from mtflow.core.keys import StrictModel, unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
@@ -88,7 +91,8 @@ class RunConfig(StrictModel):
     num_generations: int = Field(1, ge=1, description='Copies of each prompt (a GRPO group; uuids <uuid>#<k>); the '
                                  "summary shows each group's reward spread.")
     out: str = Field('runs/latest', description='Output directory (relative to the current directory).')
-    max_turns: Optional[int] = Field(None, ge=0, description='Stop every request at this turn; null or 0: unlimited.')
+    max_turns: Optional[int] = Field(None, ge=0, le=MAX_TURNS_BOUND, description='Stop every request at this turn '
+                                     f'(at most {MAX_TURNS_BOUND}); null or 0: unlimited.')
     batch_size: int = Field(8, ge=1, description='Requests per executor batch.')
     seed: Optional[int] = Field(0, description="Seeds Python's and torch's random generators.")
     limit: Optional[int] = Field(None, ge=1, description='Roll out only the first N prompts.')
@@ -98,6 +102,8 @@ class RunConfig(StrictModel):
                                                "request a turn at a time) or 'async' (each on its own).")
     max_concurrency: Optional[int] = Field(None, ge=1, description='Async mode: requests in flight at once; null: '
                                            'the whole batch.')
+    max_failed_share: float = Field(0.5, ge=0, le=1, description='Exit with status 1 when more than this share of '
+                                    'the written requests failed (finish reason error or timeout), or all of them.')
     admission: Optional[AdmissionConfig] = Field(None, description='Admission control (docs/admission.md): '
                                                  'tool_calls (tool and sandbox calls in flight across all tools), '
                                                  'env_sessions (environment sessions open); what exceeds a bound '
@@ -114,11 +120,17 @@ class RunConfig(StrictModel):
     lines: Dict[str, int] = Field(default_factory=dict, exclude=True)
     #: the keys the command line set (their messages name the option, not the file's line)
     overridden: List[str] = Field(default_factory=list, exclude=True)
+    #: nested keys the command line set, and the flag that set each (``request_config.temperature``
+    #: -> ``--temperature -1``, ``backend_options.seed`` -> ``-o seed=3``)
+    flags: Dict[str, str] = Field(default_factory=dict, exclude=True)
 
     def where(self, key: str) -> str:
-        """``file:line: key`` of a top-level key, for a message that names it (``--option`` when
-        the command line set it; ``file: key`` when the file does not have it)."""
+        """``file:line: key`` of a key (top-level, or one level down: ``request_config.top_p``,
+        ``backend_options.max_batch_size``), for a message that names it (the option when the
+        command line set it; ``file: key`` when the file does not have it)."""
         source = self.source or '<run config>'
+        if key in self.flags:
+            return f'command line: {self.flags[key]}: {key}'
         if key in self.overridden:
             return f"command line: --{key.replace('_', '-')}"
         line = self.lines.get(key)
@@ -150,7 +162,11 @@ class RunConfig(StrictModel):
         unknown = sorted(set(value) - set(RequestConfig.model_fields))
         if unknown:
             raise ValueError('; '.join(unknown_key_message(k, RequestConfig.model_fields) for k in unknown))
-        RequestConfig(**value)  # types
+        config = RequestConfig(**value)  # types
+        try:  # the engines' bounds: the rule every backend applies to each call
+            sampling_options(config, default_max_tokens=1)
+        except SamplingError as exc:
+            raise ValueError(f'{exc.field}: {exc.why}') from None
         return value
 
     @field_validator('dataset')
@@ -221,8 +237,9 @@ class RunConfig(StrictModel):
 
 
 # ---- loading --------------------------------------------------------------------------------------
-def _line_of(node: Any, loc: tuple) -> Optional[int]:
-    """The 1-based line of field ``loc`` in a composed YAML node tree (the deepest one found)."""
+def _line_of(node: Any, loc: tuple, exact: bool = False) -> Optional[int]:
+    """The 1-based line of field ``loc`` in a composed YAML node tree (the deepest one found;
+    ``exact``: ``None`` unless the whole of ``loc`` is there)."""
     line = None
     for key in loc:
         if isinstance(node, yaml.MappingNode):
@@ -231,17 +248,17 @@ def _line_of(node: Any, loc: tuple) -> Optional[int]:
                     line, node = k.start_mark.line + 1, v
                     break
             else:
-                return line
+                return None if exact else line
         elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
             node = node.value[key]
             line = node.start_mark.line + 1
         else:
-            return line
+            return None if exact else line
     return line
 
 
 #: RunConfig fields that are not YAML keys
-_INTERNAL = ('base_dir', 'source', 'lines', 'overridden')
+_INTERNAL = ('base_dir', 'source', 'lines', 'overridden', 'flags')
 
 
 def config_keys() -> List[str]:
@@ -294,6 +311,10 @@ def _apply_sets(data: Dict[str, Any], sets: List[Tuple[Tuple[str, ...], Any, str
     return origin
 
 
+#: pydantic's error types for a number outside its bounds (their messages say the bound, not the value)
+_BOUND_ERRORS = ('greater_than', 'greater_than_equal', 'less_than', 'less_than_equal')
+
+
 def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optional[Dict[str, str]] = None) -> str:
     problems: List[str] = []
     for err in exc.errors():
@@ -308,14 +329,36 @@ def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optiona
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
             msg = unknown_key_message(str(loc[-1]), config_keys())
-        problems.append(f'{where}: {field}: {msg}')
+        if err.get('type') in _BOUND_ERRORS and 'input' in err and where.startswith(source):  # a flag shows it
+            msg += f' (got {err["input"]!r})'
+        problems += _at_sub_keys(msg, loc, root, source, origin) or [f'{where}: {field}: {msg}']
     return '; '.join(problems)
 
 
+def _at_sub_keys(msg: str, loc: tuple, root: Any, source: str, origin: Optional[Dict[str, str]]) -> List[str]:
+    """A mapping's problems whose messages each start with one of its keys (``temperature: must
+    be >= 0; top_p: ...``), each named at that key's own line as ``request_config.temperature``;
+    ``[]`` when the message is not of that form (or the value came from the command line)."""
+    if root is None or len(loc) != 1 or (origin and str(loc[0]) in origin):
+        return []
+    for parts in (msg.split('; '), [msg]):  # one problem per key, else one problem (its text may hold '; ')
+        out = []
+        for part in parts:
+            sub, sep, rest = part.partition(': ')
+            line = _line_of(root, loc + (sub, ), exact=True) if sep else None
+            if line is None:
+                break
+            out.append((line, f'{source}:{line}: {loc[0]}.{sub}: {rest}'))
+        else:
+            return [text for _, text in sorted(out, key=lambda item: item[0])]
+    return []
+
+
 def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] = None,
-                    sets: Optional[List[str]] = None) -> RunConfig:
+                    sets: Optional[List[str]] = None, sampling: Optional[Dict[str, Any]] = None) -> RunConfig:
     """Read and validate a run config; ``sets`` (``--set KEY=VALUE``, dotted keys, values typed
-    by the schema) then ``overrides`` (the other flags) replace keys, as editing the file would.
+    by the schema), ``sampling`` (``--temperature``, ``--max-tokens``: ``request_config`` keys)
+    then ``overrides`` (the other flags) replace keys, as editing the file would.
 
     Raises :class:`RunConfigError` (one line, every problem) or ``FileNotFoundError``."""
     path = Path(path)
@@ -337,20 +380,46 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         data = {}
     if not isinstance(data, dict):
         raise RunConfigError(f'{path}: a run config must be a mapping of keys, not {type(data).__name__}')
-    for key in ('base_dir', 'source', 'lines', 'overridden'):
+    for key in _INTERNAL:
         if key in data:
             raise RunConfigError(f'{path}:{_line_of(root, (key,))}: {key}: unknown key')
-    origin = _apply_sets(data, parse_sets(sets or []))
+    given_sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
+    flags = {f'request_config.{k}': f'--{k.replace("_", "-")} {v}' for k, v in given_sampling.items()}
+    origin = _apply_sets(data, parse_sets(sets or []) + [(('request_config', k), v, flags[f'request_config.{k}'])
+                                                         for k, v in given_sampling.items()])
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     data.update(given)
     origin.update({k: f'--{k.replace("_", "-")} {v}' for k, v in given.items()})
     overridden = list(given)
-    lines = {str(k): line for k in data if (line := _line_of(root, (k, ))) is not None} if root is not None else {}
+    lines = _key_lines(root, data)
     try:
-        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path), lines=lines, overridden=overridden)
+        cfg = RunConfig(**data, base_dir=path.resolve().parent, source=str(path), lines=lines, overridden=overridden,
+                        flags=flags)
     except ValidationError as exc:
         raise RunConfigError(_format_errors(exc, str(path), root, origin)) from None
     return cfg
+
+
+#: the mappings whose keys get lines of their own (messages about one sampling or backend option)
+_NESTED = ('request_config', 'backend_options')
+
+
+def _key_lines(root: Any, data: Dict[str, Any]) -> Dict[str, int]:
+    """The line of each top-level key and of each key of :data:`_NESTED` (``request_config.top_p``;
+    a ``backend: {kind, ...}`` mapping's keys are ``backend_options.<key>``)."""
+    if root is None:
+        return {}
+    lines = {str(k): line for k in data if (line := _line_of(root, (k, ))) is not None}
+    for top in _NESTED + ('backend', ):
+        value = data.get(top)
+        if not isinstance(value, dict):
+            continue
+        name = 'backend_options' if top == 'backend' else top
+        for sub in value:
+            line = _line_of(root, (top, sub), exact=True)
+            if line is not None:
+                lines[f'{name}.{sub}'] = line
+    return lines
 
 
 def is_run_config(path: Union[str, Path]) -> bool:

@@ -119,7 +119,8 @@ class StreamingRun:
         if self.on_request is not None:
             self.on_request(record, events)
         if self.progress is not None:
-            self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events))
+            self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events),
+                                      written=finished.finish_reason != INTERRUPTED)
         if self.on_progress is not None:
             self.on_progress(self.finished, '')
 

@@ -7,42 +7,61 @@ they import.
 - a Python scheduler (``module:Class`` or ``file.py:Class``): it must import, without raising, and
   be a scheduler (a subclass of :class:`mtflow.Scheduler` or of ms-swift's ``MultiTurnScheduler``,
   a class defining ``step``/``check_finished``/``on_turn_end``, or a factory function);
-- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec);
+  and each hook it defines must take the arguments the executor passes (``inspect.signature``);
+- the hooks a scheduler YAML names (``reward``, ``turn_reward``, predicates, ``answer.compare``)
+  take the arguments mtflow passes (the schema checks them, :mod:`mtflow.core.signatures`);
+- the dataset: it must read (every line valid JSON with messages; a generated dataset's spec),
+  and a YAML scheduler's ``answer.field`` must be a key of its first lines' ``data_dict``;
+- ``backend_options``: every key one the backend takes; the backend's own cheap checks
+  (:meth:`mtflow.backends.Backend.preflight`: an OpenAI server answers ``GET /models`` and lists
+  the model), so a wrong ``base_url`` fails before the run directory is written;
 - an OpenEnv environment of a YAML scheduler: ``batch_size`` must fit the sessions its servers
   allow (``max_sessions`` per server; a request holds its session for its whole life), and, at the
-  start of ``mtflow run`` only, each ``url`` server must open a session (:func:`check_env_servers`).
+  start of ``mtflow run`` only, each ``url`` server must open a session (:func:`check_env_servers`)
+  and its ``/schema`` must have the ``action_field``, ``observation_field`` and ``image_fields``
+  the scheduler names.
 
 Each problem is one ``file[:line]: field: message`` line; ``imports`` lists every Python module or
 callable the run will import (that code runs with your rights: read the list)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from mtflow.backends import BackendError, is_backend_reference, resolve_backend
+from mtflow.backends import BackendError, backend_options, is_backend_reference, resolve_backend
+from mtflow.backends.base import PreflightProblem
 from mtflow.core.errors import MtflowError, RunSetupError
-from mtflow.core.keys import unknown_key_message
+from mtflow.core.keys import closest_key, unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
-from mtflow.core.scheduler import Scheduler
+from mtflow.core.scheduler import HOOK_ARGS, Scheduler, is_default_hook
+from mtflow.core.signatures import method_call_problem
 from mtflow.data import DatasetError
-from mtflow.data.sources import count_requests
+from mtflow.data.sources import count_requests, first_requests
 from mtflow.declarative import inspect_file
+from mtflow.declarative.loader import read_yaml
+from mtflow.declarative.schema import AnswerConfig
 from mtflow.declarative.envs.config import OpenEnvConfig
 from mtflow.declarative.envs.openenv_env import OpenEnvPool
 from mtflow.run.assembly import load_python_scheduler
 from mtflow.run.config import RunConfig
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
-           'check_before_load', 'check_env_servers', 'check_backend_reference', 'scheduler_arg_names', 'check_scheduler_args']
+           'check_before_load', 'check_env_servers', 'check_backend_reference', 'check_backend_options',
+           'check_backend_servers', 'check_answer_field', 'sampling_warnings', 'hook_problems', 'scheduler_arg_names',
+           'check_scheduler_args']
 
 
 @dataclass
 class Preflight:
-    """The problems of a run config (one line each) and the Python code it makes mtflow import."""
+    """The problems of a run config (one line each), the Python code it makes mtflow import, and
+    warnings: what does not stop ``mtflow validate`` (a server that does not answer now, which
+    ``mtflow run`` checks again and stops on) or a run (greedy copies of a prompt)."""
     problems: List[str] = field(default_factory=list)
     imports: List[Tuple[str, str]] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
 
 
 #: the hooks a duck-typed scheduler class defines (at least one; see mtflow/core/scheduler.py)
@@ -75,9 +94,25 @@ def check_python_scheduler(ref: str, base_dir: Optional[Path], where: str) -> Li
             return [f'{where}: scheduler: {ref} is not a scheduler (class {obj.__module__}.{obj.__qualname__} '
                     'derives from neither mtflow.Scheduler nor ms-swift MultiTurnScheduler, and defines none of '
                     f'{", ".join(HOOKS)})']
+        return [f'{where}: scheduler: {ref}: {problem}' for problem in hook_problems(obj)]
     elif not (inspect.isfunction(obj) or inspect.ismethod(obj)):
         return [f'{where}: scheduler: {ref} is not a scheduler class or factory function (got {type(obj).__name__})']
     return []
+
+
+def hook_problems(cls: type) -> List[str]:
+    """The hooks of a scheduler class that cannot be called as the executor calls them
+    (:data:`mtflow.core.scheduler.HOOK_ARGS`, checked by ``inspect.signature``); the base
+    classes' own hooks are not checked."""
+    out = []
+    for name, args in HOOK_ARGS.items():
+        fn = getattr(cls, name, None)
+        if fn is None or is_default_hook(fn, name):
+            continue
+        problem = method_call_problem(cls, name, args)
+        if problem:
+            out.append(problem)
+    return out
 
 
 #: keyword arguments every mtflow / ms-swift scheduler takes through ``**kwargs``
@@ -121,8 +156,13 @@ def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
             for key in cfg.scheduler_args if key not in known]
 
 
-def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
-    """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed)."""
+def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_answer: bool = False,
+                     with_backend: bool = True) -> Preflight:
+    """Check a loaded :class:`mtflow.run.config.RunConfig` (the file already parsed).
+    ``servers_must_answer``: a backend server that does not answer is a problem (the start of
+    ``mtflow run``), not a warning (``mtflow validate``: it may be started later);
+    ``with_backend=False``: the config's backend is not built (``mtflow replay``), so its
+    options and servers are not checked."""
     where = cfg.source or '<run config>'
     out = Preflight()
     if cfg.scheduler_is_yaml():
@@ -145,12 +185,75 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True) -> Preflight:
         if not found:
             out.problems += check_scheduler_args(load_python_scheduler(cfg.scheduler, cfg.base_dir), cfg)
     out.problems += check_backend_reference(cfg)
+    options_problems = check_backend_options(cfg) if with_backend else []
+    out.problems += options_problems
+    if with_backend and not options_problems:
+        for problem in check_backend_servers(cfg):
+            if problem.unreachable and not servers_must_answer:
+                out.warnings.append(f'{problem.message} (mtflow run stops on it)')
+            else:
+                out.problems.append(problem.message)
+    out.warnings += sampling_warnings(cfg)
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
         except DatasetError as exc:
             out.problems.append(f'{where}: dataset: {exc}')
+            return out
+    out.problems += check_answer_field(cfg)
     return out
+
+
+def sampling_warnings(cfg: RunConfig) -> List[str]:
+    """Valid settings that silently waste a run: ``num_generations`` copies of a prompt sampled
+    greedily (``temperature: 0``, or ``top_k: 1``) are identical, so every GRPO group's rewards
+    are equal and its advantage is zero: no signal."""
+    n = cfg.num_generations
+    sampling = cfg.request_config
+    greedy = 'temperature 0' if sampling.get('temperature') == 0 else 'top_k 1' if sampling.get('top_k') == 1 else None
+    if n <= 1 or greedy is None:
+        return []
+    key = 'request_config.temperature' if greedy.startswith('temperature') else 'request_config.top_k'
+    return [f'{cfg.where(key)}: num_generations {n} at {greedy} (greedy decoding) makes the {n} copies of each '
+            'prompt identical: every group has the same reward, zero GRPO signal; sample (temperature > 0) or '
+            'set num_generations: 1']
+
+
+#: how many of the dataset's first prompts ``answer.field`` is checked against
+ANSWER_LINES = 8
+
+
+def check_answer_field(cfg: RunConfig) -> List[str]:
+    """``answer.field`` of a YAML scheduler against the dataset's first prompts: a key that is
+    not in a line's ``data_dict`` would fail that request with a ``KeyError`` once the model has
+    answered (``solution`` where the dataset says ``answer``). Names the scheduler's line, the
+    dataset's line, the keys that line has and the closest one."""
+    if not cfg.scheduler_is_yaml() or not cfg.scheduler_path().is_file():
+        return []
+    path = str(cfg.scheduler_path())
+    data, lines, _, fatal = read_yaml(path)
+    answer = data.get('answer') if isinstance(data, dict) and not fatal else None
+    if not isinstance(answer, dict):
+        return []
+    field_name = answer.get('field', AnswerConfig.model_fields['field'].default)
+    if not isinstance(field_name, str):
+        return []  # the scheduler's own check reports the type
+    line = lines.get(('answer', 'field')) or lines.get(('answer', ))
+    at = f'{path}:{line}' if line else path
+    try:
+        sample = first_requests(cfg.dataset, cfg.dataset_path(), ANSWER_LINES)
+    except DatasetError:
+        return []  # reported as the dataset's own problem
+    for origin, request in sample:
+        keys = sorted(str(k) for k in (request.data_dict or {}))
+        if field_name in keys:
+            continue
+        close = closest_key(field_name, keys)
+        has = f'its keys: {", ".join(keys)}' if keys else 'it has no data_dict keys'
+        default = f' (answer.field defaults to {field_name!r})' if 'field' not in answer else ''
+        return [f'{at}: answer.field: {field_name!r} is not a key of {origin}{default}: {has}'
+                + (f"; did you mean {close!r}?" if close else '')]
+    return []
 
 
 def check_backend_reference(cfg: RunConfig) -> List[str]:
@@ -165,6 +268,41 @@ def check_backend_reference(cfg: RunConfig) -> List[str]:
     except Exception as exc:  # the user's module raised while importing
         return [f'{cfg.where("backend")}: importing {cfg.backend!r} failed: {type(exc).__name__}: {exc}']
     return []
+
+
+def check_backend_options(cfg: RunConfig) -> List[str]:
+    """A ``backend_options`` key the backend does not take (``max_batchsize``), named at its
+    file and line (or ``-o`` flag), with the backend's options and the closest one, before the
+    backend loads. A backend that takes any option (``**kwargs``) is not checked; one that
+    cannot be resolved is reported by :func:`check_backend_reference`."""
+    if not cfg.backend_options:
+        return []
+    try:
+        named, accepts_any = backend_options(cfg.backend, cfg.base_dir)
+    except Exception:  # an unknown or broken backend: reported where it is resolved
+        return []
+    if accepts_any:
+        return []
+    return [f'{cfg.where(f"backend_options.{key}")}: '
+            f'{unknown_key_message(str(key), named, f"backend {cfg.backend}")}'
+            for key in cfg.backend_options if key not in named]
+
+
+def check_backend_servers(cfg: RunConfig) -> List[PreflightProblem]:
+    """The backend's own cheap checks before it is built (:meth:`mtflow.backends.Backend.preflight`):
+    for ``openai``, each server answers ``GET /models`` and lists the model. Named at the config's
+    ``base_url``/``urls`` line (else ``backend``)."""
+    try:
+        cls = resolve_backend(cfg.backend, cfg.base_dir)
+    except Exception:  # reported by check_backend_reference, or when the backend is built
+        return []
+    check = getattr(cls, 'preflight', None)
+    if not callable(check):
+        return []
+    options = cfg.resolved_backend_options()
+    key = next((f'backend_options.{k}' for k in ('urls', 'base_url') if k in options), 'backend')
+    return [dataclasses.replace(p, message=f'{cfg.where(key)}: {cfg.backend} backend: {p.message}')
+            for p in check(cfg.resolved_model(), options)]
 
 
 def _openenv_of(path: Path) -> Optional[OpenEnvConfig]:
@@ -222,12 +360,14 @@ def check_env_servers(cfg: RunConfig) -> None:
         pool.close()
 
 
-def check_before_load(cfg: RunConfig) -> None:
+def check_before_load(cfg: RunConfig, with_backend: bool = True) -> List[str]:
     """Raise one :class:`RunSetupError` listing every problem ``mtflow validate`` would report,
     the dataset aside (the caller has just read it): the start of ``mtflow run``, before the
-    slow backend load."""
+    slow backend load. Returns the warnings (the run goes on; the caller prints them).
+    ``with_backend=False``: see :func:`check_run_config`."""
     if cfg.scheduler_is_yaml() and not cfg.scheduler_path().is_file():
-        return  # scheduler_factory says so, in the message a missing file always gets
-    problems = check_run_config(cfg, check_dataset=False).problems
-    if problems:
-        raise RunSetupError('\n'.join(map(str, problems)))
+        return []  # scheduler_factory says so, in the message a missing file always gets
+    found = check_run_config(cfg, check_dataset=False, servers_must_answer=True, with_backend=with_backend)
+    if found.problems:
+        raise RunSetupError('\n'.join(map(str, found.problems)))
+    return found.warnings

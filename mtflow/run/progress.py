@@ -69,7 +69,8 @@ class RunProgress:
         self.tokens_fn = tokens
         self.stream = stream
         self.listener = listener
-        self.finished = 0
+        self.finished = 0  # requests written (what "done: N/M requests" counts)
+        self.interrupted = 0  # requests a stop cut short: not written, run again by --resume
         self.turns_done = 0  # turns generated (a lockstep turn of k live requests is k turns)
         self.turns_of_finished = 0
         self.turns_given_back = 0  # unplayed turns of requests that finished before max_turns
@@ -100,9 +101,14 @@ class RunProgress:
         self.live = live
         self._refresh()
 
-    def on_finished(self, num_turns: Optional[int], tokens: int = 0) -> None:
-        """One request finished after ``num_turns`` turns, having generated ``tokens``."""
-        self.finished += 1
+    def on_finished(self, num_turns: Optional[int], tokens: int = 0, written: bool = True) -> None:
+        """One request finished after ``num_turns`` turns, having generated ``tokens``;
+        ``written=False``: cut short by a stop (``interrupted.jsonl``, run again by ``--resume``),
+        so its turns count but it is no finished request."""
+        if written:
+            self.finished += 1
+        else:
+            self.interrupted += 1
         n = int(num_turns or 0)
         self.turns_of_finished += n
         if self.max_turns is not None:
@@ -142,7 +148,8 @@ class RunProgress:
         turns = f"turns {f['turns']}/{f['turn_bound']}, " if f['turn_bound'] is not None else (
             f"turns {f['turns']}, " if f['turns'] else '')  # a Ray fan-out reports no turns
         tps = f"{f['tokens_per_s']} tokens/s" if f['tokens_per_s'] is not None else '? tokens/s'
-        return (f"{f['finished']}/{f['total']} requests, {turns}{tps}, elapsed {format_duration(f['elapsed_s'])}, "
+        cut = f" ({self.interrupted} interrupted)" if self.interrupted else ''
+        return (f"{f['finished']}/{f['total']} requests{cut}, {turns}{tps}, elapsed {format_duration(f['elapsed_s'])}, "
                 f"ETA {format_duration(f['eta_s'])}")
 
     # ---- the display ---------------------------------------------------------------------------

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from mtflow.core.errors import UserError
+from mtflow.core.errors import RequestError, UserError
+from mtflow.core.validate import check_reward
 from mtflow.declarative.policy import DROP_KEY, INFO_KEY, FinishPolicy, apply_policy
 from mtflow.run.trajectories import reward_of as trajectory_reward
 from mtflow.run.files import RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, json_line, write_json_atomic
@@ -85,12 +85,20 @@ def rescore_line(line: Dict[str, Any], request: Any, reward: Optional[Reward],
     if reward is not None and 'stop_rule' in infos:
         req = copy.copy(request)
         req.messages = copy.deepcopy(line.get('messages') or [])
-        value = reward(req, _reward_infos(infos))
+        try:
+            value = reward(req, _reward_infos(infos))
+        except Exception as exc:
+            raise UserError(f'rescore: request {line.get("uuid")}: the reward raised {type(exc).__name__}: '
+                            f'{exc}') from None
         if hasattr(value, '__await__'):
+            close = getattr(value, 'close', None)
+            if callable(close):
+                close()  # never awaited: no "coroutine was never awaited" warning
             raise UserError('rescore: the reward function is async; rescore calls it synchronously')
-        value = float(value)
-        if not math.isfinite(value):
-            raise UserError(f'rescore: request {line.get("uuid")}: the reward is {value}')
+        try:
+            value = check_reward(value, line.get('uuid'), None)
+        except RequestError as exc:
+            raise UserError(f'rescore: {exc}') from None
         infos['reward'], rescored = value, True
     if policy is not None:  # every finish path, as the scheduler's finalize_output
         out = apply_policy(policy, _Line(line), line.get('finish_reason') or '')
@@ -138,12 +146,33 @@ class Rescorer:
         return self._pending.pop(uuid)
 
     def run(self, on_line: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+        """Rescore into ``out_dir`` (missing or empty); on any failure nothing is left behind (no
+        ``trajectories.jsonl.tmp``, the directory removed when this call made it), so the same
+        command can be run again once the reward is fixed."""
+        made = not self.out_dir.exists()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if any(self.out_dir.iterdir()):
+        tmp = self.out_dir / (TRAJECTORIES + '.tmp')
+        if any(p != tmp for p in self.out_dir.iterdir()):  # a stale .tmp of a killed rescore is no run
             raise UserError(f'{self.out_dir} is not empty: rescore writes a new run directory')
         started = time.perf_counter()
+        try:
+            self._write_lines(tmp, on_line)
+            os.replace(tmp, self.out_dir / TRAJECTORIES)
+            if (self.run_dir / TRACE).is_file():
+                shutil.copyfile(self.run_dir / TRACE, self.out_dir / TRACE)
+            self.figures['wall_s'] = round(time.perf_counter() - started, 3)
+            self._write_meta()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            for name in (TRAJECTORIES, TRACE, RUN_INFO, SUMMARY):
+                (self.out_dir / name).unlink(missing_ok=True)
+            if made:
+                shutil.rmtree(self.out_dir, ignore_errors=True)
+            raise
+        return self.figures
+
+    def _write_lines(self, tmp: Path, on_line: Optional[Callable[[], None]]) -> None:
         source = self.run_dir / TRAJECTORIES
-        tmp = self.out_dir / (TRAJECTORIES + '.tmp')
         with open(source, 'r', encoding='utf-8') as src, open(tmp, 'w', encoding='utf-8') as dst:
             for no, raw in enumerate(src, 1):
                 if not raw.strip():
@@ -155,7 +184,10 @@ class Rescorer:
                 uuid = str(line.get('uuid'))
                 old = (line.get('rollout_infos') or {}).get('reward')
                 request = self._request(uuid) if self.reward is not None else None
-                what = rescore_line(line, request, self.reward, self.policy)
+                try:
+                    what = rescore_line(line, request, self.reward, self.policy)
+                except UserError as exc:
+                    raise UserError(f'{source}:{no}: {exc}') from None
                 f = self.figures
                 f['lines'] += 1
                 f['rescored'] += what['rescored']
@@ -167,12 +199,6 @@ class Rescorer:
                     on_line()
             dst.flush()
             os.fsync(dst.fileno())
-        os.replace(tmp, self.out_dir / TRAJECTORIES)
-        if (self.run_dir / TRACE).is_file():
-            shutil.copyfile(self.run_dir / TRACE, self.out_dir / TRACE)
-        self.figures['wall_s'] = round(time.perf_counter() - started, 3)
-        self._write_meta()
-        return self.figures
 
     def _write_meta(self) -> None:
         try:

@@ -6,7 +6,7 @@ for a local run and a Ray fan-out (whose backend is a stand-in that reports the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 from mtflow.run.config import RunConfig
@@ -15,7 +15,10 @@ from mtflow.run.reward_spread import spread_rows
 from mtflow.run.serving import admission_figures, admission_rows, serving_figures, serving_rows
 from mtflow.run.store import RunStore
 
-__all__ = ['summarize', 'print_summary']
+__all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed']
+
+#: the finish reasons of a request that failed (a step or hook raised, a deadline passed)
+FAILED_REASONS = ('error', 'timeout')
 
 
 def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
@@ -134,3 +137,17 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     for failure in summary['failures'][:3]:
         console.print(f"[red]error[/red] request {failure.get('uuid')} turn {failure.get('turn')} "
                       f"({failure.get('phase')}): {failure.get('type')}: {failure.get('message')}")
+
+
+def too_many_failed(summary: Dict[str, Any], max_failed_share: float) -> Optional[str]:
+    """Why the run must exit non-zero, or ``None``: more of the written requests failed
+    (:data:`FAILED_REASONS`) than ``max_failed_share`` of them, or every one did. A run whose
+    reward function raises on every request is no training data, whatever finished."""
+    written = summary.get('written') or 0
+    reasons = summary.get('finish_reasons') or {}
+    failed = sum(int(reasons.get(r, 0)) for r in FAILED_REASONS)
+    if not written or not failed or (failed <= max_failed_share * written and failed < written):
+        return None
+    kinds = ', '.join(f'{r} {reasons[r]}' for r in FAILED_REASONS if reasons.get(r))
+    return (f'{failed} of {written} requests failed ({kinds}), more than max_failed_share {max_failed_share:g}'
+            if failed < written or max_failed_share < 1 else f'all {written} requests failed ({kinds})')

@@ -53,11 +53,16 @@ def reference_field(scheduler: Any) -> Optional[str]:
 
 def reference_of(request: Any, field_name: Optional[str] = None) -> Any:
     """The dataset's reference answer for one request: ``data_dict[field_name]``, else the first
-    of :data:`REFERENCE_KEYS` it has, else ``None``."""
+    of :data:`REFERENCE_KEYS` it has, else ``None``. A ``field_name`` that holds a mapping is what
+    a verifier reads, not the answer (reasoning-gym's ``answer.field: reasoning_gym``, the task
+    spec ``score_answer`` regenerates the task from): a :data:`REFERENCE_KEYS` key goes first then."""
     data = getattr(request, 'data_dict', None) or {}
     if not isinstance(data, dict):
         return None
-    for key in ((field_name, ) if field_name else ()) + REFERENCE_KEYS:
+    named = (field_name, ) if field_name and field_name in data else ()
+    structured = bool(named) and isinstance(data[field_name], dict)
+    keys = (REFERENCE_KEYS + named) if structured else (named + REFERENCE_KEYS)
+    for key in keys:
         if key in data:
             return data[key]
     return None

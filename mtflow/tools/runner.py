@@ -11,7 +11,8 @@ call:
 - with ``tool.timeout_s``: a timed-out async call is cancelled; a timed-out sync call is
   abandoned (a thread cannot be killed) and its late result ignored, so a sync tool that can hang
   should enforce its own limit, or be async (like ``python``, whose process is killed);
-- an unknown tool, arguments that do not fit the schema, an exception or a timeout become a
+- an unknown tool, arguments that do not fit the schema, an exception (``SystemExit`` too: a tool
+  that calls ``sys.exit(3)`` fails its call, not the run) or a timeout become a
   :class:`ToolResult` with ``ok=False`` and an ``error`` message for the model, never an exception;
   a tool that knows why it failed raises :class:`ToolError` with a kind (the ``python`` tool:
   ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``), which becomes the ``error_kind``.
@@ -188,7 +189,7 @@ class ToolRunner:
             else:
                 aw = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(tool.fn, **kwargs))
             outcome = await within(aw, tool.timeout_s or None, t)
-        except Exception as exc:  # an async-declared tool that raised as it was called
+        except (Exception, SystemExit) as exc:  # an async-declared tool that raised as it was called
             outcome = Outcome(RAISED, exc, perf_counter() - t)
         if outcome.kind == TIMED_OUT:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} timed out after {tool.timeout_s:g} s',
@@ -258,6 +259,9 @@ def _failed(tool: Tool, kwargs: Dict[str, Any], exc: BaseException, duration: fl
     if isinstance(exc, ToolError):
         return ToolResult(tool.name, kwargs, False, error=str(exc), error_kind=exc.kind, duration_s=duration,
                           usage=exc.usage)
+    if isinstance(exc, SystemExit):  # sys.exit() in a tool ends that call, not the run
+        return ToolResult(tool.name, kwargs, False, error=f'{tool.name} called sys.exit({exc.code!r})',
+                          error_kind='exception', duration_s=duration)
     kind = 'bad_arguments' if isinstance(exc, TypeError) and 'argument' in str(exc) else 'exception'
     return ToolResult(tool.name, kwargs, False, error=f'{tool.name} raised {type(exc).__name__}: {exc}',
                       error_kind=kind, duration_s=duration)

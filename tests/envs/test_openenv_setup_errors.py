@@ -11,11 +11,13 @@ naming the file, line and field, through ``mtflow validate`` and ``mtflow run`` 
   server before the model loads."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -125,13 +127,14 @@ def test_an_unreachable_url_fails_the_run_before_the_model_loads(files, capsys):
     assert time.monotonic() - started < 15
 
 
-def test_a_reachable_url_server_passes_the_check_and_the_run_plays(files, capsys, tmp_path):
+@contextlib.contextmanager
+def _url_server():
+    """``tests/envs/openenv_app.py`` served by uvicorn on a free port (started, then stopped): its port."""
     port = _free_port()
     server = subprocess.Popen([sys.executable, '-m', 'uvicorn', APP, '--host', '127.0.0.1', '--port', str(port),
                                '--log-level', 'warning'], cwd=str(ROOT), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        import urllib.request
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -140,11 +143,46 @@ def test_a_reachable_url_server_passes_the_check_and_the_run_plays(files, capsys
             except OSError:
                 assert time.monotonic() < deadline and server.poll() is None, 'the test server did not start'
                 time.sleep(0.1)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_a_reachable_url_server_passes_the_check_and_the_run_plays(files, capsys, tmp_path):
+    with _url_server() as port:
         sched = files('sched.yaml', f'name: s\nmax_turns: 3\nenv:\n  openenv: {{url: "http://127.0.0.1:{port}"}}\n')
         assert main(['validate', sched]) == 0
         assert main(['run', _run_config(files, sched, 'backend_options: {cycle: true}\n'), '--no-progress', '-q']) == 0
         trajs = [json.loads(l) for l in (tmp_path / 'out' / 'trajectories.jsonl').read_text().splitlines()]
         assert len(trajs) == 2 and all(t['finish_reason'] != 'error' for t in trajs)
-    finally:
-        server.terminate()
-        server.wait(10)
+
+
+def test_an_observation_field_typo_is_checked_against_the_servers_schema(files, capsys, tmp_path):
+    """``observation_field: promt`` used to pass ``validate`` and fail every request after its
+    first generation ('the observation has no field'); now the observation schema says so."""
+    sched = files('sched.yaml', f'name: digits\nmax_turns: 3\nenv:\n  openenv:\n    launch: {APP}\n'
+                                '    observation_field: promt\n')
+    message = ("sched.yaml:6: env.openenv.observation_field: observation_field 'promt' is not a field of the "
+               "server's observation schema; it has: prompt; did you mean 'prompt'?")
+    assert main(['validate', sched]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
+    assert main(['run', _run_config(files, sched), '--no-progress']) == 2
+    err = capsys.readouterr().err
+    assert message in err and 'Traceback' not in err
+    files('sched.yaml', open(sched).read().replace('promt', 'prompt'))
+    assert main(['validate', sched]) == 0
+
+
+def test_a_url_servers_observation_schema_is_checked_before_the_model_loads(files, capsys):
+    with _url_server() as port:
+        sched = files('sched.yaml', f'name: s\nmax_turns: 3\nenv:\n  openenv:\n    url: "http://127.0.0.1:{port}"\n'
+                                    '    image_fields: [frame]\n')
+        run = files('run.yaml', f'scheduler: {sched}\nbackend: scripted\nmodel: no_such_script.jsonl\n'
+                                'dataset: data.jsonl\nout: out\n')
+        assert main(['run', run, '--no-progress']) == 2
+        err = capsys.readouterr().err
+        assert ("sched.yaml:6: env.openenv.image_fields: image_fields 'frame' is not a field of the server's "
+                'observation schema; it has: prompt') in err, err
+        assert 'no_such_script' not in err, 'the backend was never built'

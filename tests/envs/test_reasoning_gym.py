@@ -149,6 +149,10 @@ def test_mtflow_run_with_a_reasoning_gym_dataset_prints_the_group_spread(tmp_pat
     trajs = [json.loads(l) for l in (tmp_path / 'out' / 'trajectories.jsonl').read_text().splitlines()]
     # written in the order they finish (issue 11's streaming run); `index` is the dataset position
     assert [t['uuid'] for t in sorted(trajs, key=lambda t: t['index'])] == [r.uuid for r in reqs]
+    # the README's promise: `reference` is the dataset's answer, not the task spec the verifier reads
+    by_uuid = {r.uuid: r for r in reqs}
+    for t in trajs:
+        assert t['reference'] == by_uuid[t['uuid']].data_dict['answer'] and isinstance(t['reference'], str)
 
 
 def test_run_config_dataset_errors_name_file_line_and_field(tmp_path):

@@ -22,7 +22,9 @@ What can go wrong, and what happens:
   ``{action_field: completion}``) rejects every action: a configuration error, not a move. The
   request fails with :class:`OpenEnvActionError`, naming ``action_field`` and the fields of the
   server's action schema (``GET /schema``); ``mtflow validate`` checks the same when it can read
-  the schema (:func:`action_field_problem`).
+  the schema (:func:`action_field_problem`), and ``observation_field`` / ``image_fields`` against
+  the observation schema (:func:`observation_field_problems`); ``mtflow run`` checks both on each
+  server before the first generation (:meth:`OpenEnvPool.preflight`).
 
 Every wait is bounded (``connect_timeout_s``, ``message_timeout_s``, ``capacity_wait_s``), so a
 dead server costs its own requests an error, never a hung batch. The connections run on the
@@ -48,15 +50,17 @@ import threading
 import time
 import urllib.request
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import MtflowError
 from mtflow.core.images import ImageError, Observation
+from mtflow.core.keys import closest_key
 from mtflow.declarative.envs.base import MissingExtra, StepOutcome, request_seed
 from mtflow.declarative.envs.config import OpenEnvConfig
 
 __all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError', 'OpenEnvCapacityError',
-           'OpenEnvLaunchError', 'OpenEnvActionError', 'OpenEnvServer', 'action_field_problem', 'read_schema']
+           'OpenEnvLaunchError', 'OpenEnvActionError', 'OpenEnvServer', 'action_field_problem', 'observation_field_problems',
+           'read_schema']
 
 #: how long a server that refused a connection is skipped when choosing where to open a session
 DEAD_COOLDOWN_S = 5.0
@@ -102,6 +106,32 @@ def action_field_problem(schema: Any, field: str) -> Optional[str]:
         return (f'the server\'s action schema also requires {", ".join(others)}; a text action sets only '
                 f'{field!r} (use action: json, or a server whose action has one required field)')
     return None
+
+
+#: fields of openenv's ``Observation`` base that the server sends beside the observation, not in it
+_OBSERVATION_BASE = ('done', 'reward', 'metadata')
+
+
+def observation_field_problems(schema: Any, config: OpenEnvConfig) -> List[Tuple[str, str]]:
+    """``(field, message)`` for each of ``observation_field`` and ``image_fields`` that is not a
+    field of the server's observation schema (``GET /schema``), with the fields it has and the
+    closest: a typo would otherwise fail every request after its first generation. ``[]`` when
+    all are there, or the schema does not say."""
+    observation = schema.get('observation') if isinstance(schema, dict) else None
+    props = observation.get('properties') if isinstance(observation, dict) else None
+    if not isinstance(props, dict) or not props:
+        return []
+    fields = [str(k) for k in props if k not in _OBSERVATION_BASE]
+    named = ([('observation_field', config.observation_field)] if config.observation_field is not None else []) + \
+        [('image_fields', name) for name in config.image_fields]
+    out = []
+    for key, name in named:
+        if name in fields:
+            continue
+        close = closest_key(name, fields)
+        out.append((key, f'{key} {name!r} is not a field of the server\'s observation schema; it has: '
+                         f'{", ".join(fields)}' + (f'; did you mean {close!r}?' if close else '')))
+    return out
 
 
 def read_schema(url: str, timeout_s: float = 5.0) -> Optional[Dict[str, Any]]:
@@ -236,7 +266,7 @@ class OpenEnvPool:
                 if why:
                     out.append(('action_field', why))
                     break
-        return out
+        return out + next((found for found in (observation_field_problems(s, cfg) for s in schemas) if found), [])
 
     def preflight(self) -> None:
         """Start the servers and open (and close) one session on each, so that a server that
@@ -256,6 +286,10 @@ class OpenEnvPool:
                 why = action_field_problem(schema, cfg.action_field)
                 if why:
                     raise OpenEnvActionError(f'OpenEnv server {server.url}: {why} (env.openenv.action_field)')
+            wrong = observation_field_problems(schema, cfg)
+            if wrong:
+                raise OpenEnvSessionError('; '.join(f'OpenEnv server {server.url}: {why} (env.openenv.{key})'
+                                                    for key, why in wrong))
             asyncio.run(_probe_session(server.url, cfg))
 
     # ---- servers ------------------------------------------------------------------------------
