@@ -7,13 +7,17 @@ number of times. A failure inside the collective (a peer process died, a timeout
 :class:`GatherError` naming this rank and the call number, instead of a bare c10d error: the
 rank fails fast and loudly rather than waiting forever.
 
-Both functions import torch (and accelerate) only when called.
+Both functions import torch (and accelerate) only when called. Over more than one process they
+register :func:`destroy_process_group_at_exit`: a gloo group left alive at interpreter exit aborts
+now and then (SIGABRT, ``terminate called without an active exception``), and a job that uses
+mtflow's gather must not need to know that.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
 from mtflow.core.errors import MtflowError
+from mtflow.distributed.teardown import destroy_process_group_at_exit
 
 __all__ = ['torch_gather', 'accelerate_gather', 'GatherError']
 
@@ -48,6 +52,8 @@ def torch_gather(group: Any = None) -> GatherFn:
     _require_group(dist, 'torch_gather')
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if dist.get_world_size() > 1:
+        destroy_process_group_at_exit()
     calls = 0
 
     def gather(values: List[Any]) -> List[Any]:
@@ -85,6 +91,8 @@ def accelerate_gather() -> GatherFn:
     state = PartialState(cpu=parse_flag_from_env('ACCELERATE_USE_CPU'))
     rank, world = state.process_index, state.num_processes
     _check_accelerate_world(world)
+    if world > 1:
+        destroy_process_group_at_exit()
     calls = 0
 
     def gather(values: List[Any]) -> List[Any]:
