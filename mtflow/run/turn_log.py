@@ -85,6 +85,8 @@ class TurnLog:
         #: the prompt digest the backend already computed for a request of the call just made, or
         #: ``None`` (the replay backend compares digests: each is computed once, not twice)
         self.known_digest: Optional[Callable[[Any], Optional[str]]] = None
+        #: called with each request a model call served (async runs count their turns by it)
+        self.on_turn: Optional[Callable[[Any], None]] = None
 
     def note(self, requests: List[Any], outputs: Any) -> None:
         try:
@@ -101,6 +103,8 @@ class TurnLog:
             digest = known(request) if known is not None else None
             turn['prompt'] = digest if digest is not None else prompt_digest(getattr(request, 'messages', None))
             self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
+            if self.on_turn is not None:
+                self.on_turn(request)
 
     def wrap(self, rollout_fn: Any) -> Any:
         if is_async_callable(rollout_fn):
