@@ -61,7 +61,8 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f'{self.page.relative_to(ROOT)}:{self.line}'
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f'{page}:{self.line}'
 
     @property
     def continued_names(self) -> Optional[List[str]]:
@@ -75,9 +76,9 @@ class Block:
         return (self.after.program() + '\n' if self.after is not None else '') + self.code
 
 
-def blocks() -> List[Block]:
+def blocks(pages: Optional[List[Path]] = None) -> List[Block]:
     out: List[Block] = []
-    for page in PAGES:
+    for page in PAGES if pages is None else pages:
         text = page.read_text(encoding='utf-8')
         previous: Optional[Block] = None  # the page's last Python block
         for m in _FENCE.finditer(text):

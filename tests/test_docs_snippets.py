@@ -47,6 +47,18 @@ def test_a_python_block_defines_what_it_uses_or_names_the_block_it_continues(blo
     assert not undefined, f'{block.id}: takes {undefined} from the block above ({block.after.id}), which does not define them'
 
 
+def test_a_fragment_says_what_it_takes_and_runs_after_the_block_it_continues(tmp_path):
+    page = tmp_path / 'page.md'
+    page.write_text('```python\nx = 2\n```\n\ntext\n\n```python\n# continues the block above: x\nprint(x * y)\n```\n'
+                    '\n```python\n# continues the block above: x (and nothing else)\nassert x == 2\n```\n')
+    first, second, third = blocks([page])
+    assert first.after is None and first.continued_names is None and free_names(first.code) == set()
+    assert second.after is first and second.continued_names == ['x']
+    assert free_names(second.code) == {'x', 'y'}, 'y is used and neither defined nor taken: the check finds it'
+    assert third.after is second and third.continued_names == ['x'] and free_names(third.code) == {'x'}
+    assert third.program() == 'x = 2\n\n# continues the block above: x\nprint(x * y)\n\n' + third.code
+
+
 @pytest.fixture(scope='session')
 def workdir(tmp_path_factory) -> Path:
     """One reader's checkout for every page: a later block reads what an earlier one wrote
