@@ -27,6 +27,7 @@ and the estimate is the requests left at the recent request rate.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from typing import Callable, Deque, Dict, Optional, Tuple
@@ -40,7 +41,8 @@ WINDOW_MIN_EVENTS = 4
 
 
 class Eta:
-    """The estimate (module docstring), fed by the run as it goes.
+    """The estimate (module docstring), fed by the run as it goes (from the driver's thread)
+    and read from the progress log's thread: one lock keeps the two apart.
 
     Args:
         total: requests this attempt rolls out.
@@ -70,12 +72,17 @@ class Eta:
         self.gaps: Deque[float] = deque(maxlen=64)  # seconds between two turns of one request
         self.done_times: Deque[float] = deque(maxlen=4096)  # when each request finished
         self.lower_bound = False  # the last estimate is a lower bound
+        self._lock = threading.Lock()
 
     # ---- what the run reports ------------------------------------------------------------------
     def start(self) -> None:
         self.t0 = self.clock()
 
     def batch_started(self, size: int) -> None:
+        with self._lock:
+            self._batch_started(size)
+
+    def _batch_started(self, size: int) -> None:
         self.started += size
         if self.batch_turn:
             self.before = dict(self.longest)
@@ -84,6 +91,10 @@ class Eta:
 
     def call_started(self) -> None:
         """A lockstep model call over the batch's live requests begins (their steps are done)."""
+        with self._lock:
+            self._call_started()
+
+    def _call_started(self) -> None:
         now = self.clock()
         if self.call_ended is not None:
             self._measured('steps', now - self.call_ended)
@@ -91,6 +102,10 @@ class Eta:
 
     def call_done(self) -> None:
         """That call returned."""
+        with self._lock:
+            self._call_done()
+
+    def _call_done(self) -> None:
         now = self.clock()
         if self.call_began is not None:
             self._measured('call', now - self.call_began)
@@ -103,22 +118,33 @@ class Eta:
 
     def turn_done(self, uuid: str) -> None:
         """One request's turn finished (async: its model call returned)."""
-        now = self.clock()
-        self.turn_times.append(now)
-        turns, last = self.request_turns.get(uuid, (0, None))
-        if last is not None:
-            self.gaps.append(now - last)
-        self.request_turns[uuid] = (turns + 1, now)
+        with self._lock:
+            now = self.clock()
+            self.turn_times.append(now)
+            turns, last = self.request_turns.get(uuid, (0, None))
+            if last is not None:
+                self.gaps.append(now - last)
+            self.request_turns[uuid] = (turns + 1, now)
 
     def request_done(self, uuid: Optional[str] = None) -> None:
-        self.done_times.append(self.clock())
-        if uuid is not None:
-            self.request_turns.pop(uuid, None)
+        with self._lock:
+            self.done_times.append(self.clock())
+            if uuid is not None:
+                self.request_turns.pop(uuid, None)
 
     # ---- the estimate --------------------------------------------------------------------------
     def seconds_left(self, turns_left: Optional[int], finished: int) -> Optional[float]:
         """Seconds until the run ends, ``None`` when nothing tells yet; ``turns_left``: the
         bound's turns not played (``None`` without a bound); ``finished``: requests done."""
+        return self.estimate(turns_left, finished)[0]
+
+    def estimate(self, turns_left: Optional[int], finished: int) -> Tuple[Optional[float], bool]:
+        """:meth:`seconds_left` and whether it is only a lower bound, read together."""
+        with self._lock:
+            seconds = self._seconds_left(turns_left, finished)
+            return seconds, self.lower_bound and seconds is not None and seconds > 0
+
+    def _seconds_left(self, turns_left: Optional[int], finished: int) -> Optional[float]:
         self.lower_bound = False
         if finished >= self.total and self.total:
             return 0.0

@@ -156,17 +156,19 @@ class RunProgress:
         tokens = self.tokens_fn() if self.tokens_fn is not None else None
         if tokens is None:
             tokens = self.finished_tokens
+        eta: Optional[float] = 0.0
+        at_least = False
         if self.finished >= self.total and self.total:
-            eta: Optional[float] = 0.0
+            pass
         elif not self._counted_turns and self.finished:  # only deliveries are known (a Ray fan-out)
             eta = (self.total - self.finished) * elapsed / self.finished if elapsed > 0 else None
         else:
-            eta = self.eta.seconds_left(max(bound - turns, 0) if bound is not None else None,
-                                        self.finished + self.interrupted)
+            eta, at_least = self.eta.estimate(max(bound - turns, 0) if bound is not None else None,
+                                              self.finished + self.interrupted)
         return {'finished': self.finished, 'total': self.total, 'turns': turns, 'turn_bound': bound,
                 'tokens': tokens, 'tokens_per_s': round(tokens / elapsed, 1) if elapsed > 0 else None,
                 'elapsed_s': round(elapsed, 3), 'eta_s': round(eta, 3) if eta is not None else None,
-                'eta_is_lower_bound': self.eta.lower_bound and eta is not None and eta > 0}
+                'eta_is_lower_bound': at_least}
 
     def text(self) -> str:
         """``12/16 requests, turns 70/96, 35.2 tokens/s, elapsed 0:20, ETA 0:05``."""
