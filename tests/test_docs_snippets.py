@@ -68,7 +68,7 @@ def workdir(tmp_path_factory) -> Path:
     for name in LINKED:
         if (ROOT / name).exists():
             (d / name).symlink_to(ROOT / name)
-    (d / '.venv').symlink_to(ROOT / '.venv' if (ROOT / '.venv').exists() else Path(sys.prefix))
+    (d / '.venv').symlink_to(Path(sys.prefix))  # CI: the checkout's .venv; a worktree: the one testing it
     return d
 
 
