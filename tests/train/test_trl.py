@@ -20,7 +20,19 @@ trl = pytest.importorskip('trl')
 datasets = pytest.importorskip('datasets')
 
 
-def test_grpo_trainer_steps_on_mtflow_rollouts_see_mtflows_exact_ids_masks_and_advantages(tmp_path, monkeypatch):
+@pytest.fixture
+def transformers_own_callbacks(monkeypatch):
+    """TRL as in a process that never imported ms-swift: ms-swift's import (other tests of this
+    session) replaces transformers' default callbacks for the whole process
+    (``swift/trainers/patcher.py``), and its flow callback reads ``args.max_epochs``, which a
+    ``GRPOConfig`` does not have (docs/training.md says so to users)."""
+    from transformers import trainer, trainer_callback
+    monkeypatch.setattr(trainer, 'DEFAULT_CALLBACKS', [trainer_callback.DefaultFlowCallback])
+    monkeypatch.setattr(trainer, 'PrinterCallback', trainer_callback.PrinterCallback)
+
+
+def test_grpo_trainer_steps_on_mtflow_rollouts_see_mtflows_exact_ids_masks_and_advantages(
+        tmp_path, monkeypatch, transformers_own_callbacks):
     monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')
     from mtflow.backends.hf import HFBackend
     from tests.tiny_model import make_model, make_tokenizer
