@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import deque
 from time import perf_counter
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
@@ -53,7 +53,7 @@ from mtflow.engine.in_flight import InFlight
 from mtflow.engine.in_flight import Stopped as _Stopped
 from mtflow.engine.handlers import STATE_HANDLERS, advance, check_uuids, prepare_steps
 from mtflow.engine.context import route
-from mtflow.engine.model_call import deliver, model_failure_moves
+from mtflow.engine.model_call import deliver, model_calls, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.options import MODES
 from mtflow.engine.partial import Budget, UnfinishedRequest, Until
@@ -235,19 +235,15 @@ class AsyncDriver(Driver):
         self.flight.launch('generate', rec, turn, self._rollout(rec, turn))
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
-        settings = self.run.settings
-        config = settings.request_config
-        if self.run.context is not None:  # a context budget: this request's max_tokens
-            config = self.run.context.config_for(rec, config)
-        config = self.call_config(rec, config)
-        self.run.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
-        return await self.flight.rollout(settings.rollout_fn, rec.request, config, self.run.options.rollout_timeout_s,
-                                         threads=self.max_concurrency)
+        # the call is made (and counted) when its task runs: a generation the budget cancels
+        # before it ran made no call
+        [(_, config)] = model_calls(self.run, [rec], self.call_config)
+        return await self.flight.rollout(self.run.settings.rollout_fn, rec.request, config,
+                                         self.run.options.rollout_timeout_s, threads=self.max_concurrency)
 
-    def call_config(self, rec: RequestRecord, config: Any) -> Any:
-        """The request config of ``rec``'s call (a stream resuming a cut generation lowers its
-        ``max_tokens``)."""
-        return config
+    #: a driver's change to a record's request config (``None``: none; a stream resuming a cut
+    #: generation lowers its ``max_tokens``)
+    call_config: Optional[Callable[[RequestRecord, Any], Any]] = None
 
     def has_news(self) -> bool:
         """Something to handle without waiting: a completion (a subclass adds its own events)."""

@@ -167,6 +167,8 @@ class StreamDriver(AsyncDriver):
                       'backpressure_waits': 0, 'max_active': 0}
         self.staleness = Staleness(max_staleness, stale, on_update, clock.current(run.settings.rollout_fn))
         self.resumption = Resumption()
+        if on_update == 'resume':
+            self.call_config = self.resumption.call_config  # a cut generation's max_tokens: what is left
         #: groups the consumer found too stale when it took them, to run again (its thread appends)
         self.returned: Deque[StreamGroup] = deque()
         #: guards ``returned`` against the driver's end: a group the consumer sends back after
@@ -360,9 +362,6 @@ class StreamDriver(AsyncDriver):
             return
         with self.resumption.prefixed(rec):
             super().generate(rec, turn)
-
-    def call_config(self, rec: RequestRecord, config: Any) -> Any:
-        return self.resumption.call_config(rec, config)
 
     def on_completion(self, kind: str, rec: Any, turn: int, outcome: Any) -> None:
         if kind == 'generate':
