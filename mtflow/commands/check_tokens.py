@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mtflow.backends import BackendError, make_backend
+from mtflow.backends.base import reports_of
 from mtflow.backends.conformance import BUNDLED, SCENARIOS, check_tokens, format_report, resolve_template
 from mtflow.commands.run import parse_options
 from mtflow.core.errors import UserError
@@ -202,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
                 failed += not _check_template(console, backend, name, text, args, checks)
     finally:
         for backend in backends.values():
-            getattr(backend, 'close', lambda: None)()
+            reports_of(backend).close()
     total = len(templates) * len(policies)
     console.print(f'{total - failed} of {total} template/policy runs passed every check')
     return 1 if failed else 0

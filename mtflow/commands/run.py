@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends import BackendError, check_backend_name, split_options
+from mtflow.backends.base import reports_of
 from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
@@ -289,7 +290,7 @@ class _Attempt:
     def _roll_out_with(self, make_scheduler: SchedulerFactory, otel: Any) -> None:
         self._load_backend()
         seed_everything(self.cfg.seed)
-        self.scheduler = make_scheduler(getattr(self.backend, 'tokenizer', None))
+        self.scheduler = make_scheduler(reports_of(self.backend).tokenizer)
         preflight = getattr(getattr(self.scheduler, 'env_factory', None), 'preflight', None)
         if callable(preflight):  # launched OpenEnv servers: up, and one session each, before turn 1
             try:
@@ -325,9 +326,8 @@ class _Attempt:
             if callable(close_scheduler):  # e.g. stops the OpenEnv servers a scheduler launched
                 close_scheduler()
         finally:
-            close_backend = getattr(self.backend, 'close', None)
-            if callable(close_backend):
-                close_backend()
+            if self.backend is not None:
+                reports_of(self.backend).close()
 
     def close_store(self, status: str) -> Optional[Dict[str, Any]]:
         """Record the attempt in the run directory; the summary's figures (``None`` when no

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mtflow.accounting.token_record import record_accounting
+from mtflow.backends.base import Backend, reports_of
 from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
@@ -222,9 +223,8 @@ class _ExecutorFactory:
         """The backend's async ``rollout_fn`` (``async_rollout_fn()``: its own concurrent path, or
         a dynamic batcher over its batch calls), else the backend itself; one with a ``close``
         (a batcher's threads) is closed when the run ends (:meth:`close`)."""
-        make = getattr(self.backend, 'async_rollout_fn', None)
-        fn = make() if callable(make) else self.backend
-        close = getattr(fn, 'close', None) if fn is not self.backend else None
+        fn = self.backend.async_rollout_fn() if isinstance(self.backend, Backend) else self.backend
+        close = getattr(fn, 'close', None) if fn is not self.backend else None  # a batcher's threads
         if callable(close):
             self.closing.append(close)
         return fn
@@ -262,8 +262,8 @@ class _ExecutorFactory:
 def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
     """Tokens this attempt's backend generated so far (its ``stats``), or ``None`` (then the
     progress counts the finished requests' tokens)."""
-    stats = getattr(backend, 'stats', None)
-    if stats is None or not isinstance(getattr(stats, 'completion_tokens', None), int):
+    stats = reports_of(backend).stats
+    if stats is None or not isinstance(stats.completion_tokens, int):
         return None
     start = stats.completion_tokens
     return lambda: stats.completion_tokens - start
@@ -279,8 +279,9 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change. A backend
     with ``forget(uuid)`` (the replay backend) is told when each request is finished."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend, image_store=store.images.put_ref)
-    make_executor.turn_log.on_finish = getattr(backend, 'forget', None)
-    make_executor.turn_log.known_digest = getattr(backend, 'known_digest', None)
+    reports = reports_of(backend)
+    make_executor.turn_log.on_finish = reports.forget
+    make_executor.turn_log.known_digest = reports.known_digest
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 
+from mtflow.backends.base import reports_of
 from mtflow.run.config import RunConfig
 from mtflow.run.engine_figures import engine_rows, engine_settings, prefix_cache_figures
 from mtflow.run.reward_spread import spread_rows
@@ -26,16 +27,17 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
     """The figures of ``summary.json``: the requests on disk (every attempt, from the store's
     tally) and this attempt's timings."""
     tally = store.tally
-    stats = getattr(backend, 'stats', None)
+    reports = reports_of(backend)
+    stats = reports.stats
     gen_s = stats.generate_s if stats is not None else None
     attempt_tokens = stats.completion_tokens if stats is not None else None
     wall_s = figures.get('wall_s') or 0.0
     tool_calls, tool_errors = tally.tool_calls()
-    load_info = getattr(backend, 'load_info', {}) or {}
+    load_info = reports.load_info or {}
     done = len(store.done)
     return {
         'config': cfg.source,
-        'backend': backend.describe() if hasattr(backend, 'describe') else cfg.backend,
+        'backend': reports.describe() or cfg.backend,
         'scheduler': cfg.scheduler,
         'requests': total,
         'written': done,
