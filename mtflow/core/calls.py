@@ -74,15 +74,25 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
             value = await _result_of(call)
             kind = RAISED if isinstance(value, _Raised) else OK
             return Outcome(kind, value.error if kind == RAISED else value, perf_counter() - t0)
-        task = asyncio.ensure_future(_result_of(call))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(_result_of(call))
+        # wake at the call's end or at the deadline, whichever comes first (asyncio.wait's work,
+        # without its bookkeeping for many awaitables: this is every step's and tool call's path)
+        woken = loop.create_future()
+        wake = functools.partial(_wake, woken)
+        task.add_done_callback(wake)
+        deadline = loop.call_later(timeout, wake)
         try:
-            await asyncio.wait((task, ), timeout=timeout)
+            await woken
         except asyncio.CancelledError:
             await _unwind(task)
             answer = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
             if isinstance(answer, _Raised):
                 raise answer.error from None  # what the call answered the cancellation with
             raise
+        finally:
+            deadline.cancel()
+            task.remove_done_callback(wake)
         if not task.done():
             await _unwind(task)
             return Outcome(TIMED_OUT, timeout, perf_counter() - t0)
@@ -98,6 +108,11 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
     finally:
         if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
             call.close()
+
+
+def _wake(woken: 'asyncio.Future[None]', _task: Any = None) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 class _Raised:
