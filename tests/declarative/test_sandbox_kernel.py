@@ -308,12 +308,12 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
     monkeypatch.setattr(cgroup, '_own_paths', lambda: {'': '/delegated'})
     monkeypatch.setattr(cgroup, '_mounts', lambda: {'': (str(tmp_path), '/')})
     sup = cgroup._probe()
-    assert (sup.version, sup.parents) == (2, {'': str(parent)}), sup.detail
-    assert (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
-    group = cgroup.CallCgroup.create(sup, 96, 11)
+    assert (sup.version, sup.parents, sup.cpu) == (2, {'': str(parent)}, True), sup.detail
+    assert (parent / 'cgroup.subtree_control').read_text() == '+memory +pids +cpu'
+    group = cgroup.CallCgroup.create(sup, 96, 11, cpu_cores=0.25)
     d = group.dirs['']
-    assert [open(os.path.join(d, n)).read() for n in ('memory.max', 'memory.swap.max', 'pids.max')] == \
-        [str(96 << 20), '0', '11']
+    assert [open(os.path.join(d, n)).read() for n in ('memory.max', 'memory.swap.max', 'pids.max', 'cpu.max')] == \
+        [str(96 << 20), '0', '11', '25000 100000']
     assert group.procs_files() == [os.path.join(d, 'cgroup.procs')]
     with open(os.path.join(d, 'memory.peak'), 'w') as f:
         f.write(str(50 << 20))
@@ -326,11 +326,17 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
         os.unlink(os.path.join(d, name))
     group.remove()
     assert not os.path.exists(d)
+    # no cpu controller: groups without a CPU bound, said at load time
+    (parent / 'cgroup.controllers').write_text('io memory pids\n')
+    (parent / 'cgroup.subtree_control').write_text('')
+    sup = cgroup._probe()
+    assert (sup.version, sup.cpu) == (2, False) and (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
+    assert 'no CPU bound (the cpu controller is not available here)' in sup.describe()
     # a v2 group whose controllers cannot be given to children: said at load time, v1 not tried
     (parent / 'cgroup.controllers').write_text('cpu io\n')
     sup = cgroup._probe()
     assert sup.version == 0 and "controllers ['memory', 'pids'] not available" in sup.detail
-    assert sup.describe().startswith('no cgroup per call (') and sup.describe().endswith('rlimits only')
+    assert sup.describe().startswith('no cgroup per call (') and sup.describe().endswith('rlimits only, no CPU bound (cpu_cores)')
 
 
 #: what the program sees of the kernel's key lists (masked: both empty)

@@ -16,7 +16,7 @@ from mtflow.tools.isolation import (SHM_MB, UID_BUSY_STATUS, SandboxCommand, Uid
                                     current_interpreter, mount_tmp_code, namespace_init, rootless, uid_check_code,
                                     wait_uid_gone)
 from mtflow.tools import seccomp
-from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
+from mtflow.tools.cgroup import DEFAULT_CPU_CORES, CallCgroup, join_argv, make_call_cgroup
 from mtflow.tools.sandbox.result import MEMORY_STATUS
 
 __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
@@ -79,6 +79,7 @@ class SandboxSpec:
     tmp_mb: int = 64
     site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
     shm_mb: int = SHM_MB  # its own /dev/shm (tmpfs)
+    cpu_cores: Optional[float] = DEFAULT_CPU_CORES  # CPU bandwidth of the whole call (cgroup; None: no quota)
 
     def launcher(self, code_fd: int, filter_fd: Optional[int] = None, mount_tmp: bool = False,
                  bounded: bool = True, uid_fd: Optional[int] = None) -> str:
@@ -135,7 +136,7 @@ class Sandbox:
         try:
             if spec.kind != 'none':
                 self.lease = None if rootless() else UidLease()
-                self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes)
+                self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes, spec.cpu_cores)
                 # no cgroup counts memory outside processes: the filter denies the ways to hold it
                 filter_fd = high_fd(seccomp.filter_fd(bounded=self.cgroup is not None))
                 if self.lease is not None:

@@ -10,6 +10,7 @@ import time
 from typing import Any, List, Optional, Sequence, Tuple
 
 from mtflow.tools import seccomp
+from mtflow.tools.cgroup import DEFAULT_CPU_CORES
 from mtflow.tools.isolation import SHM_MB, IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import Sandbox, SandboxSpec, high_fd
@@ -28,6 +29,7 @@ async def run_python(code: str,
                      max_processes: int = 64,
                      tmp_mb: int = 64,
                      shm_mb: int = SHM_MB,
+                     cpu_cores: Optional[float] = DEFAULT_CPU_CORES,
                      isolation: str = 'auto',
                      site_packages: Sequence[str] = (),
                      pool: Optional['SandboxPool'] = None) -> SandboxResult:
@@ -41,7 +43,7 @@ async def run_python(code: str,
         raise IsolationUnavailable(iso.detail)
     cpu = int(cpu_s if cpu_s is not None else max(1, int(timeout_s) + 1))
     spec = SandboxSpec(iso.kind, memory_mb, cpu, max_file_mb, max_processes, tmp_mb,
-                       check_site_packages(site_packages), shm_mb)
+                       check_site_packages(site_packages), shm_mb, cpu_cores)
     data = code.encode('utf-8', 'surrogatepass')
     for attempt in range(UID_ATTEMPTS):
         sandbox = pool.take() if pool is not None and pool.spec == spec and not attempt else None
