@@ -199,16 +199,32 @@ def _try_make(sup: CgroupSupport) -> Optional[str]:
     return None
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; ``0`` where unknown)."""
+    try:
+        return str(os.stat('/proc/self/ns/pid').st_ino)
+    except OSError:
+        return '0'
+
+
+_PID_NS = _pid_namespace()
+_NAME = re.compile(re.escape(_PREFIX) + r'(\d+)-\d+-[0-9a-f]+(?:-ns(\d+))?$')
+
+
 def _remove_stale(parents: Dict[str, str]) -> None:
-    """Remove empty groups left by a driver that died (``mtflow-sbx-<pid>-...`` of a dead pid)."""
+    """Remove empty groups left by a driver that died (``mtflow-sbx-<pid>-...`` of a pid that is
+    gone). A group's name carries its driver's PID namespace: a driver in another container on
+    this kernel (its pids not in our ``/proc``) may share a parent group with this one, and its
+    live calls' groups, empty for a moment between ``mkdir`` and the call joining them, are not
+    ours to remove. (A name without one is of a driver before that: removed as before.)"""
     for parent in set(parents.values()):
         try:
             names = os.listdir(parent)
         except OSError:
             continue
         for name in names:
-            m = re.match(re.escape(_PREFIX) + r'(\d+)-', name)
-            if m and not os.path.exists(f'/proc/{m.group(1)}'):
+            m = _NAME.match(name)
+            if m and m.group(2) in (None, _PID_NS) and not os.path.exists(f'/proc/{m.group(1)}'):
                 try:
                     os.rmdir(os.path.join(parent, name))
                 except OSError:
@@ -234,7 +250,7 @@ class CallCgroup:
         """The groups of one call: ``memory_mb`` for all of it (no swap), ``max_tasks`` tasks, and,
         where ``sup`` has ``cpu``, one CPU weight for the call and ``cpu_cores`` of CPU bandwidth
         (``None``: no quota)."""
-        name = f'{_PREFIX}{os.getpid()}-{next(_counter)}-{os.urandom(3).hex()}'
+        name = f'{_PREFIX}{os.getpid()}-{next(_counter)}-{os.urandom(3).hex()}-ns{_PID_NS}'
         dirs: Dict[str, str] = {}
         group = cls(sup.version, dirs)
         limit = memory_mb * 1024 * 1024

@@ -339,6 +339,27 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
     assert sup.describe().startswith('no cgroup per call (') and sup.describe().endswith('rlimits only, no CPU bound (cpu_cores)')
 
 
+def test_stale_groups_of_another_pid_namespace_are_not_removed(tmp_path):
+    """A parent group shared with a driver in another container (another PID namespace, whose pids
+    this /proc does not show): its calls' groups are never taken for a dead driver's."""
+    ours, other = cgroup._PID_NS, str(int(cgroup._PID_NS) + 1)
+    dead = 4_000_000_000  # above any pid_max
+    names = {f'mtflow-sbx-{dead}-1-abcdef-ns{other}': True, f'mtflow-sbx-{dead}-2-abcdef-ns{ours}': False,
+             f'mtflow-sbx-{dead}-3-abcdef': False, f'mtflow-sbx-{os.getpid()}-4-abcdef-ns{ours}': True}
+    for name in names:
+        (tmp_path / name).mkdir()
+    cgroup._remove_stale({'memory': str(tmp_path)})
+    assert {n: (tmp_path / n).exists() for n in names} == names
+    (tmp_path / 'm').mkdir()
+    group = cgroup.CallCgroup.create(cgroup.CgroupSupport(1, {'memory': str(tmp_path / 'm'), 'pids': str(tmp_path)}),
+                                     64, 8)
+    assert os.path.basename(group.dirs['pids']).endswith(f'-ns{ours}')
+    for d in group.dirs.values():
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+    group.remove()
+
+
 #: what the program sees of the kernel's key lists (masked: both empty)
 _PROC_KEYS = 'for p in ("/proc/keys", "/proc/key-users"):\n    print(p, len(open(p).read()))'
 
