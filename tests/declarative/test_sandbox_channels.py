@@ -249,6 +249,101 @@ def test_rootless_channels_are_refused_and_ordinary_programs_run():
     assert lines[first + 1:] == ORDINARY_EXPECTED, proc.stdout
 
 
+#: the sending side of the page-cache and lock channels, on a shared read-only file the host has
+#: cached: evict its pages (fadvise, madvise on its own mapping, the only one), lock it (flock,
+#: an fcntl read lock), then wait a second, so that a lock it got is seen on the host
+EVICT_AND_LOCK = textwrap.dedent('''
+    import fcntl, mmap, os, struct, time
+    fd = os.open({path!r}, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    out = []
+    for name, fn in (("fadvise", lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)),
+                     ("madvise_pageout", lambda: m.madvise(21)), ("madvise_cold", lambda: m.madvise(20)),
+                     ("flock", lambda: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)),
+                     ("setlk", lambda: fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0)))):
+        try:
+            fn()
+            out.append(name + " ok")
+        except OSError as e:
+            out.append(name + " e%d" % e.errno)
+    m.close()
+    time.sleep(1)
+    print(*out)
+''')
+
+
+def _cached_pages(path: str) -> int:
+    """How many of ``path``'s pages are in the page cache (``cachestat``, read from the host)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    rng, stat = (ctypes.c_uint64 * 2)(0, 0), (ctypes.c_uint64 * 5)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(_nr('cachestat'), fd, rng, stat, 0) != 0:
+            pytest.skip(f'cachestat: errno {ctypes.get_errno()}')
+    finally:
+        os.close(fd)
+    return stat[0]
+
+
+def _memory_stalls() -> int:
+    """The host's total memory stall time so far (PSI ``some``, µs): reclaim could evict pages."""
+    try:
+        with open('/proc/pressure/memory', encoding='ascii') as f:
+            return int(f.readline().split('total=')[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+class HostLocks:
+    """Samples ``/proc/locks`` while a call runs: the locks seen on one inode."""
+
+    def __init__(self, inode: int) -> None:
+        import threading
+        self.inode, self.seen = str(inode), []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            with open('/proc/locks', encoding='ascii') as f:
+                self.seen += [line.strip() for line in f if line.split()[5:6] and
+                              line.split()[5].split(':')[-1] == self.inode]
+
+    def __enter__(self) -> 'HostLocks':
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@kinds
+def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
+    """Items 2 and 3 of issue 39, seen from the host: a call that tries to evict a shared file's
+    pages and to lock it leaves every page cached (``cachestat`` of the host) and no lock on it in
+    the host's ``/proc/locks``."""
+    import pydoc_data.topics  # a large standard-library file no sandbox start reads
+    path = pydoc_data.topics.__file__
+    with open(path, 'rb') as f:
+        f.read()
+    pages = -(-os.path.getsize(path) // os.sysconf('SC_PAGE_SIZE'))
+    stalls = _memory_stalls()
+    assert _cached_pages(path) == pages
+    with HostLocks(os.stat(path).st_ino) as locks:
+        r = run(EVICT_AND_LOCK.format(path=path), kind)
+    assert r.output.split() == ['fadvise', f'e{errno.EPERM}', 'madvise_pageout', f'e{errno.EPERM}', 'madvise_cold',
+                                f'e{errno.EPERM}', 'flock', f'e{errno.EPERM}', 'setlk', f'e{errno.EPERM}'], r.output
+    assert locks.seen == []
+    cached = _cached_pages(path)
+    if cached != pages and _memory_stalls() != stalls:
+        pytest.skip(f'the host reclaimed memory meanwhile ({cached} of {pages} pages cached)')
+    assert cached == pages
+    assert_nothing_survives(r)
+
+
 def test_every_argument_rule_resolves_on_this_architecture_and_says_why():
     import pyseccomp
     arch = pyseccomp.system_arch()
