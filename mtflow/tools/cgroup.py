@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
-__all__ = ['CgroupSupport', 'CallCgroup', 'support', 'make_call_cgroup', 'join_argv', 'EXTRA_TASKS', 'DEFAULT_CPU_CORES']
+__all__ = ['CgroupSupport', 'CallCgroup', 'support', 'make_call_cgroup', 'join_argv', 'EXTRA_TASKS',
+           'DEFAULT_CPU_CORES']
 
 #: tasks of a call besides the program's ``max_processes``: the outer bwrap/unshare, the
 #: namespace's PID 1 and (unshare) the chroot helper

@@ -260,7 +260,8 @@ EVICT_AND_LOCK = textwrap.dedent('''
     for name, fn in (("fadvise", lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)),
                      ("madvise_pageout", lambda: m.madvise(21)), ("madvise_cold", lambda: m.madvise(20)),
                      ("flock", lambda: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)),
-                     ("setlk", lambda: fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0)))):
+                     ("setlk", lambda: fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0))),
+                     ):
         try:
             fn()
             out.append(name + " ok")

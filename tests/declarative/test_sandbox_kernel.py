@@ -336,7 +336,8 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
     (parent / 'cgroup.controllers').write_text('cpu io\n')
     sup = cgroup._probe()
     assert sup.version == 0 and "controllers ['memory', 'pids'] not available" in sup.detail
-    assert sup.describe().startswith('no cgroup per call (') and sup.describe().endswith('rlimits only, no CPU bound (cpu_cores)')
+    assert sup.describe().startswith('no cgroup per call (')
+    assert sup.describe().endswith('rlimits only, no CPU bound (cpu_cores)')
 
 
 def test_stale_groups_of_another_pid_namespace_are_not_removed(tmp_path):

@@ -97,7 +97,8 @@ class SandboxSpec:
             install += f'del {seccomp.FFI_NAMES}\n'
         no_epoll = '' if bounded else 'import select as _sel\ndel _sel.epoll, _sel\n'
         uid_check = '' if uid_fd is None else uid_check_code(uid_fd)
-        return _LAUNCHER.format(uid_check=uid_check, ffi=ffi, mount_tmp=mount, install_filter=install, no_epoll=no_epoll,
+        return _LAUNCHER.format(uid_check=uid_check, ffi=ffi, mount_tmp=mount, install_filter=install,
+                                no_epoll=no_epoll,
                                 site=repr(list(self.site_packages)),
                                 code_fd=code_fd,
                                 memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
