@@ -14,7 +14,7 @@ import pytest
 
 from mtflow.tools import seccomp
 
-from .sandbox_util import KINDS, HostMemory, as_uid, assert_nothing_survives, run, unprivileged_uid
+from .sandbox_util import KINDS, HostMemory, HostSampler, as_uid, assert_nothing_survives, run, unprivileged_uid
 
 kinds = pytest.mark.parametrize('kind', KINDS)
 
@@ -297,28 +297,16 @@ def _memory_stalls() -> int:
         return -1
 
 
-class HostLocks:
+class HostLocks(HostSampler):
     """Samples ``/proc/locks`` while a call runs: the locks seen on one inode."""
 
     def __init__(self, inode: int) -> None:
-        import threading
         self.inode, self.seen = str(inode), []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            with open('/proc/locks', encoding='ascii') as f:
-                self.seen += [line.strip() for line in f if line.split()[5:6] and
-                              line.split()[5].split(':')[-1] == self.inode]
-
-    def __enter__(self) -> 'HostLocks':
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        with open('/proc/locks', encoding='ascii') as f:
+            self.seen += [line.strip() for line in f
+                          if line.split()[5:6] and line.split()[5].split(':')[-1] == self.inode]
 
 
 @kinds

@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import textwrap
-import threading
 
 import pytest
 
@@ -19,7 +18,7 @@ from mtflow.declarative import load_scheduler
 from mtflow.tools import cgroup
 from mtflow.tools.sandbox import check_python_options
 
-from .sandbox_util import KINDS, as_uid, require, unprivileged_uid
+from .sandbox_util import KINDS, HostSampler, as_uid, require, unprivileged_uid
 
 #: four processes, each in a session of its own (each would have had an autogroup of its own),
 #: spinning for 3 s of wall time, then the CPU time each got
@@ -43,42 +42,33 @@ SPINNERS = textwrap.dedent('''
 CORES = 0.1
 
 
-class CallGroups:
+class CallGroups(HostSampler):
     """Samples, from the host, the CPU groups this process makes for its calls: the quota each
     was given and the most tasks each held at once."""
 
+    every_s = 0.02
+
     def __init__(self) -> None:
         sup = cgroup.support()
-        self.parent = sup.parents.get('cpu' if sup.version == 1 else '')
+        self.v1 = sup.version == 1
+        self.parent = sup.parents.get('cpu' if self.v1 else '')
         self.prefix = f'mtflow-sbx-{os.getpid()}-'
         self.quota: dict = {}
         self.tasks: dict = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _read(self, group: str, name: str) -> str:
         with open(os.path.join(self.parent, group, name), encoding='ascii') as f:
             return f.read()
 
-    def _sample(self) -> None:
-        v1 = cgroup.support().version == 1
-        while not self._stop.wait(0.02):
-            for group in [n for n in os.listdir(self.parent) if n.startswith(self.prefix)]:
-                try:
-                    quota = self._read(group, 'cpu.cfs_quota_us' if v1 else 'cpu.max').split()[0]
-                    tasks = len(self._read(group, 'cgroup.procs').split())
-                except OSError:  # removed after its call
-                    continue
-                self.quota[group] = quota
-                self.tasks[group] = max(self.tasks.get(group, 0), tasks)
-
-    def __enter__(self) -> 'CallGroups':
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        for group in [n for n in os.listdir(self.parent) if n.startswith(self.prefix)]:
+            try:
+                quota = self._read(group, 'cpu.cfs_quota_us' if self.v1 else 'cpu.max').split()[0]
+                tasks = len(self._read(group, 'cgroup.procs').split())
+            except OSError:  # removed after its call
+                continue
+            self.quota[group] = quota
+            self.tasks[group] = max(self.tasks.get(group, 0), tasks)
 
 
 @pytest.mark.parametrize('kind', KINDS)
