@@ -158,11 +158,13 @@ def _try_v2(parent: str) -> Union[CgroupSupport, str]:
             try:
                 _write(parent, 'cgroup.subtree_control', ' '.join('+' + c for c in wanted))
             except OSError as exc:
-                if 'cpu' not in wanted or wanted == ['cpu']:
+                if 'cpu' not in wanted:
                     raise
-                # (the cpu controller cannot be enabled where a real-time task runs): the others alone
+                # (cpu not delegated, or a real-time task in the way): the others alone
                 cpu_detail = f'cannot enable cpu for child groups ({exc.strerror})'
-                _write(parent, 'cgroup.subtree_control', ' '.join('+' + c for c in wanted if c != 'cpu'))
+                rest = [c for c in wanted if c != 'cpu']
+                if rest:
+                    _write(parent, 'cgroup.subtree_control', ' '.join('+' + c for c in rest))
     except OSError as exc:
         return (f'cannot enable memory and pids for child groups ({exc.strerror}); run the driver in a '
                 'delegated subtree (systemd-run -p Delegate=yes) or as root in its own cgroup')

@@ -332,6 +332,22 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
     sup = cgroup._probe()
     assert (sup.version, sup.cpu) == (2, False) and (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
     assert 'no CPU bound (the cpu controller is not available here)' in sup.describe()
+    # cpu listed but not to be enabled for children (not delegated): the others, without a CPU bound
+    (parent / 'cgroup.controllers').write_text('cpu io memory pids\n')
+    for enabled in ('', '+memory +pids'):
+        (parent / 'cgroup.subtree_control').write_text(enabled)
+        real_write = cgroup._write
+
+        def refuse_cpu(d, name, value, optional=False):
+            if name == 'cgroup.subtree_control' and 'cpu' in str(value):
+                raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+            real_write(d, name, value, optional)
+        monkeypatch.setattr(cgroup, '_write', refuse_cpu)
+        sup = cgroup._probe()
+        monkeypatch.setattr(cgroup, '_write', real_write)
+        assert (sup.version, sup.cpu) == (2, False), sup
+        assert 'no CPU bound (cannot enable cpu for child groups' in sup.describe()
+        assert (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
     # a v2 group whose controllers cannot be given to children: said at load time, v1 not tried
     (parent / 'cgroup.controllers').write_text('cpu io\n')
     sup = cgroup._probe()
