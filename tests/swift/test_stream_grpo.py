@@ -58,7 +58,9 @@ def stream_run(tmp: Path, mode: str, data: Path, steps: int) -> Dict[str, Any]:
            '--output_dir', str(out / 'run')]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / 'report.json').read_text())
+    report = json.loads((out / 'report.json').read_text())
+    report['logs'] = [json.loads(line) for p in (out / 'run').glob('v*/logging.jsonl') for line in p.open()]
+    return report
 
 
 def prompts_file(path: Path, n: int) -> Path:
@@ -101,6 +103,10 @@ def test_stream_trainer_loss_sees_the_records_exact_ids_masks_logprobs_and_mtflo
             assert group['age'] == version - oldest <= 1  # the stream's max_staleness=1
     assert report['counts']['withheld_tokens'] == withheld
     assert report['stats']['delivered_groups'] >= 6
+    logged = [entry for entry in report['logs'] if 'mtflow/age' in entry]  # the stream's figures, per step
+    assert len(logged) == 3 and sum(float(e['mtflow/withheld_tokens']) for e in logged) == withheld
+    assert [float(e['mtflow/age']) for e in logged] == [sum(g['age'] for g in b['groups']) / 2
+                                                         for b in report['batches']]
 
 
 @pytest.mark.slow
