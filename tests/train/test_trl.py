@@ -13,7 +13,7 @@ from mtflow import Executor, RequestConfig
 from mtflow.train import grpo
 from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
 
-from tests.train.helpers import ToolEveryTurn, record_mask
+from tests.train.helpers import ToolEveryTurn, record_mask, transformers_own_callbacks as own_callbacks
 
 torch = pytest.importorskip('torch')
 trl = pytest.importorskip('trl')
@@ -22,13 +22,9 @@ datasets = pytest.importorskip('datasets')
 
 @pytest.fixture
 def transformers_own_callbacks(monkeypatch):
-    """TRL as in a process that never imported ms-swift: ms-swift's import (other tests of this
-    session) replaces transformers' default callbacks for the whole process
-    (``swift/trainers/patcher.py``), and its flow callback reads ``args.max_epochs``, which a
-    ``GRPOConfig`` does not have (docs/training.md says so to users)."""
-    from transformers import trainer, trainer_callback
-    monkeypatch.setattr(trainer, 'DEFAULT_CALLBACKS', [trainer_callback.DefaultFlowCallback])
-    monkeypatch.setattr(trainer, 'PrinterCallback', trainer_callback.PrinterCallback)
+    """TRL as in a process that never imported ms-swift (other tests of this session may have:
+    docs/training.md says so to users)."""
+    own_callbacks(monkeypatch)
 
 
 def test_grpo_trainer_steps_on_mtflow_rollouts_see_mtflows_exact_ids_masks_and_advantages(
