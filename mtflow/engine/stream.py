@@ -34,18 +34,17 @@ stops it: the generations in flight are cancelled and their requests handed back
 from __future__ import annotations
 
 import asyncio
-import inspect
 import queue
 import threading
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, AsyncIterator, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-from mtflow.core.calls import OK
-from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, RequestRecord
+from mtflow.core.calls import OK, wrapped_methods
+from mtflow.core.machine import FINISHED, RequestRecord
 from mtflow.engine.async_driver import AsyncDriver
-from mtflow.engine.handlers import STATE_HANDLERS
-from mtflow.engine.moves import apply_moves, interrupt_all
+from mtflow.engine.branching import plant, tree_record, trees_of
+from mtflow.engine.moves import interrupt_all
 from mtflow.engine.partial import Budget, UnfinishedRequest
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
 from mtflow.engine.staleness import STALE_POLICIES, UPDATE_POLICIES, StalenessMixin, check_policies
@@ -107,18 +106,11 @@ class _NoEvents(list):
 
 def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
     """The ``forget(uuid)`` of a ``rollout_fn`` that keeps state per request (the scripted and
-    replay backends), looked up through its wrappers (``__wrapped__``, a bound method's object),
+    replay backends), looked up through its wrappers (:func:`~mtflow.engine.model_call.backend_methods`),
     or ``None``. A stream calls it once for each request that is final, so that such a backend's
     memory stays flat however many requests stream through it."""
-    fn = rollout_fn
-    for _ in range(8):  # a few wrappers deep, never a cycle
-        if fn is None:
-            return None
-        forget = getattr(fn, 'forget', None)
-        if callable(forget):
-            return forget
-        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
-    return None
+    found = wrapped_methods(rollout_fn, 'forget')
+    return found[0] if found else None
 
 
 class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
@@ -132,6 +124,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                  on_update: str, deliver: Any) -> None:
         super().__init__(run, None, clock)
         run.requests = {}  # not the caller's list: a step's next request is not written back anywhere
+        run.keeps_records = False  # each record is kept by its group, from admission to delivery
         if run.recorder is not None:
             run.recorder.raw = _NoEvents()
         self.source = source
@@ -146,7 +139,6 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.forget_request = forget_fn(run.settings.rollout_fn)
         #: the groups in flight, by id (each member's record holds its own: ``record.group``)
         self.in_flight: Dict[int, InFlightGroup] = {}
-        self.next_index = 0
         self.next_seq = 0
         self.delivered_groups = 0
         self.delivered_requests = 0
@@ -160,6 +152,15 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                       'resumed_generations': 0, 'handed_back_groups': 0,
                       'backpressure_waits': 0, 'max_active': 0}
         self.init_staleness(max_staleness, stale, on_update)
+
+    @property
+    def next_index(self) -> int:
+        """The index the next record gets: the run's counter, which a fork's children count on too."""
+        return self.run.next_index
+
+    @next_index.setter
+    def next_index(self, value: int) -> None:
+        self.run.next_index = value
 
     # ---- other threads -----------------------------------------------------------------------
     def poke(self) -> None:
@@ -263,6 +264,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
 
     def fill_slots(self) -> None:
         while self.active < self.max_concurrency:
+            self.admit_entering()
             if not self.queue and not self.pull():
                 break
             super().fill_slots()
@@ -327,12 +329,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         group.done = 0
         group.tokens = 0
         group.doomed = False
-        for mv in STATE_HANDLERS[PENDING](run, records, 1):
-            if mv.trigger in (GENERATE, CONTINUE):
-                mv.record.admission = mv
-            else:
-                apply_moves(run, [mv])
-        self.started.update(r.index for r in records)
+        plant(run.branching, records)
+        self.begin(records)
         for rec in records:
             if rec.state == FINISHED:  # on_trajectory_start failed: finished before it took a slot
                 self.active += 1
@@ -379,7 +377,17 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))  # its group goes back whole (hand_back_whole)
 
+    def admit_entering(self) -> None:
+        """A fork's children and a tree's top-up copies join their parent's group (it is
+        delivered when they finish too), then the queue (:meth:`AsyncDriver.admit_entering`)."""
+        for rec in self.run.entering:
+            group = rec.group
+            if group is not None and rec not in group.records:
+                group.records.append(rec)
+        super().admit_entering()
+
     def member_done(self, rec: RequestRecord) -> None:
+        self.admit_entering()  # the records its finish made (a top-up) join the group before it is counted
         group = rec.group
         if group is None:
             return
@@ -396,6 +404,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         if self.rerun_if_stale(group):
             return
         delivered = delivered_group(self.run, group, self.seen_version)
+        if self.run.branching is not None:
+            delivered.trees = [tree_record(tree) for tree in trees_of(group.records)]
         self.handed_out += 1
         self.delivered_groups += 1
         self.delivered_requests += len(group.records)
