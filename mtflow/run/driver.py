@@ -96,7 +96,8 @@ class StreamingRun:
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        self.write_finished(finished, self._indices[finished.index], self._requests[finished.index], self._t_offset)
+        root = finished.root_index if finished.root_index is not None else finished.index  # a fork's child: its root's
+        self.write_finished(finished, self._indices[root], self._requests[root], self._t_offset)
 
     def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None) -> None:
         """Write one finished request (its dataset position ``index``, its input ``request``;
@@ -171,6 +172,7 @@ class StreamingRun:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls
             raise
         self.rollout_fn_calls += result.rollout_fn_calls
+        self.store.write_trees(result.trees)
         lost = [f for f in result.failures if f.phase == 'on_finished']
         if lost:  # the executor kept going; a request that could not be stored must not pass silently
             raise RunDirError(f'request {lost[0].uuid} could not be written ({len(lost)} in this batch): '
