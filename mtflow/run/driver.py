@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mtflow.accounting.token_record import record_accounting
+from mtflow.core.calls import wrapped_methods
 from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
@@ -41,6 +42,12 @@ class _TurnCounter:
         self.store = store
         self.on_turn = on_turn
         self.turn = 0
+
+    def fork(self, parent: str, children: List[str]) -> None:
+        """A request was forked (``docs/branching.md``): the backend is told (the replay backend
+        goes on with the children from the parent's turn)."""
+        for tell in wrapped_methods(self.rollout_fn, 'fork'):
+            tell(parent, children)
 
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
         self.store.tick()
