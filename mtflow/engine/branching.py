@@ -439,7 +439,7 @@ def tree_record(tree: Tree) -> Dict[str, Any]:
             start = point
         last_node[rec.uuid] = add(rec, parent, start, None)
 
-    order = sorted(tree.records, key=lambda r: (_depth(r), r.index))
+    order = sorted(tree.records, key=lambda r: _uuid_key(r.uuid, tree.root))  # parents first, whatever the driver
     for rec in order:
         b = rec.branch
         parent = 0 if b.parent is None or b.born[1] == PENDING else ends_at.get((b.parent, b.born), 0)
@@ -454,11 +454,15 @@ def tree_record(tree: Tree) -> Dict[str, Any]:
     for node in nodes:
         values = [rewards[u] for u in node['leaves'] if rewards[u] is not None]
         node['value'] = sum(values) / len(values) if values else None
-    return {'root': tree.root, 'leaves': [r.uuid for r in sorted(tree.records, key=lambda r: r.index)],
-            'budget': tree.limit, 'topped_up': tree.topped_up, 'forks': list(tree.forks),
+    forks = sorted(tree.forks, key=lambda f: (bool(f.get('top_up')), _uuid_key(f['parent'], tree.root), f['turn'],
+                                               f['state']))  # in time order per record, top-ups last
+    return {'root': tree.root, 'leaves': [r.uuid for r in order],
+            'budget': tree.limit, 'topped_up': tree.topped_up, 'forks': forks,
             'rewards': rewards, 'reasons': {uuid: rec.reason for uuid, rec in records.items()}, 'nodes': nodes}
 
 
-def _depth(rec: RequestRecord) -> int:
-    """How many forks deep ``rec`` is in its tree (a child's uuid is its parent's and one suffix)."""
-    return rec.uuid.count(CHILD_SEP) - rec.branch.tree.root.count(CHILD_SEP)
+def _uuid_key(uuid: str, root: str) -> Tuple[int, List[int]]:
+    """The order of a tree's uuids: by depth, then by the numbers of their branches (``r~2`` before
+    ``r~10``); the same whatever order a driver made them in."""
+    numbers = [int(part) for part in uuid[len(root):].split(CHILD_SEP)[1:]]
+    return len(numbers), numbers

@@ -117,8 +117,9 @@ class RunState:
                     self.recorder.uuids.append(rec.uuid)
                 if isinstance(self.requests, list):
                     self.requests.append(rec.request)
-            if self.recorder is not None and self.options.on_finished is not None and rec.events is None:
-                rec.events = []
+            if self.recorder is not None and rec.events is None and (
+                    not self.keeps_records or self.options.on_finished is not None):
+                rec.events = []  # its own events (a stream's groups, on_finished), as its parent's
         self.entering.extend(records)
 
     def take_entering(self) -> List[RequestRecord]:
