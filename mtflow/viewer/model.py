@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from mtflow.core.machine import (COMPACTING, CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES,
-                                 reason_kind)
+from mtflow.core.machine import (COMPACTING, CONTINUING, ERROR, FINISHED, FORK, GENERATING, PENDING, TOOL_STEP,
+                                 WAITING_STATES, reason_kind)
 from mtflow.core.trace import Trace, TraceEvent
 
 #: One-letter marks of the states in a turn cell.
@@ -75,6 +75,9 @@ class RequestView:
     reason: Optional[str]  # None: the trace ends before the request finished
     tokens: int
     path: str
+    #: a branched run (``docs/branching.md``): the request it was forked from, and its children
+    parent: Optional[str] = None
+    children: List[str] = field(default_factory=list)
 
     @property
     def turns(self) -> int:
@@ -285,7 +288,16 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     reason: Optional[str] = None
     tokens = 0
     compact_from: Optional[str] = None  # the state the last compact move left
+    parent: Optional[str] = None
+    children: List[str] = []
     for e in events:
+        if e.trigger == FORK:  # its birth (its parent), or its children's: no turn of its own
+            extra = e.extra or {}
+            parent = extra.get('parent', parent)
+            children += list(extra.get('children') or ())
+            if 'parent' in extra and e.dst in WAITING_STATES:  # born waiting for the model: its first turn
+                cell(e.turn).wait = e.dst
+            continue
         if e.dst == COMPACTING:
             compact_from = e.src
             if e.src == TOOL_STEP:
@@ -332,7 +344,8 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     states = [first_event.src] + [e.dst for e in events]
     if reason:
         states[-1] = f'{states[-1]}({reason})'
-    return RequestView(uuid, first_event.index, first_event.rank, events, ordered, reason, tokens, ' -> '.join(states))
+    return RequestView(uuid, first_event.index, first_event.rank, events, ordered, reason, tokens, ' -> '.join(states),
+                       parent, children)
 
 
 def request_views(trace: Trace) -> List[RequestView]:
@@ -345,7 +358,7 @@ def request_views(trace: Trace) -> List[RequestView]:
     for e in trace.events:
         base = (e.rank, e.uuid)
         key = current.get(base)
-        if key is None or e.src == PENDING:
+        if key is None or (e.src == PENDING and grouped[key][-1].trigger != FORK):  # after its fork: born pending
             key = current[base] = (e.rank, e.uuid, len(grouped))
             grouped[key] = []
         grouped[key].append(e)
