@@ -21,6 +21,7 @@ from mtflow.core.registry import resolve_reference
 from mtflow.core.signatures import call_problem
 from mtflow.core.stop import MAX_TURNS_BOUND
 from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.engine.branching import Branching
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
@@ -437,10 +438,8 @@ class BranchConfig(StrictModel):
                                   'and a tree whose forks never came is topped up with copies of the prompt, so every '
                                   'group has exactly this many leaves.')
 
-    def branching(self, base_dir: Optional[str] = None) -> Any:
+    def branching(self, base_dir: Optional[str] = None) -> Branching:
         """The :class:`mtflow.Branching` this section says (its hook resolved)."""
-        from mtflow.engine.branching import Branching
-
         at: Any = self.at
         if not isinstance(at, str):
             at = {k: v for k, v in at.model_dump(exclude_none=True).items() if v is not False}

@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Branched groups against independent copies at an equal number of leaves (``docs/branching.md``).
+
+The workload: G guess-the-number games (the YAML scheduler's ``guess_number`` environment, which
+copies itself at a fork), each a group of L leaves, T turns each. *Independent* is today's GRPO
+group: each prompt copied L times (``<uuid>#k``), every copy generating every turn. *Branched*
+runs each prompt once and forks it (``branch:``): at turn 2 into L, at turn 3 into L, or a binary
+tree (turns 2 and 3, 2 branches each). Every run is lockstep, and each table compares with the
+independent copies of the same run of this script.
+
+* ``scripted`` (exact counts, no model): the scripted backend replays lines of exactly
+  ``--reply-tokens`` ids without a digit (so every game runs all T turns: the environment never
+  sees a guess), and each request's prompt is planned exactly as the HF and vLLM backends plan it
+  (the token record's ids, the tiny BPE tokenizer). Counted: model calls, generated tokens, prompt
+  tokens prefilled without a prefix cache, and with an ideal one (vLLM's rule: whole blocks of
+  ``--block`` ids whose prefix was computed before are not computed again; unbounded).
+* ``hf``: the same through the HF backend and a real model (a tiny random Qwen2, or the embedded
+  SmolLM2-135M), sampling at temperature 1: wall time, the backend's own counts of generated and
+  prompt tokens (the HF backend has no prefix cache: every call prefills its whole prompt).
+* ``vllm`` (opt-in: a vLLM venv, ``docs/backends.md``): the same through ``vllm.LLM`` with prefix
+  caching: vLLM's own ``num_cached_tokens`` per call, the hit rate of the children's first turns
+  (the prompt their parent's turns left in the cache) and of every turn.
+
+    .venv/bin/python benchmarks/branching.py scripted --games 16 --leaves 4 --turns 4
+    .venv/bin/python benchmarks/branching.py hf --model tiny --games 8 --leaves 4 --turns 4
+    .venv/bin/python benchmarks/branching.py hf --model embedded --games 4 --leaves 4 --turns 4
+    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/branching.py vllm --games 4 --leaves 4 --turns 4
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mtflow import Branching, Executor, RequestConfig, RolloutInferRequest  # noqa: E402
+from mtflow.backends.scripted import ScriptedBackend  # noqa: E402
+from mtflow.backends.tokens import TokenPrompter, commit_outputs  # noqa: E402
+from mtflow.declarative import load_scheduler  # noqa: E402
+
+GAME = {'max_turns': 4, 'env': {'impl': 'guess_number', 'kwargs': {'low': 1, 'high': 100, 'max_guesses': 99}},
+        'system_prompt': 'We play a game: guess my number between 1 and 100, one guess per reply.',
+        'stop': {'on_length': False}}
+
+
+def binary(infer_request: Any, state: str, turn: int) -> Optional[int]:
+    """The binary tree's hook: two branches before turns 2 and 3."""
+    return 2 if turn in (2, 3) else None
+
+
+def conditions(leaves: int) -> List[Tuple[str, Optional[Branching]]]:
+    return [('independent copies', None),
+            ('fork at turn 2', Branching(at={'turn': 2}, copies=leaves, leaves=leaves)),
+            ('fork at turn 3', Branching(at={'turn': 3}, copies=leaves, leaves=leaves)),
+            ('binary (turns 2, 3)', Branching(at={'hook': binary}, copies=2, leaves=leaves))]
+
+
+def prompts(games: int, leaves: int, branched: bool) -> List[Any]:
+    out = []
+    for g in range(games):
+        message = {'role': 'user', 'content': f'Game {g}. Your first guess?'}
+        copies = [''] if branched else [f'#{k}' for k in range(leaves)]
+        out += [RolloutInferRequest(messages=[dict(message)], uuid=f'g{g}{c}', data_dict={'target': 37 + g})
+                for c in copies]
+    return out
+
+
+def run(make_model: Callable[[], Any], branch: Optional[Branching], a: argparse.Namespace, tokenizer: Any,
+        config: RequestConfig) -> Dict[str, Any]:
+    model = make_model()
+    scheduler = load_scheduler({**GAME, 'max_turns': a.turns}, tokenizer=tokenizer)
+    requests = prompts(a.games, a.leaves, branch is not None)
+    t0 = time.perf_counter()
+    result = Executor(scheduler, model, config, branch=branch, on_error='return').run(requests)
+    wall = time.perf_counter() - t0
+    scheduler.close()
+    if result.failures:
+        raise SystemExit(f'{len(result.failures)} request(s) failed: {result.failures[0].error}')
+    return {'leaves': len(result.outputs), 'wall': wall, 'model': model, 'result': result}
+
+
+# ---- scripted: exact counts -------------------------------------------------------------------------
+class Prefill:
+    """Wraps a ``rollout_fn``: plans each request's prompt as the HF and vLLM backends do (the
+    token record), and counts calls, generated tokens, prompt tokens, and the prompt tokens an
+    ideal prefix cache of ``block``-id blocks would still compute."""
+
+    def __init__(self, backend: Any, tokenizer: Any, block: int) -> None:
+        self.backend = backend
+        self.__wrapped__ = backend  # its fork() and forget() are found through the wrapper
+        self.prompter = TokenPrompter(tokenizer)
+        self.block = block
+        self.cached: set = set()
+        self.calls = self.generated = self.prompt = self.computed = 0
+
+    def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
+        plans = [self.prompter.plan(r) for r in requests]
+        outputs = self.backend(requests, request_config)
+        for request, plan, output in zip(requests, plans, outputs):
+            ids = plan.ids
+            self.calls += 1
+            self.prompt += len(ids)
+            self.generated += len(output.response.choices[0].token_ids or [])
+            hit = 0
+            for end in range(self.block, len(ids) + 1, self.block):  # leading whole blocks computed before
+                if tuple(ids[:end]) not in self.cached:
+                    break
+                hit = end
+            self.computed += len(ids) - hit
+            for end in range(self.block, len(ids) + 1, self.block):
+                self.cached.add(tuple(ids[:end]))
+            commit_outputs(self.prompter, [request], [plan], [output])
+        return outputs
+
+
+def reply_lines(tokenizer: Any, n: int, length: int, seed: int) -> List[Dict[str, Any]]:
+    """Scripted replies of exactly ``length`` ids, none of them special or with a digit."""
+    rng = random.Random(seed)
+    specials = set(tokenizer.all_special_ids)
+    usable = [i for i in range(len(tokenizer)) if i not in specials and
+              not any(ch.isdigit() for ch in tokenizer.decode([i]))]
+    lines = []
+    for _ in range(n):
+        ids = [rng.choice(usable) for _ in range(length)]
+        lines.append({'content': tokenizer.decode(ids), 'token_ids': ids, 'logprobs': [-1.0] * length})
+    return lines
+
+
+def bench_scripted(a: argparse.Namespace) -> None:
+    from tests.tiny_model import make_tokenizer
+
+    tok = make_tokenizer()
+    lines = reply_lines(tok, 97, a.reply_tokens, a.seed)
+    config = RequestConfig(max_tokens=a.reply_tokens, logprobs=True)
+    print(f'scripted, exact counts: {a.games} games x {a.leaves} leaves x {a.turns} turns, replies of '
+          f'{a.reply_tokens} ids, prompts planned from the token record (tiny BPE tokenizer), ideal prefix cache '
+          f'of {a.block}-id blocks')
+    print(f'{"condition":<22} {"leaves":>6} {"calls":>6} {"generated":>9} {"prefill":>8} {"prefill, cache":>14} '
+          f'{"gen x":>6} {"prefill x":>9} {"cache x":>8}')
+    base: Optional[Prefill] = None
+    for name, branch in conditions(a.leaves):
+        counted: List[Prefill] = []
+
+        def make() -> Prefill:
+            counted.append(Prefill(ScriptedBackend(outputs=copy.deepcopy(lines), cycle=True), tok, a.block))
+            return counted[-1]
+
+        out = run(make, branch, a, tok, config)
+        p = counted[0]
+        base = base or p
+        print(f'{name:<22} {out["leaves"]:>6} {p.calls:>6} {p.generated:>9} {p.prompt:>8} {p.computed:>14} '
+              f'{p.generated / base.generated:>6.2f} {p.prompt / base.prompt:>9.2f} {p.computed / base.computed:>8.2f}')
+
+
+# ---- hf: a real model ----------------------------------------------------------------------------------
+def bench_hf(a: argparse.Namespace) -> None:
+    from mtflow.backends.hf import HFBackend
+
+    if a.model == 'tiny':
+        from tests.tiny_model import make_model, make_tokenizer
+
+        tok = make_tokenizer()
+        model = make_model(tok, seed=1)
+        name = 'tiny random Qwen2 (2 layers, hidden 32)'
+    else:
+        from mtflow.backends.models import load_model
+
+        loaded = load_model(a.model)
+        model, tok, name = loaded.model, loaded.tokenizer, a.model
+    config = RequestConfig(max_tokens=a.max_tokens, temperature=1.0, seed=a.seed, logprobs=True)
+    print(f'hf, {name}: {a.games} games x {a.leaves} leaves x {a.turns} turns, max_tokens {a.max_tokens}, '
+          f'temperature 1, lockstep, load {"/".join(f"{x:.1f}" for x in os.getloadavg())}')
+    print(f'{"condition":<22} {"leaves":>6} {"calls":>6} {"generated":>9} {"prefill":>8} {"wall s":>7} '
+          f'{"gen x":>6} {"prefill x":>9} {"wall x":>7}')
+    base = None
+    for name, branch in conditions(a.leaves):
+        backends: List[Any] = []
+
+        def make() -> Any:
+            backends.append(HFBackend(model, tok, max_batch_size=a.games * a.leaves))
+            return backends[-1]
+
+        out = run(make, branch, a, tok, config)
+        stats = backends[0].stats
+        row = (stats.requests, stats.completion_tokens, stats.prompt_tokens, out['wall'])
+        base = base or row
+        print(f'{name:<22} {out["leaves"]:>6} {row[0]:>6} {row[1]:>9} {row[2]:>8} {row[3]:>7.2f} '
+              f'{row[1] / base[1]:>6.2f} {row[2] / base[2]:>9.2f} {row[3] / base[3]:>7.2f}')
+
+
+# ---- vllm: the prefix cache ----------------------------------------------------------------------------
+def bench_vllm(a: argparse.Namespace) -> None:
+    from mtflow.backends import make_backend
+
+    backend = make_backend('vllm', model=a.model if a.model != 'tiny' else 'embedded', seed=a.seed,
+                           **{'enable_prefix_caching': True, 'block_size': a.vllm_block, 'dtype': 'float32'})
+    tok = backend.tokenizer
+    config = RequestConfig(max_tokens=a.max_tokens, temperature=1.0, seed=a.seed, logprobs=True)
+    print(f'vllm (CPU), {a.model}: {a.games} games x {a.leaves} leaves x {a.turns} turns, block {a.vllm_block}, '
+          f'load {"/".join(f"{x:.1f}" for x in os.getloadavg())}')
+    print(f'{"condition":<22} {"leaves":>6} {"generated":>9} {"prompt":>8} {"cached":>7} {"hit":>6} '
+          f'{"children t1 hit":>15} {"wall s":>7}')
+    for name, branch in conditions(a.leaves):
+        seen: List[Tuple[str, int, int, Optional[int]]] = []  # (uuid, turn, prompt tokens, cached)
+
+        class Recorded:
+            __wrapped__ = backend
+
+            def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
+                outputs = backend(requests, request_config)
+                for r, o in zip(requests, outputs):
+                    usage = o.response.usage
+                    details = getattr(usage, 'prompt_tokens_details', None) or {}
+                    cached = details.get('cached_tokens') if isinstance(details, dict) else None
+                    turn = 1 + sum(1 for m in r.messages if m.get('role') == 'assistant')
+                    seen.append((r.uuid, turn, usage.prompt_tokens, cached))
+                return outputs
+
+        out = run(Recorded, branch, a, tok, config)
+        prompt = sum(s[2] for s in seen)
+        cached = sum(s[3] or 0 for s in seen)
+        born = {c: f['turn'] for t in out['result'].trees for f in t['forks'] for c in f['children']}
+        firsts = [s for s in seen if s[0] in born and s[1] == born[s[0]]]
+        child_hit = sum(s[3] or 0 for s in firsts) / max(1, sum(s[2] for s in firsts)) if firsts else None
+        generated = sum(len(o.response.choices[0].token_ids or []) for o in [])
+        print(f'{name:<22} {out["leaves"]:>6} {generated:>9} {prompt:>8} {cached:>7} {cached / prompt:>6.1%} '
+              f'{"-" if child_hit is None else f"{child_hit:.1%}":>15} {out["wall"]:>7.1f}')
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('mode', choices=('scripted', 'hf', 'vllm'))
+    p.add_argument('--games', type=int, default=16)
+    p.add_argument('--leaves', type=int, default=4)
+    p.add_argument('--turns', type=int, default=4)
+    p.add_argument('--reply-tokens', type=int, default=12, help='scripted: ids per reply')
+    p.add_argument('--max-tokens', type=int, default=12, help='hf, vllm: max_tokens per turn')
+    p.add_argument('--block', type=int, default=16, help='scripted: the ideal prefix cache block (vLLM GPU: 16)')
+    p.add_argument('--vllm-block', type=int, default=32, help='vllm: block_size (vLLM-CPU needs a multiple of 32)')
+    p.add_argument('--model', default='tiny', help="hf, vllm: 'tiny' (hf only), 'embedded' or a path")
+    p.add_argument('--seed', type=int, default=0)
+    a = p.parse_args()
+    {'scripted': bench_scripted, 'hf': bench_hf, 'vllm': bench_vllm}[a.mode](a)
+
+
+if __name__ == '__main__':
+    main()
