@@ -227,3 +227,20 @@ def test_without_branching_nothing_changes():
     assert not [e for e in plain.trace if e.trigger == 'fork']
     again, _ = run(None, mode={'mode': 'async'}, n=2)
     assert dump(again.outputs) == dump(plain.outputs)
+
+
+def test_a_partial_rollout_hands_the_children_back_and_resuming_them_gives_the_full_run():
+    branch = Branching(at={'turn': 2}, copies=3)
+    ex = Executor(ToolLoop(), model, max_turns=3, mode='async', max_concurrency=2, branch=branch)
+    requests = [req('a'), req('b')]
+    first = ex.run(requests, until={'finished': 1})
+    back = {u.uuid: u.state for u in first.unfinished}
+    assert any('~' in uuid for uuid in back) and all(state == GENERATING for state in back.values())
+    second = ex.run(first.unfinished)
+    assert second.ok and not second.unfinished
+    got = {r.uuid: o for r, o in zip(requests, first.outputs) if o is not None}
+    got.update(zip(back, second.outputs))
+    full_requests = [req('a'), req('b')]
+    full = Executor(ToolLoop(), model, max_turns=3, branch=branch).run(full_requests)
+    assert sorted(got) == sorted(r.uuid for r in full_requests)
+    assert all(dump([got[r.uuid]]) == dump([o]) for r, o in zip(full_requests, full.outputs))

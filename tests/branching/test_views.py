@@ -18,14 +18,15 @@ GAME = {'max_turns': 5, 'env': {'impl': 'guess_number', 'kwargs': {'max_guesses'
         'system_prompt': 'Guess my number.', 'branch': {'at': {'turn': 2}, 'copies': 2, 'leaves': 3}}
 
 
-@pytest.fixture(scope='module')
-def run_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope='module', params=['lockstep', 'async'])
+def run_dir(request, tmp_path_factory) -> Path:
+    """A branched run, in batches (lockstep) and streamed (``--mode async``: the groups' writer)."""
     tmp = tmp_path_factory.mktemp('branched')
     (tmp / 'game.yaml').write_text(json.dumps(GAME))
     (tmp / 'run.yaml').write_text(
         f'scheduler: game.yaml\nbackend: scripted\nmodel: {ROOT / "configs" / "scripted_guesses.jsonl"}\n'
         'backend_options: {cycle: true}\nlimit: 2\nmax_turns: 5\nrequest_config: {logprobs: true}\n')
-    assert main(['run', str(tmp / 'run.yaml'), '-q', '--out', str(tmp / 'out')]) == 0
+    assert main(['run', str(tmp / 'run.yaml'), '-q', '--out', str(tmp / 'out'), '--mode', request.param]) == 0
     return tmp / 'out'
 
 
@@ -37,6 +38,7 @@ def test_every_leaf_is_written_with_its_parent_and_the_trees_beside_them(run_dir
     parents = {line['uuid']: line.get('parent') for line in lines}
     assert parents['guess-00'] is None and parents['guess-00~1'] == 'guess-00' and parents['guess-00~2'] == 'guess-00'
     assert {line['group'] for line in lines if line['uuid'].startswith('guess-00')} == {'guess-00'}
+    assert {line['index'] for line in lines if line['uuid'].startswith('guess-01')} == {1}  # its prompt's position
     # each child's line replays it from turn 1: the parent's turn first
     child = next(line for line in lines if line['uuid'] == 'guess-00~1')
     assert [t['turn'] for t in child['turns']] == list(range(1, child['num_turns'] + 1))
