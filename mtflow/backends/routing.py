@@ -382,11 +382,8 @@ class Router:
                 self.mark_down(replica)
 
     def fork(self, parent: str, children: Sequence[str]) -> None:
-        """``parent`` was forked into ``children``: they go where its prefix is cached (module
-        docstring)."""
-        home = self._sticky.get(parent)
-        root = self._hash_key.get(parent, parent)
-        entries = self._log.get(parent)
+        """``parent`` was forked into ``children``: they go where its prefix is cached (module docstring)."""
+        home, root, entries = self._sticky.get(parent), self._hash_key.get(parent, parent), self._log.get(parent)
         for child in children:
             if home is not None:
                 self._sticky[child] = home

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from mtflow.core.errors import ForkRefused
 from mtflow.declarative.envs import normalize_step
@@ -103,15 +103,26 @@ class EnvSessions:
         state.env_obs = out.observation
         return None
 
-    async def fork(self, state: RequestState, request: Any, child: Any, turn: int) -> RequestState:
-        """The state of ``child``, a fork of ``request`` (``docs/branching.md``): a copy of
-        ``state``, with its own environment session: ``env.fork()`` (an independent copy in the same
-        state), else, for an environment that declares ``replayable = True``, a new one reset as
-        ``request``'s was and stepped with its actions (each observation checked against the one
-        recorded); else the fork is refused (:class:`ForkRefused`, naming the environment)."""
+    async def fork(self, state: RequestState, request: Any, copies: int, turn: int) -> List[RequestState]:
+        """The states of ``copies`` children of ``request`` (``docs/branching.md``): copies of
+        ``state``, each with its own environment session: ``env.fork()`` (an independent copy in
+        the same state), else, for an environment that declares ``replayable = True``, a new one
+        reset as ``request``'s was and stepped with its actions (each observation checked against
+        the one recorded); else the fork is refused (:class:`ForkRefused`, naming the environment).
+        A refusal closes the sessions opened for the children before it."""
+        made: List[RequestState] = []
+        try:
+            for _ in range(copies):
+                made.append(await self._fork_one(state, request, turn))
+        except BaseException:
+            for forked in made:
+                await self.close_session(forked)
+            raise
+        return made
+
+    async def _fork_one(self, state: RequestState, request: Any, turn: int) -> RequestState:
         env = state.env
-        forked = dataclasses.replace(state, env=None, env_reset=state.env_reset, env_error=state.env_error,
-                                     **{f: copy.deepcopy(getattr(state, f)) for f in _COPIED})
+        forked = dataclasses.replace(state, env=None, **{f: copy.deepcopy(getattr(state, f)) for f in _COPIED})
         if env is None:
             return forked
         uuid = getattr(request, 'uuid', None)

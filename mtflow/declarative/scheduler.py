@@ -212,18 +212,9 @@ class YamlScheduler(Scheduler):
         tips given, what the next step does, rewards so far) and of its environment session, which
         must copy (``fork()``) or replay (``replayable``; else :class:`~mtflow.core.errors.ForkRefused`)."""
         state = self._states.get(self._key(infer_request))
-        if state is None:
-            return
-        made: List[RequestState] = []
-        try:
-            for child in children:
-                made.append(await self.envs.fork(state, infer_request, child, current_turn))
-        except BaseException:  # refused: the sessions opened for the children before it are closed
-            for forked in made:
-                await self.envs.close_session(forked)
-            raise
-        for child, forked in zip(children, made):
-            self._states[self._key(child)] = forked
+        if state is not None:
+            forked = await self.envs.fork(state, infer_request, len(children), current_turn)
+            self._states.update((self._key(child), s) for child, s in zip(children, forked))
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         state = self._states.pop(self._key(infer_request), None)

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from mtflow.core.calls import TIMED_OUT, Outcome, wrapped_methods
 from mtflow.core.errors import ForkRefused, SchedulerResultError, StepTimeout
-from mtflow.core.machine import (COMPACTING, CONTINUE, ERROR, FAIL, FINISH, FINISHED, FORK, FORK_STATES, GENERATE,
+from mtflow.core.machine import (COMPACTING, CONTINUE, ERROR, FAIL, FINISH, FINISHED, FORK_STATES, GENERATE,
                                  INTERRUPT, INTERRUPTED, PENDING, TIMEOUT, TOOL_STEP, RequestRecord)
 from mtflow.core.protocol import RolloutOutput
 from mtflow.core.records import Move, TurnMoves
@@ -125,21 +125,10 @@ def fork(run: RunState, rec: RequestRecord, copies: int, turn: int) -> List[Requ
         return []
     for tell in wrapped_methods(run.settings.rollout_fn, 'fork'):
         tell(rec.uuid, list(uuids))
-    children = []
-    for uuid, request, share in zip(uuids, requests, shares[1:]):
-        children.append(child_record(rec, run.next_index, uuid, request, Branch(branch.tree, rec.uuid, share, point)))
-        run.next_index += 1
-    branch.children += len(children)
+    branch.children += len(uuids)
     branch.budget = shares[0]
     branch.forks.append(point)
-    tree = branch.tree
-    tree.records.extend(children)
-    tree.live += len(children)
-    tree.forks.append({'parent': rec.uuid, 'children': uuids, 'turn': point[0], 'state': point[1]})
-    run.add_records(children)  # indexed and named before their events are recorded
-    run.graph.fork(rec, children, turn, run.recorder, extra={'children': uuids},
-                   child_extras=[{'parent': rec.uuid} for _ in children])
-    return children
+    return _born(run, rec, rec.uuid, branch.tree, uuids, requests, shares[1:], point)
 
 
 def _tree_finished(run: RunState, rec: RequestRecord) -> None:
@@ -150,21 +139,33 @@ def _tree_finished(run: RunState, rec: RequestRecord) -> None:
     missing = tree.short()
     if not missing:
         return
-    seed, root = tree.seed, tree.records[0]
-    uuids = [child_uuid(tree.root, root.branch.children + k) for k in range(1, missing + 1)]
-    children = []
-    for uuid in uuids:
-        children.append(child_record(seed, run.next_index, uuid, fork_request(seed.request, uuid),
-                                     Branch(tree, tree.root, 1, (0, PENDING))))
-        run.next_index += 1
-    root.branch.children += missing
-    tree.records.extend(children)
-    tree.live += missing
+    root = tree.records[0].branch
+    uuids = [child_uuid(tree.root, root.children + k) for k in range(1, missing + 1)]
+    root.children += missing
     tree.topped_up += missing
-    tree.forks.append({'parent': tree.root, 'children': uuids, 'turn': 0, 'state': PENDING, 'top_up': True})
-    run.add_records(children)
-    run.graph.fork(seed, children, 0, run.recorder, child_extras=[{'parent': tree.root, 'top_up': True}
-                                                                   for _ in children], parent_event=False)
+    _born(run, tree.seed, tree.root, tree, uuids, [fork_request(tree.seed.request, u) for u in uuids], [1] * missing,
+          (0, PENDING))
+
+
+def _born(run: RunState, parent: RequestRecord, parent_uuid: str, tree: Any, uuids: List[str], requests: List[Any],
+          budgets: Sequence[Any], point: tuple) -> List[RequestRecord]:
+    """The children of a fork of ``parent`` at ``point`` enter its tree and the run, and the graph
+    records the move: the parent's event names them (but for a tree's prompt, ``pending``: its
+    top-up copies' events say ``top_up``), each child's names its parent."""
+    children = []
+    for uuid, request, budget in zip(uuids, requests, budgets):
+        children.append(child_record(parent, run.next_index, uuid, request, Branch(tree, parent_uuid, budget, point)))
+        run.next_index += 1
+    tree.records.extend(children)
+    tree.live += len(children)
+    top_up = point[1] == PENDING
+    tree.forks.append({'parent': parent_uuid, 'children': uuids, 'turn': point[0], 'state': point[1],
+                       **({'top_up': True} if top_up else {})})
+    run.add_records(children)  # indexed and named before their events are recorded
+    run.graph.fork(parent, children, point[0], run.recorder, extra={'children': uuids},
+                   child_extras=[{'parent': parent_uuid, **({'top_up': True} if top_up else {})} for _ in children],
+                   parent_event=not top_up)
+    return children
 
 
 def _end_request(run: RunState, mv: Move) -> None:

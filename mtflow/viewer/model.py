@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.machine import (COMPACTING, CONTINUING, ERROR, FINISHED, FORK, GENERATING, PENDING, TOOL_STEP,
                                  WAITING_STATES, reason_kind)
@@ -276,6 +276,19 @@ def _budget_of(e: TraceEvent) -> Optional[Dict[str, Any]]:
     return dict(counts) if isinstance(counts, dict) else None
 
 
+def _step_done(c: TurnCell, e: TraceEvent) -> None:
+    """The step of ``c``'s turn ended with ``e``: its time, its trace info and its tool calls."""
+    c.step_s, c.step_extra = e.duration_s, e.extra
+    c.tool_calls, c.tool_errors = _tool_info(e.extra)
+
+
+def _fork_links(events: List[TraceEvent]) -> Tuple[Optional[str], List[str]]:
+    """A branched request's parent (``None``: a root) and children, from its ``fork`` events."""
+    forks = [e.extra or {} for e in events if e.trigger == FORK]
+    parent = next((f['parent'] for f in forks if 'parent' in f), None)
+    return parent, [c for f in forks for c in f.get('children') or ()]
+
+
 def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     cells: Dict[int, TurnCell] = {}
 
@@ -288,23 +301,15 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     reason: Optional[str] = None
     tokens = 0
     compact_from: Optional[str] = None  # the state the last compact move left
-    parent: Optional[str] = None
-    children: List[str] = []
     for e in events:
-        if e.trigger == FORK:  # its birth (its parent), or its children's: no turn of its own
-            extra = e.extra or {}
-            parent = extra.get('parent', parent)
-            children += list(extra.get('children') or ())
-            if 'parent' in extra and e.dst in WAITING_STATES:  # born waiting for the model: its first turn
+        if e.trigger == FORK:  # no turn of its own; a child born waiting for the model opens its first turn
+            if 'parent' in (e.extra or {}) and e.dst in WAITING_STATES:
                 cell(e.turn).wait = e.dst
             continue
         if e.dst == COMPACTING:
             compact_from = e.src
             if e.src == TOOL_STEP:
-                step = cell(e.turn)
-                step.step_s = e.duration_s
-                step.step_extra = e.extra
-                step.tool_calls, step.tool_errors = _tool_info(e.extra)
+                _step_done(cell(e.turn), e)
         elif e.src == COMPACTING and e.dst in WAITING_STATES:
             cell(e.turn).compaction = dict((e.extra or {}).get('compaction') or {})
             opened = cell(e.turn + 1 if compact_from == TOOL_STEP else e.turn)
@@ -312,10 +317,7 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
             opened.budget = _budget_of(e)
         elif e.dst in WAITING_STATES:
             if e.src == TOOL_STEP:
-                step = cell(e.turn)
-                step.step_s = e.duration_s
-                step.step_extra = e.extra
-                step.tool_calls, step.tool_errors = _tool_info(e.extra)
+                _step_done(cell(e.turn), e)
                 opened = cell(e.turn + 1)
             else:
                 opened = cell(e.turn)
@@ -345,7 +347,7 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     if reason:
         states[-1] = f'{states[-1]}({reason})'
     return RequestView(uuid, first_event.index, first_event.rank, events, ordered, reason, tokens, ' -> '.join(states),
-                       parent, children)
+                       *_fork_links(events))
 
 
 def request_views(trace: Trace) -> List[RequestView]:
