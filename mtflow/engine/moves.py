@@ -132,16 +132,19 @@ def fork(run: RunState, rec: RequestRecord, copies: int, turn: int) -> List[Requ
 
 
 def _tree_finished(run: RunState, rec: RequestRecord) -> None:
-    """``rec`` finished: its tree has one record less live; a tree whose last record finished
-    short of its leaf budget is topped up with copies of its prompt (``fork`` from ``pending``)."""
-    tree = rec.branch.tree
+    """``rec`` finished: its tree has one record less live; the leaves of its budget it did not
+    spend (its forks never came) are topped up at once, with copies of the tree's prompt (``fork``
+    from ``pending``, budget 1 each), so that the tree ends with exactly its leaf budget."""
+    branch = rec.branch
+    tree = branch.tree
     tree.live -= 1
-    missing = tree.short()
-    if not missing:
+    missing = branch.budget - 1 if branch.budget is not None and tree.seed is not None else 0
+    if missing < 1:
         return
-    root = tree.records[0].branch
-    uuids = [child_uuid(tree.root, root.children + k) for k in range(1, missing + 1)]
-    root.children += missing
+    branch.budget = 1
+    # numbered after every child the root can fork (at most budget - 1), so that the copies' uuids
+    # never depend on when each record finished: whichever records they came from, they are the same
+    uuids = [child_uuid(tree.root, tree.limit - 1 + tree.topped_up + k) for k in range(1, missing + 1)]
     tree.topped_up += missing
     _born(run, tree.seed, tree.root, tree, uuids, [fork_request(tree.seed.request, u) for u in uuids], [1] * missing,
           (0, PENDING))

@@ -82,21 +82,26 @@ def test_a_fork_at_tool_step_shares_the_turn_and_runs_each_branch_step(mode):
 
 @pytest.mark.parametrize('mode', MODES)
 def test_the_leaf_budget_gives_exactly_n_leaves(mode):
-    """r0 forks at turn 2 (budget 5 split 3/2, its child a~1 may fork again at its next point
-    but ``at`` names turn 2 only); r1 finishes at turn 1 and its tree is topped up from its prompt."""
+    """r0 forks at turn 2 (budget 5 split 3/2; ``at`` names turn 2 only, so neither forks again):
+    when they finish, the 2 + 1 leaves they did not spend are copies of the prompt; r1 finishes at
+    turn 1 and gives its 4 back at once. The copies are numbered after the children the root could
+    have forked (budget - 1), whichever record's budget they came from."""
     sched = ToolLoop(stop_at={'r1': 1})
     result, requests = run(Branching(at={'turn': 2}, copies=2, leaves=5), mode, scheduler=sched)
     trees = {t['root']: t for t in result.trees}
     assert [len(t['leaves']) for t in result.trees] == [5, 5]
     assert trees['r0']['forks'][0] == {'parent': 'r0', 'children': ['r0~1'], 'turn': 2, 'state': 'generating'}
-    assert trees['r0']['forks'][1]['top_up'] and trees['r0']['topped_up'] == 3
+    assert trees['r0']['forks'][1] == {'parent': 'r0', 'children': ['r0~5', 'r0~6', 'r0~7'], 'turn': 0,
+                                       'state': 'pending', 'top_up': True} and trees['r0']['topped_up'] == 3
     assert trees['r1']['topped_up'] == 4 and trees['r1']['forks'] == [
-        {'parent': 'r1', 'children': ['r1~1', 'r1~2', 'r1~3', 'r1~4'], 'turn': 0, 'state': 'pending', 'top_up': True}]
+        {'parent': 'r1', 'children': ['r1~5', 'r1~6', 'r1~7', 'r1~8'], 'turn': 0, 'state': 'pending', 'top_up': True}]
+    # r1's copies started in the turn r1 finished, not after the rest of its tree
+    assert result.trace.for_request('r1~5')[0].t <= result.trace.for_request('r1')[-1].t + 1.0
     by_uuid = {r.uuid: (o, reason) for r, o, reason in zip(requests, result.outputs, result.finish_reasons)}
     # a top-up copy plays the prompt from turn 1 (on_trajectory_start and all), under its own uuid
-    copy, reason = by_uuid['r1~2']
-    assert copy.messages[1]['content'] == 'r1~2 turn 1' and reason == 'max_turns'
-    assert result.trace.states('r1~2')[:3] == ['pending', 'pending', 'generating']
+    copy, reason = by_uuid['r1~6']
+    assert copy.messages[1]['content'] == 'r1~6 turn 1' and reason == 'max_turns'
+    assert result.trace.states('r1~6')[:3] == ['pending', 'pending', 'generating']
     assert by_uuid['r1'][1] == 'done_by_hook'
 
 
@@ -216,7 +221,7 @@ def test_a_stream_delivers_each_tree_as_one_group():
                   branch=Branching(at={'turn': 2}, copies=2, leaves=3))
     groups = list(ex.stream([[req('a')], [req('b')]], max_staleness=0, max_concurrency=2))
     by_root = {g.trees[0]['root']: g for g in groups}
-    assert sorted(by_root['a'].uuids) == ['a', 'a~1', 'a~2'] and sorted(by_root['b'].uuids) == ['b', 'b~1', 'b~2']
+    assert sorted(by_root['a'].uuids) == ['a', 'a~1', 'a~3'] and sorted(by_root['b'].uuids) == ['b', 'b~3', 'b~4']
     assert by_root['a'].trees[0]['forks'][0]['children'] == ['a~1']
     assert all(len(g.outputs) == len(g.events) == 3 for g in groups)
 

@@ -36,7 +36,7 @@ def test_every_leaf_is_written_with_its_parent_and_the_trees_beside_them(run_dir
     assert [t['root'] for t in trees] == ['guess-00', 'guess-01']
     assert sorted(line['uuid'] for line in lines) == sorted(leaf for t in trees for leaf in t['leaves'])
     parents = {line['uuid']: line.get('parent') for line in lines}
-    assert parents['guess-00'] is None and parents['guess-00~1'] == 'guess-00' and parents['guess-00~2'] == 'guess-00'
+    assert parents['guess-00'] is None and parents['guess-00~1'] == 'guess-00' and parents['guess-00~3'] == 'guess-00'
     assert {line['group'] for line in lines if line['uuid'].startswith('guess-00')} == {'guess-00'}
     assert {line['index'] for line in lines if line['uuid'].startswith('guess-01')} == {1}  # its prompt's position
     # each child's line replays it from turn 1: the parent's turn first
@@ -51,14 +51,14 @@ def test_trace_show_names_each_childs_parent(run_dir, capsys):
     assert header.split()[:3] == ['request', 'parent', 'turn']
     row = next(r for r in rows if r.startswith('guess-00~1 '))
     assert row.split()[1] == 'guess-00' and row.split()[2] == '='  # its turn 1 is its parent's
-    assert main(['trace', 'show', str(run_dir / 'trace.jsonl'), '--detail', 'guess-00~2', '--color', 'never']) == 0
+    assert main(['trace', 'show', str(run_dir / 'trace.jsonl'), '--detail', 'guess-00~3', '--color', 'never']) == 0
     assert 'parent: guess-00 (a copy of its prompt)' in capsys.readouterr().out
 
 
 def test_a_top_up_copy_is_one_request_in_the_views(run_dir):
     views = {v.uuid: v for v in request_views(Trace.read_jsonl(run_dir / 'trace.jsonl'))}
     assert len(views) == 6
-    copy = views['guess-00~2']
+    copy = views['guess-00~3']
     assert copy.parent == 'guess-00' and copy.cells[0].turn == 1 and copy.reason is not None
     assert views['guess-00'].children == ['guess-00~1']
 
