@@ -439,8 +439,17 @@ def tree_record(tree: Tree) -> Dict[str, Any]:
         b = rec.branch
         parent = 0 if b.parent is None or b.born[1] == PENDING else ends_at.get((b.parent, b.born), 0)
         grow(rec, parent)
-    by_id = {n['id']: n for n in nodes}
     rewards = {uuid: _reward(rec) for uuid, rec in records.items()}
+    _leaves_and_values(nodes, last_node, rewards)
+    return {'root': tree.root, 'leaves': [r.uuid for r in order],
+            'budget': tree.limit, 'topped_up': tree.topped_up, 'forks': _forks(tree),
+            'rewards': rewards, 'reasons': {uuid: rec.reason for uuid, rec in records.items()}, 'nodes': nodes}
+
+
+def _leaves_and_values(nodes: List[Dict[str, Any]], last_node: Dict[str, int],
+                       rewards: Dict[str, Optional[float]]) -> None:
+    """Each node's ``leaves`` (every leaf whose path runs through it) and ``value`` (their mean reward)."""
+    by_id = {n['id']: n for n in nodes}
     for uuid, node_id in last_node.items():
         node: Optional[Dict[str, Any]] = by_id[node_id]
         while node is not None:
@@ -449,15 +458,19 @@ def tree_record(tree: Tree) -> Dict[str, Any]:
     for node in nodes:
         values = [rewards[u] for u in node['leaves'] if rewards[u] is not None]
         node['value'] = sum(values) / len(values) if values else None
-    forks = sorted((f for f in tree.forks if not f.get('top_up')),  # in time order per record, top-ups last
+
+
+def _forks(tree: Tree) -> List[Dict[str, Any]]:
+    """The tree's forks in time order per record, whatever the driver; the copies of the prompt
+    that topped it up last, in one entry (which records' unspent budgets they came from, and in
+    what order, is the driver's timing)."""
+    forks = sorted((f for f in tree.forks if not f.get('top_up')),
                    key=lambda f: (_uuid_key(f['parent'], tree.root), f['turn'], f['state']))
     copies = sorted((c for f in tree.forks if f.get('top_up') for c in f['children']),
                     key=lambda u: _uuid_key(u, tree.root))
-    if copies:  # one entry, whichever records' unspent budgets they came from (that order is the driver's)
+    if copies:
         forks.append({'parent': tree.root, 'children': copies, 'turn': 0, 'state': PENDING, 'top_up': True})
-    return {'root': tree.root, 'leaves': [r.uuid for r in order],
-            'budget': tree.limit, 'topped_up': tree.topped_up, 'forks': forks,
-            'rewards': rewards, 'reasons': {uuid: rec.reason for uuid, rec in records.items()}, 'nodes': nodes}
+    return forks
 
 
 def _uuid_key(uuid: str, root: str) -> Tuple[int, List[int]]:

@@ -109,8 +109,11 @@ class RunState:
     def add_records(self, records: List[RequestRecord]) -> None:
         """New records (a fork's children) enter the run: kept with the others (and their requests
         appended to the caller's list, so that ``outputs[i]`` answers ``requests[i]``), named in the
-        trace, and handed to the driver by :meth:`take_entering`."""
+        trace, in their parent's stream group (delivered when they finish too), and handed to the
+        driver by :meth:`take_entering`."""
         for rec in records:
+            if rec.group is not None:
+                rec.group.records.append(rec)
             if self.keeps_records:
                 self.records.append(rec)
                 if self.recorder is not None:

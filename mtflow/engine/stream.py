@@ -377,17 +377,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))  # its group goes back whole (hand_back_whole)
 
-    def admit_entering(self) -> None:
-        """A fork's children and a tree's top-up copies join their parent's group (it is
-        delivered when they finish too), then the queue (:meth:`AsyncDriver.admit_entering`)."""
-        for rec in self.run.entering:
-            group = rec.group
-            if group is not None and rec not in group.records:
-                group.records.append(rec)
-        super().admit_entering()
-
     def member_done(self, rec: RequestRecord) -> None:
-        self.admit_entering()  # the records its finish made (a top-up) join the group before it is counted
         group = rec.group
         if group is None:
             return
