@@ -431,20 +431,24 @@ class BranchAtConfig(StrictModel):
 class BranchConfig(StrictModel):
     """Branching rollouts (docs/branching.md): each request's machine forks into branches that share
     its history exactly; its leaves are ordinary trajectories and its tree is written beside them."""
-    at: Union[Literal['tool_calls'], BranchAtConfig] = Field(
-        description="Where to fork: 'tool_calls', or a mapping of turn, state, tool_calls, entropy, hook.")
+    at: BranchAtConfig = Field(
+        description="Where to fork: a mapping of turn, state, tool_calls, entropy, hook ('tool_calls' alone is "
+        'short for {tool_calls: true}).')
     copies: int = Field(2, ge=2, description='Branches at each fork (the request itself is the first).')
     leaves: Optional[int] = Field(None, ge=1, description='The leaf budget of each prompt\'s tree: forks split it, '
                                   'and a tree whose forks never came is topped up with copies of the prompt, so every '
                                   'group has exactly this many leaves.')
 
+    @field_validator('at', mode='before')
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        return {'tool_calls': True} if v == 'tool_calls' else v
+
     def branching(self, base_dir: Optional[str] = None) -> Branching:
         """The :class:`mtflow.Branching` this section says (its hook resolved)."""
-        at: Any = self.at
-        if not isinstance(at, str):
-            at = {k: v for k, v in at.model_dump(exclude_none=True).items() if v is not False}
-            if self.at.hook is not None:
-                at['hook'] = resolve_reference(self.at.hook, base_dir)
+        at = {k: v for k, v in self.at.model_dump(exclude_none=True).items() if v is not False}
+        if self.at.hook is not None:
+            at['hook'] = resolve_reference(self.at.hook, base_dir)
         return Branching(at=at, copies=self.copies, leaves=self.leaves)
 
 

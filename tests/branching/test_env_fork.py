@@ -81,3 +81,12 @@ def test_the_branch_section_is_checked_by_the_schema():
     scheduler = load_scheduler({'max_turns': 2, 'branch': {'at': {'turn': 2, 'entropy': {'above': 1}}, 'leaves': 4}})
     assert scheduler.branch.at == {'turn': 2, 'state': 'generating', 'entropy': {'above': 1.0}}
     assert scheduler.branch.leaves == 4 and scheduler.branch.copies == 2
+
+
+def test_mtflow_validate_names_the_file_line_and_closest_key(tmp_path):
+    from mtflow.declarative import validate_file
+
+    path = tmp_path / 'branch.yaml'
+    path.write_text('max_turns: 3\nbranch:\n  at: {turns: 2}\n  copies: 3\n')
+    [problem] = validate_file(path)
+    assert problem.line == 3 and "branch.at.turns: unknown key 'turns'; did you mean 'turn'?" in str(problem)
