@@ -106,7 +106,7 @@ class _NoEvents(list):
 
 def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
     """The ``forget(uuid)`` of a ``rollout_fn`` that keeps state per request (the scripted and
-    replay backends), looked up through its wrappers (:func:`~mtflow.engine.model_call.backend_methods`),
+    replay backends), looked up through its wrappers (:func:`~mtflow.core.calls.wrapped_methods`),
     or ``None``. A stream calls it once for each request that is final, so that such a backend's
     memory stays flat however many requests stream through it."""
     found = wrapped_methods(rollout_fn, 'forget')
