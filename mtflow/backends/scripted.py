@@ -24,6 +24,11 @@ as a real engine would; the text is cut with them (to the token strings when the
 else word by word when it has one word per id; otherwise the line cannot be cut: an error).
 Context-budget tests use it (``docs/context.md``).
 
+A request forked into children (``docs/branching.md``, :meth:`ScriptedBackend.fork`) hands them
+its turn count, so a line keyed ``{"uuid": "<child>", "turn": t}`` answers the child's turn ``t``;
+a child without lines of its own goes on with its parent's lines from where the parent is (the
+lines keyed by the parent's uuid and turn, else the prompt's in order), else the unkeyed lines.
+
 Memory: the per-request state (the call count that numbers its turns, a copy's place in its
 prompt's lines) is dropped by :meth:`ScriptedBackend.forget` once the request is final, which a
 stream (``Executor.stream``) and ``mtflow run`` call for every delivered request; so a stream of
@@ -111,8 +116,17 @@ class ScriptedBackend(Backend):
                 self._free.append(line)
         self._next = 0
         self._calls: Dict[str, int] = defaultdict(int)
+        self._parent: Dict[str, str] = {}  # a fork's child -> its parent (fork)
         #: an async run calls a sync backend from several threads: the counters move together
         self._lock = threading.Lock()
+
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked: each child starts with its turn count and place."""
+        with self._lock:
+            for child in children:
+                self._calls[str(child)] = self._calls[str(parent)]
+                self._copy_pos[str(child)] = self._calls[str(parent)]
+                self._parent[str(child)] = str(parent)
 
     def forget(self, uuid: str) -> None:
         """Request ``uuid`` is final (delivered, written): drop its call count and copy position,
@@ -121,6 +135,7 @@ class ScriptedBackend(Backend):
         with self._lock:
             self._calls.pop(str(uuid), None)
             self._copy_pos.pop(str(uuid), None)
+            self._parent.pop(str(uuid), None)
 
     def _line_for(self, request: Any) -> Line:
         uuid = str(getattr(request, 'uuid', None))
@@ -132,6 +147,12 @@ class ScriptedBackend(Backend):
         queue = self._by_uuid.get(uuid)
         if queue:
             return queue.popleft()
+        ancestor = self._parent.get(uuid)
+        while ancestor is not None:  # a fork's child: its ancestors' lines for this turn
+            line = self._keyed.get((ancestor, turn))
+            if line is not None:
+                return line
+            ancestor = self._parent.get(ancestor)
         prompt = group_of(uuid, getattr(request, 'data_dict', None))
         if prompt != uuid:  # a copy made by num_generations: the prompt's own lines
             line = self._keyed.get((prompt, turn))

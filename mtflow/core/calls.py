@@ -32,7 +32,7 @@ from types import CoroutineType as _CoroutineType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK', 'is_async_callable', 'within',
-           'UNWIND_GRACE_S']
+           'UNWIND_GRACE_S', 'wrapped_methods']
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
 
@@ -49,6 +49,22 @@ def is_async_callable(fn: Any) -> bool:
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
         inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
+
+
+def wrapped_methods(fn: Any, name: str) -> List[Callable[..., Any]]:
+    """The methods called ``name`` of ``fn`` and of what it wraps (``__wrapped__``, a bound
+    method's object; a few wrappers deep), outermost first, each once. A ``rollout_fn`` that keeps
+    state per request declares so with them: ``forget(uuid)`` (the request is final), ``fork(
+    parent_uuid, child_uuids)`` (children were forked from it, ``docs/branching.md``)."""
+    found: List[Callable[..., Any]] = []
+    for _ in range(8):  # a few wrappers deep, never a cycle
+        if fn is None:
+            break
+        method = getattr(fn, name, None)
+        if callable(method) and method not in found:
+            found.append(method)
+        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
+    return found
 
 
 async def within(call: Any, timeout: Optional[float], started: Optional[float] = None) -> Outcome:

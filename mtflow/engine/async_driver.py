@@ -48,7 +48,8 @@ from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
 from mtflow.accounting.token_record import RECORD_ATTR
-from mtflow.engine.driver import Driver, publish
+from mtflow.engine.branching import plant
+from mtflow.engine.driver import Driver, publish, trees
 from mtflow.engine.in_flight import InFlight
 from mtflow.engine.in_flight import Stopped as _Stopped
 from mtflow.engine.handlers import STATE_HANDLERS, advance, check_uuids, prepare_steps
@@ -125,6 +126,7 @@ class AsyncDriver(Driver):
         #: token record when its generation was issued, which a dropped generation's backend may
         #: have extended: the request goes back with the one it had)
         self.dropped: List[Tuple[RequestRecord, Any]] = []
+        plant(run.branching, run.records)
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> RunResult:
@@ -165,14 +167,7 @@ class AsyncDriver(Driver):
         if self.session_bound is not None and first_outputs is None:
             self.queue.extend(rec for rec in run.records if rec.state != FINISHED)
             return  # started in fill_slots, as sessions free up
-        moves = [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else \
-            STATE_HANDLERS[PENDING](run, fresh, 1)
-        for mv in moves:
-            if mv.trigger in (GENERATE, CONTINUE):
-                mv.record.admission = mv
-            else:
-                apply_moves(run, [mv])
-        self.started.update(rec.index for rec in fresh)
+        self.begin(fresh, [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else None)
         live = [rec for rec in run.records if rec.state != FINISHED]
         if first_outputs is None:
             self.queue.extend(live)
@@ -204,17 +199,39 @@ class AsyncDriver(Driver):
             for _ in due:
                 gate.waited(perf_counter() - self.t_start)
         self.start_rounds += 1
-        for mv in STATE_HANDLERS[PENDING](self.run, due, 1):
+        self.begin(due)
+
+    def begin(self, records: List[RequestRecord], moves: Optional[List[Any]] = None) -> None:
+        """``on_trajectory_start`` for ``records`` (``pending``), together (``moves``: their moves
+        when it does not run, e.g. the first turn was given); each one's move into the model's
+        turn is kept for when it gets a slot (``record.admission``), any other is carried out."""
+        for mv in moves if moves is not None else STATE_HANDLERS[PENDING](self.run, records, 1):
             if mv.trigger in (GENERATE, CONTINUE):
                 mv.record.admission = mv
             else:
                 apply_moves(self.run, [mv])
-        self.started.update(rec.index for rec in due)
+        self.started.update(rec.index for rec in records)
+
+    def admit_entering(self) -> None:
+        """The records that entered the run (``docs/branching.md``: a fork's children, born where
+        their parent was; a tree's top-up copies, started here) go first in the queue, so that a
+        tree finishes together; each takes a slot as any request does."""
+        new = self.run.take_entering()
+        if not new:
+            return
+        fresh = [rec for rec in new if rec.state == PENDING]
+        if fresh:
+            self.begin(fresh)
+        self.started.update(rec.index for rec in new)
+        self.queue.extendleft(reversed([rec for rec in new if rec.state != FINISHED]))
 
     def fill_slots(self) -> None:
         if self.session_bound is not None:
             self.start_deferred()
-        while self.queue and self.active < self.max_concurrency:
+        while True:
+            self.admit_entering()
+            if not (self.queue and self.active < self.max_concurrency):
+                break
             rec = self.queue.popleft()
             self.active += 1
             admission, rec.admission = rec.admission, None
@@ -386,5 +403,6 @@ def partial_result(run: RunState, started: Set[int]) -> RunResult:
         turns=run.loops,
         rollout_fn_calls=run.rollout_calls)
     result.unfinished = [UnfinishedRequest(r, r.index in started) for r in run.records if r.state != FINISHED]
+    result.trees = trees(run)
     publish(run, result)
     return result

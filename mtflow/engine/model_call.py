@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.calls import RAISED, TIMED_OUT, Outcome, is_async_callable
 from mtflow.core.errors import RolloutFnError, StepTimeout
-from mtflow.core.machine import TIMEOUT, RequestRecord
+from mtflow.core.machine import TIMEOUT, WAITING_STATES, RequestRecord
 from mtflow.core.records import Move
 from mtflow.engine.moves import apply_moves, fail_move
 from mtflow.engine.run_state import RunState
@@ -94,16 +94,21 @@ def call_model(run: RunState, records: List[RequestRecord], turn: int) -> Option
 
 def model_failure_moves(records: List[RequestRecord], turn: int, outcome: Outcome) -> List[Move]:
     """The ``fail`` moves of the records a ``rollout_fn`` call served when it raised or timed out
-    (``[]`` when it returned)."""
+    (``[]`` when it returned); each at the turn it was waiting for (``turn``, but for a tree's
+    top-up copy that started mid-run, ``docs/branching.md``)."""
     if outcome.kind == TIMED_OUT:
         err = StepTimeout(f'rollout_fn did not return within {outcome.value:g} s', turn=turn, field='rollout_fn')
-        return [fail_move(rec, turn, 'rollout_fn', err, TIMEOUT) for rec in records]
+        return [fail_move(rec, _waiting_turn(rec, turn), 'rollout_fn', err, TIMEOUT) for rec in records]
     if outcome.kind == RAISED:
         exc = outcome.value
         err = RolloutFnError(f'rollout_fn raised {type(exc).__name__}: {exc}', turn=turn, field='rollout_fn')
         err.__cause__ = exc
-        return [fail_move(rec, turn, 'rollout_fn', err) for rec in records]
+        return [fail_move(rec, _waiting_turn(rec, turn), 'rollout_fn', err) for rec in records]
     return []
+
+
+def _waiting_turn(rec: RequestRecord, turn: int) -> int:
+    return rec.turns + 1 if rec.state in WAITING_STATES else turn
 
 
 def request_failed(exc: BaseException, uuid: str, turn: int) -> RolloutFnError:
@@ -127,7 +132,7 @@ def deliver(run: RunState, records: List[RequestRecord], outputs: Any, turn: int
     if outputs is None or len(outputs) != len(records):
         got = f'{len(outputs)} output(s)' if outputs is not None else f'a {type(returned).__name__}'
         err = RolloutFnError(f'rollout_fn returned {got} for {len(records)} request(s)', turn=turn, field='outputs')
-        apply_moves(run, [fail_move(rec, turn, 'rollout_fn', err) for rec in records])
+        apply_moves(run, [fail_move(rec, _waiting_turn(rec, turn), 'rollout_fn', err) for rec in records])
         return
     for rec, out in zip(records, outputs):
         rec.incoming = out

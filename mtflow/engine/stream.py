@@ -34,7 +34,6 @@ stops it: the generations in flight are cancelled and their requests handed back
 from __future__ import annotations
 
 import asyncio
-import inspect
 import queue
 import threading
 from dataclasses import dataclass
@@ -43,12 +42,12 @@ from collections import deque
 from typing import (Any, AsyncIterator, Callable, ClassVar, Deque, Dict, Iterable, Iterator, List, Optional, Tuple,
                     Union)
 
-from mtflow.core.calls import OK, RAISED, Outcome
-from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, RequestRecord
+from mtflow.core.calls import OK, RAISED, Outcome, wrapped_methods
+from mtflow.core.machine import FINISHED, RequestRecord
 from mtflow.engine.async_driver import AsyncDriver
-from mtflow.engine.handlers import STATE_HANDLERS
+from mtflow.engine.branching import plant, tree_record, trees_of
 from mtflow.engine.in_flight import Stopped
-from mtflow.engine.moves import apply_moves, interrupt_all
+from mtflow.engine.moves import interrupt_all
 from mtflow.engine.partial import Budget, UnfinishedRequest
 from mtflow.engine.resume import GenerationAborted
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
@@ -111,18 +110,11 @@ class _NoEvents(list):
 
 def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
     """The ``forget(uuid)`` of a ``rollout_fn`` that keeps state per request (the scripted and
-    replay backends), looked up through its wrappers (``__wrapped__``, a bound method's object),
+    replay backends), looked up through its wrappers (:func:`~mtflow.core.calls.wrapped_methods`),
     or ``None``. A stream calls it once for each request that is final, so that such a backend's
     memory stays flat however many requests stream through it."""
-    fn = rollout_fn
-    for _ in range(8):  # a few wrappers deep, never a cycle
-        if fn is None:
-            return None
-        forget = getattr(fn, 'forget', None)
-        if callable(forget):
-            return forget
-        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
-    return None
+    found = wrapped_methods(rollout_fn, 'forget')
+    return found[0] if found else None
 
 
 class StreamDriver(AsyncDriver):
@@ -138,6 +130,7 @@ class StreamDriver(AsyncDriver):
                  on_update: str, deliver: Any) -> None:
         super().__init__(run, None, clock)
         run.requests = {}  # not the caller's list: a step's next request is not written back anywhere
+        run.keeps_records = False  # each record is kept by its group, from admission to delivery
         if run.recorder is not None:
             run.recorder.raw = _NoEvents()
         self.source = source
@@ -152,7 +145,6 @@ class StreamDriver(AsyncDriver):
         self.forget_request = forget_fn(run.settings.rollout_fn)
         #: the groups in flight, by id (each member's record holds its own: ``record.group``)
         self.in_flight: Dict[int, InFlightGroup] = {}
-        self.next_index = 0
         self.next_seq = 0
         self.delivered_groups = 0
         self.delivered_requests = 0
@@ -278,6 +270,7 @@ class StreamDriver(AsyncDriver):
 
     def fill_slots(self) -> None:
         while self.active < self.max_concurrency:
+            self.admit_entering()
             if not self.queue and not self.pull():
                 break
             super().fill_slots()
@@ -330,8 +323,8 @@ class StreamDriver(AsyncDriver):
         run = self.run
         records = []
         for request in requests:
-            index = self.next_index
-            self.next_index += 1
+            index = self.run.next_index  # the run's counter: a fork's children count on it too
+            self.run.next_index += 1
             rec = RequestRecord(index, uuid_of(request, index), request)
             if run.recorder is not None:
                 rec.events = []
@@ -342,12 +335,8 @@ class StreamDriver(AsyncDriver):
         group.done = 0
         group.tokens = 0
         group.doomed = False
-        for mv in STATE_HANDLERS[PENDING](run, records, 1):
-            if mv.trigger in (GENERATE, CONTINUE):
-                mv.record.admission = mv
-            else:
-                apply_moves(run, [mv])
-        self.started.update(r.index for r in records)
+        plant(run.branching, records)
+        self.begin(records)
         for rec in records:
             if rec.state == FINISHED:  # on_trajectory_start failed: finished before it took a slot
                 self.active += 1
@@ -495,8 +484,8 @@ class StreamDriver(AsyncDriver):
         """A group that will not be delivered goes back in :attr:`unfinished` as fresh prompts."""
         self.stats['handed_back_groups'] += 1
         for prompt in prompts:
-            index = self.next_index
-            self.next_index += 1
+            index = self.run.next_index  # the run's counter: a fork's children count on it too
+            self.run.next_index += 1
             self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))
 
     def uncount(self, stale: StreamGroup) -> None:
@@ -541,6 +530,8 @@ class StreamDriver(AsyncDriver):
         if self.rerun_if_stale(group):
             return
         delivered = delivered_group(self.run, group, self.staleness.seen_version)
+        if self.run.branching is not None:
+            delivered.trees = [tree_record(tree) for tree in trees_of(group.records)]
         self.handed_out += 1
         self.delivered_groups += 1
         self.delivered_requests += len(group.records)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mtflow.accounting.token_record import record_accounting
 from mtflow.backends.base import Backend, reports_of
+from mtflow.core.calls import wrapped_methods
 from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
@@ -42,6 +43,12 @@ class _TurnCounter:
         self.store = store
         self.on_turn = on_turn
         self.turn = 0
+
+    def fork(self, parent: str, children: List[str]) -> None:
+        """A request was forked (``docs/branching.md``): the backend is told (the replay backend
+        goes on with the children from the parent's turn)."""
+        for tell in wrapped_methods(self.rollout_fn, 'fork'):
+            tell(parent, children)
 
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
         self.store.tick()
@@ -97,7 +104,8 @@ class StreamingRun:
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        self.write_finished(finished, self._indices[finished.index], self._requests[finished.index], self._t_offset)
+        root = finished.root_index if finished.root_index is not None else finished.index  # a fork's child: its root's
+        self.write_finished(finished, self._indices[root], self._requests[root], self._t_offset)
 
     def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None) -> None:
         """Write one finished request (its dataset position ``index``, its input ``request``;
@@ -172,6 +180,7 @@ class StreamingRun:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls
             raise
         self.rollout_fn_calls += result.rollout_fn_calls
+        self.store.write_trees(result.trees)
         lost = [f for f in result.failures if f.phase == 'on_finished']
         if lost:  # the executor kept going; a request that could not be stored must not pass silently
             raise RunDirError(f'request {lost[0].uuid} could not be written ({len(lost)} in this batch): '

@@ -83,6 +83,15 @@ class ReplayBackend(Backend):
             self._turns[uuid] = turns
         return turns
 
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked (``docs/branching.md``): each child goes on from the
+        parent's turn (its recorded line holds the parent's turns before its own), live when the
+        parent went live."""
+        for child in children:
+            self._calls[str(child)] = self._calls.get(str(parent), 0)
+            if str(parent) in self._live:
+                self._live.add(str(child))
+
     def forget(self, uuid: str) -> None:
         """A request finished: drop what was kept for it."""
         self._turns.pop(uuid, None)

@@ -102,6 +102,13 @@ class TurnLog:
             turn['prompt'] = digest if digest is not None else prompt_digest(getattr(request, 'messages', None))
             self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
 
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked (``docs/branching.md``): each child's line will hold the
+        parent's turns before its own, so that every leaf's ``turns`` replays it from turn 1."""
+        notes = self._notes.get(str(parent), [])
+        for child in children:
+            self._notes[str(child)] = [dict(turn) for turn in notes]
+
     def wrap(self, rollout_fn: Any) -> Any:
         if is_async_callable(rollout_fn):
 
@@ -111,6 +118,7 @@ class TurnLog:
                 return outputs
 
             noted_async.__wrapped__ = rollout_fn  # type: ignore[attr-defined]
+            noted_async.fork = self.fork  # type: ignore[attr-defined]
             return noted_async
 
         def noted(requests: List[Any], request_config: Any = None) -> Any:
@@ -127,6 +135,7 @@ class TurnLog:
             return outputs
 
         noted.__wrapped__ = rollout_fn  # type: ignore[attr-defined]  # the backend's attributes (context budgets)
+        noted.fork = self.fork  # type: ignore[attr-defined]
         return noted
 
     def finish(self, uuid: str, record: Dict[str, Any]) -> List[Dict[str, Any]]:
