@@ -44,12 +44,13 @@ def _record_segment(record: RequestRecord) -> Optional[Dict[str, Any]]:
             'rollout_logprobs': logprobs, 'glue_ids': glue, 'exact': rec.exact}
 
 
-def cut_segment(record: RequestRecord, exact_ids: bool) -> Dict[str, Any]:
+def cut_segment(record: RequestRecord, exact_ids: bool, ended_by: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Close the current segment of ``record`` (a compaction is about to rewrite its messages):
     its ids, mask and logprobs (from the token record when ``exact_ids`` and the record holds
     exactly these turns, else the accounting's own), kept in ``rollout_infos['context_segments']``;
     the record then starts a new segment (no ids yet; the request's token record detached, so
-    the backend renders the compacted prompt afresh instead of marking the record restarted)."""
+    the backend renders the compacted prompt afresh instead of marking the record restarted).
+    ``ended_by``: what ended the segment (a step's ``new_segment`` dict), kept under that key."""
     segments = record.infos.setdefault(SEGMENTS_KEY, [])
     index = len(segments)
     seg = _record_segment(record) if exact_ids else None
@@ -59,6 +60,8 @@ def cut_segment(record: RequestRecord, exact_ids: bool) -> Dict[str, Any]:
                'rollout_logprobs': [list(s) for s in record.logprobs], 'glue_ids': None, 'exact': False}
     seg = {'segment': index, 'turns': [record.segment_start + 1, record.turns], **seg,
            'messages': copy.deepcopy(list(record.request.messages))}
+    if ended_by is not None:
+        seg['ended_by'] = dict(ended_by)
     segments.append(seg)
     record.ids, record.mask, record.logprobs = [], [], []
     record.segment_start = record.turns
