@@ -24,6 +24,15 @@ as a real engine would; the text is cut with them (to the token strings when the
 else word by word when it has one word per id; otherwise the line cannot be cut: an error).
 Context-budget tests use it (``docs/context.md``).
 
+**Exact ids** (``tokenizer=``: a tokenizer object, or a model name :func:`mtflow.backends.models.load_tokenizer`
+takes, such as ``'embedded'``): the scripted backend then builds every prompt from exact token
+ids with that tokenizer's chat template and keeps each request's token record
+(:mod:`mtflow.backends.tokens`), as the HF backend does; a line's sampled ids are its
+``token_ids``, else its ``content`` tokenized plus the tokenizer's EOS (a stop; logprobs only
+when the line has them). So a scripted
+"model" that calls tools produces trajectories whose segments pass ``mtflow check-tokens``
+(the gateway's tests, ``docs/gateway.md``).
+
 Memory: the per-request state (the call count that numbers its turns, a copy's place in its
 prompt's lines) is dropped by :meth:`ScriptedBackend.forget` once the request is final, which a
 stream (``Executor.stream``) and ``mtflow run`` call for every delivered request; so a stream of
@@ -39,6 +48,8 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 from mtflow.data.sources import group_of
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output
+from mtflow.backends.models import load_tokenizer
+from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
 __all__ = ['ScriptedBackend', 'read_script']
 
@@ -80,9 +91,17 @@ class ScriptedBackend(Backend):
     name = 'scripted'
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
-                 cycle: bool = False, honor_max_tokens: bool = False) -> None:
+                 cycle: bool = False, honor_max_tokens: bool = False, tokenizer: Any = None,
+                 chat_template: Optional[str] = None) -> None:
         super().__init__()
         self.honor_max_tokens = honor_max_tokens
+        if isinstance(tokenizer, str):
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        #: exact-id prompts and token records (``None``: no tokenizer given, outputs only)
+        self.prompter = TokenPrompter(tokenizer, chat_template) if tokenizer is not None else None
+        if self.prompter is not None:  # context budgets count exactly (without a tokenizer: count_tokens: words)
+            self.count_prompt_tokens = self._count_prompt_tokens
         if (path is None) == (outputs is None):
             raise BackendError('scripted backend: give exactly one of path= (a JSONL file) or outputs=')
         if path is not None:
@@ -152,12 +171,17 @@ class ScriptedBackend(Backend):
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         outputs = []
-        for request in requests:
+        prompter = self.prompter
+        plans = [prompter.plan(r) for r in requests] if prompter is not None else None
+        for k, request in enumerate(requests):
             with self._lock:
                 line = self._line_for(request)
+            if prompter is not None and line.get('token_ids') is None:
+                line = self._tokenized(line)
             if self.honor_max_tokens:
                 line = _cut(line, options.max_tokens, request)
             lps = line.get('logprobs') if options.logprobs else None
+            prompt = plans[k].ids if plans is not None else None
             outputs.append(
                 build_output(
                     line['content'],
@@ -165,8 +189,26 @@ class ScriptedBackend(Backend):
                     line.get('finish_reason', 'stop'),
                     logprobs=lps,
                     tokens=line.get('tokens') if lps is not None else None,
-                    model=self.model_name))
+                    model=self.model_name,
+                    prompt_tokens=len(prompt) if prompt is not None else 0,
+                    prompt_token_ids=list(prompt) if prompt is not None else None))
+        if plans is not None:
+            commit_outputs(prompter, requests, plans, outputs)
         return outputs
+
+    def _tokenized(self, line: Line) -> Line:
+        """A line without ``token_ids`` under a tokenizer: its text's ids and the EOS, as a model
+        that wrote it and stopped would have sampled (a logprob of 0 each unless it has its own)."""
+        tok = self.tokenizer
+        ids = list(tok(line['content'], add_special_tokens=False)['input_ids'])
+        if line.get('finish_reason', 'stop') == 'stop' and tok.eos_token_id is not None:
+            ids.append(int(tok.eos_token_id))
+        tokens = tok.batch_decode([[i] for i in ids])
+        return dict(line, token_ids=ids, tokens=tokens)
+
+    def _count_prompt_tokens(self, request: Any) -> int:
+        """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
+        return len(self.prompter.plan(request).ids)
 
 
 def _cut(line: Line, max_tokens: int, request: Any) -> Line:
