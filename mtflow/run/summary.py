@@ -21,7 +21,7 @@ __all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed']
 FAILED_REASONS = ('error', 'timeout')
 
 
-def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
+def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
               load_s: float) -> Dict[str, Any]:
     """The figures of ``summary.json``: the requests on disk (every attempt, from the store's
     tally) and this attempt's timings."""
@@ -34,9 +34,9 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
     load_info = getattr(backend, 'load_info', {}) or {}
     done = len(store.done)
     return {
-        'config': cfg.source,
-        'backend': backend.describe() if hasattr(backend, 'describe') else cfg.backend,
-        'scheduler': cfg.scheduler,
+        'config': cfg.source if cfg is not None else None,
+        'backend': backend.describe() if hasattr(backend, 'describe') else getattr(cfg, 'backend', None),
+        'scheduler': cfg.scheduler if cfg is not None else None,
         'requests': total,
         'written': done,
         'interrupted': store.interrupted,
