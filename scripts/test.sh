@@ -41,6 +41,13 @@ command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBI
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
 
+# the gateway (mtflow/gateway, the 'gateway' extra: aiohttp, above) and its tests (tests/gateway): the anthropic
+# client and smolagents, pinned, in the venv (nothing there moves); the OpenAI Agents SDK apart, without its
+# dependencies (all in the venv already; its wheel pins websockets<17 where openenv's is 17.4), as
+# docs/training.md installs TRL 1.16 apart
+.venv/bin/python -c 'import anthropic, smolagents' 2>/dev/null || $PIP install 'anthropic==2.17.0' 'smolagents==1.26.0'
+[ -d .extras/openai-agents/agents ] || $PIP install --no-deps --target .extras/openai-agents 'openai-agents==0.24.0'
+
 # --- run ---
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

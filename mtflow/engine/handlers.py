@@ -36,8 +36,7 @@ from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_infos, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
-from mtflow.accounting.segments_split import cut_segment
-from mtflow.accounting.token_record import RECORD_ATTR
+from mtflow.accounting.segments_split import cut_segment, detach_record
 from mtflow.accounting.turn_spans import checked_turn_reward
 from mtflow.engine.context import handle_compacting, relabel, route
 from mtflow.engine.moves import apply_moves, fail_move, outcome_move, wait_move
@@ -371,7 +370,7 @@ def _new_segment(run: RunState, rec: RequestRecord, next_request: Any, cut: Any,
     """A step whose next request does not continue the conversation the model saw (``new_segment``:
     ``True``, or a dict that says why, kept as the closed segment's ``ended_by``): the current
     training segment is closed as a compaction closes it (``docs/context.md``) and the next turn
-    starts a new one, its prompt rendered afresh (its request carries no token record)."""
+    starts a new one, its prompt rendered afresh (its request carries an empty token record)."""
     if next_request is rec.request:
         raise SchedulerResultError('new_segment needs a new request object: infer_request is the request of the '
                                    'segment being closed (its messages are kept with it)', uuid=rec.uuid, turn=turn,
@@ -380,10 +379,7 @@ def _new_segment(run: RunState, rec: RequestRecord, next_request: Any, cut: Any,
         raise SchedulerResultError(f'new_segment must be True or a dict, got {type(cut).__name__}', uuid=rec.uuid,
                                    turn=turn, field='new_segment')
     cut_segment(rec, getattr(run.accounting, 'name', None) == 'record', cut if isinstance(cut, dict) else None)
-    try:
-        setattr(next_request, RECORD_ATTR, None)
-    except (AttributeError, TypeError, ValueError):  # a frozen request: the backend sees new messages anyway
-        pass
+    detach_record(next_request)
 
 
 def handle_pending(run: RunState, records: List[RequestRecord], turn: int) -> List[Move]:
