@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import quote
 
 from mtflow.accounting.segments_split import segments_of
 from mtflow.accounting.token_record import RecordAccounting
@@ -111,6 +112,8 @@ class Gateway:
             (:class:`mtflow.ContextBudget`), as for ``mtflow run``.
         store: an open :class:`RunStore` instead of ``out``/``mode`` (``mtflow gateway`` opens it
             before the model loads).
+        refuse_cut: refuse the sessions an earlier attempt left open (default); ``False``: they
+            may start again (``mtflow run`` with ``agent:`` reruns their episodes).
 
     ``start()`` (or ``with Gateway(...) as gw:``) serves; :attr:`url` is the address, and
     :meth:`base_url` a session's OpenAI base URL. ``close()`` stops: the sessions in flight finish
@@ -120,7 +123,7 @@ class Gateway:
     def __init__(self, backend: Any, out: Any = None, *, settings: Optional[GatewayConfig] = None,
                  request_config: Any = None, max_turns: Optional[int] = None, context: Any = None,
                  mode: str = 'new', store: Optional[RunStore] = None, fingerprint: Optional[Dict[str, Any]] = None,
-                 meta: Optional[Dict[str, Any]] = None, summary_config: Any = None) -> None:
+                 meta: Optional[Dict[str, Any]] = None, summary_config: Any = None, refuse_cut: bool = True) -> None:
         if store is None and out is None:
             raise ValueError('Gateway: give the run directory (out=) or an open store (store=)')
         self.backend = backend
@@ -132,6 +135,7 @@ class Gateway:
         self._store_args = (out, mode, fingerprint, meta)
         self.store = store
         self.summary_config = summary_config
+        self.refuse_cut = refuse_cut
         try:
             self.parser = get_parser(self.settings.tool_parser, self.settings.parser_options) \
                 if self.settings.tool_parser else None
@@ -179,7 +183,8 @@ class Gateway:
         store = self.store
         opened = sessions_opened(store.out_dir)
         self.cut = [name for name in opened if name not in store.done]
-        table = self.table = SessionTable(self.settings.open_on_call, cut=set(self.cut), on_open=self._log_open)
+        table = self.table = SessionTable(self.settings.open_on_call, cut=set(self.cut) if self.refuse_cut else None,
+                                          on_open=self._log_open)
         table.done = set(store.done)
         table.next_index = len(opened)
         self._sessions_file = open(Path(store.out_dir) / SESSIONS_FILE, 'a', encoding='utf-8')
@@ -255,8 +260,9 @@ class Gateway:
 
     # ---- what the server asks ----------------------------------------------------------------------
     def base_url(self, session: str, api: str = 'openai') -> str:
-        """A session's base URL: the OpenAI one (``.../v1``), or the Anthropic one."""
-        return f'{self.url}/s/{session}' + ('/v1' if api == 'openai' else '')
+        """A session's base URL: the OpenAI one (``.../v1``), or the Anthropic one (the name
+        percent-encoded: a ``num_generations`` copy's ``#`` would start a fragment)."""
+        return f'{self.url}/s/{quote(session, safe="")}' + ('/v1' if api == 'openai' else '')
 
     def response_id(self, api: str) -> str:
         return ('msg_' if api == 'anthropic' else 'chatcmpl-') + secrets.token_hex(12)
@@ -393,11 +399,13 @@ class Gateway:
                 'dropped_stale': stats.get('dropped_groups', 0), 'write_s': round(self.store.fsync_s, 4)
                 if self.store is not None else None}
 
-    def close(self, status: Optional[str] = None) -> Dict[str, Any]:
+    def close(self, status: Optional[str] = None, total: Optional[int] = None,
+              extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Stop serving: new calls are refused, sessions in flight finish ``interrupted``
         (their waiting calls get a 503), every finished session is written, then ``summary.json``
-        (``status``: default ``complete``, or ``interrupted`` when sessions were cut). Returns the
-        figures."""
+        (``status``: default ``complete``, or ``interrupted`` when sessions were cut; ``total``: the
+        requests the run meant to roll out, default those written and cut; ``extra``: more figures
+        for the summary). Returns the figures."""
         if self.closed:
             return {}
         self.closed = True
@@ -417,7 +425,7 @@ class Gateway:
         if self.store is not None and not self.store.closed:
             interrupted = self.store.interrupted
             final = status or ('interrupted' if interrupted else 'complete')
-            summary = self._summary(figures) if final != 'failed' else None
+            summary = self._summary(figures, total, extra) if final != 'failed' else None
             self.store.close(final, summary, attempt=figures)
             figures['status'] = final
             figures['summary'] = summary
@@ -425,10 +433,12 @@ class Gateway:
             raise self.write_error
         return figures
 
-    def _summary(self, figures: Dict[str, Any]) -> Dict[str, Any]:
-        total = len(self.store.done) + self.store.interrupted
-        return {**summarize(self.summary_config, self.backend, self.store, total, figures, 0.0), 'gateway': {
-            'url': self.url, 'sessions_written': self.written, 'cut_before': self.cut}}
+    def _summary(self, figures: Dict[str, Any], total: Optional[int],
+                 extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        total = total if total is not None else len(self.store.done) + self.store.interrupted
+        summary = summarize(self.summary_config, self.backend, self.store, total, figures, 0.0)
+        summary['gateway'] = {'url': self.url, 'sessions_written': self.written, 'cut_before': self.cut}
+        return {**summary, **(extra or {})}
 
 
 def _no_calls(calls: Any) -> str:
