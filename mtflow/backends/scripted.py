@@ -13,7 +13,8 @@ with only ``content``. A line may also say which request and turn it answers::
 Outputs are served in this order: a line keyed by the request's uuid and its turn (the request's
 own count of ``rollout_fn`` calls, from 1), else a line keyed by the uuid alone (those replay in
 file order per request), else the next unkeyed line (in file order, cycling when
-``cycle=True``). A copy of a prompt made by ``num_generations`` (uuid ``<uuid>#<k>``) is also
+``cycle=True``); or, with ``respond=``, each output is ``respond(request)`` (a text or a line),
+computed from the request. A copy of a prompt made by ``num_generations`` (uuid ``<uuid>#<k>``) is also
 served the lines keyed by the prompt's uuid (``<uuid>``): each copy replays them from the first,
 so a script written for the dataset works with any ``num_generations``. Running out is a clear
 error naming the request.
@@ -44,7 +45,7 @@ import json
 import threading
 from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from mtflow.data.sources import group_of
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output
@@ -91,10 +92,16 @@ class ScriptedBackend(Backend):
     name = 'scripted'
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
-                 cycle: bool = False, honor_max_tokens: bool = False, tokenizer: Any = None,
-                 chat_template: Optional[str] = None) -> None:
+                 respond: Optional[Callable[[Any], Any]] = None, cycle: bool = False, honor_max_tokens: bool = False,
+                 tokenizer: Any = None, chat_template: Optional[str] = None) -> None:
         super().__init__()
         self.honor_max_tokens = honor_max_tokens
+        #: ``respond(request) -> text or line``: each output computed from its request instead of read
+        self.respond = respond
+        if respond is not None:
+            if path is not None or outputs is not None:
+                raise BackendError('scripted backend: give one of path=, outputs= or respond=')
+            outputs = ['']  # never served: respond answers
         if isinstance(tokenizer, str):
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
@@ -142,6 +149,13 @@ class ScriptedBackend(Backend):
             self._copy_pos.pop(str(uuid), None)
 
     def _line_for(self, request: Any) -> Line:
+        if self.respond is not None:
+            line = self.respond(request)
+            line = {'content': line} if isinstance(line, str) else dict(line)
+            if not isinstance(line.get('content'), str):
+                raise BackendError(f'scripted backend: respond() gave no "content" text for request '
+                                   f'{getattr(request, "uuid", None)!r}')
+            return line
         uuid = str(getattr(request, 'uuid', None))
         self._calls[uuid] += 1
         turn = self._calls[uuid]
