@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
-from mtflow.commands.run import open_store, run_meta
+from mtflow.commands.run import open_store
 from mtflow.core.errors import UserError
 from mtflow.gateway import Gateway
 from mtflow.run.agent_config import GatewayConfig
@@ -27,6 +27,7 @@ from mtflow.run.assembly import build_backend, seed_everything
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.signals import StopSignals
+from mtflow.run.store import RunStore
 from mtflow.run.summary import print_summary
 
 
@@ -64,21 +65,16 @@ def _say(message: str) -> None:
     print(f'mtflow: {message}', file=sys.stderr, flush=True)
 
 
-def main(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    if cfg.agent is not None:
-        raise UserError(f'{cfg.where("agent")}: an agent: section is run by mtflow run, not served by mtflow gateway')
-    store = open_store(cfg, args, run_fingerprint(cfg, None))
-    stop = threading.Event()
+def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
+          extra: Optional[Callable[[Gateway], Dict[str, Any]]] = None) -> int:
+    """Start the gateway ``start()`` builds (on ``store``), say where it serves, and serve until
+    SIGINT or SIGTERM; then close it (the sessions in flight finish ``interrupted``), print the
+    summary unless ``quiet`` (``extra(gateway)``: more figures for it), and return the exit code.
+    A signal before it serves leaves no run behind (130)."""
     gateway = None
     with StopSignals(message=None) as signals:
         try:
-            seed_everything(cfg.seed)
-            backend = build_backend(cfg)
-            context = cfg.context.budget(backend, str(cfg.base_dir) if cfg.base_dir else None, cfg.where('context')) \
-                if cfg.context is not None else None
-            gateway = Gateway(backend, store=store, settings=cfg.gateway, request_config=cfg.make_request_config(),
-                              max_turns=cfg.max_turns or None, context=context, summary_config=cfg).start()
+            gateway = start()
             if store.resumed:
                 _say(f'resuming {store.out_dir}: {len(store.done)} sessions already written'
                      + (f'; {len(gateway.cut)} open session(s) were cut by the restart (refused from now on): '
@@ -86,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
                         if gateway.cut else ''))
             print(f'mtflow gateway: serving {gateway.url} (OpenAI base URL {gateway.url}/s/<session>/v1, Anthropic '
                   f'{gateway.url}/s/<session>); writing {store.out_dir}', flush=True)
-            stop.wait()
+            threading.Event().wait()
         except KeyboardInterrupt:
             _say(f'stopping ({"SIGTERM" if signals.signum == 15 else "SIGINT"}): the sessions in flight finish as '
                  'interrupted')
@@ -99,8 +95,25 @@ def main(args: argparse.Namespace) -> int:
         if gateway is None:  # stopped while the model loaded: leave no run behind
             store.discard()
             return 130
-        figures = gateway.close()
+        figures = gateway.close(extra=extra(gateway) if extra is not None else None)
     summary = figures.get('summary')
-    if summary is not None and not args.quiet:
+    if summary is not None and not quiet:
         print_summary({'status': figures['status'], **summary}, store.out_dir)
     return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    if cfg.agent is not None:
+        raise UserError(f'{cfg.where("agent")}: an agent: section is run by mtflow run, not served by mtflow gateway')
+    store = open_store(cfg, args, run_fingerprint(cfg, None), meta={'gateway': True})
+
+    def start() -> Gateway:
+        seed_everything(cfg.seed)
+        backend = build_backend(cfg)
+        return Gateway(backend, store=store, settings=cfg.gateway, request_config=cfg.make_request_config(),
+                       max_turns=cfg.max_turns or None, context=cfg.context_budget(backend),
+                       summary_config=cfg).start()
+
+    return serve(store, start, args.quiet)
+

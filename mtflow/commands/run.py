@@ -179,9 +179,10 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, Any]) -> RunStore:
+def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, Any],
+               meta: Optional[Dict[str, Any]] = None) -> RunStore:
     """The run directory, opened as the flags say (``--resume``, ``--overwrite``), before the
-    backend loads: a refusal costs no model load."""
+    backend loads: a refusal costs no model load. ``meta``: more of ``run.json`` (``gateway``)."""
     if args.resume and args.overwrite:
         raise UserError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
     if args.delete_old and not args.overwrite:
@@ -192,7 +193,7 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
     return RunStore.open(cfg.out, mode, fingerprint, delete_old=args.delete_old, flush_every=args.flush_every,
-                         flush_interval_s=args.flush_interval, meta=run_meta(cfg))
+                         flush_interval_s=args.flush_interval, meta={**run_meta(cfg), **(meta or {})})
 
 
 def run_meta(cfg: RunConfig) -> Dict[str, Any]:

@@ -314,10 +314,8 @@ def run_agents(cfg: Any, store: Any, total: int) -> Tuple[str, Optional[Dict[str
     gateway = None
     try:
         backend = build_backend(cfg)
-        context = cfg.context.budget(backend, str(cfg.base_dir) if cfg.base_dir else None, cfg.where('context')) \
-            if cfg.context is not None else None
         gateway = Gateway(backend, store=store, settings=settings, request_config=cfg.make_request_config(),
-                          max_turns=cfg.max_turns or None, context=context, summary_config=cfg,
+                          max_turns=cfg.max_turns or None, context=cfg.context_budget(backend), summary_config=cfg,
                           refuse_cut=False).start()
         runner = AgentRunner(cfg.agent, gateway, store.out_dir, cfg.base_dir, cfg.where)
         prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)

@@ -23,7 +23,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from mtflow.core.machine import CONTEXT_FULL, ERROR, IDLE_TIMEOUT, INTERRUPTED, LENGTH_TOTAL, MAX_TURNS, TIMEOUT
+from mtflow.core.machine import (CONTEXT_FULL, ERROR, IDLE_TIMEOUT, INTERRUPTED, LENGTH_TOTAL, MAX_TURNS,
+                                 REPLAY_DIVERGED, TIMEOUT)
 from mtflow.core.protocol import RolloutInferRequest
 from mtflow.engine.stream import NOTHING_YET
 from mtflow.gateway.wire import Call, Reply, Returned, WireError
@@ -91,7 +92,7 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -
 #: finish reasons a client sees as an error on a call still waiting, with the HTTP status
 _ENDED_STATUS = {CONTEXT_FULL: (400, 'context_length_exceeded'), LENGTH_TOTAL: (400, 'length_total'),
                  MAX_TURNS: (400, 'max_turns'), IDLE_TIMEOUT: (408, 'idle_timeout'), TIMEOUT: (504, 'timeout'),
-                 ERROR: (500, 'error'), INTERRUPTED: (503, 'interrupted')}
+                 ERROR: (500, 'error'), INTERRUPTED: (503, 'interrupted'), REPLAY_DIVERGED: (409, 'replay_diverged')}
 
 
 def ended_error(name: str, reason: str, detail: str = '') -> WireError:

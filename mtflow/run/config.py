@@ -197,6 +197,13 @@ class RunConfig(StrictModel):
     def make_request_config(self) -> RequestConfig:
         return RequestConfig(**self.request_config)
 
+    def context_budget(self, backend: Any) -> Any:
+        """The ``context:`` block as a :class:`mtflow.ContextBudget` for ``backend`` (which counts the
+        prompt tokens and knows its context length), or ``None`` without one."""
+        if self.context is None:
+            return None
+        return self.context.budget(backend, str(self.base_dir) if self.base_dir else None, self.where('context'))
+
     def resolve(self, value: str) -> Path:
         """A relative path: next to the config file if it exists there, else in the current
         directory (returned as given when it exists nowhere, so the error shows it)."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import List, Optional
 
 import httpx
 import pytest
@@ -25,13 +26,14 @@ HELLO = {'model': 'm', 'messages': [{'role': 'user', 'content': 'hello'}]}
 
 
 class Served:
-    """A ``mtflow gateway`` process; its first stdout line names the URL."""
+    """A ``mtflow gateway CONFIG --out OUT`` process (or any ``mtflow`` command line that serves:
+    ``argv``); its first stdout line names the URL."""
 
-    def __init__(self, config: Path, out: Path, *extra: str) -> None:
+    def __init__(self, config: Path, out: Path, *extra: str, argv: Optional[List[str]] = None) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
-        self.proc = subprocess.Popen([sys.executable, '-m', 'mtflow', 'gateway', str(config), '--port', '0', '--out',
-                                      str(out), '-q', *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, cwd=config.parent)
+        argv = argv or ['gateway', str(config), '--port', '0', '--out', str(out), '-q', *extra]
+        self.proc = subprocess.Popen([sys.executable, '-m', 'mtflow', *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=config.parent)
         lines_: 'queue.Queue[str]' = queue.Queue()
         threading.Thread(target=lambda: lines_.put(self.proc.stdout.readline()), daemon=True).start()
         try:
