@@ -147,6 +147,8 @@ class ScriptedBackend(Backend):
         with self._lock:
             self._calls.pop(str(uuid), None)
             self._copy_pos.pop(str(uuid), None)
+        if self.prompter is not None:
+            self.prompter.forget(uuid)
 
     def _line_for(self, request: Any) -> Line:
         if self.respond is not None:

@@ -15,6 +15,7 @@ written, and the summary is printed. ``docs/gateway.md``.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import threading
 from typing import Any, Callable, Dict, Optional
@@ -75,6 +76,7 @@ def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
     with StopSignals(message=None) as signals:
         try:
             gateway = start()
+            gc.freeze()  # what the start made (a model) lives as long as the process: no collection rescans it
             if store.resumed:
                 _say(f'resuming {store.out_dir}: {len(store.done)} sessions already written'
                      + (f'; {len(gateway.cut)} open session(s) were cut by the restart (refused from now on): '

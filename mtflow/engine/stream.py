@@ -408,6 +408,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.delivered_requests += len(group.records)
         self.delivered_tokens += group.tokens
         self.deliver_fn(delivered)
+        for rec in group.records:  # delivered: its members need their group no more (a cycle per group
+            rec.group = None       # otherwise, which only the cyclic collector's slow full passes free)
 
     def release(self, uuids: Iterable[str]) -> None:
         """These requests are final (taken by the consumer, or dropped): the ``rollout_fn``'s

@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import signal
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -192,6 +193,8 @@ class AgentRunner:
                  where: Callable[[str], str]) -> None:
         self.agent, self.gateway = agent, gateway
         self.command = shlex.split(agent.command) if isinstance(agent.command, str) else list(agent.command)
+        if self.command[0] in ('python', 'python3'):  # this Python (the venv's), whatever PATH holds
+            self.command[0] = sys.executable
         self.logs = Path(out_dir) / AGENTS_DIR
         self.cwd = str((base_dir or Path.cwd()) / agent.cwd) if agent.cwd else None
         self.verifier = Verifier(agent.verifier, base_dir, where('agent'), agent.verifier_timeout_s)

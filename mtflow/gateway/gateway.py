@@ -22,26 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import secrets
-import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 from urllib.parse import quote
 
-from mtflow.accounting.segments_split import segments_of
 from mtflow.accounting.token_record import RecordAccounting
 from mtflow.backends.base import BackendError
-from mtflow.core.machine import CLIENT_FINISHED, IDLE_TIMEOUT, INTERRUPTED
+from mtflow.core.machine import CLIENT_FINISHED
 from mtflow.core.protocol import RequestConfig
-from mtflow.core.records import FinishedRequest
 from mtflow.declarative.parsers import get_parser
 from mtflow.engine.executor import Executor
 from mtflow.engine.stream import Stream
 from mtflow.gateway.scheduler import SessionScheduler
 from mtflow.gateway.server import GatewayServer
 from mtflow.gateway.sessions import Finish, Session, SessionTable
+from mtflow.gateway.writer import SessionWriter
 from mtflow.gateway.wire import Call, Returned, WireError, parse_anthropic, parse_openai
 from mtflow.run.agent_config import GatewayConfig
 from mtflow.run.driver import StreamingRun
@@ -54,7 +51,6 @@ __all__ = ['Gateway', 'SESSIONS_FILE', 'sessions_opened']
 
 #: one line per session opened (``{"session", "index", "opened"}``), flushed as it opens
 SESSIONS_FILE = SESSIONS
-_STOP = object()
 
 
 def sessions_opened(out_dir: Path) -> List[str]:
@@ -148,15 +144,11 @@ class Gateway:
         self.run: Optional[StreamingRun] = None
         self.cut: List[str] = []
         self.url = ''
-        self._jobs: 'queue.Queue[Any]' = queue.Queue()
-        self._threads: List[threading.Thread] = []
+        self.writer: Optional[SessionWriter] = None
         self._sessions_file: Any = None
         self._closers: List[Any] = []
-        self._t_offset = 0.0
         self._t0 = 0.0
         self.closed = False
-        self.written = 0
-        self.write_error: Optional[BaseException] = None
 
     # ---- starting --------------------------------------------------------------------------------
     def _tools_in_system(self) -> bool:
@@ -184,8 +176,7 @@ class Gateway:
         opened = sessions_opened(store.out_dir)
         self.cut = [name for name in opened if name not in store.done]
         table = self.table = SessionTable(self.settings.open_on_call, cut=set(self.cut) if self.refuse_cut else None,
-                                          on_open=self._log_open)
-        table.done = set(store.done)
+                                          on_open=self._log_open, is_done=store.is_done)
         table.next_index = len(opened)
         self._sessions_file = open(Path(store.out_dir) / SESSIONS_FILE, 'a', encoding='utf-8')
         turn_log = TurnLog()
@@ -197,15 +188,13 @@ class Gateway:
         self.executor = executor
         self.run = StreamingRun(_Executors(executor, turn_log), self.backend, store, 1)
         self._t0 = time.perf_counter()
-        self._t_offset = time.time() - store.started_unix
         sessions = self.settings.max_sessions
         self.stream = executor.stream(table.source, max_concurrency=sessions, buffer=sessions,
                                       max_staleness=self.settings.max_staleness, stale='drop')
         table.wake = self.stream.poke
-        for target, name in ((self._consume, 'mtflow-gateway-consumer'), (self._write_loop, 'mtflow-gateway-writer')):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self.writer = SessionWriter(self.stream, table, self.run, self.settings.finish_grace_s,
+                                    time.time() - store.started_unix, self.settings.idle_timeout_s)
+        self.writer.start()
         self.server = GatewayServer(self, self.settings.host, self.settings.port, self.settings.max_body_bytes)
         try:
             port = self.server.start()
@@ -288,7 +277,7 @@ class Gateway:
     def post_finish(self, name: str, finish: Finish, key: Optional[str], loop: Any, fut: Any) -> None:
         parked = self.table.post_finish(name, finish, key, loop, fut)
         if parked is not None:  # ended by a limit, waiting for this reward: written now
-            self._jobs.put(('parked', name, parked))
+            self.writer.parked(name, parked)
 
     def finish(self, name: str, reward: Optional[float] = None, info: Optional[Dict[str, Any]] = None, *,
                reason: str = CLIENT_FINISHED, key: Optional[str] = None, timeout: Optional[float] = None) -> Any:
@@ -317,19 +306,9 @@ class Gateway:
                     + '\n')
             f.flush()
 
-    # ---- taking finished sessions from the stream ---------------------------------------------------
-    def _consume(self) -> None:
-        try:
-            for group in self.stream:
-                self._jobs.put(('group', group))
-        except BaseException as exc:  # the stream failed: say so when closing
-            self.write_error = exc
-        finally:
-            self._jobs.put(_STOP)
-
     def _released(self, uuid: str) -> None:
-        """The stream is done with session ``uuid``'s request: a session that did not finish was
-        dropped as too stale."""
+        """The stream is done with session ``uuid``'s request (it is written, or was dropped as too
+        stale: then its client is told): the backend forgets what it kept for it."""
         session = self.table.get(uuid) if self.table is not None else None
         if session is not None and session.reason is None:
             self.table.dropped(uuid, f'its oldest turn is more than gateway.max_staleness='
@@ -337,60 +316,16 @@ class Gateway:
         forget = getattr(self.backend, 'forget', None)
         if callable(forget):
             forget(uuid)
-
-    def _write_loop(self) -> None:
-        tick = min(0.5, max(0.05, self.settings.finish_grace_s / 4))
-        while True:
-            try:
-                job = self._jobs.get(timeout=tick)
-            except queue.Empty:
-                job = None
-            try:
-                if job is _STOP:
-                    for session, parked in self.table.close():
-                        self._write(session, *parked)
-                    self.store.flush()
-                    return
-                if job is not None and job[0] == 'group':
-                    self._delivered(job[1])
-                elif job is not None:
-                    session = self.table.get(job[1])
-                    if session is not None:
-                        self._write(session, *job[2])
-                for session, parked in self.table.expired(self.settings.finish_grace_s):
-                    self._write(session, *parked)
-                self.store.tick()
-            except BaseException as exc:  # a full disk: recorded, the gateway keeps serving what it can
-                self.write_error = exc
-
-    def _delivered(self, group: Any) -> None:
-        failures = {f.uuid: f for f in group.failures}
-        for k, uuid in enumerate(group.uuids):
-            reason = group.finish_reasons[k]
-            finished = FinishedRequest(0, uuid, group.outputs[k], reason, failures.get(uuid), group.events[k])
-            park = reason not in (CLIENT_FINISHED, IDLE_TIMEOUT, INTERRUPTED)
-            session = self.table.finished_output(uuid, (finished, group.requests[k]), park)
-            if session is not None:
-                self._write(session, finished, group.requests[k])
-
-    def _write(self, session: Session, finished: FinishedRequest, request: Any) -> None:
-        output = finished.output
-        infos = getattr(output, 'rollout_infos', None)
-        finish = session.finish
-        if isinstance(infos, dict) and finish is not None and 'reward' not in infos:
-            if finish.reward is not None:
-                infos['reward'] = finish.reward
-            infos['gateway_finish'] = finish.info
-        segments = segments_of(output)
-        record_request = request
-        self.run.write_finished(finished, session.index, record_request, self._t_offset, live=request)
-        self.written += 1
-        summary = {'session': session.name, 'finish_reason': finished.finish_reason,
-                   'turns': (infos or {}).get('num_turns'), 'segments': len(segments),
-                   'reward': (infos or {}).get('reward')}
-        self.table.written(session.name, summary)
+        prompter = getattr(self.backend, 'prompter', None)  # its token record, kept by uuid (HF, vLLM)
+        if prompter is not None and callable(getattr(prompter, 'forget', None)):
+            prompter.forget(uuid)
 
     # ---- stopping ---------------------------------------------------------------------------------
+    @property
+    def written(self) -> int:
+        """Sessions written by this attempt."""
+        return self.writer.written if self.writer is not None else 0
+
     def figures(self) -> Dict[str, Any]:
         stats = self.stream.stats if self.stream is not None else {}
         return {'rollout_fn_calls': stats.get('rollout_fn_calls', 0),
@@ -413,8 +348,8 @@ class Gateway:
             self.table.shut()
         if self.stream is not None:
             self.stream.stop(interrupt=True)
-        for thread in self._threads:
-            thread.join()
+        if self.writer is not None:
+            self.writer.join()
         if self.server is not None:
             self.server.stop()
         for close in self._closers:
@@ -429,8 +364,8 @@ class Gateway:
             self.store.close(final, summary, attempt=figures)
             figures['status'] = final
             figures['summary'] = summary
-        if self.write_error is not None:
-            raise self.write_error
+        if self.writer is not None and self.writer.error is not None:
+            raise self.writer.error
         return figures
 
     def _summary(self, figures: Dict[str, Any], total: Optional[int],

@@ -9,7 +9,7 @@ Each session is one request of the gateway's stream, driven by the engine's one 
   next request, which either extends the conversation or starts a new exact segment, with its
   kind in the trace: :mod:`mtflow.gateway.history`), the client's finish (``done``: finish
   ``client_finished``, or the reason the caller gave, with the reward), or nothing for
-  ``idle_timeout_s`` (``done``: finish ``idle_timeout``); when the gateway stops, the request goes
+  ``idle_timeout_s`` (``done``: finish ``idle_timeout``; the gateway sweeps the waiting steps); when the gateway stops, the request goes
   on unchanged into its next turn, where the stopping stream interrupts it;
 * ``on_request_finished``: a limit, an error or an interrupt ended it: the call still waiting
   gets the error (:meth:`SessionTable.ended`).
@@ -39,7 +39,7 @@ class SessionScheduler(Scheduler):
         super().__init__()
         self.table = table
         self.parser = parser
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s = idle_timeout_s  # swept by the gateway's writer (SessionTable.idle)
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
         return False
@@ -56,7 +56,7 @@ class SessionScheduler(Scheduler):
         return {}
 
     async def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
-        event = await self.table.next_event(str(infer_request.uuid), self.idle_timeout_s)
+        event = await self.table.next_event(str(infer_request.uuid))
         if event is None:
             return {'done': True, 'finish_reason': IDLE_TIMEOUT, 'trace_info': {'idle_timeout_s': self.idle_timeout_s}}
         if event is CLOSING:  # the gateway stops: the stream interrupts the request before its next turn

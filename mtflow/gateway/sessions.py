@@ -31,10 +31,13 @@ from mtflow.gateway.wire import Call, Reply, Returned, WireError
 
 __all__ = ['Finish', 'Session', 'SessionTable', 'SessionSource', 'ENDED_KEEP', 'CLOSING']
 
-#: how many ended sessions' names and reasons are kept (a later call or finish gets their error)
-ENDED_KEEP = 65536
+#: how many ended sessions' reasons are kept for the error of a later call or finish (older ones get a plain
+#: "already finished": the run directory knows every name written)
+ENDED_KEEP = 4096
 #: the event a waiting step gets when the gateway shuts down (its request is then interrupted)
 CLOSING = 'closing'
+#: the event a waiting step gets past the idle timeout
+IDLE = 'idle'
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Session:
     parked: Any = None
     parked_at: float = 0.0
     last_event: float = field(default_factory=time.monotonic)
+    waiting_since: float = 0.0  # when its step began to wait for the next call
     failure: Optional[str] = None  # why its model call failed, for the error its client gets
 
 
@@ -141,10 +145,12 @@ class SessionTable:
         open_on_call: a call to an unknown session opens it (else: 404 unless opened first).
         wake: pokes the stream (a new session is in the source).
         cut: names of sessions an earlier attempt left open (a restart cut them): refused.
+        is_done: whether a name was written (refused too).
     """
 
     def __init__(self, open_on_call: bool = True, wake: Optional[Callable[[], None]] = None,
-                 cut: Optional[set] = None, on_open: Optional[Callable[[Session], None]] = None) -> None:
+                 cut: Optional[set] = None, on_open: Optional[Callable[[Session], None]] = None,
+                 is_done: Optional[Callable[[str], bool]] = None) -> None:
         self.lock = threading.Lock()
         self.sessions: Dict[str, Session] = {}
         self.by_key: Dict[str, str] = {}
@@ -154,7 +160,8 @@ class SessionTable:
         self.wake = wake
         self.cut = set(cut or ())
         self.on_open = on_open
-        self.done: set = set()  # names written by this run, earlier attempts included
+        #: whether a session of that name is written (the run directory's own set: every attempt's)
+        self.is_done: Callable[[str], bool] = is_done or (lambda name: False)
         self.next_index = 0
         self.closing = False
 
@@ -163,7 +170,7 @@ class SessionTable:
         if name in self.cut:
             raise WireError(409, f'session {name!r} was cut by a restart of the gateway (its turns were not '
                             'written); start a new session', code='session_cut')
-        if name in self.done or name in self.ended_names:
+        if name in self.ended_names or self.is_done(name):
             raise finished_error(name, self.ended_names.get(name))
 
     def open(self, name: Optional[str] = None, *, key: bool = False, data: Optional[Dict[str, Any]] = None) -> Session:
@@ -241,7 +248,7 @@ class SessionTable:
         with self.lock:
             session = self.sessions.get(name)
             if session is None:
-                if name in self.done or name in self.ended_names:
+                if name in self.ended_names or self.is_done(name):
                     raise finished_error(name, self.ended_names.get(name))
                 if name in self.cut:
                     self._refuse_old(name)
@@ -275,9 +282,10 @@ class SessionTable:
             session.events.append(event)
 
     # ---- the engine's side ------------------------------------------------------------------------
-    async def next_event(self, name: str, timeout: Optional[float]) -> Any:
+    async def next_event(self, name: str) -> Any:
         """The session's next call or finish, awaited in its step on the driver's loop; ``None``
-        after ``timeout`` seconds without one (the idle timeout)."""
+        when it waited past the idle timeout (:meth:`idle`, one sweep for every session: no timer
+        per step, whose cancelled handles would hold each call until the loop purges them)."""
         loop = asyncio.get_running_loop()
         with self.lock:
             session = self.sessions[name]
@@ -287,16 +295,26 @@ class SessionTable:
                 return CLOSING
             fut = loop.create_future()
             session.waiter = (loop, fut)
-        done, _ = await asyncio.wait({fut}, timeout=timeout)
-        if not done:
-            with self.lock:
-                if session.waiter is not None and session.waiter[1] is fut:
-                    session.waiter = None
-                    return None
-            # a call or finish came as the deadline passed: its result is on its way
+            session.waiting_since = time.monotonic()
         event = await fut
+        if event is IDLE:
+            return None
         with self.lock:
             return self._take(session, event)
+
+    def idle(self, timeout_s: float) -> int:
+        """Every step that has waited for its session's next call longer than ``timeout_s``
+        gets ``None`` (the idle timeout); how many."""
+        now = time.monotonic()
+        due = []
+        with self.lock:
+            for session in self.sessions.values():
+                if session.waiter is not None and now - session.waiting_since >= timeout_s:
+                    due.append(session.waiter)
+                    session.waiter = None
+        for loop, fut in due:
+            _resolve(loop, fut, IDLE)
+        return len(due)
 
     def _take(self, session: Session, event: Any) -> Any:
         if isinstance(event, tuple):  # a call: answered when its output comes
@@ -387,7 +405,6 @@ class SessionTable:
             if session is None:
                 return
             self.by_key.pop(session.key or '', None)
-            self.done.add(name)
             self._remember(name, (session.reason or '') + (f': {session.failure}' if session.failure else ''))
             session.written = summary
             waiters = list(session.written_waiters)

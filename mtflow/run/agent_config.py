@@ -56,7 +56,8 @@ class VerifierCommand(StrictModel):
 class AgentConfig(StrictModel):
     """The ``agent:`` section."""
     command: Union[str, List[str]] = Field(description="The agent's command (a list, or a string split as a shell "
-                                           'would); run once per prompt and generation.')
+                                           "would); run once per prompt and generation. A first word 'python' is "
+                                           "mtflow's own interpreter.")
     task: Literal['argument', 'stdin', 'file'] = Field('argument', description='How the task reaches it: the last '
                                                        'argument, its stdin, or a file named by MTFLOW_TASK_FILE.')
     task_template: str = Field('{prompt}', description="The task's text: {prompt} (the prompt's last user message), "

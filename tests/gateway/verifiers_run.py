@@ -11,7 +11,6 @@ import uuid
 import httpx
 from aiohttp import web
 
-import verifiers as vf
 from verifiers.types import ClientConfig
 
 from verifiers_envs import load_add, load_guess
