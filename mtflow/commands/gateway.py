@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Optional
 from mtflow.commands.run import open_store
 from mtflow.core.errors import UserError
 from mtflow.gateway import Gateway
+from mtflow.gateway.gateway import close_failed
 from mtflow.run.agent_config import GatewayConfig
 from mtflow.run.assembly import build_backend, seed_everything
 from mtflow.run.config import RunConfig, load_run_config
@@ -89,10 +90,7 @@ def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
             _say(f'stopping ({"SIGTERM" if signals.signum == 15 else "SIGINT"}): the sessions in flight finish as '
                  'interrupted')
         except BaseException:
-            if gateway is not None:
-                gateway.close('failed')
-            else:
-                store.discard()
+            close_failed(gateway, store)
             raise
         if gateway is None:  # stopped while the model loaded: leave no run behind
             store.discard()
@@ -113,9 +111,7 @@ def main(args: argparse.Namespace) -> int:
     def start() -> Gateway:
         seed_everything(cfg.seed)
         backend = build_backend(cfg)
-        return Gateway(backend, store=store, settings=cfg.gateway, request_config=cfg.make_request_config(),
-                       max_turns=cfg.max_turns or None, context=cfg.context_budget(backend),
-                       summary_config=cfg).start()
+        return Gateway.from_config(cfg, backend, store).start()
 
     return serve(store, start, args.quiet)
 

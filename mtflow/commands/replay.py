@@ -134,9 +134,7 @@ def _replay_gateway(args: argparse.Namespace, run_dir: Path, info: Dict[str, Any
         backend = ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None),
                                 prompter=prompter)
         backends.append(backend)
-        return served.Gateway(backend, store=store, settings=settings, request_config=cfg.make_request_config(),
-                              max_turns=cfg.max_turns or None, context=cfg.context_budget(backend),
-                              summary_config=cfg).start()
+        return served.Gateway.from_config(cfg, backend, store, settings=settings).start()
 
     def figures(gateway: Any) -> Dict[str, Any]:
         backend = backends[0]

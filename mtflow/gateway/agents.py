@@ -34,7 +34,7 @@ from mtflow.core.errors import UserError
 from mtflow.core.machine import AGENT_TIMEOUT, CLIENT_FINISHED
 from mtflow.core.registry import resolve_reference
 from mtflow.data.sources import iter_requests
-from mtflow.gateway.gateway import Gateway
+from mtflow.gateway.gateway import Gateway, close_failed
 from mtflow.gateway.wire import WireError
 from mtflow.run.agent_config import AgentConfig, GatewayConfig, VerifierCommand
 from mtflow.run.assembly import build_backend, seed_everything
@@ -317,9 +317,7 @@ def run_agents(cfg: Any, store: Any, total: int) -> Tuple[str, Optional[Dict[str
     gateway = None
     try:
         backend = build_backend(cfg)
-        gateway = Gateway(backend, store=store, settings=settings, request_config=cfg.make_request_config(),
-                          max_turns=cfg.max_turns or None, context=cfg.context_budget(backend), summary_config=cfg,
-                          refuse_cut=False).start()
+        gateway = Gateway.from_config(cfg, backend, store, settings=settings, refuse_cut=False).start()
         runner = AgentRunner(cfg.agent, gateway, store.out_dir, cfg.base_dir, cfg.where)
         prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
         status = 'complete'
@@ -328,10 +326,7 @@ def run_agents(cfg: Any, store: Any, total: int) -> Tuple[str, Optional[Dict[str
         except KeyboardInterrupt:
             status = 'interrupted'
     except BaseException:
-        if gateway is not None:
-            gateway.close('failed')
-        else:
-            store.discard()
+        close_failed(gateway, store)
         raise
     figures = gateway.close(status, total=total, extra={'agent': {**runner.counts, 'command': runner.command}})
     return status, figures.get('summary')

@@ -47,7 +47,7 @@ from mtflow.run.store import RunStore
 from mtflow.run.summary import summarize
 from mtflow.run.turn_log import TurnLog
 
-__all__ = ['Gateway', 'SESSIONS_FILE', 'sessions_opened']
+__all__ = ['Gateway', 'SESSIONS_FILE', 'sessions_opened', 'close_failed']
 
 #: one line per session opened (``{"session", "index", "opened"}``), flushed as it opens
 SESSIONS_FILE = SESSIONS
@@ -149,6 +149,15 @@ class Gateway:
         self._closers: List[Any] = []
         self._t0 = 0.0
         self.closed = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, backend: Any, store: RunStore, *, settings: Optional[GatewayConfig] = None,
+                    refuse_cut: bool = True) -> 'Gateway':
+        """The gateway of a run config (:class:`mtflow.run.config.RunConfig`: its sampling, turn bound,
+        context budget and ``gateway:`` section, or ``settings``) on an open ``store``; not started."""
+        return cls(backend, store=store, settings=settings or cfg.gateway, request_config=cfg.make_request_config(),
+                   max_turns=cfg.max_turns or None, context=cfg.context_budget(backend), summary_config=cfg,
+                   refuse_cut=refuse_cut)
 
     # ---- starting --------------------------------------------------------------------------------
     def _tools_in_system(self) -> bool:
@@ -374,6 +383,15 @@ class Gateway:
         summary = summarize(self.summary_config, self.backend, self.store, total, figures, 0.0)
         summary['gateway'] = {'url': self.url, 'sessions_written': self.written, 'cut_before': self.cut}
         return {**summary, **(extra or {})}
+
+
+def close_failed(gateway: Optional[Gateway], store: RunStore) -> None:
+    """Something failed while serving: the gateway closes as ``failed`` (what finished is written),
+    or, when it never started, the fresh run directory is removed."""
+    if gateway is not None:
+        gateway.close('failed')
+    else:
+        store.discard()
 
 
 def _no_calls(calls: Any) -> str:

@@ -75,7 +75,6 @@ class Session:
     #: the finished output waiting for the client's reward (the session ended by a limit)
     parked: Any = None
     parked_at: float = 0.0
-    last_event: float = field(default_factory=time.monotonic)
     waiting_since: float = 0.0  # when its step began to wait for the next call
     failure: Optional[str] = None  # why its model call failed, for the error its client gets
 
@@ -225,7 +224,6 @@ class SessionTable:
             self.check_key(session, key)
             if session.reason is not None or session.finish is not None:
                 raise finished_error(name, session.reason or session.finish.reason, session.failure)
-            session.last_event = time.monotonic()
             if not session.started:
                 session.started = True
                 session.current = (call, loop, fut)
@@ -319,7 +317,6 @@ class SessionTable:
     def _take(self, session: Session, event: Any) -> Any:
         if isinstance(event, tuple):  # a call: answered when its output comes
             session.current = event
-            session.last_event = time.monotonic()
             return event[0]
         return event
 
@@ -451,7 +448,3 @@ class SessionTable:
             for session, _ in parked:
                 session.parked = None
         return parked
-
-    def open_names(self) -> List[str]:
-        with self.lock:
-            return sorted(self.sessions)
