@@ -322,6 +322,7 @@ class Gateway:
         if session is not None and session.reason is None:
             self.table.dropped(uuid, f'its oldest turn is more than gateway.max_staleness='
                                      f'{self.settings.max_staleness} policy versions old')
+            self.run.turn_log.drop(uuid)
         forget = getattr(self.backend, 'forget', None)
         if callable(forget):
             forget(uuid)

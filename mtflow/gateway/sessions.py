@@ -38,6 +38,8 @@ ENDED_KEEP = 4096
 CLOSING = 'closing'
 #: the event a waiting step gets past the idle timeout
 IDLE = 'idle'
+#: why a session's calls are refused once its stream group was dropped as too stale
+STALE = 'stale'
 
 
 @dataclass
@@ -95,7 +97,8 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -
 #: finish reasons a client sees as an error on a call still waiting, with the HTTP status
 _ENDED_STATUS = {CONTEXT_FULL: (400, 'context_length_exceeded'), LENGTH_TOTAL: (400, 'length_total'),
                  MAX_TURNS: (400, 'max_turns'), IDLE_TIMEOUT: (408, 'idle_timeout'), TIMEOUT: (504, 'timeout'),
-                 ERROR: (500, 'error'), INTERRUPTED: (503, 'interrupted'), REPLAY_DIVERGED: (409, 'replay_diverged')}
+                 ERROR: (500, 'error'), INTERRUPTED: (503, 'interrupted'), REPLAY_DIVERGED: (409, 'replay_diverged'),
+                 STALE: (409, 'stale')}
 
 
 def ended_error(name: str, reason: str, detail: str = '') -> WireError:
@@ -410,13 +413,13 @@ class SessionTable:
 
     def dropped(self, name: str, why: str) -> None:
         """Session ``name`` will not be written (its stream group was dropped as too stale)."""
-        self.ended(name, 'stale', why)
+        self.ended(name, STALE, why)
         with self.lock:
             session = self.sessions.pop(name, None)
             if session is None:
                 return
             self.by_key.pop(session.key or '', None)
-            self._remember(name, 'stale')
+            self._remember(name, STALE)
             waiters = list(session.written_waiters)
         err = WireError(409, f'session {name!r} was dropped: {why}', code='stale')
         for loop, fut in waiters:

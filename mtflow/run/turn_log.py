@@ -148,6 +148,10 @@ class TurnLog:
             self.on_finish(str(uuid))
         return compact_turns(self._notes.pop(str(uuid), []), record)
 
+    def drop(self, uuid: str) -> None:
+        """Request ``uuid`` will not be written (a stream dropped it): forget its notes."""
+        self._notes.pop(str(uuid), None)
+
     def __len__(self) -> int:
         return len(self._notes)
 

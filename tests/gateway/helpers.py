@@ -17,10 +17,11 @@ CALLS_ADD = 'I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2
 TIMEOUT_S = 60
 
 
-def scripted(*outputs: Any, cycle: bool = True) -> ScriptedBackend:
+def scripted(*outputs: Any, cycle: bool = True, honor_max_tokens: bool = False) -> ScriptedBackend:
     """A scripted model that replays ``outputs`` (texts, or dicts keyed by ``uuid``/``turn``) with
     exact-id prompts under the tiny tokenizer's chat template."""
-    return ScriptedBackend(outputs=list(outputs), cycle=cycle, tokenizer=make_tokenizer())
+    return ScriptedBackend(outputs=list(outputs), cycle=cycle, tokenizer=make_tokenizer(),
+                           honor_max_tokens=honor_max_tokens)
 
 
 def lines(run_dir: Path) -> List[Dict[str, Any]]:

@@ -12,6 +12,7 @@ from mtflow import ContextBudget, RequestConfig
 from mtflow.gateway import Gateway
 from mtflow.run.agent_config import GatewayConfig
 from tests.gateway.helpers import TIMEOUT_S, assert_tokens_exact, lines, scripted
+from tests.tiny_model import make_tokenizer
 
 HELLO = {'model': 'm', 'messages': [{'role': 'user', 'content': 'hello'}]}
 
@@ -155,6 +156,24 @@ def test_limits_end_a_session_with_the_error_a_client_expects_and_the_reward_sti
         assert done == {'session': 'turns', 'finish_reason': 'max_turns', 'turns': 2, 'segments': 1, 'reward': 0.5}
     by_uuid = {line['uuid']: line for line in lines(tmp_path / 'run')}
     assert by_uuid['turns']['reward'] == 0.5 and by_uuid['full']['finish_reason'] == 'context_full'
+
+
+def test_a_total_token_budget_cuts_the_last_reply_and_refuses_the_next_call(tmp_path):
+    text = 'go on now'
+    sampled = len(make_tokenizer()(text, add_special_tokens=False)['input_ids']) + 1  # its EOS too
+    budget = ContextBudget(max_tokens=32, total_response_tokens=sampled + 2)
+    with Gateway(scripted(text, honor_max_tokens=True), tmp_path / 'run', context=budget) as gw:
+        history = [{'role': 'user', 'content': 'spend'}]
+        for expected in ('stop', 'length'):  # the second reply gets the 2 tokens left
+            answer = _post(f'{gw.url}/s/total/v1/chat/completions', {'model': 'm', 'messages': history}).json()
+            assert answer['choices'][0]['finish_reason'] == expected
+            history += [answer['choices'][0]['message'], {'role': 'user', 'content': 'again'}]
+        spent = _post(f'{gw.url}/s/total/v1/chat/completions', {'model': 'm', 'messages': history})
+        assert spent.status_code == 400 and spent.json()['error']['code'] == 'length_total'
+        assert _post(f'{gw.url}/s/total/finish', {'reward': 0.0}).status_code == 200
+    [line] = lines(tmp_path / 'run')
+    assert (line['finish_reason'], line['num_turns'], line['reward']) == ('length_total', 2, 0.0)
+    assert sum(map(sum, line['response_loss_mask'])) == sampled + 2
 
 
 def test_an_idle_session_finishes_idle_timeout(tmp_path):

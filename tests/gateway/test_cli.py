@@ -83,6 +83,9 @@ def test_the_command_serves_stops_and_resumes(tmp_path, config, capsys):
     assert_tokens_exact(out, segments=1)
     assert main(['check-tokens', str(out)]) == 0
     assert main(['trace', 'show', str(out / 'trace.jsonl')]) == 0
+    assert main(['trace', 'html', str(out / 'trace.jsonl'), '--trajectories', str(out / 'trajectories.jsonl'),
+                 '-o', str(tmp_path / 'view.html')]) == 0
+    assert 'client_finished' in (tmp_path / 'view.html').read_text()
     assert main(['diff', str(out), str(out)]) == 0
     capsys.readouterr()
 
