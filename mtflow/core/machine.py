@@ -53,14 +53,17 @@ TURN_CAP = 'turn_cap'
 REPLAY_DIVERGED = 'replay_diverged'
 CONTEXT_FULL = 'context_full'
 LENGTH_TOTAL = 'length_total'
+CLIENT_FINISHED = 'client_finished'
+IDLE_TIMEOUT = 'idle_timeout'
+AGENT_TIMEOUT = 'agent_timeout'
 
 #: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
 #: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
 #: ``when`` is its documentation (``docs/state-machine.md`` is checked against it). Adding a
 #: finish reason is one line here.
 FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
-    (DONE_BY_HOOK, 'ok', '`on_turn_end` returned a truthy `done` (a hook may name its own reason with the mtflow '
-     'extension key `finish_reason`, e.g. a YAML stop rule\'s `stop_rule:<name>`)'),
+    (DONE_BY_HOOK, 'ok', '`on_turn_end` (or a `step`) returned a truthy `done` (a hook may name its own reason with '
+     'the mtflow extension key `finish_reason`, e.g. a YAML stop rule\'s `stop_rule:<name>`)'),
     (CHECK_FINISHED, 'ok', 'the scheduler\'s own `check_finished` returned true (and `on_turn_end` had no `done` key)'),
     (MAX_TURNS, 'limit', 'a turn bound was reached: the executor\'s `max_turns`, or the scheduler\'s own '
      '`max_turns` (native API: whatever hooks it overrides; `run_multi_turn`: through the default `check_finished`)'),
@@ -79,6 +82,12 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
     (LENGTH_TOTAL, 'limit', 'the trajectory\'s total response-token budget (`context.total_response_tokens`) was '
      'used up: the last turn, its `max_tokens` cut to what was left, ended on `length`, or nothing was left for the '
      'next turn (`docs/context.md`)'),
+    (CLIENT_FINISHED, 'ok', 'a gateway session\'s client ended it (`POST /s/<session>/finish`, or `mtflow run`\'s '
+     '`agent:` once the agent exited): its `step` returned `done` (`docs/gateway.md`)'),
+    (IDLE_TIMEOUT, 'limit', 'a gateway session made no call and no finish for `gateway.idle_timeout_s`: the deadline '
+     'of its `tool_step` (`docs/gateway.md`)'),
+    (AGENT_TIMEOUT, 'limit', '`mtflow run`\'s `agent:` killed the agent (its whole process tree) at '
+     '`agent.timeout_s`; the verifier still gives its reward (`docs/gateway.md`)'),
 )
 FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
 FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')
@@ -110,7 +119,7 @@ CORE_TRANSITIONS: List[Dict[str, Any]] = [
     {'trigger': CONTINUE, 'source': [PENDING, TOOL_STEP, COMPACTING], 'dest': CONTINUING},
     {'trigger': RUN_STEP, 'source': [GENERATING, CONTINUING], 'dest': TOOL_STEP},
     {'trigger': COMPACT, 'source': [PENDING, TOOL_STEP], 'dest': COMPACTING},
-    {'trigger': FINISH, 'source': [GENERATING, CONTINUING, COMPACTING], 'dest': FINISHED},
+    {'trigger': FINISH, 'source': [GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
     {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
     {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
     # reflexive: the parent stays in its state, each child is born in it (``docs/branching.md``);

@@ -58,10 +58,15 @@ from mtflow.engine.stream_resume import Resumption
 from mtflow.engine.versions import PolicyClock
 
 __all__ = ['Stream', 'StreamGroup', 'StreamUntil', 'StreamDriver', 'STALE_POLICIES', 'UPDATE_POLICIES', 'open_stream',
-           'DEFAULT_STREAM_CONCURRENCY']
+           'DEFAULT_STREAM_CONCURRENCY', 'NOTHING_YET']
 
 #: requests in flight when neither the stream nor the executor says (``max_concurrency``)
 DEFAULT_STREAM_CONCURRENCY = 64
+
+#: what a source yields when it has nothing now but is not done (a gateway waiting for its next
+#: session): the driver takes nothing and waits until poked (:meth:`Stream.poke`) or other work
+#: completes; a source that blocks in ``next`` instead would stall the requests in flight
+NOTHING_YET = object()
 
 _END = object()
 
@@ -288,6 +293,8 @@ class StreamDriver(AsyncDriver):
                 item = next(self.source)
             except StopIteration:
                 self.source_done = True
+                return False
+            if item is NOTHING_YET:  # an open-ended source with nothing now: it pokes the driver when it has
                 return False
             members = list(item) if isinstance(item, (list, tuple)) else [item]
         if not members:
@@ -537,6 +544,8 @@ class StreamDriver(AsyncDriver):
         self.delivered_requests += len(group.records)
         self.delivered_tokens += group.tokens
         self.deliver_fn(delivered)
+        for rec in group.records:  # delivered: its members need their group no more (a cycle per group
+            rec.group = None       # otherwise, which only the cyclic collector's slow full passes free)
 
     def release(self, uuids: Iterable[str]) -> None:
         """These requests are final (taken by the consumer, or dropped): the ``rollout_fn``'s
@@ -592,6 +601,11 @@ class Stream:
     def __iter__(self) -> 'Stream':
         return self
 
+    def poke(self) -> None:
+        """Wake the driver from any thread: an open-ended source that yielded
+        :data:`NOTHING_YET` has something now."""
+        self.driver.poke()
+
     def __next__(self) -> StreamGroup:
         while True:
             if self._finished:
@@ -628,13 +642,22 @@ class Stream:
             driver.take_back(group)
         return False
 
+    def stop(self, interrupt: bool = False) -> None:
+        """Ask the driver to stop, from any thread, and return at once: iterating the stream then
+        yields what is left (with ``interrupt``, as :meth:`interrupt` describes) and ends. For a
+        consumer iterating in another thread (a gateway's)."""
+        if not self._finished:
+            if interrupt:
+                self.driver.interrupting = True
+            self.driver.closing = True
+            self.driver.poke()
+
     def close(self) -> None:
         """Stop: nothing new is admitted, generations in flight are cancelled, their groups
         handed back whole (:attr:`unfinished`); groups already finished and not taken are kept in
         :attr:`untaken`."""
         if not self._finished:
-            self.driver.closing = True
-            self.driver.poke()
+            self.stop()
             self.untaken.extend(self)
 
     def interrupt(self) -> List[StreamGroup]:
@@ -645,9 +668,7 @@ class Stream:
         group of the interrupted requests, ``seq`` -1."""
         if self._finished:
             return []
-        self.driver.interrupting = True
-        self.driver.closing = True
-        self.driver.poke()
+        self.stop(interrupt=True)
         return list(self)
 
     def __enter__(self) -> 'Stream':

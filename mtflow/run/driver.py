@@ -241,11 +241,8 @@ class _ExecutorFactory:
     def _context(self) -> Dict[str, Any]:
         """The run config's context budget as an Executor option (the backend counts the prompt
         tokens and knows its context length), for batches and streams alike."""
-        cfg = self.cfg
-        if cfg.context is None:
-            return {}
-        return {'context': cfg.context.budget(self.backend, str(cfg.base_dir) if cfg.base_dir else None,
-                                              cfg.where('context'))}
+        budget = self.cfg.context_budget(self.backend)
+        return {} if budget is None else {'context': budget}
 
     def _admission(self) -> Dict[str, Any]:
         return {} if self.admission is None else {'admission': self.admission}

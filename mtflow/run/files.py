@@ -16,7 +16,8 @@ from mtflow.core.errors import UserError
 
 __all__ = [
     'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY',
-    'LOCK', 'IMAGES_DIR', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all', 'append_file', 'write_json_atomic',
+    'LOCK', 'IMAGES_DIR', 'SESSIONS', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all',
+    'append_file', 'write_json_atomic',
     'count_lines', 'scan_jsonl', 'DirLock', 'set_aside', 'not_empty_message', 'config_file_meta', 'recorded_config_file'
 ]
 
@@ -31,8 +32,10 @@ LOCK = 'run.lock'
 TREES = 'trees.jsonl'
 #: the folder of the run's images, each stored once under its content's hash (:mod:`mtflow.run.images`)
 IMAGES_DIR = 'images'
+#: the sessions a gateway opened, one line each (``mtflow/gateway/gateway.py``)
+SESSIONS = 'sessions.jsonl'
 #: every file a run directory may hold (``--overwrite --delete-old`` deletes only these)
-RUN_FILES = (TRAJECTORIES, TRACE, INTERRUPTED_FILE, TREES, RUN_INFO, SUMMARY, LOCK, IMAGES_DIR)
+RUN_FILES = (TRAJECTORIES, TRACE, INTERRUPTED_FILE, TREES, RUN_INFO, SUMMARY, LOCK, IMAGES_DIR, SESSIONS)
 #: the ``format`` of ``run.json``
 FORMAT = 'mtflow-run/1'
 

@@ -22,7 +22,18 @@ __all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed']
 FAILED_REASONS = ('error', 'timeout')
 
 
-def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
+def _what_rolls_out(cfg: Any) -> Optional[str]:
+    """The scheduler, or an ``agent:`` run's command (``None`` for a gateway's own sessions)."""
+    if cfg is None:
+        return None
+    agent = getattr(cfg, 'agent', None)
+    if cfg.scheduler is None and agent is not None:
+        command = agent.command if isinstance(agent.command, str) else ' '.join(agent.command)
+        return f'agent: {command}'
+    return cfg.scheduler
+
+
+def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
               load_s: float) -> Dict[str, Any]:
     """The figures of ``summary.json``: the requests on disk (every attempt, from the store's
     tally) and this attempt's timings."""
@@ -36,9 +47,9 @@ def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures
     load_info = reports.load_info or {}
     done = len(store.done)
     return {
-        'config': cfg.source,
-        'backend': reports.describe() or cfg.backend,
-        'scheduler': cfg.scheduler,
+        'config': cfg.source if cfg is not None else None,
+        'backend': reports.describe() or getattr(cfg, 'backend', None),
+        'scheduler': _what_rolls_out(cfg),
         'requests': total,
         'written': done,
         'interrupted': store.interrupted,

@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mtflow.core.calls import is_async_callable
 
-__all__ = ['REPLAY_FORMAT', 'TURNS_KEY', 'TurnLog', 'prompt_digest', 'output_turn', 'compact_turns', 'expand_turns']
+__all__ = ['REPLAY_FORMAT', 'TURNS_KEY', 'TurnLog', 'prompt_digest', 'ids_digest', 'output_turn', 'compact_turns',
+           'expand_turns']
 
 #: the version of the ``turns`` entries (also written to ``run.json`` as ``replay_format``)
 REPLAY_FORMAT = 1
@@ -55,9 +56,17 @@ def prompt_digest(messages: Any) -> str:
     return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:16]
 
 
+def ids_digest(ids: List[int]) -> str:
+    """A short, stable digest of a list of token ids (16 hex digits of SHA-256)."""
+    return hashlib.sha256(','.join(map(str, ids)).encode('ascii')).hexdigest()[:16]
+
+
 def output_turn(output: Any) -> Optional[Dict[str, Any]]:
     """``{text, token_ids, logprobs, finish_reason}`` of one model output (``None`` when it has
-    no choice: the executor fails such a request anyway)."""
+    no choice: the executor fails such a request anyway); with exact-id prompts (the backend
+    reports ``response.prompt_token_ids``) also ``prompt_len`` and ``prompt_ids``
+    (:func:`ids_digest`), so that ``mtflow check-tokens RUN_DIR`` can check every turn against the
+    segment it belongs to."""
     try:
         choice = output.response.choices[0]
     except (AttributeError, IndexError, TypeError):
@@ -68,8 +77,12 @@ def output_turn(output: Any) -> Optional[Dict[str, Any]]:
         values = [float(item['logprob']) for item in logprobs['content']]
     ids = getattr(choice, 'token_ids', None)
     message = getattr(choice, 'message', None)
-    return {'text': getattr(message, 'content', None) or '', 'token_ids': list(ids) if ids is not None else None,
+    turn = {'text': getattr(message, 'content', None) or '', 'token_ids': list(ids) if ids is not None else None,
             'logprobs': values, 'finish_reason': getattr(choice, 'finish_reason', None)}
+    prompt = getattr(output.response, 'prompt_token_ids', None)
+    if prompt:
+        turn['prompt_len'], turn['prompt_ids'] = len(prompt), ids_digest(list(prompt))
+    return turn
 
 
 class TurnLog:
@@ -144,6 +157,10 @@ class TurnLog:
             self.on_finish(str(uuid))
         return compact_turns(self._notes.pop(str(uuid), []), record)
 
+    def drop(self, uuid: str) -> None:
+        """Request ``uuid`` will not be written (a stream dropped it): forget its notes."""
+        self._notes.pop(str(uuid), None)
+
     def __len__(self) -> int:
         return len(self._notes)
 
@@ -172,6 +189,8 @@ def compact_turns(turns: List[Dict[str, Any]], record: Dict[str, Any]) -> List[D
     msg_at, seg_at, pos_at = 0, 0, 0
     for k, turn in enumerate(turns, 1):
         entry: Dict[str, Any] = {'turn': k, 'prompt': turn['prompt'], 'finish_reason': turn['finish_reason']}
+        if 'prompt_len' in turn:
+            entry['prompt_len'], entry['prompt_ids'] = turn['prompt_len'], turn['prompt_ids']
         text = turn['text']
         for i in range(msg_at, len(messages)):
             m = messages[i]
@@ -229,6 +248,9 @@ def expand_turns(record: Dict[str, Any]) -> List[Dict[str, Any]]:
                 values = lps[s][lp_start:lp_start + n]
         else:
             ids, values = entry.get('token_ids'), entry.get('logprobs')
-        full.append({'turn': entry['turn'], 'prompt': entry['prompt'], 'text': text, 'token_ids': ids,
-                     'logprobs': values, 'finish_reason': entry.get('finish_reason')})
+        turn = {'turn': entry['turn'], 'prompt': entry['prompt'], 'text': text, 'token_ids': ids,
+                'logprobs': values, 'finish_reason': entry.get('finish_reason')}
+        if 'prompt_len' in entry:
+            turn['prompt_len'], turn['prompt_ids'] = entry['prompt_len'], entry['prompt_ids']
+        full.append(turn)
     return full
