@@ -329,7 +329,10 @@ def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
     cached = _cached_pages(path)
     if cached != pages and _memory_stalls() != stalls:
         pytest.skip(f'the host reclaimed memory meanwhile ({cached} of {pages} pages cached)')
-    assert cached == pages
+    # the call's advice would drop every page (0 of 185 stayed before the rule); the host's own
+    # background reclaim (kswapd: no stall in PSI) may drop a page or two on a loaded machine
+    # (seen once: 184 of 185 during the full suite)
+    assert cached >= pages - max(2, pages // 20), f'{cached} of {pages} pages still cached'
     assert_nothing_survives(r)
 
 
