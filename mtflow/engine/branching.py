@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mtflow.accounting.token_record import RECORD_ATTR, record_of
 from mtflow.core.errors import ForkRefused
+from mtflow.core.keys import coerce_fields
 from mtflow.core.machine import GENERATING, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
 from mtflow.core.protocol import extract_logprobs
 
@@ -173,14 +174,7 @@ class Branching:
     @classmethod
     def coerce(cls, value: Any) -> Optional['Branching']:
         """``None``, a :class:`Branching`, or a dict of its fields (``{'at': {'turn': 2}, 'copies': 4}``)."""
-        if value is None or isinstance(value, Branching):
-            return value
-        if isinstance(value, Mapping):
-            unknown = sorted(set(value) - {'at', 'copies', 'leaves'})
-            if unknown:
-                raise ValueError(f'branch: unknown key(s) {unknown}; keys: at, copies, leaves')
-            return cls(**value)
-        raise TypeError(f'branch must be None, a Branching or a dict, not {type(value).__name__}')
+        return coerce_fields(cls, value, 'branch')
 
     # ---- the decision -------------------------------------------------------------------------
     def branches(self, rec: RequestRecord, extra: Optional[dict], call: Callable[[Any], Any]) -> int:

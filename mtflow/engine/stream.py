@@ -43,6 +43,7 @@ from typing import (Any, AsyncIterator, Callable, ClassVar, Deque, Dict, Iterabl
                     Union)
 
 from mtflow.core.calls import OK, RAISED, Outcome, wrapped_methods
+from mtflow.core.keys import coerce_fields
 from mtflow.core.machine import FINISHED, RequestRecord
 from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.branching import plant, tree_record, trees_of
@@ -96,14 +97,7 @@ class StreamUntil(Budget):
     @classmethod
     def coerce(cls, value: Any) -> Optional['StreamUntil']:
         """``None``, a :class:`StreamUntil`, or a dict like ``{'groups': 8}``."""
-        if value is None or isinstance(value, StreamUntil):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {'requests', 'groups', 'seconds', 'tokens'}
-            if unknown:
-                raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use requests, groups, seconds, tokens')
-            return cls(**value)
-        raise TypeError(f'until must be None, a StreamUntil or a dict, not {type(value).__name__}')
+        return coerce_fields(cls, value, 'until')
 
 
 class _NoEvents(list):
