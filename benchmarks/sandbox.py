@@ -11,6 +11,13 @@ throughput of concurrent calls.
 - bwrap warm / unshare warm: the same with a warm pool (``warm_pool: --pool``): the sandbox was
   started ahead, the call feeds it the program (each sandbox still runs one program only).
 
+With ``--neighbour``, instead: what a call that spins on every CPU it can get does to a neighbour
+(issue 39, item 10). A spinner call (``--spinners`` processes, each in a session of its own, so each
+would have an autogroup of its own) runs while ``--calls`` cold ``print(1)`` calls are timed one at
+a time, in ``--rounds`` rounds over the variants: no spinner; a spinner with no CPU group per call
+(the sandbox before item 10, the neighbour's calls too); a spinner in its own CPU group with no
+quota (``cpu_cores: null``: one weight per call); and with ``cpu_cores`` 1 (the default) and 0.5.
+
 Per-call latency is measured one call at a time (``--calls`` calls after a warm-up), p50 and p95;
 the overhead is the isolated figure minus the plain one; with the CPU time each call costs (this
 process and the processes it started). Throughput: ``--concurrency`` calls (default 64) started at
@@ -20,12 +27,14 @@ twice and read them side by side with the baseline of the same run.
 
     .venv/bin/python benchmarks/sandbox.py
     .venv/bin/python benchmarks/sandbox.py --calls 100 --concurrency 64 --kinds bwrap unshare
+    .venv/bin/python benchmarks/sandbox.py --neighbour --calls 20 --rounds 3
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import resource
 import statistics
@@ -35,7 +44,7 @@ from typing import Awaitable, Callable, Dict, Iterator, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtflow.tools import isolation, seccomp  # noqa: E402
+from mtflow.tools import cgroup, isolation, seccomp  # noqa: E402
 from mtflow.tools.sandbox import process  # noqa: E402
 from mtflow.tools.sandbox import SandboxPool, SandboxSpec, run_python  # noqa: E402
 
@@ -105,6 +114,79 @@ async def burst(call: Callable[[], Awaitable[str]], n: int) -> float:
     return wall
 
 
+#: the spinner of ``--neighbour``: ``{n}`` processes, each in a new session, busy until killed
+SPINNER = """
+import os
+for _ in range({n}):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            pass
+os.wait()
+"""
+
+#: variant -> the spinner's ``cpu_cores`` (``'off'``: no spinner; ``'no group'``: no CPU group per call)
+NEIGHBOUR_VARIANTS = {'no spinner': 'off', 'spinner, no CPU group': 'no group', 'spinner, cpu_cores: null': None,
+                      'spinner, cpu_cores: 1': 1.0, 'spinner, cpu_cores: 0.5': 0.5}
+
+
+@contextlib.contextmanager
+def without_cpu_group() -> Iterator[None]:
+    """The sandbox before issue 39's item 10: no group of the CPU controller per call."""
+    real = cgroup.support()
+    parents = {c: d for c, d in real.parents.items() if c != 'cpu'}
+    saved = cgroup.support
+    cgroup.support = lambda: dataclasses.replace(real, parents=parents, cpu=False)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cgroup.support = saved  # type: ignore[assignment]
+
+
+async def beside_a_spinner(kind: str, cores, spinners: int, n: int) -> List[float]:
+    """``n`` cold ``print(1)`` calls, timed one at a time while a spinner call runs (``cores``: its
+    ``cpu_cores``; ``'off'``: no spinner)."""
+    spin = None
+    if cores != 'off':
+        spin = asyncio.ensure_future(run_python(SPINNER.format(n=spinners), isolation=kind, timeout_s=600, cpu_s=600,
+                                                max_processes=spinners + 2,
+                                                cpu_cores=None if cores == 'no group' else cores))
+        await asyncio.sleep(1.0)  # the spinners are up
+    try:
+        return await latencies(sandbox_call(kind), n)
+    finally:
+        if spin is not None:
+            spin.cancel()  # the cancelled call kills its sandbox
+            await asyncio.gather(spin, return_exceptions=True)
+
+
+def neighbour(args: argparse.Namespace) -> None:
+    kind = args.kinds[0]
+    why = isolation.probe(kind)
+    if why is not None:
+        raise SystemExit(f'{kind}: unavailable here ({why})')
+    sup = cgroup.support()
+    if not sup.cpu:
+        print(f'no CPU group per call here ({sup.describe()}): the cpu_cores rows are the same as "no CPU group"')
+    lat: Dict[str, List[float]] = {name: [] for name in NEIGHBOUR_VARIANTS}
+    loads = []
+    for _ in range(args.rounds):
+        for name, cores in NEIGHBOUR_VARIANTS.items():
+            loads.append(os.getloadavg()[0])
+            with without_cpu_group() if cores == 'no group' else contextlib.nullcontext():
+                lat[name] += asyncio.run(beside_a_spinner(kind, cores, args.spinners, args.calls))
+    print(f'a neighbour beside a spinner ({args.spinners} processes, each in its own session): {args.calls} cold '
+          f'{PROGRAM!r} calls ({kind}) per variant and round, {args.rounds} rounds; {os.cpu_count()} CPUs, '
+          f'load average {min(loads):.1f}-{max(loads):.1f}')
+    base = pct(lat['no spinner'], 0.5) * 1000
+    head = f'{"variant":<26} {"p50 ms":>8} {"p95 ms":>8} {"p50 / alone":>12}'
+    print(head)
+    print('-' * len(head))
+    for name, values in lat.items():
+        p50 = pct(values, 0.5) * 1000
+        print(f'{name:<26} {p50:8.1f} {pct(values, 0.95) * 1000:8.1f} {p50 / base:12.2f}')
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--calls', type=int, default=60, help='sequential calls per variant (after 3 warm-up calls)')
@@ -114,7 +196,13 @@ def main() -> None:
     ap.add_argument('--rounds', type=int, default=3, help='bursts per variant, in rounds over the variants')
     ap.add_argument('--no-comparison', action='store_true',
                     help='leave out the "bwrap, no filter/cgroup" row (cold bwrap without the v2 hardening)')
+    ap.add_argument('--neighbour', action='store_true',
+                    help='only the neighbour figure: cold calls beside a spinning call, with and without a CPU bound')
+    ap.add_argument('--spinners', type=int, default=4, help='busy processes of the spinning call (--neighbour)')
     args = ap.parse_args()
+    if args.neighbour:
+        neighbour(args)
+        return
     pools = []
 
     variants: Dict[str, Callable[[], Awaitable[str]]] = {'plain subprocess': plain_call}

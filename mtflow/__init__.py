@@ -10,6 +10,7 @@ from mtflow.engine.executor import Executor, RunResult, identity_gather, run_mul
 from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.engine.context_budget import ContextBudget
 from mtflow.engine.admission import Admission
+from mtflow.engine.branching import Branching
 from mtflow.engine.stream import Stream, StreamGroup, StreamUntil
 from mtflow.core.machine import StateGraph
 from mtflow.core.records import FinishedRequest
@@ -25,6 +26,6 @@ __all__ = [
     'ChatCompletionResponse', 'ChatCompletionResponseChoice', 'ChatMessage', 'RequestConfig', 'RolloutInferRequest',
     'RolloutOutput', 'UsageInfo', 'MtflowError', 'IllegalTransition', 'RequestError', 'SchedulerResultError',
     'RolloutFnError', 'RequestFailure', 'MultiTurnRolloutError', 'RolloutInterrupted', 'StepTimeout', 'FinishedRequest',
-    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', 'ContextBudget', 'Admission', 'Stream', 'StreamGroup',
+    'DuplicateUuidError', 'RankMismatchError', 'Until', 'UnfinishedRequest', 'ContextBudget', 'Admission', 'Branching', 'Stream', 'StreamGroup',
     'StreamUntil', '__version__'
 ]

@@ -1,5 +1,5 @@
 """The ``mtflow`` command line: ``run``, ``validate``, ``schema``, ``graph``, ``trace``, ``check-tokens``,
-``replay``, ``rescore``, ``diff``.
+``replay``, ``rescore``, ``diff``, ``gateway``.
 
 Each subcommand lives in ``mtflow/commands/<name>.py`` with ``add_parser(subparsers)`` and
 ``main(args) -> int``, and is imported only when used, so ``mtflow --help`` stays fast.
@@ -31,6 +31,7 @@ COMMANDS = {
     'replay': ('mtflow.commands.replay', "re-run a run with its recorded model outputs against a (new) config"),
     'rescore': ('mtflow.commands.rescore', 'recompute the rewards and finish policy of a run, no model or tool call'),
     'diff': ('mtflow.commands.diff', 'compare two runs request by request, turn by turn (exit 1 when they differ)'),
+    'gateway': ('mtflow.commands.gateway', 'serve a model to external agents (OpenAI/Anthropic API), recording sessions'),
 }
 
 

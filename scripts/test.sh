@@ -41,6 +41,17 @@ command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBI
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
 
+# the gateway (mtflow/gateway, the 'gateway' extra: aiohttp, above) and its tests (tests/gateway): the anthropic
+# client and smolagents, pinned, in the venv (nothing there moves); the OpenAI Agents SDK apart, without its
+# dependencies (all in the venv already; its wheel pins websockets<17 where openenv's is 17.4), as
+# docs/training.md installs TRL 1.16 apart
+.venv/bin/python -c 'import anthropic, smolagents' 2>/dev/null || $PIP install 'anthropic==2.17.0' 'smolagents==1.26.0'
+[ -d .extras/openai-agents/agents ] || $PIP install --no-deps --target .extras/openai-agents 'openai-agents==0.24.0'
+# verifiers (tests/gateway/test_verifiers.py) in a venv of its own: it would move mcp 2.3 -> 1.30 and websockets
+# 17.4 -> 16.1 here (and bring prime-* packages); 0.3.1 is the newest release with the MultiTurnEnv/ToolEnv/Rubric API (0.4.0 ships only its v1 stack)
+.extras/verifiers-venv/bin/python -c 'import verifiers.legacy' 2>/dev/null || { .venv/bin/python -m venv .extras/verifiers-venv \
+  && .extras/verifiers-venv/bin/python -m pip --disable-pip-version-check -q install 'verifiers==0.3.1'; }
+
 # --- run ---
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -19,7 +19,7 @@ from tests.docs_snippets import ROOT, SKIP_KINDS, Block, blocks, free_names
 
 BLOCKS = blocks()
 #: what a page's directory links to: the checkout a reader runs the docs in
-LINKED = ('configs', 'schedulers', 'tests', 'benchmarks', 'scripts', 'mtflow', 'pyproject.toml')
+LINKED = ('configs', 'schedulers', 'tests', 'benchmarks', 'scripts', 'mtflow', 'pyproject.toml', '.extras')
 #: each block's own limit (the slowest: an ms-swift GRPO step, the embedded model's games on 2 cores)
 TIMEOUT_S = 900
 

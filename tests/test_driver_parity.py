@@ -14,12 +14,19 @@ Differences that are intended, and so not compared:
 - **policy versions**: a stream stamps every turn with its policy version
   (``rollout_infos['policy_versions']``, all 0 here) even when none was set; the runs do not;
 - **times**: the trace's durations and timestamps;
+- **record indexes** (a failure's ``index``): a fork's children are numbered as they are born, which
+  is when each driver gets to the fork; everything is compared by uuid;
 - **partial results**: a budget (``until=``) stops each driver where its own schedule has got to
   (lockstep has none), so which requests come back unfinished is not compared; resuming them is
   checked against an uninterrupted run in ``tests/test_async_mode.py``.
 
-700 scenarios in all (600 + 40 with deadlines + 60 with a context budget), fixed by
-``derandomize`` so that a failure reproduces.
+Branched scenarios (``docs/branching.md``) fork the requests where a generated policy says (a turn,
+a state, tool calls, entropy; copies; a leaf budget, so trees are topped up mid-run): every leaf
+and every tree record must be the same in every driver. A child's model turns come from its
+root's plan, its ids moved by its uuid, so that branches answer apart.
+
+850 scenarios in all (600 + 40 with deadlines + 60 with a context budget + 150 branched), fixed
+by ``derandomize`` so that a failure reproduces.
 """
 from __future__ import annotations
 
@@ -32,7 +39,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import zlib
+
 from mtflow import ContextBudget, Executor, RequestConfig, Scheduler
+from mtflow.engine.branching import branch_root
 from tests.helpers import dump, out, req
 
 STEP_KINDS = ('observe', 'tool', 'image', 'continue', 'raise')
@@ -75,13 +85,13 @@ class PlannedScheduler(Scheduler):
         self.plans = plans
 
     def _turn(self, request: Any, turn: int) -> Optional[dict]:
-        plan = self.plans[request.uuid]
+        plan = self.plans[branch_root(request.uuid)]  # a branch follows its root's plan
         return plan[turn - 1] if turn <= len(plan) else None
 
     async def on_turn_end(self, infer_request, response_choice, current_turn):
         t = self._turn(infer_request, current_turn)
         result: Dict[str, Any] = {'rollout_infos': {f'seen_{current_turn}': len(infer_request.messages)}}
-        if t is None or t['done'] or current_turn >= len(self.plans[infer_request.uuid]):
+        if t is None or t['done'] or current_turn >= len(self.plans[branch_root(infer_request.uuid)]):
             result['done'] = True
         return result
 
@@ -111,21 +121,28 @@ class PlannedScheduler(Scheduler):
 
 def planned_rollout(plans: Dict[str, List[dict]]):
     """A deterministic backend: each request's turn is answered from its plan (an exception in
-    the output's place fails that request only), whatever the batch it arrives in."""
+    the output's place fails that request only), whatever the batch it arrives in; a fork's child
+    goes on from its parent's turn (``fork``), with its root's plan and ids moved by its uuid."""
     seen: Dict[str, int] = {}
 
     def rollout(requests, request_config=None):
         outputs: List[Any] = []
         for r in requests:
             turn = seen[r.uuid] = seen.get(r.uuid, 0) + 1
-            plan = plans[r.uuid]
+            plan = plans[branch_root(r.uuid)]
             t = plan[min(turn, len(plan)) - 1]
             if t['fault']:
                 outputs.append(RuntimeError(f'backend cannot serve {r.uuid} turn {turn}'))
                 continue
-            outputs.append(out(f'{r.uuid}/{turn}', t['ids'], t['logprobs'], t['finish_reason']))
+            shift = zlib.crc32(r.uuid.encode()) % 7 if r.uuid != branch_root(r.uuid) else 0
+            outputs.append(out(f'{r.uuid}/{turn}', [i + shift for i in t['ids']], t['logprobs'], t['finish_reason']))
         return outputs
 
+    def fork(parent: str, children: List[str]) -> None:
+        for child in children:
+            seen[child] = seen.get(parent, 0)
+
+    rollout.fork = fork
     return rollout
 
 
@@ -134,7 +151,7 @@ def _event_view(events: List[Any]) -> List[tuple]:
 
 
 def _failure_view(failures: List[Any]) -> Dict[str, dict]:
-    return {f.uuid: f.to_dict() for f in failures}
+    return {f.uuid: {k: v for k, v in f.to_dict().items() if k != 'index'} for f in failures}
 
 
 def _without_versions(outputs: List[Any]) -> List[Any]:
@@ -142,11 +159,13 @@ def _without_versions(outputs: List[Any]) -> List[Any]:
     for d in dumped:
         if d is not None:
             d['rollout_infos'].pop('policy_versions', None)
+            d['rollout_infos'].get('mtflow_error', {}).pop('index', None)
     return dumped
 
 
 def run_driver(driver: str, plans: List[List[dict]], options: Dict[str, Any]) -> Dict[str, tuple]:
-    """Per uuid: (output, finish reason, failure, final request, trace) under one driver."""
+    """Per uuid (a fork's children too): (output, finish reason, failure, final request, trace)
+    under one driver; and, under ``'trees'``, the trees of a branched run by root."""
     by_uuid = {f'r{i}': plan for i, plan in enumerate(plans)}
     requests = [req(u) for u in by_uuid]
     scheduler = PlannedScheduler(by_uuid, options.get('max_turns'))
@@ -156,12 +175,14 @@ def run_driver(driver: str, plans: List[List[dict]], options: Dict[str, Any]) ->
         ex = Executor(scheduler, planned_rollout(by_uuid), config, mode='async', **kwargs)
         groups = list(ex.stream(requests, max_staleness=0, max_concurrency=3))
         assert len(groups) == len(requests)
-        got = {}
+        got: Dict[str, Any] = {'trees': {}}
         for g in groups:
-            [uuid] = g.uuids
-            failure = _failure_view(g.failures).get(uuid)
-            got[uuid] = (_without_versions(g.outputs)[0], g.finish_reasons[0], failure, dump([g.requests[0]])[0],
-                         _event_view(g.events[0]))
+            failures = _failure_view(g.failures)
+            outputs = _without_versions(g.outputs)
+            for k, uuid in enumerate(g.uuids):
+                got[uuid] = (outputs[k], g.finish_reasons[k], failures.get(uuid), dump([g.requests[k]])[0],
+                             _event_view(g.events[k]))
+            got['trees'].update((t['root'], t) for t in g.trees)
         return got
     mode, _, concurrency = driver.partition('@')
     if mode == 'async':
@@ -169,9 +190,11 @@ def run_driver(driver: str, plans: List[List[dict]], options: Dict[str, Any]) ->
     result = Executor(scheduler, planned_rollout(by_uuid), config, **kwargs).run(requests)
     failures = _failure_view(result.failures)
     outputs = _without_versions(result.outputs)
-    return {u: (outputs[i], result.finish_reasons[i], failures.get(u), dump([requests[i]])[0],
-                _event_view(result.trace.for_request(u)))
-            for i, u in enumerate(by_uuid)}
+    got = {r.uuid: (outputs[i], result.finish_reasons[i], failures.get(r.uuid), dump([requests[i]])[0],
+                    _event_view(result.trace.for_request(r.uuid)))
+           for i, r in enumerate(requests)}  # the list run grows by each fork's children
+    got['trees'] = {t['root']: t for t in result.trees}
+    return got
 
 
 DRIVERS = ('lockstep', 'async@1', 'async@3', 'async@8', 'stream')
@@ -230,3 +253,30 @@ def test_drivers_agree_when_the_context_budget_compacts(plans, limit, policy):
     budget = ContextBudget(context_length=limit, count_tokens=_words, policy=policy, keep_last_turns=1,
                            placeholder='-')
     assert_parity(plans, {'max_turns': 4, 'context': budget, 'request_config': RequestConfig(max_tokens=2)})
+
+
+@st.composite
+def branch_st(draw) -> Dict[str, Any]:
+    at = draw(st.sampled_from(['turn', 'tool_step', 'tool_calls', 'entropy']))
+    if at == 'turn':
+        where: Any = {'turn': draw(st.integers(1, 3))}
+    elif at == 'tool_step':
+        where = {'turn': draw(st.integers(1, 3)), 'state': 'tool_step'}
+    elif at == 'tool_calls':
+        where = 'tool_calls'
+    else:  # the plans' turns have mean surprisal 0.125 (1 id), 0.1875 (2) or 0.25 (3)
+        where = {'entropy': {'above': draw(st.sampled_from([0.15, 0.2]))}}
+    return {'at': where, 'copies': draw(st.integers(2, 3)), 'leaves': draw(st.sampled_from([None, 2, 3, 5]))}
+
+
+BRANCHED = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.filterwarnings('ignore::UserWarning')
+@BRANCHED
+@given(plans=scenario_st(max_requests=3), max_turns=st.sampled_from([None, 3]), branch=branch_st())
+def test_drivers_agree_on_branched_scenarios(plans, max_turns, branch):
+    """Forks at a turn, after a turn (tool_step), after tool calls, at high entropy, with and
+    without a leaf budget (top-ups start mid-run): the same leaves and the same trees."""
+    assert_parity(plans, {'max_turns': max_turns, 'branch': branch})

@@ -33,7 +33,7 @@ def test_only_the_graph_sets_a_state_and_only_the_moves_call_the_graph():
                             isinstance(t.value, ast.Name) and t.value.id in ('self', 'slot')):
                         setters.append(f'{path}:{node.lineno}')
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in ('move', 'move_all') and 'graph' in ast.unparse(node.func.value):
+                    node.func.attr in ('move', 'move_all', 'fork') and 'graph' in ast.unparse(node.func.value):
                 callers.append(path)
     assert {s.split(':')[0] for s in setters} == {'mtflow/core/machine.py'}, setters  # StateGraph.move/move_all
     assert set(callers) == {'mtflow/engine/moves.py'}, callers

@@ -19,9 +19,9 @@ import copy
 from typing import Any, Dict, List, Optional
 
 from mtflow.core.machine import RequestRecord
-from mtflow.accounting.token_record import RECORD_ATTR, record_of
+from mtflow.accounting.token_record import RECORD_ATTR, TokenRecord, record_of
 
-__all__ = ['SEGMENTS_KEY', 'cut_segment', 'segments_of', 'training_samples', 'flat_sample']
+__all__ = ['SEGMENTS_KEY', 'cut_segment', 'detach_record', 'segments_of', 'training_samples', 'flat_sample']
 
 #: the ``rollout_infos`` key of the segments closed by compactions (all but the last)
 SEGMENTS_KEY = 'context_segments'
@@ -44,12 +44,14 @@ def _record_segment(record: RequestRecord) -> Optional[Dict[str, Any]]:
             'rollout_logprobs': logprobs, 'glue_ids': glue, 'exact': rec.exact}
 
 
-def cut_segment(record: RequestRecord, exact_ids: bool) -> Dict[str, Any]:
+def cut_segment(record: RequestRecord, exact_ids: bool, ended_by: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Close the current segment of ``record`` (a compaction is about to rewrite its messages):
     its ids, mask and logprobs (from the token record when ``exact_ids`` and the record holds
     exactly these turns, else the accounting's own), kept in ``rollout_infos['context_segments']``;
-    the record then starts a new segment (no ids yet; the request's token record detached, so
-    the backend renders the compacted prompt afresh instead of marking the record restarted)."""
+    the record then starts a new segment (no ids yet; the request's token record emptied,
+    :func:`detach_record`, so the backend renders the compacted prompt afresh instead of marking
+    the record restarted).
+    ``ended_by``: what ended the segment (a step's ``new_segment`` dict), kept under that key."""
     segments = record.infos.setdefault(SEGMENTS_KEY, [])
     index = len(segments)
     seg = _record_segment(record) if exact_ids else None
@@ -59,14 +61,23 @@ def cut_segment(record: RequestRecord, exact_ids: bool) -> Dict[str, Any]:
                'rollout_logprobs': [list(s) for s in record.logprobs], 'glue_ids': None, 'exact': False}
     seg = {'segment': index, 'turns': [record.segment_start + 1, record.turns], **seg,
            'messages': copy.deepcopy(list(record.request.messages))}
+    if ended_by is not None:
+        seg['ended_by'] = dict(ended_by)
     segments.append(seg)
     record.ids, record.mask, record.logprobs = [], [], []
     record.segment_start = record.turns
+    detach_record(record.request)
+    return seg
+
+
+def detach_record(request: Any) -> None:
+    """Give ``request`` an empty token record: its next turn starts a new exact record, rendered
+    from its messages (not matched against the record the backend keeps for its uuid, which a
+    rewritten history could otherwise seem to extend, and mark restarted)."""
     try:
-        setattr(record.request, RECORD_ATTR, None)
+        setattr(request, RECORD_ATTR, TokenRecord())
     except (AttributeError, TypeError, ValueError):  # a frozen request: the backend renders from text
         pass
-    return seg
 
 
 def segments_of(output: Any) -> List[Dict[str, Any]]:

@@ -32,7 +32,7 @@ from mtflow.core.seeds import sampling_seed
 
 __all__ = [
     'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError'
+    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of'
 ]
 
 
@@ -231,16 +231,90 @@ class PreflightProblem:
     unreachable: bool = False
 
 
-class Backend:
+class Reports:
+    """What a backend may tell a run besides its outputs, declared once, each with a default that
+    reports nothing. :class:`Backend` has them; the run directory reads them through
+    :func:`reports_of` (never by looking an attribute up), so a plain callable given as a backend
+    reports nothing and a backend that reports something overrides the method that says it."""
+    #: counters across calls (``summary.json``'s generation figures; ``None``: not counted)
+    stats: Optional['BackendStats'] = None
+    #: how the engine was loaded: ``device``, ``dtype``, ``block_size`` and why (``summary.json``'s
+    #: ``engine``); a backend that loads one sets its own dict
+    load_info: Dict[str, Any] = {}
+    #: schedulers that count tokens read it; ``None`` when the backend has none (a class
+    #: attribute, so that a backend may make it a property of its engine)
+    tokenizer: Any = None
+
+    def describe(self) -> Optional[str]:
+        """One line naming the backend and its model (the summary's ``backend``); ``None``: the
+        run names it by its config."""
+        return None
+
+    def prefix_cache_summary(self) -> Optional[Dict[str, Any]]:
+        """A colocated engine's prefix-cache figures (``mtflow.run.engine_figures``)."""
+        return None
+
+    def serving(self, uuid: str) -> Optional[List[Dict[str, Any]]]:
+        """The serving log of request ``uuid``, one entry per turn (which server, its cached
+        prompt tokens, moves off a failing one): merged into the request's trace
+        (``mtflow.run.serving``)."""
+        return None
+
+    def serving_summary(self) -> Optional[Dict[str, Any]]:
+        """The router's figures over several servers (``summary.json``'s ``serving``)."""
+        return None
+
+    def begin_server_metrics(self) -> None:
+        """Read the servers' own counters when a run starts (their growth goes in the summary)."""
+
+    def end_server_metrics(self) -> None:
+        """Read them again when it ends (before the backend closes)."""
+
+    def forget(self, uuid: str) -> None:
+        """Request ``uuid`` is final: drop whatever is kept for it (a replayed run's records)."""
+
+    def known_digest(self, request: Any) -> Optional[str]:
+        """The prompt digest this backend already computed for ``request`` in the call just made,
+        or ``None`` (the run computes it then)."""
+        return None
+
+    def close(self) -> None:
+        """Release what the backend holds (connections, engines). Safe to call twice."""
+
+
+#: every name :class:`Reports` declares
+REPORTED = frozenset(name for name in vars(Reports) if not name.startswith('_'))
+
+
+class _Plain(Reports):
+    """The reports of a ``rollout_fn`` that does not subclass :class:`Reports` (a function, a
+    user's own class): what it has under a declared name, else the default. The one place a
+    backend's optional attributes are looked up by name."""
+
+    def __init__(self, fn: Any) -> None:
+        object.__setattr__(self, '_fn', fn)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in REPORTED:
+            own = getattr(object.__getattribute__(self, '_fn'), name, None)
+            if own is not None:
+                return own
+        return object.__getattribute__(self, name)
+
+
+def reports_of(backend: Any) -> Reports:
+    """``backend``'s reports: itself when it declares them (a :class:`Backend`), else what it
+    has of them under their names (:class:`_Plain`)."""
+    return backend if isinstance(backend, Reports) else _Plain(backend)
+
+
+class Backend(Reports):
     """Base class of mtflow's backends: a ``rollout_fn`` with a name, a model name, an optional
     tokenizer (schedulers that count tokens use it) and counters.
 
     Subclasses implement :meth:`generate`; :meth:`__call__` adds the bookkeeping every backend
     needs (an empty call returns ``[]`` at once: idle ranks call ``rollout_fn([])``)."""
     name = 'backend'
-    #: schedulers that count tokens read it; ``None`` when the backend has none (a class
-    #: attribute, so that a backend may make it a property of its engine)
-    tokenizer: Any = None
 
     def __init__(self) -> None:
         self.stats = BackendStats()
@@ -316,9 +390,6 @@ class Backend:
         size = max_batch_size or getattr(self, 'max_batch_size', None) or 16
         return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s, settle_s=settle_s,
                               max_delay_s=max_delay_s)
-
-    def close(self) -> None:
-        """Release what the backend holds (connections, engines). Safe to call twice."""
 
     def __enter__(self) -> 'Backend':
         return self

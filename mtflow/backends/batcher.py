@@ -134,6 +134,9 @@ class DynamicBatcher:
         forget = getattr(batch_fn, 'forget', None)
         if callable(forget):  # a backend that keeps per-request state is told when a request is final
             self.forget = forget
+        fork = getattr(batch_fn, 'fork', None)
+        if callable(fork):  # ... and when a request is forked (docs/branching.md)
+            self.fork = fork
 
     # ---- calling -------------------------------------------------------------------------------
     def submit(self, requests: List[Any], request_config: Any = None) -> Future:

@@ -159,6 +159,12 @@ class _Probe:
                 turns[-2].entry = rec.turns[-2]  # the new record holds the previous turn's appended ids
         return outputs
 
+    def fork(self, parent: str, children: List[str]) -> None:
+        """``parent`` was forked (``docs/branching.md``): each child's turns start with copies of
+        the parent's, so every leaf is checked from its first turn."""
+        for child in children:
+            self.turns[child] = [dataclasses.replace(t) for t in self.turns.get(parent, [])]
+
 
 @dataclass
 class TemplateReport:
@@ -234,12 +240,13 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
                 _collect_failures(report, result)
                 outputs.update({r.uuid: o for r, o in zip(group, result.outputs)})
         else:
+            run = list(requests or [])  # a branched scheduler's children are appended to it
             result = Executor(scheduler, probe, RequestConfig(max_tokens=16, temperature=temperature, seed=seed,
                                                               logprobs=True),
                               accounting=record_accounting(scheduler), max_turns=max_turns,
-                              on_error='return', context=context).run(list(requests or []))
+                              on_error='return', context=context).run(run)
             _collect_failures(report, result)
-            outputs = {r.uuid: o for r, o in zip(requests or [], result.outputs)}
+            outputs = {r.uuid: o for r, o in zip(run, result.outputs)}
         strips = _template_strips_think(tok, prompter.chat_template)
         for uuid, turns in probe.turns.items():
             _check_request(report, prompter, tok, special, uuid, turns, outputs.get(uuid),

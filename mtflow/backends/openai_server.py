@@ -513,6 +513,14 @@ class OpenAIBackend(ServerMetrics, Backend):
         if self._runner is not None:
             self._runner.loop.call_soon_threadsafe(self.router.set_weight_version, version)
 
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked (``docs/branching.md``): its children are routed where its
+        prefix is cached (:meth:`Router.fork`, on the backend's loop, before any of their calls)."""
+        if self._runner is not None:
+            self._runner.loop.call_soon_threadsafe(self.router.fork, str(parent), [str(c) for c in children])
+        else:
+            self.router.fork(str(parent), [str(c) for c in children])
+
     def serving(self, uuid: str) -> List[Dict[str, Any]]:
         """Request ``uuid``'s serving log, one entry per turn (replica, prompt and cached tokens,
         moves), removed from the backend; ``mtflow run`` writes it into the trace."""

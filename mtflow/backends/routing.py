@@ -38,6 +38,11 @@ replica's backlog is more than the slack); a request whose replica's backlog is 
 slack when it arrives goes to a free replica at once. :meth:`Router.release` hands the slot
 straight to the next waiter (no wake-up of every waiter).
 
+**Forks** (``docs/branching.md``). A request forked into children (:meth:`Router.fork`) hands
+them its placement: a child's first turn goes where its parent's prefix is cached (sticky), and
+hashes as its parent (consistent hash); its serving log starts with the parent's entries, so its
+n-th entry is still its turn n.
+
 **Health.** A replica that refuses a connection is marked down at once (:meth:`mark_down`) and
 its requests move to another (each move counted, and noted in the request's serving log, which
 ``mtflow run`` writes into the trace); a health check (``GET <url>/models``, every
@@ -152,6 +157,7 @@ class Router:
         self.queued = 0  # acquisitions that had to wait for capacity
         self.queued_s = 0.0  # their time waiting, summed
         self._sticky: Dict[str, int] = {}
+        self._hash_key: Dict[str, str] = {}  # a fork's child -> the key it hashes as (its root's)
         self._rr = 0
         self._ring: List[int] = []
         self._ring_owner: List[int] = []
@@ -218,7 +224,7 @@ class Router:
         return least
 
     def _ring_choice(self, key: str, allowed: Set[int]) -> Optional[int]:
-        start = bisect.bisect(self._ring, _hash(f'{self.weight_version}:{key}'))
+        start = bisect.bisect(self._ring, _hash(f'{self.weight_version}:{self._hash_key.get(key, key)}'))
         for step in range(len(self._ring)):
             owner = self._ring_owner[(start + step) % len(self._ring)]
             if owner in allowed:
@@ -375,6 +381,16 @@ class Router:
             else:
                 self.mark_down(replica)
 
+    def fork(self, parent: str, children: Sequence[str]) -> None:
+        """``parent`` was forked into ``children``: they go where its prefix is cached (module docstring)."""
+        home, root, entries = self._sticky.get(parent), self._hash_key.get(parent, parent), self._log.get(parent)
+        for child in children:
+            if home is not None:
+                self._sticky[child] = home
+            self._hash_key[child] = root
+            if entries is not None:
+                self._log[child] = list(entries)
+
     # ---- the serving log and figures ------------------------------------------------------------
     def begin(self, key: Optional[str]) -> _Entry:
         """A new serving-log entry: the next turn of ``key``."""
@@ -407,6 +423,7 @@ class Router:
 
     def take(self, key: str) -> List[Dict[str, Any]]:
         """The serving log of ``key``'s turns (entry n-1 is turn n), removed from the router."""
+        self._hash_key.pop(key, None)
         return [e.to_dict() for e in self._log.pop(key, ())]
 
     def summary(self) -> Dict[str, Any]:

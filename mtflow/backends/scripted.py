@@ -13,7 +13,8 @@ with only ``content``. A line may also say which request and turn it answers::
 Outputs are served in this order: a line keyed by the request's uuid and its turn (the request's
 own count of ``rollout_fn`` calls, from 1), else a line keyed by the uuid alone (those replay in
 file order per request), else the next unkeyed line (in file order, cycling when
-``cycle=True``). A copy of a prompt made by ``num_generations`` (uuid ``<uuid>#<k>``) is also
+``cycle=True``); or, with ``respond=``, each output is ``respond(request)`` (a text or a line),
+computed from the request. A copy of a prompt made by ``num_generations`` (uuid ``<uuid>#<k>``) is also
 served the lines keyed by the prompt's uuid (``<uuid>``): each copy replays them from the first,
 so a script written for the dataset works with any ``num_generations``. Running out is a clear
 error naming the request.
@@ -30,6 +31,20 @@ as a real engine would; the text is cut with them (to the token strings when the
 else word by word when it has one word per id; otherwise the line cannot be cut: an error).
 Context-budget tests use it (``docs/context.md``).
 
+A request forked into children (``docs/branching.md``, :meth:`ScriptedBackend.fork`) hands them
+its turn count, so a line keyed ``{"uuid": "<child>", "turn": t}`` answers the child's turn ``t``;
+a child without lines of its own goes on with its parent's lines from where the parent is (the
+lines keyed by the parent's uuid and turn, else the prompt's in order), else the unkeyed lines.
+
+**Exact ids** (``tokenizer=``: a tokenizer object, or a model name :func:`mtflow.backends.models.load_tokenizer`
+takes, such as ``'embedded'``): the scripted backend then builds every prompt from exact token
+ids with that tokenizer's chat template and keeps each request's token record
+(:mod:`mtflow.backends.tokens`), as the HF backend does; a line's sampled ids are its
+``token_ids``, else its ``content`` tokenized plus the tokenizer's EOS (a stop; logprobs only
+when the line has them). So a scripted
+"model" that calls tools produces trajectories whose segments pass ``mtflow check-tokens``
+(the gateway's tests, ``docs/gateway.md``).
+
 Memory: the per-request state (the call count that numbers its turns, a copy's place in its
 prompt's lines) is dropped by :meth:`ScriptedBackend.forget` once the request is final, which a
 stream (``Executor.stream``) and ``mtflow run`` call for every delivered request; so a stream of
@@ -42,10 +57,12 @@ import random
 import threading
 from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from mtflow.data.sources import group_of
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, sampling_seeds
+from mtflow.backends.models import load_tokenizer
+from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
 __all__ = ['ScriptedBackend', 'read_script']
 
@@ -88,11 +105,25 @@ class ScriptedBackend(Backend):
     name = 'scripted'
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
-                 cycle: bool = False, honor_max_tokens: bool = False, sample: bool = False,
+                 respond: Optional[Callable[[Any], Any]] = None, cycle: bool = False, honor_max_tokens: bool = False,
+                 tokenizer: Any = None, chat_template: Optional[str] = None, sample: bool = False,
                  seed: Optional[int] = None) -> None:
         super().__init__()
         self.honor_max_tokens = honor_max_tokens
         self.sample, self.seed = bool(sample), seed
+        #: ``respond(request) -> text or line``: each output computed from its request instead of read
+        self.respond = respond
+        if respond is not None:
+            if path is not None or outputs is not None:
+                raise BackendError('scripted backend: give one of path=, outputs= or respond=')
+            outputs = ['']  # never served: respond answers
+        if isinstance(tokenizer, str):
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        #: exact-id prompts and token records (``None``: no tokenizer given, outputs only)
+        self.prompter = TokenPrompter(tokenizer, chat_template) if tokenizer is not None else None
+        if self.prompter is not None:  # context budgets count exactly (without a tokenizer: count_tokens: words)
+            self.count_prompt_tokens = self._count_prompt_tokens
         if (path is None) == (outputs is None):
             raise BackendError('scripted backend: give exactly one of path= (a JSONL file) or outputs=')
         if path is not None:
@@ -121,8 +152,17 @@ class ScriptedBackend(Backend):
                 self._free.append(line)
         self._next = 0
         self._calls: Dict[str, int] = defaultdict(int)
+        self._parent: Dict[str, str] = {}  # a fork's child -> its parent (fork)
         #: an async run calls a sync backend from several threads: the counters move together
         self._lock = threading.Lock()
+
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked: each child starts with its turn count and place."""
+        with self._lock:
+            for child in children:
+                self._calls[str(child)] = self._calls[str(parent)]
+                self._copy_pos[str(child)] = self._calls[str(parent)]
+                self._parent[str(child)] = str(parent)
 
     def forget(self, uuid: str) -> None:
         """Request ``uuid`` is final (delivered, written): drop its call count and copy position,
@@ -131,8 +171,18 @@ class ScriptedBackend(Backend):
         with self._lock:
             self._calls.pop(str(uuid), None)
             self._copy_pos.pop(str(uuid), None)
+            self._parent.pop(str(uuid), None)
+        if self.prompter is not None:
+            self.prompter.forget(uuid)
 
     def _line_for(self, request: Any, seed: Optional[int] = None) -> Line:
+        if self.respond is not None:
+            line = self.respond(request)
+            line = {'content': line} if isinstance(line, str) else dict(line)
+            if not isinstance(line.get('content'), str):
+                raise BackendError(f'scripted backend: respond() gave no "content" text for request '
+                                   f'{getattr(request, "uuid", None)!r}')
+            return line
         uuid = str(getattr(request, 'uuid', None))
         self._calls[uuid] += 1
         turn = self._calls[uuid]
@@ -142,6 +192,12 @@ class ScriptedBackend(Backend):
         queue = self._by_uuid.get(uuid)
         if queue:
             return queue.popleft()
+        ancestor = self._parent.get(uuid)
+        while ancestor is not None:  # a fork's child: its ancestors' lines for this turn
+            line = self._keyed.get((ancestor, turn))
+            if line is not None:
+                return line
+            ancestor = self._parent.get(ancestor)
         prompt = group_of(uuid, getattr(request, 'data_dict', None))
         if prompt != uuid:  # a copy made by num_generations: the prompt's own lines
             line = self._keyed.get((prompt, turn))
@@ -165,13 +221,18 @@ class ScriptedBackend(Backend):
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         outputs = []
+        prompter = self.prompter
+        plans = [prompter.plan(r) for r in requests] if prompter is not None else None
         seeds = sampling_seeds(requests, options, self.seed) if self.sample else [None] * len(requests)
-        for request, seed in zip(requests, seeds):
+        for k, (request, seed) in enumerate(zip(requests, seeds)):
             with self._lock:
                 line = self._line_for(request, seed)
+            if prompter is not None and line.get('token_ids') is None:
+                line = self._tokenized(line)
             if self.honor_max_tokens:
                 line = _cut(line, options.max_tokens, request)
             lps = line.get('logprobs') if options.logprobs else None
+            prompt = plans[k].ids if plans is not None else None
             outputs.append(
                 build_output(
                     line['content'],
@@ -179,8 +240,26 @@ class ScriptedBackend(Backend):
                     line.get('finish_reason', 'stop'),
                     logprobs=lps,
                     tokens=line.get('tokens') if lps is not None else None,
-                    model=self.model_name))
+                    model=self.model_name,
+                    prompt_tokens=len(prompt) if prompt is not None else 0,
+                    prompt_token_ids=list(prompt) if prompt is not None else None))
+        if plans is not None:
+            commit_outputs(prompter, requests, plans, outputs)
         return outputs
+
+    def _tokenized(self, line: Line) -> Line:
+        """A line without ``token_ids`` under a tokenizer: its text's ids and the EOS, as a model
+        that wrote it and stopped would have sampled (a logprob of 0 each unless it has its own)."""
+        tok = self.tokenizer
+        ids = list(tok(line['content'], add_special_tokens=False)['input_ids'])
+        if line.get('finish_reason', 'stop') == 'stop' and tok.eos_token_id is not None:
+            ids.append(int(tok.eos_token_id))
+        tokens = tok.batch_decode([[i] for i in ids])
+        return dict(line, token_ids=ids, tokens=tokens)
+
+    def _count_prompt_tokens(self, request: Any) -> int:
+        """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
+        return len(self.prompter.plan(request).ids)
 
 
 def _cut(line: Line, max_tokens: int, request: Any) -> Line:

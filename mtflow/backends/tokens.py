@@ -105,6 +105,11 @@ class TokenPrompter:
         self._special_text: Dict[int, str] = {}
         self._special_ids: Optional[frozenset] = None
 
+    def forget(self, uuid: Any) -> None:
+        """Request ``uuid`` is final: drop the record kept for it (memory stays flat however many
+        requests pass; a stream and the gateway call it)."""
+        self._by_uuid.pop(str(uuid), None)
+
     # ---- helpers -------------------------------------------------------------------------------
     def encode(self, text: str) -> List[int]:
         return list(self.tokenizer(text, add_special_tokens=False)['input_ids'])

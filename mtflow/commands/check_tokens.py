@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from pydantic import ValidationError
@@ -34,6 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mtflow.backends import BackendError, make_backend
+from mtflow.backends.base import reports_of
 from mtflow.backends.conformance import BUNDLED, SCENARIOS, check_tokens, format_report, resolve_template
 from mtflow.commands.run import parse_options
 from mtflow.core.errors import UserError
@@ -42,12 +44,16 @@ from mtflow.declarative.context import ContextConfig
 from mtflow.data import read_prompts
 from mtflow.run.assembly import SchedulerFactory, scheduler_factory, seed_everything
 from mtflow.run.config import RunConfig
+from mtflow.run.diff import trajectories_file
+from mtflow.run.token_check import RUN_CHECKS, check_run_tokens
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser('check-tokens', help='check that every turn is generated from the exact ids of the turns before',
                        description='Run multi-turn conversations through a backend and check, per chat template, that '
                        'each prompt extends the previous prompt + the sampled ids; exit 1 if any check fails.')
+    p.add_argument('run_dir', nargs='?', help='a run directory (mtflow run, mtflow gateway): check every training '
+                   'segment of its trajectories.jsonl offline, no model, instead of running conversations')
     p.add_argument('--model', default='embedded', help="the model ('embedded', a directory, a .gguf file)")
     p.add_argument('--backend', default='hf', choices=('hf', 'vllm'), help='the backend (default hf)')
     p.add_argument('--template', action='append', default=[], metavar='NAME|FILE',
@@ -173,7 +179,35 @@ def _check_template(console: Console, backend: Any, name: str, text: str, args: 
     return report.ok
 
 
+def _check_run_dir(console: Console, run_dir: str) -> int:
+    """``check-tokens RUN_DIR``: every segment of the run's trajectories (``mtflow/run/token_check.py``)."""
+    from rich.table import Table  # a table for this report only
+
+    try:
+        path = trajectories_file(Path(run_dir))
+        report = check_run_tokens(path)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    table = Table(title=f'{path}: {report.lines} trajectories, {report.segments} segments'
+                  + (f', {report.skipped} failed ones skipped' if report.skipped else ''))
+    for column in ('check', 'passed', 'failed', 'result'):
+        table.add_column(column, justify='right' if column in ('passed', 'failed') else 'left')
+    for check in RUN_CHECKS:
+        p, f = report.passed[check], report.failed[check]
+        table.add_row(check, str(p), str(f), 'FAIL' if f else ('n/a' if not p else 'ok'))
+    console.print(table)
+    for problem in report.problems[:10]:
+        console.print(f'  [red]FAIL[/red] {escape(problem)}')
+    if len(report.problems) > 10:
+        console.print(f'  ... and {len(report.problems) - 10} more')
+    if not report.segments:
+        console.print('[red]nothing was checked[/red]')
+    return 0 if report.ok else 1
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.run_dir:
+        return _check_run_dir(Console(), args.run_dir)
     templates = _templates(args.template)
     scenarios = _scenarios(args.scenario)
     policies = ['exact', 'rerender'] if args.policy == 'both' else [args.policy]
@@ -202,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
                 failed += not _check_template(console, backend, name, text, args, checks)
     finally:
         for backend in backends.values():
-            getattr(backend, 'close', lambda: None)()
+            reports_of(backend).close()
     total = len(templates) * len(policies)
     console.print(f'{total - failed} of {total} template/policy runs passed every check')
     return 1 if failed else 0

@@ -7,6 +7,10 @@ reward are CONFIG's as they are now (default: the config the run was made from, 
 turn, or with ``--continue-with BACKEND`` goes on live with that model. The new directory is a
 run like any other (``mtflow diff RUN_DIR NEW_DIR`` compares them). ``--tools recorded`` serves
 tool and environment results from the record instead (``mtflow/run/recorded_steps.py``).
+
+A gateway run (``mtflow gateway``; ``run.json`` says ``gateway``) is replayed as a gateway: the
+recorded outputs are served by session and turn to an agent run again against the new URL
+(``--port``), until SIGINT/SIGTERM (``docs/gateway.md``).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from mtflow.backends import BACKENDS, BackendError, make_backend
 from mtflow.commands.run import dataset_file, parse_options, run_meta
 from mtflow.core.errors import UserError
 from mtflow.data.sources import count_requests
+from mtflow.run.agent_config import GatewayConfig
 from mtflow.run.assembly import scheduler_factory, seed_everything
 from mtflow.run.config import load_run_config
 from mtflow.run.driver import roll_out
@@ -54,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='live: run the tools and environment of CONFIG (default); recorded: serve their results '
                    'from the record, calling no tool and no environment')
     p.add_argument('--overwrite', action='store_true', help='start afresh in a non-empty --out')
+    p.add_argument('--host', help='a gateway run: the address the replay serves on (default: the config\'s)')
+    p.add_argument('--port', type=int, help='a gateway run: the port it serves on (default 0: a free one, printed)')
     p.add_argument('-q', '--quiet', action='store_true', help='no progress bar and no summary table')
     p.set_defaults(func=main)
 
@@ -105,6 +112,42 @@ def _use_recorded(scheduler: Any, run_dir: Path) -> RecordedSteps:
     return recorded
 
 
+def _replay_gateway(args: argparse.Namespace, run_dir: Path, info: Dict[str, Any], cfg: Any,
+                    trajectories: Path) -> int:
+    """A gateway run (``mtflow gateway``): serve its recorded outputs as a gateway, by session and
+    turn, to a re-run agent (a session whose prompt now differs ends ``replay_diverged``, its call
+    answered 409, or goes on live with ``--continue-with``); until SIGINT/SIGTERM."""
+    from mtflow.commands import gateway as served  # lazy: the gateway's HTTP server only for gateway runs
+
+    if args.tools == 'recorded':
+        raise UserError('--tools recorded: a gateway run\'s tools are the agent\'s own, not mtflow\'s')
+    settings = (cfg.gateway or GatewayConfig()).model_copy(
+        update={k: v for k, v in (('host', args.host), ('port', 0 if args.port is None else args.port)) if v is not None})
+    fingerprint = {**run_fingerprint(cfg, None), 'replay_of': str(run_dir.resolve())}
+    meta = {**run_meta(cfg), 'replay_of': str(run_dir.resolve()), 'gateway': True}
+    store = RunStore.open(cfg.out, 'overwrite' if args.overwrite else 'new', fingerprint, meta=meta)
+    backends: list = []
+
+    def start() -> Any:
+        live = _live_backend(args)
+        prompter = _run_prompter(info, run_dir) if live is None else None
+        backend = ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None),
+                                prompter=prompter)
+        backends.append(backend)
+        return served.Gateway.from_config(cfg, backend, store, settings=settings).start()
+
+    def figures(gateway: Any) -> Dict[str, Any]:
+        backend = backends[0]
+        return {'replay': {'of': str(run_dir), 'replayed_outputs': backend.served,
+                           'diverged': len(set(backend.diverged)), 'live_outputs': backend.live_calls}}
+
+    try:
+        return served.serve(store, start, args.quiet, figures)
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     info = _run_info(run_dir)
@@ -113,6 +156,8 @@ def main(args: argparse.Namespace) -> int:
     if not config:
         raise UserError(f'{run_dir / RUN_INFO} names no config_file: give the CONFIG to replay against')
     cfg = load_run_config(config, {'out': args.out})
+    if info.get('gateway'):
+        return _replay_gateway(args, run_dir, info, cfg, trajectories)
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     check_before_load(cfg, with_backend=False)  # the recorded outputs are the model: its backend is not built
     make_scheduler = scheduler_factory(cfg)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends import BackendError, check_backend_name, split_options
+from mtflow.backends.base import reports_of
 from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
@@ -179,9 +180,10 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, Any]) -> RunStore:
+def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, Any],
+               meta: Optional[Dict[str, Any]] = None) -> RunStore:
     """The run directory, opened as the flags say (``--resume``, ``--overwrite``), before the
-    backend loads: a refusal costs no model load."""
+    backend loads: a refusal costs no model load. ``meta``: more of ``run.json`` (``gateway``)."""
     if args.resume and args.overwrite:
         raise UserError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
     if args.delete_old and not args.overwrite:
@@ -192,7 +194,7 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
     return RunStore.open(cfg.out, mode, fingerprint, delete_old=args.delete_old, flush_every=args.flush_every,
-                         flush_interval_s=args.flush_interval, meta=run_meta(cfg))
+                         flush_interval_s=args.flush_interval, meta={**run_meta(cfg), **(meta or {})})
 
 
 def run_meta(cfg: RunConfig) -> Dict[str, Any]:
@@ -289,7 +291,7 @@ class _Attempt:
     def _roll_out_with(self, make_scheduler: SchedulerFactory, otel: Any) -> None:
         self._load_backend()
         seed_everything(self.cfg.seed)
-        self.scheduler = make_scheduler(getattr(self.backend, 'tokenizer', None))
+        self.scheduler = make_scheduler(reports_of(self.backend).tokenizer)
         preflight = getattr(getattr(self.scheduler, 'env_factory', None), 'preflight', None)
         if callable(preflight):  # launched OpenEnv servers: up, and one session each, before turn 1
             try:
@@ -325,9 +327,8 @@ class _Attempt:
             if callable(close_scheduler):  # e.g. stops the OpenEnv servers a scheduler launched
                 close_scheduler()
         finally:
-            close_backend = getattr(self.backend, 'close', None)
-            if callable(close_backend):
-                close_backend()
+            if self.backend is not None:
+                reports_of(self.backend).close()
 
     def close_store(self, status: str) -> Optional[Dict[str, Any]]:
         """Record the attempt in the run directory; the summary's figures (``None`` when no
@@ -349,8 +350,44 @@ def _announce(store: RunStore, total: int) -> None:
              + (f' ({notes})' if notes else ''))
 
 
+def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """``mtflow run`` of a config with ``agent:``: an agent process per request against its own
+    gateway session (``mtflow/gateway/agents.py``, ``docs/gateway.md``)."""
+    from mtflow.gateway.agents import run_agents  # lazy: the gateway's HTTP server only for agent: runs
+
+    for flag, given in (('--ray', args.ray is not None), ('--until', getattr(args, 'until', None) is not None),
+                        ('--mode', getattr(args, 'mode', None) is not None), ('--otel', getattr(args, 'otel', None)),
+                        ('--log', getattr(args, 'log', None))):
+        if given:
+            raise UserError(f'{flag} does not go with an agent: run (the agents drive the sessions)')
+    total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
+    with StopSignals(message=None) as signals:
+        try:
+            store = open_store(cfg, args, run_fingerprint(cfg, dataset_file(cfg)))
+        except KeyboardInterrupt:
+            return _stop_code(signals)
+        if not args.quiet:
+            _announce(store, total)
+        status, summary = run_agents(cfg, store, total)
+    if status == 'interrupted':
+        if not args.quiet:
+            _say(f'interrupted: {len(store.done)} of {total} episodes are written to {store.out_dir}; the agents '
+                 'running were killed (their sessions in interrupted.jsonl); rerun with --resume to run them again')
+        return _stop_code(signals)
+    if not args.quiet and summary is not None:
+        print_summary({'status': status, **summary}, store.out_dir)
+    failed = too_many_failed(summary or {}, cfg.max_failed_share)
+    if failed is not None:
+        _say(f'{failed}: exit status 1 (see {Path(store.out_dir) / "summary.json"})')
+        return 1
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args)
+    cfg.require_scheduler()
+    if cfg.agent is not None:
+        return _agent_main(cfg, args)
     if getattr(args, 'until', None) is not None:
         parse_until(args.until)  # a mistake is one line, before anything loads
         if args.ray is not None:

@@ -32,7 +32,7 @@ from types import CoroutineType as _CoroutineType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ['Outcome', 'Caller', 'Results', 'RAISED', 'TIMED_OUT', 'OK', 'is_async_callable', 'within',
-           'UNWIND_GRACE_S']
+           'UNWIND_GRACE_S', 'wrapped_methods']
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
 
@@ -49,6 +49,22 @@ def is_async_callable(fn: Any) -> bool:
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, '__call__', None)) or (
         inspect.ismethod(fn) and inspect.iscoroutinefunction(fn.__func__))
+
+
+def wrapped_methods(fn: Any, name: str) -> List[Callable[..., Any]]:
+    """The methods called ``name`` of ``fn`` and of what it wraps (``__wrapped__``, a bound
+    method's object; a few wrappers deep), outermost first, each once. A ``rollout_fn`` that keeps
+    state per request declares so with them: ``forget(uuid)`` (the request is final), ``fork(
+    parent_uuid, child_uuids)`` (children were forked from it, ``docs/branching.md``)."""
+    found: List[Callable[..., Any]] = []
+    for _ in range(8):  # a few wrappers deep, never a cycle
+        if fn is None:
+            break
+        method = getattr(fn, name, None)
+        if callable(method) and method not in found:
+            found.append(method)
+        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
+    return found
 
 
 async def within(call: Any, timeout: Optional[float], started: Optional[float] = None) -> Outcome:
@@ -74,15 +90,25 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
             value = await _result_of(call)
             kind = RAISED if isinstance(value, _Raised) else OK
             return Outcome(kind, value.error if kind == RAISED else value, perf_counter() - t0)
-        task = asyncio.ensure_future(_result_of(call))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(_result_of(call))
+        # wake at the call's end or at the deadline, whichever comes first (asyncio.wait's work,
+        # without its bookkeeping for many awaitables: this is every step's and tool call's path)
+        woken = loop.create_future()
+        wake = functools.partial(_wake, woken)
+        task.add_done_callback(wake)
+        deadline = loop.call_later(timeout, wake)
         try:
-            await asyncio.wait((task, ), timeout=timeout)
+            await woken
         except asyncio.CancelledError:
             await _unwind(task)
             answer = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
             if isinstance(answer, _Raised):
                 raise answer.error from None  # what the call answered the cancellation with
             raise
+        finally:
+            deadline.cancel()
+            task.remove_done_callback(wake)
         if not task.done():
             await _unwind(task)
             return Outcome(TIMED_OUT, timeout, perf_counter() - t0)
@@ -98,6 +124,11 @@ async def within(call: Any, timeout: Optional[float], started: Optional[float] =
     finally:
         if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
             call.close()
+
+
+def _wake(woken: 'asyncio.Future[None]', _task: Any = None) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 class _Raised:

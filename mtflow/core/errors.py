@@ -54,6 +54,12 @@ class RolloutFnError(RequestError):
     """``rollout_fn`` failed or returned the wrong number or shape of outputs."""
 
 
+class ForkRefused(RequestError):
+    """A request cannot be forked where a branch policy asked: what it needs cannot be copied
+    (an environment that neither copies nor replays, ``docs/branching.md``). The message names what
+    refused, the state and the turn; the request fails (phase ``fork``), the others go on."""
+
+
 class StepTimeout(RequestError):
     """A step or a ``rollout_fn`` call ran past its deadline (``step_timeout_s`` /
     ``rollout_timeout_s``); the request finishes with reason ``timeout``."""

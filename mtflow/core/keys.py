@@ -4,12 +4,15 @@ known key, so a typo is fixed from the message alone; and :class:`StrictModel`, 
 config blocks whose unknown keys are errors."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from typing import Iterable, List, Optional
+from typing import Any, Iterable, List, Mapping, Optional, Type, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ['closest_key', 'unknown_key_message', 'StrictModel']
+__all__ = ['closest_key', 'unknown_key_message', 'StrictModel', 'coerce_fields']
+
+R = TypeVar('R')
 
 
 class StrictModel(BaseModel):
@@ -41,3 +44,18 @@ def unknown_key_message(key: str, known: Iterable[str], what: str = '') -> str:
     close = closest_key(key, names)
     return (f'unknown key {str(key)!r}' + (f' for {what}' if what else '')
             + (f'; did you mean {close!r}?' if close else '') + f' (known: {", ".join(names)})')
+
+
+def coerce_fields(cls: Type[R], value: Any, what: str) -> Optional[R]:
+    """``value`` as a ``cls`` (a dataclass of options, such as ``Until`` or ``Branching``):
+    ``None``, an instance, or a mapping of its fields (``{'groups': 8}``); an unknown key names the
+    closest field (:func:`unknown_key_message`), and ``what`` names the option."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        for key in value:
+            if key not in names:
+                raise ValueError(f'{what}: {unknown_key_message(key, names)}')
+        return cls(**value)
+    raise TypeError(f'{what} must be None, a {cls.__name__}(...) or a dict of its fields, not {type(value).__name__}')

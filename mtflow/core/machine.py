@@ -39,6 +39,7 @@ FINISH = 'finish'  # the output is applied and the request stops
 FAIL = 'fail'  # a hook, a step or rollout_fn failed (or missed its deadline) for this request
 INTERRUPT = 'interrupt'  # the run was interrupted (Ctrl-C) before this request finished
 COMPACT = 'compact'  # the next prompt would not fit the context budget (``docs/context.md``)
+FORK = 'fork'  # the record is copied into children that share its history; every one stays where it is
 
 # Finish reasons (a stop rule of a declarative scheduler adds ``stop_rule:<name>``).
 DONE_BY_HOOK = 'done_by_hook'
@@ -52,14 +53,17 @@ TURN_CAP = 'turn_cap'
 REPLAY_DIVERGED = 'replay_diverged'
 CONTEXT_FULL = 'context_full'
 LENGTH_TOTAL = 'length_total'
+CLIENT_FINISHED = 'client_finished'
+IDLE_TIMEOUT = 'idle_timeout'
+AGENT_TIMEOUT = 'agent_timeout'
 
 #: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
 #: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
 #: ``when`` is its documentation (``docs/state-machine.md`` is checked against it). Adding a
 #: finish reason is one line here.
 FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
-    (DONE_BY_HOOK, 'ok', '`on_turn_end` returned a truthy `done` (a hook may name its own reason with the mtflow '
-     'extension key `finish_reason`, e.g. a YAML stop rule\'s `stop_rule:<name>`)'),
+    (DONE_BY_HOOK, 'ok', '`on_turn_end` (or a `step`) returned a truthy `done` (a hook may name its own reason with '
+     'the mtflow extension key `finish_reason`, e.g. a YAML stop rule\'s `stop_rule:<name>`)'),
     (CHECK_FINISHED, 'ok', 'the scheduler\'s own `check_finished` returned true (and `on_turn_end` had no `done` key)'),
     (MAX_TURNS, 'limit', 'a turn bound was reached: the executor\'s `max_turns`, or the scheduler\'s own '
      '`max_turns` (native API: whatever hooks it overrides; `run_multi_turn`: through the default `check_finished`)'),
@@ -78,6 +82,12 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
     (LENGTH_TOTAL, 'limit', 'the trajectory\'s total response-token budget (`context.total_response_tokens`) was '
      'used up: the last turn, its `max_tokens` cut to what was left, ended on `length`, or nothing was left for the '
      'next turn (`docs/context.md`)'),
+    (CLIENT_FINISHED, 'ok', 'a gateway session\'s client ended it (`POST /s/<session>/finish`, or `mtflow run`\'s '
+     '`agent:` once the agent exited): its `step` returned `done` (`docs/gateway.md`)'),
+    (IDLE_TIMEOUT, 'limit', 'a gateway session made no call and no finish for `gateway.idle_timeout_s`: the deadline '
+     'of its `tool_step` (`docs/gateway.md`)'),
+    (AGENT_TIMEOUT, 'limit', '`mtflow run`\'s `agent:` killed the agent (its whole process tree) at '
+     '`agent.timeout_s`; the verifier still gives its reward (`docs/gateway.md`)'),
 )
 FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
 FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')
@@ -109,10 +119,15 @@ CORE_TRANSITIONS: List[Dict[str, Any]] = [
     {'trigger': CONTINUE, 'source': [PENDING, TOOL_STEP, COMPACTING], 'dest': CONTINUING},
     {'trigger': RUN_STEP, 'source': [GENERATING, CONTINUING], 'dest': TOOL_STEP},
     {'trigger': COMPACT, 'source': [PENDING, TOOL_STEP], 'dest': COMPACTING},
-    {'trigger': FINISH, 'source': [GENERATING, CONTINUING, COMPACTING], 'dest': FINISHED},
+    {'trigger': FINISH, 'source': [GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
     {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
     {'trigger': INTERRUPT, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
+    # reflexive: the parent stays in its state, each child is born in it (``docs/branching.md``);
+    # ``pending``: a copy of the prompt that tops a tree up to its leaf budget
+    {'trigger': FORK, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP], 'dest': '='},
 ]
+#: the states a record may be forked in (the sources of ``fork``)
+FORK_STATES = frozenset(next(t for t in CORE_TRANSITIONS if t['trigger'] == FORK)['source'])
 
 class StateGraph:
     """The declared state graph of one scheduler.
@@ -191,6 +206,29 @@ class StateGraph:
                 if record.events is not None:
                     record.events.append(event)
 
+    def fork(self, record: 'RequestRecord', children: Sequence['RequestRecord'], turn: int, recorder: Any = None,
+             extra: Optional[dict] = None, child_extras: Optional[Sequence[Optional[dict]]] = None,
+             parent_event: bool = True) -> None:
+        """The ``fork`` move: ``record`` stays in its state (raising :class:`IllegalTransition`
+        when the declaration does not allow a fork there) and each of ``children`` (new records)
+        is born in that state; one ``fork`` event for the parent (``extra``; none with
+        ``parent_event=False``: a tree's prompt, which is no request of the run) and one for each
+        child (``child_extras[k]``), recorded as :meth:`move` records them."""
+        src = record.state
+        dest = self.table[src].get(FORK)
+        if dest is None:
+            raise IllegalTransition(record.uuid, src, FORK)
+        extras = child_extras if child_extras is not None else (None, ) * len(children)
+        for child in children:
+            child.state = dest
+        if recorder is None:
+            return
+        for rec, rec_extra in ([(record, extra)] if parent_event else []) + list(zip(children, extras)):
+            event = (rec.index, turn, src, dest, FORK, None, None, None, perf_counter() - recorder.t0, rec_extra)
+            recorder.raw.append(event)
+            if rec.events is not None:
+                rec.events.append(event)
+
     def mermaid(self) -> str:
         """The graph as mermaid ``stateDiagram-v2`` text, drawn by ``transitions``' own mermaid engine
         from the same declaration, with the finish reasons noted on ``finished``."""
@@ -223,7 +261,9 @@ class RequestRecord:
                  # what the drivers keep while the request is in flight (async mode, streams):
                  'admission', 'issued_version', 'sent_record', 'group', 'resume_from', 'resumed_spans',
                  # a context budget's count of it (engine/context.py's ContextUse), made when first needed:
-                 'context_use')
+                 'context_use',
+                 # its place in a branched rollout's tree (``mtflow.engine.branching.Branch``), or None:
+                 'branch')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -259,6 +299,7 @@ class RequestRecord:
         self.resume_from: Any = None  # the segments of its turn cut by an update (``on_update='resume'``)
         self.resumed_spans: Any = None  # a merged turn's per-segment versions, until the turn is applied
         self.context_use: Any = None  # a context budget's count (``mtflow.engine.context.ContextUse``)
+        self.branch: Any = None  # its tree, parent and leaf budget (``mtflow.engine.branching.Branch``)
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

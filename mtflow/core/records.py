@@ -32,6 +32,10 @@ class FinishedRequest:
     finish_reason: str
     failure: Optional[RequestFailure] = None
     events: List[TraceEvent] = field(default_factory=list)
+    #: a branched run (``docs/branching.md``): the uuid of the request it was forked from
+    #: (``None``: a root), and the index of its tree's root among the run's inputs
+    parent: Optional[str] = None
+    root_index: Optional[int] = None
 
 
 @dataclass(slots=True)

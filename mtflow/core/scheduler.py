@@ -36,6 +36,7 @@ HOOK_ARGS: Dict[str, tuple] = {
     'on_request_finished': ('infer_request', 'reason', 'turn'),
     'turn_reward': ('infer_request', 'response_choice', 'current_turn'),
     'finalize_output': ('output', 'finish_reason', 'turn'),
+    'on_fork': ('infer_request', 'children', 'current_turn'),
 }
 
 
@@ -115,6 +116,14 @@ class Scheduler:
         that request only."""
         return None
 
+    def on_fork(self, infer_request: Any, children: List[Any], current_turn: int) -> None:
+        """mtflow extension: ``infer_request`` is being forked (``docs/branching.md``) into
+        ``children``, copies of it under their own uuids (messages, images, token record shared
+        exactly). A scheduler that keeps per-request state (by uuid) copies it to each child here;
+        raise :class:`mtflow.core.errors.ForkRefused` when it cannot (e.g. an environment that
+        cannot be copied), and the request fails at that state. Sync or async."""
+        return None
+
 
 def is_default_hook(fn: Any, name: str) -> bool:
     """True when ``fn`` is mtflow's or ms-swift's no-op/default implementation of hook ``name``.
@@ -152,6 +161,7 @@ HOOKS: Tuple[Hook, ...] = (
     Hook('on_request_finished', ('infer_request', 'reason', 'turn')),
     Hook('turn_reward', ('infer_request', 'response_choice', 'current_turn')),
     Hook('finalize_output', ('output', 'finish_reason', 'turn')),
+    Hook('on_fork', ('infer_request', 'children', 'current_turn')),
 )
 HOOK_NAMES = tuple(h.name for h in HOOKS)
 

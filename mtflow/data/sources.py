@@ -11,6 +11,7 @@ import copy
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from mtflow.core.protocol import RolloutInferRequest
+from mtflow.engine.branching import branch_root
 from mtflow.data import DatasetError, count_prompts, iter_located_prompts, iter_prompts
 from mtflow.data.reasoning_gym import ReasoningGymSpec, check_spec
 from mtflow.data.reasoning_gym import count_requests as count_generated_requests
@@ -103,9 +104,11 @@ def expand_groups(requests: List[RolloutInferRequest], n: int) -> List[RolloutIn
 
 
 def group_of(uuid: str, data_dict: Optional[Dict[str, Any]] = None) -> str:
-    """A request's group: ``data_dict['group']``, else its uuid without a ``#<k>`` copy suffix
-    (what a trajectory line gives: it has no ``data_dict``)."""
+    """A request's group: ``data_dict['group']``, else its uuid without the ``~<k>`` suffixes of a
+    branch (``docs/branching.md``: every leaf of a tree is in its root's group) and without a
+    ``#<k>`` copy suffix (what a trajectory line gives: it has no ``data_dict``)."""
     if data_dict and isinstance(data_dict.get('group'), str):
         return data_dict['group']
-    head, sep, tail = uuid.rpartition('#')
-    return head if sep and tail.isdigit() else uuid
+    root = branch_root(uuid)
+    head, sep, tail = root.rpartition('#')
+    return head if sep and tail.isdigit() else root

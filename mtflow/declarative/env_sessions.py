@@ -9,9 +9,12 @@ that fails fails its own request only, at its first turn (kept in ``RequestState
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
+from mtflow.core.errors import ForkRefused
 from mtflow.declarative.envs import normalize_step
 from mtflow.declarative.images import add_images, split_observation
 from mtflow.declarative.request_state import RequestState, maybe_await
@@ -19,6 +22,9 @@ from mtflow.declarative.turn_rewards import TurnRewards
 from mtflow.engine.admission import Admission
 
 __all__ = ['EnvSessions']
+
+#: what a fork copies deeply from a request's state (the rest is shared or set apart)
+_COPIED = ('error_kinds', 'tips_given', 'calls', 'rewards', 'turn_rewards', 'env_actions')
 
 
 class EnvSessions:
@@ -50,6 +56,8 @@ class EnvSessions:
         try:
             state.env = self.factory()
             self._opened()
+            if getattr(state.env, 'replayable', False):  # kept as it was reset: a fork replays from it
+                state.env_reset = copy.deepcopy(request)
             opening = await maybe_await(state.env.reset(request))
         except Exception as error:
             state.env_error = error
@@ -82,6 +90,8 @@ class EnvSessions:
             raise error
         env = await self._ensure(request, state)
         out = normalize_step(await maybe_await(env.step(completion)))
+        if state.env_reset is not None:
+            state.env_actions.append((completion, out.observation))
         state.rewards.append(out.reward)
         self.turn_rewards.env(state, turn, out.reward)
         infos.update(env_steps=len(state.rewards), rewards=list(state.rewards), reward=float(sum(state.rewards)),
@@ -92,6 +102,60 @@ class EnvSessions:
             return 'stop_rule:env_truncated'
         state.env_obs = out.observation
         return None
+
+    async def fork(self, state: RequestState, request: Any, copies: int, turn: int) -> List[RequestState]:
+        """The states of ``copies`` children of ``request`` (``docs/branching.md``): copies of
+        ``state``, each with its own environment session: ``env.fork()`` (an independent copy in
+        the same state), else, for an environment that declares ``replayable = True``, a new one
+        reset as ``request``'s was and stepped with its actions (each observation checked against
+        the one recorded); else the fork is refused (:class:`ForkRefused`, naming the environment).
+        A refusal closes the sessions opened for the children before it."""
+        made: List[RequestState] = []
+        try:
+            for _ in range(copies):
+                made.append(await self._fork_one(state, request, turn))
+        except BaseException:
+            for forked in made:
+                await self.close_session(forked)
+            raise
+        return made
+
+    async def _fork_one(self, state: RequestState, request: Any, turn: int) -> RequestState:
+        env = state.env
+        forked = dataclasses.replace(state, env=None, **{f: copy.deepcopy(getattr(state, f)) for f in _COPIED})
+        if env is None:
+            return forked
+        uuid = getattr(request, 'uuid', None)
+        name = type(env).__name__
+        fork = getattr(env, 'fork', None)
+        if callable(fork):
+            forked.env = await maybe_await(fork())
+        elif getattr(env, 'replayable', False) and state.env_reset is not None:
+            forked.env = await self._replay(state, name, uuid, turn)
+        else:
+            raise ForkRefused(f'environment {name} can be neither copied (no fork() method) nor replayed (no '
+                              '`replayable = True`), so this request cannot fork here', uuid=uuid, turn=turn,
+                              field='env')
+        self._opened()
+        return forked
+
+    async def _replay(self, state: RequestState, name: str, uuid: Any, turn: int) -> Any:
+        """A new environment reset as the parent's was and stepped with its actions."""
+        env = self.factory()
+        try:
+            await maybe_await(env.reset(copy.deepcopy(state.env_reset)))
+            for k, (action, seen) in enumerate(state.env_actions, 1):
+                out = normalize_step(await maybe_await(env.step(action)))
+                if out.observation != seen:
+                    raise ForkRefused(f'environment {name} replayed differently at its step {k} ({out.observation!r} '
+                                      f'instead of {seen!r}): it is not replayable, so this request cannot fork here',
+                                      uuid=uuid, turn=turn, field='env')
+        except BaseException:
+            close = env.close()
+            if inspect.isawaitable(close):
+                await close
+            raise
+        return env
 
     async def close_session(self, state: RequestState) -> None:
         """The request finished: close its session (counted closed even when closing raises)."""

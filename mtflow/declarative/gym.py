@@ -9,12 +9,14 @@ included, so no environment outlives its request.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.registry import Registry
+from mtflow.engine.branching import branch_root
 
 StepOut = Tuple[str, float, bool, Dict[str, Any]]
 
@@ -43,8 +45,11 @@ class GuessNumberEnv(Env):
     a reply without one gets "please answer with a number"; a wrong guess gets "higher"/"lower";
     the episode ends on a correct guess (reward 1.0) or after ``max_guesses`` replies (reward 0).
     The target is ``data_dict['target']`` when given, else derived from the request uuid and
-    ``seed`` (deterministic across runs).
+    ``seed`` (deterministic across runs; a branch of a request, uuid ``<uuid>~<k>``, plays its
+    root's episode). A fork of the request copies it (:meth:`fork`); it also replays exactly.
     """
+    #: reset with the same request and stepped with the same replies, it gives the same observations
+    replayable = True
 
     def __init__(self, low: int = 1, high: int = 100, max_guesses: int = 8, seed: int = 0) -> None:
         if low >= high:
@@ -60,7 +65,7 @@ class GuessNumberEnv(Env):
         if 'target' in data:
             self.target = int(data['target'])
         else:
-            key = f'{self.seed}:{getattr(infer_request, "uuid", None) or ""}'
+            key = f'{self.seed}:{branch_root(getattr(infer_request, "uuid", None) or "")}'
             rng = random.Random(int(hashlib.sha256(key.encode()).hexdigest()[:16], 16))
             self.target = rng.randint(self.low, self.high)
         self.guesses, self.replies = [], 0
@@ -88,6 +93,10 @@ class GuessNumberEnv(Env):
         else:
             obs = f'{guess} is too {"low" if guess < self.target else "high"}. Guess {"higher" if guess < self.target else "lower"}.'
         return obs, 0.0, last_chance, info
+
+    def fork(self) -> 'GuessNumberEnv':
+        """An independent copy in the same state (a forked request's environment)."""
+        return copy.deepcopy(self)
 
     def close(self) -> None:
         self.closed = True

@@ -287,7 +287,7 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
 #: the keys that name Python code (``module:attribute``) the scheduler will import
 _REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('turn_reward', ), ('scheduler_class', ),
                                ('stop', 'predicate'), ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),
-                               ('env', 'openenv', 'launch'))
+                               ('env', 'openenv', 'launch'), ('branch', 'at', 'hook'))
 
 
 def imports_of(data: Any) -> List[Tuple[str, str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.declarative.parsers import ToolCall
 from mtflow.declarative.schema import TipConfig
@@ -36,6 +36,10 @@ class RequestState:
     #: per-turn rewards (``mtflow.accounting.turn_spans``): env steps, tool rewards, ``turn_reward``
     turn_rewards: List[Dict[str, Any]] = field(default_factory=list)
     answer_correct: Optional[bool] = None
+    #: a replayable environment (``replayable = True``): the request it was reset with, and each
+    #: action it was stepped with and the observation it gave, so that a fork can replay it
+    env_reset: Any = None
+    env_actions: List[Tuple[str, Any]] = field(default_factory=list)
 
     def counters(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {'tool_calls': self.tool_calls, 'tool_errors': self.tool_errors}

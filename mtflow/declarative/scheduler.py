@@ -105,6 +105,8 @@ class YamlScheduler(Scheduler):
         self.admission: Optional[Admission] = None  # use_admission
         #: where tool results come from instead of running the tools (``use_recorded``)
         self.recorded_tools: Optional[Any] = None
+        #: the ``branch:`` section (``docs/branching.md``): the executor forks requests where it says
+        self.branch = config.branch.branching(base_dir) if config.branch is not None else None
 
     def use_recorded(self, recorded: Any) -> None:
         """Take tool and environment results from ``recorded`` instead of calling any tool or
@@ -204,6 +206,15 @@ class YamlScheduler(Scheduler):
         output = apply_policy(self.finish_policy, output, finish_reason)
         # the same record on the finish event of the trace (``finish_policy`` in its extra)
         return {'output': output, 'trace_info': {'finish_policy': output.rollout_infos.get(POLICY_INFO_KEY)}}
+
+    async def on_fork(self, infer_request: Any, children: List[Any], current_turn: int) -> None:
+        """A request is forked (``docs/branching.md``): each child gets a copy of its state (counters,
+        tips given, what the next step does, rewards so far) and of its environment session, which
+        must copy (``fork()``) or replay (``replayable``; else :class:`~mtflow.core.errors.ForkRefused`)."""
+        state = self._states.get(self._key(infer_request))
+        if state is not None:
+            forked = await self.envs.fork(state, infer_request, len(children), current_turn)
+            self._states.update((self._key(child), s) for child, s in zip(children, forked))
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         state = self._states.pop(self._key(infer_request), None)

@@ -21,6 +21,7 @@ from mtflow.core.registry import resolve_reference
 from mtflow.core.signatures import call_problem
 from mtflow.core.stop import MAX_TURNS_BOUND
 from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.engine.branching import Branching
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
@@ -119,6 +120,7 @@ ImagesHook = _hook('images_impl', 'infer_request', 'response_choice', 'turn')
 ResultImagesHook = _hook('images_from.impl', 'name', 'result', 'index')
 #: ``answer.compare``'s arguments
 COMPARE_ARGS = ('answer', 'reference')
+BranchHook = _hook('branch.at.hook', 'infer_request', 'state', 'turn')
 
 
 class ToolReward(StrictModel):
@@ -387,6 +389,69 @@ class EnvConfig(StrictModel):
         return v
 
 
+class EntropyConfig(StrictModel):
+    """Fork after a turn whose sampled tokens were uncertain (ARPO-style): their mean surprisal
+    (``-logprob``, an estimate of the per-token entropy from the sampled tokens' logprobs; the
+    run must ask for logprobs)."""
+    above: Optional[float] = Field(None, ge=0, description='Fork when the turn just generated had at least this '
+                                   'mean surprisal (nats per token).')
+    rise: Optional[float] = Field(None, description="Fork when it was at least this much above the request's first "
+                                  'turn (ARPO: entropy rising over the initial turn).')
+
+    @model_validator(mode='after')
+    def _one(self) -> 'EntropyConfig':
+        if self.above is None and self.rise is None:
+            raise ValueError('give above:, rise: or both')
+        return self
+
+
+class BranchAtConfig(StrictModel):
+    """Where to fork; every key given must hold (e.g. tool calls with high entropy)."""
+    turn: Optional[int] = Field(None, ge=1, description='Before the model generates this turn (with state: '
+                                'tool_step, after its output was applied, before the step).')
+    state: Literal['generating', 'tool_step'] = Field(
+        'generating', description='generating: before a model turn (the branches sample it apart); tool_step: '
+        'after a turn was generated, before the step (the branches share it and run their own step).')
+    tool_calls: bool = Field(False, description='Right after a step that ran tool calls, before the turn that '
+                             'reads their results.')
+    entropy: Optional[EntropyConfig] = Field(None, description='After a turn whose sampled tokens were uncertain.')
+    hook: Optional[BranchHook] = Field(
+        None, description="'module:function'(infer_request, state, turn) -> the number of branches (an int; true: "
+        'copies; 0, 1, false or null: no fork), asked at every point the other keys allow.')
+
+    @model_validator(mode='after')
+    def _something(self) -> 'BranchAtConfig':
+        if self.turn is None and not self.tool_calls and self.entropy is None and self.hook is None:
+            raise ValueError('say where to fork: turn, tool_calls, entropy or hook')
+        if self.tool_calls and self.state != 'generating':
+            raise ValueError('tool_calls forks before the turn that reads the tool results: state must be generating')
+        return self
+
+
+class BranchConfig(StrictModel):
+    """Branching rollouts (docs/branching.md): each request's machine forks into branches that share
+    its history exactly; its leaves are ordinary trajectories and its tree is written beside them."""
+    at: BranchAtConfig = Field(
+        description="Where to fork: a mapping of turn, state, tool_calls, entropy, hook ('tool_calls' alone is "
+        'short for {tool_calls: true}).')
+    copies: int = Field(2, ge=2, description='Branches at each fork (the request itself is the first).')
+    leaves: Optional[int] = Field(None, ge=1, description='The leaf budget of each prompt\'s tree: forks split it, '
+                                  'and a tree whose forks never came is topped up with copies of the prompt, so every '
+                                  'group has exactly this many leaves.')
+
+    @field_validator('at', mode='before')
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        return {'tool_calls': True} if v == 'tool_calls' else v
+
+    def branching(self, base_dir: Optional[str] = None) -> Branching:
+        """The :class:`mtflow.Branching` this section says (its hook resolved)."""
+        at = {k: v for k, v in self.at.model_dump(exclude_none=True).items() if v is not False}
+        if self.at.hook is not None:
+            at['hook'] = resolve_reference(self.at.hook, base_dir)
+        return Branching(at=at, copies=self.copies, leaves=self.leaves)
+
+
 class SchedulerConfig(StrictModel):
     """A scheduler defined in YAML: tools, how calls are parsed, how results are shown, when to stop."""
     model_config = ConfigDict(title='mtflow scheduler')  # and StrictModel's: unknown keys, strict types
@@ -434,6 +499,9 @@ class SchedulerConfig(StrictModel):
     scheduler_class: Optional[Ref] = Field(
         None, description="'module:Class', a subclass of mtflow.declarative.YamlScheduler to use instead (drop to "
         'Python for what YAML cannot say).')
+    branch: Optional[BranchConfig] = Field(
+        None, description='Fork each request where this says into branches that share its history exactly (a tree '
+        'per prompt; docs/branching.md). The environment must copy (fork()) or replay (replayable: true).')
 
     @field_validator('parser')
     @classmethod
@@ -486,6 +554,11 @@ def cross_problems(data: Any) -> List[tuple]:
                 problems.append((('tips', i, 'when'), f"when: {tip.get('when', 'wrong_answer')} needs an `answer` section"))
     if tools and data.get('env') is not None:
         problems.append((('env', ), 'use either tools or env, not both'))
+    branch = data.get('branch') if isinstance(data.get('branch'), dict) else {}
+    at = branch.get('at')
+    if (at == 'tool_calls' or (isinstance(at, dict) and at.get('tool_calls') is True)) and not tools:
+        problems.append((('branch', 'at'), 'tool_calls: this scheduler has no tools, so no step runs tool calls and no '
+                                           'request would ever fork'))
     policy = data.get('finish_policy') if isinstance(data.get('finish_policy'), dict) else {}
     rules = _stop_rule_names(data, stop, names)
     for key in policy:

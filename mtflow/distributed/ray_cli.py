@@ -25,6 +25,7 @@ from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
+from mtflow.backends.base import Reports
 from mtflow.run.assembly import actor_setup, backend_from_config, scheduler_from_config
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
@@ -34,21 +35,22 @@ from mtflow.run.store import RunDirError, RunStore
 __all__ = ['RayRollout', 'actor_setup', 'backend_from_config', 'scheduler_from_config']
 
 
-class _FanOutBackend:
-    """Stands in for the backend in the summary: the actors hold the real ones."""
+class _FanOutBackend(Reports):
+    """Stands in for the backend in the summary: the actors hold the real ones, this reports
+    their figures summed."""
 
     def __init__(self, cfg: RunConfig, actors: int) -> None:
         self.cfg, self.actors = cfg, actors
         self.name: Optional[str] = None
-        self.stats: Optional[SimpleNamespace] = None
+        self.stats: Optional[SimpleNamespace] = None  # type: ignore[assignment]
         self.load_info: Dict[str, Any] = {}
-        self.serving: Optional[Dict[str, Any]] = None  # the actors' router figures, merged
+        self.merged_serving: Optional[Dict[str, Any]] = None  # the actors' router figures, merged
 
     def describe(self) -> str:
         return f'{self.name or self.cfg.backend} on {self.actors} Ray actor(s)'
 
     def serving_summary(self) -> Optional[Dict[str, Any]]:
-        return self.serving
+        return self.merged_serving
 
 
 class RayRollout:
@@ -133,7 +135,7 @@ class RayRollout:
         if stats:
             self.backend.stats = SimpleNamespace(completion_tokens=int(stats.get('completion_tokens', 0)),
                                                  generate_s=stats.get('generate_s'))
-        self.backend.serving = merged_serving(result.serving)
+        self.backend.merged_serving = merged_serving(result.serving)
         self.load_s = max(result.actor_load_s, default=0.0)
         figures.update({'rollout_fn_calls': result.rollout_fn_calls, 'batches': result.shards,
                         'skipped': result.skipped, 'finished': result.delivered,

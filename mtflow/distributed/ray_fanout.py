@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from mtflow.core.errors import MtflowError
+from mtflow.backends.base import reports_of
 from mtflow.engine.executor import Executor
 from mtflow.run.images import ImageStore, ShippedName
 from mtflow.run.serving import annotate as annotate_serving, serving_figures
@@ -164,7 +165,7 @@ class ShardWorker:
         self.slot = slot
         self.spec = spec
         self.backend = spec.make_backend()
-        self.scheduler = spec.make_scheduler(getattr(self.backend, 'tokenizer', None))
+        self.scheduler = spec.make_scheduler(reports_of(self.backend).tokenizer)
         #: each model call's output per request: the lines' ``turns``, what ``mtflow replay`` serves
         self.turn_log = TurnLog()
         #: the images the steps add, stored as they return (made on the first image; removed on close)
@@ -174,9 +175,8 @@ class ShardWorker:
         self.pid = os.getpid()
 
     def info(self) -> Dict[str, Any]:
-        describe = getattr(self.backend, 'describe', None)
         return {'slot': self.slot, 'pid': self.pid, 'load_s': self.load_s,
-                'backend': describe() if callable(describe) else type(self.backend).__name__}
+                'backend': reports_of(self.backend).describe() or type(self.backend).__name__}
 
     def close(self) -> None:
         """Close the scheduler, then the backend, as a local ``mtflow run`` does at its end: a
@@ -188,9 +188,7 @@ class ShardWorker:
                 close()
         finally:
             try:
-                close = getattr(self.backend, 'close', None)
-                if callable(close):
-                    close()
+                reports_of(self.backend).close()
             finally:
                 if self._images is not None:
                     shutil.rmtree(self._images.dir.parent, ignore_errors=True)
@@ -226,7 +224,7 @@ class ShardWorker:
         return serving_figures(self.backend)
 
     def stats(self) -> Dict[str, float]:
-        stats = getattr(self.backend, 'stats', None)
+        stats = reports_of(self.backend).stats
         if stats is None:
             return {}
         return {k: float(v) for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -15,10 +15,11 @@
 """
 from mtflow.engine.context_budget import ContextBudget
 from mtflow.engine.admission import Admission
+from mtflow.engine.branching import Branching
 from mtflow.engine.executor import Executor, identity_gather, run_multi_turn
 from mtflow.engine.options import ExecutorOptions
 from mtflow.engine.partial import UnfinishedRequest, Until
 from mtflow.engine.result import RunResult
 
-__all__ = ['Admission', 'ContextBudget', 'Executor', 'ExecutorOptions', 'RunResult', 'Until', 'UnfinishedRequest', 'identity_gather',
+__all__ = ['Admission', 'Branching', 'ContextBudget', 'Executor', 'ExecutorOptions', 'RunResult', 'Until', 'UnfinishedRequest', 'identity_gather',
            'run_multi_turn']

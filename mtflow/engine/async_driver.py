@@ -42,18 +42,19 @@ from __future__ import annotations
 
 from collections import deque
 from time import perf_counter
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
 from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
 from mtflow.accounting.token_record import RECORD_ATTR
-from mtflow.engine.driver import Driver, publish
+from mtflow.engine.branching import plant
+from mtflow.engine.driver import Driver, publish, trees
 from mtflow.engine.in_flight import InFlight
 from mtflow.engine.in_flight import Stopped as _Stopped
 from mtflow.engine.handlers import STATE_HANDLERS, advance, check_uuids, prepare_steps
 from mtflow.engine.context import route
-from mtflow.engine.model_call import deliver, model_failure_moves
+from mtflow.engine.model_call import deliver, model_calls, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.options import MODES
 from mtflow.engine.partial import Budget, UnfinishedRequest, Until
@@ -125,6 +126,7 @@ class AsyncDriver(Driver):
         #: token record when its generation was issued, which a dropped generation's backend may
         #: have extended: the request goes back with the one it had)
         self.dropped: List[Tuple[RequestRecord, Any]] = []
+        plant(run.branching, run.records)
 
     # ---- the loop ----------------------------------------------------------------------------
     def drive(self) -> RunResult:
@@ -165,14 +167,7 @@ class AsyncDriver(Driver):
         if self.session_bound is not None and first_outputs is None:
             self.queue.extend(rec for rec in run.records if rec.state != FINISHED)
             return  # started in fill_slots, as sessions free up
-        moves = [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else \
-            STATE_HANDLERS[PENDING](run, fresh, 1)
-        for mv in moves:
-            if mv.trigger in (GENERATE, CONTINUE):
-                mv.record.admission = mv
-            else:
-                apply_moves(run, [mv])
-        self.started.update(rec.index for rec in fresh)
+        self.begin(fresh, [wait_move(rec, 1) for rec in fresh] if first_outputs is not None else None)
         live = [rec for rec in run.records if rec.state != FINISHED]
         if first_outputs is None:
             self.queue.extend(live)
@@ -204,17 +199,39 @@ class AsyncDriver(Driver):
             for _ in due:
                 gate.waited(perf_counter() - self.t_start)
         self.start_rounds += 1
-        for mv in STATE_HANDLERS[PENDING](self.run, due, 1):
+        self.begin(due)
+
+    def begin(self, records: List[RequestRecord], moves: Optional[List[Any]] = None) -> None:
+        """``on_trajectory_start`` for ``records`` (``pending``), together (``moves``: their moves
+        when it does not run, e.g. the first turn was given); each one's move into the model's
+        turn is kept for when it gets a slot (``record.admission``), any other is carried out."""
+        for mv in moves if moves is not None else STATE_HANDLERS[PENDING](self.run, records, 1):
             if mv.trigger in (GENERATE, CONTINUE):
                 mv.record.admission = mv
             else:
                 apply_moves(self.run, [mv])
-        self.started.update(rec.index for rec in due)
+        self.started.update(rec.index for rec in records)
+
+    def admit_entering(self) -> None:
+        """The records that entered the run (``docs/branching.md``: a fork's children, born where
+        their parent was; a tree's top-up copies, started here) go first in the queue, so that a
+        tree finishes together; each takes a slot as any request does."""
+        new = self.run.take_entering()
+        if not new:
+            return
+        fresh = [rec for rec in new if rec.state == PENDING]
+        if fresh:
+            self.begin(fresh)
+        self.started.update(rec.index for rec in new)
+        self.queue.extendleft(reversed([rec for rec in new if rec.state != FINISHED]))
 
     def fill_slots(self) -> None:
         if self.session_bound is not None:
             self.start_deferred()
-        while self.queue and self.active < self.max_concurrency:
+        while True:
+            self.admit_entering()
+            if not (self.queue and self.active < self.max_concurrency):
+                break
             rec = self.queue.popleft()
             self.active += 1
             admission, rec.admission = rec.admission, None
@@ -235,19 +252,15 @@ class AsyncDriver(Driver):
         self.flight.launch('generate', rec, turn, self._rollout(rec, turn))
 
     async def _rollout(self, rec: RequestRecord, turn: int) -> Outcome:
-        settings = self.run.settings
-        config = settings.request_config
-        if self.run.context is not None:  # a context budget: this request's max_tokens
-            config = self.run.context.config_for(rec, config)
-        config = self.call_config(rec, config)
-        self.run.rollout_calls += 1  # counted here: a generation the budget cancels before it ran made no call
-        return await self.flight.rollout(settings.rollout_fn, rec.request, config, self.run.options.rollout_timeout_s,
-                                         threads=self.max_concurrency)
+        # the call is made (and counted) when its task runs: a generation the budget cancels
+        # before it ran made no call
+        [(_, config)] = model_calls(self.run, [rec], self.call_config)
+        return await self.flight.rollout(self.run.settings.rollout_fn, rec.request, config,
+                                         self.run.options.rollout_timeout_s, threads=self.max_concurrency)
 
-    def call_config(self, rec: RequestRecord, config: Any) -> Any:
-        """The request config of ``rec``'s call (a stream resuming a cut generation lowers its
-        ``max_tokens``)."""
-        return config
+    #: a driver's change to a record's request config (``None``: none; a stream resuming a cut
+    #: generation lowers its ``max_tokens``)
+    call_config: Optional[Callable[[RequestRecord, Any], Any]] = None
 
     def has_news(self) -> bool:
         """Something to handle without waiting: a completion (a subclass adds its own events)."""
@@ -390,5 +403,6 @@ def partial_result(run: RunState, started: Set[int]) -> RunResult:
         turns=run.loops,
         rollout_fn_calls=run.rollout_calls)
     result.unfinished = [UnfinishedRequest(r, r.index in started) for r in run.records if r.state != FINISHED]
+    result.trees = trees(run)
     publish(run, result)
     return result

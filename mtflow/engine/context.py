@@ -24,7 +24,7 @@ import dataclasses
 from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mtflow.core.calls import RAISED, TIMED_OUT, Outcome, is_async_callable
+from mtflow.core.calls import TIMED_OUT, Outcome
 from mtflow.core.errors import MtflowError, RequestError, StepTimeout
 from mtflow.core.machine import (COMPACT, CONTEXT_FULL, CONTINUE, FINISH, GENERATE, LENGTH, LENGTH_TOTAL, TIMEOUT,
                                  RequestRecord)
@@ -32,8 +32,7 @@ from mtflow.core.protocol import RequestConfig, RolloutInferRequest
 from mtflow.core.records import Move, TurnMoves
 from mtflow.accounting.segments_split import cut_segment
 from mtflow.engine.context_budget import BudgetView, ContextBudget
-from mtflow.engine.model_call import model_failure_moves
-from mtflow.engine.moves import apply_moves, fail_move, wait_move
+from mtflow.engine.moves import fail_move, wait_move
 from mtflow.engine.run_state import RunState
 
 __all__ = ['ContextError', 'ResolvedContext', 'resolve_context', 'ContextRun', 'route', 'relabel', 'handle_compacting',
@@ -257,52 +256,12 @@ class ContextRun:
 
     # ---- the model call -----------------------------------------------------------------------
     def config_for(self, rec: RequestRecord, request_config: Any) -> Any:
-        """The request config of ``rec``'s next call (a copy when its ``max_tokens`` differs)."""
+        """The request config of ``rec``'s next call (a copy when its ``max_tokens`` differs;
+        :func:`mtflow.engine.model_call.model_calls` makes one call per distinct config)."""
         max_tokens = use_of(rec).next_max_tokens
         if max_tokens is None or max_tokens == self.resolved.config_max_tokens:
             return request_config
         return with_max_tokens(request_config, max_tokens)
-
-    def call(self, run: RunState, records: List[RequestRecord], turn: int) -> Optional[List[Any]]:
-        """:func:`mtflow.engine.model_call.call_model` with per-request ``max_tokens``: one call per
-        distinct value (one call, as before, when nothing was cut); the outputs of the requests
-        still waiting, in order (``None`` when every call failed)."""
-        settings = run.settings
-        groups: Dict[Any, List[RequestRecord]] = {}
-        for rec in records:
-            groups.setdefault(use_of(rec).next_max_tokens, []).append(rec)
-        if len(groups) <= 1:
-            run.rollout_calls += 1
-            config = self.config_for(records[0], settings.request_config) if records else settings.request_config
-            outcome = run.caller.one(settings.rollout_fn, ([r.request for r in records], config),
-                                     run.options.rollout_timeout_s)
-            if outcome.kind != RAISED and outcome.kind != TIMED_OUT:
-                return outcome.value
-            apply_moves(run, model_failure_moves(records, turn, outcome))
-            return None
-        by_index: Dict[int, Any] = {}
-        calls = [([r.request for r in group], self.config_for(group[0], settings.request_config))
-                 for group in groups.values()]
-        run.rollout_calls += len(calls)
-        if is_async_callable(settings.rollout_fn):  # the calls of one turn run at once, as one call would have
-            t0 = perf_counter()
-            outcomes = run.caller.run_awaitables([settings.rollout_fn(*a) for a in calls], t0,
-                                                 run.options.rollout_timeout_s)
-        else:  # a sync backend (HF) is not safe to call from several threads: one call after the other
-            outcomes = [run.caller.one(settings.rollout_fn, a, run.options.rollout_timeout_s) for a in calls]
-        for group, outcome in zip(groups.values(), outcomes):
-            if outcome.kind == RAISED or outcome.kind == TIMED_OUT:
-                apply_moves(run, model_failure_moves(group, turn, outcome))
-                continue
-            try:
-                values = list(outcome.value)
-            except TypeError:
-                values = [outcome.value]
-            if len(values) != len(group):  # deliver() names the mismatch for the whole turn
-                return outcome.value
-            by_index.update((rec.index, v) for rec, v in zip(group, values))
-        kept = [by_index[rec.index] for rec in records if rec.index in by_index]
-        return kept if kept or not by_index else None
 
     # ---- compaction ---------------------------------------------------------------------------
     def compacted_messages(self, run: RunState, rec: RequestRecord, turn: int) -> Tuple[List[dict], Dict[str, Any]]:

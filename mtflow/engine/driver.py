@@ -9,22 +9,45 @@ from __future__ import annotations
 
 import inspect
 import traceback
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestFailure
-from mtflow.core.machine import FINISHED
+from mtflow.core.machine import FINISHED, WAITING_STATES, RequestRecord
 from mtflow.core.trace import has_listeners, publish as publish_trace
+from mtflow.engine.branching import tree_record, trees_of
 from mtflow.engine.moves import apply_moves, fail_move, interrupt_all
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunState
 
-__all__ = ['Driver', 'publish']
+__all__ = ['Driver', 'publish', 'turn_of', 'by_turn', 'trees']
+
+
+def trees(run: RunState) -> List[Dict[str, Any]]:
+    """The tree records of a branched run's records (``[]`` without branching)."""
+    if run.branching is None:
+        return []
+    return [tree_record(tree) for tree in trees_of(run.records)]
 
 
 def publish(run: RunState, result: RunResult) -> None:
     """Hand the run's trace to the trace listeners (``mtflow.core.trace.add_listener``), if any."""
     if run.recorder is not None and has_listeners():
         publish_trace(result.trace)
+
+
+def turn_of(rec: RequestRecord) -> int:
+    """The turn a record's state handler works on: the model's next turn while it waits for the
+    model, else the turn of its last applied output (``1`` before the first)."""
+    return rec.turns + 1 if rec.state in WAITING_STATES else rec.turns or 1
+
+
+def by_turn(records: List[RequestRecord]) -> List[Tuple[int, List[RequestRecord]]]:
+    """``records`` (one state's batch) by :func:`turn_of`, in order of first appearance: one group
+    in a lockstep turn, unless a tree was topped up with copies that start at turn 1 mid-run."""
+    groups: Dict[int, List[RequestRecord]] = {}
+    for rec in records:
+        groups.setdefault(turn_of(rec), []).append(rec)
+    return list(groups.items())
 
 
 class Driver:
@@ -53,6 +76,7 @@ class Driver:
             recorder=run.recorder,
             turns=run.loops,
             rollout_fn_calls=run.rollout_calls)
+        result.trees = trees(run)
         publish(run, result)
         return result
 

@@ -32,6 +32,7 @@ from mtflow.accounting.choose import accounting_for
 from mtflow.accounting.token_record import native_accounting
 from mtflow.engine.admission import Admission
 from mtflow.engine.async_driver import AsyncDriver
+from mtflow.engine.branching import Branching
 from mtflow.engine.context import resolve_context
 from mtflow.engine.context_budget import ContextBudget
 from mtflow.engine.driver import Driver
@@ -130,6 +131,11 @@ class Executor:
             (``docs/admission.md``). The scheduler gets it through ``use_admission(admission)``
             when it has that method; async mode and streams start a request only when a session
             is free; lockstep refuses a batch larger than ``env_sessions`` (it runs together).
+        branch: a :class:`mtflow.Branching` (or a dict of its fields): where each request's
+            machine forks into branches that share its history exactly, and the tree's leaf
+            budget (``docs/branching.md``); default: the scheduler's own ``branch`` attribute when it is a ``Branching``
+            (a YAML scheduler's ``branch:`` section), else no forks. Every driver forks alike;
+            the outputs are one per leaf and :attr:`RunResult.trees` holds the trees.
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -163,8 +169,11 @@ class Executor:
                  context: Optional[ContextBudget] = None,
                  image_store: Optional[Callable[[Any], Any]] = None,
                  turn_reward: Optional[Callable[..., Any]] = None,
-                 admission: Any = None) -> None:
+                 admission: Any = None,
+                 branch: Any = None) -> None:
         admission = Admission.coerce(admission)
+        own = getattr(scheduler, 'branch', None)
+        branch = Branching.coerce(branch) if branch is not None else (own if isinstance(own, Branching) else None)
         given = locals()
         options = ExecutorOptions(**{name: given[name] for name in OPTION_NAMES})
         if not callable(rollout_fn):
@@ -186,7 +195,8 @@ class Executor:
             bool(unique_uuids),
             turn_bound=options.turn_bound(hooks.default_max_turns),
             context=resolve_context(context, rollout_fn, request_config),
-            session_bound=admission.session_bound(scheduler) if admission is not None else None)
+            session_bound=admission.session_bound(scheduler) if admission is not None else None,
+            branching=branch)
         if admission is not None:
             use = getattr(scheduler, 'use_admission', None)
             if callable(use):
@@ -252,6 +262,9 @@ class Executor:
         """The driver of one run: lockstep, or async mode's, which drives the same handlers per
         request (partial rollouts with ``until`` and resumed :class:`UnfinishedRequest` items
         need it)."""
+        if self.options.branch is not None and first_turn_outputs is not None:
+            raise ValueError('a branched run generates every turn itself: first_turn_outputs cannot be given with '
+                             'branch (a fork at turn 1 would have no first output for its children)')
         if self.options.mode == 'async':
             budget = Until.coerce(until)
             if first_turn_outputs is not None and any(isinstance(r, UnfinishedRequest) for r in requests):

@@ -13,8 +13,9 @@ async mode with one request at a time.
   output (``record.incoming``), runs ``on_turn_end``, the ``turn_reward`` hook, ``check_finished`` and the stop
   decision -> ``finish`` / ``run_step`` / ``fail``;
 - ``tool_step``: :func:`handle_tool_step` applies the scheduler's ``step`` -> ``generate`` /
-  ``continue_message`` / ``fail`` (the step run here, or brought as ``record.step_outcome`` by a
-  driver that ran it as its own task);
+  ``continue_message`` / ``finish`` (the step returned ``done``) / ``fail`` (the step run here, or
+  brought as ``record.step_outcome`` by a driver that ran it as its own task); a step's
+  ``new_segment`` closes the training segment first;
 - ``compacting`` (a context budget only): :func:`mtflow.engine.context.handle_compacting`
   applies the policy -> ``finish`` / ``generate`` / ``continue_message`` / ``fail``; the moves
   into ``generating``/``continuing`` of ``start`` and ``tool_step`` are checked against the
@@ -29,12 +30,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mtflow.core.calls import OK, Outcome
 from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResultError
 from mtflow.core.images import check_request_images
-from mtflow.core.machine import (CHECK_FINISHED, COMPACTING, CONTINUE, CONTINUING, FAIL, FINISH, GENERATE, GENERATING,
-                                 PENDING, RUN_STEP, TOOL_STEP, RequestRecord)
+from mtflow.core.machine import (CHECK_FINISHED, COMPACTING, CONTINUE, CONTINUING, DONE_BY_HOOK, FAIL, FINISH, GENERATE,
+                                 GENERATING, PENDING, RUN_STEP, TOOL_STEP, RequestRecord)
 from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
-from mtflow.core.validate import check_bool, check_output, check_turn_result
+from mtflow.core.validate import check_bool, check_infos, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
+from mtflow.accounting.segments_split import cut_segment, detach_record
 from mtflow.accounting.turn_spans import checked_turn_reward
 from mtflow.engine.context import handle_compacting, relabel, route
 from mtflow.engine.moves import apply_moves, fail_move, outcome_move, wait_move
@@ -305,6 +307,10 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
             triggers[k] = mv.trigger
             continue
         result = values[k]
+        if result.__class__ is dict and result.get('done'):  # the step ends its request (docs/schedulers.md)
+            mv = ending[k] = _step_done(rec, turn, result, durations[k] if durations is not None else None)
+            triggers[k] = mv.trigger
+            continue
         try:
             next_request = accumulate(rec, rec.choice, result, turn)
             if getattr(next_request, 'images', None):  # what the step added is checked once, here
@@ -313,6 +319,9 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
             if extra is not None and extra.__class__ is not dict and not isinstance(extra, dict):
                 raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}',
                                            uuid=rec.uuid, turn=turn, field='trace_info')
+            cut = result.get('new_segment')
+            if cut:
+                _new_segment(run, rec, next_request, cut, turn)
         except Exception as exc:
             mv = ending[k] = fail_move(rec, turn, 'step', exc)
             triggers[k] = mv.trigger
@@ -333,6 +342,44 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
     by_index = {mv.record.index: mv for mv in moves}
     by_index.update((mv.record.index, mv) for mv in failed)
     return [by_index[rec.index] for rec in records]
+
+
+def _step_done(rec: RequestRecord, turn: int, result: Dict[str, Any], duration: Optional[float]) -> Move:
+    """A step that returned a truthy ``done``: ``finish`` with its ``finish_reason`` (default
+    ``done_by_hook``), its ``rollout_infos`` merged and its ``trace_info`` on the event (the last
+    turn's output was applied already; the accounting finalizes it as a stop after that turn
+    would); ``fail`` when one of them is malformed."""
+    try:
+        reason = result.get('finish_reason') or DONE_BY_HOOK
+        if not isinstance(reason, str):
+            raise SchedulerResultError(f'finish_reason must be a str, got {type(reason).__name__}', uuid=rec.uuid,
+                                       turn=turn, field='finish_reason')
+        infos = check_infos(result.get('rollout_infos'), rec.uuid, turn)
+        extra = result.get('trace_info')
+        if extra is not None and not isinstance(extra, dict):
+            raise SchedulerResultError(f'trace_info must be a dict, got {type(extra).__name__}', uuid=rec.uuid,
+                                       turn=turn, field='trace_info')
+    except Exception as exc:
+        return fail_move(rec, turn, 'step', exc)
+    if infos:
+        rec.infos.update(infos)
+    return Move(rec, FINISH, turn, duration=duration, extra=extra, reason=reason)
+
+
+def _new_segment(run: RunState, rec: RequestRecord, next_request: Any, cut: Any, turn: int) -> None:
+    """A step whose next request does not continue the conversation the model saw (``new_segment``:
+    ``True``, or a dict that says why, kept as the closed segment's ``ended_by``): the current
+    training segment is closed as a compaction closes it (``docs/context.md``) and the next turn
+    starts a new one, its prompt rendered afresh (its request carries an empty token record)."""
+    if next_request is rec.request:
+        raise SchedulerResultError('new_segment needs a new request object: infer_request is the request of the '
+                                   'segment being closed (its messages are kept with it)', uuid=rec.uuid, turn=turn,
+                                   field='new_segment')
+    if cut is not True and not isinstance(cut, dict):
+        raise SchedulerResultError(f'new_segment must be True or a dict, got {type(cut).__name__}', uuid=rec.uuid,
+                                   turn=turn, field='new_segment')
+    cut_segment(rec, getattr(run.accounting, 'name', None) == 'record', cut if isinstance(cut, dict) else None)
+    detach_record(next_request)
 
 
 def handle_pending(run: RunState, records: List[RequestRecord], turn: int) -> List[Move]:

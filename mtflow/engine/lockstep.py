@@ -27,7 +27,8 @@ from typing import List, Optional
 
 from mtflow.core.errors import RankMismatchError
 from mtflow.core.machine import PENDING, WAITING_STATES, RequestRecord
-from mtflow.engine.driver import Driver
+from mtflow.engine.branching import plant
+from mtflow.engine.driver import Driver, by_turn
 from mtflow.engine.handlers import advance, check_uuids, turn_phases
 from mtflow.engine.model_call import call_model, deliver
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
@@ -62,20 +63,16 @@ class LockstepDriver(Driver):
         run = self.run
         records = run.records
         apply_moves(run, check_uuids(run))
+        plant(run.branching, records)
         pending = [r for r in records if r.state == PENDING]
         if run.first_turn_outputs is None:
-            advance(run, pending, 1)
-            for states, handler in turn_phases():  # e.g. a first prompt over the context budget
-                batch = [r for r in pending if r.state in states and r.state not in WAITING_STATES]
-                if batch:
-                    apply_moves(run, handler(run, batch, 1))
-            live = [r for r in pending if r.state in WAITING_STATES]
+            live = self.start(pending)
             version = self.issued_version()
             outputs = call_model(run, live, 1)
         else:
             version = None  # given, not issued: as the async driver, not stamped
             apply_moves(run, [wait_move(rec, 1) for rec in pending])
-            live = [r for r in pending if r.state in WAITING_STATES]
+            live = [r for r in pending if r.state in WAITING_STATES] + self.entering()
             outputs = run.first_turn_outputs
             if len(live) != len(records) and len(outputs) == len(records):  # duplicates were failed
                 outputs = [outputs[r.index] for r in live]
@@ -93,8 +90,9 @@ class LockstepDriver(Driver):
                 self.stamp_delivered(live, version)
             for states, handler in phases:
                 batch = [r for r in live if r.state in states]
-                if batch:
-                    apply_moves(run, handler(run, batch, turn))
+                for at, records_at in by_turn(batch):  # one turn, but where a tree was topped up
+                    apply_moves(run, handler(run, records_at, at))
+                    live += self.entering()
             live = [r for r in live if r.state in WAITING_STATES]
             turn += 1
             run.turn = turn
@@ -104,6 +102,29 @@ class LockstepDriver(Driver):
             else:
                 outputs = call_model(run, live if has_local else [], turn)
         return self.result()
+
+    def start(self, pending: List[RequestRecord]) -> List[RequestRecord]:
+        """The turn before the first for ``pending``: ``on_trajectory_start``, then whatever it led
+        to but the model's turn (e.g. a first prompt over the context budget), through the same
+        table; the records now waiting for the model (forks' children among them)."""
+        run = self.run
+        advance(run, pending, 1)
+        pending = pending + self.entering()
+        for states, handler in turn_phases():
+            batch = [r for r in pending if r.state in states and r.state not in WAITING_STATES]
+            if batch:
+                apply_moves(run, handler(run, batch, 1))
+                pending += self.entering()
+        return [r for r in pending if r.state in WAITING_STATES]
+
+    def entering(self) -> List[RequestRecord]:
+        """The records that entered the run (a fork's children, born where their parent was;
+        a tree's top-up copies, started here from ``pending``)."""
+        new = self.run.take_entering()
+        if not new:
+            return new
+        fresh = [r for r in new if r.state == PENDING]
+        return [r for r in new if r.state != PENDING] + (self.start(fresh) if fresh else [])
 
     def ranks_have_work(self, live: List[RequestRecord], turn: int) -> bool:
         """The turn's collective: does any rank have live requests? With ``check_ranks`` the

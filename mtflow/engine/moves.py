@@ -9,19 +9,21 @@ a second move out of ``finished``.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import inspect
+from typing import Any, Callable, List, Optional, Sequence
 
-from mtflow.core.calls import TIMED_OUT, Outcome
-from mtflow.core.errors import SchedulerResultError, StepTimeout
-from mtflow.core.machine import (COMPACTING, CONTINUE, ERROR, FAIL, FINISH, FINISHED, GENERATE, INTERRUPT,
-                                 INTERRUPTED, TIMEOUT, TOOL_STEP, RequestRecord)
+from mtflow.core.calls import TIMED_OUT, Outcome, wrapped_methods
+from mtflow.core.errors import ForkRefused, SchedulerResultError, StepTimeout
+from mtflow.core.machine import (COMPACTING, CONTINUE, ERROR, FAIL, FINISH, FINISHED, FORK_STATES, GENERATE,
+                                 INTERRUPT, INTERRUPTED, PENDING, TIMEOUT, TOOL_STEP, RequestRecord)
 from mtflow.core.protocol import RolloutOutput
 from mtflow.core.records import Move, TurnMoves
 from mtflow.accounting.segments import is_continuation_of
+from mtflow.engine.branching import Branch, child_record, child_uuid, fork_point, fork_request, split_budget
 from mtflow.engine.outputs import OutputFailed, detach_messages, finalized_output, notify_finished
 from mtflow.engine.run_state import RunState, failure_of
 
-__all__ = ['ENDING_TRIGGERS', 'fail_move', 'outcome_move', 'wait_move', 'apply_moves', 'interrupt_all']
+__all__ = ['ENDING_TRIGGERS', 'fail_move', 'outcome_move', 'wait_move', 'apply_moves', 'interrupt_all', 'fork']
 
 #: the triggers into ``finished``: their moves build the output and run the finish hooks
 ENDING_TRIGGERS = frozenset((FINISH, FAIL, INTERRUPT))
@@ -61,12 +63,112 @@ def apply_moves(run: RunState, moves: Sequence[Move]) -> None:
     graph, recorder = run.graph, run.recorder
     if moves.__class__ is TurnMoves and not moves.ending:
         graph.move_all(moves.records, moves.triggers, moves.turn, recorder, moves.tokens, moves.durations, moves.extras)
+    else:
+        for mv in moves:
+            if mv.trigger in ENDING_TRIGGERS:
+                _end_request(run, mv)
+            else:
+                graph.move(mv.record, mv.trigger, mv.turn, recorder, mv.tokens, mv.duration, mv.extra)
+    if run.branching is not None and moves:
+        _branch(run, moves)
+
+
+def _branch(run: RunState, moves: Sequence[Move]) -> None:
+    """Ask the branching policy about each moved record that rests where a fork may happen, and
+    fork the ones it names (a decision that fails fails its record, phase ``fork``)."""
+    if moves.__class__ is TurnMoves:
+        records, extras = moves.records, moves.extras or (None, ) * len(moves.records)
+    else:
+        records, extras = [mv.record for mv in moves], [mv.extra for mv in moves]
+    for rec, extra in zip(records, extras):
+        if rec.state not in FORK_STATES or rec.branch is None:
+            continue
+        turn = fork_point(rec)[0]
+        try:
+            copies = run.branching.branches(rec, extra, _awaited(run))
+        except Exception as exc:
+            apply_moves(run, [fail_move(rec, turn, 'fork', exc)])
+            continue
+        if copies > 1:
+            fork(run, rec, copies, turn)
+
+
+def _awaited(run: RunState) -> Callable[[Any], Any]:
+    """The value of what a hook returned: awaited on the run's loop when it is awaitable."""
+    def value(result: Any) -> Any:
+        return run.await_value(result) if inspect.isawaitable(result) else result
+    return value
+
+
+def fork(run: RunState, rec: RequestRecord, copies: int, turn: int) -> List[RequestRecord]:
+    """The ``fork`` move: ``rec`` goes on as the first of ``copies`` branches and ``copies - 1``
+    children are born in its state with its history (:func:`mtflow.engine.branching.child_record`),
+    its leaf budget split among them. The scheduler's ``on_fork`` copies its own per-request state
+    (or refuses: :class:`ForkRefused` fails ``rec``, phase ``fork``); a backend that keeps
+    per-request state is told (``fork(parent_uuid, child_uuids)``, e.g. the router sends the
+    children where the parent's prefix is cached). The children enter the run; returns them."""
+    branch = rec.branch
+    point = fork_point(rec)
+    shares = split_budget(branch.budget, copies)
+    uuids = [child_uuid(rec.uuid, branch.children + k) for k in range(1, copies)]
+    try:
+        requests = [fork_request(rec.request, uuid) for uuid in uuids]
+        hook = run.hooks.on_fork
+        if hook is not None:
+            _awaited(run)(hook(rec.request, requests, turn))
+    except Exception as exc:
+        why = exc.detail if isinstance(exc, ForkRefused) else f'{type(exc).__name__}: {exc}'
+        err = ForkRefused(f'cannot fork in state {rec.state!r}: {why}', uuid=rec.uuid, turn=turn,
+                          field=exc.field if isinstance(exc, ForkRefused) else 'on_fork')
+        err.__cause__ = exc
+        apply_moves(run, [fail_move(rec, turn, 'fork', err)])
+        return []
+    for tell in wrapped_methods(run.settings.rollout_fn, 'fork'):
+        tell(rec.uuid, list(uuids))
+    branch.children += len(uuids)
+    branch.budget = shares[0]
+    branch.forks.append(point)
+    return _born(run, rec, rec.uuid, branch.tree, uuids, requests, shares[1:], point)
+
+
+def _tree_finished(run: RunState, rec: RequestRecord) -> None:
+    """``rec`` finished: its tree has one record less live; the leaves of its budget it did not
+    spend (its forks never came) are topped up at once, with copies of the tree's prompt (``fork``
+    from ``pending``, budget 1 each), so that the tree ends with exactly its leaf budget."""
+    branch = rec.branch
+    tree = branch.tree
+    tree.live -= 1
+    missing = branch.budget - 1 if branch.budget is not None and tree.seed is not None else 0
+    if missing < 1:
         return
-    for mv in moves:
-        if mv.trigger in ENDING_TRIGGERS:
-            _end_request(run, mv)
-        else:
-            graph.move(mv.record, mv.trigger, mv.turn, recorder, mv.tokens, mv.duration, mv.extra)
+    branch.budget = 1
+    # numbered after every child the root can fork (at most budget - 1), so that the copies' uuids
+    # never depend on when each record finished: whichever records they came from, they are the same
+    uuids = [child_uuid(tree.root, tree.limit - 1 + tree.topped_up + k) for k in range(1, missing + 1)]
+    tree.topped_up += missing
+    _born(run, tree.seed, tree.root, tree, uuids, [fork_request(tree.seed.request, u) for u in uuids], [1] * missing,
+          (0, PENDING))
+
+
+def _born(run: RunState, parent: RequestRecord, parent_uuid: str, tree: Any, uuids: List[str], requests: List[Any],
+          budgets: Sequence[Any], point: tuple) -> List[RequestRecord]:
+    """The children of a fork of ``parent`` at ``point`` enter its tree and the run, and the graph
+    records the move: the parent's event names them (but for a tree's prompt, ``pending``: its
+    top-up copies' events say ``top_up``), each child's names its parent."""
+    children = []
+    for uuid, request, budget in zip(uuids, requests, budgets):
+        children.append(child_record(parent, run.next_index, uuid, request, Branch(tree, parent_uuid, budget, point)))
+        run.next_index += 1
+    tree.records.extend(children)
+    tree.live += len(children)
+    top_up = point[1] == PENDING
+    tree.forks.append({'parent': parent_uuid, 'children': uuids, 'turn': point[0], 'state': point[1],
+                       **({'top_up': True} if top_up else {})})
+    run.add_records(children)  # indexed and named before their events are recorded
+    run.graph.fork(parent, children, point[0], run.recorder, extra={'children': uuids},
+                   child_extras=[{'parent': parent_uuid, **({'top_up': True} if top_up else {})} for _ in children],
+                   parent_event=not top_up)
+    return children
 
 
 def _end_request(run: RunState, mv: Move) -> None:
@@ -85,6 +187,8 @@ def _end_request(run: RunState, mv: Move) -> None:
     run.graph.move(rec, mv.trigger, mv.turn, run.recorder, mv.tokens, mv.duration, extra)
     if rec.state == FINISHED:
         notify_finished(run, rec)
+        if rec.branch is not None:
+            _tree_finished(run, rec)
 
 
 def _finishing(run: RunState, mv: Move) -> Move:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Literal, Optional
 from mtflow.core.records import FinishedRequest
 from mtflow.core.types import Accounting, GatherFn
 from mtflow.engine.admission import Admission
+from mtflow.engine.branching import Branching
 from mtflow.engine.context_budget import ContextBudget
 
 __all__ = ['ExecutorOptions', 'OnError', 'OnFinished', 'MODES', 'DEFAULT_TURN_CAP', 'bound_of']
@@ -65,6 +66,7 @@ class ExecutorOptions:
     context: Optional[ContextBudget] = None
     turn_reward: Optional[Callable[..., Any]] = None
     admission: Optional[Admission] = None
+    branch: Optional[Branching] = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ('raise', 'return'):
@@ -95,6 +97,10 @@ class ExecutorOptions:
                              'cut max_tokens and compactions make extra model calls on one rank only')
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise TypeError(f'admission must be an Admission, not {type(self.admission).__name__}')
+        if self.branch is not None and not isinstance(self.branch, Branching):
+            raise TypeError(f'branch must be a Branching, not {type(self.branch).__name__}')
+        if self.branch is not None and self.gather_fn is not None:
+            raise ValueError('branch needs a single rank (no gather_fn): forks add requests on one rank only')
         _check_timeout('step_timeout_s', self.step_timeout_s)
         _check_timeout('rollout_timeout_s', self.rollout_timeout_s)
 

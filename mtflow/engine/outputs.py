@@ -125,7 +125,10 @@ def notify_finished(run: RunState, rec: RequestRecord) -> None:
             events = [TraceEvent(uuid, i, rank, t, src, dst, trig, reason, tokens, dur, ts, extra)
                       for (i, t, src, dst, trig, reason, tokens, dur, ts, extra) in rec.events]
         try:
-            on_finished(FinishedRequest(rec.index, rec.uuid, rec.output, rec.reason, rec.error, events))
+            branch = rec.branch
+            on_finished(FinishedRequest(rec.index, rec.uuid, rec.output, rec.reason, rec.error, events,
+                                        branch.parent if branch is not None else None,
+                                        branch.tree.root_index if branch is not None else rec.index))
         except Exception as exc:
             run.failures.append(failure_of(rec, turn, 'on_finished', exc))
 

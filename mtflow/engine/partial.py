@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Tuple
 
+from mtflow.core.keys import coerce_fields
 from mtflow.core.machine import RequestRecord
 
 __all__ = ['Budget', 'Until', 'UnfinishedRequest']
@@ -55,14 +56,7 @@ class Until(Budget):
     @classmethod
     def coerce(cls, value: Any) -> Optional['Until']:
         """``None``, an :class:`Until`, or a dict like ``{'finished': 48}`` / ``{'seconds': 30}``."""
-        if value is None or isinstance(value, Until):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {'finished', 'seconds'}
-            if unknown:
-                raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use finished= and/or seconds=')
-            return cls(**value)
-        raise TypeError(f'until must be None, mtflow.Until or a dict, not {type(value).__name__}')
+        return coerce_fields(cls, value, 'until')
 
 
 class UnfinishedRequest:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from mtflow.core.errors import RequestFailure
 from mtflow.core.trace import Trace, TraceRecorder
@@ -12,7 +12,10 @@ __all__ = ['RunResult']
 
 class RunResult:
     """What :meth:`Executor.run` returns: one output per request (input order), each request's
-    finish reason, the failures, and the trace (``None`` when tracing is off).
+    finish reason, the failures, and the trace (``None`` when tracing is off). A branched run
+    (``docs/branching.md``) has one output per leaf: the inputs' first, then each fork's children
+    in the order they were born (their requests appended to the list that was run), and
+    :attr:`trees`.
 
     The trace is materialised from the recorder's raw tuples on first access, so a run whose
     trace nobody reads pays only for the tuples."""
@@ -32,6 +35,9 @@ class RunResult:
         #: the requests a partial rollout (async mode, ``run(..., until=...)``) handed back
         #: unfinished, as :class:`mtflow.UnfinishedRequest` items; empty when every request finished
         self.unfinished: List[Any] = []
+        #: a branched run's trees (``docs/branching.md``), one per prompt, in input order: the
+        #: records ``mtflow.engine.branching.tree_record`` writes; empty without branching
+        self.trees: List[Dict[str, Any]] = []
         self._recorder = recorder
         self._trace: Optional[Trace] = None
 

@@ -41,6 +41,8 @@ class RunSettings:
     #: the most requests started and not finished, when the scheduler opens an environment
     #: session per request and ``admission.env_sessions`` bounds them (``mtflow.engine.admission``)
     session_bound: Optional[int] = None
+    #: where requests fork (``mtflow.engine.branching.Branching``), or ``None``: no forks
+    branching: Optional[Any] = None
 
 
 def uuid_of(request: Any, index: int) -> str:
@@ -95,6 +97,39 @@ class RunState:
         self.builder = OutputBuilder(self.output_cls)
         #: the context budget's per-request state (``mtflow.engine.context.ContextRun``), or ``None``
         self.context: Optional[Any] = settings.context.start() if settings.context is not None else None
+        self.branching = settings.branching
+        #: the index the next record made during the run gets (a fork's child; a stream's member)
+        self.next_index = len(self.records)
+        #: ``records`` holds every record of the run (a stream keeps only its records in flight, on
+        #: its groups, and sets this to ``False``)
+        self.keeps_records = True
+        #: records that entered the run since the driver last looked (:meth:`take_entering`)
+        self.entering: List[RequestRecord] = []
+
+    def add_records(self, records: List[RequestRecord]) -> None:
+        """New records (a fork's children) enter the run: kept with the others (and their requests
+        appended to the caller's list, so that ``outputs[i]`` answers ``requests[i]``), named in the
+        trace, in their parent's stream group (delivered when they finish too), and handed to the
+        driver by :meth:`take_entering`."""
+        for rec in records:
+            if rec.group is not None:
+                rec.group.records.append(rec)
+            if self.keeps_records:
+                self.records.append(rec)
+                if self.recorder is not None:
+                    self.recorder.uuids.append(rec.uuid)
+                if isinstance(self.requests, list):
+                    self.requests.append(rec.request)
+            if self.recorder is not None and rec.events is None and (
+                    not self.keeps_records or self.options.on_finished is not None):
+                rec.events = []  # its own events (a stream's groups, on_finished), as its parent's
+        self.entering.extend(records)
+
+    def take_entering(self) -> List[RequestRecord]:
+        """The records that entered the run since the last call (the driver admits them as it
+        admits any record: lockstep into the turn, async and streams into the queue)."""
+        entering, self.entering = self.entering, []
+        return entering
 
     def await_value(self, awaitable: Any) -> Any:
         """The value of an awaitable a sync-looking hook returned, on the run's private loop,

@@ -34,31 +34,40 @@ stops it: the generations in flight are cancelled and their requests handed back
 from __future__ import annotations
 
 import asyncio
-import inspect
 import queue
 import threading
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, AsyncIterator, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from collections import deque
+from typing import (Any, AsyncIterator, Callable, ClassVar, Deque, Dict, Iterable, Iterator, List, Optional, Tuple,
+                    Union)
 
-from mtflow.core.calls import OK
-from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, RequestRecord
+from mtflow.core.calls import OK, RAISED, Outcome, wrapped_methods
+from mtflow.core.keys import coerce_fields
+from mtflow.core.machine import FINISHED, RequestRecord
 from mtflow.engine.async_driver import AsyncDriver
-from mtflow.engine.handlers import STATE_HANDLERS
-from mtflow.engine.moves import apply_moves, interrupt_all
+from mtflow.engine.branching import plant, tree_record, trees_of
+from mtflow.engine.in_flight import Stopped
+from mtflow.engine.moves import interrupt_all
 from mtflow.engine.partial import Budget, UnfinishedRequest
+from mtflow.engine.resume import GenerationAborted
 from mtflow.engine.run_state import RunSettings, RunState, uuid_of
-from mtflow.engine.staleness import STALE_POLICIES, UPDATE_POLICIES, StalenessMixin, check_policies
+from mtflow.engine.staleness import STALE_POLICIES, UPDATE_POLICIES, Staleness, check_policies
 from mtflow.engine.stream_groups import (InFlightGroup, StreamGroup, completion_tokens, delivered_group, fresh_copy,
                                          span_and_age)
-from mtflow.engine.stream_resume import ResumeMixin
+from mtflow.engine.stream_resume import Resumption
 from mtflow.engine.versions import PolicyClock
 
 __all__ = ['Stream', 'StreamGroup', 'StreamUntil', 'StreamDriver', 'STALE_POLICIES', 'UPDATE_POLICIES', 'open_stream',
-           'DEFAULT_STREAM_CONCURRENCY']
+           'DEFAULT_STREAM_CONCURRENCY', 'NOTHING_YET']
 
 #: requests in flight when neither the stream nor the executor says (``max_concurrency``)
 DEFAULT_STREAM_CONCURRENCY = 64
+
+#: what a source yields when it has nothing now but is not done (a gateway waiting for its next
+#: session): the driver takes nothing and waits until poked (:meth:`Stream.poke`) or other work
+#: completes; a source that blocks in ``next`` instead would stall the requests in flight
+NOTHING_YET = object()
 
 _END = object()
 
@@ -88,14 +97,7 @@ class StreamUntil(Budget):
     @classmethod
     def coerce(cls, value: Any) -> Optional['StreamUntil']:
         """``None``, a :class:`StreamUntil`, or a dict like ``{'groups': 8}``."""
-        if value is None or isinstance(value, StreamUntil):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {'requests', 'groups', 'seconds', 'tokens'}
-            if unknown:
-                raise ValueError(f'until: unknown key(s) {sorted(unknown)}; use requests, groups, seconds, tokens')
-            return cls(**value)
-        raise TypeError(f'until must be None, a StreamUntil or a dict, not {type(value).__name__}')
+        return coerce_fields(cls, value, 'until')
 
 
 class _NoEvents(list):
@@ -107,24 +109,19 @@ class _NoEvents(list):
 
 def forget_fn(rollout_fn: Any) -> Optional[Callable[[str], None]]:
     """The ``forget(uuid)`` of a ``rollout_fn`` that keeps state per request (the scripted and
-    replay backends), looked up through its wrappers (``__wrapped__``, a bound method's object),
+    replay backends), looked up through its wrappers (:func:`~mtflow.core.calls.wrapped_methods`),
     or ``None``. A stream calls it once for each request that is final, so that such a backend's
     memory stays flat however many requests stream through it."""
-    fn = rollout_fn
-    for _ in range(8):  # a few wrappers deep, never a cycle
-        if fn is None:
-            return None
-        forget = getattr(fn, 'forget', None)
-        if callable(forget):
-            return forget
-        fn = fn.__self__ if inspect.ismethod(fn) else getattr(fn, '__wrapped__', None)
-    return None
+    found = wrapped_methods(rollout_fn, 'forget')
+    return found[0] if found else None
 
 
-class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
+class StreamDriver(AsyncDriver):
     """The async driver over a source (see the module docstring); runs in :class:`Stream`'s thread.
-    It drives (the loop, admission, delivery, the budget); what an update does to the work in
-    flight is :class:`StalenessMixin`'s, continuing a cut generation :class:`ResumeMixin`'s."""
+    It drives (the loop, admission, delivery, the budget) and acts on what the policies it holds
+    answer: :attr:`staleness` (:class:`~mtflow.engine.staleness.Staleness`: what an update does to
+    the work in flight) and :attr:`resumption` (:class:`~mtflow.engine.stream_resume.Resumption`:
+    continuing a cut generation)."""
     stamp_always = True
 
     def __init__(self, run: RunState, source: Iterator[Any], clock: PolicyClock, *, max_concurrency: int,
@@ -132,6 +129,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                  on_update: str, deliver: Any) -> None:
         super().__init__(run, None, clock)
         run.requests = {}  # not the caller's list: a step's next request is not written back anywhere
+        run.keeps_records = False  # each record is kept by its group, from admission to delivery
         if run.recorder is not None:
             run.recorder.raw = _NoEvents()
         self.source = source
@@ -146,7 +144,6 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.forget_request = forget_fn(run.settings.rollout_fn)
         #: the groups in flight, by id (each member's record holds its own: ``record.group``)
         self.in_flight: Dict[int, InFlightGroup] = {}
-        self.next_index = 0
         self.next_seq = 0
         self.delivered_groups = 0
         self.delivered_requests = 0
@@ -159,7 +156,16 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         self.stats = {'restarted_groups': 0, 'dropped_groups': 0, 'aborted_generations': 0,
                       'resumed_generations': 0, 'handed_back_groups': 0,
                       'backpressure_waits': 0, 'max_active': 0}
-        self.init_staleness(max_staleness, stale, on_update)
+        self.staleness = Staleness(max_staleness, stale, on_update, clock.current(run.settings.rollout_fn))
+        self.resumption = Resumption()
+        if on_update == 'resume':
+            self.call_config = self.resumption.call_config  # a cut generation's max_tokens: what is left
+        #: groups the consumer found too stale when it took them, to run again (its thread appends)
+        self.returned: Deque[StreamGroup] = deque()
+        #: guards ``returned`` against the driver's end: a group the consumer sends back after
+        #: the driver ended is handed back (``unfinished``) in the consumer's thread instead
+        self.returned_lock = threading.Lock()
+        self.ended = False
 
     # ---- other threads -----------------------------------------------------------------------
     def poke(self) -> None:
@@ -234,7 +240,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                 if done:
                     self.handed_out += 1
                     self.deliver_fn(delivered_group(self.run, InFlightGroup(group.seq, [], done, len(done)),
-                                                    self.seen_version))
+                                                    self.staleness.seen_version))
                 members = [rec for rec in members if rec.state != FINISHED]
             grouped.extend(back.get(rec.index) or UnfinishedRequest(rec, True) for rec in members)
         moved = self.unfinished[len(back):]  # the doomed groups' fresh prompts, just appended
@@ -252,7 +258,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         interrupt_all(run)
         run.records = []
         self.handed_out += 1
-        self.deliver_fn(delivered_group(run, InFlightGroup(-1, [], records, len(records)), self.seen_version))
+        self.deliver_fn(delivered_group(run, InFlightGroup(-1, [], records, len(records)), self.staleness.seen_version))
 
     def has_news(self) -> bool:
         return bool(self.flight.completions) or self.poked  # poked: a weight update or a taken group
@@ -263,6 +269,7 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
 
     def fill_slots(self) -> None:
         while self.active < self.max_concurrency:
+            self.admit_entering()
             if not self.queue and not self.pull():
                 break
             super().fill_slots()
@@ -280,6 +287,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                 item = next(self.source)
             except StopIteration:
                 self.source_done = True
+                return False
+            if item is NOTHING_YET:  # an open-ended source with nothing now: it pokes the driver when it has
                 return False
             members = list(item) if isinstance(item, (list, tuple)) else [item]
         if not members:
@@ -315,8 +324,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         run = self.run
         records = []
         for request in requests:
-            index = self.next_index
-            self.next_index += 1
+            index = self.run.next_index  # the run's counter: a fork's children count on it too
+            self.run.next_index += 1
             rec = RequestRecord(index, uuid_of(request, index), request)
             if run.recorder is not None:
                 rec.events = []
@@ -327,12 +336,8 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
         group.done = 0
         group.tokens = 0
         group.doomed = False
-        for mv in STATE_HANDLERS[PENDING](run, records, 1):
-            if mv.trigger in (GENERATE, CONTINUE):
-                mv.record.admission = mv
-            else:
-                apply_moves(run, [mv])
-        self.started.update(r.index for r in records)
+        plant(run.branching, records)
+        self.begin(records)
         for rec in records:
             if rec.state == FINISHED:  # on_trajectory_start failed: finished before it took a slot
                 self.active += 1
@@ -342,10 +347,10 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
 
     # ---- issuing work ----------------------------------------------------------------------------
     def generate(self, rec: RequestRecord, turn: int) -> None:
-        if self.doomed(rec):
+        if self.staleness.doomed(rec):
             self.wind_down(rec)  # no more work for a group that will not be delivered
             return
-        with self.prefixed(rec):
+        with self.resumption.prefixed(rec):
             super().generate(rec, turn)
 
     def on_completion(self, kind: str, rec: Any, turn: int, outcome: Any) -> None:
@@ -358,6 +363,136 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
                 if group is not None:
                     group.tokens += completion_tokens(outcome.value)
         super().on_completion(kind, rec, turn, outcome)
+
+    def on_generated(self, rec: RequestRecord, turn: int) -> None:
+        super().on_generated(rec, turn)
+        self.resumption.applied(rec, turn)
+
+    # ---- what an update does to the work in flight (the policies' answers, acted on) -------------
+    def check_version(self) -> None:
+        """A new version: cancel the generations in flight it cancels (``on_update='abort'``,
+        ``'resume'``: all; issued again under it), and wind down every group it makes too stale."""
+        staleness = self.staleness
+        if self.stopping or not staleness.update(self.clock.current(self.run.settings.rollout_fn)):
+            return
+        for rec, task in self.flight.generations():
+            if staleness.cancels(rec):
+                task.cancel()
+        if staleness.max_staleness is not None:
+            for group in list(self.in_flight.values()):
+                if not group.doomed and staleness.too_stale(group):
+                    group.doomed = True
+
+    def resumed(self, rec: RequestRecord, turn: int, outcome: Outcome) -> Optional[Outcome]:
+        """A generation's outcome seen through resumption: ``None`` when it was cut by an update
+        and issued again from the ids it had (nothing more to do); else the outcome to handle, the
+        whole turn when it was the last segment of a cut one. A cut once the budget stopped the
+        stream is a plain cancellation (handed back; the turn is generated again on resume)."""
+        if outcome.kind == RAISED and isinstance(outcome.value, GenerationAborted):
+            if self.stopping:
+                rec.resume_from = None
+                return Outcome(RAISED, Stopped('cancelled'), outcome.duration)
+            self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
+            if self.staleness.doomed(rec):
+                rec.resume_from = None
+                self.wind_down(rec)
+                return None
+            self.resumption.cut(rec, outcome.value)
+            self.stats['resumed_generations'] += 1
+            self.generate(rec, turn)
+            return None
+        if outcome.kind == OK and rec.resume_from is not None:
+            return self.resumption.merge(rec, outcome)
+        return outcome
+
+    def cancelled_by_update(self, rec: RequestRecord, turn: int, outcome: Outcome) -> bool:
+        """A generation cancelled by an update (not by the budget): its group wound down when it
+        is now too stale, else the turn issued again from the exact record it had, under the new
+        version. ``False``: not such a completion."""
+        if not (outcome.kind == RAISED and isinstance(outcome.value, Stopped)) or self.stopping:
+            return False
+        self.restore_record(rec)
+        if self.staleness.doomed(rec):
+            self.wind_down(rec)
+        else:
+            self.stats['aborted_generations'] += 1
+            self.generate(rec, turn)
+        return True
+
+    def rerun_if_stale(self, group: InFlightGroup) -> bool:
+        """A finished group too stale to deliver: dropped, or admitted again from fresh copies of
+        its prompts (``True``); ``False``: deliver it."""
+        if not (group.doomed or self.staleness.too_stale(group)):
+            return False
+        if self.staleness.stale == 'drop':
+            self.stats['dropped_groups'] += 1
+            self.release(rec.uuid for rec in group.records)
+            return True
+        self.stats['restarted_groups'] += 1
+        group.restarts += 1
+        prompts = group.prompts
+        group.prompts = [fresh_copy(p) for p in prompts]
+        self.admit(group, prompts)
+        return True
+
+    def consumer_caught_up(self) -> bool:
+        """Whether every group handed out was taken (when the consumer judges them again, one may
+        come back to run again: the stream ends only after that)."""
+        return not self.staleness.rechecks_taken or (self.taken >= self.handed_out and not self.returned)
+
+    def take_back(self, group: StreamGroup) -> None:
+        """The consumer found ``group`` too stale (its thread): run it again, or, once the driver
+        has ended, hand it back unfinished at once."""
+        with self.returned_lock:
+            if not self.ended:
+                self.returned.append(group)
+                return
+        self.hand_back_group(group)
+
+    def readmit_returned(self) -> None:
+        """Run again, from their prompts, the groups the consumer found too stale (handed back
+        instead when the stream is stopping)."""
+        with self.returned_lock:
+            returned = list(self.returned)
+            self.returned.clear()
+        for stale in returned:
+            if self.stopping:
+                self.hand_back_group(stale)
+                continue
+            self.uncount(stale)
+            self.stats['restarted_groups'] += 1
+            group = InFlightGroup(stale.seq, [fresh_copy(p) for p in stale.prompts], restarts=stale.restarts + 1)
+            self.admit(group, stale.prompts)
+
+    def end_returns(self) -> List[StreamGroup]:
+        """The driver ended: what the consumer sends back from now on is handed back at once;
+        returns the groups it had sent back meanwhile."""
+        with self.returned_lock:
+            self.ended = True
+            left = list(self.returned)
+            self.returned.clear()
+        return left
+
+    def hand_back_group(self, stale: StreamGroup) -> None:
+        """A stale group that cannot run again here (the stream is stopping or over): not
+        delivered after all; its members go back in :attr:`unfinished` as fresh prompts (not
+        started), so that ``Executor(mode='async').run(stream.unfinished)`` or ``mtflow run
+        --resume`` runs them."""
+        self.uncount(stale)
+        self.hand_back_prompts(stale.prompts)
+
+    def hand_back_prompts(self, prompts: List[Any]) -> None:
+        """A group that will not be delivered goes back in :attr:`unfinished` as fresh prompts."""
+        self.stats['handed_back_groups'] += 1
+        for prompt in prompts:
+            index = self.run.next_index  # the run's counter: a fork's children count on it too
+            self.run.next_index += 1
+            self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))
+
+    def uncount(self, stale: StreamGroup) -> None:
+        self.delivered_groups -= 1
+        self.delivered_requests -= len(stale.outputs)
+        self.delivered_tokens -= stale.tokens
 
     def restore_record(self, rec: RequestRecord) -> None:
         before, rec.sent_record = rec.sent_record, None
@@ -395,12 +530,16 @@ class StreamDriver(ResumeMixin, StalenessMixin, AsyncDriver):
             self.started.discard(rec.index)
         if self.rerun_if_stale(group):
             return
-        delivered = delivered_group(self.run, group, self.seen_version)
+        delivered = delivered_group(self.run, group, self.staleness.seen_version)
+        if self.run.branching is not None:
+            delivered.trees = [tree_record(tree) for tree in trees_of(group.records)]
         self.handed_out += 1
         self.delivered_groups += 1
         self.delivered_requests += len(group.records)
         self.delivered_tokens += group.tokens
         self.deliver_fn(delivered)
+        for rec in group.records:  # delivered: its members need their group no more (a cycle per group
+            rec.group = None       # otherwise, which only the cyclic collector's slow full passes free)
 
     def release(self, uuids: Iterable[str]) -> None:
         """These requests are final (taken by the consumer, or dropped): the ``rollout_fn``'s
@@ -456,6 +595,11 @@ class Stream:
     def __iter__(self) -> 'Stream':
         return self
 
+    def poke(self) -> None:
+        """Wake the driver from any thread: an open-ended source that yielded
+        :data:`NOTHING_YET` has something now."""
+        self.driver.poke()
+
     def __next__(self) -> StreamGroup:
         while True:
             if self._finished:
@@ -468,7 +612,7 @@ class Stream:
                     raise self._error
                 raise StopIteration
             fresh = self._fresh_enough(item)
-            if fresh or self.driver.stale_policy == 'drop':  # final: delivered, or dropped
+            if fresh or self.driver.staleness.stale == 'drop':  # final: delivered, or dropped
                 self.driver.release(item.uuids)
             self.driver.taken += 1
             self.driver.poke()
@@ -484,21 +628,30 @@ class Stream:
             return True
         current = driver.clock.current(driver.run.settings.rollout_fn)
         group.version, group.age = current, span_and_age(group.versions, current)[1]
-        if driver.max_staleness is None or group.age <= driver.max_staleness:
+        if not driver.staleness.too_old(group.age):
             return True
-        if driver.stale_policy == 'drop':
+        if driver.staleness.stale == 'drop':
             self.dropped_when_taken += 1
         else:
             driver.take_back(group)
         return False
+
+    def stop(self, interrupt: bool = False) -> None:
+        """Ask the driver to stop, from any thread, and return at once: iterating the stream then
+        yields what is left (with ``interrupt``, as :meth:`interrupt` describes) and ends. For a
+        consumer iterating in another thread (a gateway's)."""
+        if not self._finished:
+            if interrupt:
+                self.driver.interrupting = True
+            self.driver.closing = True
+            self.driver.poke()
 
     def close(self) -> None:
         """Stop: nothing new is admitted, generations in flight are cancelled, their groups
         handed back whole (:attr:`unfinished`); groups already finished and not taken are kept in
         :attr:`untaken`."""
         if not self._finished:
-            self.driver.closing = True
-            self.driver.poke()
+            self.stop()
             self.untaken.extend(self)
 
     def interrupt(self) -> List[StreamGroup]:
@@ -509,9 +662,7 @@ class Stream:
         group of the interrupted requests, ``seq`` -1."""
         if self._finished:
             return []
-        self.driver.interrupting = True
-        self.driver.closing = True
-        self.driver.poke()
+        self.stop(interrupt=True)
         return list(self)
 
     def __enter__(self) -> 'Stream':

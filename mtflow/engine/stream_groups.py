@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestFailure
 from mtflow.core.machine import RequestRecord
@@ -42,6 +42,9 @@ class StreamGroup:
     restarts: int = 0
     #: fresh copies of the members' prompts (a group found stale when taken starts again from them)
     prompts: List[Any] = field(default_factory=list, repr=False)
+    #: a branched stream's trees (``docs/branching.md``): one per prompt of the group; its members
+    #: are every leaf (the prompts' records, then each fork's children as they were born)
+    trees: List[Dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
     def output(self) -> Any:

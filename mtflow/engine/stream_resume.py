@@ -12,31 +12,28 @@ The contract with a resumable ``rollout_fn`` (abort, resume, merge) is
   stamped with its oldest segment's version; the per-segment spans go to
   ``rollout_infos['policy_version_segments']`` (and the token record's ``TokenTurn.segments``).
 
-:class:`ResumeMixin` is that part of :class:`~mtflow.engine.stream.StreamDriver`.
+:class:`Resumption` holds these rules, over what a record keeps of its cut turn
+(``record.resume_from``, ``record.resumed_spans``); the stream driver holds one and decides when
+each applies (it restores the token record, winds a doomed group down, issues the call again).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Iterator
 
-from mtflow.core.calls import OK, RAISED, Outcome
+from mtflow.core.calls import OK, Outcome
 from mtflow.core.machine import RequestRecord
 from mtflow.accounting.token_record import RECORD_ATTR
-from mtflow.engine.in_flight import Stopped
 from mtflow.engine.context import with_max_tokens
 from mtflow.engine.resume import (SEGMENTS_KEY, GenerationAborted, ResumeFrom, merged_output, reset_prefix,
                                   segment_of, set_prefix, version_spans)
 
-__all__ = ['ResumeMixin']
+__all__ = ['Resumption']
 
 
-class ResumeMixin:
-    """The resume half of the stream driver (see the module docstring). A record keeps the
-    segments of its cut turn (``record.resume_from``) and a merged turn's spans until the turn is
-    applied (``record.resumed_spans``); it uses the driver's ``stats``, ``stopping`` and its
-    ``doomed``, ``wind_down``, ``restore_record`` and ``generate``."""
-    stats: Dict[str, int]
-    stopping: bool
+class Resumption:
+    """A stream's ``on_update='resume'`` rules (see the module docstring), held by its driver;
+    everything per request is on the request's record."""
 
     @contextlib.contextmanager
     def prefixed(self, rec: RequestRecord) -> Iterator[None]:
@@ -52,7 +49,8 @@ class ResumeMixin:
         finally:
             reset_prefix(token)
 
-    def call_config(self, rec: RequestRecord, config: Any) -> Any:
+    @staticmethod
+    def call_config(rec: RequestRecord, config: Any) -> Any:
         """A resumed generation's ``max_tokens``: what is left after the ids it already has."""
         prefix = rec.resume_from
         if prefix is None:
@@ -62,38 +60,19 @@ class ResumeMixin:
             return config  # the backend's own default: it is told the prefix, it knows its limit
         return with_max_tokens(config, max(1, limit - len(prefix)))
 
-    def resumed(self, rec: RequestRecord, turn: int, outcome: Outcome) -> Optional[Outcome]:
-        """A generation's outcome seen through resumption: ``None`` when it was cut and issued
-        again (nothing more to do); else the outcome to handle, the whole turn when it was the
-        last segment of a cut one. A cut once the budget stopped the stream is a plain
-        cancellation (handed back; the turn is generated again on resume)."""
-        if outcome.kind == RAISED and isinstance(outcome.value, GenerationAborted):
-            if not self.stopping:
-                self.resume(rec, turn, outcome.value)
-                return None
-            rec.resume_from = None
-            return Outcome(RAISED, Stopped('cancelled'), outcome.duration)
-        if outcome.kind == OK and rec.resume_from is not None:
-            return self.merge(rec, outcome)
-        return outcome
-
-    def resume(self, rec: RequestRecord, turn: int, aborted: GenerationAborted) -> None:
-        """A generation cut by an update (``on_update='resume'``): keep what it generated, with
-        the version that sampled it, and issue the rest under the new version."""
-        self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
-        if self.doomed(rec):
-            rec.resume_from = None
-            self.wind_down(rec)
-            return
+    @staticmethod
+    def cut(rec: RequestRecord, aborted: GenerationAborted) -> None:
+        """A generation cut by an update: keep what it generated as a segment of the turn, with
+        the version that sampled it (the driver then issues the rest under the new version)."""
         if rec.resume_from is None:
             rec.resume_from = ResumeFrom()
         rec.resume_from.segments.append(segment_of(aborted.output, rec.issued_version))
-        self.stats['resumed_generations'] += 1
-        self.generate(rec, turn)
 
-    def merge(self, rec: RequestRecord, outcome: Outcome) -> Outcome:
+    @staticmethod
+    def merge(rec: RequestRecord, outcome: Outcome) -> Outcome:
         """The last segment of a resumed turn arrived: the turn's one output, stamped with its
-        oldest segment's version; the segments' spans are recorded when it is applied."""
+        oldest segment's version; the segments' spans are recorded when it is applied
+        (:meth:`applied`)."""
         prefix, rec.resume_from = rec.resume_from, None
         merged = merged_output(prefix, outcome.value)
         last = rec.issued_version
@@ -106,8 +85,10 @@ class ResumeMixin:
             rec.issued_version = oldest
         return Outcome(OK, merged, outcome.duration)
 
-    def on_generated(self, rec: RequestRecord, turn: int) -> None:
-        super().on_generated(rec, turn)  # type: ignore[misc]
+    @staticmethod
+    def applied(rec: RequestRecord, turn: int) -> None:
+        """A merged turn's output was handed to ``rec``: its per-segment spans go to
+        ``rollout_infos['policy_version_segments']`` and the token record's last turn."""
         spans, rec.resumed_spans = rec.resumed_spans, None
         if spans is None:
             return

@@ -20,6 +20,8 @@
     mode: lockstep                            # lockstep | async (each request on its own)
     max_concurrency: null                     # async: requests in flight at once; null: the batch
     context: null                             # context budgets and compaction (docs/context.md)
+    gateway: null                             # mtflow gateway: host, port, tool_parser, ... (docs/gateway.md)
+    agent: null                               # mtflow run of an external agent per prompt (docs/gateway.md)
     admission: null                           # {tool_calls: N, env_sessions: M} (docs/admission.md)
     max_failed_share: 0.5                     # exit 1 when more than this share of requests failed
 
@@ -47,6 +49,7 @@ from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # th
 from mtflow.data.sources import check_dataset_mapping
 from mtflow.declarative.context import ContextConfig
 from mtflow.engine.admission import Admission
+from mtflow.run.agent_config import AgentConfig, GatewayConfig
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS', 'parse_sets',
            'config_keys']
@@ -74,8 +77,9 @@ class RunConfig(StrictModel):
     """A validated run config. See the module docstring for every key. Types are strict, as in
     scheduler files: ``batch_size: true`` is an error, not 1."""
 
-    scheduler: str = Field(description="A scheduler YAML file, or a Python scheduler as 'module:Class' or "
-                           "'path/file.py:Class'.")
+    scheduler: Optional[str] = Field(None, description="A scheduler YAML file, or a Python scheduler as 'module:Class' "
+                                     "or 'path/file.py:Class'; required by mtflow run unless the config has an "
+                                     'agent: section.')
     scheduler_args: Dict[str, Any] = Field(default_factory=dict,
                                            description='Keyword arguments for a Python scheduler class.')
     backend: str = Field('hf', description="hf, openai, vllm, scripted or swift; a name given to "
@@ -111,6 +115,11 @@ class RunConfig(StrictModel):
     context: Optional[ContextConfig] = Field(None, description='Context budgets and the compaction policy '
                                              '(docs/context.md): context_length, max_tokens, total_response_tokens, '
                                              'prompt_budget, policy, ...')
+    gateway: Optional[GatewayConfig] = Field(None, description='How mtflow gateway (and agent: runs) serve external '
+                                             'agents (docs/gateway.md): host, port, tool_parser, idle_timeout_s, ...')
+    agent: Optional[AgentConfig] = Field(None, description='mtflow run starts this agent command per prompt against '
+                                         'its own gateway session (docs/gateway.md): command, task, concurrency, '
+                                         'timeout_s, verifier, ...')
 
     #: the directory of the config file (for relative paths); not a YAML key
     base_dir: Optional[Path] = Field(None, exclude=True)
@@ -188,6 +197,13 @@ class RunConfig(StrictModel):
     def make_request_config(self) -> RequestConfig:
         return RequestConfig(**self.request_config)
 
+    def context_budget(self, backend: Any) -> Any:
+        """The ``context:`` block as a :class:`mtflow.ContextBudget` for ``backend`` (which counts the
+        prompt tokens and knows its context length), or ``None`` without one."""
+        if self.context is None:
+            return None
+        return self.context.budget(backend, str(self.base_dir) if self.base_dir else None, self.where('context'))
+
     def resolve(self, value: str) -> Path:
         """A relative path: next to the config file if it exists there, else in the current
         directory (returned as given when it exists nowhere, so the error shows it)."""
@@ -201,7 +217,16 @@ class RunConfig(StrictModel):
         return path
 
     def scheduler_is_yaml(self) -> bool:
-        return self.scheduler.endswith(('.yaml', '.yml'))
+        return self.scheduler is not None and self.scheduler.endswith(('.yaml', '.yml'))
+
+    def require_scheduler(self) -> None:
+        """``mtflow run`` rolls out a scheduler, or an ``agent:`` (the gateway's sessions): one of them."""
+        if self.scheduler is None and self.agent is None:
+            raise RunConfigError(f'{self.source or "<run config>"}: scheduler: required (a scheduler file or '
+                                 "'module:Class'), or an agent: section (docs/gateway.md)")
+        if self.scheduler is not None and self.agent is not None:
+            raise RunConfigError(f'{self.where("agent")}: an agent: run has no scheduler (the agent is the scheduler); '
+                                 'remove one of scheduler: and agent:')
 
     def scheduler_path(self) -> Path:
         """The scheduler YAML file; also looked up in the repository's (installed) ``schedulers/``."""
@@ -429,4 +454,4 @@ def is_run_config(path: Union[str, Path]) -> bool:
         data, _, _ = load_yaml_file(str(path))
     except (OSError, YamlLoadError):
         return False
-    return isinstance(data, dict) and 'scheduler' in data
+    return isinstance(data, dict) and any(key in data for key in ('scheduler', 'agent', 'gateway'))

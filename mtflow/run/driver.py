@@ -15,6 +15,8 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mtflow.accounting.token_record import record_accounting
+from mtflow.backends.base import Backend, reports_of
+from mtflow.core.calls import wrapped_methods
 from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
@@ -45,6 +47,12 @@ class _TurnCounter:
         self.on_turn = on_turn
         self.on_call = on_call
         self.turn = 0
+
+    def fork(self, parent: str, children: List[str]) -> None:
+        """A request was forked (``docs/branching.md``): the backend is told (the replay backend
+        goes on with the children from the parent's turn)."""
+        for tell in wrapped_methods(self.rollout_fn, 'fork'):
+            tell(parent, children)
 
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
         self.store.tick()
@@ -103,7 +111,8 @@ class StreamingRun:
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        self.write_finished(finished, self._indices[finished.index], self._requests[finished.index], self._t_offset)
+        root = finished.root_index if finished.root_index is not None else finished.index  # a fork's child: its root's
+        self.write_finished(finished, self._indices[root], self._requests[root], self._t_offset)
 
     def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None) -> None:
         """Write one finished request (its dataset position ``index``, its input ``request``;
@@ -180,6 +189,7 @@ class StreamingRun:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls
             raise
         self.rollout_fn_calls += result.rollout_fn_calls
+        self.store.write_trees(result.trees)
         lost = [f for f in result.failures if f.phase == 'on_finished']
         if lost:  # the executor kept going; a request that could not be stored must not pass silently
             raise RunDirError(f'request {lost[0].uuid} could not be written ({len(lost)} in this batch): '
@@ -231,9 +241,8 @@ class _ExecutorFactory:
         """The backend's async ``rollout_fn`` (``async_rollout_fn()``: its own concurrent path, or
         a dynamic batcher over its batch calls), else the backend itself; one with a ``close``
         (a batcher's threads) is closed when the run ends (:meth:`close`)."""
-        make = getattr(self.backend, 'async_rollout_fn', None)
-        fn = make() if callable(make) else self.backend
-        close = getattr(fn, 'close', None) if fn is not self.backend else None
+        fn = self.backend.async_rollout_fn() if isinstance(self.backend, Backend) else self.backend
+        close = getattr(fn, 'close', None) if fn is not self.backend else None  # a batcher's threads
         if callable(close):
             self.closing.append(close)
         return fn
@@ -241,11 +250,8 @@ class _ExecutorFactory:
     def _context(self) -> Dict[str, Any]:
         """The run config's context budget as an Executor option (the backend counts the prompt
         tokens and knows its context length), for batches and streams alike."""
-        cfg = self.cfg
-        if cfg.context is None:
-            return {}
-        return {'context': cfg.context.budget(self.backend, str(cfg.base_dir) if cfg.base_dir else None,
-                                              cfg.where('context'))}
+        budget = self.cfg.context_budget(self.backend)
+        return {} if budget is None else {'context': budget}
 
     def _admission(self) -> Dict[str, Any]:
         return {} if self.admission is None else {'admission': self.admission}
@@ -271,8 +277,8 @@ class _ExecutorFactory:
 def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
     """Tokens this attempt's backend generated so far (its ``stats``), or ``None`` (then the
     progress counts the finished requests' tokens)."""
-    stats = getattr(backend, 'stats', None)
-    if stats is None or not isinstance(getattr(stats, 'completion_tokens', None), int):
+    stats = reports_of(backend).stats
+    if stats is None or not isinstance(stats.completion_tokens, int):
         return None
     start = stats.completion_tokens
     return lambda: stats.completion_tokens - start
@@ -288,8 +294,9 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     ``tracker`` (``mtflow/run/tracking.py``) gets the progress figures as they change. A backend
     with ``forget(uuid)`` (the replay backend) is told when each request is finished."""
     make_executor = _ExecutorFactory(cfg, scheduler, backend, image_store=store.images.put_ref)
-    make_executor.turn_log.on_finish = getattr(backend, 'forget', None)
-    make_executor.turn_log.known_digest = getattr(backend, 'known_digest', None)
+    reports = reports_of(backend)
+    make_executor.turn_log.on_finish = reports.forget
+    make_executor.turn_log.known_digest = reports.known_digest
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     lockstep = cfg.mode != 'async' and until is None
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,

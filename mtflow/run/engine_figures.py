@@ -2,18 +2,21 @@
 load (``backend.load_info``: dtype, prefix-cache block size, and why) and the prefix cache's hit
 rate from the engine's own counters (``backend.prefix_cache_summary()``, the vLLM backend: each
 output's ``num_cached_tokens``). A block of its own, beside the serving block of several servers
-(:mod:`mtflow.run.serving`), read the same way: backends without these attributes show nothing.
+(:mod:`mtflow.run.serving`), read the same way (``mtflow.backends.base.Reports``): a backend
+that reports neither shows nothing.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
+
+from mtflow.backends.base import reports_of
 
 __all__ = ['engine_settings', 'prefix_cache_figures', 'engine_rows']
 
 
 def engine_settings(backend: Any) -> Optional[Dict[str, Any]]:
     """The dtype and block size the backend's engine runs with, and where each came from."""
-    info = getattr(backend, 'load_info', None) or {}
+    info = reports_of(backend).load_info or {}
     keys = ('device', 'dtype', 'dtype_why', 'block_size', 'block_size_why')
     settings = {k: info[k] for k in keys if k in info}
     return settings if settings.get('dtype') or settings.get('block_size') else None
@@ -21,8 +24,7 @@ def engine_settings(backend: Any) -> Optional[Dict[str, Any]]:
 
 def prefix_cache_figures(backend: Any) -> Optional[Dict[str, Any]]:
     """The engine's prefix-cache figures (``None`` for a backend that does not count them)."""
-    summary = getattr(backend, 'prefix_cache_summary', None)
-    return summary() if callable(summary) else None
+    return reports_of(backend).prefix_cache_summary()
 
 
 def engine_rows(settings: Optional[Dict[str, Any]], cache: Optional[Dict[str, Any]]) -> List[Tuple[str, str]]:

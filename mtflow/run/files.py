@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from mtflow.core.errors import UserError
 
 __all__ = [
-    'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'RUN_INFO', 'SUMMARY',
-    'LOCK', 'IMAGES_DIR', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all', 'write_json_atomic',
+    'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY',
+    'LOCK', 'IMAGES_DIR', 'SESSIONS', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all',
+    'append_file', 'write_json_atomic',
     'count_lines', 'scan_jsonl', 'DirLock', 'set_aside', 'not_empty_message', 'config_file_meta', 'recorded_config_file'
 ]
 
@@ -27,10 +28,14 @@ INTERRUPTED_FILE = 'interrupted.jsonl'
 RUN_INFO = 'run.json'
 SUMMARY = 'summary.json'
 LOCK = 'run.lock'
+#: a branched run's trees (``docs/branching.md``): one line per prompt, written after its leaves
+TREES = 'trees.jsonl'
 #: the folder of the run's images, each stored once under its content's hash (:mod:`mtflow.run.images`)
 IMAGES_DIR = 'images'
+#: the sessions a gateway opened, one line each (``mtflow/gateway/gateway.py``)
+SESSIONS = 'sessions.jsonl'
 #: every file a run directory may hold (``--overwrite --delete-old`` deletes only these)
-RUN_FILES = (TRAJECTORIES, TRACE, INTERRUPTED_FILE, RUN_INFO, SUMMARY, LOCK, IMAGES_DIR)
+RUN_FILES = (TRAJECTORIES, TRACE, INTERRUPTED_FILE, TREES, RUN_INFO, SUMMARY, LOCK, IMAGES_DIR, SESSIONS)
 #: the ``format`` of ``run.json``
 FORMAT = 'mtflow-run/1'
 
@@ -110,6 +115,17 @@ def write_all(fd: int, data: bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def append_file(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Append ``data`` (whole lines) to ``path``, created when missing, fsynced when asked."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        write_all(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

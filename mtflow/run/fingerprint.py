@@ -58,6 +58,8 @@ def _dir_identity(path: Path) -> Dict[str, str]:
 
 
 def _scheduler_file(cfg: RunConfig) -> Optional[Path]:
+    if cfg.scheduler is None:  # an agent: run or a gateway (docs/gateway.md)
+        return None
     if cfg.scheduler_is_yaml():
         path = cfg.scheduler_path()
         return path if path.is_file() else None
@@ -108,6 +110,10 @@ def run_fingerprint(cfg: RunConfig, dataset_path: Optional[Path] = None) -> Dict
         config['dataset_generator'] = _generator_version(cfg.dataset)
     if cfg.num_generations != 1:
         config['num_generations'] = cfg.num_generations
+    if cfg.agent is not None:  # only when set: a plain run's fingerprint stays what it was
+        config['agent'] = cfg.agent.model_dump(mode='json')
+    if cfg.gateway is not None:
+        config['gateway'] = cfg.gateway.model_dump(mode='json', exclude={'host', 'port'})
     return {'config': config, 'files': files}
 
 

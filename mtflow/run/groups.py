@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from mtflow.run.files import INTERRUPTED_FILE, TRACE, TRAJECTORIES, RunDirError, write_all
+from mtflow.run.files import INTERRUPTED_FILE, TRACE, TRAJECTORIES, RunDirError, append_file, write_all
 from mtflow.run.signals import deferred_interrupts
 
 __all__ = ['GroupWriter']
@@ -114,13 +114,7 @@ class GroupWriter:
         self.sizes[name] += len(data)
 
     def _append_interrupted(self, data: bytes) -> None:
-        fd = os.open(self.out_dir / INTERRUPTED_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            write_all(fd, data)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_file(self.out_dir / INTERRUPTED_FILE, data, self.fsync)
 
     def _undo(self, sizes: Dict[str, int]) -> None:
         """Cut the files back to ``sizes``: the end of the last whole group."""

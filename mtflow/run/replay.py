@@ -83,6 +83,15 @@ class ReplayBackend(Backend):
             self._turns[uuid] = turns
         return turns
 
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked (``docs/branching.md``): each child goes on from the
+        parent's turn (its recorded line holds the parent's turns before its own), live when the
+        parent went live."""
+        for child in children:
+            self._calls[str(child)] = self._calls.get(str(parent), 0)
+            if str(parent) in self._live:
+                self._live.add(str(child))
+
     def forget(self, uuid: str) -> None:
         """A request finished: drop what was kept for it."""
         self._turns.pop(uuid, None)
@@ -157,10 +166,12 @@ TOKEN_BACKENDS = ('hf', 'vllm')
 def run_prompter(backend: str, model: Optional[str], options: Dict[str, Any]) -> Optional[TokenPrompter]:
     """The prompter the run's backend used (its tokenizer, chat template and prefix policy), so that
     the replay rebuilds the same exact-id token record (``rollout_infos.token_record``); ``None``
-    for a backend that keeps none (scripted, an OpenAI server without ``tokenizer``)."""
+    for a backend that keeps none (scripted without ``tokenizer``, an OpenAI server without one)."""
     if backend in TOKEN_BACKENDS:
         tokenizer = load_tokenizer(model or 'embedded')
     elif backend == 'openai' and isinstance(options.get('tokenizer'), str) and options.get('prompt_mode') != 'chat':
+        tokenizer = load_tokenizer(options['tokenizer'])
+    elif backend == 'scripted' and isinstance(options.get('tokenizer'), str):  # a script with exact ids
         tokenizer = load_tokenizer(options['tokenizer'])
     else:
         return None

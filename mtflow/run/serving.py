@@ -6,12 +6,14 @@ The engine knows nothing of replicas; the backend keeps one entry per turn of ea
 under ``extra.serving`` of the event that applied turn t's output (the one leaving
 ``generating`` or ``continuing`` at turn t), so ``mtflow trace show`` and any reader of
 ``trace.jsonl`` see which replica served the turn, its prompt and cached prompt tokens, and the
-moves off a failing replica. Backends without ``serving(uuid)`` leave the events as they are.
+moves off a failing replica. A backend whose ``serving(uuid)`` reports nothing (``mtflow.backends.base.Reports``) leaves the
+events as they are.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from mtflow.backends.base import reports_of
 from mtflow.backends.routing import hit_rate
 
 __all__ = ['annotate', 'begin_server_metrics', 'end_server_metrics', 'serving_figures', 'merged_serving', 'serving_rows',
@@ -23,10 +25,7 @@ _OUTPUT_STATES = ('generating', 'continuing')
 def annotate(backend: Any, uuid: str, events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """``events`` (dicts, changed in place and returned) with the backend's serving log of
     ``uuid`` merged in, one entry per turn."""
-    take = getattr(backend, 'serving', None)
-    if not callable(take):
-        return events
-    entries = take(uuid)
+    entries = reports_of(backend).serving(uuid)
     if not entries:
         return events
     by_turn = {}
@@ -43,25 +42,20 @@ def annotate(backend: Any, uuid: str, events: List[Dict[str, Any]]) -> List[Dict
 def begin_server_metrics(backend: Any) -> None:
     """Read the servers' prefix-cache counters at the start of a run (a backend with
     ``begin_server_metrics``: the OpenAI backend), so the summary reports their growth."""
-    begin = getattr(backend, 'begin_server_metrics', None)
-    if callable(begin):
-        begin()
+    reports_of(backend).begin_server_metrics()
 
 
 def end_server_metrics(backend: Any) -> None:
     """Read them again when the rollout ends (before the backend closes)."""
-    end = getattr(backend, 'end_server_metrics', None)
-    if callable(end):
-        try:
-            end()
-        except Exception:  # the figures are informational: a failed read never fails the run
-            pass
+    try:
+        reports_of(backend).end_server_metrics()
+    except Exception:  # the figures are informational: a failed read never fails the run
+        pass
 
 
 def serving_figures(backend: Any) -> Optional[Dict[str, Any]]:
     """The router's figures for ``summary.json`` (``None`` for a backend without one)."""
-    summary = getattr(backend, 'serving_summary', None)
-    return summary() if callable(summary) else None
+    return reports_of(backend).serving_summary()
 
 
 def merged_serving(summaries: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

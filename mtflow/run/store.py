@@ -21,6 +21,9 @@ Files (``docs/cli.md``):
 * ``interrupted.jsonl``: requests cut short by a signal (finish reason ``interrupted``): their
   partial trajectory with its events under ``trace``. They are not done; a resume runs them again
   (and starts this file afresh).
+* ``trees.jsonl``: a branched run's trees (``docs/branching.md``), one line per prompt, written
+  once its leaves are on disk (a resume that runs the prompt again writes it again: the last
+  line of a root counts).
 * ``run.json``: the fingerprint of what the run rolls out (config and dataset, see
   ``mtflow/run/fingerprint.py``) and one entry per attempt (started, ended, status, counts).
 * ``summary.json``: written by :meth:`RunStore.close` (atomically); absent while a run is going
@@ -50,8 +53,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Union
 
 from mtflow.run.files import (FORMAT, INTERRUPTED_FILE, LOCK, RUN_FILES, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES,
-                              DirLock, FingerprintMismatch, Record, RunDirError, json_line, not_empty_message,
-                              set_aside, utc_now, write_json_atomic)
+                              TREES, DirLock, FingerprintMismatch, Record, RunDirError, append_file, json_line,
+                              not_empty_message, set_aside, utc_now, write_json_atomic)
 from mtflow.run.groups import GroupWriter
 from mtflow.run.images import ImageStore
 from mtflow.run.recovery import Recovery, fingerprint_changes, read_run_info, recover
@@ -60,7 +63,7 @@ from mtflow.run.trajectories import finished_to_record
 
 __all__ = [
     'RunStore', 'RunDirError', 'FingerprintMismatch', 'Recovery', 'finished_to_record', 'fingerprint_changes',
-    'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'RUN_INFO', 'SUMMARY', 'LOCK', 'RUN_FILES', 'FORMAT'
+    'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY', 'LOCK', 'RUN_FILES', 'FORMAT'
 ]
 
 Mode = Literal['new', 'resume', 'overwrite']
@@ -223,6 +226,20 @@ class RunStore:
             self._check_open()
             self.groups.add_interrupted(line)
             self.interrupted += 1
+
+    def write_trees(self, trees: Sequence[Dict[str, Any]]) -> None:
+        """A branched run's trees whose leaves were written: the pending lines are flushed first,
+        so a tree on disk always has its leaves on disk."""
+        if not trees:
+            return
+        data = ''.join(json_line(tree) + '\n' for tree in trees).encode('utf-8')
+        with self._lock:
+            self._check_open()
+            self.groups.flush()
+            try:
+                append_file(self.out_dir / TREES, data, self.groups.fsync)
+            except OSError as exc:
+                raise RunDirError(f'cannot write to {self.out_dir / TREES}: {exc.strerror or exc}') from exc
 
     def tick(self) -> None:
         """Flush the pending group if it is older than ``flush_interval_s`` (call it between

@@ -76,9 +76,17 @@ def _source_done(stream: Any) -> bool:
 
 def _write(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], t_offset: float) -> None:
     failures = {f.uuid: f for f in group.failures}
+    # a branched group (docs/branching.md): each fork's child is written at its root's position
+    parents = {child: fork['parent'] for tree in group.trees for fork in tree['forks'] for child in fork['children']}
+    roots = {leaf: tree['root'] for tree in group.trees for leaf in tree['leaves']}
+    placed: Dict[str, Tuple[int, Any]] = {}
     for k, uuid in enumerate(group.uuids):
-        index, request = positions.pop(uuid, (k, group.requests[k]))
+        root = roots.get(uuid, uuid)
+        if root not in placed:
+            placed[root] = positions.pop(root, (k, group.requests[k]))
+        index, request = placed[root]
         finished = FinishedRequest(index, uuid, group.outputs[k], group.finish_reasons[k], failures.get(uuid),
-                                   group.events[k])
+                                   group.events[k], parents.get(uuid))
         run.write_finished(finished, index, request, t_offset, live=group.requests[k])
+    run.store.write_trees(group.trees)
     run.store.tick()

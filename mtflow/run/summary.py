@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 
+from mtflow.backends.base import reports_of
 from mtflow.run.config import RunConfig
 from mtflow.run.engine_figures import engine_rows, engine_settings, prefix_cache_figures
 from mtflow.run.reward_spread import spread_rows
@@ -21,22 +22,34 @@ __all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed']
 FAILED_REASONS = ('error', 'timeout')
 
 
-def summarize(cfg: RunConfig, backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
+def _what_rolls_out(cfg: Any) -> Optional[str]:
+    """The scheduler, or an ``agent:`` run's command (``None`` for a gateway's own sessions)."""
+    if cfg is None:
+        return None
+    agent = getattr(cfg, 'agent', None)
+    if cfg.scheduler is None and agent is not None:
+        command = agent.command if isinstance(agent.command, str) else ' '.join(agent.command)
+        return f'agent: {command}'
+    return cfg.scheduler
+
+
+def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: int, figures: Dict[str, Any],
               load_s: float) -> Dict[str, Any]:
     """The figures of ``summary.json``: the requests on disk (every attempt, from the store's
     tally) and this attempt's timings."""
     tally = store.tally
-    stats = getattr(backend, 'stats', None)
+    reports = reports_of(backend)
+    stats = reports.stats
     gen_s = stats.generate_s if stats is not None else None
     attempt_tokens = stats.completion_tokens if stats is not None else None
     wall_s = figures.get('wall_s') or 0.0
     tool_calls, tool_errors = tally.tool_calls()
-    load_info = getattr(backend, 'load_info', {}) or {}
+    load_info = reports.load_info or {}
     done = len(store.done)
     return {
-        'config': cfg.source,
-        'backend': backend.describe() if hasattr(backend, 'describe') else cfg.backend,
-        'scheduler': cfg.scheduler,
+        'config': cfg.source if cfg is not None else None,
+        'backend': reports.describe() or getattr(cfg, 'backend', None),
+        'scheduler': _what_rolls_out(cfg),
         'requests': total,
         'written': done,
         'interrupted': store.interrupted,

@@ -174,6 +174,9 @@ def finished_to_record(finished: Any, *, index: Optional[int] = None, rank: int 
     traj = trajectory_from_output(finished.output, str(finished.uuid), index=idx, rank=rank,
                                   finish_reason=finished.finish_reason, request=request,
                                   reference_key=reference_key)
+    parent = getattr(finished, 'parent', None)
+    if parent is not None:  # a fork's child (docs/branching.md): the line names the request it was forked from
+        traj.extra['parent'] = parent
     events = []
     for e in getattr(finished, 'events', None) or ():
         d = e.to_dict() if not isinstance(e, dict) else dict(e)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mtflow.core.calls import is_async_callable
 
-__all__ = ['REPLAY_FORMAT', 'TURNS_KEY', 'TurnLog', 'prompt_digest', 'output_turn', 'compact_turns', 'expand_turns']
+__all__ = ['REPLAY_FORMAT', 'TURNS_KEY', 'TurnLog', 'prompt_digest', 'ids_digest', 'output_turn', 'compact_turns',
+           'expand_turns']
 
 #: the version of the ``turns`` entries (also written to ``run.json`` as ``replay_format``)
 REPLAY_FORMAT = 1
@@ -55,9 +56,17 @@ def prompt_digest(messages: Any) -> str:
     return hashlib.sha256(raw.encode('utf-8')).hexdigest()[:16]
 
 
+def ids_digest(ids: List[int]) -> str:
+    """A short, stable digest of a list of token ids (16 hex digits of SHA-256)."""
+    return hashlib.sha256(','.join(map(str, ids)).encode('ascii')).hexdigest()[:16]
+
+
 def output_turn(output: Any) -> Optional[Dict[str, Any]]:
     """``{text, token_ids, logprobs, finish_reason}`` of one model output (``None`` when it has
-    no choice: the executor fails such a request anyway)."""
+    no choice: the executor fails such a request anyway); with exact-id prompts (the backend
+    reports ``response.prompt_token_ids``) also ``prompt_len`` and ``prompt_ids``
+    (:func:`ids_digest`), so that ``mtflow check-tokens RUN_DIR`` can check every turn against the
+    segment it belongs to."""
     try:
         choice = output.response.choices[0]
     except (AttributeError, IndexError, TypeError):
@@ -68,8 +77,12 @@ def output_turn(output: Any) -> Optional[Dict[str, Any]]:
         values = [float(item['logprob']) for item in logprobs['content']]
     ids = getattr(choice, 'token_ids', None)
     message = getattr(choice, 'message', None)
-    return {'text': getattr(message, 'content', None) or '', 'token_ids': list(ids) if ids is not None else None,
+    turn = {'text': getattr(message, 'content', None) or '', 'token_ids': list(ids) if ids is not None else None,
             'logprobs': values, 'finish_reason': getattr(choice, 'finish_reason', None)}
+    prompt = getattr(output.response, 'prompt_token_ids', None)
+    if prompt:
+        turn['prompt_len'], turn['prompt_ids'] = len(prompt), ids_digest(list(prompt))
+    return turn
 
 
 class TurnLog:
@@ -106,6 +119,13 @@ class TurnLog:
             if self.on_turn is not None:
                 self.on_turn(request)
 
+    def fork(self, parent: str, children: List[str]) -> None:
+        """Request ``parent`` was forked (``docs/branching.md``): each child's line will hold the
+        parent's turns before its own, so that every leaf's ``turns`` replays it from turn 1."""
+        notes = self._notes.get(str(parent), [])
+        for child in children:
+            self._notes[str(child)] = [dict(turn) for turn in notes]
+
     def wrap(self, rollout_fn: Any) -> Any:
         if is_async_callable(rollout_fn):
 
@@ -115,6 +135,7 @@ class TurnLog:
                 return outputs
 
             noted_async.__wrapped__ = rollout_fn  # type: ignore[attr-defined]
+            noted_async.fork = self.fork  # type: ignore[attr-defined]
             return noted_async
 
         def noted(requests: List[Any], request_config: Any = None) -> Any:
@@ -131,6 +152,7 @@ class TurnLog:
             return outputs
 
         noted.__wrapped__ = rollout_fn  # type: ignore[attr-defined]  # the backend's attributes (context budgets)
+        noted.fork = self.fork  # type: ignore[attr-defined]
         return noted
 
     def finish(self, uuid: str, record: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -138,6 +160,10 @@ class TurnLog:
         if self.on_finish is not None:
             self.on_finish(str(uuid))
         return compact_turns(self._notes.pop(str(uuid), []), record)
+
+    def drop(self, uuid: str) -> None:
+        """Request ``uuid`` will not be written (a stream dropped it): forget its notes."""
+        self._notes.pop(str(uuid), None)
 
     def __len__(self) -> int:
         return len(self._notes)
@@ -167,6 +193,8 @@ def compact_turns(turns: List[Dict[str, Any]], record: Dict[str, Any]) -> List[D
     msg_at, seg_at, pos_at = 0, 0, 0
     for k, turn in enumerate(turns, 1):
         entry: Dict[str, Any] = {'turn': k, 'prompt': turn['prompt'], 'finish_reason': turn['finish_reason']}
+        if 'prompt_len' in turn:
+            entry['prompt_len'], entry['prompt_ids'] = turn['prompt_len'], turn['prompt_ids']
         text = turn['text']
         for i in range(msg_at, len(messages)):
             m = messages[i]
@@ -224,6 +252,9 @@ def expand_turns(record: Dict[str, Any]) -> List[Dict[str, Any]]:
                 values = lps[s][lp_start:lp_start + n]
         else:
             ids, values = entry.get('token_ids'), entry.get('logprobs')
-        full.append({'turn': entry['turn'], 'prompt': entry['prompt'], 'text': text, 'token_ids': ids,
-                     'logprobs': values, 'finish_reason': entry.get('finish_reason')})
+        turn = {'turn': entry['turn'], 'prompt': entry['prompt'], 'text': text, 'token_ids': ids,
+                'logprobs': values, 'finish_reason': entry.get('finish_reason')}
+        if 'prompt_len' in entry:
+            turn['prompt_len'], turn['prompt_ids'] = entry['prompt_len'], entry['prompt_ids']
+        full.append(turn)
     return full

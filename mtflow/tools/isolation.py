@@ -17,7 +17,11 @@ The sandbox is built with existing tools, never by hand:
 The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
 uid in one root-only directory, :data:`LEASE_DIR`, whose ownership and mode are checked and whose
 files are opened without following links, so concurrent calls, in this process or any other
-driver on the host, never share one, and no other user can make root write elsewhere). That is what makes
+driver on the host, never share one, and no other user can make root write elsewhere). A lease
+directory is per ``/run``, that is per container; what every container on one kernel shares is the
+kernel's count of each uid's tasks, so the sandbox's launcher, once it runs as the leased uid,
+checks with that count that no other process runs as it (:data:`UID_CHECK`) before any code runs,
+and the call starts again on another uid when one does. That is what makes
 ``RLIMIT_NPROC`` bind: the kernel counts processes per uid and ignores the limit for root, so a
 fork bomb in one call fills its own uid's quota and nothing else. When the sandbox's first process
 (PID 1 of its namespace) exits, the kernel kills every other process in the namespace, so nothing
@@ -37,7 +41,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import random
+import secrets
 import shutil
 import subprocess
 import sys
@@ -222,18 +226,28 @@ def open_lease_dir(path: str = LEASE_DIR) -> int:
 class UidLease:
     """An exclusively held uid (``flock`` on ``<lease dir>/<uid>``, :data:`LEASE_DIR`), released by
     :meth:`release`. Every root process on the host, whatever its ``$TMPDIR``, leases from the same
-    root-only directory, so two drivers never share a uid."""
+    root-only directory, so two drivers never share a uid. Another container on the same kernel
+    has a lease directory of its own (its own ``/run``): the sandbox's launcher checks that no
+    other process runs as the uid (:data:`UID_CHECK`), and a uid found in use is skipped here for
+    :data:`UID_BUSY_S` (:meth:`mark_busy`). The scan starts at a random uid drawn from the
+    operating system, never from ``random`` (which a training script seeds: every container would
+    then start at the same uid)."""
 
     _dir_fd: Optional[int] = None
     _dir_lock = threading.Lock()
     lease_dir = LEASE_DIR
+    #: uid -> until when (``time.monotonic``) it is skipped: found in use outside this host's leases
+    _busy: Dict[int, float] = {}
 
     def __init__(self) -> None:
         base = _uid_base()
         dir_fd = self._open_dir()
-        start = random.randrange(UID_BLOCK)
+        start = self._first()
+        now = time.monotonic()
         for k in range(UID_BLOCK):
             uid = base + (start + k) % UID_BLOCK
+            if self._busy.get(uid, 0.0) > now:
+                continue
             try:
                 fd = os.open(str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
             except OSError as exc:
@@ -255,6 +269,21 @@ class UidLease:
         raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use (leases in {self.lease_dir}): '
                                    'fewer concurrent calls, or wait for running ones to end')
 
+    @staticmethod
+    def _first() -> int:
+        """Where the scan starts: a uniformly random offset in the block, from the OS."""
+        return secrets.randbelow(UID_BLOCK)
+
+    @classmethod
+    def mark_busy(cls, uid: int) -> None:
+        """``uid`` is in use by processes this host's leases do not know (a sandbox of another
+        container on this kernel): skip it for :data:`UID_BUSY_S`."""
+        with cls._dir_lock:
+            now = time.monotonic()
+            for stale in [u for u, until in cls._busy.items() if until <= now]:
+                del cls._busy[stale]
+            cls._busy[uid] = now + UID_BUSY_S
+
     @classmethod
     def _open_dir(cls) -> int:
         with cls._dir_lock:
@@ -274,6 +303,45 @@ class UidLease:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+#: how long a uid found in use outside this host's leases is skipped (:meth:`UidLease.mark_busy`)
+UID_BUSY_S = 60.0
+
+#: the launcher's exit status when its uid is in use (:data:`UID_CHECK`): nothing of the program
+#: ran, and the call starts again on another uid. (A program's own status 118 is told apart by the
+#: check's pipe: the launcher writes to it before the program runs, and only when the uid was free.)
+UID_BUSY_STATUS = 118
+
+#: run first by the launcher of a sandbox as root, as the leased uid (``{fd}``: the write end of a
+#: pipe to the driver). The kernel counts the tasks of each uid (``RLIMIT_NPROC``'s count) for the
+#: whole kernel: every container on it shares the count, whatever its ``/run``, PID namespace or
+#: network namespace. With ``RLIMIT_NPROC`` at 2, a ``fork`` succeeds only if this process is the
+#: uid's only task (the child would be the second), else it fails with ``EAGAIN``: another
+#: container's call runs as this uid, so this launcher exits with :data:`UID_BUSY_STATUS` before
+#: anything of the program ran. Claim, then count, as a lock does: two launchers that become the
+#: same uid at once both see two tasks and both give way, and one that checked alone keeps the uid
+#: until its call ends, so any later one sees it. On success it writes ``1`` to ``{fd}`` and closes it.
+UID_CHECK = r'''
+_nproc = resource.getrlimit(resource.RLIMIT_NPROC)
+resource.setrlimit(resource.RLIMIT_NPROC, (2, _nproc[1]))
+try:
+    _kid = os.fork()
+except BlockingIOError:
+    os._exit({busy})
+if _kid == 0:
+    os._exit(0)
+os.waitpid(_kid, 0)
+resource.setrlimit(resource.RLIMIT_NPROC, _nproc)
+os.write({fd}, b'1')
+os.close({fd})
+del _nproc, _kid
+'''
+
+
+def uid_check_code(fd: int) -> str:
+    """:data:`UID_CHECK` for the launcher, reporting on ``fd``."""
+    return UID_CHECK.format(fd=fd, busy=UID_BUSY_STATUS)
 
 
 def processes_of_uid(uid: int) -> List[int]:

@@ -15,6 +15,7 @@ from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_ten
 from mtflow.train.samples import (STATE_KEYS, Sample, read_samples, samples_from_group, samples_from_output, samples_from_result,
                                   samples_from_trajectory)
 from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
+from mtflow.train.trees import assign_tree_advantages, leaf_path, read_trees, tree_advantages, tree_values
 from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
 from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
 
@@ -25,6 +26,8 @@ __all__ = [
     # advantages and weights
     'ADVANTAGES', 'assign_advantages', 'assign_gigpo_advantages', 'assign_turn_advantages', 'grpo', 'reinforce', 'rloo', 'turn_returns',
     'geometric_sequence_weight', 'keep_within', 'ratios', 'truncated_is',
+    # branched groups' trees
+    'assign_tree_advantages', 'leaf_path', 'read_trees', 'tree_advantages', 'tree_values',
     # stale tokens, packing, the loop, TRL
     'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors',
     'unpack', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'TRLRollout',

@@ -185,7 +185,8 @@ def render_html(trace: Trace, *, trajectories: Optional[Mapping[str, Trajectory]
         counts[('reason', reason)] = n
     graph_svg = state_graph_svg(graph or _graph_for(trace), counts=counts, title='state graph')
     charts = _charts(summary)
-    problems = _problems_html(summary) + _compactions_html(views) + _budget_html(views)
+    problems = _trees_html(views, trajectories) + _problems_html(summary) + _compactions_html(views) + \
+        _budget_html(views)
     stats_html = _stats_html(summary)
     reasons_opts = ''.join(f'<option value="{escape(r)}">{escape(r)}</option>' for r in summary.finish_reasons)
     # '<' as \u003c: no '</script>' or '<!--' from a message can end the data block early
@@ -234,6 +235,43 @@ def _problems_html(summary: Any) -> str:
     if not parts:
         return ''
     return '<h2>Problems and slow steps</h2><div class="panels">' + ''.join(parts) + '</div>'
+
+
+def _trees_html(views: Sequence[Any], trajectories: Mapping[str, Trajectory]) -> str:
+    """A branched run's groups as trees (``docs/branching.md``): each root with its children nested
+    under it, where each was forked (turn, state), its own turns, its finish reason and reward (with
+    trajectories); a click opens its detail. Empty when nothing forked."""
+    children: Dict[str, List[Any]] = {}
+    for v in views:
+        if v.parent is not None:
+            children.setdefault(v.parent, []).append(v)
+    if not children:
+        return ''
+
+    def born(v: Any) -> str:
+        e = next((e for e in v.events if e.trigger == 'fork' and (e.extra or {}).get('parent')), None)
+        if e is None:
+            return 'the prompt'
+        return 'a copy of the prompt' if not e.turn else f'forked at turn {e.turn} ({e.src})'
+
+    def item(v: Any) -> str:
+        traj = trajectories.get(v.uuid)
+        reward = getattr(traj, 'reward', None)
+        facts = [born(v), f'{v.turns} turns', v.reason or 'unfinished'] + ([f'reward {reward:.4g}']
+                                                                          if reward is not None else [])
+        kids = ''.join(item(c) for c in children.get(v.uuid, ()))
+        return (f'<li><span class="open" data-uuid="{escape(v.uuid)}">{escape(v.uuid)}</span> '
+                f'<span class="muted">{escape(" · ".join(facts))}</span>' + (f'<ul>{kids}</ul>' if kids else '') +
+                '</li>')
+
+    roots = [v for v in views if v.parent is None and v.uuid in children]
+    cards = ''.join(f'<div class="card tree"><h3>{escape(v.uuid)} ({1 + _descendants(v.uuid, children)} leaves)</h3>'
+                    f'<ul>{item(v)}</ul></div>' for v in roots[:200])
+    return f'<h2>Branched groups ({len(roots)})</h2><div class="panels">{cards}</div>'
+
+
+def _descendants(uuid: str, children: Mapping[str, List[Any]]) -> int:
+    return sum(1 + _descendants(c.uuid, children) for c in children.get(uuid, ()))
 
 
 def _compactions_html(views: Sequence[Any]) -> str:
@@ -350,7 +388,7 @@ table.events td.extra{font-family:ui-monospace,monospace;word-break:break-word}
 .tok.on{background:#dcfce7;border-bottom:2px solid var(--ok)}
 .tok.off{background:#f1f5f9;color:#94a3b8;text-decoration:line-through}
 .err{color:var(--error);font-weight:600}
-tr.open{cursor:pointer}tr.open:hover{background:#eff6ff}.card h3{margin:2px 0 6px;font-size:14px}
+tr.open{cursor:pointer}tr.open:hover{background:#eff6ff}.tree ul{margin:2px 0;padding-left:18px}.tree .open{cursor:pointer;font-family:monospace}.tree .open:hover{background:#eff6ff}.card h3{margin:2px 0 6px;font-size:14px}
 .muted{color:var(--muted)}
 #timeaxis{background:#fff;border:1px solid var(--line);border-radius:8px;overflow:auto;max-height:60vh}
 .tlane{display:flex;align-items:center;border-bottom:1px solid #f1f5f9;cursor:pointer;min-width:900px}
@@ -570,7 +608,7 @@ document.addEventListener('keydown', function(e){ if(e.key==='Escape') closeDeta
 function fromHash(){ if(location.hash.length>1){ var u = decodeURIComponent(location.hash.slice(1)); if(u in byUuid) openDetail(byUuid[u]); } }
 window.addEventListener('hashchange', fromHash); fromHash();
 window.mtflowOpen = openDetail;
-document.querySelectorAll('tr.open').forEach(function(tr){ tr.addEventListener('click', function(){
+document.querySelectorAll('tr.open, .tree .open').forEach(function(tr){ tr.addEventListener('click', function(){
   var u = tr.getAttribute('data-uuid'); if(u in byUuid) openDetail(byUuid[u]); }); });
 })();
 '''

@@ -13,10 +13,10 @@ from __future__ import annotations
 import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mtflow.core.machine import (COMPACTING, CONTINUING, ERROR, FINISHED, GENERATING, PENDING, TOOL_STEP, WAITING_STATES,
-                                 reason_kind)
+from mtflow.core.machine import (COMPACTING, CONTINUING, ERROR, FINISHED, FORK, GENERATING, PENDING, TOOL_STEP,
+                                 WAITING_STATES, reason_kind)
 from mtflow.core.trace import Trace, TraceEvent
 
 #: One-letter marks of the states in a turn cell.
@@ -75,6 +75,9 @@ class RequestView:
     reason: Optional[str]  # None: the trace ends before the request finished
     tokens: int
     path: str
+    #: a branched run (``docs/branching.md``): the request it was forked from, and its children
+    parent: Optional[str] = None
+    children: List[str] = field(default_factory=list)
 
     @property
     def turns(self) -> int:
@@ -273,6 +276,19 @@ def _budget_of(e: TraceEvent) -> Optional[Dict[str, Any]]:
     return dict(counts) if isinstance(counts, dict) else None
 
 
+def _step_done(c: TurnCell, e: TraceEvent) -> None:
+    """The step of ``c``'s turn ended with ``e``: its time, its trace info and its tool calls."""
+    c.step_s, c.step_extra = e.duration_s, e.extra
+    c.tool_calls, c.tool_errors = _tool_info(e.extra)
+
+
+def _fork_links(events: List[TraceEvent]) -> Tuple[Optional[str], List[str]]:
+    """A branched request's parent (``None``: a root) and children, from its ``fork`` events."""
+    forks = [e.extra or {} for e in events if e.trigger == FORK]
+    parent = next((f['parent'] for f in forks if 'parent' in f), None)
+    return parent, [c for f in forks for c in f.get('children') or ()]
+
+
 def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     cells: Dict[int, TurnCell] = {}
 
@@ -286,13 +302,14 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     tokens = 0
     compact_from: Optional[str] = None  # the state the last compact move left
     for e in events:
+        if e.trigger == FORK:  # no turn of its own; a child born waiting for the model opens its first turn
+            if 'parent' in (e.extra or {}) and e.dst in WAITING_STATES:
+                cell(e.turn).wait = e.dst
+            continue
         if e.dst == COMPACTING:
             compact_from = e.src
             if e.src == TOOL_STEP:
-                step = cell(e.turn)
-                step.step_s = e.duration_s
-                step.step_extra = e.extra
-                step.tool_calls, step.tool_errors = _tool_info(e.extra)
+                _step_done(cell(e.turn), e)
         elif e.src == COMPACTING and e.dst in WAITING_STATES:
             cell(e.turn).compaction = dict((e.extra or {}).get('compaction') or {})
             opened = cell(e.turn + 1 if compact_from == TOOL_STEP else e.turn)
@@ -300,10 +317,7 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
             opened.budget = _budget_of(e)
         elif e.dst in WAITING_STATES:
             if e.src == TOOL_STEP:
-                step = cell(e.turn)
-                step.step_s = e.duration_s
-                step.step_extra = e.extra
-                step.tool_calls, step.tool_errors = _tool_info(e.extra)
+                _step_done(cell(e.turn), e)
                 opened = cell(e.turn + 1)
             else:
                 opened = cell(e.turn)
@@ -332,7 +346,8 @@ def request_view(uuid: str, events: List[TraceEvent]) -> RequestView:
     states = [first_event.src] + [e.dst for e in events]
     if reason:
         states[-1] = f'{states[-1]}({reason})'
-    return RequestView(uuid, first_event.index, first_event.rank, events, ordered, reason, tokens, ' -> '.join(states))
+    return RequestView(uuid, first_event.index, first_event.rank, events, ordered, reason, tokens, ' -> '.join(states),
+                       *_fork_links(events))
 
 
 def request_views(trace: Trace) -> List[RequestView]:
@@ -345,7 +360,7 @@ def request_views(trace: Trace) -> List[RequestView]:
     for e in trace.events:
         base = (e.rank, e.uuid)
         key = current.get(base)
-        if key is None or e.src == PENDING:
+        if key is None or (e.src == PENDING and grouped[key][-1].trigger != FORK):  # after its fork: born pending
             key = current[base] = (e.rank, e.uuid, len(grouped))
             grouped[key] = []
         grouped[key].append(e)

@@ -25,6 +25,7 @@ from mtflow.viewer.model import (COMPACTED_MARK, ERROR_MARK, OK_MARK, TOOL_ERROR
 from mtflow.viewer.tokens import token_texts
 
 CELL = 4  # characters per turn in the timeline (the widest cell, 'GT!✗', is 4)
+SHARED_MARK = '='  # a fork's child: a turn it shares with its parent (docs/branching.md)
 STYLES = {GENERATING: 'bold blue', CONTINUING: 'bold cyan', TOOL_STEP: 'yellow'}
 LEGEND = (f'G generating  C continuing  T tool_step  {TOOL_ERROR_MARK} tool error  '
           f'{OK_MARK} finished  {ERROR_MARK} failed ({"/".join(r for r in FINISH_REASONS if reason_kind(r) == "error")})')
@@ -83,6 +84,9 @@ def cell_text(view: RequestView, turn_index: int) -> Text:
 
 def timeline_text(view: RequestView) -> Text:
     t = Text(no_wrap=True, overflow='ellipsis')
+    first = view.cells[0].turn if view.cells else 1
+    for _ in range(1, first):  # a fork's child: the turns before it are its parent's
+        t.append(SHARED_MARK.ljust(CELL), 'dim')
     for k in range(len(view.cells)):
         cell = cell_text(view, k)
         t.append_text(cell)
@@ -101,12 +105,16 @@ def fmt_reward(reward: Optional[float]) -> str:
 
 def timeline_table(views: Sequence[RequestView],
                    results: Optional[Dict[str, Tuple[Optional[float], Optional[str]]]] = None) -> Table:
-    """One row per request: uuid, (rank,) the turn cells, turns, tokens, finish reason, and with
-    ``results`` (``{uuid: (reward, group)}``, from the trajectories) reward and group."""
-    max_turn = max((len(v.cells) for v in views), default=0)
+    """One row per request: uuid, (its parent, in a branched run,) (rank,) the turn cells, turns,
+    tokens, finish reason, and with ``results`` (``{uuid: (reward, group)}``, from the
+    trajectories) reward and group."""
+    max_turn = max((v.cells[-1].turn for v in views if v.cells), default=0)
     multi_rank = len({v.rank for v in views}) > 1
+    branched = any(v.parent for v in views)
     table = Table(box=None, pad_edge=False, show_edge=False, header_style='bold', padding=(0, 2, 0, 0))
     table.add_column('request', no_wrap=True, overflow='fold')
+    if branched:
+        table.add_column('parent', no_wrap=True, overflow='fold')
     if multi_rank:
         table.add_column('rank', justify='right')
     table.add_column('turn ' + turn_ruler(max_turn), no_wrap=True, overflow='ellipsis')
@@ -118,6 +126,8 @@ def timeline_table(views: Sequence[RequestView],
         table.add_column('group', no_wrap=True)
     for v in views:
         row: List[Any] = [safe_text(v.uuid)]
+        if branched:
+            row.append(safe_text(v.parent) if v.parent else Text('-', 'dim'))
         if multi_rank:
             row.append(str(v.rank))
         row += [Text('     ') + timeline_text(v), str(v.turns), str(v.tokens),
@@ -269,7 +279,9 @@ def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = 
     parts: List[RenderableType] = [timeline_table(views, results)]
     if legend:
         compacted = any(v.compactions for v in views)
-        parts.append(Text(LEGEND + (f'  {COMPACTED_MARK} compacted' if compacted else ''), 'dim'))
+        forked = any(v.parent for v in views)
+        parts.append(Text(LEGEND + (f'  {COMPACTED_MARK} compacted' if compacted else '')
+                          + (f"  {SHARED_MARK} the parent's turn (a fork's child)" if forked else ''), 'dim'))
     if summary is not None:
         parts += [Text(''), summary_renderable(summary, views)]
     return Group(*parts)
@@ -277,7 +289,7 @@ def trace_renderable(views: Sequence[RequestView], summary: Optional[Summary] = 
 
 def needed_width(views: Sequence[RequestView], results: Optional[Dict[str, Any]] = None) -> int:
     turns = max((len(v.cells) for v in views), default=0)
-    uuid = max((len(v.uuid) for v in views), default=7)
+    uuid = max((len(v.uuid) for v in views), default=7) * (2 if any(v.parent for v in views) else 1)
     extra = 10 + max((len(str(g[1])) for g in results.values()), default=5) + 2 if results else 0
     # the budget table (runs with a context budget only): turn, requests, the figure, uuid, cut, left
     budget = 16 + 58 + uuid + 7 + 31 if has_budget(views) else 0
@@ -352,6 +364,12 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
     parts.append(Text.assemble(('request ', 'bold'), safe_text(uuid, 'bold'),
                                f'  (index {view.index}, rank {view.rank})' if view is not None else ''))
     if view is not None:
+        if view.parent or view.children:  # a branched run (docs/branching.md)
+            born = next((e for e in view.events if e.trigger == 'fork' and (e.extra or {}).get('parent')), None)
+            where = f' (forked at turn {born.turn}, in {born.src})' if born is not None and born.turn else \
+                ' (a copy of its prompt)' if born is not None else ''
+            parts.append(Text.assemble(('parent: ', 'bold'), safe_text(f'{view.parent or "-"}{where}'),
+                                       ('  children: ', 'bold'), safe_text(', '.join(view.children) or '-')))
         parts.append(Text.assemble(('path: ', 'bold'), safe_text(view.path)))
         parts.append(Text.assemble(('timeline: ', 'bold'), timeline_text(view)))
         parts.append(events_table(view))

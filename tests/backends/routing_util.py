@@ -39,6 +39,29 @@ class GoOn(Scheduler):
         return {'infer_request': infer_request}
 
 
+class GoOnTogether(GoOn):
+    """:class:`GoOn` whose first step in each process waits (up to a minute) until ``ACTORS``
+    processes have taken a request, each leaving a file in ``MTFLOW_TEST_ACTORS_DIR``: under
+    ``--ray N`` every actor then serves some requests, however slowly one of them starts (without
+    it, one actor ready early could take every shard while the other was still loading)."""
+    ACTORS = 2
+    joined = False
+
+    def step(self, infer_request, response_choice, current_turn):
+        if not GoOnTogether.joined:
+            import os
+            import time
+            from pathlib import Path
+
+            folder = Path(os.environ['MTFLOW_TEST_ACTORS_DIR'])
+            (folder / str(os.getpid())).touch()
+            GoOnTogether.joined = True
+            deadline = time.monotonic() + 60
+            while len(list(folder.iterdir())) < self.ACTORS and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return super().step(infer_request, response_choice, current_turn)
+
+
 def task(i):
     """A long first message of its own per request (no prefix shared across requests but the
     template's), as a multi-turn task description is."""
@@ -83,13 +106,16 @@ def run_cli_over(servers, tmp_path, monkeypatch, ray=0):
     from mtflow.cli import main
 
     monkeypatch.chdir(tmp_path)
+    if ray:  # every actor serves (GoOnTogether); the actors inherit the environment
+        (tmp_path / 'actors').mkdir()
+        monkeypatch.setenv('MTFLOW_TEST_ACTORS_DIR', str(tmp_path / 'actors'))
     (tmp_path / 'prompts.jsonl').write_text(''.join(
         json.dumps({'uuid': f'p{i}', 'prompt': task(i).messages[0]['content']}) + '\n' for i in range(4)))
     enter(servers)
     try:
         urls = ', '.join(s.base_url for s in servers)
         (tmp_path / 'run.yaml').write_text(
-            f'scheduler: {__name__}:GoOn\n'
+            f'scheduler: {__name__}:{"GoOnTogether" if ray else "GoOn"}\n'
             f'backend: {{kind: openai, urls: [{urls}], health_interval_s: 0}}\n'
             f'model: tiny-qwen2\ndataset: prompts.jsonl\nout: out\nmax_turns: 3\nbatch_size: {1 if ray else 4}\n'
             'request_config: {max_tokens: 4, temperature: 0}\n')

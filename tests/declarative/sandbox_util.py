@@ -84,7 +84,33 @@ def assert_nothing_survives(result, marker: str = '') -> None:
         assert processes_with(marker) == [], f'a process with {marker!r} outlived its call'
 
 
-class HostMemory:
+class HostSampler:
+    """Something read on the host every ``every_s`` on a thread of its own while a ``with`` block
+    runs (a call), and once more at its end: subclasses say what in :meth:`sample`."""
+
+    every_s = 0.01
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def __enter__(self):
+        import threading
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+class HostMemory(HostSampler):
     """Samples the host's ``/proc/meminfo`` (``Shmem``, ``Slab``, ``SUnreclaim``, ``MemAvailable``)
     every few ms while a call runs: :meth:`growth` is the peak rise of each over the figure before
     (for ``MemAvailable``, the deepest fall), in MB. The machine is shared, so tests compare it with
@@ -93,12 +119,9 @@ class HostMemory:
     FIELDS = ('Shmem', 'Slab', 'SUnreclaim', 'MemAvailable')
 
     def __init__(self, every_s: float = 0.01) -> None:
-        import threading
         self.every_s = every_s
         self.before = self.read()
         self.peak = dict(self.before)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
     @classmethod
     def read(cls) -> dict:
@@ -110,24 +133,14 @@ class HostMemory:
                     out[name] = int(rest.split()[0]) / 1024  # kB -> MB
         return out
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._update()
-
-    def _update(self) -> None:
+    def sample(self) -> None:
         now = self.read()
         for name, value in now.items():
             pick = min if name == 'MemAvailable' else max
             self.peak[name] = pick(self.peak[name], value)
 
-    def __enter__(self) -> 'HostMemory':
-        self._thread.start()
-        return self
-
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._update()
+        super().__exit__(*exc)
         self.after = self.read()
 
     def growth(self) -> dict:

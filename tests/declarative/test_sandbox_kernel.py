@@ -308,12 +308,12 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
     monkeypatch.setattr(cgroup, '_own_paths', lambda: {'': '/delegated'})
     monkeypatch.setattr(cgroup, '_mounts', lambda: {'': (str(tmp_path), '/')})
     sup = cgroup._probe()
-    assert (sup.version, sup.parents) == (2, {'': str(parent)}), sup.detail
-    assert (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
-    group = cgroup.CallCgroup.create(sup, 96, 11)
+    assert (sup.version, sup.parents, sup.cpu) == (2, {'': str(parent)}, True), sup.detail
+    assert (parent / 'cgroup.subtree_control').read_text() == '+memory +pids +cpu'
+    group = cgroup.CallCgroup.create(sup, 96, 11, cpu_cores=0.25)
     d = group.dirs['']
-    assert [open(os.path.join(d, n)).read() for n in ('memory.max', 'memory.swap.max', 'pids.max')] == \
-        [str(96 << 20), '0', '11']
+    assert [open(os.path.join(d, n)).read() for n in ('memory.max', 'memory.swap.max', 'pids.max', 'cpu.max')] == \
+        [str(96 << 20), '0', '11', '25000 100000']
     assert group.procs_files() == [os.path.join(d, 'cgroup.procs')]
     with open(os.path.join(d, 'memory.peak'), 'w') as f:
         f.write(str(50 << 20))
@@ -326,11 +326,55 @@ def test_cgroup_v2_files_on_a_fake_hierarchy(tmp_path, monkeypatch):
         os.unlink(os.path.join(d, name))
     group.remove()
     assert not os.path.exists(d)
+    # no cpu controller: groups without a CPU bound, said at load time
+    (parent / 'cgroup.controllers').write_text('io memory pids\n')
+    (parent / 'cgroup.subtree_control').write_text('')
+    sup = cgroup._probe()
+    assert (sup.version, sup.cpu) == (2, False) and (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
+    assert 'no CPU bound (the cpu controller is not available here)' in sup.describe()
+    # cpu listed but not to be enabled for children (not delegated): the others, without a CPU bound
+    (parent / 'cgroup.controllers').write_text('cpu io memory pids\n')
+    for enabled in ('', '+memory +pids'):
+        (parent / 'cgroup.subtree_control').write_text(enabled)
+        real_write = cgroup._write
+
+        def refuse_cpu(d, name, value, optional=False):
+            if name == 'cgroup.subtree_control' and 'cpu' in str(value):
+                raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+            real_write(d, name, value, optional)
+        monkeypatch.setattr(cgroup, '_write', refuse_cpu)
+        sup = cgroup._probe()
+        monkeypatch.setattr(cgroup, '_write', real_write)
+        assert (sup.version, sup.cpu) == (2, False), sup
+        assert 'no CPU bound (cannot enable cpu for child groups' in sup.describe()
+        assert (parent / 'cgroup.subtree_control').read_text() == '+memory +pids'
     # a v2 group whose controllers cannot be given to children: said at load time, v1 not tried
     (parent / 'cgroup.controllers').write_text('cpu io\n')
     sup = cgroup._probe()
     assert sup.version == 0 and "controllers ['memory', 'pids'] not available" in sup.detail
-    assert sup.describe().startswith('no cgroup per call (') and sup.describe().endswith('rlimits only')
+    assert sup.describe().startswith('no cgroup per call (')
+    assert sup.describe().endswith('rlimits only, no CPU bound (cpu_cores)')
+
+
+def test_stale_groups_of_another_pid_namespace_are_not_removed(tmp_path):
+    """A parent group shared with a driver in another container (another PID namespace, whose pids
+    this /proc does not show): its calls' groups are never taken for a dead driver's."""
+    ours, other = cgroup._PID_NS, str(int(cgroup._PID_NS) + 1)
+    dead = 4_000_000_000  # above any pid_max
+    names = {f'mtflow-sbx-{dead}-1-abcdef-ns{other}': True, f'mtflow-sbx-{dead}-2-abcdef-ns{ours}': False,
+             f'mtflow-sbx-{dead}-3-abcdef': False, f'mtflow-sbx-{os.getpid()}-4-abcdef-ns{ours}': True}
+    for name in names:
+        (tmp_path / name).mkdir()
+    cgroup._remove_stale({'memory': str(tmp_path)})
+    assert {n: (tmp_path / n).exists() for n in names} == names
+    (tmp_path / 'm').mkdir()
+    group = cgroup.CallCgroup.create(cgroup.CgroupSupport(1, {'memory': str(tmp_path / 'm'), 'pids': str(tmp_path)}),
+                                     64, 8)
+    assert os.path.basename(group.dirs['pids']).endswith(f'-ns{ours}')
+    for d in group.dirs.values():
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+    group.remove()
 
 
 #: what the program sees of the kernel's key lists (masked: both empty)

@@ -23,15 +23,34 @@ class Bump(Scheduler):
         return {'infer_request': infer_request}
 
 
+class BumpInStep(Bump):
+    """:class:`Bump` whose requests take each turn's step together (an async barrier across the
+    ``n`` requests), so that in async mode every request's turn ``t`` is issued after the update
+    to version ``t - 1`` and before the next: without it, one request's call may finish turns
+    ahead of the other's under load, and the slower one's update would go back in version."""
+
+    def __init__(self, executor_box: list, n: int, max_turns: int = 3) -> None:
+        super().__init__(executor_box, max_turns)
+        self.n = n
+        self.barriers: dict = {}
+
+    async def step(self, infer_request, response_choice, current_turn):
+        import asyncio
+        barrier = self.barriers.setdefault(current_turn, asyncio.Barrier(self.n))
+        await barrier.wait()
+        return super().step(infer_request, response_choice, current_turn)
+
+
 def _requests(n: int):
     return [RolloutInferRequest(messages=[{'role': 'user', 'content': f'count {i}'}], uuid=f'q{i}') for i in range(n)]
 
 
-def _bumping(rollout_fn, request_config=None, **options) -> Executor:
-    """An executor whose every step is a weight update (:class:`Bump`), from version 0 (the
-    trainer declares its starting weights: turns are stamped from there)."""
+def _bumping(rollout_fn, request_config=None, in_step: int = 0, **options) -> Executor:
+    """An executor whose every step is a weight update (:class:`Bump`; :class:`BumpInStep` for
+    ``in_step`` requests), from version 0 (the trainer declares its starting weights: turns are
+    stamped from there)."""
     box: list = []
-    ex = Executor(Bump(box), rollout_fn, request_config, **options)
+    ex = Executor(BumpInStep(box, in_step) if in_step else Bump(box), rollout_fn, request_config, **options)
     box.append(ex)
     ex.set_policy_version(0)
     return ex
@@ -46,7 +65,7 @@ def _check_token_record_versions(**options) -> None:
 
     tok = make_tokenizer()
     backend = HFBackend(make_model(tok, seed=1), tok, default_max_tokens=4)
-    ex = _bumping(backend, {'max_tokens': 4, 'temperature': 0}, **options)
+    ex = _bumping(backend, {'max_tokens': 4, 'temperature': 0}, in_step=2, **options)
     reqs = _requests(2)
     out = ex.run(reqs).outputs
     for req, o in zip(reqs, out):

@@ -43,7 +43,8 @@ def grpo_step(tmp: Path, model: Path, data: Path, executor: bool, scheduler: str
            '--reward_funcs', 'mtflow_e2e_distinct', '--use_vllm', 'false', '--tuner_type', 'full',
            '--torch_dtype', 'float32', '--num_generations', '2', '--per_device_train_batch_size', '2',
            '--gradient_accumulation_steps', '1', '--max_completion_length', '8', '--max_length', '256',
-           '--max_steps', '1', '--learning_rate', '1e-2', '--warmup_ratio', '0', '--save_strategy', 'no',
+           '--max_steps', '1', '--learning_rate', '1e-2', '--warmup_ratio', '0', '--check_model', 'false',
+           '--save_strategy', 'no',
            '--logging_steps', '1', '--report_to', 'none', '--dataloader_num_workers', '0', '--seed', '7',
            '--output_dir', str(out / 'run')]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -8,6 +8,8 @@ goes back as a ``tool`` message, exactly the glue a tool call leaves between two
 messages (mask 0)."""
 from __future__ import annotations
 
+import json
+import zlib
 from typing import Any, List, Tuple
 
 from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler
@@ -77,3 +79,34 @@ def tool_run(backend: Any, groups: int = 2, size: int = 3, max_turns: int = 3,
     result = ex.run(requests)
     assert result.ok, result.failures
     return result, requests
+
+
+class PerRequestSeeds:
+    """A ``rollout_fn`` whose every reply depends on its request alone: each request is generated
+    by itself, torch seeded from its conversation so far (roles and contents) and its copy index
+    (the uuid's ``#k``). Two trainers that batch, order and time their rollouts differently (TRL's
+    ``rollout_func``, ms-swift's stream) then get the same trajectories from the same weights."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.__wrapped__ = backend
+
+    def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
+        import torch
+
+        outputs = []
+        for request in requests:
+            copy = str(request.uuid).rpartition('#')[2]
+            history = json.dumps([[m.get('role'), m.get('content')] for m in request.messages])
+            torch.manual_seed(zlib.crc32(f'{history}#{copy}'.encode()))
+            outputs += self.backend([request], request_config)
+        return outputs
+
+
+def transformers_own_callbacks(monkeypatch: Any) -> None:
+    """transformers' default callbacks, as in a process that never imported ms-swift: ms-swift's
+    import (``swift/trainers/patcher.py``) replaces them for the whole process, and its flow
+    callback reads ``args.max_epochs``, which TRL's ``GRPOConfig`` does not have."""
+    from transformers import trainer, trainer_callback
+    monkeypatch.setattr(trainer, 'DEFAULT_CALLBACKS', [trainer_callback.DefaultFlowCallback])
+    monkeypatch.setattr(trainer, 'PrinterCallback', trainer_callback.PrinterCallback)

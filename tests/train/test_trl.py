@@ -13,14 +13,22 @@ from mtflow import Executor, RequestConfig
 from mtflow.train import grpo
 from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
 
-from tests.train.helpers import ToolEveryTurn, record_mask
+from tests.train.helpers import ToolEveryTurn, record_mask, transformers_own_callbacks as own_callbacks
 
 torch = pytest.importorskip('torch')
 trl = pytest.importorskip('trl')
 datasets = pytest.importorskip('datasets')
 
 
-def test_grpo_trainer_steps_on_mtflow_rollouts_see_mtflows_exact_ids_masks_and_advantages(tmp_path, monkeypatch):
+@pytest.fixture
+def transformers_own_callbacks(monkeypatch):
+    """TRL as in a process that never imported ms-swift (other tests of this session may have:
+    docs/training.md says so to users)."""
+    own_callbacks(monkeypatch)
+
+
+def test_grpo_trainer_steps_on_mtflow_rollouts_see_mtflows_exact_ids_masks_and_advantages(
+        tmp_path, monkeypatch, transformers_own_callbacks):
     monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')
     from mtflow.backends.hf import HFBackend
     from tests.tiny_model import make_model, make_tokenizer

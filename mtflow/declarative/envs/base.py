@@ -9,6 +9,7 @@ from typing import Any, Dict
 
 from mtflow.core.images import env_observation
 from mtflow.core.seeds import stable_seed
+from mtflow.engine.branching import branch_root
 
 __all__ = ['MissingExtra', 'require', 'StepOutcome', 'normalize_step', 'request_seed']
 
@@ -61,8 +62,9 @@ def normalize_step(out: Any) -> StepOutcome:
 
 def request_seed(infer_request: Any, seed: int = 0) -> int:
     """``data_dict['seed']`` when given, else a stable 31-bit number from ``seed`` and the uuid (the
-    same request gets the same episode on every run)."""
+    same request gets the same episode on every run; a branch of a request, ``<uuid>~<k>``
+    (``docs/branching.md``), its root's)."""
     data = getattr(infer_request, 'data_dict', None) or {}
     if isinstance(data.get('seed'), int):
         return data['seed']
-    return stable_seed(seed, getattr(infer_request, 'uuid', None) or '')
+    return stable_seed(seed, branch_root(getattr(infer_request, 'uuid', None) or ''))

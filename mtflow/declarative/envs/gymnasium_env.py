@@ -23,6 +23,8 @@ class GymnasiumEnv:
     def __init__(self, env: Any) -> None:
         self.env = env
         self.closed = False
+        #: the wrapped environment declares that it replays exactly (a fork replays it, docs/branching.md)
+        self.replayable = bool(getattr(env, 'replayable', False))
 
     def reset(self, infer_request: Any) -> Optional[str]:
         data = getattr(infer_request, 'data_dict', None) or {}

@@ -46,6 +46,12 @@ class ToolCallParser:
         """The tools (OpenAI function specs) as text for the system prompt."""
         return '\n'.join(json.dumps(t, ensure_ascii=False) for t in tools)
 
+    def render_calls(self, calls: Sequence[Tuple[str, Any]]) -> str:
+        """The text a model of this format writes for ``calls`` (``(name, arguments)`` pairs), which
+        :meth:`parse` reads back as those calls (the gateway writes a client's tool calls it did not
+        produce this way). The default: one JSON object per line."""
+        return '\n'.join(json.dumps({'name': name, 'arguments': args}, ensure_ascii=False) for name, args in calls)
+
 
 _THINK = re.compile(r'<think>.*?(?:</think>|$)', re.DOTALL)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, calls_from_values, json_values, loads_lenient, strip_thinking
 
@@ -55,3 +55,7 @@ class HermesParser(ToolCallParser):
         return (f'<tools>\n{lines}\n</tools>\n\nFor each function call, return a json object with function name and '
                 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+    def render_calls(self, calls: Sequence[Tuple[str, Any]]) -> str:
+        return '\n'.join(f'{OPEN}\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n{CLOSE}'
+                         for name, args in calls)

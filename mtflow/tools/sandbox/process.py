@@ -12,10 +12,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from mtflow.tools.isolation import (SHM_MB, SandboxCommand, UidLease, build_command, current_interpreter, mount_tmp_code,
-                                    namespace_init, rootless, wait_uid_gone)
+from mtflow.tools.isolation import (SHM_MB, UID_BUSY_STATUS, SandboxCommand, UidLease, build_command,
+                                    current_interpreter, mount_tmp_code, namespace_init, rootless, uid_check_code,
+                                    wait_uid_gone)
 from mtflow.tools import seccomp
-from mtflow.tools.cgroup import CallCgroup, join_argv, make_call_cgroup
+from mtflow.tools.cgroup import DEFAULT_CPU_CORES, CallCgroup, join_argv, make_call_cgroup
 from mtflow.tools.sandbox.result import MEMORY_STATUS
 
 __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
@@ -24,7 +25,7 @@ __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
 #: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
 _LAUNCHER = r'''
 import os, resource, sys
-{ffi}{mount_tmp}{install_filter}{no_epoll}with os.fdopen({code_fd}, 'rb') as _f:
+{uid_check}{ffi}{mount_tmp}{install_filter}{no_epoll}with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
 if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
     os.open('/dev/null', os.O_RDONLY)
@@ -78,11 +79,14 @@ class SandboxSpec:
     tmp_mb: int = 64
     site_packages: Tuple[str, ...] = ()  # read-only directories the program may import from
     shm_mb: int = SHM_MB  # its own /dev/shm (tmpfs)
+    cpu_cores: Optional[float] = DEFAULT_CPU_CORES  # CPU bandwidth of the whole call (cgroup; None: no quota)
 
     def launcher(self, code_fd: int, filter_fd: Optional[int] = None, mount_tmp: bool = False,
-                 bounded: bool = True) -> str:
-        """The launcher's source; with ``filter_fd`` it installs the seccomp filter read from that
-        fd first; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that; not
+                 bounded: bool = True, uid_fd: Optional[int] = None) -> str:
+        """The launcher's source; with ``uid_fd`` (a leased uid, as root) it first checks that no
+        other process runs as its uid and says so on that fd (:data:`mtflow.tools.isolation.UID_CHECK`);
+        with ``filter_fd`` it installs the seccomp filter read from that
+        fd; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that; not
         ``bounded`` (no cgroup; the filter denies ``epoll_create``) it hides ``select.epoll``, so
         that ``selectors`` and ``asyncio`` fall back to ``poll``."""
         # the filter denies fcntl record locks: sqlite then locks with files (seccomp.SQLITE_CODE)
@@ -92,7 +96,9 @@ class SandboxSpec:
         if ffi:
             install += f'del {seccomp.FFI_NAMES}\n'
         no_epoll = '' if bounded else 'import select as _sel\ndel _sel.epoll, _sel\n'
-        return _LAUNCHER.format(ffi=ffi, mount_tmp=mount, install_filter=install, no_epoll=no_epoll,
+        uid_check = '' if uid_fd is None else uid_check_code(uid_fd)
+        return _LAUNCHER.format(uid_check=uid_check, ffi=ffi, mount_tmp=mount, install_filter=install,
+                                no_epoll=no_epoll,
                                 site=repr(list(self.site_packages)),
                                 code_fd=code_fd,
                                 memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
@@ -123,15 +129,22 @@ class Sandbox:
         self.cmd: Optional[SandboxCommand] = None
         self.cgroup: Optional[CallCgroup] = None
         self.warm = code_fd is None
-        filter_fd = None
+        #: the sandbox ended before its program ran because another process ran as its uid
+        #: (known after :meth:`cleanup`; the call starts again on another uid)
+        self.uid_busy = False
+        self._uid_fd: Optional[int] = None  # the read end of the launcher's uid check
+        filter_fd = uid_w = None
         try:
             if spec.kind != 'none':
                 self.lease = None if rootless() else UidLease()
-                self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes)
+                self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes, spec.cpu_cores)
                 # no cgroup counts memory outside processes: the filter denies the ways to hold it
                 filter_fd = high_fd(seccomp.filter_fd(bounded=self.cgroup is not None))
+                if self.lease is not None:
+                    self._uid_fd, uid_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                    uid_w = high_fd(uid_w)
                 python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=self.lease is None,
-                                                bounded=self.cgroup is not None)
+                                                bounded=self.cgroup is not None, uid_fd=uid_w)
                 self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
                                          site_packages=spec.site_packages, shm_mb=spec.shm_mb)
                 argv = join_argv(self.cgroup, self.cmd.argv)
@@ -139,7 +152,7 @@ class Sandbox:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
                 self.cmd = SandboxCommand(self._python_argv(code_fd, None), {}, cwd=self.workdir)
                 argv = self.cmd.argv
-            fds = tuple(fd for fd in (code_fd, filter_fd) if fd is not None)
+            fds = tuple(fd for fd in (code_fd, filter_fd, uid_w) if fd is not None)
             cmd = self.cmd
             self.popen = seccomp.in_fresh_keyring(lambda: subprocess.Popen(
                 argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.PIPE if code_fd is None else subprocess.DEVNULL,
@@ -148,13 +161,22 @@ class Sandbox:
             self.cleanup(False)
             raise
         finally:
-            if filter_fd is not None:
-                os.close(filter_fd)
+            for fd in (filter_fd, uid_w):
+                if fd is not None:
+                    os.close(fd)
 
     def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int], mount_tmp: bool = False,
-                     bounded: bool = True) -> list:
+                     bounded: bool = True, uid_fd: Optional[int] = None) -> list:
         return [current_interpreter().executable, '-I', '-S', '-u', '-c',
-                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd, mount_tmp, bounded)]
+                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd, mount_tmp, bounded, uid_fd)]
+
+    def _uid_checked(self) -> bool:
+        """The launcher found no other process running as its uid (it says so on the check's pipe
+        before any program runs); false also while it has not got that far."""
+        try:
+            return self._uid_fd is not None and os.read(self._uid_fd, 1) == b'1'
+        except BlockingIOError:  # nothing written yet
+            return False
 
     def usage(self) -> Dict[str, float]:
         """The call's peak memory (MB) and CPU time (s), from its cgroup (empty without one)."""
@@ -192,10 +214,21 @@ class Sandbox:
 
     def cleanup(self, killed: bool) -> None:
         """After the outer process exited: wait out the namespace's teardown when it was killed,
-        release the uid, remove the scratch directories."""
+        release the uid (one found in use elsewhere is skipped for a while), remove the scratch
+        directories."""
+        checked = self._uid_checked()
+        if self._uid_fd is not None:
+            popen = getattr(self, 'popen', None)
+            self.uid_busy = not checked and popen is not None and popen.returncode == UID_BUSY_STATUS
+            os.close(self._uid_fd)
+            self._uid_fd = None
         if self.lease is not None:
-            if killed:
-                wait_uid_gone(self.lease.uid)  # PID 1 is gone; the namespace's others go right after
+            if killed and checked:
+                # PID 1 is gone; the namespace's others go right after (a uid that was never this
+                # call's own may be another container's: nothing to wait for)
+                wait_uid_gone(self.lease.uid)
+            if self.uid_busy:
+                UidLease.mark_busy(self.lease.uid)
             self.lease.release()
             self.lease = None
         if self.cgroup is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+from mtflow.core.keys import unknown_key_message
+from mtflow.tools.cgroup import DEFAULT_CPU_CORES
 from mtflow.tools.isolation import ISOLATION_CHOICES, SHM_MB, IsolationUnavailable, check_site_packages, resolve_isolation
 from mtflow.tools.runner import ToolError, ToolOutput
 from mtflow.tools.sandbox.pool import SandboxPool
@@ -25,18 +27,22 @@ DEFAULT_WARM_POOL = 2
 PYTHON_OPTIONS: Dict[str, Any] = {
     'timeout_s': ((int, float), 0.001), 'memory_mb': (int, 16), 'cpu_s': (int, 1), 'max_output_chars': (int, 0),
     'max_file_mb': (int, 1), 'max_processes': (int, 1), 'tmp_mb': (int, 1), 'shm_mb': (int, 1), 'isolation': (str, None),
-    'warm_pool': (int, 0), 'site_packages': ((str, list), None),
+    'warm_pool': (int, 0), 'site_packages': ((str, list), None), 'cpu_cores': ((int, float), 0.01),
 }
+
+#: options whose ``null`` means "none": ``cpu_s`` (``timeout_s + 1``), ``cpu_cores`` (no CPU quota)
+NULLABLE_OPTIONS = ('cpu_s', 'cpu_cores')
 
 
 def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` checked (names, types, ranges, ``isolation``); ``ValueError`` says what is wrong."""
-    unknown = set(options) - set(PYTHON_OPTIONS)
-    if unknown:
-        raise ValueError(f'python tool: unknown option(s) {sorted(unknown)} (allowed: {sorted(PYTHON_OPTIONS)})')
+    """``options`` checked (names, types, ranges, ``isolation``); ``ValueError`` says what is wrong
+    (an unknown name with the closest known one)."""
+    for key in options:
+        if key not in PYTHON_OPTIONS:
+            raise ValueError(f'python tool options: {unknown_key_message(key, PYTHON_OPTIONS)}')
     for key, value in options.items():
         types, minimum = PYTHON_OPTIONS[key]
-        if value is None and key == 'cpu_s':
+        if value is None and key in NULLABLE_OPTIONS:
             continue
         if isinstance(value, bool) or not isinstance(value, types):
             kind = ('a number' if types == (int, float) else 'an integer' if types is int else
@@ -84,7 +90,8 @@ def make_python_tool(options: Optional[Dict[str, Any]] = None) -> Callable[..., 
         cpu = opts.get('cpu_s') or max(1, int(timeout_s) + 1)
         pool = SandboxPool(SandboxSpec(iso.kind, opts.get('memory_mb', 512), int(cpu), opts.get('max_file_mb', 16),
                                        opts.get('max_processes', 64), opts.get('tmp_mb', 64),
-                                       opts.get('site_packages', ()), opts.get('shm_mb', SHM_MB)), warm)
+                                       opts.get('site_packages', ()), opts.get('shm_mb', SHM_MB),
+                                       opts.get('cpu_cores', DEFAULT_CPU_CORES)), warm)
     if requested == 'none':
         warnings.warn('python tool: isolation: none: model-written code runs unconfined, as this user, with '
                       'this machine\'s files, network and processes in reach', SandboxWarning, stacklevel=2)

@@ -1,0 +1,251 @@
+"""The gateway's overhead per model call, and its memory over many calls (``docs/benchmarks.md``).
+
+**Latency** (``--part latency``): ``N`` concurrent sessions (``--sessions``, default 1, 64, 1000),
+each an agent that makes ``--turns`` calls (its messages growing: each call extends the last),
+thinks between calls (uniform in ``[0, 2 * N / --rate]`` seconds, so that the offered load is
+about ``--rate`` calls/s whatever ``N``), finishes, and starts a new session; the agents start
+spread over one think time (a steady stream, not all first calls at once). The same agents run
+two ways against the same scripted backend (text only, no tokenizer: the backend costs almost
+nothing, so what is measured is the path):
+
+* ``direct``: in the benchmark's process, each call is ``await rollout_fn([request], config)``,
+  the backend's async path the gateway itself uses (its dynamic batcher, no wait);
+* ``gateway``: ``mtflow gateway`` in a child process, its run directory written as usual; each
+  call is an HTTP ``POST /s/<session>/v1/chat/completions`` from this process (aiohttp, kept
+  connections); the latency is the client's.
+
+The added latency is the gateway's p50 (p99) minus the direct p50 (p99) at the same ``N``. Both
+share the machine's cores with the load generator.
+
+**Memory** (``--part memory``): the gateway's resident memory (``VmRSS`` of the child process)
+sampled every ``--calls``/10 calls over ``--calls`` calls (default 100k) by ``--mem-sessions``
+agents at full speed (no thinking), sessions recycled every ``--turns`` calls; ``--exact``: the
+scripted model keeps exact token records (the tiny test tokenizer), whose memory counts too.
+
+    .venv/bin/python benchmarks/gateway.py                      # both parts
+    .venv/bin/python benchmarks/gateway.py --part latency --sessions 1 64 1000 --rate 300
+    .venv/bin/python benchmarks/gateway.py --part memory --calls 100000
+    .venv/bin/python benchmarks/gateway.py --part memory --calls 100000 --exact
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mtflow.backends.scripted import ScriptedBackend  # noqa: E402
+from mtflow.core.protocol import RequestConfig, RolloutInferRequest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REPLY = 'I looked at it and will go on.'
+
+
+def _percentiles(values: List[float]) -> Dict[str, float]:
+    values = sorted(values)
+    if not values:
+        return {'p50_ms': float('nan'), 'p99_ms': float('nan')}
+
+    def at(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+    return {'p50_ms': round(at(0.50), 3), 'p99_ms': round(at(0.99), 3)}
+
+
+class Agents:
+    """``n`` agents, each running sessions of ``turns`` calls with ``think()`` between calls, until
+    ``calls`` calls were made in all; ``call(session, messages) -> reply message`` and
+    ``finish(session)`` are the path under test."""
+
+    def __init__(self, n: int, turns: int, calls: int, think_mean_s: float, prefix: str = 'a') -> None:
+        self.n, self.turns, self.calls, self.think_mean_s = n, turns, calls, think_mean_s
+        self.prefix = prefix
+        self.latencies: List[float] = []
+        self.made = 0
+        self.sessions = 0
+        self.on_calls: Any = None  # called with the count every so often (the memory part samples)
+
+    def think(self) -> float:
+        return random.uniform(0, 2 * self.think_mean_s) if self.think_mean_s > 0 else 0.0
+
+    async def run(self, call: Any, finish: Any) -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self._agent(k, call, finish) for k in range(self.n)))
+        return time.perf_counter() - t0
+
+    async def _agent(self, k: int, call: Any, finish: Any) -> None:
+        pause = self.think()  # agents start spread over a think time, as a steady stream of episodes does
+        if pause:
+            await asyncio.sleep(pause)
+        while self.made < self.calls:
+            self.sessions += 1
+            session = f'{self.prefix}{k}-{self.sessions}'
+            messages = [{'role': 'user', 'content': f'Task {session}: look around.'}]
+            for t in range(self.turns):
+                if self.made >= self.calls:
+                    break
+                self.made += 1
+                if self.on_calls is not None and self.made % max(1, self.calls // 10) == 0:
+                    self.on_calls(self.made)
+                t0 = time.perf_counter()
+                reply = await call(session, messages)
+                self.latencies.append(time.perf_counter() - t0)
+                messages += [reply, {'role': 'user', 'content': f'observation {t}'}]
+                pause = self.think()
+                if pause:
+                    await asyncio.sleep(pause)
+            await finish(session)
+
+
+# ---- the direct path ---------------------------------------------------------------------------------
+async def run_direct(agents: Agents) -> float:
+    backend = ScriptedBackend(outputs=[REPLY], cycle=True)
+    rollout_fn = backend.async_rollout_fn(max_wait_s=0.0, settle_s=0.0)
+    config = RequestConfig(max_tokens=32)
+
+    async def call(session: str, messages: List[Dict[str, Any]]) -> Dict[str, Any]:
+        [out] = await rollout_fn([RolloutInferRequest(uuid=session, messages=list(messages))], config)
+        return {'role': 'assistant', 'content': out.response.choices[0].message.content}
+
+    async def finish(session: str) -> None:
+        backend.forget(session)
+
+    try:
+        return await agents.run(call, finish)
+    finally:
+        rollout_fn.close()
+
+
+# ---- the gateway ----------------------------------------------------------------------------------
+class ServedGateway:
+    """``mtflow gateway`` on a scripted backend in a child process."""
+
+    def __init__(self, workdir: Path, max_sessions: int, exact: bool = False) -> None:
+        (workdir / 'script.jsonl').write_text(json.dumps(REPLY) + '\n')
+        tokenizer = ''
+        if exact:  # exact token records under the tiny test tokenizer: the records' memory is measured too
+            from tests.tiny_model import make_tokenizer
+
+            make_tokenizer().save_pretrained(workdir / 'tok')
+            tokenizer = f', tokenizer: {workdir / "tok"}'
+        config = workdir / 'gateway.yaml'
+        config.write_text(f'backend: scripted\nbackend_options: {{path: script.jsonl, cycle: true{tokenizer}}}\n'
+                          f'request_config: {{max_tokens: 32}}\ngateway: {{max_sessions: {max_sessions}, '
+                          'idle_timeout_s: 600, tool_parser: null}\n')
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, '-m', 'mtflow', 'gateway', str(config), '--port', '0', '--out',
+                                      str(workdir / 'run'), '-q'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, cwd=workdir)
+        line = self.proc.stdout.readline()
+        found = re.search(r'serving (http://\S+)', line)
+        if found is None:
+            raise RuntimeError(f'the gateway did not start: {line!r} {self.proc.stderr.read()[-2000:]}')
+        self.url = found.group(1)
+
+    def rss_mb(self) -> float:
+        with open(f'/proc/{self.proc.pid}/status') as f:
+            kb = int(next(line for line in f if line.startswith('VmRSS')).split()[1])
+        return round(kb / 1024, 1)
+
+    def stop(self) -> Dict[str, Any]:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.communicate(timeout=600)
+        return {'exit': self.proc.returncode}
+
+
+async def run_gateway(agents: Agents, gateway: ServedGateway) -> float:
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async def call(session: str, messages: List[Dict[str, Any]]) -> Dict[str, Any]:
+            async with http.post(f'{gateway.url}/s/{session}/v1/chat/completions',
+                                 json={'model': 'm', 'messages': messages}) as response:
+                body = await response.json()
+                if response.status != 200:
+                    raise RuntimeError(f'{response.status}: {body}')
+            return body['choices'][0]['message']
+
+        async def finish(session: str) -> None:
+            async with http.post(f'{gateway.url}/s/{session}/finish', json={'reward': 1.0}) as response:
+                await response.read()
+
+        return await agents.run(call, finish)
+
+
+def latency(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    rows = []
+    for n in args.sessions:
+        calls = max(args.min_calls, n * args.turns)
+        think = n / args.rate if args.rate else 0.0
+        direct = Agents(n, args.turns, calls, think)
+        wall_direct = asyncio.run(run_direct(direct))
+        with tempfile.TemporaryDirectory() as tmp:
+            gateway = ServedGateway(Path(tmp), max(n, 64))
+            try:
+                served = Agents(n, args.turns, min(calls, max(200, n)), think, prefix='warm')
+                asyncio.run(run_gateway(served, gateway))  # warm-up: connections, first sessions
+                served = Agents(n, args.turns, calls, think)
+                wall = asyncio.run(run_gateway(served, gateway))
+            finally:
+                gateway.stop()
+        d, g = _percentiles(direct.latencies), _percentiles(served.latencies)
+        rows.append({'sessions': n, 'calls': calls, 'offered_calls_per_s': args.rate,
+                     'direct': {**d, 'calls_per_s': round(calls / wall_direct, 1)},
+                     'gateway': {**g, 'calls_per_s': round(calls / wall, 1)},
+                     'added_p50_ms': round(g['p50_ms'] - d['p50_ms'], 3),
+                     'added_p99_ms': round(g['p99_ms'] - d['p99_ms'], 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def memory(args: argparse.Namespace) -> Dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        gateway = ServedGateway(Path(tmp), args.mem_sessions, exact=args.exact)
+        samples: List[Dict[str, Any]] = [{'calls': 0, 'rss_mb': gateway.rss_mb()}]
+        try:
+            agents = Agents(args.mem_sessions, args.turns, args.calls, 0.0)
+            agents.on_calls = lambda made: samples.append({'calls': made, 'rss_mb': gateway.rss_mb()})
+            wall = asyncio.run(run_gateway(agents, gateway))
+            samples.append({'calls': agents.made, 'rss_mb': gateway.rss_mb()})
+        finally:
+            gateway.stop()
+        lines = sum(1 for _ in open(Path(tmp) / 'run' / 'trajectories.jsonl'))
+    result = {'calls': args.calls, 'exact': args.exact, 'sessions_at_once': args.mem_sessions,
+              'turns_per_session': args.turns,
+              'sessions_written': lines, 'calls_per_s': round(args.calls / wall, 1), 'rss_mb': samples}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--part', choices=('latency', 'memory', 'both'), default='both')
+    p.add_argument('--sessions', type=int, nargs='+', default=[1, 64, 1000])
+    p.add_argument('--turns', type=int, default=10, help='calls per session')
+    p.add_argument('--rate', type=float, default=200.0, help='offered calls/s in the latency part (0: no thinking)')
+    p.add_argument('--min-calls', type=int, default=2000, help='calls measured per row, at least')
+    p.add_argument('--calls', type=int, default=100_000, help='calls of the memory part')
+    p.add_argument('--mem-sessions', type=int, default=64, help='sessions at once in the memory part')
+    p.add_argument('--exact', action='store_true', help='memory part: the scripted model keeps exact token records '
+                   '(the tiny test tokenizer)')
+    args = p.parse_args(argv)
+    if args.part in ('latency', 'both'):
+        latency(args)
+    if args.part in ('memory', 'both'):
+        memory(args)
+
+
+if __name__ == '__main__':
+    main()

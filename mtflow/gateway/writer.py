@@ -1,0 +1,124 @@
+"""Writing finished sessions into the run directory: the gateway's only writer.
+
+A consumer thread takes each finished session from the gateway's stream; the writer thread writes
+it (:class:`mtflow.run.driver.StreamingRun`'s writer: the trajectory line with its ``turns``, the
+trace events, ``interrupted.jsonl`` for an interrupted one). A session that a limit ended (not the
+client's finish, nor idle, nor an interrupt) is *parked* until its client's finish brings the
+reward (:meth:`SessionWriter.parked`), or for ``grace_s`` at most; then it is written as it is.
+The writer's ticks also sweep the sessions idle past their timeout (:meth:`SessionTable.idle`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Dict, List, Optional
+
+from mtflow.accounting.segments_split import segments_of
+from mtflow.core.machine import CLIENT_FINISHED, IDLE_TIMEOUT, INTERRUPTED
+from mtflow.core.records import FinishedRequest
+from mtflow.gateway.sessions import Session, SessionTable
+
+__all__ = ['SessionWriter', 'NOT_PARKED']
+
+#: finish reasons written at once: the client's finish came with them, or none will come
+NOT_PARKED = frozenset((CLIENT_FINISHED, IDLE_TIMEOUT, INTERRUPTED))
+_STOP = object()
+
+
+class SessionWriter:
+    """The consumer and writer threads of one gateway (see the module docstring).
+
+    Args:
+        stream: the gateway's :class:`mtflow.engine.stream.Stream`.
+        table: its sessions.
+        run: the :class:`mtflow.run.driver.StreamingRun` whose writer writes the lines.
+        grace_s: how long a parked session waits for its reward.
+        idle_timeout_s: how long a session's step waits for its next call.
+        t_offset: seconds from the run's start to the stream's (added to the events' times).
+    """
+
+    def __init__(self, stream: Any, table: SessionTable, run: Any, grace_s: float, t_offset: float,
+                 idle_timeout_s: float) -> None:
+        self.stream, self.table, self.run = stream, table, run
+        self.grace_s, self.t_offset, self.idle_timeout_s = grace_s, t_offset, idle_timeout_s
+        self.jobs: 'queue.Queue[Any]' = queue.Queue()
+        self.written = 0
+        self.error: Optional[BaseException] = None
+        self.threads: List[threading.Thread] = []
+
+    def start(self) -> None:
+        for target, name in ((self._consume, 'mtflow-gateway-consumer'), (self._write_loop, 'mtflow-gateway-writer')):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def join(self) -> None:
+        """After the stream was asked to stop: wait until everything it delivered is written."""
+        for thread in self.threads:
+            thread.join()
+
+    def parked(self, name: str, parked: Any) -> None:
+        """A parked session's reward came (:meth:`SessionTable.post_finish`): write it now."""
+        self.jobs.put(('parked', name, parked))
+
+    # ---- the threads ---------------------------------------------------------------------------
+    def _consume(self) -> None:
+        try:
+            for group in self.stream:
+                self.jobs.put(('group', group))
+        except BaseException as exc:  # the stream failed: said when the gateway closes
+            self.error = exc
+        finally:
+            self.jobs.put(_STOP)
+
+    def _write_loop(self) -> None:
+        tick = min(0.5, max(0.05, min(self.grace_s, self.idle_timeout_s) / 4))
+        store = self.run.store
+        while True:
+            try:
+                job = self.jobs.get(timeout=tick)
+            except queue.Empty:
+                job = None
+            try:
+                if job is _STOP:
+                    for session, parked in self.table.close():
+                        self._write(session, *parked)
+                    store.flush()
+                    return
+                if job is not None and job[0] == 'group':
+                    self._delivered(job[1])
+                elif job is not None:
+                    session = self.table.get(job[1])
+                    if session is not None:
+                        self._write(session, *job[2])
+                for session, parked in self.table.expired(self.grace_s):
+                    self._write(session, *parked)
+                self.table.idle(self.idle_timeout_s)
+                store.tick()
+            except BaseException as exc:  # a full disk: recorded, the gateway keeps serving what it can
+                self.error = exc
+
+    def _delivered(self, group: Any) -> None:
+        failures = {f.uuid: f for f in group.failures}
+        for k, uuid in enumerate(group.uuids):
+            reason = group.finish_reasons[k]
+            finished = FinishedRequest(0, uuid, group.outputs[k], reason, failures.get(uuid), group.events[k])
+            session = self.table.finished_output(uuid, (finished, group.requests[k]), reason not in NOT_PARKED)
+            if session is not None:
+                self._write(session, finished, group.requests[k])
+
+    def _write(self, session: Session, finished: FinishedRequest, request: Any) -> None:
+        """One session's line (the client's reward and info added when a limit ended it first);
+        the finish calls waiting get its summary."""
+        infos = getattr(finished.output, 'rollout_infos', None)
+        finish = session.finish
+        if isinstance(infos, dict) and finish is not None and 'reward' not in infos:
+            if finish.reward is not None:
+                infos['reward'] = finish.reward
+            infos['gateway_finish'] = finish.info
+        self.run.write_finished(finished, session.index, request, self.t_offset, live=request)
+        self.written += 1
+        summary: Dict[str, Any] = {'session': session.name, 'finish_reason': finished.finish_reason,
+                                   'turns': (infos or {}).get('num_turns'),
+                                   'segments': len(segments_of(finished.output)), 'reward': (infos or {}).get('reward')}
+        self.table.written(session.name, summary)
