@@ -160,3 +160,35 @@ def test_a_summary_call_is_no_turn_and_the_count_never_passes_its_bound(tmp_path
     assert made and all(f['turns'] <= f['turn_bound'] for f in made), [(f['turns'], f['turn_bound']) for f in made]
     assert (made[-1]['turns'], made[-1]['turn_bound']) == (24, 24)
     assert 'done: 3/3 requests, turns 24/24' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('mode', ['lockstep', 'async'])
+@pytest.mark.parametrize('leaves', [True, False])
+def test_a_branched_run_counts_its_leaves_and_stays_inside_its_bound(tmp_path, monkeypatch, capsys, mode, leaves):
+    """Forked requests (``docs/branching.md``) are requests to write, and their inherited turns
+    count as played: the figures read ``done: 16/4 requests, turns 84/24`` before. With a leaf
+    budget the total is known from the start; without one it grows at each fork."""
+    from mtflow.cli import main
+
+    root = __import__('pathlib').Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    sched = (root / 'schedulers' / 'guess_branch.yaml').read_text()
+    if not leaves:
+        sched = sched.replace('  leaves: 4          # exactly 4 leaves per game\n', '')
+    (tmp_path / 'sched.yaml').write_text(sched)
+    (tmp_path / 'run.yaml').write_text(
+        (root / 'configs' / 'scripted_branch.yaml').read_text()
+        .replace('schedulers/guess_branch.yaml', 'sched.yaml')
+        .replace('scripted_guesses.jsonl', str(root / 'configs' / 'scripted_guesses.jsonl'))
+        .replace('out: runs/scripted_branch', f'out: out\nmode: {mode}'))
+    made = _recorded(monkeypatch)
+    assert main(['run', 'run.yaml', '--progress-every', '1000']) == 0
+    written = len((tmp_path / 'out' / 'trajectories.jsonl').read_text().splitlines())
+    assert written > 4, 'the games forked'
+    assert made and all(f['turns'] <= f['turn_bound'] and f['finished'] <= f['total'] for f in made), \
+        [(f['finished'], f['total'], f['turns'], f['turn_bound']) for f in made]
+    if leaves:
+        assert {f['total'] for f in made} == {16}, 'every leaf counted from the start'
+    last = made[-1]
+    assert last['finished'] == last['total'] == written and last['turns'] == last['turn_bound']
+    assert f'done: {written}/{written} requests, turns {last["turns"]}/{last["turns"]}' in capsys.readouterr().out

@@ -299,10 +299,15 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     make_executor.turn_log.known_digest = reports.known_digest
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     lockstep = cfg.mode != 'async' and until is None
+    leaves = getattr(getattr(scheduler, 'branch', None), 'leaves', None)  # every tree ends with exactly these
+    total = total * leaves if isinstance(leaves, int) and leaves > 1 else total
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),
                            listener=tracker.log if tracker is not None else None, lockstep=lockstep,
                            batch_size=make_executor.batch_size())
+    progress.leaves_counted = isinstance(leaves, int) and leaves > 1
+    if progress.enabled:
+        make_executor.turn_log.on_fork = progress.on_fork
     if not lockstep and progress.enabled:  # no batches: each request's model call is its turn
         make_executor.turn_log.on_turn = lambda r: is_summary_request(r) or progress.on_request_turn(str(r.uuid))
     run = StreamingRun(make_executor, backend, store, make_executor.batch_size(), reference_key=reference_field(scheduler),

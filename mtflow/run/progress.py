@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Dict, Optional
+from typing import IO, Any, Callable, Dict, List, Optional
 
 from mtflow.run.eta import Eta
 
@@ -76,6 +76,8 @@ class RunProgress:
         self.stream = stream
         self.listener = listener
         self.finished = 0  # requests written (what "done: N/M requests" counts)
+        #: ``total`` counts every leaf of each prompt's tree already (a leaf budget: ``branch.leaves``)
+        self.leaves_counted = False
         self.interrupted = 0  # requests a stop cut short: not written, run again by --resume
         self.turns_done = 0  # turns generated (a lockstep turn of k live requests is k turns)
         self.turns_of_finished = 0
@@ -122,6 +124,18 @@ class RunProgress:
         self._counted_turns = True
         self.turns_done += 1
         self.eta.turn_done(uuid)
+        self._refresh()
+
+    def on_fork(self, parent: str, children: List[str], turns: int) -> None:
+        """``parent`` was forked into ``children`` (``docs/branching.md``), which hold its ``turns``
+        turns: each child is a request to write (unless the total already counted every leaf a
+        prompt's tree will have) and its inherited turns count as played, as its line will count
+        them, so the count and its bound stay in step."""
+        if not self.leaves_counted:
+            self.total += len(children)
+            self.eta.total += len(children)
+        self.eta.started += len(children)
+        self.turns_done += len(children) * int(turns)
         self._refresh()
 
     def on_finished(self, num_turns: Optional[int], tokens: int = 0, written: bool = True,

@@ -100,6 +100,8 @@ class TurnLog:
         self.known_digest: Optional[Callable[[Any], Optional[str]]] = None
         #: called with each request a model call served (async runs count their turns by it)
         self.on_turn: Optional[Callable[[Any], None]] = None
+        #: called with ``(parent, children, turns)`` at a fork: the children hold the parent's turns
+        self.on_fork: Optional[Callable[[str, List[str], int], None]] = None
 
     def note(self, requests: List[Any], outputs: Any) -> None:
         try:
@@ -125,6 +127,8 @@ class TurnLog:
         notes = self._notes.get(str(parent), [])
         for child in children:
             self._notes[str(child)] = [dict(turn) for turn in notes]
+        if self.on_fork is not None:
+            self.on_fork(str(parent), [str(c) for c in children], len(notes))
 
     def wrap(self, rollout_fn: Any) -> Any:
         if is_async_callable(rollout_fn):
