@@ -97,6 +97,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print('mtflow: interrupted', file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `mtflow diff ... | head`: the reader has what it wanted
+        # nothing more reaches the closed pipe, not even the flush at exit (Python's own advice)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a process that the pipe ended
     except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         if os.environ.get('MTFLOW_DEBUG'):
             raise

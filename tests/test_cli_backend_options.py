@@ -38,7 +38,7 @@ def test_backend_override_keeps_the_options_the_new_backend_takes(tmp_path, caps
 
 
 @pytest.mark.parametrize('backend, seeded', [('hf', True), ('vllm', True), ('openai', True), ('swift', True),
-                                             ('scripted', False)])
+                                             ('scripted', True)])
 def test_the_run_seed_reaches_every_seedable_backend(tmp_path, monkeypatch, backend, seeded):
     got = {}
 
@@ -57,6 +57,7 @@ def test_vllm_backend_seeds_requests_without_a_seed():
     from mtflow import RequestConfig, RolloutInferRequest
     from mtflow.backends.vllm_engine import VLLMBackend
     from tests.backends.fake_vllm import FakeLLM, SamplingParams
+    from mtflow.core.seeds import sampling_seed
     from tests.tiny_model import make_model, make_tokenizer
 
     tok = make_tokenizer()
@@ -66,4 +67,6 @@ def test_vllm_backend_seeds_requests_without_a_seed():
     backend(reqs, RequestConfig(max_tokens=1))
     backend(reqs[:1], RequestConfig(max_tokens=1))
     backend(reqs[:1], RequestConfig(max_tokens=1, seed=40))
-    assert [sp.seed for call in llm.calls for sp in call['params']] == [5, 6, 7, 40]
+    want = [sampling_seed(5, reqs[0]), sampling_seed(5, reqs[1]), sampling_seed(5, reqs[0]), sampling_seed(40, reqs[0])]
+    assert [sp.seed for call in llm.calls for sp in call['params']] == want
+    assert want[0] != want[1], 'each request its own seed; the same request the same seed, alone or in a batch'

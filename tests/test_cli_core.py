@@ -46,3 +46,14 @@ def test_cli_errors_are_one_line_under_python_m(entry, tmp_path):
                           text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f'mtflow: no such config file: {tmp_path / "nope.yaml"}'
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
+    """``mtflow diff A B | head -1`` printed ``BrokenPipeError`` with a traceback once head had
+    its line; the command now stops quietly with 141 (128 + SIGPIPE, as a process the pipe ended)."""
+    run = ROOT / 'tests' / 'data' / 'replay_example' / 'run'
+    proc = subprocess.Popen([sys.executable, '-m', 'mtflow', 'diff', str(run), str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**__import__('os').environ, 'PYTHONPATH': str(ROOT)})
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and 'Traceback' not in err and 'BrokenPipe' not in err, err

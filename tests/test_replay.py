@@ -168,6 +168,23 @@ def test_diff_fields_and_only_in(recorded, tmp_path, capsys):
     assert 'unknown field' in capsys.readouterr().err
 
 
+def test_logprobs_that_differ_in_their_last_digits_are_the_same(recorded, tmp_path, capsys):
+    """The same model in a batch of another shape rounds its logprobs otherwise (~1e-6 on CPU: the
+    default job at --batch-size 4 against 16); ids, masks and larger logprob changes still differ."""
+    _, _, run = recorded
+    lines = _lines(run)
+    for line in lines[:3]:
+        line['rollout_logprobs'] = [[p + 5e-6 for p in turn] for turn in line['rollout_logprobs']]
+    lines[3]['rollout_logprobs'][0][0] += 0.01
+    (tmp_path / 'trajectories.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
+    assert main(['diff', str(run), str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f'{lines[3]["uuid"]}: turn {lines[3]["num_turns"]}: trained:' in out
+    assert 'identical 15, different 1, only in A 0, only in B 0' in out
+    assert main(['diff', str(run), str(tmp_path), '--logprob-tol', '0']) == 1
+    assert 'identical 12, different 4' in capsys.readouterr().out
+
+
 def test_config_after_out_as_the_synopsis_writes_it(recorded, capsys):
     """``mtflow replay RUN_DIR --out NEW_DIR [CONFIG]`` (docs/cli.md, docs/replay.md) and the same for
     rescore: argparse's ``parse_args`` refused the CONFIG after ``--out`` (``unrecognized

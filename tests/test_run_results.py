@@ -103,7 +103,7 @@ def test_log_lines_at_the_set_interval_when_stdout_is_a_pipe(tmp_path):
         stamped.append((time.perf_counter(), line.rstrip('\n')))
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     pattern = re.compile(r'^mtflow: (done: )?(\d+)/8 requests, turns (\d+)/(\d+), [\d.?]+ tokens/s, '
-                         r'elapsed \d+:\d\d, ETA (\d+:\d\d|\?)$')
+                         r'elapsed \d+:\d\d, ETA (>?\d+:\d\d|\?)$')
     progress = [(t, pattern.match(text)) for t, text in stamped if text.startswith('mtflow: ')]
     assert all(m for _, m in progress), [text for _, text in stamped]
     ticks = [(t, m) for t, m in progress if not m.group(1)]

@@ -22,17 +22,17 @@ which checks them once and names the field that is wrong.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from mtflow.backends.batcher import DynamicBatcher
 from mtflow.core.errors import MtflowError
 from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make_response
+from mtflow.core.seeds import sampling_seed
 
 __all__ = [
     'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output', 'async_seed_index', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of'
+    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of'
 ]
 
 
@@ -192,18 +192,14 @@ class BackendStats:
         self.generate_s += seconds
 
 
-def async_seed_index(request: Any, position: int = 0) -> int:
-    """The offset added to a request-config ``seed`` for one request of an async-mode call.
-
-    A lockstep call gives its i-th request ``seed + i`` (as ms-swift), so the copies of a prompt in
-    one batch (a GRPO group) do not sample identically. An async driver sends one request per call,
-    where that index would always be 0; the offset is derived from the request's uuid instead
-    (stable whatever the timing, distinct across a group's uuids), plus ``position`` within the
-    call. Requests without a uuid keep ``position``."""
-    uuid = getattr(request, 'uuid', None)
-    if not uuid:
-        return position
-    return (zlib.crc32(str(uuid).encode()) % 1_000_003) + position
+def sampling_seeds(requests: Sequence[Any], options: SamplingOptions, default: Optional[int] = None) -> List[Optional[int]]:
+    """Each request's sampling seed for this call: from the request config's ``seed``, else
+    ``default`` (the backend's own ``seed``), and the request itself
+    (:func:`mtflow.core.seeds.sampling_seed`), never its place in the call: the same request
+    samples the same tokens in a batch of 1 or 16, in lockstep or async. ``None`` each when
+    neither seed is set."""
+    base = options.seed if options.seed is not None else default
+    return [sampling_seed(base, r, i) for i, r in enumerate(requests)]
 
 
 def build_output(text: str,

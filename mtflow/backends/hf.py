@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
-                                  prepare_chat)
+                                  prepare_chat, sampling_seeds)
 from mtflow.backends.hf_resume import ChunkedRollout
+from mtflow.backends.hf_sampling import RowSampler, row_seeds
 from mtflow.backends.models import load_model
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.images import serving_the_others
@@ -94,8 +95,12 @@ class HFBackend(Backend):
         logprobs_mode: ``'raw'`` (the model's distribution) or ``'processed'`` (after
             temperature, top-k, top-p: the distribution sampled from).
         chat_template: overrides the tokenizer's template.
-        seed: seeds torch once, when the backend is built (a request config's ``seed`` reseeds
-            before every call instead).
+        seed: the sampling seed of requests whose request config has none. Each request samples
+            from its own generator, seeded from the seed and the request
+            (:func:`mtflow.core.seeds.sampling_seed`): the same request samples the same tokens
+            whatever batch it is in (:mod:`mtflow.backends.hf_sampling`). Also seeds torch once,
+            when the backend is built. Without any seed, each request's generator is seeded from
+            torch's global one.
         exact_ids: generate each turn from the exact ids of the turns before it (default); ``False``
             re-renders the conversation as text every turn.
         prefix_policy: for turns the template does not render prefix-stably (it strips earlier
@@ -163,6 +168,7 @@ class HFBackend(Backend):
         self.context_length = context_length_of(getattr(model, 'config', None), 'max_position_embeddings')
         self.eos_ids = self._eos_ids()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.seed = seed
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -198,29 +204,34 @@ class HFBackend(Backend):
         if any(refusals):  # only the requests with images fail; the call's others are generated
             return serving_the_others(requests, refusals, lambda others: self.generate(others, options))
         plans = [self.prompter.plan(r) for r in requests]
+        seeds = sampling_seeds(requests, options, self.seed)
         if any(getattr(r, 'images', None) for r in requests):
-            outputs = generate_with_images(self, requests, plans, options)
+            outputs = generate_with_images(self, requests, plans, options, seeds)
         else:
-            outputs = self.generate_ids([p.ids for p in plans], options)
+            outputs = self.generate_ids([p.ids for p in plans], options, seeds)
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
-    def generate_ids(self, prompts: List[List[int]], options: SamplingOptions) -> List[Any]:
-        """Generate from token prompts as they are (one output per prompt, in order)."""
-        import torch
-
+    def generate_ids(self, prompts: List[List[int]], options: SamplingOptions,
+                     seeds: Optional[Sequence[Optional[int]]] = None) -> List[Any]:
+        """Generate from token prompts as they are (one output per prompt, in order); ``seeds``:
+        each prompt's sampling seed (:func:`~mtflow.backends.base.sampling_seeds`; ``None``: drawn)."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
         outputs: List[Any] = [None] * len(prompts)
-        if options.seed is not None:
-            torch.manual_seed(options.seed)
+        seeds = row_seeds(seeds, len(prompts)) if not options.greedy else None
         for start in range(0, len(order), self.max_batch_size):
             idx = order[start:start + self.max_batch_size]
-            for i, out in zip(idx, self._generate_batch([prompts[i] for i in idx], options)):
+            batch_seeds = [seeds[i] for i in idx] if seeds is not None else None
+            for i, out in zip(idx, self._generate_batch([prompts[i] for i in idx], options, seeds=batch_seeds)):
                 outputs[i] = out
         return outputs
 
-    def _generation_kwargs(self, options: SamplingOptions) -> Dict[str, Any]:
-        from transformers import GenerationConfig
+    def _generation_kwargs(self, options: SamplingOptions, sampler: Optional[RowSampler]) -> Dict[str, Any]:
+        """``generate``'s arguments: greedy steps, and for a sampled turn the last logits
+        processor ``sampler``, which samples each row with its own generator and leaves the greedy
+        step only its token (:mod:`mtflow.backends.hf_sampling`; its warpers replace
+        ``generate``'s, which a greedy ``generate`` does not apply)."""
+        from transformers import GenerationConfig, LogitsProcessorList
 
         cfg: Dict[str, Any] = dict(
             max_new_tokens=options.max_tokens,
@@ -228,21 +239,25 @@ class HFBackend(Backend):
             pad_token_id=self.pad_id,
             num_beams=1,
             num_return_sequences=1,
-            do_sample=not options.greedy,
+            do_sample=False,
+            # generation_config.json of a model may set them; they only apply to do_sample
+            temperature=None, top_p=None, top_k=None,
             repetition_penalty=options.repetition_penalty,
             return_dict_in_generate=True,
         )
-        if not options.greedy:
-            # top_k=0 explicitly: transformers' default is 50, which would truncate silently
-            cfg.update(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k)
-            if options.min_p:
-                cfg['min_p'] = options.min_p
-        if options.logprobs:
-            cfg['output_logits' if self.logprobs_mode == 'raw' else 'output_scores'] = True
-        return {'generation_config': GenerationConfig(**cfg)}
+        if options.logprobs and self.logprobs_mode == 'raw':
+            cfg['output_logits'] = True
+        elif options.logprobs and sampler is None:  # greedy, processed: the scores after the processors
+            cfg['output_scores'] = True
+        kwargs: Dict[str, Any] = {'generation_config': GenerationConfig(**cfg)}
+        if sampler is not None:
+            kwargs['logits_processor'] = LogitsProcessorList([sampler])
+        return kwargs
 
     def _generate_batch(self, prompts: List[List[int]], options: SamplingOptions,
-                        inputs: Optional[Dict[str, Any]] = None) -> List[Any]:
+                        inputs: Optional[Dict[str, Any]] = None, seeds: Optional[Sequence[int]] = None) -> List[Any]:
+        """One ``generate`` over ``prompts`` (left-padded); ``seeds``: each row's sampling seed
+        (a sampled turn; ``None``: drawn from torch's generator)."""
         import torch
 
         width = max(len(p) for p in prompts)
@@ -252,7 +267,11 @@ class HFBackend(Backend):
         for row, p in enumerate(prompts):
             input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p):] = 1
-        kwargs = self._generation_kwargs(options)
+        sampler = None
+        if not options.greedy:
+            sampler = RowSampler(row_seeds(seeds, len(prompts)), options.temperature, options.top_k, options.top_p,
+                                 options.min_p, keep=options.logprobs and self.logprobs_mode == 'processed')
+        kwargs = self._generation_kwargs(options, sampler)
         if options.stop:
             from transformers import StoppingCriteriaList
 
@@ -262,7 +281,7 @@ class HFBackend(Backend):
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **more,
                                       **kwargs)
         generated = out.sequences[:, width:].cpu()
-        steps = out.logits if self.logprobs_mode == 'raw' else out.scores
+        steps = out.logits if self.logprobs_mode == 'raw' else (sampler.steps if sampler is not None else out.scores)
         logprob_rows, top_rows = self._sampled_logprobs(generated, steps, options) if options.logprobs else (None, None)
         results = []
         for row, prompt in enumerate(prompts):

@@ -15,8 +15,9 @@ with the backend's own rule (``_finish_row``), so a stop string across two chunk
 
 A chunk boundary is a fresh prefill of the prompt and the ids so far, not a step of the same
 KV cache, so a chunked turn agrees with an unchunked one to float rounding (greedy ids alike
-unless two logits tie that closely); a sampled turn draws from torch's global generator, seeded
-once per call (the first chunk), as the unchunked path seeds once per call.
+unless two logits tie that closely). A sampled chunk draws from its request's own generator
+(:mod:`mtflow.backends.hf_sampling`), seeded from the request's sampling seed and how many ids
+its prompt already has, so a chunk samples alike whichever chunks share its batch.
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ import dataclasses
 import time
 from typing import Any, List, Optional
 
-from mtflow.backends.base import BackendError, build_output
+from mtflow.backends.base import BackendError, build_output, sampling_seeds
 from mtflow.backends.batcher import DynamicBatcher
 from mtflow.backends.resumable import resumed_options
 from mtflow.backends.tokens import commit_outputs
+from mtflow.core.seeds import stable_seed
 from mtflow.engine.resume import GenerationAborted, current_prefix, merged_output
 
 __all__ = ['ChunkedRollout']
@@ -36,9 +38,11 @@ __all__ = ['ChunkedRollout']
 
 @dataclasses.dataclass
 class _Chunk:
-    """One chunk's prompt, named by its request's uuid (the batcher tracks requests by it)."""
+    """One chunk's prompt, named by its request's uuid (the batcher tracks requests by it), and
+    its sampling seed (``None``: drawn from torch's generator)."""
     uuid: Any
     ids: List[int]
+    seed: Optional[int] = None
 
 
 class ChunkedRollout:
@@ -54,7 +58,7 @@ class ChunkedRollout:
         self.batcher = DynamicBatcher(self._generate_chunks, max_batch_size=backend.max_batch_size, **batcher_options)
 
     def _generate_chunks(self, chunks: List[_Chunk], options: Any) -> List[Any]:
-        return self.backend.generate_ids([c.ids for c in chunks], options)
+        return self.backend.generate_ids([c.ids for c in chunks], options, [c.seed for c in chunks])
 
     async def __call__(self, requests: List[Any], request_config: Any = None) -> List[Any]:
         if len(requests) != 1:  # a lockstep-style call: the plain path, in a thread
@@ -74,12 +78,14 @@ class ChunkedRollout:
         reason: Optional[str] = None
         text: Optional[str] = None
         t0 = time.perf_counter()
-        chunk_options = dataclasses.replace(options, stop=None)
+        seed = sampling_seeds([request], options, backend.seed)[0]
+        chunk_options = dataclasses.replace(options, stop=None, seed=None)  # the seed goes with each chunk
         try:
             while reason is None:
                 n = min(self.chunk, options.max_tokens - len(ids))
-                opts = dataclasses.replace(chunk_options, max_tokens=n, seed=chunk_options.seed if not ids else None)
-                out = (await self.batcher([_Chunk(getattr(request, 'uuid', None), prompt + ids)], opts))[0]
+                opts = dataclasses.replace(chunk_options, max_tokens=n)
+                chunk_seed = None if seed is None else stable_seed(seed, len(prompt) + len(ids))
+                out = (await self.batcher([_Chunk(getattr(request, 'uuid', None), prompt + ids, chunk_seed)], opts))[0]
                 choice = out.response.choices[0]
                 ids += list(choice.token_ids or [])
                 items = (choice.logprobs or {}).get('content') or [] if options.logprobs else []

@@ -49,14 +49,13 @@ exact ids (:mod:`mtflow.backends.openai_stream`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import random
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from mtflow.backends.base import (Backend, BackendError, PreflightProblem, SamplingOptions, async_seed_index,
+from mtflow.backends.base import (Backend, BackendError, PreflightProblem, SamplingOptions, sampling_seeds,
                                   prepare_chat)
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
@@ -77,13 +76,12 @@ DEFAULT_BASE_URL = 'http://127.0.0.1:8000/v1'
 
 
 def build_body(request: Any, options: SamplingOptions, model: str, flavor: str = 'vllm',
-               extra_body: Optional[Dict[str, Any]] = None, index: int = 0) -> Dict[str, Any]:
-    """The JSON body of ``/v1/chat/completions`` for the ``index``-th request of a call.
-
-    A request-config ``seed`` is sent as ``seed + index`` (as ms-swift and mtflow's vLLM backend
-    do): with one seed for all, a server samples every copy of a repeated prompt identically."""
+               extra_body: Optional[Dict[str, Any]] = None, seed: Optional[int] = None) -> Dict[str, Any]:
+    """The JSON body of ``/v1/chat/completions`` for one request; ``seed``: its own sampling
+    seed (the backend sends :func:`~mtflow.backends.base.sampling_seeds`': with one seed for all,
+    a server samples every copy of a repeated prompt identically), default the request config's."""
     chat = prepare_chat(request)
-    body = _sampling_body(model, options, index, messages=openai_messages(request, chat.messages))
+    body = _sampling_body(model, options, seed, messages=openai_messages(request, chat.messages))
     if options.logprobs:
         body['logprobs'] = True
         if options.top_logprobs:
@@ -115,9 +113,9 @@ def build_body(request: Any, options: SamplingOptions, model: str, flavor: str =
     return body
 
 
-def _sampling_body(model: str, options: SamplingOptions, index: int, **prompt: Any) -> Dict[str, Any]:
+def _sampling_body(model: str, options: SamplingOptions, seed: Optional[int], **prompt: Any) -> Dict[str, Any]:
     """The fields both endpoints share: the prompt (``messages`` or ``prompt``) and the OpenAI
-    sampling options; a seed becomes ``seed + index``."""
+    sampling options; ``seed``, else the request config's."""
     body: Dict[str, Any] = {
         'model': model,
         **prompt,
@@ -129,8 +127,9 @@ def _sampling_body(model: str, options: SamplingOptions, index: int, **prompt: A
     }
     if options.stop:
         body['stop'] = list(options.stop)
-    if options.seed is not None:
-        body['seed'] = options.seed + index
+    seed = options.seed if seed is None else seed
+    if seed is not None:
+        body['seed'] = seed
     if options.presence_penalty:
         body['presence_penalty'] = options.presence_penalty
     if options.frequency_penalty:
@@ -139,9 +138,10 @@ def _sampling_body(model: str, options: SamplingOptions, index: int, **prompt: A
 
 
 def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model: str, flavor: str = 'vllm',
-                          extra_body: Optional[Dict[str, Any]] = None, index: int = 0) -> Dict[str, Any]:
-    """The JSON body of ``/v1/completions`` with a token prompt (token mode)."""
-    body = _sampling_body(model, options, index, prompt=list(prompt_ids))
+                          extra_body: Optional[Dict[str, Any]] = None, seed: Optional[int] = None) -> Dict[str, Any]:
+    """The JSON body of ``/v1/completions`` with a token prompt (token mode); ``seed`` as
+    :func:`build_body`'s."""
+    body = _sampling_body(model, options, seed, prompt=list(prompt_ids))
     if options.logprobs:
         body['logprobs'] = options.top_logprobs or 0  # completions API: the number of alternatives
     if options.top_k:
@@ -264,8 +264,9 @@ class OpenAIBackend(ServerMetrics, Backend):
             (``/v1/chat/completions``: the server re-renders; exact ids are not guaranteed) or
             ``'auto'``: tokens for flavor ``vllm`` with a tokenizer, else chat.
         chat_template, prefix_policy, exact_ids: token mode, as the HF backend.
-        seed: the sampling seed of requests whose config has none (the n-th request gets
-            ``seed + n``).
+        seed: the sampling seed of requests whose config has none: each request is sent a seed
+            of its own from it and the request (:func:`mtflow.core.seeds.sampling_seed`), the
+            same whatever the batch, concurrency or mode.
         urls: several servers of the same model (their API roots); each request's turns are
             routed among them by ``routing`` (:mod:`mtflow.backends.routing`); ``base_url`` is
             then the first.
@@ -345,7 +346,6 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.tokenizer = tokenizer = _loaded_tokenizer(tokenizer)
         self.prompt_mode = prompt_mode = _resolve_prompt_mode(prompt_mode, tokenizer, flavor)
         self.seed = seed
-        self._seeded = 0
         self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
             if prompt_mode == 'tokens' else None
         if prompt_mode == 'chat':
@@ -434,7 +434,7 @@ class OpenAIBackend(ServerMetrics, Backend):
             failed.clear()  # every replica failed once: any may serve the retry
             await asyncio.sleep(delay)
 
-    async def _one(self, request: Any, options: SamplingOptions, model: str, index: int,
+    async def _one(self, request: Any, options: SamplingOptions, model: str, seed: Optional[int],
                    prompt_ids: Optional[List[int]] = None, reply: Any = None) -> Optional[RolloutOutput]:
         """One request's HTTP request; with ``reply`` (a resumable call) it is streamed into
         ``reply`` and ``None`` is returned."""
@@ -442,9 +442,9 @@ class OpenAIBackend(ServerMetrics, Backend):
         where = f'request {uuid!r}'
         key = str(uuid) if uuid else None
         if prompt_ids is not None:
-            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, index)
+            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, seed)
         else:
-            body = build_body(request, options, model, self.flavor, self.extra_body, index)
+            body = build_body(request, options, model, self.flavor, self.extra_body, seed)
         if self.router.weight_version is not None and self.flavor == 'vllm':
             body.setdefault('cache_salt', f'weights-{self.router.weight_version}')
         entry = self.router.begin(key)
@@ -463,19 +463,18 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.router.served(entry, replica, usage.prompt_tokens if usage is not None else 0, cached_tokens_of(data))
         return out
 
-    async def _gather(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[RolloutOutput]:
-        """All requests of one call, concurrently, in request order (on the private loop). In token
-        mode each prompt is planned from the request's token record and committed afterwards."""
+    async def _gather(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
+        """All requests of one call, concurrently, in request order (on the private loop), each
+        with its own sampling seed. In token mode each prompt is planned from the request's token
+        record and committed afterwards."""
         model = await self._resolve_model()
-        if self.seed is not None and options.seed is None:
-            options = dataclasses.replace(options, seed=self.seed + self._seeded)
-            self._seeded += len(requests)
+        seeds = sampling_seeds(requests, options, self.seed)
         if self.prompter is None:
-            return list(await asyncio.gather(*(self._one(r, options, model, i) for r, i in zip(requests, seed_index))))
+            return list(await asyncio.gather(*(self._one(r, options, model, s) for r, s in zip(requests, seeds))))
 
         async def send(going: List[int]) -> List[Any]:
             plans = [self.prompter.plan(requests[k]) for k in going]
-            sent = list(await asyncio.gather(*(self._one(requests[k], options, model, seed_index[k], p.ids)
+            sent = list(await asyncio.gather(*(self._one(requests[k], options, model, seeds[k], p.ids)
                                                for k, p in zip(going, plans))))
             commit_outputs(self.prompter, [requests[k] for k in going], plans, sent)
             return sent
@@ -488,7 +487,7 @@ class OpenAIBackend(ServerMetrics, Backend):
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
         if self._runner is None:
             raise BackendError('openai backend: used after close()')
-        return self._runner.run(self._gather(requests, options, list(range(len(requests)))))
+        return self._runner.run(self._gather(requests, options))
 
     #: async mode calls :meth:`acall` with single requests: each is its own HTTP request at once
     native_async = True
@@ -496,13 +495,10 @@ class OpenAIBackend(ServerMetrics, Backend):
     async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:
         """The requests of one async-mode call (usually one), awaitable from any event loop: the
         HTTP requests run on the backend's private loop, at most ``max_connections`` at a time
-        across all concurrent calls. A seed is offset per request by :func:`async_seed_index`."""
+        across all concurrent calls."""
         if self._runner is None:
             raise BackendError('openai backend: used after close()')
-        seeds = [async_seed_index(r, i) for i, r in enumerate(requests)]
-        if self.seed is not None and options.seed is None:  # fixed: a per-call counter would depend on timing
-            options = dataclasses.replace(options, seed=self.seed)
-        return await self._runner.wrap(self._gather(requests, options, seeds))
+        return await self._runner.wrap(self._gather(requests, options))
 
     async def acall(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
         """As :meth:`Backend.acall`; with ``resumable=True`` a single request is streamed and

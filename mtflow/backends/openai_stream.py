@@ -26,13 +26,12 @@ alone, with an error naming it; before the first chunk the usual retries apply.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from mtflow.backends.base import BackendError, async_seed_index
+from mtflow.backends.base import BackendError, sampling_seeds
 from mtflow.backends.http_client import TimedOut, Unreachable
 from mtflow.backends.images import refuse_images
 from mtflow.backends.resumable import bridged, resumed_options
@@ -223,7 +222,7 @@ class StreamedReply:
         return fetch
 
 
-async def _on_server(backend: Any, request: Any, options: Any, seed: int, prompt: Optional[List[int]],
+async def _on_server(backend: Any, request: Any, options: Any, seed: Optional[int], prompt: Optional[List[int]],
                      reply: StreamedReply) -> None:
     """The streamed HTTP request, on the backend's private loop (it fills ``reply``)."""
     model = await backend._resolve_model()
@@ -238,8 +237,6 @@ async def streamed_acall(backend: Any, request: Any, request_config: Any) -> Lis
         raise BackendError('openai backend: used after close()')
     prefix = current_prefix()
     options = resumed_options(request_config, backend.default_max_tokens, prefix)
-    if backend.seed is not None and options.seed is None:
-        options = dataclasses.replace(options, seed=backend.seed)
     where = f'request {getattr(request, "uuid", None)!r}'
     reply = StreamedReply(where, backend.prompter is not None, prefix)
     plan = sent = turn_prompt = None
@@ -249,7 +246,7 @@ async def streamed_acall(backend: Any, request: Any, request_config: Any) -> Lis
         turn_prompt = plan.ids
         sent = list(plan.ids) + (prefix.ids if prefix is not None else [])
     t0 = time.perf_counter()
-    on_server = _on_server(backend, request, options, async_seed_index(request, 0), sent, reply)
+    on_server = _on_server(backend, request, options, sampling_seeds([request], options, backend.seed)[0], sent, reply)
     await bridged(on_server, backend._runner.loop, lambda: (reply.finish is not None, reply.output(turn_prompt)))
     out = reply.output(turn_prompt, sent)
     if plan is not None:

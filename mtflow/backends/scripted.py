@@ -19,6 +19,12 @@ served the lines keyed by the prompt's uuid (``<uuid>``): each copy replays them
 so a script written for the dataset works with any ``num_generations``. Running out is a clear
 error naming the request.
 
+``sample=True`` makes the unkeyed lines a stand-in for a sampling model: each unkeyed output is
+drawn from them with the request's sampling seed (the request config's ``seed``, else the
+backend's ``seed``, with the request: :func:`mtflow.core.seeds.sampling_seed`), so a request
+gets the same lines whatever batch, concurrency or mode it runs in, and another seed gives other
+lines; without a seed the draw follows Python's global ``random`` (``mtflow run`` seeds it).
+
 ``honor_max_tokens=True`` cuts a line whose ``token_ids`` are longer than the call's
 ``max_tokens`` to that many ids (and logprobs, token strings), with ``finish_reason='length'``,
 as a real engine would; the text is cut with them (to the token strings when the line has them,
@@ -47,13 +53,14 @@ any length holds only the requests in flight (``benchmarks/streaming.py --model 
 from __future__ import annotations
 
 import json
+import random
 import threading
 from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from mtflow.data.sources import group_of
-from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output
+from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, sampling_seeds
 from mtflow.backends.models import load_tokenizer
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
@@ -93,14 +100,17 @@ def read_script(path: Union[str, Path]) -> List[Line]:
 
 
 class ScriptedBackend(Backend):
-    """``rollout_fn`` that replays outputs from a file (``path``) or a list of dicts (``outputs``)."""
+    """``rollout_fn`` that replays outputs from a file (``path``) or a list of dicts (``outputs``);
+    ``sample=True``: unkeyed outputs drawn by each request's seed (the module docstring)."""
     name = 'scripted'
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
                  respond: Optional[Callable[[Any], Any]] = None, cycle: bool = False, honor_max_tokens: bool = False,
-                 tokenizer: Any = None, chat_template: Optional[str] = None) -> None:
+                 tokenizer: Any = None, chat_template: Optional[str] = None, sample: bool = False,
+                 seed: Optional[int] = None) -> None:
         super().__init__()
         self.honor_max_tokens = honor_max_tokens
+        self.sample, self.seed = bool(sample), seed
         #: ``respond(request) -> text or line``: each output computed from its request instead of read
         self.respond = respond
         if respond is not None:
@@ -165,7 +175,7 @@ class ScriptedBackend(Backend):
         if self.prompter is not None:
             self.prompter.forget(uuid)
 
-    def _line_for(self, request: Any) -> Line:
+    def _line_for(self, request: Any, seed: Optional[int] = None) -> Line:
         if self.respond is not None:
             line = self.respond(request)
             line = {'content': line} if isinstance(line, str) else dict(line)
@@ -197,6 +207,9 @@ class ScriptedBackend(Backend):
             if lines and self._copy_pos[uuid] < len(lines):
                 self._copy_pos[uuid] += 1
                 return lines[self._copy_pos[uuid] - 1]
+        if self.sample and self._free:
+            draw = random.Random(seed).randrange if seed is not None else random.randrange
+            return self._free[draw(len(self._free))]
         if self._next >= len(self._free):
             if not self.cycle or not self._free:
                 raise BackendError(f'scripted backend ran out of outputs at request {uuid!r}, turn {turn} '
@@ -210,9 +223,10 @@ class ScriptedBackend(Backend):
         outputs = []
         prompter = self.prompter
         plans = [prompter.plan(r) for r in requests] if prompter is not None else None
-        for k, request in enumerate(requests):
+        seeds = sampling_seeds(requests, options, self.seed) if self.sample else [None] * len(requests)
+        for k, (request, seed) in enumerate(zip(requests, seeds)):
             with self._lock:
-                line = self._line_for(request)
+                line = self._line_for(request, seed)
             if prompter is not None and line.get('token_ids') is None:
                 line = self._tokenized(line)
             if self.honor_max_tokens:

@@ -158,23 +158,22 @@ def vision_inputs(prompter: VisionPrompter, request: Any, ids: List[int]) -> Dic
     return extra
 
 
-def generate_with_images(backend: Any, requests: List[Any], plans: List[PromptPlan], options: Any) -> List[Any]:
+def generate_with_images(backend: Any, requests: List[Any], plans: List[PromptPlan], options: Any,
+                         seeds: List[Optional[int]]) -> List[Any]:
     """The HF backend's outputs for a call in which some requests have images: those are
-    generated one by one with their vision inputs, the others batched as text. Only for a backend
-    with a processor: one without refuses each request with images first (:func:`image_refusals`)."""
+    generated one by one with their vision inputs, the others batched as text; ``seeds``: each
+    request's sampling seed. Only for a backend with a processor: one without refuses each
+    request with images first (:func:`image_refusals`)."""
     prompter = backend.prompter
     outputs: List[Any] = [None] * len(requests)
     text = [i for i, r in enumerate(requests) if not has_images(r)]
     if text:
-        for i, out in zip(text, backend.generate_ids([plans[i].ids for i in text], options)):
+        for i, out in zip(text, backend.generate_ids([plans[i].ids for i in text], options, [seeds[i] for i in text])):
             outputs[i] = out
-    import torch
-
     for i, r in enumerate(requests):
         if outputs[i] is None:
-            if options.seed is not None:
-                torch.manual_seed(options.seed + i)
-            outputs[i] = backend._generate_batch([plans[i].ids], options, vision_inputs(prompter, r, plans[i].ids))[0]
+            outputs[i] = backend._generate_batch([plans[i].ids], options, vision_inputs(prompter, r, plans[i].ids),
+                                                 seeds=[seeds[i]])[0]
     return outputs
 
 

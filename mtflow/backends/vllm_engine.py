@@ -15,8 +15,8 @@ Two ways to turn requests into engine calls (``prompt_mode``):
   grouped by those and each group is one ``chat`` call (results are put back in request order).
 
 ``RequestConfig`` becomes ``SamplingParams`` (:func:`sampling_kwargs`): ``n=1``, ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``min_p``, penalties, ``stop``, ``seed`` (``seed + i`` for the
-i-th request of a call, as ms-swift), and ``logprobs`` (0 = only the sampled token, k = also the top k). Engine outputs become choices
+``temperature``, ``top_p``, ``top_k``, ``min_p``, penalties, ``stop``, ``seed`` (each request's own,
+from the seed and the request: :func:`mtflow.core.seeds.sampling_seed`), and ``logprobs`` (0 = only the sampled token, k = also the top k). Engine outputs become choices
 (:func:`choice_from_completion`): the text, the sampled ``token_ids``, per-token logprobs in
 OpenAI's shape, and ``finish_reason`` ``'stop'`` or ``'length'``.
 
@@ -42,7 +42,7 @@ import json
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mtflow.backends.base import (Backend, BackendError, SamplingOptions, async_seed_index, build_output,
+from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, sampling_seeds,
                                   context_length_of, prepare_chat)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages, serving_the_others
 from mtflow.backends.loop_thread import LoopThread
@@ -150,9 +150,10 @@ class VLLMBackend(Backend):
             ``max_model_len``, ``tensor_parallel_size``, ``dtype``, ``enforce_eager``, ...).
         sampling_params_cls: the class built from :func:`sampling_kwargs` (default
             ``vllm.SamplingParams``; tests pass their own).
-        seed: the engine's seed, and the sampling seed of requests whose config has none: the
-            n-th request this backend generates gets ``seed + n``, so two runs with the same seed
-            and the same data sample the same tokens.
+        seed: the engine's seed, and the sampling seed of requests whose config has none: each
+            request samples with a seed of its own from it and the request
+            (:func:`mtflow.core.seeds.sampling_seed`), so two runs with the same seed and data
+            sample the same tokens whatever the batches, concurrency or mode.
         exact_ids, prefix_policy: token mode, as the HF backend (``exact_ids=False`` re-renders
             every turn from text).
         engine: ``'llm'`` (``vllm.LLM``), ``'async'`` (``AsyncLLM``: one stream per request) or
@@ -217,7 +218,6 @@ class VLLMBackend(Backend):
             tokenizer = self._runner.run(_awaited(tokenizer))
         self.tokenizer = tokenizer
         self.seed = seed
-        self._seeded = 0  # requests generated with the backend's seed
         self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
             if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
         #: the engine's ``max_model_len`` (context budgets read it)
@@ -255,25 +255,17 @@ class VLLMBackend(Backend):
             raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
         return llm, name, sampling_params_cls or vllm.SamplingParams
 
-    def _params(self, options: SamplingOptions, index: int = 0, per_request: bool = False) -> Any:
-        """``SamplingParams`` for the ``index``-th request of a call. A request-config ``seed``
-        becomes ``seed + index``, as ms-swift's vLLM engine does: with one seed for all, vLLM
-        samples every copy of a repeated prompt (a GRPO group) identically."""
-        kwargs = sampling_kwargs(options)
-        if kwargs.get('seed') is not None:
-            kwargs['seed'] += index
-        elif self.seed is not None and per_request:  # a stream's own offset (a counter would follow timing)
-            kwargs['seed'] = self.seed + index
-        elif self.seed is not None:
-            kwargs['seed'] = self.seed + self._seeded
-            self._seeded += 1
-        return self.sampling_params_cls(**kwargs)
+    def _params(self, options: SamplingOptions, seed: Optional[int]) -> Any:
+        """``SamplingParams`` for one request, with its own sampling ``seed``
+        (:func:`~mtflow.backends.base.sampling_seeds`: with one seed for all, vLLM would sample
+        every copy of a repeated prompt, a GRPO group, identically)."""
+        return self.sampling_params_cls(**dict(sampling_kwargs(options), seed=seed))
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         if self._closed:
             raise BackendError('vllm backend: used after close()')
         if self.is_async:
-            return self._live_runner().run(self._streams(requests, options, list(range(len(requests)))))
+            return self._live_runner().run(self._streams(requests, options, sampling_seeds(requests, options, self.seed)))
         if self.prompt_mode == 'tokens':
             return self._generate_tokens(requests, options)
         return self._generate_chat(requests, options)
@@ -285,7 +277,7 @@ class VLLMBackend(Backend):
         plans = [self.prompter.plan(r) for r in requests]
         # vllm.inputs.TokensPrompt (with multi_modal_data for a request with images)
         prompts = [token_prompt(self.prompter, r, p.ids, 'vllm token prompts') for r, p in zip(requests, plans)]
-        params = [self._params(options, i) for i in range(len(requests))]  # one each: seed + i
+        params = [self._params(options, seed) for seed in sampling_seeds(requests, options, self.seed)]
         results = self.llm.generate(prompts, params, use_tqdm=False)
         if len(results) != len(requests):
             raise BackendError(f'vllm returned {len(results)} results for {len(requests)} prompts')
@@ -309,8 +301,9 @@ class VLLMBackend(Backend):
                    json.dumps(chat.chat_template_kwargs, sort_keys=True, default=str))
             groups.setdefault(key, []).append(i)
         outputs: List[Any] = [None] * len(requests)
+        seeds = sampling_seeds(requests, options, self.seed)
         for (continuation, _, _), idx in groups.items():
-            params = [self._params(options, i) for i in idx]  # seeds by position in the call, as token mode
+            params = [self._params(options, seeds[i]) for i in idx]
             group_chat = chats[idx[0]]  # the group's requests share tools and template kwargs
             results = self.llm.chat(
                 [openai_messages(requests[i], chats[i].messages) for i in idx],
@@ -340,10 +333,10 @@ class VLLMBackend(Backend):
 
     async def agenerate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         """An async-mode call (usually one request), awaitable from any loop: one engine stream per
-        request on the backend's loop; a seed is offset per request by :func:`async_seed_index`."""
+        request on the backend's loop, each with its own sampling seed."""
         if not self.is_async:
             return await super().agenerate(requests, options)
-        seeds = [async_seed_index(r, i) for i, r in enumerate(requests)]
+        seeds = sampling_seeds(requests, options, self.seed)
         return await self._live_runner().wrap(self._streams(requests, options, seeds))
 
     async def acall(self, requests: List[Any], request_config: Any = None) -> List[Any]:
@@ -353,10 +346,10 @@ class VLLMBackend(Backend):
             return await resumable_acall(self, requests[0], request_config, choice_from_completion)
         return await super().acall(requests, request_config)
 
-    async def _streams(self, requests: List[Any], options: SamplingOptions, seed_index: List[int]) -> List[Any]:
+    async def _streams(self, requests: List[Any], options: SamplingOptions, seeds: List[Optional[int]]) -> List[Any]:
         async def stream(going: List[int]) -> List[Any]:
             plans = [self.prompter.plan(requests[k]) for k in going]  # exact ids from each request's token record
-            sent = list(await asyncio.gather(*(self._stream(requests[k], p, options, seed_index[k])
+            sent = list(await asyncio.gather(*(self._stream(requests[k], p, options, seeds[k])
                                                for k, p in zip(going, plans))))
             commit_outputs(self.prompter, [requests[k] for k in going], plans, sent)
             return sent
@@ -365,7 +358,7 @@ class VLLMBackend(Backend):
         return await aserving_the_others([image_refusal(r, "vllm's async engine", 'use the LLM engine (engine: llm) '
                                                         'for requests with images') for r in requests], stream)
 
-    async def _stream(self, request: Any, plan: Any, options: SamplingOptions, seed_index: int,
+    async def _stream(self, request: Any, plan: Any, options: SamplingOptions, seed: Optional[int],
                       prefix_ids: Optional[List[int]] = None, progress: Optional[Dict[str, Any]] = None) -> Any:
         """One request's stream: consumed as vLLM produces it; its last (cumulative) output is the
         request's output. Cancelled: the vLLM request is aborted. A resumed call continues after
@@ -374,7 +367,7 @@ class VLLMBackend(Backend):
         request_id = f'mtflow-{getattr(request, "uuid", None) or "request"}-{next(self._request_ids)}'
         last = None
         try:
-            async for out in self.llm.generate({'prompt_token_ids': prompt}, self._params(options, seed_index, per_request=True),
+            async for out in self.llm.generate({'prompt_token_ids': prompt}, self._params(options, seed),
                                                request_id):
                 last = out
                 if progress is not None:

@@ -22,7 +22,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mtflow.backends.base import BackendError, async_seed_index
+from mtflow.backends.base import BackendError, sampling_seeds
 from mtflow.backends.images import refuse_images
 from mtflow.backends.resumable import bridged, resumed_options
 from mtflow.backends.tokens import commit_outputs
@@ -62,7 +62,7 @@ async def resumable_acall(backend: Any, request: Any, request_config: Any, build
     plan = backend.prompter.plan(request)
     progress: Dict[str, Any] = {}
     t0 = time.perf_counter()
-    stream = backend._stream(request, plan, options, async_seed_index(request, 0),
+    stream = backend._stream(request, plan, options, sampling_seeds([request], options, backend.seed)[0],
                              prefix.ids if prefix is not None else None, progress)
 
     def cut() -> Tuple[bool, Any]:

@@ -16,7 +16,7 @@ import sys
 from typing import Any, List
 
 from mtflow.core.errors import UserError
-from mtflow.run.diff import FIELDS, DiffRun, RequestDiff
+from mtflow.run.diff import FIELDS, LOGPROB_TOL, DiffRun, RequestDiff
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--json', action='store_true', help='JSON Lines: one object per differing request, totals last')
     p.add_argument('--fields', nargs='+', metavar='FIELD', default=list(FIELDS),
                    help=f'compare only these ({", ".join(FIELDS)})')
+    p.add_argument('--logprob-tol', type=float, default=LOGPROB_TOL, metavar='T',
+                   help=f'logprobs closer than T are the same (default {LOGPROB_TOL:g}: the rounding of another '
+                   'batch shape; 0: exactly)')
     p.add_argument('--max-shown', type=int, default=50, metavar='N',
                    help='text output: show the first N differing requests (default 50; all are counted)')
     p.set_defaults(func=main)
@@ -48,7 +51,7 @@ def _line(d: RequestDiff) -> str:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        run = DiffRun(args.run_a, args.run_b, args.fields)
+        run = DiffRun(args.run_a, args.run_b, args.fields, args.logprob_tol)
     except ValueError as exc:
         raise UserError(f'--fields: {exc}') from None
     shown = 0

@@ -36,9 +36,17 @@ from mtflow.engine.moves import fail_move, wait_move
 from mtflow.engine.run_state import RunState
 
 __all__ = ['ContextError', 'ResolvedContext', 'resolve_context', 'ContextRun', 'route', 'relabel', 'handle_compacting',
-           'with_max_tokens', 'split_turns']
+           'with_max_tokens', 'split_turns', 'SUMMARY_OF', 'is_summary_request']
 
 _GOING = (GENERATE, CONTINUE)
+#: the ``data_dict`` key of a summary call's request (``policy: summarize``): the uuid it summarizes
+SUMMARY_OF = 'mtflow_summary_of'
+
+
+def is_summary_request(request: Any) -> bool:
+    """Whether ``request`` is a compaction's summary call, not a turn of a request of the run
+    (a run's progress does not count it as a turn)."""
+    return SUMMARY_OF in (getattr(request, 'data_dict', None) or {})
 
 
 class ContextError(RequestError):
@@ -294,7 +302,7 @@ class ContextRun:
         n = use_of(rec).compactions + 1
         request = RolloutInferRequest(messages=[{'role': 'system', 'content': budget.summary_prompt},
                                                 {'role': 'user', 'content': _transcript(old)}],
-                                      uuid=f'{rec.uuid}:summary-{n}')
+                                      uuid=f'{rec.uuid}:summary-{n}', data_dict={SUMMARY_OF: rec.uuid})
         config = with_max_tokens(run.settings.request_config, budget.summary_max_tokens)
         outputs = run.settings.rollout_fn([request], config)
         if hasattr(outputs, '__await__'):

@@ -6,7 +6,9 @@ the ``observation`` that followed it (the tool, user or environment messages bef
 model turn), the step's ``reward`` (an environment's per-step ``rewards``); and, over the whole
 request, the ``finish_reason``, the number of turns (``num_turns``), the final ``reward``, what a
 trainer gets (``trained``: ``response_token_ids``, ``response_loss_mask``, ``rollout_logprobs``;
-shown as digests, with the first differing id) and the backend's exact-id ``token_record``
+shown as digests, with the first differing id; logprobs agree within :data:`LOGPROB_TOL`, as the
+same model in batches of another shape rounds its last digits otherwise) and the backend's
+exact-id ``token_record``
 (``rollout_infos.token_record``: the prompt ids each turn was generated from).
 
 Memory: run B is indexed once (uuid -> byte offset of its line), run A streamed; a line of B is
@@ -38,6 +40,8 @@ __all__ = ['FIELDS', 'index_lines', 'iter_offsets', 'iter_raw', 'DiskIndex', 'Re
 TURN_FIELDS = ('text', 'token_ids', 'observation', 'reward')
 REQUEST_FIELDS = ('finish_reason', 'num_turns', 'final_reward', 'trained', 'token_record')
 FIELDS = TURN_FIELDS + REQUEST_FIELDS
+#: logprobs closer than this are the same (float rounding of another batch shape: ~1e-6 on CPU)
+LOGPROB_TOL = 1e-4
 
 
 def reward_of(line: Dict[str, Any]) -> Optional[float]:
@@ -158,8 +162,10 @@ def _short(value: Any, limit: int = 200) -> Any:
     return value
 
 
-def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS) -> Optional[RequestDiff]:
-    """The first difference of two lines of one request, ``None`` when they agree on ``fields``."""
+def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS,
+            logprob_tol: float = LOGPROB_TOL) -> Optional[RequestDiff]:
+    """The first difference of two lines of one request, ``None`` when they agree on ``fields``
+    (``rollout_logprobs`` within ``logprob_tol``; 0: exactly)."""
     uuid = str(a.get('uuid'))
     va, vb = turn_views(a), turn_views(b)
     turn_fields = [f for f in TURN_FIELDS if f in fields]
@@ -176,7 +182,7 @@ def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS
               'final_reward': (reward_of(a), reward_of(b)),
               'trained': (_trained(a), _trained(b)),
               'token_record': (_token_record(a), _token_record(b))}
-    differ = [f for f in REQUEST_FIELDS if f in fields and values[f][0] != values[f][1]]
+    differ = [f for f in REQUEST_FIELDS if f in fields and not _same(f, *values[f], logprob_tol)]
     for f in ('trained', 'token_record'):  # long: shown as digests
         values[f] = (_digest(values[f][0]), _digest(values[f][1]))
     if len(va) != len(vb) and 'num_turns' in fields and 'num_turns' not in differ:
@@ -195,6 +201,17 @@ def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS
 
 def _trained(line: Dict[str, Any]) -> List[Any]:
     return [line.get('response_token_ids'), line.get('response_loss_mask'), line.get('rollout_logprobs')]
+
+
+def _same(field: str, a: Any, b: Any, logprob_tol: float) -> bool:
+    if field != 'trained' or a == b or not logprob_tol:
+        return a == b
+    if a[:2] != b[:2]:  # ids and loss masks: exactly
+        return False
+    lps_a, lps_b = a[2] or [], b[2] or []
+    if len(lps_a) != len(lps_b) or any(len(x or []) != len(y or []) for x, y in zip(lps_a, lps_b)):
+        return False
+    return all(abs(p - q) <= logprob_tol for x, y in zip(lps_a, lps_b) for p, q in zip(x or [], y or []))
 
 
 def _token_record(line: Dict[str, Any]) -> Any:
@@ -314,12 +331,14 @@ class DiffRun:
     order), then ``('only_in_a', uuid)`` / ``('only_in_b', uuid)``; :attr:`totals` is complete
     once the iteration is. ``fields`` limits what is compared (:data:`FIELDS`)."""
 
-    def __init__(self, run_a: Union[str, Path], run_b: Union[str, Path], fields: Sequence[str] = FIELDS) -> None:
+    def __init__(self, run_a: Union[str, Path], run_b: Union[str, Path], fields: Sequence[str] = FIELDS,
+                 logprob_tol: float = LOGPROB_TOL) -> None:
         unknown = [f for f in fields if f not in FIELDS]
         if unknown:
             raise ValueError(f'unknown field(s) {", ".join(unknown)}; known: {", ".join(FIELDS)}')
         self.path_a, self.path_b = trajectories_file(run_a), trajectories_file(run_b)
         self.fields = tuple(fields)
+        self.logprob_tol = logprob_tol
         self.totals = DiffTotals()
 
     def __iter__(self) -> Iterator[Union[RequestDiff, Tuple[str, str]]]:
@@ -345,7 +364,7 @@ class DiffRun:
                         continue
                     b = _parse(raw_b, self.path_b, None)
                     index.add_rewards(group_of(uuid), reward_of(a), reward_of(b))
-                    d = compare(a, b, self.fields)
+                    d = compare(a, b, self.fields, self.logprob_tol)
                     if d is None:
                         totals.identical += 1
                     else:

@@ -21,6 +21,7 @@ from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.run.images import store_request_images
+from mtflow.engine.context import is_summary_request
 from mtflow.engine.executor import Executor
 from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
@@ -34,14 +35,17 @@ __all__ = ['StreamingRun', 'roll_out']
 
 
 class _TurnCounter:
-    """Wraps ``rollout_fn``: each call over live requests is one turn of a batch (the executor's
-    empty call that keeps ranks in step is not). Between turns it lets the store flush a group
-    that has waited too long; after each it moves the progress."""
+    """Wraps ``rollout_fn``: each lockstep call over live requests is one turn of a batch (the
+    executor's empty call that keeps ranks in step is not, nor a compaction's summary call).
+    Between turns it lets the store flush a group that has waited too long; before and after each
+    it moves the progress."""
 
-    def __init__(self, rollout_fn: Any, store: RunStore, on_turn: Optional[Callable[[int, int], None]]) -> None:
+    def __init__(self, rollout_fn: Any, store: RunStore, on_turn: Optional[Callable[[int, int], None]],
+                 on_call: Optional[Callable[[], None]] = None) -> None:
         self.rollout_fn = rollout_fn
         self.store = store
         self.on_turn = on_turn
+        self.on_call = on_call
         self.turn = 0
 
     def fork(self, parent: str, children: List[str]) -> None:
@@ -52,11 +56,14 @@ class _TurnCounter:
 
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
         self.store.tick()
+        live = sum(1 for r in requests if not is_summary_request(r))
+        if live and self.on_call is not None:
+            self.on_call()
         outputs = self.rollout_fn(requests, request_config)
-        if requests:
+        if live:
             self.turn += 1
             if self.on_turn is not None:
-                self.on_turn(self.turn, len(requests))
+                self.on_turn(self.turn, live)
         return outputs
 
 
@@ -85,7 +92,7 @@ class StreamingRun:
         self.progress = progress
         self.batch_size = batch_size
         self.on_progress = on_progress
-        self.counter = _TurnCounter(rollout_fn, store, self._on_turn)
+        self.counter = _TurnCounter(rollout_fn, store, self._on_turn, progress.on_call if progress else None)
         self.executor = make_executor(self.counter, self.on_finished)
         #: the model calls' outputs per request (the ``turns`` of each line, what replay serves)
         self.turn_log: Optional[TurnLog] = getattr(make_executor, 'turn_log', None)
@@ -129,7 +136,7 @@ class StreamingRun:
             self.on_request(record, events)
         if self.progress is not None:
             self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events),
-                                      written=finished.finish_reason != INTERRUPTED)
+                                      written=finished.finish_reason != INTERRUPTED, uuid=record['uuid'])
         if self.on_progress is not None:
             self.on_progress(self.finished, '')
 
@@ -172,6 +179,8 @@ class StreamingRun:
         self._live = list(self._requests)
         self.counter.turn = 0
         self.batches += 1
+        if self.progress is not None:
+            self.progress.on_batch(len(batch))
         self._t_offset = time.time() - self.store.started_unix  # trace times count from the run's start
         try:
             result = self.executor.run(self._live)
@@ -289,9 +298,18 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     make_executor.turn_log.on_finish = reports.forget
     make_executor.turn_log.known_digest = reports.known_digest
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
+    lockstep = cfg.mode != 'async' and until is None
+    leaves = getattr(getattr(scheduler, 'branch', None), 'leaves', None)  # every tree ends with exactly these
+    total = total * leaves if isinstance(leaves, int) and leaves > 1 else total
     progress = RunProgress(mode, total - len(store.done), max_turns=cfg.max_turns or None,
                            interval_s=progress_interval_s, tokens=_tokens_counter(backend),
-                           listener=tracker.log if tracker is not None else None)
+                           listener=tracker.log if tracker is not None else None, lockstep=lockstep,
+                           batch_size=make_executor.batch_size())
+    progress.leaves_counted = isinstance(leaves, int) and leaves > 1
+    if progress.enabled:
+        make_executor.turn_log.on_fork = progress.on_fork
+    if not lockstep and progress.enabled:  # no batches: each request's model call is its turn
+        make_executor.turn_log.on_turn = lambda r: is_summary_request(r) or progress.on_request_turn(str(r.uuid))
     run = StreamingRun(make_executor, backend, store, make_executor.batch_size(), reference_key=reference_field(scheduler),
                        progress=progress if progress.enabled else None, on_request=on_request)
     begin_server_metrics(backend)  # the servers' /metrics counters, read again for the summary

@@ -177,7 +177,7 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
         if cfg.scheduler_args:
             out.problems.append(f'{cfg.where("scheduler_args")}: scheduler_args applies to a Python scheduler '
                                 f"('module:Class'); {cfg.scheduler} is a YAML scheduler: set its keys in that file")
-    else:
+    elif cfg.scheduler is not None:  # none: a gateway's config, or an agent: run's (no scheduler of mtflow's)
         at = cfg.where('scheduler').rsplit(': scheduler', 1)[0]
         found = check_python_scheduler(cfg.scheduler, cfg.base_dir, at)
         out.problems += found

@@ -4,16 +4,21 @@ every ``interval_s`` seconds (a pipe, ``nohup``, a cluster job's log), or not at
 
 Why turns and not requests: in lockstep every request of a batch finishes at about the same
 turn, so a request count reads ``0/16`` until the end. The bound is ``requests x max_turns``; a
-request that finishes early gives its unplayed turns back, so the bound only shrinks and the ETA
-(remaining turns of the bound at the observed turn rate) is an upper estimate that tightens as
-requests finish. Without ``max_turns`` there is no bound and the ETA comes from the request rate.
+request that finishes early gives its unplayed turns back, so the bound only shrinks. A turn is
+one generation of one of the run's requests (a compaction's summary call is none), counted when
+its model call returns, in lockstep and async alike, so the count never passes the bound. The
+ETA (:mod:`mtflow.run.eta`) is what is left of the bound at the speed of the last turns, an upper
+estimate that tightens as requests finish; ``ETA >1:30`` before the first turn ends (a lower
+bound: the turns left, each at least as long as the first has taken so far).
 """
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Dict, Optional
+from typing import IO, Any, Callable, Dict, List, Optional
+
+from mtflow.run.eta import Eta
 
 __all__ = ['RunProgress', 'ProgressBar', 'progress_mode', 'format_duration']
 
@@ -55,12 +60,13 @@ class RunProgress:
             :meth:`stop` (``--log tensorboard|wandb``, ``mtflow/run/tracking.py``), in every mode.
         label: what the bar says the run does (``rollout``; ``mtflow rescore``: ``rescore``); a
             log line of another label than ``rollout`` starts ``mtflow <label>:``.
+        lockstep, batch_size: how the run drives its requests (the ETA's model of what is left).
     """
 
     def __init__(self, mode: str, total: int, max_turns: Optional[int] = None, interval_s: float = 10.0,
                  tokens: Optional[Callable[[], Optional[int]]] = None, stream: Optional[IO[str]] = None,
                  description: str = '', listener: Optional[Callable[[Dict[str, Any]], None]] = None,
-                 label: str = 'rollout') -> None:
+                 label: str = 'rollout', lockstep: bool = True, batch_size: int = 1) -> None:
         if mode not in MODES:
             raise ValueError(f'progress mode must be one of {MODES}, not {mode!r}')
         if interval_s <= 0:
@@ -70,6 +76,8 @@ class RunProgress:
         self.stream = stream
         self.listener = listener
         self.finished = 0  # requests written (what "done: N/M requests" counts)
+        #: ``total`` counts every leaf of each prompt's tree already (a leaf budget: ``branch.leaves``)
+        self.leaves_counted = False
         self.interrupted = 0  # requests a stop cut short: not written, run again by --resume
         self.turns_done = 0  # turns generated (a lockstep turn of k live requests is k turns)
         self.turns_of_finished = 0
@@ -79,7 +87,8 @@ class RunProgress:
         self.description = description
         self.label = label
         self.started: Optional[float] = None
-        self._counted_turns = False  # a turn counter feeds turns_done (lockstep); else the finished requests do
+        self.eta = Eta(total, self.max_turns, lockstep=lockstep, batch_size=batch_size)
+        self._counted_turns = False  # the model calls feed turns_done; else (a Ray fan-out) the finished requests do
         self._bar: Any = None
         self._task: Any = None
         self._stop = threading.Event()
@@ -92,6 +101,14 @@ class RunProgress:
         return self.mode != 'off' or self.listener is not None
 
     # ---- what the run reports ------------------------------------------------------------------
+    def on_batch(self, size: int) -> None:
+        """A lockstep batch of ``size`` requests starts."""
+        self.eta.batch_started(size)
+
+    def on_call(self) -> None:
+        """A lockstep model call over the batch's live requests begins."""
+        self.eta.call_started()
+
     def on_turn(self, live: int) -> None:
         """One generation over ``live`` requests is done (a lockstep turn)."""
         if live <= 0:  # the executor's empty call that keeps ranks in step is no turn
@@ -99,12 +116,34 @@ class RunProgress:
         self._counted_turns = True
         self.turns_done += live
         self.live = live
+        self.eta.call_done()
         self._refresh()
 
-    def on_finished(self, num_turns: Optional[int], tokens: int = 0, written: bool = True) -> None:
+    def on_request_turn(self, uuid: str) -> None:
+        """One request's generation is done (async: its own model call returned)."""
+        self._counted_turns = True
+        self.turns_done += 1
+        self.eta.turn_done(uuid)
+        self._refresh()
+
+    def on_fork(self, parent: str, children: List[str], turns: int) -> None:
+        """``parent`` was forked into ``children`` (``docs/branching.md``), which hold its ``turns``
+        turns: each child is a request to write (unless the total already counted every leaf a
+        prompt's tree will have) and its inherited turns count as played, as its line will count
+        them, so the count and its bound stay in step."""
+        if not self.leaves_counted:
+            self.total += len(children)
+            self.eta.total += len(children)
+        self.eta.started += len(children)
+        self.turns_done += len(children) * int(turns)
+        self._refresh()
+
+    def on_finished(self, num_turns: Optional[int], tokens: int = 0, written: bool = True,
+                    uuid: Optional[str] = None) -> None:
         """One request finished after ``num_turns`` turns, having generated ``tokens``;
         ``written=False``: cut short by a stop (``interrupted.jsonl``, run again by ``--resume``),
         so its turns count but it is no finished request."""
+        self.eta.request_done(uuid)
         if written:
             self.finished += 1
         else:
@@ -131,16 +170,19 @@ class RunProgress:
         tokens = self.tokens_fn() if self.tokens_fn is not None else None
         if tokens is None:
             tokens = self.finished_tokens
-        eta = None
+        eta: Optional[float] = 0.0
+        at_least = False
         if self.finished >= self.total and self.total:
-            eta = 0.0
-        elif bound is not None and turns > 0 and elapsed > 0:
-            eta = max(bound - turns, 0) * elapsed / turns
-        elif self.finished > 0 and elapsed > 0:
-            eta = (self.total - self.finished) * elapsed / self.finished
+            pass
+        elif not self._counted_turns and self.finished:  # only deliveries are known (a Ray fan-out)
+            eta = (self.total - self.finished) * elapsed / self.finished if elapsed > 0 else None
+        else:
+            eta, at_least = self.eta.estimate(max(bound - turns, 0) if bound is not None else None,
+                                              self.finished + self.interrupted)
         return {'finished': self.finished, 'total': self.total, 'turns': turns, 'turn_bound': bound,
                 'tokens': tokens, 'tokens_per_s': round(tokens / elapsed, 1) if elapsed > 0 else None,
-                'elapsed_s': round(elapsed, 3), 'eta_s': round(eta, 3) if eta is not None else None}
+                'elapsed_s': round(elapsed, 3), 'eta_s': round(eta, 3) if eta is not None else None,
+                'eta_is_lower_bound': at_least}
 
     def text(self) -> str:
         """``12/16 requests, turns 70/96, 35.2 tokens/s, elapsed 0:20, ETA 0:05``."""
@@ -149,12 +191,14 @@ class RunProgress:
             f"turns {f['turns']}, " if f['turns'] else '')  # a Ray fan-out reports no turns
         tps = f"{f['tokens_per_s']} tokens/s" if f['tokens_per_s'] is not None else '? tokens/s'
         cut = f" ({self.interrupted} interrupted)" if self.interrupted else ''
+        at_least = '>' if f['eta_is_lower_bound'] else ''
         return (f"{f['finished']}/{f['total']} requests{cut}, {turns}{tps}, elapsed {format_duration(f['elapsed_s'])}, "
-                f"ETA {format_duration(f['eta_s'])}")
+                f"ETA {at_least}{format_duration(f['eta_s'])}")
 
     # ---- the display ---------------------------------------------------------------------------
     def start(self) -> None:
         self.started = time.perf_counter()
+        self.eta.start()
         if self.mode == 'bar':
             # rich's progress module costs ~0.1 s to import; a quiet run never pays it
             from rich.console import Console

@@ -98,6 +98,10 @@ class TurnLog:
         #: the prompt digest the backend already computed for a request of the call just made, or
         #: ``None`` (the replay backend compares digests: each is computed once, not twice)
         self.known_digest: Optional[Callable[[Any], Optional[str]]] = None
+        #: called with each request a model call served (async runs count their turns by it)
+        self.on_turn: Optional[Callable[[Any], None]] = None
+        #: called with ``(parent, children, turns)`` at a fork: the children hold the parent's turns
+        self.on_fork: Optional[Callable[[str, List[str], int], None]] = None
 
     def note(self, requests: List[Any], outputs: Any) -> None:
         try:
@@ -114,6 +118,8 @@ class TurnLog:
             digest = known(request) if known is not None else None
             turn['prompt'] = digest if digest is not None else prompt_digest(getattr(request, 'messages', None))
             self._notes.setdefault(str(getattr(request, 'uuid', '')), []).append(turn)
+            if self.on_turn is not None:
+                self.on_turn(request)
 
     def fork(self, parent: str, children: List[str]) -> None:
         """Request ``parent`` was forked (``docs/branching.md``): each child's line will hold the
@@ -121,6 +127,8 @@ class TurnLog:
         notes = self._notes.get(str(parent), [])
         for child in children:
             self._notes[str(child)] = [dict(turn) for turn in notes]
+        if self.on_fork is not None:
+            self.on_fork(str(parent), [str(c) for c in children], len(notes))
 
     def wrap(self, rollout_fn: Any) -> Any:
         if is_async_callable(rollout_fn):

@@ -47,13 +47,21 @@ def histogram_svg(values: Sequence[float], title: str, css_class: str, unit: str
 
 def column_chart_svg(data: Mapping[str, float], title: str, css_class: str, color: str = '#3b82f6',
                      note: Optional[str] = None, max_columns: int = 80) -> str:
-    """One column per label (at most ``max_columns``; the rest are counted in the note)."""
+    """One column per label (at most ``max_columns``; the rest are counted in the note), its
+    value above it and its whole label under it: level when the labels fit their columns, else
+    slanted, the chart as tall as the longest label needs (a group's uuid is never cut)."""
     items = list(data.items())
     hidden = len(items) - max_columns if len(items) > max_columns else 0
     items = items[:max_columns]
     col_w = max(8, min(40, 640 // max(len(items), 1)))
-    chart_h, top_pad, label_h = 120, 34, 44
-    width = max(260, 30 + col_w * len(items) + 10)
+    shown = [_fmt(v) if isinstance(v, float) else str(v) for _, v in items]
+    labels = [str(k) for k, _ in items]
+    rotate = len(items) > 12 or max([len(k) for k in labels] + [0]) * 6 > col_w
+    upright = max([len(v) for v in shown] + [0]) * 6 > col_w  # values that do not fit a column stand upright
+    chart_h = 120
+    top_pad = 34 + (max([len(v) for v in shown] + [0]) * 6 if upright else 0)
+    label_h = int(max([len(k) for k in labels] + [0]) * 6 * 0.87) + 16 if rotate else 22  # 60 degrees
+    width = max(260, 30 + col_w * len(items) + 10 + (int(max([len(k) for k in labels] + [0]) * 3) if rotate else 0))
     height = top_pad + chart_h + label_h
     peak = max([abs(v) for _, v in items] + [1e-12])
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="{escape(css_class)}" viewBox="0 0 {width} {height}" '
@@ -66,20 +74,24 @@ def column_chart_svg(data: Mapping[str, float], title: str, css_class: str, colo
         out.append(f'<text x="4" y="{top_pad + 20}" style="font:12px sans-serif;fill:#64748b">nothing</text>')
     base = top_pad + chart_h
     out.append(f'<line x1="26" y1="{base}" x2="{width - 6}" y2="{base}" stroke="#cbd5e1"/>')
-    rotate = len(items) > 12 or max([len(k) for k, _ in items] + [0]) * 6 > col_w
-    for k, (label, value) in enumerate(items):
+    for k, (label, value) in enumerate(zip(labels, shown)):
+        v = items[k][1]
         x = 30 + k * col_w
-        h = max(1.5 if value else 0.0, (chart_h - 14) * abs(value) / peak)
-        shown = _fmt(value) if isinstance(value, float) else str(value)
+        h = max(1.5 if v else 0.0, (chart_h - 14) * abs(v) / peak)
+        cx = x + col_w / 2
         out.append(f'<rect class="col" x="{x + 1}" y="{base - h:.1f}" width="{col_w - 2}" height="{h:.1f}" rx="2" '
-                   f'fill="{color}"><title>{escape(str(label))}: {escape(shown)}</title></rect>')
-        if not rotate:
-            out.append(f'<text x="{x + col_w / 2:.1f}" y="{base - h - 3:.1f}" text-anchor="middle" style="{_FONT}">'
-                       f'{escape(shown)}</text>')
-            out.append(f'<text x="{x + col_w / 2:.1f}" y="{base + 13}" text-anchor="middle" style="{_FONT}">'
-                       f'{escape(str(label))}</text>')
+                   f'fill="{color}"><title>{escape(label)}: {escape(value)}</title></rect>')
+        if upright:
+            out.append(f'<text class="value" transform="translate({cx + 3:.1f},{base - h - 3:.1f}) rotate(-90)" '
+                       f'style="{_FONT}">{escape(value)}</text>')
         else:
-            out.append(f'<text transform="translate({x + col_w / 2 + 3:.1f},{base + 6}) rotate(60)" style="{_FONT}">'
-                       f'{escape(str(label)[:10])}</text>')
+            out.append(f'<text class="value" x="{cx:.1f}" y="{base - h - 3:.1f}" text-anchor="middle" style="{_FONT}">'
+                       f'{escape(value)}</text>')
+        if rotate:
+            out.append(f'<text class="label" transform="translate({cx - 3:.1f},{base + 8}) rotate(60)" '
+                       f'style="{_FONT}">{escape(label)}</text>')
+        else:
+            out.append(f'<text class="label" x="{cx:.1f}" y="{base + 13}" text-anchor="middle" style="{_FONT}">'
+                       f'{escape(label)}</text>')
     out.append('</svg>')
     return ''.join(out)

@@ -4,7 +4,7 @@
   figures, both found next to the trace file by ``mtflow trace html``);
 * summary statistics (from ``summary.json``, else computed from the trajectories);
 * plots: reward histogram, mean reward per group, turns per request, tokens per turn, finish
-  reasons, tool latency (:mod:`mtflow.viewer.plots`);
+  reasons, tool latency when the run made tool calls (:mod:`mtflow.viewer.plots`);
 * a table of requests, sortable by any column and filtered by a ``FIELD OP VALUE`` condition
   (the grammar of ``trace show --where``, :mod:`mtflow.viewer.query`), the finish-reason select
   and a text search across the messages;
@@ -97,16 +97,12 @@ def plots_html(views: Sequence[RequestView], trajectories: Mapping[str, Any],
     """The six plots, each an inline ``<svg class="plot ...">``."""
     rewards = list(_rewards(views, trajectories).values())
     tokens_per_turn = [c.tokens for v in views for c in v.cells if c.tokens is not None]
-    latencies = []
+    latencies = []  # of tool calls only: a step without one (an environment's move) is no tool's latency
     for v in views:
         for c in v.cells:
             calls = (c.step_extra or {}).get('calls') if isinstance(c.step_extra, dict) else None
             timed = [x.get('seconds') for x in calls if isinstance(x, dict)] if isinstance(calls, list) else []
-            timed = [t for t in timed if isinstance(t, (int, float))]
-            if timed:
-                latencies += [t * 1000 for t in timed]
-            elif c.stepped and c.step_s is not None:
-                latencies.append(c.step_s * 1000)
+            latencies += [t * 1000 for t in timed if isinstance(t, (int, float))]
     turns = Counter(v.turns for v in views)
     plots = [
         histogram_svg(rewards, 'reward', 'plot plot-reward', color='#8b5cf6') if rewards else '',

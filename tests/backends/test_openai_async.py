@@ -9,7 +9,7 @@ torch = pytest.importorskip('torch')
 pytest.importorskip('transformers')
 
 from mtflow import RequestConfig  # noqa: E402
-from mtflow.backends.base import async_seed_index  # noqa: E402
+from mtflow.core.seeds import sampling_seed  # noqa: E402
 from mtflow.backends.hf import HFBackend  # noqa: E402
 from mtflow.backends.openai_server import OpenAIBackend  # noqa: E402
 from tests.backends.chat_server import ChatServer  # noqa: E402
@@ -51,7 +51,7 @@ def test_single_request_calls_are_concurrent_http_requests(hf):
         assert _c(g[0]).token_ids == _c(w).token_ids == _c(a[0]).token_ids
 
 
-def test_async_calls_offset_a_seed_per_request(hf):
+def test_async_calls_send_each_request_its_own_seed(hf):
     with ChatServer(hf) as server, OpenAIBackend(base_url=server.base_url, backoff=0.01) as client:
 
         async def go():
@@ -60,4 +60,4 @@ def test_async_calls_offset_a_seed_per_request(hf):
 
         asyncio.run(go())
         seeds = sorted(b['seed'] for b in server.bodies)
-    assert seeds == sorted(5 + async_seed_index(req(f'g{i}')) for i in range(3)) and len(set(seeds)) == 3
+    assert seeds == sorted(sampling_seed(5, req(f'g{i}')) for i in range(3)) and len(set(seeds)) == 3

@@ -10,6 +10,7 @@ pytest.importorskip('transformers')
 from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # noqa: E402
 from mtflow.backends import BackendError, make_backend  # noqa: E402
 from mtflow.backends.base import sampling_options  # noqa: E402
+from mtflow.core.seeds import sampling_seed  # noqa: E402
 from mtflow.backends.hf import HFBackend  # noqa: E402
 from mtflow.backends.openai_server import OpenAIBackend, build_body, parse_choice  # noqa: E402
 from tests.backends.chat_server import ChatServer  # noqa: E402
@@ -107,7 +108,8 @@ def test_multi_turn_rollout_through_the_server(server):
         assert [len(s) for s in out.response_token_ids] == [4, 8]
         assert [len(s) for s in out.rollout_logprobs] == [4, 8]
     assert [b.get('continue_final_message', False) for b in server.bodies] == [False, False, False, False, True, True]
-    assert sorted(b['seed'] for b in server.bodies[:2]) == [0, 1], 'each request of a call gets seed + its index'
+    first = [sampling_seed(0, _req(uuid)) for uuid in 'ab']  # each request of a call: a seed of its own
+    assert sorted(b['seed'] for b in server.bodies[:2]) == sorted(first) and first[0] != first[1]
     assert result.trace.path('b').endswith('tool_step -> continuing -> finished(max_turns)')
 
 
@@ -184,7 +186,7 @@ def test_flavors_send_what_their_server_understands():
     assert vllm['tools'][0]['function']['name'] == 'f' and vllm['stop'] == ['x'] and vllm['seed'] == 1
     swift = build_body(_req('r'), options, 'm', 'swift')
     assert swift['return_details'] is True and 'return_token_ids' not in swift and 'min_p' not in swift
-    assert build_body(_req('r'), options, 'm', 'vllm', index=3)['seed'] == 4, 'seed + index: copies differ'
+    assert build_body(_req('r'), options, 'm', 'vllm', seed=4)['seed'] == 4, "the request's own seed"
     plain = build_body(_req('r'), options, 'm', 'openai', extra_body={'user': 'me'})
     assert not {'top_k', 'min_p', 'return_token_ids', 'return_details'} & set(plain) and plain['user'] == 'me'
     with pytest.raises(BackendError, match="flavor 'openai'"):

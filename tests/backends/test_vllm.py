@@ -11,6 +11,7 @@ pytest.importorskip('transformers')
 from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler  # noqa: E402
 from mtflow.backends import BackendError, make_backend  # noqa: E402
 from mtflow.backends.base import sampling_options  # noqa: E402
+from mtflow.core.seeds import sampling_seed  # noqa: E402
 from mtflow.backends.hf import HFBackend, render_prompt  # noqa: E402
 from mtflow.backends.vllm_engine import (VLLMBackend, _load_error_text, choice_from_completion,  # noqa: E402
                                          sampling_kwargs)
@@ -104,7 +105,8 @@ def test_request_config_becomes_sampling_params(llm):
     sp = llm.calls[0]['params'][0]
     assert isinstance(sp, SamplingParams)
     assert (sp.n, sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (1, 7, 0.3, 0.9, -1, 0.05)
-    assert (sp.stop, sp.seed, sp.logprobs, sp.repetition_penalty, sp.presence_penalty) == (['\n\n'], 9, 2, 1.1, 0.5)
+    assert (sp.stop, sp.logprobs, sp.repetition_penalty, sp.presence_penalty) == (['\n\n'], 2, 1.1, 0.5)
+    assert sp.seed == sampling_seed(9, _req('a')), "the request's own seed, from the config's"
     assert sp.skip_special_tokens and not sp.include_stop_str_in_output
     assert sampling_kwargs(sampling_options(RequestConfig(max_tokens=3), 8))['logprobs'] is None
     assert sampling_kwargs(sampling_options(RequestConfig(max_tokens=3, logprobs=True), 8))['logprobs'] == 0
@@ -179,8 +181,9 @@ def test_engine_start_errors_keep_the_cause_on_one_line():
 
 
 @pytest.mark.parametrize('mode', ['tokens', 'chat'])
-def test_a_seed_becomes_seed_plus_position_in_the_call(tiny, mode):
-    # as ms-swift's vLLM engine: with one seed for all, vLLM samples repeated prompts identically
+def test_each_request_gets_a_seed_of_its_own_whatever_its_place_in_the_call(tiny, mode):
+    # with one seed for all, vLLM samples repeated prompts (a GRPO group) identically; by position
+    # in the call (ms-swift's seed + i), a request's samples would depend on its batch
     llm = FakeLLM(*tiny)
     requests = [_req('a'), _req('b'), _req('c')]
     requests[1].messages.append({'role': 'assistant', 'content': 'so'})  # chat mode: another group
@@ -188,7 +191,13 @@ def test_a_seed_becomes_seed_plus_position_in_the_call(tiny, mode):
     seeds = sorted(sp.seed for call in llm.calls for sp in call.get('params', []))
     if mode == 'chat':
         assert [c['method'] for c in llm.calls] == ['chat', 'chat']
-    assert seeds == [9, 10, 11]
+    assert seeds == sorted(sampling_seed(9, r) for r in requests) and len(set(seeds)) == 3
+    llm.calls.clear()
+    _backend(llm, prompt_mode=mode)([requests[2]], RequestConfig(max_tokens=2, temperature=1.0, seed=9))
+    assert llm.calls[0]['params'][0].seed == sampling_seed(9, requests[2]), 'alone in its call: the same seed'
+    llm.calls.clear()
+    _backend(llm, prompt_mode=mode)([_req('a')], RequestConfig(max_tokens=2, temperature=1.0))
+    assert llm.calls[0]['params'][0].seed is None, 'no seed anywhere: the engine samples as it will'
     llm.calls.clear()
     _backend(llm, prompt_mode=mode)([_req('a')], RequestConfig(max_tokens=2, temperature=1.0))
     assert llm.calls[0]['params'][0].seed is None

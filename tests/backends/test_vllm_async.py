@@ -11,9 +11,9 @@ pytest.importorskip('transformers')
 
 from mtflow import RequestConfig  # noqa: E402
 from mtflow.backends import BackendError  # noqa: E402
-from mtflow.backends.base import async_seed_index  # noqa: E402
 from mtflow.backends.hf import render_prompt  # noqa: E402
 from mtflow.backends.vllm_engine import VLLMBackend  # noqa: E402
+from mtflow.core.seeds import sampling_seed  # noqa: E402
 from tests.backends.fake_vllm import FakeAsyncLLM, FakeLLM, SamplingParams  # noqa: E402
 from tests.helpers import req  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
@@ -104,7 +104,7 @@ def test_cancelling_a_call_aborts_its_stream(tiny):
         assert engine.aborted == [engine.requests[0]['request_id']]
 
 
-def test_seeds_are_offset_per_request_in_async_calls(tiny):
+def test_each_request_of_async_calls_gets_its_own_seed(tiny):
     engine = FakeAsyncLLM(*tiny)
     with _backend(engine) as backend:
         config = RequestConfig(temperature=1.0, max_tokens=2, seed=7)
@@ -114,7 +114,7 @@ def test_seeds_are_offset_per_request_in_async_calls(tiny):
 
         asyncio.run(go())
         seeds = {q['request_id'].split('-')[1]: q['params'].seed for q in engine.requests}
-        assert seeds == {f'g{i}': 7 + async_seed_index(req(f'g{i}')) for i in range(3)}
+        assert seeds == {f'g{i}': sampling_seed(7, req(f'g{i}')) for i in range(3)}
         assert len(set(seeds.values())) == 3, 'a GRPO group does not sample identically'
 
 

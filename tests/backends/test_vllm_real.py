@@ -54,7 +54,7 @@ def test_greedy_turn_and_continuation_on_a_real_engine(tmp_path):
     assert [o.response.choices[0].token_ids for o in chat] == [o.response.choices[0].token_ids for o in outs]
     # sampling with a request-config seed: copies of one prompt (a GRPO group) must not come out
     # identical, yet the call must be reproducible. vLLM itself samples equal seeds identically, which is
-    # why the backend gives the i-th request seed + i (as ms-swift does).
+    # why the backend gives each request a seed of its own (from the seed and the request: core.seeds).
     group = [RolloutInferRequest(messages=[{'role': 'user', 'content': 'guess'}], uuid=f'g{i}') for i in range(3)]
     sampled = RequestConfig(temperature=1.0, max_tokens=8, seed=3)
     first = [o.response.choices[0].token_ids for o in backend(group, sampled)]

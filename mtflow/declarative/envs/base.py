@@ -3,12 +3,12 @@ any ``step`` by :func:`normalize_step`), the per-request seed, and the missing-e
 kind whose library is not installed."""
 from __future__ import annotations
 
-import hashlib
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
 from mtflow.core.images import env_observation
+from mtflow.core.seeds import stable_seed
 from mtflow.engine.branching import branch_root
 
 __all__ = ['MissingExtra', 'require', 'StepOutcome', 'normalize_step', 'request_seed']
@@ -67,5 +67,4 @@ def request_seed(infer_request: Any, seed: int = 0) -> int:
     data = getattr(infer_request, 'data_dict', None) or {}
     if isinstance(data.get('seed'), int):
         return data['seed']
-    key = f'{seed}:{branch_root(getattr(infer_request, "uuid", None) or "")}'
-    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+    return stable_seed(seed, branch_root(getattr(infer_request, 'uuid', None) or ''))
