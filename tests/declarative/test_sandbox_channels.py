@@ -9,6 +9,7 @@ import errno
 import os
 import subprocess
 import textwrap
+from typing import Optional
 
 import pytest
 
@@ -273,8 +274,10 @@ EVICT_AND_LOCK = textwrap.dedent('''
 ''')
 
 
-def _cached_pages(path: str) -> int:
-    """How many of ``path``'s pages are in the page cache (``cachestat``, read from the host)."""
+def _cached_pages(path: str) -> Optional[int]:
+    """How many of ``path``'s pages are in the page cache (``cachestat``, read from the host);
+    ``None`` where this user may not ask (a normal user, of a file it neither owns nor can write:
+    ``EPERM``)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
@@ -282,7 +285,10 @@ def _cached_pages(path: str) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
         if libc.syscall(_nr('cachestat'), fd, rng, stat, 0) != 0:
-            pytest.skip(f'cachestat: errno {ctypes.get_errno()}')
+            err = ctypes.get_errno()
+            if err == errno.EPERM and os.geteuid() != 0:
+                return None
+            pytest.skip(f'cachestat: errno {err}')
     finally:
         os.close(fd)
     return stat[0]
@@ -320,12 +326,17 @@ def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
         f.read()
     pages = -(-os.path.getsize(path) // os.sysconf('SC_PAGE_SIZE'))
     stalls = _memory_stalls()
-    assert _cached_pages(path) == pages
+    before = _cached_pages(path)
+    assert before in (pages, None)
     with HostLocks(os.stat(path).st_ino) as locks:
         r = run(EVICT_AND_LOCK.format(path=path), kind)
     assert r.output.split() == ['fadvise', f'e{errno.EPERM}', 'madvise_pageout', f'e{errno.EPERM}', 'madvise_cold',
                                 f'e{errno.EPERM}', 'flock', f'e{errno.EPERM}', 'setlk', f'e{errno.EPERM}'], r.output
     assert locks.seen == []
+    assert_nothing_survives(r)
+    if before is None:
+        pytest.skip('the call\'s denials and the host\'s locks were checked; the host-side page count of a '
+                    'standard-library file needs root (cachestat of a file this user does not own: EPERM)')
     cached = _cached_pages(path)
     if cached != pages and _memory_stalls() != stalls:
         pytest.skip(f'the host reclaimed memory meanwhile ({cached} of {pages} pages cached)')
@@ -333,7 +344,6 @@ def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
     # background reclaim (kswapd: no stall in PSI) may drop a page or two on a loaded machine
     # (seen once: 184 of 185 during the full suite)
     assert cached >= pages - max(2, pages // 20), f'{cached} of {pages} pages still cached'
-    assert_nothing_survives(r)
 
 
 #: item 5 of issue 39, rootless: user pages pinned into pipes, owned by no process once unmapped.
