@@ -103,8 +103,9 @@ def sandbox_uid(result) -> int:
 
 def assert_nothing_survives(result, marker: str = '') -> None:
     """Right after the call: no process is left in its PID namespace (the launcher reports it
-    before the program runs; everything the call started runs in it, as ``sandbox_uid``), none runs as its
-    leased uid (as root), and none carries ``marker``. Checked on the host, also as a normal user."""
+    before the program runs; everything the call started runs in it, as :func:`sandbox_uid`),
+    none runs as its leased uid (as root), and none carries ``marker``. Checked on the host, as
+    root and as a normal user alike."""
     assert result.pid_namespace is not None, 'the sandbox did not report its PID namespace'
     uid = sandbox_uid(result)
     assert processes_in_pid_namespace(result.pid_namespace, uid) == [], 'a sandbox process outlived its call'
