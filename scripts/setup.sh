@@ -22,9 +22,11 @@ if [ "$(id -u)" -eq 0 ] && ! command -v bwrap >/dev/null 2>&1; then
     || echo "warning: could not install bubblewrap: the python tool falls back to unshare or refuses" >&2
 fi
 # The sandbox's seccomp filter (mtflow/tools/seccomp.py) is built with libseccomp through pyseccomp;
-# without both every python tool call is refused.
-.venv/bin/python -c 'import pyseccomp; pyseccomp.system_arch()' 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' \
-  && { ldconfig -p | grep -q libseccomp.so.2 || { [ "$(id -u)" -eq 0 ] && apt-get install -y -qq libseccomp2 >/dev/null; }; }; } \
+# without both every python tool call is refused. (pyseccomp loads libseccomp when imported: the
+# check needs no ldconfig, which is not on a normal user's PATH.)
+SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'
+.venv/bin/python -c "$SECCOMP_OK" 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' \
+  && { .venv/bin/python -c "$SECCOMP_OK" 2>/dev/null || { [ "$(id -u)" -eq 0 ] && apt-get install -y -qq libseccomp2 >/dev/null; }; }; } \
   || echo "warning: could not install pyseccomp/libseccomp2: the python tool refuses its calls" >&2
 # The RL-signal main job (configs/reasoning_gym.yaml) generates its prompts with reasoning-gym.
 .venv/bin/python -c 'import reasoning_gym' 2>/dev/null || $PIP install 'reasoning-gym>=0.1.25'

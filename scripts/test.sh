@@ -31,8 +31,9 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
   || echo "warning: could not install bubblewrap: the sandbox tests use the unshare fallback or skip" >&2
 # its seccomp filter is built with libseccomp (mtflow/tools/seccomp.py): the pyseccomp binding and the library
-.venv/bin/python -c 'import pyseccomp' 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' && { [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] \
-  || ldconfig -p | grep -q libseccomp.so.2 || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libseccomp2 >/dev/null; }; } \
+SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'  # (pyseccomp loads libseccomp on import; no ldconfig needed)
+.venv/bin/python -c "$SECCOMP_OK" 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' && { .venv/bin/python -c "$SECCOMP_OK" 2>/dev/null \
+  || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libseccomp2 >/dev/null; }; } \
   || echo "warning: could not install pyseccomp/libseccomp2: every python tool call is refused" >&2
 # mtflow run --log tensorboard (mtflow/run/tracking.py, the 'tensorboard' extra) and its test.
 .venv/bin/python -c 'import tensorboardX' 2>/dev/null || $PIP install 'tensorboardX==2.6.5'

@@ -76,10 +76,41 @@ def processes_with(marker: str) -> List[int]:
     return found
 
 
+def pid_namespace_of(pid: int) -> Optional[int]:
+    """The inode of ``pid``'s PID namespace, or None (gone, or another user's process)."""
+    try:
+        link = os.readlink(f'/proc/{pid}/ns/pid')
+    except OSError:
+        return None
+    return int(link[5:-1]) if link.startswith('pid:[') and link.endswith(']') else None
+
+
+def processes_in_pid_namespace(ns: int, uid: int) -> List[int]:
+    """Host pids of the processes running as ``uid`` (real uid, host view) in the PID namespace
+    with inode ``ns``. The uid keeps a namespace of another user that reuses the inode number
+    (the kernel hands out the lowest free one) from counting."""
+    return [pid for pid in isolation.processes_of_uid(uid) if pid_namespace_of(pid) == ns]
+
+
+def sandbox_uid(result) -> int:
+    """The uid a call's processes ran as, host view: the leased one as root, rootless this user
+    (the program is ``nobody`` only inside its user namespace)."""
+    if result.uid is not None:
+        return result.uid
+    assert isolation.rootless(), 'an isolated call as root ran without a leased uid'
+    return os.getuid()
+
+
 def assert_nothing_survives(result, marker: str = '') -> None:
-    """No process runs as the call's uid, and none carries ``marker``, right after the call."""
-    assert result.uid is not None
-    assert isolation.processes_of_uid(result.uid) == [], 'a sandbox process outlived its call'
+    """Right after the call: no process is left in its PID namespace (the launcher reports it
+    before the program runs; everything the call started runs in it, as :func:`sandbox_uid`),
+    none runs as its leased uid (as root), and none carries ``marker``. Checked on the host, as
+    root and as a normal user alike."""
+    assert result.pid_namespace is not None, 'the sandbox did not report its PID namespace'
+    uid = sandbox_uid(result)
+    assert processes_in_pid_namespace(result.pid_namespace, uid) == [], 'a sandbox process outlived its call'
+    if result.uid is not None:
+        assert isolation.processes_of_uid(result.uid) == [], 'a process of the leased uid outlived its call'
     if marker:
         assert processes_with(marker) == [], f'a process with {marker!r} outlived its call'
 
@@ -147,9 +178,60 @@ class HostMemory(HostSampler):
         return {name: round(abs(self.peak[name] - self.before[name]), 1) for name in self.FIELDS}
 
 
+#: as a normal user, a script of :func:`unprivileged_uid` runs as this user under this wrapper: a
+#: child subreaper, so that whatever the script started and left running is reparented here once
+#: it exits. It waits for those to go (a namespace being torn down), and when any is still there
+#: after 10 s it kills them and exits with status 3, naming them on stderr: the check, done as
+#: this user, that ``processes_of_uid`` of a leased uid makes as root.
+SUBREAPER = r'''
+import ctypes, os, subprocess, sys, time
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit("mtflow test wrapper: prctl(PR_SET_CHILD_SUBREAPER) failed")
+rc = subprocess.call(sys.argv[1:])
+def left():
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        with open("/proc/self/task/%s/children" % task) as f:
+            found += f.read().split()
+    return found
+deadline = time.monotonic() + 10
+while True:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+    pids = left()
+    if not pids or time.monotonic() > deadline:
+        break
+    time.sleep(0.05)
+if pids:
+    for pid in pids:
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                sys.stderr.write("left running: %s %r\n" % (pid, f.read()[:200]))
+            os.kill(int(pid), 9)
+        except OSError:
+            pass
+    sys.exit(3)
+sys.exit(rc)
+'''
+
+
 def as_uid(uid: int) -> List[str]:
-    """The command prefix that runs the rest as ``uid`` (its own group, no others)."""
+    """The command prefix that runs the rest as ``uid`` (its own group, no others); for this very
+    user (not root: :func:`unprivileged_uid`), under :data:`SUBREAPER` instead."""
+    if uid == os.geteuid() and uid != 0:
+        return [sys.executable, '-c', SUBREAPER]
     return ['setpriv', f'--reuid={uid}', f'--regid={uid}', '--clear-groups', '--']
+
+
+def assert_nothing_left_as(uid: int) -> None:
+    """After a script run with :func:`as_uid` exited: no process runs as ``uid`` (a leased uid, as
+    root). As a normal user the script ran as this user, and :data:`SUBREAPER` made that check:
+    its run failed (exit status 3) if anything the script started was left."""
+    if os.geteuid() == 0:
+        assert isolation.processes_of_uid(uid) == [], 'a process of the script outlived it'
 
 
 def interpreter_for(uid: int, env: dict) -> Optional[str]:
@@ -170,19 +252,22 @@ def interpreter_for(uid: int, env: dict) -> Optional[str]:
 
 @contextlib.contextmanager
 def unprivileged_uid() -> Iterator[Tuple[int, str, dict]]:
-    """``(uid, interpreter, env)`` for running mtflow as a normal user: a uid leased for the block
-    (so nothing else runs as it; released after), an interpreter it can run mtflow with, and the
-    environment to run it in. Skips the test where that is impossible (not root, no setpriv or
-    bwrap, no interpreter and checkout that uid can read)."""
-    if os.geteuid() != 0 or not shutil.which('setpriv') or not shutil.which('bwrap'):
-        pytest.skip('needs root (to become an unprivileged uid), setpriv and bwrap')
-    lease = isolation.UidLease()
+    """``(uid, interpreter, env)`` for running mtflow as a normal user (with :func:`as_uid`): as
+    root, a uid leased for the block (so nothing else runs as it; released after); as a normal
+    user, this user (the script then runs under :data:`SUBREAPER`); an interpreter it can run
+    mtflow with, and the environment to run it in. Skips the test where that is impossible (no
+    bwrap; as root no setpriv; no interpreter and checkout that uid can read)."""
+    if not shutil.which('bwrap') or (os.geteuid() == 0 and not shutil.which('setpriv')):
+        pytest.skip('needs bwrap, and as root setpriv (to become an unprivileged uid)')
+    lease = isolation.UidLease() if os.geteuid() == 0 else None
     try:
+        uid = lease.uid if lease is not None else os.geteuid()
         site = [p for p in sys.path if p.endswith('site-packages')]
         env = {'PATH': '/usr/bin:/bin', 'HOME': '/', 'PYTHONPATH': os.pathsep.join([ROOT] + site)}
-        exe = interpreter_for(lease.uid, env)
+        exe = interpreter_for(uid, env)
         if exe is None:
             pytest.skip('no interpreter and mtflow checkout that an unprivileged uid can read here')
-        yield lease.uid, exe, env
+        yield uid, exe, env
     finally:
-        lease.release()
+        if lease is not None:
+            lease.release()

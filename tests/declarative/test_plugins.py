@@ -188,10 +188,46 @@ def test_a_registered_tool_can_declare_an_options_model(tmp_path):
 
     cfg = tmp_path / 's.yaml'
     cfg.write_text('name: g\ntools:\n  - name: greet_with_options\n    options:\n      times: 0\n      greeting: 3\n'
-                   '      colour: red\n')
+                   '      colour: red\n      greetin: hi\n')
     got = sorted((p.line, p.path, p.message.split(' (')[0]) for p in validate_file(cfg))
     assert got == [(5, 'tools[0].options.times', 'greet_with_options tool: Input should be greater than or equal to 1'),
                    (6, 'tools[0].options.greeting', 'greet_with_options tool: Input should be a valid string'),
-                   (7, 'tools[0].options.colour', 'greet_with_options tool: unknown option')]
+                   (7, 'tools[0].options.colour', "greet_with_options tool: unknown key 'colour'"),
+                   (8, 'tools[0].options.greetin',
+                    "greet_with_options tool: unknown key 'greetin'; did you mean 'greeting'?")]
+    assert all(p.message.endswith('(known: greeting, times)') for p in validate_file(cfg) if 'unknown key' in p.message)
     cfg.write_text('name: g\ntools:\n  - name: greet_with_options\n    options: {times: 2}\n')
     assert load_scheduler(str(cfg)).runner.tools['greet_with_options'].fn('Ann') == 'hello Annhello Ann'
+
+
+def test_a_registered_tool_can_check_its_options_itself_and_a_plain_one_takes_none(tmp_path):
+    """``register_tool(factory=True, options=check)``: the check's problems are reported at their
+    keys; a plain function (no factory) takes no options, and each one given is reported."""
+    from mtflow.tools import register_tool
+
+    def check(options):
+        return [((key, ), f'option {key!r} must be even, got {value!r}') for key, value in options.items()
+                if value % 2]
+
+    @register_tool('even_counter', factory=True, options=check)
+    def make(options):
+        def count(n: int) -> int:
+            """Count."""
+            return n + sum(options.values())
+
+        return count
+
+    @register_tool('plain_echo')
+    def plain_echo(text: str) -> str:
+        """Echo."""
+        return text
+
+    cfg = tmp_path / 's.yaml'
+    cfg.write_text('name: g\ntools:\n  - name: even_counter\n    options:\n      a: 2\n      b: 3\n'
+                   '  - name: plain_echo\n    options:\n      loud: true\n')
+    got = [(p.line, p.path, p.message) for p in validate_file(cfg)]
+    assert got == [(6, 'tools[0].options.b', "even_counter tool: option 'b' must be even, got 3"),
+                   (9, 'tools[1].options.loud', "plain_echo tool: unknown key 'loud': this tool takes no options")]
+    cfg.write_text('name: g\ntools:\n  - name: even_counter\n    options: {a: 2}\n  - name: plain_echo\n')
+    tools = load_scheduler(str(cfg)).runner.tools
+    assert (tools['even_counter'].fn(1), tools['plain_echo'].fn('hi')) == (3, 'hi')

@@ -98,7 +98,8 @@ def test_mtflow_run_checks_the_scheduler_before_loading_the_backend(tmp_path, ca
     monkeypatch.setattr(run_cmd, 'build_backend', lambda cfg: pytest.fail('the backend was built'))
     assert cli(['run', 'run.yaml', '-q']) == 2
     err = capsys.readouterr().err
-    assert 's.yaml:2: max_turns' in err and "s.yaml:5: tools[0].options: python tool: option 'timeout_s'" in err
+    assert 's.yaml:2: max_turns' in err
+    assert "s.yaml:5: tools[0].options.timeout_s: python tool: option 'timeout_s'" in err
 
 
 def test_validate_a_run_config_with_a_python_scheduler(tmp_path, capsys):

@@ -80,7 +80,7 @@ def test_builtin_python_tool_with_options(isolated):
 
 
 @pytest.mark.parametrize('options,message', [
-    ({'timeout': 3}, "python tool options: unknown key 'timeout'; did you mean 'timeout_s'?"),
+    ({'timeout': 3}, "python tool: unknown key 'timeout'; did you mean 'timeout_s'?"),
     ({'cpu_core': 1}, "unknown key 'cpu_core'; did you mean 'cpu_cores'?"),
     ({'cpu_cores': 0}, "option 'cpu_cores' must be at least 0.01"),
     ({'cpu_cores': 'half'}, "option 'cpu_cores' must be a number"),

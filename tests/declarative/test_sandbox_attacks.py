@@ -18,7 +18,8 @@ import pytest
 from mtflow.tools import ToolRunner, isolation, tool_from_callable
 from mtflow.tools.sandbox import make_python_tool, run_python
 
-from .sandbox_util import BOUNDED_FORKS, KINDS, assert_nothing_survives, processes_with, require, run
+from .sandbox_util import (BOUNDED_FORKS, KINDS, assert_nothing_survives, processes_in_pid_namespace, processes_with,
+                           require, run)
 
 pytestmark = pytest.mark.parametrize('kind', KINDS)
 
@@ -96,14 +97,21 @@ def test_writes_outside_its_directory_reach_nothing(kind, tmp_path):
     assert_nothing_survives(r)
 
 
-def test_secrets_of_the_parent_home_and_project_are_out_of_reach(kind, monkeypatch):
+def test_secrets_of_the_parent_home_and_project_are_out_of_reach(kind, monkeypatch, tmp_path):
+    require(kind)
     secret = token()
     monkeypatch.setenv('MTFLOW_TEST_SECRET', secret)
+    # the secret is planted in the driver's home and working directory (the project); where whoever
+    # runs the tests cannot write there (another user's checkout, HOME=/), a fresh directory stands in
+    if not os.access(os.getcwd(), os.W_OK):
+        (tmp_path / 'project').mkdir()
+        monkeypatch.chdir(tmp_path / 'project')
+    if not os.access(os.path.expanduser('~'), os.W_OK):
+        (tmp_path / 'home').mkdir()
+        monkeypatch.setenv('HOME', str(tmp_path / 'home'))
     home_file = os.path.expanduser(f'~/.{token()}')
     project_file = os.path.join(os.getcwd(), f'.{token()}')
-    for path in (home_file, project_file):
-        with open(path, 'w') as f:
-            f.write(secret)
+    planted = []
     code = f'''
 import glob, os
 print(sorted(os.environ))
@@ -117,10 +125,14 @@ for d in ["/root", {os.getcwd()!r}, "/home", "/etc", "/proc/{os.getpid()}"]:
     print(d, os.path.exists(d) and (os.listdir(d) if os.access(d, os.R_OK) else "unreadable"))
 '''
     try:
+        for path in (home_file, project_file):
+            with open(path, 'w') as f:
+                f.write(secret)
+            planted.append(path)
         r = run(code, kind)
     finally:
-        os.unlink(home_file)
-        os.unlink(project_file)
+        for path in planted:
+            os.unlink(path)
     assert r.error_kind == '', r.output
     assert secret not in r.output
     # an empty environment (bwrap sets PWD for its --chdir, Python coerces the C locale)
@@ -248,7 +260,8 @@ def test_warm_sandboxes_run_one_program_each_and_contain_it(kind):
     tool, pool = _warm(kind, timeout_s=30)
     marker = token()
     code = (f'import os, subprocess, sys\nsubprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", '
-            f'{marker!r}], start_new_session=True)\nprint(os.getuid(), repr(sys.stdin.read()), sorted(os.environ))')
+            f'{marker!r}], start_new_session=True)\nprint(os.getuid(), os.readlink("/proc/self/ns/pid"), '
+            'repr(sys.stdin.read()), sorted(os.environ))')
 
     async def calls():
         out = []
@@ -260,10 +273,14 @@ def test_warm_sandboxes_run_one_program_each_and_contain_it(kind):
         results = asyncio.run(calls())
     finally:
         tool.close()
-    uids = [r.uid for r in results]
-    assert len(set(uids)) == 3, 'a sandbox was used for two programs'
+    # each program in a PID namespace of its own (and, as root, on a uid of its own)
+    assert len({r.pid_namespace for r in results}) == 3, 'a sandbox was used for two programs'
+    if not isolation.rootless():
+        assert len({r.uid for r in results}) == 3, 'a sandbox was used for two programs'
     for r in results:
-        assert r.error_kind == '' and r.output.split()[0] == str(r.uid) and "''" in r.output, r.output
+        inside_uid = r.uid if r.uid is not None else isolation.ROOTLESS_UID  # rootless: nobody inside
+        assert r.error_kind == '' and r.output.split()[:3] == [str(inside_uid), f'pid:[{r.pid_namespace}]', "''"], \
+            r.output
         assert_nothing_survives(r, marker)
     assert pool.ready() == 0  # closed: the idle ones are torn down
     loop_r = asyncio.run(run_python('while True: pass', isolation=kind, timeout_s=30, cpu_s=1, pool=pool))
@@ -273,7 +290,15 @@ def test_warm_sandboxes_run_one_program_each_and_contain_it(kind):
 
 def test_closing_a_pool_leaves_no_idle_sandbox(kind):
     tool, pool = _warm(kind)
-    idle = [sb.lease.uid for sb in list(pool._ready)]
+    idle = list(pool._ready)
+    deadline = time.monotonic() + 60
+    while not all(sb.pid_namespace() for sb in idle) and time.monotonic() < deadline:
+        time.sleep(0.05)  # an idle sandbox's launcher reports its PID namespace, then waits for its program
+    namespaces = [(sb.pid_namespace(), sb.lease.uid if sb.lease else os.getuid()) for sb in idle]
+    assert len(namespaces) == 2 and all(ns for ns, _ in namespaces), namespaces
+    assert all(processes_in_pid_namespace(ns, uid) for ns, uid in namespaces)  # alive while idle
     tool.close()
-    for uid in idle:
-        assert isolation.processes_of_uid(uid) == []
+    for ns, uid in namespaces:
+        assert processes_in_pid_namespace(ns, uid) == []
+        if not isolation.rootless():
+            assert isolation.processes_of_uid(uid) == []

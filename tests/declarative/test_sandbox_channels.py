@@ -9,6 +9,7 @@ import errno
 import os
 import subprocess
 import textwrap
+from typing import Optional
 
 import pytest
 
@@ -273,8 +274,10 @@ EVICT_AND_LOCK = textwrap.dedent('''
 ''')
 
 
-def _cached_pages(path: str) -> int:
-    """How many of ``path``'s pages are in the page cache (``cachestat``, read from the host)."""
+def _cached_pages(path: str) -> Optional[int]:
+    """How many of ``path``'s pages are in the page cache (``cachestat``, read from the host);
+    ``None`` where this user may not ask (a normal user, of a file it neither owns nor can write:
+    ``EPERM``)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
@@ -282,19 +285,30 @@ def _cached_pages(path: str) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
         if libc.syscall(_nr('cachestat'), fd, rng, stat, 0) != 0:
-            pytest.skip(f'cachestat: errno {ctypes.get_errno()}')
+            err = ctypes.get_errno()
+            if err == errno.EPERM and os.geteuid() != 0:
+                return None
+            pytest.skip(f'cachestat: errno {err}')
     finally:
         os.close(fd)
     return stat[0]
 
 
-def _memory_stalls() -> int:
-    """The host's total memory stall time so far (PSI ``some``, µs): reclaim could evict pages."""
+def _host_reclaim() -> tuple:
+    """What grows when the host evicts cached pages on its own: the total memory stall time (PSI
+    ``some``, µs), and the file pages reclaimed (``pgsteal_file`` of ``/proc/vmstat``: by kswapd,
+    direct or a cgroup's limit, stalling or not) and ``drop_caches`` writes (``drop_pagecache``)."""
     try:
         with open('/proc/pressure/memory', encoding='ascii') as f:
-            return int(f.readline().split('total=')[1])
+            stalls = int(f.readline().split('total=')[1])
     except (OSError, IndexError, ValueError):
-        return -1
+        stalls = -1
+    try:
+        with open('/proc/vmstat', encoding='ascii') as f:
+            counts = sorted(line.split() for line in f if line.startswith(('pgsteal_file ', 'drop_pagecache ')))
+    except OSError:
+        counts = []
+    return stalls, counts
 
 
 class HostLocks(HostSampler):
@@ -319,21 +333,25 @@ def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
     with open(path, 'rb') as f:
         f.read()
     pages = -(-os.path.getsize(path) // os.sysconf('SC_PAGE_SIZE'))
-    stalls = _memory_stalls()
-    assert _cached_pages(path) == pages
+    reclaim = _host_reclaim()
+    before = _cached_pages(path)
+    assert before in (pages, None)
     with HostLocks(os.stat(path).st_ino) as locks:
         r = run(EVICT_AND_LOCK.format(path=path), kind)
     assert r.output.split() == ['fadvise', f'e{errno.EPERM}', 'madvise_pageout', f'e{errno.EPERM}', 'madvise_cold',
                                 f'e{errno.EPERM}', 'flock', f'e{errno.EPERM}', 'setlk', f'e{errno.EPERM}'], r.output
     assert locks.seen == []
+    assert_nothing_survives(r)
+    if before is None:
+        pytest.skip('the call\'s denials and the host\'s locks were checked; the host-side page count of a '
+                    'standard-library file needs root (cachestat of a file this user does not own: EPERM)')
     cached = _cached_pages(path)
-    if cached != pages and _memory_stalls() != stalls:
+    if cached != pages and _host_reclaim() != reclaim:
         pytest.skip(f'the host reclaimed memory meanwhile ({cached} of {pages} pages cached)')
     # the call's advice would drop every page (0 of 185 stayed before the rule); the host's own
     # background reclaim (kswapd: no stall in PSI) may drop a page or two on a loaded machine
     # (seen once: 184 of 185 during the full suite)
     assert cached >= pages - max(2, pages // 20), f'{cached} of {pages} pages still cached'
-    assert_nothing_survives(r)
 
 
 #: item 5 of issue 39, rootless: user pages pinned into pipes, owned by no process once unmapped.

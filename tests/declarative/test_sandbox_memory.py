@@ -16,7 +16,8 @@ import pytest
 from mtflow.tools import cgroup, isolation
 from mtflow.tools.sandbox import process, run_python
 
-from .sandbox_util import KINDS, HostMemory, as_uid, assert_nothing_survives, require, unprivileged_uid
+from .sandbox_util import (KINDS, HostMemory, as_uid, assert_nothing_left_as, assert_nothing_survives, require,
+                           unprivileged_uid)
 
 kinds = pytest.mark.parametrize('kind', KINDS)
 
@@ -238,7 +239,8 @@ PID1 = textwrap.dedent('''
 
 
 def test_rootless_memory_no_process_maps_is_denied_and_tmp_inodes_are_capped():
-    """As a normal user (an unprivileged uid, leased so nothing else runs as it): no cgroup can be
+    """As a normal user (an unprivileged uid: as root a leased one, so nothing else runs as it; as a
+    normal user, this user): no cgroup can be
     made, so the filter's extra denials and the launcher's own ``/tmp`` (with ``nr_inodes``) are
     what bound the call; the host is sampled while both attacks run."""
     with unprivileged_uid() as (uid, exe, env):
@@ -258,4 +260,4 @@ def test_rootless_memory_no_process_maps_is_denied_and_tmp_inodes_are_capped():
         _check_unbounded_mode(shared, host.growth())
         _check_flood(flood, host.growth(), 64)
         assert _stopped(flood, 'flood')[1] == str(errno.ENOSPC), flood  # the inode cap, rootless too
-        assert isolation.processes_of_uid(uid) == []
+        assert_nothing_left_as(uid)

@@ -1,6 +1,7 @@
 """Without root, bwrap isolates in its own user namespace (the program is ``nobody`` inside, this
 user outside) and the process limit counts per namespace; unshare refuses. Run as an
-unprivileged uid (leased, so nothing else uses it) with an interpreter that uid can read."""
+unprivileged uid (as root, a leased one, so nothing else uses it; as a normal user, this user)
+with an interpreter that uid can read (``sandbox_util.unprivileged_uid``)."""
 from __future__ import annotations
 
 import os
@@ -10,9 +11,7 @@ import uuid
 
 import pytest
 
-from mtflow.tools import isolation
-
-from .sandbox_util import BOUNDED_FORKS, as_uid, unprivileged_uid
+from .sandbox_util import BOUNDED_FORKS, as_uid, assert_nothing_left_as, unprivileged_uid
 
 SCRIPT = textwrap.dedent('''
     import asyncio, os, sys
@@ -76,7 +75,7 @@ def test_rootless_bwrap_isolates_and_limits_processes():
             assert 'kernel: ok ptrace_pid1 e1 keyctl e1 inotify e1 mq_open e24 write / e30 write /dev e30 write /dev/shm ok' in out
         assert 'sigxcpu: timeout' in out
         assert 'seccomp filter' in out and 'no cgroup per call' in out  # said at load time
-        assert isolation.processes_of_uid(uid) == []
+        assert_nothing_left_as(uid)
         assert not any(marker.encode() in _cmdline(p) for p in os.listdir('/proc') if p.isdigit())
 
 

@@ -34,9 +34,9 @@ The package, in the order a call goes through it: :mod:`.python_tool` (the tool 
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import Sandbox, SandboxSpec
 from mtflow.tools.sandbox.python_tool import (DEFAULT_WARM_POOL, PYTHON_OPTIONS, SandboxWarning, check_python_options,
-                                              make_python_tool)
+                                              make_python_tool, python_option_problems)
 from mtflow.tools.sandbox.result import MEMORY_STATUS, SandboxResult
 from mtflow.tools.sandbox.supervise import run_python
 
 __all__ = ['MEMORY_STATUS', 'SandboxResult', 'SandboxSpec', 'Sandbox', 'SandboxPool', 'run_python', 'SandboxWarning',
-           'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
+           'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'python_option_problems', 'make_python_tool']

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
 #: ``MemoryError`` exits with ``MEMORY_STATUS`` (and a program's own ``exit(MEMORY_STATUS)`` with 1)
 _LAUNCHER = r'''
 import os, resource, sys
-{uid_check}{ffi}{mount_tmp}{install_filter}{no_epoll}with os.fdopen({code_fd}, 'rb') as _f:
+{ns_report}{uid_check}{ffi}{mount_tmp}{install_filter}{no_epoll}with os.fdopen({code_fd}, 'rb') as _f:
     _src = _f.read().decode('utf-8', 'replace')
 if {code_fd} == 0:  # a warm sandbox got its program on stdin; the program gets /dev/null there
     os.open('/dev/null', os.O_RDONLY)
@@ -67,6 +68,12 @@ except BaseException as _e:  # show the traceback from main.py on, without this 
 '''
 
 
+#: the launcher's first lines in an isolated sandbox: it writes its PID namespace (``pid:[inode]``)
+#: to ``{fd}``, the write end of a pipe to the driver, and closes it, before anything of the
+#: program runs (:meth:`Sandbox.pid_namespace`: every process of the call is in that namespace)
+NS_REPORT = "os.write({fd}, os.readlink('/proc/self/ns/pid').encode())\nos.close({fd})\n"
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """Everything a sandbox is started with, before it knows its program (so a warm pool can
@@ -82,8 +89,9 @@ class SandboxSpec:
     cpu_cores: Optional[float] = DEFAULT_CPU_CORES  # CPU bandwidth of the whole call (cgroup; None: no quota)
 
     def launcher(self, code_fd: int, filter_fd: Optional[int] = None, mount_tmp: bool = False,
-                 bounded: bool = True, uid_fd: Optional[int] = None) -> str:
-        """The launcher's source; with ``uid_fd`` (a leased uid, as root) it first checks that no
+                 bounded: bool = True, uid_fd: Optional[int] = None, ns_fd: Optional[int] = None) -> str:
+        """The launcher's source; with ``ns_fd`` it first reports its PID namespace there
+        (:data:`NS_REPORT`); with ``uid_fd`` (a leased uid, as root) it first checks that no
         other process runs as its uid and says so on that fd (:data:`mtflow.tools.isolation.UID_CHECK`);
         with ``filter_fd`` it installs the seccomp filter read from that
         fd; with ``mount_tmp`` (rootless bwrap) it mounts its ``/tmp`` before that; not
@@ -97,8 +105,9 @@ class SandboxSpec:
             install += f'del {seccomp.FFI_NAMES}\n'
         no_epoll = '' if bounded else 'import select as _sel\ndel _sel.epoll, _sel\n'
         uid_check = '' if uid_fd is None else uid_check_code(uid_fd)
-        return _LAUNCHER.format(uid_check=uid_check, ffi=ffi, mount_tmp=mount, install_filter=install,
-                                no_epoll=no_epoll,
+        ns_report = '' if ns_fd is None else NS_REPORT.format(fd=ns_fd)
+        return _LAUNCHER.format(ns_report=ns_report, uid_check=uid_check, ffi=ffi, mount_tmp=mount,
+                                install_filter=install, no_epoll=no_epoll,
                                 site=repr(list(self.site_packages)),
                                 code_fd=code_fd,
                                 memory=self.memory_mb * 1024 * 1024, cpu=self.cpu_s,
@@ -133,9 +142,13 @@ class Sandbox:
         #: (known after :meth:`cleanup`; the call starts again on another uid)
         self.uid_busy = False
         self._uid_fd: Optional[int] = None  # the read end of the launcher's uid check
-        filter_fd = uid_w = None
+        self._ns_fd: Optional[int] = None  # the read end of the launcher's PID namespace report
+        self._pid_ns: Optional[int] = None
+        filter_fd = uid_w = ns_w = None
         try:
             if spec.kind != 'none':
+                self._ns_fd, ns_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                ns_w = high_fd(ns_w)
                 self.lease = None if rootless() else UidLease()
                 self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes, spec.cpu_cores)
                 # no cgroup counts memory outside processes: the filter denies the ways to hold it
@@ -144,7 +157,7 @@ class Sandbox:
                     self._uid_fd, uid_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                     uid_w = high_fd(uid_w)
                 python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=self.lease is None,
-                                                bounded=self.cgroup is not None, uid_fd=uid_w)
+                                                bounded=self.cgroup is not None, uid_fd=uid_w, ns_fd=ns_w)
                 self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
                                          site_packages=spec.site_packages, shm_mb=spec.shm_mb)
                 argv = join_argv(self.cgroup, self.cmd.argv)
@@ -152,7 +165,7 @@ class Sandbox:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
                 self.cmd = SandboxCommand(self._python_argv(code_fd, None), {}, cwd=self.workdir)
                 argv = self.cmd.argv
-            fds = tuple(fd for fd in (code_fd, filter_fd, uid_w) if fd is not None)
+            fds = tuple(fd for fd in (code_fd, filter_fd, uid_w, ns_w) if fd is not None)
             cmd = self.cmd
             self.popen = seccomp.in_fresh_keyring(lambda: subprocess.Popen(
                 argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.PIPE if code_fd is None else subprocess.DEVNULL,
@@ -161,14 +174,28 @@ class Sandbox:
             self.cleanup(False)
             raise
         finally:
-            for fd in (filter_fd, uid_w):
+            for fd in (filter_fd, uid_w, ns_w):
                 if fd is not None:
                     os.close(fd)
 
     def _python_argv(self, code_fd: Optional[int], filter_fd: Optional[int], mount_tmp: bool = False,
-                     bounded: bool = True, uid_fd: Optional[int] = None) -> list:
+                     bounded: bool = True, uid_fd: Optional[int] = None, ns_fd: Optional[int] = None) -> list:
         return [current_interpreter().executable, '-I', '-S', '-u', '-c',
-                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd, mount_tmp, bounded, uid_fd)]
+                self.spec.launcher(0 if code_fd is None else code_fd, filter_fd, mount_tmp, bounded, uid_fd, ns_fd)]
+
+    def pid_namespace(self) -> Optional[int]:
+        """The inode of the sandbox's PID namespace, as its launcher reported it before the
+        program ran (:data:`NS_REPORT`): every process of the call is in it, and none is left once
+        the call is over. ``None`` while the launcher has not got that far (or never did), and
+        for ``isolation: none``."""
+        if self._pid_ns is None and self._ns_fd is not None:
+            try:
+                found = re.fullmatch(rb'pid:\[(\d+)\]', os.read(self._ns_fd, 64))
+            except BlockingIOError:  # nothing written yet
+                return None
+            if found:
+                self._pid_ns = int(found.group(1))
+        return self._pid_ns
 
     def _uid_checked(self) -> bool:
         """The launcher found no other process running as its uid (it says so on the check's pipe
@@ -215,8 +242,14 @@ class Sandbox:
     def cleanup(self, killed: bool) -> None:
         """After the outer process exited: wait out the namespace's teardown when it was killed,
         release the uid (one found in use elsewhere is skipped for a while), remove the scratch
-        directories."""
+        directories. (Rootless there is no uid to wait on: the outer bwrap exits only after it
+        reaped PID 1, and the kernel lets PID 1 of a namespace be reaped only once every other
+        process in it is gone; ``--die-with-parent`` covers an outer bwrap that was itself killed.)"""
         checked = self._uid_checked()
+        self.pid_namespace()  # kept for the result, then the pipe is closed
+        if self._ns_fd is not None:
+            os.close(self._ns_fd)
+            self._ns_fd = None
         if self._uid_fd is not None:
             popen = getattr(self, 'popen', None)
             self.uid_busy = not checked and popen is not None and popen.returncode == UID_BUSY_STATUS

@@ -3,7 +3,7 @@ sandbox (refused without a working isolation tool, unless the options say ``isol
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.keys import unknown_key_message
 from mtflow.tools.cgroup import DEFAULT_CPU_CORES
@@ -13,7 +13,8 @@ from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import SandboxSpec
 from mtflow.tools.sandbox.supervise import run_python
 
-__all__ = ['refusal', 'SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'check_python_options', 'make_python_tool']
+__all__ = ['refusal', 'SandboxWarning', 'DEFAULT_WARM_POOL', 'PYTHON_OPTIONS', 'python_option_problems',
+           'check_python_options', 'make_python_tool']
 
 
 class SandboxWarning(UserWarning):
@@ -34,34 +35,50 @@ PYTHON_OPTIONS: Dict[str, Any] = {
 NULLABLE_OPTIONS = ('cpu_s', 'cpu_cores')
 
 
-def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` checked (names, types, ranges, ``isolation``); ``ValueError`` says what is wrong
-    (an unknown name with the closest known one)."""
-    for key in options:
-        if key not in PYTHON_OPTIONS:
-            raise ValueError(f'python tool options: {unknown_key_message(key, PYTHON_OPTIONS)}')
+def python_option_problems(options: Dict[str, Any]) -> List[Tuple[Tuple[Any, ...], str]]:
+    """Every problem of ``options`` as ``(loc below options, message)``: an unknown name (with the
+    closest known one), a wrong type or range, an ``isolation`` not known, a ``site_packages``
+    entry that is not a usable directory, ``shm_mb`` over ``memory_mb``; ``[]`` when they are fine.
+    ``mtflow validate`` reports each at its option's own line."""
+    problems: List[Tuple[Tuple[Any, ...], str]] = []
     for key, value in options.items():
+        if key not in PYTHON_OPTIONS:
+            problems.append(((key, ), unknown_key_message(key, PYTHON_OPTIONS)))
+            continue
         types, minimum = PYTHON_OPTIONS[key]
         if value is None and key in NULLABLE_OPTIONS:
             continue
         if isinstance(value, bool) or not isinstance(value, types):
             kind = ('a number' if types == (int, float) else 'an integer' if types is int else
                     'a path or a list of paths' if key == 'site_packages' else 'a string')
-            raise ValueError(f'python tool: option {key!r} must be {kind}, got {value!r}')
-        if minimum is not None and value < minimum:
-            raise ValueError(f'python tool: option {key!r} must be at least {minimum:g}, got {value!r}')
+            problems.append(((key, ), f'option {key!r} must be {kind}, got {value!r}'))
+        elif minimum is not None and value < minimum:
+            problems.append(((key, ), f'option {key!r} must be at least {minimum:g}, got {value!r}'))
+        elif key == 'site_packages':
+            try:
+                check_site_packages([value] if isinstance(value, str) else value)
+            except ValueError as exc:
+                problems.append(((key, ), f'option \'site_packages\': {exc}'))
+        elif key == 'isolation' and value not in ISOLATION_CHOICES:
+            problems.append(((key, ), f'option \'isolation\' must be one of {", ".join(ISOLATION_CHOICES)}, '
+                                      f'got {value!r}'))
+    shm, memory = options.get('shm_mb', SHM_MB), options.get('memory_mb', 512)
+    if not any(loc[0] in ('shm_mb', 'memory_mb') for loc, _ in problems) and shm > memory:
+        problems.append((('shm_mb' if 'shm_mb' in options else 'memory_mb', ),
+                         f'option \'shm_mb\' ({shm}) must not exceed memory_mb ({memory}): /dev/shm is memory '
+                         'of the call'))
+    return problems
+
+
+def check_python_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` checked (:func:`python_option_problems`), with ``site_packages`` resolved;
+    ``ValueError`` names every problem."""
+    problems = python_option_problems(options)
+    if problems:
+        raise ValueError('python tool: ' + '; '.join(msg for _, msg in problems))
     if 'site_packages' in options:
         site = options['site_packages']
-        try:
-            options = dict(options, site_packages=check_site_packages([site] if isinstance(site, str) else site))
-        except ValueError as exc:
-            raise ValueError(f'python tool: option \'site_packages\': {exc}') from None
-    if options.get('shm_mb', SHM_MB) > options.get('memory_mb', 512):
-        raise ValueError(f'python tool: option \'shm_mb\' ({options.get("shm_mb", SHM_MB)}) must not exceed '
-                         f'memory_mb ({options.get("memory_mb", 512)}): /dev/shm is memory of the call')
-    if options.get('isolation', 'auto') not in ISOLATION_CHOICES:
-        raise ValueError(f'python tool: option \'isolation\' must be one of {", ".join(ISOLATION_CHOICES)}, '
-                         f'got {options["isolation"]!r}')
+        options = dict(options, site_packages=check_site_packages([site] if isinstance(site, str) else site))
     return dict(options)
 
 

@@ -24,7 +24,8 @@ class SandboxResult:
     memory_mb: Optional[int] = None
     timeout_s: Optional[float] = None
     isolation: str = ''
-    uid: Optional[int] = None  # the leased uid it ran as (isolated runs)
+    uid: Optional[int] = None  # the leased uid it ran as (isolated runs as root)
+    pid_namespace: Optional[int] = None  # the inode of its own PID namespace (isolated runs): all its processes' one
     oom_killed: bool = False  # the call's cgroup ran out of memory (memfd, tmpfs, kernel memory...)
     cpu_limit: bool = False  # killed at RLIMIT_CPU's hard limit (a program that caught SIGXCPU)
     usage: Dict[str, float] = field(default_factory=dict)  # memory_peak_mb, cpu_s (from the cgroup)

@@ -165,7 +165,8 @@ def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s
     cpu_limit = sig == signal.SIGKILL and not sandbox.oom_killed() and cpu_used >= sandbox.spec.cpu_s
     return SandboxResult(text, returncode, timed_out, truncated, sig, output.flooded, sandbox.spec.memory_mb, timeout_s,
                          sandbox.spec.kind, sandbox.lease.uid if sandbox.lease else None,
-                         oom_killed=sandbox.oom_killed(), cpu_limit=cpu_limit, usage=usage)
+                         pid_namespace=sandbox.pid_namespace(), oom_killed=sandbox.oom_killed(), cpu_limit=cpu_limit,
+                         usage=usage)
 
 
 async def _tear_down(sandbox: Sandbox, exited: 'asyncio.Future[None]', pidfd: Optional[int], transport: Any,
