@@ -36,11 +36,13 @@ cancelled call (interrupt, deadline) aborts its vLLM requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import json
+import os
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, sampling_seeds,
                                   context_length_of, prepare_chat)
@@ -49,6 +51,7 @@ from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.vllm_defaults import choose_engine_kwargs
+from mtflow.backends.vllm_logs import engine_process_env, logging_config_file
 from mtflow.backends.vllm_resume import resumable_acall, snapshot
 from mtflow.backends.vision import NO_PROCESSOR_FOR_TOKENS, VisionPrompter, check_engine_prompt, image_refusals, token_prompt
 
@@ -192,6 +195,8 @@ class VLLMBackend(Backend):
         self._runner: Any = None
         self._closed = False
         self._owns_engine = not given
+        #: the logging config file the engine's processes read (deleted on close)
+        self._log_config_path: Optional[str] = None
         self._request_ids = itertools.count()
         #: the load report: the engine's dtype and prefix-cache block size, and where each came from
         self.load_info: Dict[str, Any] = {}
@@ -203,7 +208,7 @@ class VLLMBackend(Backend):
             self.llm, self.model_name, sampling_params_cls = self._build_async_engine(
                 model, engine_kwargs, seed, sampling_params_cls)
         elif not given:
-            self.llm, self.model_name, sampling_params_cls, self.load_info = _build_llm_engine(
+            self.llm, self.model_name, sampling_params_cls, self.load_info, self._log_config_path = _build_llm_engine(
                 model, engine_kwargs, seed, sampling_params_cls)
         else:
             self.llm, self.model_name = model, _served_model_name(model)
@@ -249,7 +254,8 @@ class VLLMBackend(Backend):
             return engine_cls.from_engine_args(vllm.AsyncEngineArgs(model=path, **kwargs))
 
         try:
-            llm = self._runner.run(build())
+            with _engine_start(kwargs) as self._log_config_path:
+                llm = self._runner.run(build())
         except Exception as exc:
             self._runner.stop()
             raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
@@ -367,7 +373,7 @@ class VLLMBackend(Backend):
         request_id = f'mtflow-{getattr(request, "uuid", None) or "request"}-{next(self._request_ids)}'
         last = None
         try:
-            async for out in self.llm.generate({'prompt_token_ids': prompt}, self._params(options, seed),
+            async for out in self.llm.generate(await self._engine_input(prompt), self._params(options, seed),
                                                request_id):
                 last = out
                 if progress is not None:
@@ -385,6 +391,21 @@ class VLLMBackend(Backend):
             raise BackendError(f'vllm stream {request_id} ended before the request finished')
         self.prefix_cache.add(len(prompt), getattr(last, 'num_cached_tokens', None), plan.appended is not None)
         return choice_from_completion(last.outputs[0], plan.ids, options, self.model_name, self.tokenizer)
+
+    async def _engine_input(self, ids: List[int]) -> Any:
+        """A token prompt as ``AsyncLLM.generate`` wants it: rendered by the engine's own
+        ``Renderer`` (``parse_model_prompt`` then ``render_cmpl_async``, the path vLLM's
+        ``generate`` docstring gives), as ``LLM.generate`` does for its prompts. vLLM 0.32
+        deprecates raw prompts there ("Passing raw prompts to InputProcessor is deprecated").
+        An engine without a renderer (an older vLLM, a stand-in) gets the raw ``TokensPrompt``."""
+        renderer = getattr(self.llm, 'renderer', None)
+        render = getattr(renderer, 'render_cmpl_async', None)
+        if render is None:
+            return {'prompt_token_ids': ids}
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        parsed = parse_model_prompt(self.llm.model_config, {'prompt_token_ids': ids})
+        (engine_input,) = await render([parsed], renderer.default_cmpl_tok_params)
+        return engine_input
 
     def close(self) -> None:
         """Shut down an engine this backend built (its engine process stops now, not when the
@@ -405,6 +426,8 @@ class VLLMBackend(Backend):
             except Exception:  # pragma: no cover - closing is best effort
                 pass
             self.llm = None
+        _remove(self._log_config_path)
+        self._log_config_path = None
         if runner is not None:
             runner.stop()
 
@@ -550,8 +573,9 @@ def _vllm_device() -> Optional[str]:
 
 
 def _build_llm_engine(model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
-                      sampling_params_cls: Any) -> Tuple[Any, str, Any, Dict[str, Any]]:
-    """A new ``vllm.LLM`` for ``model``: ``(engine, model name, SamplingParams class, load report)``."""
+                      sampling_params_cls: Any) -> Tuple[Any, str, Any, Dict[str, Any], Optional[str]]:
+    """A new ``vllm.LLM`` for ``model``: ``(engine, model name, SamplingParams class, load report,
+    the logging config file its processes read or None)``."""
     try:
         import vllm
     except ImportError as exc:
@@ -559,10 +583,41 @@ def _build_llm_engine(model: Optional[str], engine_kwargs: Optional[Dict[str, An
     path, name = _model_path(model)
     kwargs, report = _engine_kwargs(engine_kwargs, seed)
     try:
-        llm = vllm.LLM(model=path, **kwargs)
+        with _engine_start(kwargs) as log_config_path:
+            llm = vllm.LLM(model=path, **kwargs)
     except Exception as exc:
         raise BackendError(f'vllm cannot load model {name!r}: {_load_error_text(exc)}') from exc
-    return llm, name, sampling_params_cls or vllm.SamplingParams, report
+    return llm, name, sampling_params_cls or vllm.SamplingParams, report, log_config_path
+
+
+@contextlib.contextmanager
+def _engine_start(kwargs: Dict[str, Any]) -> Iterator[Optional[str]]:
+    """Around the construction of an engine the backend builds (:mod:`mtflow.backends.vllm_logs`):
+    unless ``kwargs`` configure vLLM's logging themselves, a ``logging_config`` whose file adds
+    the weight-dtype summary in every engine process (the file's path is yielded; removed here
+    if the engine fails to start, else by ``close()``); and the workers' shutdown grace period
+    in the environment the engine core inherits."""
+    path = None
+    if 'logging_config' not in kwargs and 'log_config_file' not in kwargs:
+        try:
+            from vllm.config.logging import LoggingConfig
+        except Exception:  # an older vLLM: its log is left as it is
+            LoggingConfig = None
+        path = logging_config_file() if LoggingConfig is not None else None
+        if path is not None:
+            kwargs['logging_config'] = LoggingConfig(pylogging_config_file=path)
+    try:
+        with engine_process_env():
+            yield path
+    except BaseException:
+        _remove(path)
+        raise
+
+
+def _remove(path: Optional[str]) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _served_model_name(engine: Any) -> str:
