@@ -19,6 +19,7 @@ engine core and never reached the workers' wait: :func:`engine_process_env` give
 :data:`WORKER_SHUTDOWN_GRACE_S` through the environment the engine core inherits."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
@@ -55,7 +56,7 @@ class WeightDtypeSummary(logging.Filter):
             self.counts[key] = self.counts.get(key, 0) + 1
             if self._template is None:
                 self._template = record
-                import atexit  # a process whose next record never comes still says it once
+                # a process whose next record never comes still says it once
                 atexit.register(self.flush)
             return False
         self.flush()
