@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 __all__ = ['Eta']
 
@@ -38,6 +38,41 @@ __all__ = ['Eta']
 WINDOW_S, WINDOW_SHARE = 5.0, 0.1
 #: at least this many completions in a rate window (it reaches further back when fewer are in it)
 WINDOW_MIN_EVENTS = 4
+#: a rising load: the slope of a turn's length over the last this many measurements (at least
+#: TREND_MIN_POINTS) is extrapolated when it exceeds TREND_T times its standard error
+TREND_POINTS, TREND_MIN_POINTS, TREND_T = 6, 3, 2.0
+
+
+def rise_rate(points: List[Tuple[float, float]]) -> float:
+    """How fast a length grows, as a share of itself per second: the least-squares slope of
+    ``(time, seconds)`` over ``points`` divided by the fitted length at the last point; 0 unless
+    the slope is positive and more than :data:`TREND_T` standard errors (noise is no trend), or
+    with fewer than :data:`TREND_MIN_POINTS` points. A flat or falling series gives 0: the
+    estimate only extrapolates a rise, and stops as soon as the last points flatten."""
+    n = len(points)
+    if n < TREND_MIN_POINTS:
+        return 0.0
+    mt = sum(t for t, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((t - mt) ** 2 for t, _ in points)
+    if sxx <= 0:
+        return 0.0
+    slope = sum((t - mt) * (y - my) for t, y in points) / sxx
+    if slope <= 0:
+        return 0.0
+    residual = sum((y - my - slope * (t - mt)) ** 2 for t, y in points)
+    se = math.sqrt(residual / (n - 2) / sxx) if n > 2 else 0.0
+    if slope <= TREND_T * se:
+        return 0.0
+    at_last = my + slope * (points[-1][0] - mt)
+    return slope / at_last if at_last > 0 else 0.0
+
+
+def extrapolated(seconds: float, rate: float) -> float:
+    """``seconds`` of work at today's speed when every second's work takes ``rate`` more of its
+    length for each second from now (the rise seen so far, kept up): each turn left is longer by
+    the rise until it starts, which at today's speed is on average half the time left."""
+    return seconds * (1.0 + rate * seconds / 2.0)
 
 
 class Eta:
@@ -66,6 +101,9 @@ class Eta:
         self.longest = {'call': 0.0, 'steps': 0.0}   # this batch's longest call and step phase
         self.before = {'call': 0.0, 'steps': 0.0}    # the batch before's
         self.known = {'call': False, 'steps': False}  # measured at least once
+        # every measurement: (when it ended, live requests, seconds), for the trend of each phase
+        self.history: Dict[str, Deque[Tuple[float, int, float]]] = {'call': deque(maxlen=256), 'steps': deque(maxlen=256)}
+        self._steps_pending: Optional[Tuple[float, float]] = None  # a step phase, until its call tells its width
         # async
         self.turn_times: Deque[float] = deque(maxlen=4096)  # when each request-turn finished
         self.request_turns: Dict[str, Tuple[int, float]] = {}  # uuid -> (turns so far, when its last ended)
@@ -98,17 +136,22 @@ class Eta:
         now = self.clock()
         if self.call_ended is not None:
             self._measured('steps', now - self.call_ended)
+            self._steps_pending = (now, now - self.call_ended)
         self.call_began, self.call_ended = now, None
 
-    def call_done(self) -> None:
-        """That call returned."""
+    def call_done(self, live: int = 0) -> None:
+        """That call returned; ``live``: the requests it generated for (0: not told)."""
         with self._lock:
-            self._call_done()
+            self._call_done(live)
 
-    def _call_done(self) -> None:
+    def _call_done(self, live: int = 0) -> None:
         now = self.clock()
+        if self._steps_pending is not None:
+            self.history['steps'].append((self._steps_pending[0], live, self._steps_pending[1]))
+            self._steps_pending = None
         if self.call_began is not None:
             self._measured('call', now - self.call_began)
+            self.history['call'].append((now, live, now - self.call_began))
         self.batch_turn += 1
         self.call_began, self.call_ended = None, now
 
@@ -165,15 +208,44 @@ class Eta:
         live = self.started > finished
         turns_left = (self.max_turns - self.batch_turn if live else 0) + \
             math.ceil(max(self.total - self.started, 0) / self.batch_size) * self.max_turns
-        return max(turns_left, 1) * (call + steps)
+        seconds = max(turns_left, 1) * (call + steps)
+        if self.lower_bound or call + steps <= 0:
+            return seconds
+        rise = call * self._phase_rise('call') + steps * self._phase_rise('steps')
+        return extrapolated(seconds, rise / (call + steps))
+
+    def _phase_rise(self, phase: str) -> float:
+        """The phase's :func:`rise_rate` over its last :data:`TREND_POINTS` measurements as wide
+        as its latest (same live requests: a batch's narrowing tail and the next batch's wide turns
+        are no trend), and no more than the smallest rise between two of the last
+        :data:`TREND_MIN_POINTS` (a rise every turn still shows: a load that stepped up once and
+        stays there, or a turn that once ran long, is a new speed to keep, not a trend)."""
+        history = self.history[phase]
+        if not history:
+            return 0.0
+        width = history[-1][1]
+        points: List[Tuple[float, float]] = []
+        for t, live, seconds in reversed(history):
+            if live == width:
+                points.append((t, seconds))
+                if len(points) == TREND_POINTS:
+                    break
+        points.reverse()
+        last = points[-TREND_MIN_POINTS:]
+        if len(last) < TREND_MIN_POINTS or last[-1][1] <= 0:
+            return 0.0
+        steady = min((y1 - y0) / (t1 - t0) if t1 > t0 else 0.0 for (t0, y0), (t1, y1) in zip(last, last[1:]))
+        return min(rise_rate(points), max(steady, 0.0) / last[-1][1])
 
     def _async(self, now: float, turns_left: int) -> float:
         throughput = turns_left * self._seconds_per_event(self.turn_times, now)
         if not self.gaps or not self.request_turns or self.max_turns is None:
             return throughput
         behind = min(turns for turns, _ in self.request_turns.values())
-        gap = max(sum(self.gaps) / len(self.gaps), now - min(last for _, last in self.request_turns.values()))
-        return max(throughput, max(self.max_turns - behind, 0) * gap)
+        mean_gap = sum(self.gaps) / len(self.gaps)
+        gap = max(mean_gap, now - min(last for _, last in self.request_turns.values()))
+        pace = turns_left * mean_gap / len(self.request_turns)  # the live requests, each at its recent pace
+        return max(throughput, pace, max(self.max_turns - behind, 0) * gap)
 
     def _seconds_per_event(self, times: Deque[float], now: float) -> float:
         """Seconds per event over the recent window, which ends now (a stall counts): the events
