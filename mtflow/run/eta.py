@@ -13,11 +13,18 @@ a turn still running counts with the time it has taken so far, so a slowdown sho
   its widest, its later ones have longer prompts, a rising load makes any longer: the longest
   covers them). Counting request-turns at the run's average rate instead made the tail of a
   batch look fast (2 live requests at turn 5 are 2 request-turns, but a whole lockstep turn
-  each) and the next batch's wide turns look as cheap as that tail.
-- **async**: requests advance on their own; what is left is the larger of the turns of the bound
-  at the recent rate (turns finished per second over a window that ends now), and the turns the
-  furthest-behind live request may still play at the recent time between two turns of one
-  request (the tail of a run, when few requests are left, goes at one request's pace).
+  each) and the next batch's wide turns look as cheap as that tail. A load that keeps rising
+  (other jobs starting one after another) makes every turn left longer than the last one: when
+  each phase's last turns of one width all got longer, turn after turn (:func:`rise_rate`, the
+  smallest of the last rises, and a least-squares slope beyond its noise), that rise is carried
+  on over the time left (:func:`extrapolated`); it stops as soon as one turn is no longer than the
+  one before, so a load that stepped up once and stays is a new speed, not a trend.
+- **async**: requests advance on their own; what is left is the largest of the turns of the bound
+  at the recent rate (turns finished per second over a window that ends now), the same turns
+  shared by the live requests each at its recent pace (Little's law: the live requests over the
+  time between two turns of one request; the window's rate lags when that pace slows or fewer
+  requests are live), and the turns the furthest-behind live request may still play at that
+  pace (the tail of a run, when few requests are left, goes at one request's pace).
 
 Until a first call has returned, and in lockstep a first step phase has ended (a turn's length
 is not known before), the estimate is a lower bound (:attr:`Eta.lower_bound`): the turns left,
