@@ -47,7 +47,7 @@ def _lockstep_run(turns_per_request: List[int], batch_size: int, max_turns: int,
             clock.now += length / 2
             shown.append((clock.now, eta.seconds_left(None, finished), eta.lower_bound))
             clock.now += length / 2
-            eta.call_done()
+            eta.call_done(len(live))
             finished += sum(1 for n in batch if n == turn)
             shown.append((clock.now, eta.seconds_left(None, finished), eta.lower_bound))
     end = clock.now
