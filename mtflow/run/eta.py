@@ -17,8 +17,9 @@ a turn still running counts with the time it has taken so far, so a slowdown sho
   (other jobs starting one after another) makes every turn left longer than the last one: when
   each phase's last turns of one width all got longer, turn after turn (:func:`rise_rate`, the
   smallest of the last rises, and a least-squares slope beyond its noise), that rise is carried
-  on over the time left (:func:`extrapolated`); it stops as soon as one turn is no longer than the
-  one before, so a load that stepped up once and stays is a new speed, not a trend.
+  on for as long as it has lasted, at most the time left (:func:`extrapolated`); it stops as
+  soon as one turn is no longer than the one before, so a load that stepped up once and stays is
+  a new speed, not a trend.
 - **async**: requests advance on their own; what is left is the largest of the turns of the bound
   at the recent rate (turns finished per second over a window that ends now), the same turns
   shared by the live requests each at its recent pace (Little's law: the live requests over the
@@ -75,11 +76,15 @@ def rise_rate(points: List[Tuple[float, float]]) -> float:
     return slope / at_last if at_last > 0 else 0.0
 
 
-def extrapolated(seconds: float, rate: float) -> float:
-    """``seconds`` of work at today's speed when every second's work takes ``rate`` more of its
-    length for each second from now (the rise seen so far, kept up): each turn left is longer by
-    the rise until it starts, which at today's speed is on average half the time left."""
-    return seconds * (1.0 + rate * seconds / 2.0)
+def extrapolated(seconds: float, rate: float, horizon: float = math.inf) -> float:
+    """``seconds`` of work at today's speed when the work of each second from now takes ``rate``
+    more of its length per second, for ``horizon`` seconds (then stays): a rise carried on for as
+    long as it has lasted. Each turn is longer by the rise until it starts, which is counted at
+    today's speed (first order: the rise's own lengthening is not compounded)."""
+    if rate <= 0 or seconds <= 0:
+        return seconds
+    h = min(max(horizon, 0.0), seconds)
+    return seconds + rate * (h * seconds - h * h / 2.0)
 
 
 class Eta:
@@ -218,31 +223,38 @@ class Eta:
         seconds = max(turns_left, 1) * (call + steps)
         if self.lower_bound or call + steps <= 0:
             return seconds
-        rise = call * self._phase_rise('call') + steps * self._phase_rise('steps')
-        return extrapolated(seconds, rise / (call + steps))
+        for phase, length in (('call', call), ('steps', steps)):
+            rate, lasted = self._phase_rise(phase)
+            seconds = extrapolated(seconds, rate * length / (call + steps), lasted) if rate else seconds
+        return seconds
 
-    def _phase_rise(self, phase: str) -> float:
-        """The phase's :func:`rise_rate` over its last :data:`TREND_POINTS` measurements as wide
-        as its latest (same live requests: a batch's narrowing tail and the next batch's wide turns
-        are no trend), and no more than the smallest rise between two of the last
+    def _phase_rise(self, phase: str) -> Tuple[float, float]:
+        """How fast the phase's length rises (a share of itself per second) and for how long it has
+        risen. The rate: the :func:`rise_rate` of its last :data:`TREND_POINTS` measurements as
+        wide as its latest (same live requests: a batch's narrowing tail and the next batch's wide
+        turns are no trend), and no more than the smallest rise between two of the last
         :data:`TREND_MIN_POINTS` (a rise every turn still shows: a load that stepped up once and
-        stays there, or a turn that once ran long, is a new speed to keep, not a trend)."""
+        stays there, or a turn that once ran long, is a new speed to keep, not a trend). How long:
+        since the end of the last measurement of that width that was no longer than the one
+        before it (each since has been longer), or since the first began."""
         history = self.history[phase]
         if not history:
-            return 0.0
+            return 0.0, 0.0
         width = history[-1][1]
-        points: List[Tuple[float, float]] = []
-        for t, live, seconds in reversed(history):
-            if live == width:
-                points.append((t, seconds))
-                if len(points) == TREND_POINTS:
-                    break
-        points.reverse()
+        same = [(t, seconds) for t, live, seconds in history if live == width]
+        points = same[-TREND_POINTS:]
         last = points[-TREND_MIN_POINTS:]
         if len(last) < TREND_MIN_POINTS or last[-1][1] <= 0:
-            return 0.0
+            return 0.0, 0.0
         steady = min((y1 - y0) / (t1 - t0) if t1 > t0 else 0.0 for (t0, y0), (t1, y1) in zip(last, last[1:]))
-        return min(rise_rate(points), max(steady, 0.0) / last[-1][1])
+        rate = min(rise_rate(points), max(steady, 0.0) / last[-1][1])
+        if rate <= 0:
+            return 0.0, 0.0
+        first = len(same) - 1
+        while first > 0 and same[first - 1][1] < same[first][1]:
+            first -= 1
+        began = same[first - 1][0] if first else same[0][0] - same[0][1]  # the last seen no longer, or the start
+        return rate, same[-1][0] - began
 
     def _async(self, now: float, turns_left: int) -> float:
         throughput = turns_left * self._seconds_per_event(self.turn_times, now)
