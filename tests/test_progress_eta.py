@@ -267,3 +267,17 @@ def test_async_turns_left_go_at_the_live_requests_own_pace():
         eta.turn_done(f'q{k}')
         clock.now += 0.025
     assert eta.seconds_left(turns_left=80, finished=0) >= 0.8 * 80 * 2.0 / 8
+
+
+def test_a_request_not_heard_from_yet_still_counts_as_live():
+    """4 requests at a time, a turn each 1 s: when one finishes, the next is in its first turn
+    and has told nothing yet; the 40 turns left still go 4 at a time (10 s), not 3 (13 s)."""
+    clock = Clock()
+    eta = Eta(12, 6, lockstep=False, clock=clock)
+    for _ in range(3):
+        clock.now += 1.0
+        for k in range(4):
+            eta.turn_done(f'q{k}')
+    eta.request_done('q0')  # q4 starts its first turn
+    clock.now += 0.5
+    assert 10.0 <= eta.seconds_left(turns_left=40, finished=1) < 40 * 1.0 / 3  # the window's rate says 11.7

@@ -15,17 +15,19 @@ a turn still running counts with the time it has taken so far, so a slowdown sho
   batch look fast (2 live requests at turn 5 are 2 request-turns, but a whole lockstep turn
   each) and the next batch's wide turns look as cheap as that tail. A load that keeps rising
   (other jobs starting one after another) makes every turn left longer than the last one: when
-  each phase's last turns of one width all got longer, turn after turn (:func:`rise_rate`, the
-  smallest of the last rises, and a least-squares slope beyond its noise), that rise is carried
-  on for as long as it has lasted, at most the time left (:func:`extrapolated`); it stops as
-  soon as one turn is no longer than the one before, so a load that stepped up once and stays is
-  a new speed, not a trend.
+  each phase's last turns of one width in the rate window all got longer, turn after turn
+  (:func:`rise_rate`, the smallest of the last rises, and a least-squares slope beyond its
+  noise), that rise is carried on for as long as it has lasted, at most the time left
+  (:func:`extrapolated`); it stops as soon as one turn is no longer than the one before, so a
+  load that stepped up once and stays is a new speed, not a trend.
 - **async**: requests advance on their own; what is left is the largest of the turns of the bound
   at the recent rate (turns finished per second over a window that ends now), the same turns
   shared by the live requests each at its recent pace (Little's law: the live requests over the
   time between two turns of one request; the window's rate lags when that pace slows or fewer
-  requests are live), and the turns the furthest-behind live request may still play at that
-  pace (the tail of a run, when few requests are left, goes at one request's pace).
+  requests are live; a request in its first turn is not heard from yet, so while requests are
+  left the live ones are as many as the run has had at once), and the turns the furthest-behind
+  live request may still play at that pace (the tail of a run, when few requests are left, goes
+  at one request's pace).
 
 Until a first call has returned, and in lockstep a first step phase has ended (a turn's length
 is not known before), the estimate is a lower bound (:attr:`Eta.lower_bound`): the turns left,
@@ -121,6 +123,7 @@ class Eta:
         self.request_turns: Dict[str, Tuple[int, float]] = {}  # uuid -> (turns so far, when its last ended)
         self.gaps: Deque[float] = deque(maxlen=64)  # seconds between two turns of one request
         self.done_times: Deque[float] = deque(maxlen=4096)  # when each request finished
+        self.most_live = 0  # the most requests at once that had played a turn and not finished
         self.lower_bound = False  # the last estimate is a lower bound
         self._lock = threading.Lock()
 
@@ -180,6 +183,7 @@ class Eta:
             if last is not None:
                 self.gaps.append(now - last)
             self.request_turns[uuid] = (turns + 1, now)
+            self.most_live = max(self.most_live, len(self.request_turns))
 
     def request_done(self, uuid: Optional[str] = None) -> None:
         with self._lock:
@@ -232,7 +236,8 @@ class Eta:
         """How fast the phase's length rises (a share of itself per second) and for how long it has
         risen. The rate: the :func:`rise_rate` of its last :data:`TREND_POINTS` measurements as
         wide as its latest (same live requests: a batch's narrowing tail and the next batch's wide
-        turns are no trend), and no more than the smallest rise between two of the last
+        turns are no trend) within the rate window (turns of one width far apart, a batch's first
+        turns each a batch apart, are too few to tell a step from a rise), and no more than the smallest rise between two of the last
         :data:`TREND_MIN_POINTS` (a rise every turn still shows: a load that stepped up once and
         stays there, or a turn that once ran long, is a new speed to keep, not a trend). How long:
         since the end of the last measurement of that width that was no longer than the one
@@ -240,8 +245,9 @@ class Eta:
         history = self.history[phase]
         if not history:
             return 0.0, 0.0
-        width = history[-1][1]
-        same = [(t, seconds) for t, live, seconds in history if live == width]
+        width, latest = history[-1][1], history[-1][0]
+        since = latest - max(WINDOW_S, WINDOW_SHARE * (latest - self.t0))  # the rate window's
+        same = [(t, seconds) for t, live, seconds in history if live == width and t >= since]
         points = same[-TREND_POINTS:]
         last = points[-TREND_MIN_POINTS:]
         if len(last) < TREND_MIN_POINTS or last[-1][1] <= 0:
@@ -263,7 +269,10 @@ class Eta:
         behind = min(turns for turns, _ in self.request_turns.values())
         mean_gap = sum(self.gaps) / len(self.gaps)
         gap = max(mean_gap, now - min(last for _, last in self.request_turns.values()))
-        pace = turns_left * mean_gap / len(self.request_turns)  # the live requests, each at its recent pace
+        # the live requests, each at its recent pace: those heard from, or as many as the run has had
+        # at once while more are left (one in its first turn is not heard from yet), all left at its end
+        live = max(len(self.request_turns), min(self.most_live, self.total - len(self.done_times)))
+        pace = turns_left * mean_gap / live
         return max(throughput, pace, max(self.max_turns - behind, 0) * gap)
 
     def _seconds_per_event(self, times: Deque[float], now: float) -> float:
