@@ -47,7 +47,7 @@ def _lockstep_run(turns_per_request: List[int], batch_size: int, max_turns: int,
             clock.now += length / 2
             shown.append((clock.now, eta.seconds_left(None, finished), eta.lower_bound))
             clock.now += length / 2
-            eta.call_done()
+            eta.call_done(len(live))
             finished += sum(1 for n in batch if n == turn)
             shown.append((clock.now, eta.seconds_left(None, finished), eta.lower_bound))
     end = clock.now
@@ -192,3 +192,92 @@ def test_a_branched_run_counts_its_leaves_and_stays_inside_its_bound(tmp_path, m
     last = made[-1]
     assert last['finished'] == last['total'] == written and last['turns'] == last['turn_bound']
     assert f'done: {written}/{written} requests, turns {last["turns"]}/{last["turns"]}' in capsys.readouterr().out
+
+
+def _loaded_lockstep(load, batches: int = 4, batch_size: int = 8, max_turns: int = 6, call_s: float = 0.5,
+                     step_s: float = 0.05):
+    """Every request plays every turn (no slack in the bound); a call costs ``call_s`` and each
+    live request's step ``step_s``, both times ``load(now)``. Returns ``(eta, time left, turns
+    played, turns in all)`` at each end of a call, on the fake clock."""
+    clock = Clock()
+    eta = Eta(batches * batch_size, max_turns, lockstep=True, batch_size=batch_size, clock=clock)
+    shown, finished, played = [], 0, 0
+    for _ in range(batches):
+        eta.batch_started(batch_size)
+        for turn in range(1, max_turns + 1):
+            if turn > 1:
+                clock.now += step_s * batch_size * load(clock.now)
+            eta.call_started()
+            clock.now += call_s * load(clock.now)
+            eta.call_done(batch_size)
+            played += 1
+            if turn == max_turns:
+                finished += batch_size
+            shown.append((clock.now, eta.seconds_left(None, finished), played))
+    end = clock.now
+    return [(e, end - t, n, batches * max_turns) for t, e, n in shown if end - t > 0]
+
+
+def test_a_load_that_keeps_rising_is_carried_on_over_the_time_left():
+    """The load rises 4% a second all the run (a turn is 8% longer at its end than at its
+    start): every turn left will be longer than the last, and once three of each phase were
+    measured (turn 4: the first step phase is turn 2's) the estimate says so (at the last turn's
+    speed it said 0.74-0.8 of the time left then)."""
+    shown = _loaded_lockstep(lambda t: 1.0 + 0.04 * t)
+    late = [(e, left) for e, left, n, total in shown if n >= 4]
+    assert late and all(e >= 0.8 * left for e, left in late), [(round(e, 1), round(left, 1)) for e, left in late]
+    assert all(e <= 1.5 * left for e, left in late), 'the rise carried on for as long as it lasted, not blown up'
+
+
+def test_a_flat_load_is_not_extrapolated():
+    """Turns of one length: the estimate is the turns left at that length (a little over, as a
+    batch's first turn has no step phase), never more."""
+    shown = _loaded_lockstep(lambda t: 1.0)
+    assert all(left - 1e-9 <= e <= 1.1 * left for e, left, _, _ in shown[1:]), \
+        [(round(e, 1), round(left, 1)) for e, left, _, _ in shown]
+
+
+def test_a_load_that_stepped_up_and_stays_is_a_new_speed_not_a_trend():
+    """The load doubles at 5 s and stays: the estimate follows to the new speed and no further (a
+    rise carried on from the step, 0.9 s a turn to 1.8 s in one turn, would say several times the
+    time left)."""
+    shown = _loaded_lockstep(lambda t: 1.0 if t < 5.0 else 2.0)
+    after = [(e, left) for e, left, n, _ in shown if n >= 8]  # the step landed in turn 6 and 7
+    assert after and all(left - 1e-9 <= e <= 1.15 * left for e, left in after), \
+        [(round(e, 1), round(left, 1)) for e, left in after]
+
+
+def test_noise_is_no_trend():
+    from mtflow.run.eta import rise_rate
+
+    assert rise_rate([(0.0, 1.0), (1.0, 1.2), (2.0, 0.9), (3.0, 1.25), (4.0, 1.0), (5.0, 1.1)]) == 0.0
+    assert rise_rate([(0.0, 1.0), (1.0, 1.1), (2.0, 1.2), (3.0, 1.3)]) == pytest.approx(0.1 / 1.3)
+    assert rise_rate([(0.0, 1.3), (1.0, 1.2), (2.0, 1.1)]) == 0.0, 'a falling load is not carried on'
+
+
+def test_async_turns_left_go_at_the_live_requests_own_pace():
+    """A burst of turns (a window's rate of 40 turns a second) while 8 live requests each take
+    2 s a turn: the 80 turns left take 20 s at their pace, not 2 s at the burst's rate."""
+    clock = Clock()
+    eta = Eta(8, 12, lockstep=False, clock=clock)
+    for k in range(8):
+        eta.turn_done(f'q{k}')
+    clock.now += 2.0
+    for k in range(8):
+        eta.turn_done(f'q{k}')
+        clock.now += 0.025
+    assert eta.seconds_left(turns_left=80, finished=0) >= 0.8 * 80 * 2.0 / 8
+
+
+def test_a_request_not_heard_from_yet_still_counts_as_live():
+    """4 requests at a time, a turn each 1 s: when one finishes, the next is in its first turn
+    and has told nothing yet; the 40 turns left still go 4 at a time (10 s), not 3 (13 s)."""
+    clock = Clock()
+    eta = Eta(12, 6, lockstep=False, clock=clock)
+    for _ in range(3):
+        clock.now += 1.0
+        for k in range(4):
+            eta.turn_done(f'q{k}')
+    eta.request_done('q0')  # q4 starts its first turn
+    clock.now += 0.5
+    assert 10.0 <= eta.seconds_left(turns_left=40, finished=1) < 40 * 1.0 / 3  # the window's rate says 11.7

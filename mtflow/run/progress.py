@@ -116,7 +116,7 @@ class RunProgress:
         self._counted_turns = True
         self.turns_done += live
         self.live = live
-        self.eta.call_done()
+        self.eta.call_done(live)
         self._refresh()
 
     def on_request_turn(self, uuid: str) -> None:
