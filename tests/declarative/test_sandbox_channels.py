@@ -334,9 +334,12 @@ def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
     the host's ``/proc/locks``."""
     import pydoc_data.topics  # a large standard-library file no sandbox start reads
     path = pydoc_data.topics.__file__
-    with open(path, 'rb') as f:
-        f.read()
+    control = os.path.join(os.path.dirname(os.__file__), '_pydecimal.py')  # another, the call never opens
+    for name in (path, control):
+        with open(name, 'rb') as f:
+            f.read()
     pages = -(-os.path.getsize(path) // os.sysconf('SC_PAGE_SIZE'))
+    control_pages = _cached_pages(control)
     reclaim = _host_reclaim()
     before = _cached_pages(path)
     assert before in (pages, None)
@@ -349,13 +352,14 @@ def test_a_shared_files_pages_stay_cached_and_unlocked_on_the_host(kind):
     if before is None:
         pytest.skip('the call\'s denials and the host\'s locks were checked; the host-side page count of a '
                     'standard-library file needs root (cachestat of a file this user does not own: EPERM)')
-    cached = _cached_pages(path)
-    if cached != pages and _host_reclaim() != reclaim:
-        pytest.skip(f'the host reclaimed memory meanwhile ({cached} of {pages} pages cached)')
-    # the call's advice would drop every page (0 of 185 stayed before the rule); the host's own
-    # background reclaim (kswapd: no stall in PSI) may drop a page or two on a loaded machine
-    # (seen once: 184 of 185 during the full suite)
-    assert cached >= pages - max(2, pages // 20), f'{cached} of {pages} pages still cached'
+    cached, control_cached = _cached_pages(path), _cached_pages(control)
+    if cached != pages and (_host_reclaim() != reclaim or control_cached != control_pages):
+        pytest.skip(f'the host evicted pages meanwhile ({cached} of {pages} pages cached, '
+                    f'{control_cached} of {control_pages} of a file the call never opened)')
+    # the call's advice, let through, drops every page (fadvise DONTNEED drops all clean unmapped
+    # pages: 0 of 185 stayed before the rule); the host drops a few now and then on its own, past
+    # every counter above (184 and 170 of 185 seen in full-suite runs, all the call's advice refused)
+    assert cached > pages // 2, f'{cached} of {pages} pages still cached'
 
 
 #: item 5 of issue 39, rootless: user pages pinned into pipes, owned by no process once unmapped.
