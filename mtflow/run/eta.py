@@ -133,42 +133,33 @@ class Eta:
 
     def batch_started(self, size: int) -> None:
         with self._lock:
-            self._batch_started(size)
-
-    def _batch_started(self, size: int) -> None:
-        self.started += size
-        if self.batch_turn:
-            self.before = dict(self.longest)
-        self.batch_turn, self.longest = 0, {'call': 0.0, 'steps': 0.0}
-        self.call_began = self.call_ended = None
+            self.started += size
+            if self.batch_turn:
+                self.before = dict(self.longest)
+            self.batch_turn, self.longest = 0, {'call': 0.0, 'steps': 0.0}
+            self.call_began = self.call_ended = None
 
     def call_started(self) -> None:
         """A lockstep model call over the batch's live requests begins (their steps are done)."""
         with self._lock:
-            self._call_started()
-
-    def _call_started(self) -> None:
-        now = self.clock()
-        if self.call_ended is not None:
-            self._measured('steps', now - self.call_ended)
-            self._steps_pending = (now, now - self.call_ended)
-        self.call_began, self.call_ended = now, None
+            now = self.clock()
+            if self.call_ended is not None:
+                self._measured('steps', now - self.call_ended)
+                self._steps_pending = (now, now - self.call_ended)
+            self.call_began, self.call_ended = now, None
 
     def call_done(self, live: int = 0) -> None:
         """That call returned; ``live``: the requests it generated for (0: not told)."""
         with self._lock:
-            self._call_done(live)
-
-    def _call_done(self, live: int = 0) -> None:
-        now = self.clock()
-        if self._steps_pending is not None:
-            self.history['steps'].append((self._steps_pending[0], live, self._steps_pending[1]))
-            self._steps_pending = None
-        if self.call_began is not None:
-            self._measured('call', now - self.call_began)
-            self.history['call'].append((now, live, now - self.call_began))
-        self.batch_turn += 1
-        self.call_began, self.call_ended = None, now
+            now = self.clock()
+            if self._steps_pending is not None:
+                self.history['steps'].append((self._steps_pending[0], live, self._steps_pending[1]))
+                self._steps_pending = None
+            if self.call_began is not None:
+                self._measured('call', now - self.call_began)
+                self.history['call'].append((now, live, now - self.call_began))
+            self.batch_turn += 1
+            self.call_began, self.call_ended = None, now
 
     def _measured(self, phase: str, seconds: float) -> None:
         self.longest[phase] = max(self.longest[phase], seconds)
