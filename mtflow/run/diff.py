@@ -204,8 +204,10 @@ def _trained(line: Dict[str, Any]) -> List[Any]:
 
 
 def _same(field: str, a: Any, b: Any, logprob_tol: float) -> bool:
-    if field != 'trained' or a == b or not logprob_tol:
-        return a == b
+    if a == b:
+        return True
+    if field != 'trained' or not logprob_tol:
+        return False
     if a[:2] != b[:2]:  # ids and loss masks: exactly
         return False
     lps_a, lps_b = a[2] or [], b[2] or []

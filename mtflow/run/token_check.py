@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mtflow.accounting.segments_split import segments_of
+from mtflow.accounting.segments_split import flat_sample, segments_of
 from mtflow.core.machine import reason_kind
 from mtflow.run.trajectories import iter_trajectories
-from mtflow.run.turn_log import TURNS_KEY, expand_turns, ids_digest
+from mtflow.run.turn_log import expand_turns, ids_digest
 
 __all__ = ['RunTokenReport', 'check_run_tokens', 'RUN_CHECKS']
 
@@ -67,7 +67,7 @@ def check_run_tokens(trajectories: Path) -> RunTokenReport:
             report.skipped += 1
             continue
         report.lines += 1
-        turns = expand_turns(line) if line.get(TURNS_KEY) else []
+        turns = expand_turns(line)
         for seg in segments_of(line):
             report.segments += 1
             _check_segment(report, str(line['uuid']), seg, turns)
@@ -88,18 +88,11 @@ def _check_segment(report: RunTokenReport, uuid: str, seg: Dict[str, Any], turns
     report.add('exact', exact, f'{where}: not kept from the token record (exact: {seg.get("exact")})')
     if not exact or not lengths:
         return
-    flat: List[int] = list(seg['prompt_ids'])
-    flat_mask: List[int] = [0] * len(flat)
-    glue = seg.get('glue_ids') or []
-    for k, (part, m) in enumerate(zip(ids, mask)):
-        flat += part
-        flat_mask += m
-        if k < len(glue):
-            flat += glue[k]
-            flat_mask += [0] * len(glue[k])
+    sample = flat_sample(seg)  # the sequence training builds: prompt, then replies with the glue between
+    flat: List[int] = list(seg['prompt_ids']) + sample['response_ids']
     mine = [t for t in turns if first <= t['turn'] <= (last if last is not None else t['turn'])]
     sampled = [i for t in mine for i in (t.get('token_ids') or [])]
-    trained = [i for i, b in zip(flat, flat_mask) if b]
+    trained = [i for i, b in zip(sample['response_ids'], sample['loss_mask']) if b]
     report.add('sampled', bool(mine) and trained == sampled,
                f'{where}: the trained ids are not the ids sampled in its turns' if mine else
                f'{where}: the line records no model call for these turns ("turns")')
