@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 from urllib.parse import quote
 
 from mtflow.accounting.token_record import RecordAccounting
-from mtflow.backends.base import BackendError
+from mtflow.backends.base import BackendError, reports_of
 from mtflow.core.machine import CLIENT_FINISHED
 from mtflow.core.protocol import RequestConfig
 from mtflow.declarative.parsers import get_parser
@@ -189,7 +189,9 @@ class Gateway:
         table.next_index = len(opened)
         self._sessions_file = open(Path(store.out_dir) / SESSIONS_FILE, 'a', encoding='utf-8')
         turn_log = TurnLog()
-        turn_log.on_finish = getattr(self.backend, 'forget', None)
+        reports = reports_of(self.backend)  # as mtflow run wires them (run.driver.roll_out)
+        turn_log.on_finish = reports.forget
+        turn_log.known_digest = reports.known_digest
         executor = Executor(SessionScheduler(table, self.parser, self.settings.idle_timeout_s),
                             turn_log.wrap(self._rollout_fn()), self.request_config, max_turns=self.max_turns or None,
                             on_error='return', accounting=RecordAccounting(), context=self.context,
@@ -323,9 +325,7 @@ class Gateway:
             self.table.dropped(uuid, f'its oldest turn is more than gateway.max_staleness='
                                      f'{self.settings.max_staleness} policy versions old')
             self.run.turn_log.drop(uuid)
-        forget = getattr(self.backend, 'forget', None)
-        if callable(forget):
-            forget(uuid)
+        reports_of(self.backend).forget(uuid)
         prompter = getattr(self.backend, 'prompter', None)  # its token record, kept by uuid (HF, vLLM)
         if prompter is not None and callable(getattr(prompter, 'forget', None)):
             prompter.forget(uuid)
