@@ -33,6 +33,7 @@ from mtflow.backends.base import BackendError, reports_of
 from mtflow.core.machine import CLIENT_FINISHED
 from mtflow.core.protocol import RequestConfig
 from mtflow.declarative.parsers import get_parser
+from mtflow.declarative.parsers.base import json_calls
 from mtflow.engine.executor import Executor
 from mtflow.engine.stream import Stream
 from mtflow.gateway.scheduler import SessionScheduler
@@ -272,7 +273,7 @@ class Gateway:
         returned = session.returned if session is not None else None
         if returned is None:  # a new session: nothing returned to it yet
             returned = Returned()
-        render = self.parser.render_calls if self.parser is not None else _no_calls
+        render = self.parser.render_calls if self.parser is not None else json_calls
         call = parse_openai(body, returned, render) if api == 'openai' else parse_anthropic(body, returned, render)
         if call.tools and self.tools_in_system:
             call.messages = _with_tools(call.messages, self.parser.render_tools(call.tools))
@@ -393,10 +394,6 @@ def close_failed(gateway: Optional[Gateway], store: RunStore) -> None:
         gateway.close('failed')
     else:
         store.discard()
-
-
-def _no_calls(calls: Any) -> str:
-    return '\n'.join(json.dumps({'name': n, 'arguments': a}, ensure_ascii=False) for n, a in calls)
 
 
 def _with_tools(messages: List[Dict[str, Any]], text: str) -> List[Dict[str, Any]]:

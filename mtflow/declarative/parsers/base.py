@@ -49,8 +49,14 @@ class ToolCallParser:
     def render_calls(self, calls: Sequence[Tuple[str, Any]]) -> str:
         """The text a model of this format writes for ``calls`` (``(name, arguments)`` pairs), which
         :meth:`parse` reads back as those calls (the gateway writes a client's tool calls it did not
-        produce this way). The default: one JSON object per line."""
-        return '\n'.join(json.dumps({'name': name, 'arguments': args}, ensure_ascii=False) for name, args in calls)
+        produce this way). The default: :func:`json_calls`."""
+        return json_calls(calls)
+
+
+def json_calls(calls: Sequence[Tuple[str, Any]]) -> str:
+    """``calls`` (``(name, arguments)`` pairs) as one JSON object per line: the default rendering
+    of a parser, and the gateway's where no parser is configured."""
+    return '\n'.join(json.dumps({'name': name, 'arguments': args}, ensure_ascii=False) for name, args in calls)
 
 
 _THINK = re.compile(r'<think>.*?(?:</think>|$)', re.DOTALL)
