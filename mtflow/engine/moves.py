@@ -157,8 +157,7 @@ def _born(run: RunState, parent: RequestRecord, parent_uuid: str, tree: Any, uui
     top-up copies' events say ``top_up``), each child's names its parent."""
     children = []
     for uuid, request, budget in zip(uuids, requests, budgets):
-        children.append(child_record(parent, run.next_index, uuid, request, Branch(tree, parent_uuid, budget, point)))
-        run.next_index += 1
+        children.append(child_record(parent, run.take_index(), uuid, request, Branch(tree, parent_uuid, budget, point)))
     tree.records.extend(children)
     tree.live += len(children)
     top_up = point[1] == PENDING

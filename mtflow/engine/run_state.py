@@ -106,6 +106,13 @@ class RunState:
         #: records that entered the run since the driver last looked (:meth:`take_entering`)
         self.entering: List[RequestRecord] = []
 
+    def take_index(self) -> int:
+        """The index of a record made during the run (a fork's child, a stream's member): one
+        counter for all of them, so no two records of the run share an index."""
+        index = self.next_index
+        self.next_index += 1
+        return index
+
     def add_records(self, records: List[RequestRecord]) -> None:
         """New records (a fork's children) enter the run: kept with the others (and their requests
         appended to the caller's list, so that ``outputs[i]`` answers ``requests[i]``), named in the
