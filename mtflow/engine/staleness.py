@@ -85,7 +85,7 @@ class Staleness:
         if self.max_staleness is None:
             return False
         oldest = oldest_version(group.records)
-        return oldest is not None and self.seen_version - oldest > self.max_staleness
+        return oldest is not None and self.too_old(self.seen_version - oldest)
 
     def too_old(self, age: int) -> bool:
         """Whether a delivered group of this ``age`` (versions behind now) is past the bound (the

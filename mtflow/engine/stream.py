@@ -324,8 +324,7 @@ class StreamDriver(AsyncDriver):
         run = self.run
         records = []
         for request in requests:
-            index = self.run.next_index  # the run's counter: a fork's children count on it too
-            self.run.next_index += 1
+            index = run.take_index()
             rec = RequestRecord(index, uuid_of(request, index), request)
             if run.recorder is not None:
                 rec.events = []
@@ -392,14 +391,7 @@ class StreamDriver(AsyncDriver):
             if self.stopping:
                 rec.resume_from = None
                 return Outcome(RAISED, Stopped('cancelled'), outcome.duration)
-            self.restore_record(rec)  # the call's ids are in the prefix, not in the token record
-            if self.staleness.doomed(rec):
-                rec.resume_from = None
-                self.wind_down(rec)
-                return None
-            self.resumption.cut(rec, outcome.value)
-            self.stats['resumed_generations'] += 1
-            self.generate(rec, turn)
+            self.issue_again(rec, turn, 'resumed_generations', cut=outcome.value)
             return None
         if outcome.kind == OK and rec.resume_from is not None:
             return self.resumption.merge(rec, outcome)
@@ -411,13 +403,23 @@ class StreamDriver(AsyncDriver):
         version. ``False``: not such a completion."""
         if not (outcome.kind == RAISED and isinstance(outcome.value, Stopped)) or self.stopping:
             return False
+        self.issue_again(rec, turn, 'aborted_generations')
+        return True
+
+    def issue_again(self, rec: RequestRecord, turn: int, counted: str, cut: Optional[GenerationAborted] = None) -> None:
+        """A generation an update stopped: ``rec`` back to the exact record it had (a cut's ids
+        are in the resume prefix, not in the token record), then its group wound down when it is
+        now too stale, else the turn issued again under the new version (from the ids ``cut``
+        kept, when given) and counted in ``stats[counted]``."""
         self.restore_record(rec)
         if self.staleness.doomed(rec):
+            rec.resume_from = None
             self.wind_down(rec)
-        else:
-            self.stats['aborted_generations'] += 1
-            self.generate(rec, turn)
-        return True
+            return
+        if cut is not None:
+            self.resumption.cut(rec, cut)
+        self.stats[counted] += 1
+        self.generate(rec, turn)
 
     def rerun_if_stale(self, group: InFlightGroup) -> bool:
         """A finished group too stale to deliver: dropped, or admitted again from fresh copies of
@@ -485,8 +487,7 @@ class StreamDriver(AsyncDriver):
         """A group that will not be delivered goes back in :attr:`unfinished` as fresh prompts."""
         self.stats['handed_back_groups'] += 1
         for prompt in prompts:
-            index = self.run.next_index  # the run's counter: a fork's children count on it too
-            self.run.next_index += 1
+            index = self.run.take_index()
             self.unfinished.append(UnfinishedRequest(RequestRecord(index, uuid_of(prompt, index), prompt), False))
 
     def uncount(self, stale: StreamGroup) -> None:
