@@ -363,11 +363,12 @@ class StreamGRPOTrainer(GRPOTrainer):
             frame = attention.shape[1] - grpo_batch.logits_to_keep  # the first position in the frame
             for r, s in enumerate(chunk):
                 exact = s.mtflow_sample
+                cut = [j for j, (was, now) in enumerate(zip(s.rollout_mask, exact.loss_mask)) if was and not now]
+                if not cut:  # nothing withheld in this row: no position to find, no write
+                    continue
                 first = int(attention[r].nonzero()[0])  # where the row starts (after left padding)
                 offset = first + len(exact.prompt_ids) - frame
-                for j, (was, now) in enumerate(zip(s.rollout_mask, exact.loss_mask)):
-                    if was and not now:
-                        grpo_batch.completion_mask[r, offset + j] = False
+                grpo_batch.completion_mask[r, [offset + j for j in cut]] = False  # one write per row
         total = sum(batch['grpo_batch'].completion_mask.sum() for batch in batches)
         for batch in batches:
             batch['grpo_batch'].num_items_in_batch = total
