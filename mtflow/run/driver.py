@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from mtflow.accounting.token_record import record_accounting
-from mtflow.backends.base import Backend, reports_of
+from mtflow.backends.base import reports_of
 from mtflow.core.calls import wrapped_methods
 from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
@@ -241,7 +241,8 @@ class _ExecutorFactory:
         """The backend's async ``rollout_fn`` (``async_rollout_fn()``: its own concurrent path, or
         a dynamic batcher over its batch calls), else the backend itself; one with a ``close``
         (a batcher's threads) is closed when the run ends (:meth:`close`)."""
-        fn = self.backend.async_rollout_fn() if isinstance(self.backend, Backend) else self.backend
+        make = getattr(self.backend, 'async_rollout_fn', None)  # a Backend's, or a user's own class's
+        fn = make() if callable(make) else self.backend
         close = getattr(fn, 'close', None) if fn is not self.backend else None  # a batcher's threads
         if callable(close):
             self.closing.append(close)

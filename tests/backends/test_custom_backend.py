@@ -144,3 +144,29 @@ def test_a_backend_from_an_installed_package_entry_point(tmp_path, monkeypatch):
         for name in [m for m in sys.modules if m.startswith('mtflow_ep_backend')]:
             del sys.modules[name]
         refresh_entry_points()
+
+
+PLAIN_MODULE = '''
+from mtflow.backends import build_output
+
+class PlainBackend:
+    """Not a mtflow Backend: a callable with its own async path, which async mode must use."""
+
+    def __init__(self, **_):
+        pass
+
+    def __call__(self, requests, config):
+        return [build_output('SYNC I guess 50', None, 'stop') for _ in requests]
+
+    def async_rollout_fn(self):
+        async def rollout(requests, config):
+            return [build_output('ASYNC I guess 50', None, 'stop') for _ in requests]
+        return rollout
+'''
+
+
+def test_async_mode_uses_the_async_path_of_a_backend_that_is_not_a_backend_subclass(project):
+    (project / 'plain_backends.py').write_text(PLAIN_MODULE)
+    assert main(['run', 'run.yaml', '--backend', 'plain_backends:PlainBackend', '--mode', 'async']) == 0
+    replies = [m['content'] for l in _lines(project / 'out') for m in l['messages'] if m['role'] == 'assistant']
+    assert replies and all(r == 'ASYNC I guess 50' for r in replies), replies
