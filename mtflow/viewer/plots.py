@@ -56,12 +56,13 @@ def column_chart_svg(data: Mapping[str, float], title: str, css_class: str, colo
     col_w = max(8, min(40, 640 // max(len(items), 1)))
     shown = [_fmt(v) if isinstance(v, float) else str(v) for _, v in items]
     labels = [str(k) for k, _ in items]
-    rotate = len(items) > 12 or max([len(k) for k in labels] + [0]) * 6 > col_w
-    upright = max([len(v) for v in shown] + [0]) * 6 > col_w  # values that do not fit a column stand upright
+    label_len, value_len = max(map(len, labels), default=0), max(map(len, shown), default=0)
+    rotate = len(items) > 12 or label_len * 6 > col_w
+    upright = value_len * 6 > col_w  # values that do not fit a column stand upright
     chart_h = 120
-    top_pad = 34 + (max([len(v) for v in shown] + [0]) * 6 if upright else 0)
-    label_h = int(max([len(k) for k in labels] + [0]) * 6 * 0.87) + 16 if rotate else 22  # 60 degrees
-    width = max(260, 30 + col_w * len(items) + 10 + (int(max([len(k) for k in labels] + [0]) * 3) if rotate else 0))
+    top_pad = 34 + (value_len * 6 if upright else 0)
+    label_h = int(label_len * 6 * 0.87) + 16 if rotate else 22  # 60 degrees
+    width = max(260, 30 + col_w * len(items) + 10 + (int(label_len * 3) if rotate else 0))
     height = top_pad + chart_h + label_h
     peak = max([abs(v) for _, v in items] + [1e-12])
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="{escape(css_class)}" viewBox="0 0 {width} {height}" '
