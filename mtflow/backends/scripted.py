@@ -251,7 +251,7 @@ class ScriptedBackend(Backend):
         """A line without ``token_ids`` under a tokenizer: its text's ids and the EOS, as a model
         that wrote it and stopped would have sampled (a logprob of 0 each unless it has its own)."""
         tok = self.tokenizer
-        ids = list(tok(line['content'], add_special_tokens=False)['input_ids'])
+        ids = self.prompter.encode(line['content'])
         if line.get('finish_reason', 'stop') == 'stop' and tok.eos_token_id is not None:
             ids.append(int(tok.eos_token_id))
         tokens = tok.batch_decode([[i] for i in ids])
