@@ -376,11 +376,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
         return _stop_code(signals)
     if not args.quiet and summary is not None:
         print_summary({'status': status, **summary}, store.out_dir)
-    failed = too_many_failed(summary or {}, cfg.max_failed_share)
-    if failed is not None:
-        _say(f'{failed}: exit status 1 (see {Path(store.out_dir) / "summary.json"})')
-        return 1
-    return 0
+    return _exit_code(summary or {}, cfg, store)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -425,9 +421,14 @@ def main(args: argparse.Namespace) -> int:
         if status == 'partial':
             _say(f'--until {args.until}: stopped with {len(store.done)} of {total} requests written to '
                  f'{store.out_dir}; rerun with --resume to continue')
+    return _exit_code(summary, cfg, store)
+
+
+def _exit_code(summary: Dict[str, Any], cfg: RunConfig, store: Any) -> int:
+    """1 when more requests failed than ``max_failed_share`` (said on the last line: what the
+    exit status means), else 0; for a run and an agent: run alike."""
     failed = too_many_failed(summary, cfg.max_failed_share)
-    if failed is not None:  # the last line: what the exit status says
-        _say(f'{failed}: exit status 1 (see {Path(store.out_dir) / "summary.json"}; --max-failed-share sets the '
-             'share)')
-        return 1
-    return 0
+    if failed is None:
+        return 0
+    _say(f'{failed}: exit status 1 (see {Path(store.out_dir) / "summary.json"}; --max-failed-share sets the share)')
+    return 1
