@@ -86,6 +86,8 @@ class Episode:
         self.ended_by: Optional[Dict[str, Any]] = None
         self.env_info: Optional[Mapping[str, Any]] = None
         self.failure: Optional[BaseException] = None
+        #: the roles that left early (:meth:`left`): the episode ends once the others owe no action
+        self.leavers: List[Dict[str, Any]] = []
         self.started = False
         self.closed = False
 
@@ -147,8 +149,8 @@ class Episode:
             after = (f'after step {last["step"]} ({", ".join(f"{n} at its turn {t}" for n, t in last["turns"].items())})'
                      if last else 'after the reset')
             raise DeadlockError(f'episode {self.info.id}, {after}: the environment {type(self.env).__name__} named no '
-                                f'role to act and the episode is not over (waiting: '
-                                f'{[m.role.name for m in self.members.values() if m.waiting is not None]})')
+                                f'role to act and the episode is not over (roles playing: '
+                                f'{", ".join(m.role.name for m in self.members.values() if m.finished is None)})')
 
     def _deliver(self, observations: Any, field_name: str) -> None:
         if observations is None:
@@ -179,6 +181,9 @@ class Episode:
                                   f'(acting: {self.acting})')
         self.actions[name] = text
         self.action_turns[name] = turn
+        if self.leavers:  # a role left: no more environment steps
+            self._end_if_settled()
+            return
         if all(n in self.actions for n in self.acting):
             try:
                 await self._step_env()
@@ -264,19 +269,35 @@ class Episode:
         self.acting = []
         self._wake_all()
 
-    def left(self, member: Member, reason: str, turn: int, failure: Any = None) -> None:
+    def left(self, member: Member, reason: str, turn: int) -> None:
         """``member``'s request finished with ``reason``. If the episode did not end it, the
-        episode ends now: the others finish ``role_failed`` (it failed or timed out) or with the
-        same limit (``max_turns``, ``interrupted``, ...), and ``ended_by`` names it."""
+        episode ends: the others finish ``role_failed`` (it failed or timed out) or with the same
+        limit (``max_turns``, ``interrupted``, ...), and ``ended_by`` names it. The roles that owe an
+        action of the current step (named to act, not acted yet) act first, then finish: whether a
+        role had generated its move when another failed never depends on the timing."""
         member.finished = reason
         member.waiting = None
         if member.given is not None or self.done:
             return
-        ended_by: Dict[str, Any] = {'role': member.role.name, 'seat': member.role.seat, 'uuid': member.uuid,
-                                    'reason': reason, 'turn': turn}
-        if failure is not None:
-            ended_by['error'] = failure
-        self.end(ROLE_FAILED if reason in FAILURE_REASONS else reason, ended_by)
+        self.leavers.append({'role': member.role.name, 'seat': member.role.seat, 'uuid': member.uuid,
+                             'reason': reason, 'turn': turn})
+        self._end_if_settled()
+
+    def _end_if_settled(self) -> None:
+        """A role left: the episode ends once no other role owes an action of this step (their
+        actions are recorded, the environment does not step again)."""
+        if not self.leavers or self.done:
+            return
+        owing = [n for n in self.acting if n not in self.actions and self.members[n].finished is None]
+        if owing:
+            return
+        acted = [n for n in self.acting if n in self.actions]
+        if acted:
+            self.steps.append({'step': len(self.steps) + 1, 'acted': acted,
+                               'turns': {n: self.action_turns[n] for n in acted}, 'stepped': False})
+        order = list(self.roles)  # several left in the same step: the first declared names the end
+        first = min(self.leavers, key=lambda leaver: order.index(leaver['role']))
+        self.end(ROLE_FAILED if first['reason'] in FAILURE_REASONS else first['reason'], first)
 
     def _finish(self, member: Member) -> Dict[str, Any]:
         member.given = self.reason

@@ -91,6 +91,31 @@ class PolicyRouter:
                  for pid, fn in self.policies.items()}, list(self.roles.values()))
         return self._async
 
+    # ---- what a run reads of its backend --------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The ``default`` policy's tokenizer (else the first policy's that has one)."""
+        ordered = sorted(self.policies.items(), key=lambda item: item[0] != 'default')
+        return next((t for _, fn in ordered if (t := getattr(fn, 'tokenizer', None)) is not None), None)
+
+    @property
+    def tokenizers(self) -> Dict[str, Any]:
+        """Each policy's tokenizer (a role's own scheduler counts with its policy's)."""
+        return {pid: getattr(fn, 'tokenizer', None) for pid, fn in self.policies.items()}
+
+    @property
+    def stats(self) -> Any:
+        """The policies' counters added up (``None`` when none keeps any)."""
+        found = [st for fn in self.policies.values() if (st := getattr(fn, 'stats', None)) is not None]
+        return _Summed(found) if found else None
+
+    def describe(self) -> str:
+        parts = []
+        for pid, fn in self.policies.items():
+            describe = getattr(fn, 'describe', None)
+            parts.append(f'{pid}: {(describe() if callable(describe) else None) or type(fn).__name__}')
+        return 'policies ' + '; '.join(parts)
+
     # ---- what a backend keeps per request --------------------------------------------------------
     def forget(self, uuid: str) -> None:
         """Request ``uuid`` is final: every policy that keeps per-request state forgets it."""
@@ -128,6 +153,19 @@ class AsyncPolicyRouter(PolicyRouter):
 
     def async_rollout_fn(self) -> 'AsyncPolicyRouter':
         return self
+
+
+class _Summed:
+    """Several backends' counters read as one (each attribute the sum of theirs)."""
+
+    def __init__(self, parts: List[Any]) -> None:
+        self._parts = parts
+
+    def __getattr__(self, name: str) -> Any:
+        values = [getattr(p, name) for p in self._parts if isinstance(getattr(p, name, None), (int, float))]
+        if not values:
+            raise AttributeError(name)
+        return sum(values)
 
 
 def _place(outputs: List[Any], positions: List[int], answers: Any, role: Role) -> None:

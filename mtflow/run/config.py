@@ -24,6 +24,9 @@
     agent: null                               # mtflow run of an external agent per prompt (docs/gateway.md)
     admission: null                           # {tool_calls: N, env_sessions: M} (docs/admission.md)
     max_failed_share: 0.5                     # exit 1 when more than this share of requests failed
+    policies: {}                              # an episode file's policy ids -> {backend, model, backend_options}
+                                              # (the run's own backend is the policy 'default'; docs/multi-agent.md)
+    roles: {}                                 # an episode file's roles by name: {policy, sampling, train} to change
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -49,6 +52,8 @@ from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # th
 from mtflow.data.sources import check_dataset_mapping
 from mtflow.declarative.context import ContextConfig
 from mtflow.engine.admission import Admission
+from mtflow.roles.config import RoleOverride
+from mtflow.roles.role import DEFAULT_POLICY
 from mtflow.run.agent_config import AgentConfig, GatewayConfig
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS', 'parse_sets',
@@ -67,6 +72,22 @@ class AdmissionConfig(StrictModel):
 
     def make(self) -> Admission:
         return Admission(tool_calls=self.tool_calls, env_sessions=self.env_sessions)
+
+
+class PolicyConfig(StrictModel):
+    """One ``policies:`` entry: the backend that serves a policy id of an episode file."""
+    backend: str = Field('hf', description='As the run config\'s backend: hf, openai, vllm, scripted, swift, '
+                         "'module:Class'.")
+    model: Optional[str] = Field(None, description="Its model (next to the config file when it is a path).")
+    backend_options: Dict[str, Any] = Field(default_factory=dict, description="The backend's keyword arguments.")
+
+    @field_validator('backend')
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        try:
+            return check_backend_name(value)
+        except BackendError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class RunConfigError(UserError):
@@ -120,6 +141,11 @@ class RunConfig(StrictModel):
     agent: Optional[AgentConfig] = Field(None, description='mtflow run starts this agent command per prompt against '
                                          'its own gateway session (docs/gateway.md): command, task, concurrency, '
                                          'timeout_s, verifier, ...')
+    policies: Dict[str, PolicyConfig] = Field(default_factory=dict, description='An episode file\'s policy ids '
+                                              '(docs/multi-agent.md) -> the backend serving each: {backend, model, '
+                                              "backend_options}; the run's own backend is the policy 'default'.")
+    roles: Dict[str, RoleOverride] = Field(default_factory=dict, description='An episode file\'s roles by name: '
+                                           'the policy, sampling or train flag to change for this run.')
 
     #: the directory of the config file (for relative paths); not a YAML key
     base_dir: Optional[Path] = Field(None, exclude=True)
@@ -164,6 +190,14 @@ class RunConfig(StrictModel):
         data['backend'] = kind
         data['backend_options'] = {**given, **options} if isinstance(given, dict) else given
         return data
+
+    @field_validator('policies')
+    @classmethod
+    def _not_default(cls, value: Dict[str, Any]) -> Dict[str, Any]:
+        if DEFAULT_POLICY in value:
+            raise ValueError(f"{DEFAULT_POLICY!r} is the run's own backend (backend:, model:); give the other "
+                             'policies other ids')
+        return value
 
     @field_validator('request_config')
     @classmethod
@@ -252,6 +286,18 @@ class RunConfig(StrictModel):
             return self.model
         path = self.resolve(self.model)
         return str(path) if path.exists() else self.model
+
+    def policy_ids(self) -> List[str]:
+        """The policy ids this run serves: ``default`` (its own backend) and every ``policies:`` key."""
+        return [DEFAULT_POLICY] + list(self.policies)
+
+    def for_policy(self, policy: str) -> 'RunConfig':
+        """This config with the backend of ``policy`` in place of its own (``default``: itself)."""
+        if policy == DEFAULT_POLICY:
+            return self
+        spec = self.policies[policy]
+        return self.model_copy(update={'backend': spec.backend, 'model': spec.model,
+                                       'backend_options': dict(spec.backend_options)})
 
     def resolved_backend_options(self) -> Dict[str, Any]:
         opts = dict(self.backend_options)
@@ -426,7 +472,7 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
 
 
 #: the mappings whose keys get lines of their own (messages about one sampling or backend option)
-_NESTED = ('request_config', 'backend_options')
+_NESTED = ('request_config', 'backend_options', 'policies', 'roles')
 
 
 def _key_lines(root: Any, data: Dict[str, Any]) -> Dict[str, int]:
