@@ -10,12 +10,12 @@ each role its own credit (``docs/multi-agent.md``).
 - :func:`episode_requests`: one request per role of each episode of each prompt;
 - :class:`PolicyRouter`: the ``rollout_fn`` that sends each role's turns to its policy.
 """
-from mtflow.roles.env import EpisodeEnv, EpisodeEnvError, EpisodeInfo, EpisodeStep, check_episode_env
+from mtflow.roles.env import Action, EpisodeEnv, EpisodeEnvError, EpisodeInfo, EpisodeStep, check_episode_env
 from mtflow.roles.requests import episode_requests, iter_episode_requests
 from mtflow.roles.role import Role, RoleError, Seat, seat_of, self_play
 from mtflow.roles.router import PolicyRouter
 from mtflow.roles.scheduler import EpisodeScheduler
 
-__all__ = ['EpisodeEnv', 'EpisodeEnvError', 'EpisodeInfo', 'EpisodeScheduler', 'EpisodeStep', 'PolicyRouter', 'Role',
+__all__ = ['Action', 'EpisodeEnv', 'EpisodeEnvError', 'EpisodeInfo', 'EpisodeScheduler', 'EpisodeStep', 'PolicyRouter', 'Role',
            'RoleError', 'Seat', 'check_episode_env', 'episode_requests', 'iter_episode_requests', 'seat_of',
            'self_play']

@@ -13,7 +13,7 @@ Its methods (each may be ``def`` or ``async def``)::
         def acting(self):                              # the seats that act now: one (turn-based), several
             return [...]                               # (simultaneous moves); [] only when the episode is over
 
-        def step(self, actions):                       # {seat: the text its turn produced}, every acting seat
+        def step(self, actions):                       # {seat: its Action (the text its turn produced)}, every acting seat
             return EpisodeStep(observations={...},     # what each seat sees next (by seat; any may be absent)
                                done=False,             # the episode is over
                                rewards={...},          # this step's rewards, by seat (summed over the episode)
@@ -22,6 +22,8 @@ Its methods (each may be ``def`` or ``async def``)::
         def close(self):                               # optional: release what it holds
             ...
 
+Each action is an :class:`Action`: the text of the role's turn (a ``str``), with the ids the model
+sampled for it (``action.token_ids``, when the backend gives them) and the role's turn.
 Turn-based games name one seat at a time, simultaneous games every seat (the episode steps the
 environment once all of them have acted), message passing the seat a message goes to. An
 observation is a text (a user message), a message dict, or a list of message dicts.
@@ -35,7 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from mtflow.core.signatures import call_problem, method_call_problem
 from mtflow.roles.role import RoleError
 
-__all__ = ['EpisodeEnv', 'EpisodeInfo', 'EpisodeStep', 'EPISODE_ENV_METHODS', 'EpisodeEnvError', 'check_episode_env',
+__all__ = ['Action', 'EpisodeEnv', 'EpisodeInfo', 'EpisodeStep', 'EPISODE_ENV_METHODS', 'EpisodeEnvError', 'check_episode_env',
            'as_messages', 'as_step']
 
 
@@ -52,6 +54,20 @@ EPISODE_ENV_METHODS: Tuple[Tuple[str, Tuple[str, ...], bool], ...] = (
     ('step', ('actions', ), True),
     ('close', (), False),
 )
+
+
+class Action(str):
+    """A role's action: the text its turn produced (a ``str``, so an environment that reads text
+    reads it as it is), with ``token_ids`` (the ids the model sampled for it, ``None`` when the
+    backend gives none) and ``turn`` (the role's turn that produced it)."""
+    token_ids: Optional[List[int]]
+    turn: int
+
+    def __new__(cls, text: str, token_ids: Optional[Sequence[int]] = None, turn: int = 0) -> 'Action':
+        action = super().__new__(cls, text)
+        action.token_ids = list(token_ids) if token_ids is not None else None
+        action.turn = turn
+        return action
 
 
 @dataclass(frozen=True)

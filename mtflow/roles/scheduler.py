@@ -34,7 +34,7 @@ from mtflow.core.machine import EPISODE_DONE, ROLE_FAILED
 from mtflow.core.scheduler import HookSet, Scheduler
 from mtflow.core.seeds import stable_seed
 from mtflow.core.stop import decide_stop, default_check
-from mtflow.roles.env import EpisodeEnvError, EpisodeInfo, check_episode_env
+from mtflow.roles.env import Action, EpisodeEnvError, EpisodeInfo, check_episode_env
 from mtflow.roles.episode import Episode, Member
 from mtflow.roles.role import Role, RoleError, check_roles, seat_of
 
@@ -189,7 +189,8 @@ class EpisodeScheduler(Scheduler):
         if hooks is not None and member.uuid not in self.acted:  # an inner turn: its own scheduler's step
             return await _awaited(hooks.step(infer_request, response_choice, current_turn))
         self.acted.pop(member.uuid, None)
-        await episode.submit(member, response_choice.message.content or '', current_turn)
+        action = Action(response_choice.message.content or '', response_choice.token_ids, current_turn)
+        await episode.submit(member, action, current_turn)
         return episode.next_for(member)
 
     async def turn_reward(self, infer_request: Any, response_choice: Any, current_turn: int) -> Optional[float]:

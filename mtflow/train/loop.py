@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, assign_turn_advantages
 from mtflow.train.packing import block_causal_mask, pack, to_tensors
-from mtflow.train.samples import Sample, samples_from_result
+from mtflow.train.samples import Sample, by_policy, samples_from_result
 from mtflow.train.staleness import StalePolicy
 from mtflow.train.weights import geometric_sequence_weight, keep_within, truncated_is
 
@@ -91,6 +91,8 @@ class StepStats:
     #: max |trainer logprob - rollout logprob| over the trained tokens, before the update
     max_logprob_gap: Optional[float] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: the policy this step trained (several policies from one run: one entry per policy and step)
+    policy: Optional[str] = None
 
 
 def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len: int, pad_id: int = 0,
@@ -131,7 +133,18 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
     advantages (``advantage``: a name of :data:`~mtflow.train.advantages.ADVANTAGES`, or
     ``'turn'`` / ``'gigpo'`` for :func:`~mtflow.train.advantages.assign_turn_advantages` /
     :func:`~mtflow.train.advantages.assign_gigpo_advantages`), take one step, then
-    move the executor's policy version on by one."""
+    move the executor's policy version on by one.
+
+    Several policies from one run (``docs/multi-agent.md``): ``model`` and ``optimizer`` map policy
+    ids to each policy's own; each step's samples are split by policy id
+    (:func:`~mtflow.train.samples.by_policy`: roles not trained left out), and each policy takes
+    its step on its own samples, its advantages over the copies of each (prompt, role). A role's
+    trajectory without a reward (its episode ended by another role's failure) is not trained on.
+    ``on_batch(batch, rows, samples)`` and ``on_step(stats)`` are called per policy then
+    (``stats.policy`` names it)."""
+    policies = model if isinstance(model, dict) else None
+    if policies is not None and (not isinstance(optimizer, dict) or set(optimizer) != set(policies)):
+        raise ValueError(f'several policies: optimizer must map the same policy ids as model ({sorted(policies)})')
     version = 0
     executor.set_policy_version(version)
     history: List[StepStats] = []
@@ -139,26 +152,39 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
         result = executor.run(list(requests))
         if result.failures:
             raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
-        samples = samples_from_result(result, list(requests))
-        rewards = {s.uuid: s.reward for s in samples}
-        if stale is not None:
-            samples = stale.apply(samples, version)
-        if advantage == 'turn':  # per-token: each turn's discounted return, normalised in its group
-            assign_turn_advantages(samples, **(advantage_options or {}))
-        elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
-            assign_gigpo_advantages(samples, **(advantage_options or {}))
+        if policies is None:
+            parts = {None: (model, optimizer, samples_from_result(result, list(requests)))}
         else:
-            assign_advantages(samples, advantage, **(advantage_options or {}))
-        done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
-                          tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
-                          on_batch=on_batch)
-        stats = StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
-                          samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'],
-                          rows=done['rows'], withheld_tokens=sum(s.withheld_tokens for s in samples),
-                          max_logprob_gap=done['max_logprob_gap'])
-        history.append(stats)
-        if on_step is not None:
-            on_step(stats)
+            split = by_policy(samples_from_result(result, list(requests), rewardless='skip'))
+            parts = {pid: (policies[pid], optimizer[pid], split.get(pid, [])) for pid in policies}
+        for pid, (policy_model, policy_optimizer, samples) in parts.items():
+            if not samples:
+                continue
+            stats = _step(policy_model, policy_optimizer, samples, step, version, advantage, advantage_options, stale,
+                          dict(row_len=row_len, pad_id=pad_id, clip_eps=clip_eps, tis_cap=tis_cap, agg=agg,
+                               mask_outside=mask_outside, sequence_weight=sequence_weight, on_batch=on_batch))
+            stats.policy = pid
+            history.append(stats)
+            if on_step is not None:
+                on_step(stats)
         version += 1
         executor.set_policy_version(version)
     return history
+
+
+def _step(model: Any, optimizer: Any, samples: List[Sample], step: int, version: int, advantage: str,
+          advantage_options: Optional[Dict[str, Any]], stale: Optional[StalePolicy], options: Dict[str, Any]) -> StepStats:
+    """One policy's step on its samples: stale tokens, advantages, the update."""
+    rewards = {s.uuid: s.reward for s in samples}
+    if stale is not None:
+        samples = stale.apply(samples, version)
+    if advantage == 'turn':  # per-token: each turn's discounted return, normalised in its group
+        assign_turn_advantages(samples, **(advantage_options or {}))
+    elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
+        assign_gigpo_advantages(samples, **(advantage_options or {}))
+    else:
+        assign_advantages(samples, advantage, **(advantage_options or {}))
+    done = train_step(model, optimizer, samples, **options)
+    return StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
+                     samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'], rows=done['rows'],
+                     withheld_tokens=sum(s.withheld_tokens for s in samples), max_logprob_gap=done['max_logprob_gap'])
