@@ -77,7 +77,8 @@ class TextArenaEpisode(EpisodeEnv):
                 scores[seat] = float(value)
             else:  # some games report a message instead of a number
                 texts[str(seat)] = str(value)
-        info: Dict[str, Any] = {'game': self.game, 'result': {str(k): v for k, v in (game_info or {}).items()}}
+        info: Dict[str, Any] = {'game': self.game, 'rewards': {str(k): v for k, v in (rewards or {}).items()},
+                                'result': {str(k): v for k, v in (game_info or {}).items()}}
         if texts:
             info['reward_text'] = texts
         return EpisodeStep(done=True, rewards=scores, info=info)
