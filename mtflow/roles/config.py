@@ -31,7 +31,7 @@ from pydantic import Field, ValidationError, model_validator
 from mtflow.core.keys import StrictModel
 from mtflow.core.registry import resolve_reference
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
-from mtflow.declarative import load_scheduler
+from mtflow.declarative import inspect_file, load_scheduler
 from mtflow.declarative.loader import ConfigError, Problem, format_path, line_of, read_yaml, validation_problems
 from mtflow.roles.conversation import conversation
 from mtflow.roles.judge import DEFAULT_JUDGE_TEMPLATE, DEFAULT_SCORE_PATTERN, judged
@@ -233,11 +233,13 @@ def load_episode_scheduler(path: Union[str, os.PathLike], *, policies: Optional[
     except (RoleError, ImportError, AttributeError, ConfigError) as exc:
         raise at(('roles', ), str(exc)) from None
     try:
-        factory = _with_judge(_env_factory(config.env, base_dir), config.judge, roles)
-    except RoleError as exc:
-        raise at(('judge', ), str(exc)) from None
+        factory = _env_factory(config.env, base_dir)
     except Exception as exc:  # an environment that cannot be made: one line, naming it
         raise at(('env', ), f'{type(exc).__name__}: {exc}') from None
+    try:
+        factory = _with_judge(factory, config.judge, roles)
+    except RoleError as exc:
+        raise at(('judge', ), str(exc)) from None
     try:
         return EpisodeScheduler(factory, roles, policies=policies, max_steps=config.max_steps,
                                 turn_prompt=config.turn_prompt, max_turns=max_turns)
@@ -258,7 +260,16 @@ def episode_imports(path: Union[str, os.PathLike]) -> List[Tuple[str, str]]:
         out.append(('env.impl', config.env.impl))
     if config.env.conversation is not None and config.env.conversation.reward:
         out.append(('env.conversation.reward', config.env.conversation.reward))
-    out += [(f'roles[{k}].scheduler', r.scheduler) for k, r in enumerate(config.roles) if r.scheduler]
+    base_dir = os.path.dirname(os.path.abspath(os.fspath(path)))
+    for k, role in enumerate(config.roles):
+        if not role.scheduler:
+            continue
+        if not role.scheduler.endswith(('.yaml', '.yml')):
+            out.append((f'roles[{k}].scheduler', role.scheduler))
+            continue
+        own = os.path.join(base_dir, role.scheduler)  # a YAML scheduler: what it imports
+        out += [(f'roles[{k}].scheduler ({role.scheduler}): {f}', ref)
+                for f, ref in inspect_file(own if os.path.isfile(own) else role.scheduler).imports]
     return out
 
 

@@ -59,14 +59,19 @@ EPISODE_ENV_METHODS: Tuple[Tuple[str, Tuple[str, ...], bool], ...] = (
 class Action(str):
     """A role's action: the text its turn produced (a ``str``, so an environment that reads text
     reads it as it is), with ``token_ids`` (the ids the model sampled for it, ``None`` when the
-    backend gives none) and ``turn`` (the role's turn that produced it)."""
+    backend gives none), ``turn`` (the role's turn that produced it) and ``messages`` (what the
+    role added to its conversation since it was last named to act: with its own scheduler, its
+    tool calls and their results, then this reply)."""
     token_ids: Optional[List[int]]
     turn: int
+    messages: List[Dict[str, Any]]
 
-    def __new__(cls, text: str, token_ids: Optional[Sequence[int]] = None, turn: int = 0) -> 'Action':
+    def __new__(cls, text: str, token_ids: Optional[Sequence[int]] = None, turn: int = 0,
+                messages: Optional[Sequence[Dict[str, Any]]] = None) -> 'Action':
         action = super().__new__(cls, text)
         action.token_ids = list(token_ids) if token_ids is not None else None
         action.turn = turn
+        action.messages = [dict(m) for m in messages or ()]
         return action
 
 

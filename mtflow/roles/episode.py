@@ -59,6 +59,8 @@ class Member:
     given: Optional[str] = None
     #: the reason its request finished with, once it did
     finished: Optional[str] = None
+    #: how many messages its conversation had when it was last named to act (what it added since: its action's)
+    mark: int = 0
 
 
 class Episode:
@@ -239,6 +241,7 @@ class Episode:
             messages = member.inbox or [{'role': 'user', 'content': self.turn_prompt}]
             member.inbox = []
             request.messages.extend(messages)
+            member.mark = len(request.messages)
             return {'infer_request': request, 'rollout_infos': {EPISODE_KEY: self.seat(member).to_dict()}}
         future = asyncio.get_running_loop().create_future()
         member.waiting = future

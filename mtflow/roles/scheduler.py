@@ -189,7 +189,8 @@ class EpisodeScheduler(Scheduler):
         if hooks is not None and member.uuid not in self.acted:  # an inner turn: its own scheduler's step
             return await _awaited(hooks.step(infer_request, response_choice, current_turn))
         self.acted.pop(member.uuid, None)
-        action = Action(response_choice.message.content or '', response_choice.token_ids, current_turn)
+        action = Action(response_choice.message.content or '', response_choice.token_ids, current_turn,
+                        infer_request.messages[member.mark:])
         await episode.submit(member, action, current_turn)
         return episode.next_for(member)
 
