@@ -1,8 +1,9 @@
 """``mtflow diff RUN_A RUN_B``: which requests two runs disagree on, and where first.
 
 Requests are matched by uuid (``mtflow/run/diff.py``); for each that differs the first turn and
-what differs there is printed, then the totals (identical / different / only in A / only in B)
-and the change of the mean reward of each group. ``--json`` prints JSON Lines instead: one object
+what differs there is printed, then the totals (identical / different / only in A / only in B),
+for a multi-agent run the episodes (identical, or the roles that differ), and the change of the
+mean reward of each group (a role's: of its (prompt, role) group). ``--json`` prints JSON Lines instead: one object
 per differing request, then ``{"totals": ...}`` last. Streams both files: constant memory.
 
 Exit status: 0 when the runs are identical (on ``--fields``), 1 when not (usable in CI), 2 on a
@@ -83,6 +84,10 @@ def main(args: argparse.Namespace) -> int:
             out.write(f'... and {totals.different - shown} more differing request(s) (--max-shown)\n')
         out.write(f'identical {totals.identical}, different {totals.different}, only in A {totals.only_in_a}, '
                   f'only in B {totals.only_in_b}\n')
+        if totals.episodes_identical or totals.episodes_different:  # a multi-agent run: per episode too
+            out.write(f'episodes: identical {totals.episodes_identical}, different {len(totals.episodes_different)}\n')
+            for episode, roles in list(totals.episodes_different.items())[:args.max_shown]:
+                out.write(f'episode {episode}: roles {", ".join(roles)} differ\n')
         for group, change in totals.reward_changes().items():
             out.write(f'group {group}: mean reward {change["a"]:g} -> {change["b"]:g} ({change["change"]:+g})\n')
     return 0 if totals.same else 1

@@ -14,6 +14,7 @@ import pytest
 from mtflow.cli import main
 from mtflow.run.token_check import check_run_tokens
 from mtflow.run.trajectories import read_trajectories
+from mtflow.viewer.episodes import episode_lines, episode_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,3 +118,31 @@ def test_episode_file_problems_name_file_line_and_field(project, capsys):
     (project / 'game.yaml').write_text('roles:\n  - {name: a}\nenv:\n  conversation: {}\njudge: {role: judge}\n')
     assert main(['validate', 'game.yaml']) == 1
     assert "game.yaml:5: judge: judge.role: 'judge' is not one of the roles (a)" in capsys.readouterr().out
+
+
+def test_replay_diff_and_the_viewer_per_episode(project, capsys):
+    pytest.importorskip('transformers')
+    assert main(['run', 'run.yaml', '-q']) == 0
+    assert main(['replay', 'out', '--out', 'again', '-q']) == 0  # each policy's recorded outputs served again
+    capsys.readouterr()
+    assert main(['diff', 'out', 'again']) == 0
+    assert 'episodes: identical 2, different 0' in capsys.readouterr().out
+    lines = [json.loads(line) for line in (project / 'again' / 'trajectories.jsonl').read_text().splitlines()]
+    for line in lines:  # a changed assistant reply: its episode differs, by that role
+        if line['uuid'] == 'refund-2077/assistant':
+            line['messages'][-1]['content'] = 'Sorry, no refunds today.'
+    (project / 'again' / 'trajectories.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+    assert main(['diff', 'out', 'again']) == 1
+    out = capsys.readouterr().out
+    assert 'episodes: identical 1, different 1' in out and 'episode refund-2077: roles assistant differ' in out
+    assert main(['trace', 'show', 'out/trace.jsonl', '--trajectories', 'out/trajectories.jsonl', '--episode',
+                 'refund-1042', '--width', '160']) == 0
+    shown = capsys.readouterr().out
+    assert 'episode refund-1042: assistant (default): episode_done, reward 1.9' in shown and 'Score: 9' in shown
+    rows = episode_rows(episode_lines(read_trajectories(project / 'out' / 'trajectories.jsonl'), 'refund-1042'))
+    assert [(r.step, r.role, r.turn) for r in rows] == [  # the roles' turns interleaved as the episode went
+        (1, 'user', 1), (2, 'assistant', 1), (3, 'user', 2), (None, 'assistant', 2), (None, 'assistant', 3),
+        (4, 'assistant', 4), (5, 'user', 3), (6, 'judge', 1)]
+    assert rows[3].text.startswith('<tool_call>') and rows[3].observation == ['Order #1042: blue kettle, $30, delivered.']
+    assert "no episode 'x'" in _error(['trace', 'show', 'out/trace.jsonl', '--trajectories', 'out/trajectories.jsonl',
+                                        '--episode', 'x'], capsys)
