@@ -71,7 +71,9 @@ class Wait:
     ``max_concurrency``; every driver takes it up again when ``until`` is done, through the same
     ``tool_step`` handler, under the step's deadline (``step_timeout_s``, counted from the
     step's start). A request resting while nothing else of the run can act fails with a
-    :class:`mtflow.core.errors.DeadlockError` naming ``why``.
+    :class:`mtflow.core.errors.DeadlockError` naming ``why``: a wait is ended by the steps of other
+    requests of the same run (on the same rank); a step that waits for something outside the run
+    (an HTTP call, a gateway session's next call) awaits it inside the step instead.
 
     ``why``: what it waits for, in words ("episode e1, turn 3: player_1 waits for player_0")."""
     __slots__ = ('until', 'why', 'started')

@@ -27,6 +27,7 @@ from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
 from mtflow.backends.base import Reports
 from mtflow.run.assembly import actor_setup, backend_from_config, scheduler_from_config
+from mtflow.run.episodes import as_episodes, episode_file, episode_run_roles, episode_size
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
 from mtflow.run.serving import merged_serving
@@ -82,18 +83,36 @@ class RayRollout:
         progress = ProgressBar(self.show, self.total - len(store.done), 'starting Ray')
         write_error: Dict[str, RunDirError] = {}
 
+        episodic = episode_file(cfg) is not None  # its roles' lines are written together (docs/multi-agent.md)
+        size = episode_size(cfg)
+        held: Dict[str, list] = {}
+
         def sink(rec: RayRecord) -> None:
-            try:
-                if rec.images:  # stored (fsynced) before the line that names them, as a local run does
-                    rec.trajectory['images'] = store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
-                if rec.finish_reason == INTERRUPTED:
-                    store.write_interrupted(rec.trajectory, rec.events)
+            episode = rec.uuid.rpartition('/')[0] if episodic else None  # a role's uuid: <episode>/<role>
+            if episode is not None:
+                group = held.setdefault(str(episode), [])
+                group.append(rec)
+                if len(group) < size:
                     return
-                store.write(rec.trajectory, rec.events)
+                del held[str(episode)]
+            try:
+                whole = []
+                for one in group if episode is not None else [rec]:
+                    if one.images:  # stored (fsynced) before the line that names them, as a local run does
+                        one.trajectory['images'] = store.images.put_shipped(one.images, f'ray actor {one.actor}')
+                    if one.finish_reason == INTERRUPTED:
+                        store.write_interrupted(one.trajectory, one.events)
+                    else:
+                        whole.append((one.trajectory, one.events))
+                store.write_together(whole)
             except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
                 write_error['error'] = exc
                 raise
             store.tick()
+
+        def on_requeue(uuids: Any) -> None:  # an episode cut by an actor's death runs again, whole
+            for episode, group in list(held.items()):
+                held[episode] = [r for r in group if r.uuid not in set(uuids)]
 
         def on_duplicate(rec: RayRecord) -> None:  # no line, but its actor counts its images shipped
             store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
@@ -108,7 +127,10 @@ class RayRollout:
         try:
             prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
                                     check_unique=False)  # checked in full by count_requests
+            if episodic:  # each prompt an episode, its roles in one shard: on one rank
+                prompts = as_episodes(prompts, episode_run_roles(cfg))
             ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, on_duplicate=on_duplicate,
+                    on_requeue=on_requeue,
                     batch_size=cfg.batch_size, skip=set(store.done), address=self.args.ray_address,
                     on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)

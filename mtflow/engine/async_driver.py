@@ -359,7 +359,8 @@ class AsyncDriver(Driver):
         """Every task in flight is a resting record's wait and nothing else can run: nothing would end
         them. They fail (:func:`mtflow.engine.resting.deadlock_moves`); ``True`` when there were any."""
         flight = self.flight
-        if not flight.waking or len(flight.waking) != len(flight.tasks) or flight.completions or self.queue:
+        if self.stopping or not flight.waking or len(flight.waking) != len(flight.tasks) or flight.completions or \
+                self.queue:  # stopping: the waits were cancelled, their records go back
             return False
         if any(rec.waiting is None or rec.waiting.until.done() for rec in flight.waking.values()):
             return False  # a wait that ended, its task not run yet

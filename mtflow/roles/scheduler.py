@@ -30,6 +30,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mtflow.core.calls import is_async_callable
+from mtflow.core.errors import ForkRefused
 from mtflow.core.machine import EPISODE_DONE, ROLE_FAILED
 from mtflow.core.scheduler import HookSet, Scheduler
 from mtflow.core.seeds import stable_seed
@@ -178,6 +179,10 @@ class EpisodeScheduler(Scheduler):
 
     async def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Any:
         episode, member = self._member(infer_request)
+        if member.waiting is not None:  # its step runs again while it rests: a run stopped and resumed it
+            raise RoleError(f'role {member.role.name!r} of episode {episode.info.id} was cut while it waited for the '
+                            f'others (a budget stopped the run): an episode cannot resume from its roles; run its '
+                            f'prompt again')
         if response_choice is None:  # it opens: its first messages come from the episode
             episode.open(member, infer_request)
             hooks = self.role_hooks[member.role.name]
@@ -200,6 +205,13 @@ class EpisodeScheduler(Scheduler):
         if hooks is None or hooks.turn_reward is None:
             return None
         return await _awaited(hooks.turn_reward(infer_request, response_choice, current_turn))
+
+    def on_fork(self, infer_request: Any, children: List[Any], current_turn: int) -> None:
+        """A role cannot be forked: its copies would be roles the episode does not have."""
+        raise ForkRefused(f'role {self._member(infer_request)[1].role.name!r} of an episode cannot be forked (a '
+                          f'branch would be a second player in the same seat); branch whole episodes by their '
+                          f'prompts instead (copies)', uuid=str(getattr(infer_request, 'uuid', None)),
+                          turn=current_turn, field='branch')
 
     async def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:
         uuid = str(getattr(infer_request, 'uuid', None))

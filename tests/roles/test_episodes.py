@@ -232,3 +232,19 @@ def test_episodes_of_a_stream_are_delivered_whole():
     groups = list(ex.stream(iter_episode_requests(prompts(3), ROLES, copies=2), max_concurrency=2))
     assert sorted(sorted(g.uuids) for g in groups) == [[f'e{i}#{k}/{r}' for k in (0, 1) for r in 'ab'] for i in range(3)]
     assert all(reason == 'episode_done' for g in groups for reason in g.finish_reasons)
+
+
+def test_a_role_cannot_be_forked_and_a_cut_episode_cannot_resume():
+    from mtflow import Branching, Until
+
+    result, _ = run(TakeTurns, branch=Branching(at={'turn': 2}, copies=2))
+    assert 'cannot be forked' in str(result.failures[0].error)
+    assert set(result.finish_reasons) == {'error'}  # each role refused its fork
+    scheduler = EpisodeScheduler(lambda info: TakeTurns(moves=2 if info.id == 'e0' else 8), ROLES)
+    router = PolicyRouter({'p': echo('P'), 'q': echo('Q')}, ROLES)
+    ex = Executor(scheduler, router, mode='async', max_turns=12, on_error='return')
+    part = ex.run(episode_requests(prompts(2), ROLES), until=Until(finished=2))  # e0 done, e1 cut mid-game
+    assert part.finish_reasons[:2] == ['episode_done'] * 2 and [u.record.uuid for u in part.unfinished] == ['e1/a',
+                                                                                                           'e1/b']
+    again = ex.run(part.unfinished)
+    assert any('episode e1 was cut while it waited for the others' in str(f.error) for f in again.failures)
