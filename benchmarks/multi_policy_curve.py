@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.learning_curve import curves_svg  # noqa: E402  (the same chart)
+
 #: stated in advance: each policy's last-10 mean of its own part exceeds its first-10 mean by this
 MARGIN = 0.15
 
@@ -107,33 +109,6 @@ def run(seed: int, steps: int, groups: int, size: int, max_tokens: int, lr: floa
     return per_step
 
 
-def curves_svg(curves: Dict[str, List[float]], margin: float) -> str:
-    """A plain SVG line chart of each policy's own part of the reward per step."""
-    width, height, pad = 640, 320, 40
-    steps = max(len(c) for c in curves.values())
-    colors = {'a (speaker, even)': '#2563eb', 'b (listener, odd)': '#dc2626',
-              'a, lr 0': '#93c5fd', 'b, lr 0': '#fca5a5'}
-
-    def xy(i: int, r: float) -> str:
-        return f'{pad + (width - 2 * pad) * i / max(1, steps - 1):.1f},{height - pad - (height - 2 * pad) * r:.1f}'
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             'font-size="11">', f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad}" y="18">each policy\'s part of the team reward per step (two tiny Qwen2, GRPO per '
-             f'role); margin {margin}</text>']
-    for r in (0.0, 0.25, 0.5, 0.75, 1.0):
-        y = height - pad - (height - 2 * pad) * r
-        parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>')
-        parts.append(f'<text x="8" y="{y + 4:.1f}">{r:.2f}</text>')
-    for k, (name, curve) in enumerate(curves.items()):
-        color = colors.get(name, '#444')
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" '
-                     f'points="{" ".join(xy(i, r) for i, r in enumerate(curve))}"/>')
-        parts.append(f'<text x="{width - pad - 110}" y="{pad + 14 * k}" fill="{color}">{name}</text>')
-    parts.append('</svg>')
-    return '\n'.join(parts) + '\n'
-
-
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
@@ -171,7 +146,8 @@ def main(argv: Any = None) -> int:
                   f'{still_gain:>+9.3f}  {wall:>6.1f}', flush=True)
     if args.svg is not None:
         args.svg.parent.mkdir(parents=True, exist_ok=True)
-        args.svg.write_text(curves_svg(curves, args.margin))
+        args.svg.write_text(curves_svg(curves, args.margin, label='{}', title='each policy\'s part of the team '
+                                       'reward per step (two tiny Qwen2, GRPO per (prompt, role))'))
         print(f'curves (seed {args.seeds[0]}): {args.svg}')
     return 0 if ok else 1
 

@@ -18,7 +18,7 @@ import importlib.util
 import os
 import time
 from types import SimpleNamespace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from mtflow.accounting.token_record import record_accounting
 from mtflow.core.errors import RunSetupError, UserError
@@ -54,6 +54,47 @@ class _FanOutBackend(Reports):
         return self.merged_serving
 
 
+class _Sink:
+    """The driver's writer of the records the actors send: each at once, or, in an episode run
+    (``episode_size``: roles per episode, ``docs/multi-agent.md``), an episode's roles together once
+    all came (a role's uuid is ``<episode>/<role>``)."""
+
+    def __init__(self, store: RunStore, episode_size: Optional[int]) -> None:
+        self.store, self.episode_size = store, episode_size
+        self.held: Dict[str, List[RayRecord]] = {}
+        self.write_error: Optional[RunDirError] = None
+
+    def __call__(self, rec: RayRecord) -> None:
+        group = [rec]
+        if self.episode_size is not None:
+            episode = rec.uuid.rpartition('/')[0]
+            group = self.held.setdefault(episode, [])
+            group.append(rec)
+            if len(group) < self.episode_size:
+                return
+            del self.held[episode]
+        store = self.store
+        try:
+            whole = []
+            for one in group:
+                if one.images:  # stored (fsynced) before the line that names them, as a local run does
+                    one.trajectory['images'] = store.images.put_shipped(one.images, f'ray actor {one.actor}')
+                if one.finish_reason == INTERRUPTED:
+                    store.write_interrupted(one.trajectory, one.events)
+                else:
+                    whole.append((one.trajectory, one.events))
+            store.write_together(whole)
+        except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
+            self.write_error = exc
+            raise
+        store.tick()
+
+    def requeued(self, uuids: List[str]) -> None:
+        """An episode cut by an actor's death runs again, whole: its roles held here are dropped."""
+        for episode, group in list(self.held.items()):
+            self.held[episode] = [r for r in group if r.uuid not in set(uuids)]
+
+
 class RayRollout:
     """One attempt of a run directory on Ray. ``backend`` is the summary's stand-in from the start
     (so an interrupted run still gets a summary); :meth:`run` fills in the attempt's figures."""
@@ -81,38 +122,7 @@ class RayRollout:
         when a signal stops it."""
         store, cfg = self.store, self.cfg
         progress = ProgressBar(self.show, self.total - len(store.done), 'starting Ray')
-        write_error: Dict[str, RunDirError] = {}
-
-        episodic = episode_file(cfg) is not None  # its roles' lines are written together (docs/multi-agent.md)
-        size = episode_size(cfg)
-        held: Dict[str, list] = {}
-
-        def sink(rec: RayRecord) -> None:
-            episode = rec.uuid.rpartition('/')[0] if episodic else None  # a role's uuid: <episode>/<role>
-            if episode is not None:
-                group = held.setdefault(str(episode), [])
-                group.append(rec)
-                if len(group) < size:
-                    return
-                del held[str(episode)]
-            try:
-                whole = []
-                for one in group if episode is not None else [rec]:
-                    if one.images:  # stored (fsynced) before the line that names them, as a local run does
-                        one.trajectory['images'] = store.images.put_shipped(one.images, f'ray actor {one.actor}')
-                    if one.finish_reason == INTERRUPTED:
-                        store.write_interrupted(one.trajectory, one.events)
-                    else:
-                        whole.append((one.trajectory, one.events))
-                store.write_together(whole)
-            except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
-                write_error['error'] = exc
-                raise
-            store.tick()
-
-        def on_requeue(uuids: Any) -> None:  # an episode cut by an actor's death runs again, whole
-            for episode, group in list(held.items()):
-                held[episode] = [r for r in group if r.uuid not in set(uuids)]
+        sink = _Sink(store, episode_size(cfg) if episode_file(cfg) is not None else None)
 
         def on_duplicate(rec: RayRecord) -> None:  # no line, but its actor counts its images shipped
             store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
@@ -127,11 +137,10 @@ class RayRollout:
         try:
             prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
                                     check_unique=False)  # checked in full by count_requests
-            if episodic:  # each prompt an episode, its roles in one shard: on one rank
+            if sink.episode_size is not None:  # each prompt an episode, its roles in one shard: on one rank
                 prompts = as_episodes(prompts, episode_run_roles(cfg))
             ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, on_duplicate=on_duplicate,
-                    on_requeue=on_requeue,
-                    batch_size=cfg.batch_size, skip=set(store.done), address=self.args.ray_address,
+                    on_requeue=sink.requeued, batch_size=cfg.batch_size, skip=set(store.done), address=self.args.ray_address,
                     on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
             progress.update(self.result.delivered, '')
@@ -140,8 +149,8 @@ class RayRollout:
         finally:
             progress.stop()
             figures.update(self.figures(time.perf_counter() - started))
-        if write_error:
-            raise write_error['error']
+        if sink.write_error is not None:
+            raise sink.write_error
 
     def figures(self, wall_s: float) -> Dict[str, Any]:
         """This attempt's figures for ``run.json``; the summary's stand-in backend gets the

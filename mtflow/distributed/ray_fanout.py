@@ -401,21 +401,17 @@ def ray_run(requests: Iterable[Any],
         address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
             default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
             ``init_options`` (e.g. ``{'num_cpus': 2}``), shut down on return.
-        actor_options: Ray options of each actor (default ``{'num_cpus': 1}``; ``num_gpus`` for a
-            GPU model).
+        actor_options: Ray options of each actor (default ``{'num_cpus': 1}``; ``num_gpus`` for a GPU model).
         max_restarts: replacement actors started in all (default ``num_actors``).
         max_attempts: actors a request may see die before it is given up.
         on_progress: ``on_progress(delivered, description)`` after each record and state change.
-        on_requeue: ``on_requeue(uuids)``: requests already given to ``sink`` run again, because an
-            actor died with another role of their episode in flight (``docs/multi-agent.md``): a
-            sink that holds an episode's records until all its roles came drops these.
+        on_requeue: ``on_requeue(uuids)``: requests given to ``sink`` that run again (an episode cut).
         name_prefix: actors are named ``<prefix>-<slot>`` (``ray.get_actor`` finds them).
         result: a :class:`RayRunResult` to fill in (an interrupted caller keeps the figures so far).
     """
-    if num_actors < 1:
-        raise ValueError(f'num_actors must be >= 1, not {num_actors}')
-    if batch_size < 1:
-        raise ValueError(f'batch_size must be >= 1, not {batch_size}')
+    for name, value in (('num_actors', num_actors), ('batch_size', batch_size)):
+        if value < 1:
+            raise ValueError(f'{name} must be >= 1, not {value}')
     result = result if result is not None else RayRunResult()
     done: Set[str] = {str(u) for u in skip}
     pending, attempts = _shards(requests, batch_size, done, result)

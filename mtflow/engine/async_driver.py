@@ -59,7 +59,7 @@ from mtflow.engine.model_call import deliver, model_calls, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.options import MODES
 from mtflow.engine.partial import Budget, UnfinishedRequest, Until
-from mtflow.engine.resting import awaited_wait, deadlock_moves
+from mtflow.engine.resting import awaited_wait, deadlock_moves, stuck_waits
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunState
 from mtflow.engine.versions import PolicyClock, stamp
@@ -347,31 +347,22 @@ class AsyncDriver(Driver):
         return True
 
     def rest(self, rec: RequestRecord) -> None:
-        """``rec`` rests in ``tool_step`` (its step answered ``Wait``): its slot goes to another
-        request, and a task awaits its wait; when that ends, the record queues first for a slot
-        (:meth:`on_completion`, kind ``'wake'``)."""
+        """``rec`` rests (its step answered ``Wait``): its slot goes to another request and a task
+        awaits its wait; when it ends, the record queues first for a slot (kind ``'wake'``)."""
         self.run.came_to_rest.clear()  # this driver rests each record as it settles
         self.active -= 1
-        wait = rec.waiting
-        self.flight.launch('wake', rec, rec.turns or 1, awaited_wait(wait, self.run.options.step_timeout_s))
+        self.flight.launch('wake', rec, rec.turns or 1, awaited_wait(rec.waiting, self.run.options.step_timeout_s))
 
     def deadlocked(self) -> bool:
-        """Every task in flight is a resting record's wait and nothing else can run: nothing would end
-        them. They fail (:func:`mtflow.engine.resting.deadlock_moves`); ``True`` when there were any."""
-        flight = self.flight
-        if self.stopping or not flight.waking or len(flight.waking) != len(flight.tasks) or flight.completions or \
-                self.queue:  # stopping: the waits were cancelled, their records go back
-            return False
-        if any(rec.waiting is None or rec.waiting.until.done() for rec in flight.waking.values()):
-            return False  # a wait that ended, its task not run yet
-        stuck = list(flight.waking.values())
-        for rec in stuck:
-            flight.forget(rec)
-        apply_moves(self.run, deadlock_moves(stuck, max(r.turns for r in stuck) or 1))
-        for rec in stuck:
-            self.active += 1  # it rested without its slot; finishing gives one back
-            self.release_finished(rec)
-        return True
+        """Every task in flight is a wait nothing can end (:func:`~mtflow.engine.resting.stuck_waits`;
+        not while a budget stops the run: then the waits were cancelled): those records fail."""
+        stuck = [] if self.stopping else stuck_waits(self.flight, self.queue)
+        if stuck:
+            apply_moves(self.run, deadlock_moves(stuck, max(r.turns for r in stuck) or 1))
+            for rec in stuck:
+                self.active += 1  # it rested without its slot; finishing gives one back
+                self.release_finished(rec)
+        return bool(stuck)
 
     def release_finished(self, rec: RequestRecord) -> None:
         """A request finished: its slot is free."""

@@ -318,10 +318,7 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
         result = values[k]
         if result.__class__ is not dict:
             if result.__class__ is Wait:  # it waits for other requests: it rests in tool_step, no move
-                result.started = perf_counter() - ((durations[k] or 0.0) if durations is not None else 0.0)
-                rec.waiting = result
-                run.came_to_rest.append(rec)
-                resting = [k] if resting is None else resting + [k]
+                resting = _rest(run, rec, result, durations[k] if durations is not None else None, k, resting)
                 continue
         elif result.get('done'):  # the step ends its request (docs/schedulers.md)
             mv = ending[k] = _step_done(rec, turn, result, durations[k] if durations is not None else None)
@@ -352,10 +349,8 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
         except Exception:
             mv = ending[k] = wait_move(rec, turn, durations[k] if durations is not None else None, extra)
             triggers[k] = mv.trigger
-    if resting is not None:
-        going, triggers, durations, extras, ending = _without_resting(going, triggers, durations, extras, ending,
-                                                                      resting)
-    moves = route(run, TurnMoves(going, triggers, turn, None, durations, extras, ending or None), turn)
+    columns = TurnMoves(going, triggers, turn, None, durations, extras, ending or None)
+    moves = route(run, columns if resting is None else _without_resting(columns, resting), turn)
     if not failed and resting is None:  # going is records
         return moves
     by_index = {mv.record.index: mv for mv in moves}
@@ -363,15 +358,25 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
     return [by_index[rec.index] for rec in records if rec.index in by_index]
 
 
-def _without_resting(going: List[RequestRecord], triggers: List[str], durations: Optional[List[float]],
-                     extras: List[Optional[dict]], ending: Dict[int, Move], resting: List[int]) -> tuple:
-    """The columns of a turn's step moves without the records that rest (their step answered with a
+def _rest(run: RunState, rec: RequestRecord, wait: Wait, duration: Optional[float], k: int,
+          resting: Optional[List[int]]) -> List[int]:
+    """``rec``'s step answered ``wait``: it rests in ``tool_step`` (its driver takes it up when the
+    wait ends, :mod:`mtflow.engine.resting`); the positions of the records resting in this batch."""
+    wait.started = perf_counter() - (duration or 0.0)
+    rec.waiting = wait
+    run.came_to_rest.append(rec)
+    return [k] if resting is None else resting + [k]
+
+
+def _without_resting(moves: TurnMoves, resting: List[int]) -> TurnMoves:
+    """A turn's step moves without the records that rest (their step answered with a
     :class:`~mtflow.core.records.Wait`: no move until it is done)."""
-    keep = [k for k in range(len(going)) if k not in set(resting)]
+    keep = [k for k in range(len(moves.records)) if k not in set(resting)]
     position = {k: p for p, k in enumerate(keep)}
-    return ([going[k] for k in keep], [triggers[k] for k in keep],
-            None if durations is None else [durations[k] for k in keep], [extras[k] for k in keep],
-            {position[k]: mv for k, mv in ending.items() if k in position})
+    ending = {position[k]: mv for k, mv in (moves.ending or {}).items() if k in position}
+    return TurnMoves([moves.records[k] for k in keep], [moves.triggers[k] for k in keep], moves.turn, None,
+                     None if moves.durations is None else [moves.durations[k] for k in keep],
+                     [moves.extras[k] for k in keep], ending or None)
 
 
 def _step_done(rec: RequestRecord, turn: int, result: Dict[str, Any], duration: Optional[float]) -> Move:

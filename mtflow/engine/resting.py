@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from time import perf_counter
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from mtflow.core.calls import OK, RAISED, TIMED_OUT, Outcome, within
 from mtflow.core.errors import DeadlockError
@@ -20,7 +20,7 @@ from mtflow.core.machine import RequestRecord
 from mtflow.core.records import Move, Wait
 from mtflow.engine.moves import fail_move
 
-__all__ = ['wait_outcome', 'awaited_wait', 'deadlock_moves']
+__all__ = ['wait_outcome', 'awaited_wait', 'deadlock_moves', 'stuck_waits']
 
 
 def wait_outcome(wait: Wait, timeout: Optional[float]) -> Optional[Outcome]:
@@ -47,6 +47,21 @@ async def awaited_wait(wait: Wait, timeout: Optional[float]) -> Outcome:
     if outcome.kind == TIMED_OUT:
         outcome.value = timeout
     return outcome
+
+
+def stuck_waits(flight: Any, queue: Any) -> List[RequestRecord]:
+    """The resting records of an async run whose waits nothing can end: every task in
+    ``flight`` (:class:`~mtflow.engine.in_flight.InFlight`) is such a wait, none has ended, and
+    nothing is queued or completed; their tasks are dropped (``[]``: none such)."""
+    waking = flight.waking
+    if not waking or len(waking) != len(flight.tasks) or flight.completions or queue:
+        return []
+    if any(rec.waiting is None or rec.waiting.until.done() for rec in waking.values()):
+        return []  # a wait that ended, its task not run yet
+    stuck = list(waking.values())
+    for rec in stuck:
+        flight.forget(rec)
+    return stuck
 
 
 def deadlock_moves(records: List[RequestRecord], turn: int) -> List[Move]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from mtflow.declarative.envs.base import require
+from mtflow.declarative.envs.textarena_env import close_game
 from mtflow.roles.env import EpisodeEnv, EpisodeEnvError, EpisodeInfo, EpisodeStep
 
 __all__ = ['TextArenaEpisode', 'textarena_episode']
@@ -86,10 +87,7 @@ class TextArenaEpisode(EpisodeEnv):
     def close(self) -> None:
         if not self.done:
             self.done = True
-            try:
-                self.env.close()
-            except Exception:  # a game closed before it ended may fail to score itself
-                pass
+            close_game(self.env)
 
 
 def textarena_episode(game: str, num_players: int = 2, kwargs: Optional[Mapping[str, Any]] = None) -> Any:

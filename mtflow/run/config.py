@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
 from mtflow.backends.base import SamplingError, sampling_options
@@ -74,20 +74,24 @@ class AdmissionConfig(StrictModel):
         return Admission(tool_calls=self.tool_calls, env_sessions=self.env_sessions)
 
 
+def _known_backend(value: str) -> str:
+    """A backend name (registered, an alias, or ``'module:Class'``), as a schema error otherwise."""
+    try:
+        return check_backend_name(value)
+    except BackendError as exc:
+        raise ValueError(str(exc)) from None
+
+
+#: a config's backend name, checked by :func:`_known_backend`
+BackendName = Annotated[str, AfterValidator(_known_backend)]
+
+
 class PolicyConfig(StrictModel):
     """One ``policies:`` entry: the backend that serves a policy id of an episode file."""
-    backend: str = Field('hf', description='As the run config\'s backend: hf, openai, vllm, scripted, swift, '
-                         "'module:Class'.")
+    backend: BackendName = Field('hf', description='As the run config\'s backend: hf, openai, vllm, scripted, swift, '
+                                 "'module:Class'.")
     model: Optional[str] = Field(None, description="Its model (next to the config file when it is a path).")
     backend_options: Dict[str, Any] = Field(default_factory=dict, description="The backend's keyword arguments.")
-
-    @field_validator('backend')
-    @classmethod
-    def _known_backend(cls, value: str) -> str:
-        try:
-            return check_backend_name(value)
-        except BackendError as exc:
-            raise ValueError(str(exc)) from None
 
 
 class RunConfigError(UserError):
@@ -103,7 +107,7 @@ class RunConfig(StrictModel):
                                      'agent: section.')
     scheduler_args: Dict[str, Any] = Field(default_factory=dict,
                                            description='Keyword arguments for a Python scheduler class.')
-    backend: str = Field('hf', description="hf, openai, vllm, scripted or swift; a name given to "
+    backend: BackendName = Field('hf', description="hf, openai, vllm, scripted or swift; a name given to "
                          "mtflow.backends.register_backend; or your own class as 'module:Class' (the module "
                          'found next to the config file too).')
     model: Optional[str] = Field(None, description="The backend's model; for hf: 'embedded' (default), a local "
@@ -218,14 +222,6 @@ class RunConfig(StrictModel):
         if isinstance(value, dict):
             check_dataset_mapping(value)
         return value
-
-    @field_validator('backend')
-    @classmethod
-    def _known_backend(cls, value: str) -> str:
-        try:
-            return check_backend_name(value)
-        except BackendError as exc:
-            raise ValueError(str(exc)) from None
 
     # ---- derived values ----------------------------------------------------------------------
     def make_request_config(self) -> RequestConfig:

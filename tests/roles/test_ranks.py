@@ -55,7 +55,7 @@ def test_mtflow_run_ray_of_an_episode_file_equals_a_local_run(tmp_path, monkeypa
     from mtflow.cli import main
 
     monkeypatch.chdir(tmp_path)
-    shutil.copy(ROOT / 'schedulers' / 'textarena_tictactoe.yaml', 'ttt.yaml')
+    shutil.copy(ROOT / 'schedulers' / 'episodes' / 'textarena_tictactoe.yaml', 'ttt.yaml')
     Path('mover.py').write_text('from tests.roles.test_textarena import legal_mover\n')
     Path('games.jsonl').write_text(''.join(json.dumps({'uuid': f'g{k}', 'prompt': 'play', 'seed': k}) + '\n'
                                            for k in range(6)))

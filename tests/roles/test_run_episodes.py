@@ -28,7 +28,7 @@ def _error(argv, capsys) -> str:
 def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ('tau_retail.yaml', 'tau_assistant.yaml', 'tau_retail.py', 'textarena_tictactoe.yaml'):
-        shutil.copy(ROOT / 'schedulers' / name, tmp_path / name)
+        shutil.copy(ROOT / 'schedulers' / 'episodes' / name, tmp_path / name)
     shutil.copy(ROOT / 'configs' / 'tau_tasks.jsonl', tmp_path / 'tau_tasks.jsonl')
     (tmp_path / 'run.yaml').write_text(textwrap.dedent('''\
         scheduler: tau_retail.yaml

@@ -1,9 +1,9 @@
-"""A tau-bench-style customer-service episode (``schedulers/tau_retail.yaml``, docs/multi-agent.md):
+"""A tau-bench-style customer-service episode (``schedulers/episodes/tau_retail.yaml``, docs/multi-agent.md):
 the shop's tools, a scripted assistant and a scripted customer (stand-ins for models, so that the
 example and its tests need none), the judge's scripted verdict, and the task's reward.
 
 The task (a line of ``configs/tau_tasks.jsonl``): the customer wants a refund for an order; the
-assistant must look the order up and refund it (its tools, ``schedulers/tau_assistant.yaml``).
+assistant must look the order up and refund it (its tools, ``schedulers/episodes/tau_assistant.yaml``).
 The reward, as tau-bench gives it, is the outcome: 1.0 when the assistant's tool calls refunded
 exactly the task's order, else 0.0; the judge adds its score of the conversation.
 """
