@@ -61,6 +61,8 @@ class Member:
     finished: Optional[str] = None
     #: how many messages its conversation had when it was last named to act (what it added since: its action's)
     mark: int = 0
+    #: its request opened in its step (a role request reused from an earlier run never does)
+    opened: bool = False
 
 
 class Episode:
@@ -169,6 +171,7 @@ class Episode:
         """A role's first step (its request has no messages yet): its system prompt; then
         :meth:`next_for` says whether it acts (its opening observations) or waits to be named."""
         member.request = request
+        member.opened = True
         if member.role.system:
             request.messages.insert(0, {'role': 'system', 'content': member.role.system})
 

@@ -13,7 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from pydantic import ValidationError
+
 from mtflow.core.errors import UserError
+from mtflow.core.keys import unknown_key_message
+from mtflow.core.protocol import RequestConfig
 
 __all__ = ['Role', 'Seat', 'RoleError', 'self_play', 'seat_of', 'EPISODE_KEY', 'DEFAULT_POLICY', 'check_roles']
 
@@ -58,6 +62,7 @@ class Role:
         if not isinstance(self.sampling, Mapping):
             raise RoleError(f'role {self.name!r}: sampling must be a mapping of request-config fields, '
                             f'got {type(self.sampling).__name__}')
+        _check_sampling(self.name, self.sampling)
         if not isinstance(self.train, bool):
             raise RoleError(f'role {self.name!r}: train must be true or false, got {self.train!r}')
 
@@ -65,6 +70,21 @@ class Role:
     def env_seat(self) -> Any:
         """The environment's name for this role: its ``seat``, else its name."""
         return self.name if self.seat is None else self.seat
+
+
+def _check_sampling(role: str, sampling: Mapping[str, Any]) -> None:
+    """A role's sampling options are request-config fields of the right types (an unknown key
+    would be dropped without a word when the options are merged into a call's config)."""
+    unknown = [k for k in sampling if k not in RequestConfig.model_fields]
+    if unknown:
+        raise RoleError(f'role {role!r}: sampling: ' + '; '.join(unknown_key_message(str(k), RequestConfig.model_fields)
+                                                               for k in unknown))
+    try:
+        RequestConfig(**dict(sampling))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise RoleError(f'role {role!r}: sampling.{".".join(map(str, first["loc"]))}: {first["msg"]} '
+                        f'(got {first.get("input")!r})') from None
 
 
 def check_roles(roles: Sequence[Role], policies: Optional[Sequence[str]] = None) -> Dict[str, Role]:

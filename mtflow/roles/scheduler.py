@@ -189,6 +189,9 @@ class EpisodeScheduler(Scheduler):
             if hooks is not None and hooks.on_trajectory_start is not None:  # e.g. a YAML scheduler's system prompt
                 await _awaited(hooks.on_trajectory_start([infer_request]))
             return episode.next_for(member)
+        if not member.opened:
+            raise RoleError(f'role request {member.uuid} came with messages: it did not start its episode '
+                            f'{episode.info.id} (a role request is used once: make new ones with episode_requests)')
         member.request = infer_request
         hooks = self.role_hooks[member.role.name]
         if hooks is not None and member.uuid not in self.acted:  # an inner turn: its own scheduler's step

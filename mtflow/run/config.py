@@ -382,6 +382,15 @@ def _apply_sets(data: Dict[str, Any], sets: List[Tuple[Tuple[str, ...], Any, str
 _BOUND_ERRORS = ('greater_than', 'greater_than_equal', 'less_than', 'less_than_equal')
 
 
+def _keys_at(loc: tuple) -> List[str]:
+    """The keys the mapping holding ``loc``'s last key may have: the run config's, or an entry's of
+    ``policies:`` / ``roles:`` (``roles.<name>.<key>``)."""
+    nested = {'policies': PolicyConfig, 'roles': RoleOverride}
+    if len(loc) == 3 and loc[0] in nested:
+        return list(nested[str(loc[0])].model_fields)
+    return config_keys()
+
+
 def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optional[Dict[str, str]] = None) -> str:
     problems: List[str] = []
     for err in exc.errors():
@@ -395,7 +404,7 @@ def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optiona
         if msg.startswith('Value error, '):
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
-            msg = unknown_key_message(str(loc[-1]), config_keys())
+            msg = unknown_key_message(str(loc[-1]), _keys_at(loc))
         if err.get('type') in _BOUND_ERRORS and 'input' in err and where.startswith(source):  # a flag shows it
             msg += f' (got {err["input"]!r})'
         problems += _at_sub_keys(msg, loc, root, source, origin) or [f'{where}: {field}: {msg}']

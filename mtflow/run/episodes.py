@@ -19,7 +19,8 @@ from mtflow.roles.config import (EpisodeConfig, episode_file_problems, episode_r
                                  load_episode_scheduler, read_episode_file)
 from mtflow.roles.requests import iter_episode_requests
 from mtflow.roles.role import Role, RoleError
-from mtflow.roles.router import PolicyRouter
+from mtflow.roles.router import PolicyRouter, with_sampling
+from mtflow.backends.base import SamplingError, sampling_options
 from mtflow.run.config import RunConfig
 
 __all__ = ['episode_file', 'episode_problems', 'episode_run_roles', 'episode_size', 'build_policies', 'make_episode_scheduler',
@@ -56,7 +57,17 @@ def episode_problems(cfg: RunConfig) -> List[str]:
                        f'{", ".join(map(repr, cfg.policy_ids()))}')
     if out:
         return out
-    return [str(p) for p in episode_file_problems(path, cfg.policy_ids(), cfg.roles)]
+    problems = [str(p) for p in episode_file_problems(path, cfg.policy_ids(), cfg.roles)]
+    if not problems:  # each role's sampling options within the engines' bounds, merged as the router merges them
+        for role in episode_roles(config, cfg.roles):
+            try:
+                sampling_options(with_sampling(cfg.make_request_config(), role.sampling), default_max_tokens=1)
+            except SamplingError as exc:
+                change = cfg.roles.get(role.name)
+                where = (cfg.where(f'roles.{role.name}') if change is not None and change.sampling
+                         else f'{path}: roles: {role.name}')
+                problems.append(f'{where}: sampling.{exc.field} {exc.why}')
+    return problems
 
 
 def _config(cfg: RunConfig) -> EpisodeConfig:
