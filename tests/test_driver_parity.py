@@ -25,8 +25,12 @@ a state, tool calls, entropy; copies; a leaf budget, so trees are topped up mid-
 and every tree record must be the same in every driver. A child's model turns come from its
 root's plan, its ids moved by its uuid, so that branches answer apart.
 
-850 scenarios in all (600 + 40 with deadlines + 60 with a context budget + 150 branched), fixed
-by ``derandomize`` so that a failure reproduces.
+Multi-agent scenarios (``docs/multi-agent.md``, at the end): episodes of several roles, each role a
+request, a waiting role resting in ``tool_step``; every role's trajectory must be the same in every
+driver.
+
+970 scenarios in all (600 + 40 with deadlines + 60 with a context budget + 150 branched + 120
+multi-agent), fixed by ``derandomize`` so that a failure reproduces.
 """
 from __future__ import annotations
 
