@@ -59,7 +59,8 @@ from mtflow.backends.base import (Backend, BackendError, PreflightProblem, Sampl
                                   prepare_chat)
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
-from mtflow.backends.openai_stream import completion_items, stream_body, streamed_acall, token_ids_from_logprobs
+from mtflow.backends.openai_stream import (completion_items, message_tool_calls, stream_body, streamed_acall,
+                                           token_ids_from_logprobs)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
@@ -218,7 +219,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
         token_ids = token_ids_from_logprobs(logprobs)
     choice = ChatCompletionResponseChoice(
         index=0,
-        message=ChatMessage(role='assistant', content=content, tool_calls=message.get('tool_calls') or None,
+        message=ChatMessage(role='assistant', content=content, tool_calls=message_tool_calls(message.get('tool_calls')),
                             reasoning_content=message.get('reasoning_content')),
         finish_reason=reason,
         logprobs=logprobs,
