@@ -152,6 +152,14 @@ class YamlScheduler(Scheduler):
         return 'tips_exhausted' if self.config.tips else 'no_action'
 
     @property
+    def writes_tool_messages(self) -> bool:
+        """Whether tool results go to the model as ``tool`` messages, after an assistant message
+        that holds the call as its text (what a chat template must render; checked when a run
+        loads, :func:`mtflow.backends.chat_templates.template_problems`)."""
+        obs = self.config.observation
+        return bool(self.tools) and obs.mode == 'message' and obs.role == 'tool'
+
+    @property
     def tool_specs(self) -> List[Dict[str, Any]]:
         """The tools as OpenAI function specs (what ``{tools}`` renders)."""
         return [t.spec() for t in self.tools]
