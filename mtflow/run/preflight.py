@@ -19,7 +19,11 @@ they import.
   allow (``max_sessions`` per server; a request holds its session for its whole life), and, at the
   start of ``mtflow run`` only, each ``url`` server must open a session (:func:`check_env_servers`)
   and its ``/schema`` must have the ``action_field``, ``observation_field`` and ``image_fields``
-  the scheduler names.
+  the scheduler names;
+- ``backend_options.chat_template``: a file that is there, Jinja text or a bundled name; and, for
+  ``mtflow validate`` only, the chat template's probe and the context, with the tokenizer and
+  ``config.json`` read from disk (:mod:`mtflow.run.chat_check`; ``mtflow run`` checks the loaded
+  backend's, before the first turn).
 
 Each problem is one ``file[:line]: field: message`` line; ``imports`` lists every Python module or
 callable the run will import (that code runs with your rights: read the list)."""
@@ -198,8 +202,7 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
             else:
                 out.problems.append(problem.message)
     out.warnings += sampling_warnings(cfg)
-    template_problem = check_template_option(cfg) if with_backend else []
-    out.problems += template_problem
+    out.problems += check_template_option(cfg) if with_backend else []
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
