@@ -52,6 +52,15 @@ SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'  # (pyseccomp loads libse
 # 17.4 -> 16.1 here (and bring prime-* packages); 0.3.1 is the newest release with the MultiTurnEnv/ToolEnv/Rubric API (0.4.0 ships only its v1 stack)
 .extras/verifiers-venv/bin/python -c 'import verifiers.legacy' 2>/dev/null || { .venv/bin/python -m venv .extras/verifiers-venv \
   && .extras/verifiers-venv/bin/python -m pip --disable-pip-version-check -q install 'verifiers==0.3.1'; }
+# the model families' chat templates as their repositories ship them (tests/backends/test_chat_templates.py), from two
+# registry packages: llama.cpp's copies in the llama-cpp-python sdist, TRL 1.16's originals in its wheel (.jinja only)
+CT=.extras/chat-templates
+[ -f $CT/.complete ] || { D=$(mktemp -d) && $PIP download --no-deps --no-binary :all: -d "$D" 'llama-cpp-python==0.3.36' \
+  && $PIP download --no-deps -d "$D" 'trl==1.16.0' && mkdir -p $CT/llama.cpp $CT/trl && tar -xzf "$D"/llama_cpp_python-*.tar.gz \
+  -C $CT/llama.cpp --strip-components=5 --wildcards '*/vendor/llama.cpp/models/templates/*.jinja' && .venv/bin/python -c \
+  'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [open(sys.argv[2] + n.rsplit("/", 1)[1], "wb").write(z.read(n))
+   for n in z.namelist() if n.startswith("trl/chat_templates/") and n.endswith(".jinja")]' "$D"/trl-*.whl $CT/trl/ \
+  && touch $CT/.complete; rm -rf "$D"; } || echo "warning: could not fetch the chat templates: their tests are skipped" >&2
 
 # --- run ---
 set +e

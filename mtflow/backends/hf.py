@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
                                   prepare_chat, sampling_seeds)
+from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.hf_sampling import RowSampler, row_seeds
 from mtflow.backends.models import load_model
@@ -94,7 +95,8 @@ class HFBackend(Backend):
         default_max_tokens: used when the request config has no ``max_tokens``.
         logprobs_mode: ``'raw'`` (the model's distribution) or ``'processed'`` (after
             temperature, top-k, top-p: the distribution sampled from).
-        chat_template: overrides the tokenizer's template.
+        chat_template: overrides the tokenizer's template: a file, Jinja text or a bundled name (the
+            run says which it used and checks it before the first turn, ``docs/declarative.md``).
         seed: the sampling seed of requests whose request config has none. Each request samples
             from its own generator, seeded from the seed and the request
             (:func:`mtflow.core.seeds.sampling_seed`): the same request samples the same tokens
@@ -142,6 +144,7 @@ class HFBackend(Backend):
 
         if logprobs_mode not in ('raw', 'processed'):
             raise BackendError(f"hf backend: logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
+        template = resolve_chat_template(chat_template, where='hf backend: chat_template')  # before the model loads
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise BackendError(f'hf backend: max_batch_size must be a positive int, not {max_batch_size!r}')
         self.load_info: Dict[str, Any] = {}
@@ -161,9 +164,9 @@ class HFBackend(Backend):
         self.max_batch_size = max_batch_size
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
-        self.chat_template = chat_template
-        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
-            if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
+        self.chat_template = template.text
+        self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
+            if processor is None else VisionPrompter(processor, template, policy=prefix_policy, exact=exact_ids)
         #: the model's context in tokens (its config's ``max_position_embeddings``; context budgets read it)
         self.context_length = context_length_of(getattr(model, 'config', None), 'max_position_embeddings')
         self.eos_ids = self._eos_ids()

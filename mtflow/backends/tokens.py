@@ -31,10 +31,11 @@ import copy
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from mtflow.accounting.token_record import RECORD_ATTR, TokenRecord, TokenTurn, record_of
 from mtflow.backends.base import BackendError, Chat, prepare_chat
+from mtflow.backends.chat_templates import TemplateSource, resolve_chat_template
 from mtflow.core.protocol import extract_logprobs
 
 __all__ = ['TokenPrompter', 'PromptPlan', 'POLICIES', 'render_text']
@@ -84,7 +85,8 @@ class TokenPrompter:
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
-        chat_template: overrides the tokenizer's template.
+        chat_template: overrides the tokenizer's template: a file, Jinja text or a bundled name
+            (:func:`~mtflow.backends.chat_templates.resolve_chat_template`).
         policy: ``'exact'`` or ``'rerender'`` for turns the template does not render prefix-stably.
         exact: ``False`` renders every turn from text (the old behaviour, kept for comparison:
             ``benchmarks/tokens.py`` measures the drift it causes); the record is still kept.
@@ -92,12 +94,14 @@ class TokenPrompter:
             a new request object each turn); the oldest are forgotten first.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: Optional[str] = None, *, policy: str = 'exact',
-                 exact: bool = True, max_tracked: int = 65536) -> None:
+    def __init__(self, tokenizer: Any, chat_template: Union[None, str, TemplateSource] = None, *,
+                 policy: str = 'exact', exact: bool = True, max_tracked: int = 65536) -> None:
         if policy not in POLICIES:
             raise BackendError(f"prefix policy must be 'exact' or 'rerender', not {policy!r}")
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        #: where the template came from (a file, Jinja text, a bundled name, the tokenizer's own)
+        self.template_source = resolve_chat_template(chat_template)
+        self.chat_template = self.template_source.text
         self.policy = policy
         self.exact = exact
         self.max_tracked = max_tracked

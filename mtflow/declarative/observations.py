@@ -2,7 +2,7 @@
 call, or joined) or as text appended to the assistant message (``inline``, loss mask 0)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from mtflow.core.images import place_images
 from mtflow.declarative.schema import ObservationConfig
@@ -28,18 +28,22 @@ def render_result(obs: ObservationConfig, tools: Dict[str, Tool], tokenizer: Any
 
 
 def add_observations(obs: ObservationConfig, messages: List[Dict[str, Any]], results: List[ToolResult],
-                     texts: List[str]) -> str:
+                     texts: List[str], call_ids: Optional[List[str]] = None) -> str:
     """Add the rendered results to ``messages``; the text appended inline (``''`` in message mode),
-    which the scheduler encodes with loss mask 0."""
+    which the scheduler encodes with loss mask 0. ``call_ids``: the ids of calls the server
+    returned structured; each ``tool`` message then answers its call (``tool_call_id``), as the
+    server's chat template and OpenAI's API expect."""
     if obs.mode == 'inline':
         inline_text = obs.prefix + obs.separator.join(texts) + obs.suffix
         messages[-1]['content'] += inline_text
         return inline_text
     if obs.role == 'tool' and obs.one_message_per_call:
-        for r, text in zip(results, texts):
+        for k, (r, text) in enumerate(zip(results, texts)):
             message = {'role': 'tool', 'content': obs.prefix + text + obs.suffix}
             if r.name:
                 message['name'] = r.name
+            if call_ids is not None and k < len(call_ids):
+                message['tool_call_id'] = call_ids[k]
             messages.append(message)
     else:
         messages.append({'role': obs.role, 'content': obs.prefix + obs.separator.join(texts) + obs.suffix})

@@ -28,6 +28,10 @@ class RequestState:
     error_kinds: Dict[str, int] = field(default_factory=dict)
     tips_given: Dict[str, int] = field(default_factory=dict)
     calls: List[ToolCall] = field(default_factory=list)
+    #: the ids of ``calls`` when the server returned them structured (its tool messages answer them),
+    #: and what the trace says of where they came from (``tool_calls_from``, ``text_calls_ignored``)
+    call_ids: Optional[List[str]] = None
+    calls_from: Dict[str, Any] = field(default_factory=dict)
     tip: Optional[TipConfig] = None
     env: Any = None
     env_obs: Optional[str] = None

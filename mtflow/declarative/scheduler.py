@@ -52,7 +52,7 @@ from mtflow.declarative.request_state import RequestState, maybe_await
 from mtflow.declarative.schema import SchedulerConfig
 from mtflow.declarative.stop_rules import StopRules
 from mtflow.declarative.tips import TipRules, cut_before_markers
-from mtflow.declarative.tool_calls import build_tool, read_calls, run_calls
+from mtflow.declarative.tool_calls import build_tool, read_calls, run_calls, server_calls
 from mtflow.declarative.turn_rewards import TurnRewards
 from mtflow.engine.admission import Admission
 from mtflow.declarative.templates import render
@@ -150,6 +150,14 @@ class YamlScheduler(Scheduler):
         if self.config.tools:
             return 'no_tool_call'
         return 'tips_exhausted' if self.config.tips else 'no_action'
+
+    @property
+    def writes_tool_messages(self) -> bool:
+        """Whether tool results go to the model as ``tool`` messages, after an assistant message
+        that holds the call as its text (what a chat template must render; checked when a run
+        loads, :func:`mtflow.backends.chat_templates.template_problems`)."""
+        obs = self.config.observation
+        return bool(self.tools) and obs.mode == 'message' and obs.role == 'tool'
 
     @property
     def tool_specs(self) -> List[Dict[str, Any]]:
@@ -254,8 +262,9 @@ class YamlScheduler(Scheduler):
             state.answer_correct = correct
             infos.update(answer=answer, answer_correct=correct)
         calls: List[ToolCall] = []
+        state.call_ids, state.calls_from = None, {}
         if self.tools or self.config.stop.stop_tools:
-            calls = self.read_calls(completion, response_choice.finish_reason)
+            calls = self._turn_calls(infer_request, response_choice, completion, state)
         if reason is None:
             reason = await self.stop_rules.first_match(completion, calls, correct, infer_request, response_choice,
                                                        current_turn)
@@ -285,6 +294,25 @@ class YamlScheduler(Scheduler):
                                                f'reward ({self.config.reward})')
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
         return {'done': False, 'rollout_infos': infos}
+
+    def _turn_calls(self, infer_request: Any, response_choice: Any, completion: str,
+                    state: RequestState) -> List[ToolCall]:
+        """The turn's calls: the server's structured ``tool_calls`` when it returned some (they win
+        over calls in the text, which are not run; the trace says so), put on the assistant message
+        in OpenAI's shape for the next turn; else the calls the parser reads in the text."""
+        structured = getattr(response_choice.message, 'tool_calls', None)
+        if not structured:
+            return self.read_calls(completion, response_choice.finish_reason)
+        calls, message_calls = server_calls(structured)
+        messages = infer_request.messages
+        if messages and messages[-1].get('role') == 'assistant':
+            messages[-1]['tool_calls'] = message_calls
+        state.call_ids = [c['id'] for c in message_calls]
+        state.calls_from = {'tool_calls_from': 'server'}
+        in_text = [c for c in self.parser.parse(completion) if c.error is None] if completion else []
+        if in_text:
+            state.calls_from['text_calls_ignored'] = len(in_text)
+        return calls
 
     def read_calls(self, completion: str, finish_reason: Optional[str]) -> List[ToolCall]:
         """The turn's tool calls, made safe to act on:
@@ -318,13 +346,14 @@ class YamlScheduler(Scheduler):
                 results = self.result_images.apply(results, infer_request.uuid, current_turn)
             self.turn_rewards.tools(state, current_turn, results)
             trace_info['calls'] = [r.to_info() for r in results]
+            trace_info.update(state.calls_from)
             # what a replay needs beside it: each call's arguments and its whole result text
             trace_info['tool_io'] = [tool_io(r) for r in results]
             images = tool_images(results, self.config.observation.mode, self.image_limits, infer_request.uuid,
                                  current_turn)
             texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
                      for i, r in enumerate(results)]
-            inline_text = add_observations(self.config.observation, messages, results, texts)
+            inline_text = add_observations(self.config.observation, messages, results, texts, state.call_ids)
             add_images(infer_request, images, trace_info)
         counters = state.counters() if self.tools else (
             {'tips_given': dict(state.tips_given)} if state.tips_given else {})
@@ -365,7 +394,9 @@ class YamlScheduler(Scheduler):
         if self.recorded_tools is not None:
             results = list(self.recorded_tools.tool_results(getattr(infer_request, 'uuid', None), turn, calls))
         else:
-            results = await run_calls(self.runner, self.parser, calls, cfg.max_tool_calls_per_turn)
+            # a malformed structured call's error names no text format (the server wrote the call)
+            parser = None if state.call_ids is not None else self.parser
+            results = await run_calls(self.runner, parser, calls, cfg.max_tool_calls_per_turn)
         failed = state.count_calls(results)
         if failed and cfg.tool_errors == 'finish':
             raise ToolCallError(f'{len(failed)} tool call(s) failed: ' + '; '.join(r.error for r in failed),

@@ -41,6 +41,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
 from mtflow.backends.base import SamplingError, sampling_options
+from mtflow.backends.chat_templates import BUNDLED, looks_like_jinja
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RequestConfig
 from mtflow.core.stop import MAX_TURNS_BOUND
@@ -258,6 +259,9 @@ class RunConfig(StrictModel):
         for key in PATH_OPTIONS:
             if isinstance(opts.get(key), str):
                 opts[key] = str(self.resolve(opts[key]))
+        template = opts.get('chat_template')
+        if isinstance(template, str) and not looks_like_jinja(template) and template not in BUNDLED:
+            opts['chat_template'] = str(self.resolve(template))  # a file: next to the config, else here
         return opts
 
 
