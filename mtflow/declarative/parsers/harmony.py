@@ -62,7 +62,9 @@ def harmony_messages(text: str) -> Tuple[List[HarmonyMessage], Optional[str]]:
 
     enc = harmony_encoding()
     tokens = enc.encode(text, allowed_special='all')
-    parser = oh.StreamableParser(enc, oh.Role.ASSISTANT)
+    # a reply starts inside the assistant's header (the prompt wrote <|start|>assistant); a text that
+    # starts a message of its own (the content once the reasoning is taken out) names its role
+    parser = oh.StreamableParser(enc, None if text.startswith('<|start|>') else oh.Role.ASSISTANT)
     out: List[HarmonyMessage] = []
     start, error = 0, None
     for k, token in enumerate(tokens):
