@@ -11,6 +11,7 @@ the trajectory; and a two-turn ``mtflow run`` in the family's chat template pass
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -224,23 +225,28 @@ def test_reasoning_key_is_checked(tmp_path):
 
 
 # ---- a two-turn run in the family's own template passes check-tokens ----------------------------
-@pytest.mark.parametrize('name', FAMILIES)
-def test_round_trip_in_the_family_template_passes_check_tokens(name, tmp_path, monkeypatch):
-    fam = family(name)
+def family_run(fam: Family, tmp_path, out: str = 'run') -> Path:
+    """``mtflow run`` of the family's two replies (a calculator call, then the answer), its run directory."""
     tok_dir = tmp_path / 'tok'
     fam.tokenizer().save_pretrained(tok_dir)
-    (tmp_path / 'sched.yaml').write_text(f'name: {name}\nparser: {name}\ntools: [{{name: calculator}}]\n'
+    (tmp_path / 'sched.yaml').write_text(f'name: {fam.parser}\nparser: {fam.parser}\ntools: [{{name: calculator}}]\n'
                                          'system_prompt: "Use the tools.\\n{tools}"\nmax_turns: 3\n')
     (tmp_path / 'prompts.jsonl').write_text(json.dumps({'uuid': 'q1', 'prompt': 'What is 2 + 3 * 4?'}) + '\n')
     (tmp_path / 'model.jsonl').write_text(''.join(json.dumps({'uuid': 'q1', 'turn': t, 'content': c}) + '\n'
                                                   for t, c in ((1, fam.call_turn), (2, fam.answer_turn))))
     (tmp_path / 'run.yaml').write_text(f'scheduler: sched.yaml\nbackend: scripted\nbackend_options: {{path: model.jsonl, '
-                                       f'tokenizer: {tok_dir}}}\ndataset: prompts.jsonl\nout: {tmp_path / "run"}\n'
+                                       f'tokenizer: {tok_dir}}}\ndataset: prompts.jsonl\nout: {tmp_path / out}\n'
                                        'request_config: {max_tokens: 256}\n')
-    monkeypatch.chdir(tmp_path)
-    assert main(['run', 'run.yaml', '-q']) == 0
-    assert main(['check-tokens', str(tmp_path / 'run')]) == 0
-    line = json.loads((tmp_path / 'run' / 'trajectories.jsonl').read_text().splitlines()[0])
+    assert main(['run', str(tmp_path / 'run.yaml'), '-q']) == 0
+    return tmp_path / out
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_round_trip_in_the_family_template_passes_check_tokens(name, tmp_path):
+    fam = family(name)
+    run_dir = family_run(fam, tmp_path)
+    assert main(['check-tokens', str(run_dir)]) == 0
+    line = json.loads((run_dir / 'trajectories.jsonl').read_text().splitlines()[0])
     msgs = line['messages']
     assert line['finish_reason'] == 'stop_rule:no_tool_call' and [m['role'] for m in msgs[-3:]] == \
         ['assistant', 'tool', 'assistant']
@@ -256,3 +262,20 @@ def test_round_trip_in_the_family_template_passes_check_tokens(name, tmp_path, m
     # the next prompt holds the call exactly as sampled, then the result in the family's own frame
     assert fam.call_turn + fam.eos in text and fam.tool_frame in text
     assert text.index(fam.call_turn) < text.index(fam.tool_frame)
+
+
+def test_replay_diff_rescore_and_viewers_read_runs_with_reasoning(tmp_path, capsys):
+    run_dir = family_run(family('glm45'), tmp_path)
+    assert 'reasoning_content' in (run_dir / 'trajectories.jsonl').read_text()
+    assert main(['replay', str(run_dir), '--out', str(tmp_path / 'again'), '-q']) == 0
+    assert main(['diff', str(run_dir), str(tmp_path / 'again')]) == 0  # the same run, reasoning and all
+    assert main(['check-tokens', str(tmp_path / 'again')]) == 0
+    assert main(['rescore', str(run_dir), '--out', str(tmp_path / 'rescored'), '-q']) == 0
+    capsys.readouterr()
+    assert main(['trace', 'show', str(run_dir / 'trace.jsonl'), '--trajectories',
+                 str(run_dir / 'trajectories.jsonl'), '--detail', 'q1']) == 0
+    assert 'assistant reasoning: The user wants 2 + 3 * 4.' in capsys.readouterr().out
+    page = tmp_path / 'page.html'
+    assert main(['trace', 'html', str(run_dir / 'trace.jsonl'), '--trajectories', str(run_dir / 'trajectories.jsonl'),
+                 '-o', str(page)]) == 0
+    assert 'reasoning_content' in page.read_text()
