@@ -9,7 +9,8 @@
     </invoke>
     </minimax:tool_call>
 
-Values are stripped of surrounding whitespace and typed by the tool's schema (:mod:`.schema_types`).
+Values are kept as written (a newline around a code value included, as vLLM reads them) and typed
+by the tool's schema (:mod:`.schema_types`; a number or a boolean may have whitespace around it).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ OPEN, CLOSE = '<minimax:tool_call>', '</minimax:tool_call>'
 
 
 def _text(body: str, attrs: Dict[str, str]) -> Tuple[Any, Optional[str]]:
-    return body.strip(), None
+    return body, None
 
 
 FORMAT = InvokeFormat(re.compile(re.escape(OPEN)), re.compile(re.escape(CLOSE)), re.compile(r'<invoke\s+([^>]*)>'),
