@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.registry import Registry
+from mtflow.declarative.parsers.harmony import harmony_encoding, harmony_messages
 
 __all__ = ['Split', 'ReasoningParser', 'ThinkTags', 'KimiThinking', 'HarmonyChannels', 'REASONING',
            'split_reasoning', 'reasoning_parser', 'opens_thinking', 'split_messages']
@@ -123,12 +124,11 @@ class HarmonyChannels(ReasoningParser):
     name = 'harmony'
 
     def __init__(self, opened_in_prompt: Optional[bool] = None) -> None:
-        from mtflow.declarative.parsers.harmony import harmony_encoding
         harmony_encoding()  # the missing package or vocabulary is said when the scheduler loads
 
     def split(self, text: str, continued: bool = False) -> Split:
-        from mtflow.declarative.parsers.harmony import harmony_messages
-
+        if '<|channel|>analysis' not in text:  # nothing to split: no parse (openai-harmony's ~20 us a token)
+            return Split('', text)
         messages, _ = harmony_messages(text)
         thought = [m for m in messages if m.channel == 'analysis' and not m.recipient]
         if not thought:

@@ -57,6 +57,15 @@ def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
     return value
 
 
+def _named(registry: Any, value: str, info: ValidationInfo, also: tuple = ()) -> str:
+    """A name ``registry`` knows (or one of ``also``), else a ``module:attribute`` that imports."""
+    if value in also or value in registry.names():
+        return value
+    if ':' not in value:
+        raise ValueError(registry.unknown(value))
+    return _check_ref(value, info)
+
+
 def _hook(what: str, *args: str) -> Any:
     """A ``module:function`` field mtflow calls as ``what(*args)``: it must import and take those
     arguments (:func:`mtflow.core.signatures.call_problem`), found when the file is validated,
@@ -316,11 +325,7 @@ class ReasoningConfig(StrictModel):
     @field_validator('parser')
     @classmethod
     def _parser(cls, v: str, info: ValidationInfo) -> str:
-        if v == 'auto' or v in REASONING.names():
-            return v
-        if ':' not in v:
-            raise ValueError(REASONING.unknown(v))
-        return _check_ref(v, info)
+        return _named(REASONING, v, info, also=('auto', ))
 
 
 def _reasoning_shorthand(value: Any) -> Any:
@@ -541,11 +546,7 @@ class SchedulerConfig(StrictModel):
     @field_validator('parser')
     @classmethod
     def _parser(cls, v: str, info: ValidationInfo) -> str:
-        if v in PARSERS.names():
-            return v
-        if ':' not in v:
-            raise ValueError(PARSERS.unknown(v))
-        return _check_ref(v, info)
+        return _named(PARSERS, v, info)
 
     @field_validator('system_prompt')
     @classmethod

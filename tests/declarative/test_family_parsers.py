@@ -25,20 +25,11 @@ from mtflow.declarative.reasoning import ThinkTags, opens_thinking, reasoning_pa
 from tests.declarative.families import Family, families, harmony_family
 from tests.helpers import Scripted, req
 
+from .test_truncation_and_feedback import RAN
 from .util import model_out, tok
 
 FAMILIES = ['qwen3_coder', 'glm45', 'kimi_k2', 'deepseek_v32', 'minimax_m2', 'harmony']
-RAN = []
-
-
-def record(code: str) -> str:
-    """Record a call.
-
-    Args:
-        code: anything
-    """
-    RAN.append(code)
-    return 'ran'
+RECORD = 'tests.declarative.test_truncation_and_feedback:record'  # a tool that records what it ran, in RAN
 
 
 def parser_of(name):
@@ -117,7 +108,7 @@ MALFORMED = {
 
 
 def _scheduler(parser, **kw):
-    cfg = {'name': 'families', 'parser': parser, 'tools': [{'name': 'python', 'impl': f'{__name__}:record'}],
+    cfg = {'name': 'families', 'parser': parser, 'tools': [{'name': 'python', 'impl': RECORD}],
            'max_turns': 3, 'stop': {'on_length': False}}
     cfg.update(kw)
     return load_scheduler(cfg, tokenizer=tok())
@@ -177,7 +168,7 @@ ANSWER = {'pattern': '<answer>(.*?)</answer>', 'field': 'solution', 'compare': '
 def test_stop_rules_answers_and_calls_see_the_content_unless_asked():
     thought = '<think>Maybe <answer>3</answer>? Final Answer: no. <tool_call>{"name": "python", "arguments": ' \
               '{"code": "x"}}</tool_call></think>The answer is <answer>4</answer>.'
-    base = {'name': 'r', 'tools': [{'name': 'python', 'impl': f'{__name__}:record'}], 'answer': ANSWER,
+    base = {'name': 'r', 'tools': [{'name': 'python', 'impl': RECORD}], 'answer': ANSWER,
             'stop': {'regex': {'final': 'Final Answer:'}}, 'max_turns': 2}
     RAN.clear()
     res = Executor(load_scheduler(base, tokenizer=tok()), Scripted({'a': [model_out(thought)]})).run(

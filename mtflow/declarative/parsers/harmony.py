@@ -10,6 +10,8 @@ The reply's text (with its special tokens: the backend must not skip them) is en
 harmony encoding and parsed by the package's ``StreamableParser``, token by token, so each
 message's exact text is known (the gateway takes a call's text out of the content). The package
 is an optional extra (``pip install 'mtflow[harmony]'``), imported when a harmony parser is made;
+its parser costs about 20 us a token (``benchmarks/yaml_and_parsers.py``), so a reply that addresses no
+function is not parsed at all;
 it loads the ``o200k_base`` vocabulary, which it downloads once, or reads from
 ``$TIKTOKEN_ENCODINGS_BASE`` (offline: ``scripts/harmony_vocab.py`` writes that folder).
 """
@@ -43,6 +45,12 @@ def harmony_encoding() -> Any:
                            'scripts/harmony_vocab.py FOLDER writes it)') from None
 
 
+@functools.lru_cache(maxsize=1)
+def _end_tokens(enc: Any) -> frozenset:
+    """The ids of the tokens that end a message (``<|end|>``, ``<|call|>``, ``<|return|>``)."""
+    return frozenset(enc.encode(t, allowed_special='all')[0] for t in ('<|end|>', '<|call|>', '<|return|>'))
+
+
 @dataclass
 class HarmonyMessage:
     """One message of a reply: its channel, recipient, content type and text, and ``raw``, the
@@ -65,6 +73,7 @@ def harmony_messages(text: str) -> Tuple[List[HarmonyMessage], Optional[str]]:
     # a reply starts inside the assistant's header (the prompt wrote <|start|>assistant); a text that
     # starts a message of its own (the content once the reasoning is taken out) names its role
     parser = oh.StreamableParser(enc, None if text.startswith('<|start|>') else oh.Role.ASSISTANT)
+    ends = _end_tokens(enc)
     out: List[HarmonyMessage] = []
     start, error = 0, None
     for k, token in enumerate(tokens):
@@ -73,8 +82,11 @@ def harmony_messages(text: str) -> Tuple[List[HarmonyMessage], Optional[str]]:
         except Exception as exc:  # HarmonyError: a token the format does not allow here
             error = f'not harmony at token {k}: {exc}'
             break
-        while len(out) < len(parser.messages):
-            msg = parser.messages[len(out)]
+        if token not in ends:  # a message can only finish on its end token (reading messages costs a JSON round)
+            continue
+        finished = parser.messages
+        while len(out) < len(finished):
+            msg = finished[len(out)]
             out.append(HarmonyMessage(msg.channel, msg.recipient, msg.content_type,
                                       ''.join(c.text for c in msg.content if hasattr(c, 'text')),
                                       enc.decode(tokens[start:k + 1]), True))
@@ -117,7 +129,7 @@ class HarmonyParser(ToolCallParser):
         harmony_encoding()  # a missing package or vocabulary is said when the scheduler loads
 
     def parse(self, text: str) -> List[ToolCall]:
-        if not text:
+        if FUNCTIONS not in (text or ''):  # no message is addressed to a function: no call (and no parse, ~20 us a token)
             return []
         messages, error = harmony_messages(text)
         calls = [_call(m) for m in messages if (m.recipient or '').startswith(FUNCTIONS)]
