@@ -50,11 +50,13 @@ class Split:
 
 
 class ReasoningParser:
-    """Base: no reasoning. ``split(text, continued)``: ``continued`` is True for a turn that
-    continued the assistant message (no generation prompt opened anything)."""
+    """Base: no reasoning. ``split(text, continued, opened)``: ``continued`` is True for a turn that
+    continued the assistant message (no generation prompt opened anything); ``opened``: whether this
+    reply's generation prompt opened a thinking block (``None``: the parser's ``opened_in_prompt``)."""
     name = 'none'
+    opened_in_prompt: Optional[bool] = None
 
-    def split(self, text: str, continued: bool = False) -> Split:
+    def split(self, text: str, continued: bool = False, opened: Optional[bool] = None) -> Split:
         return Split('', text)
 
 
@@ -80,13 +82,13 @@ class ThinkTags(ReasoningParser):
         found += [(i, i) for m in self.implicit_end for i in [text.find(m, pos)] if i >= 0]
         return min(found) if found else (-1, -1)
 
-    def split(self, text: str, continued: bool = False) -> Split:
+    def split(self, text: str, continued: bool = False, opened: Optional[bool] = None) -> Split:
         reasoning: List[str] = []
         content: List[str] = []
         pos = 0
         first = self._start.search(text)
         stop, resume = self._first_end(text, 0, None)
-        opened = self.opened_in_prompt and not continued
+        opened = (self.opened_in_prompt if opened is None else opened) and not continued
         if stop >= 0 and (first is None or first.start() >= stop) and resume > stop:
             # R</think>C: the block was opened before this text (by the prompt, or an earlier turn continued)
             reasoning.append(text[:stop])
@@ -126,7 +128,7 @@ class HarmonyChannels(ReasoningParser):
     def __init__(self, opened_in_prompt: Optional[bool] = None) -> None:
         harmony_encoding()  # the missing package or vocabulary is said when the scheduler loads
 
-    def split(self, text: str, continued: bool = False) -> Split:
+    def split(self, text: str, continued: bool = False, opened: Optional[bool] = None) -> Split:
         if '<|channel|>analysis' not in text:  # nothing to split: no parse (openai-harmony's ~20 us a token)
             return Split('', text)
         messages, _ = harmony_messages(text)
@@ -152,12 +154,17 @@ REASONING = Registry('mtflow.reasoning', 'unknown reasoning parser {name} (known
 FAMILY = {'harmony': 'harmony', 'gpt_oss': 'harmony', 'kimi_k2': 'kimi', 'kimi': 'kimi'}
 
 
-def opens_thinking(tokenizer: Any, chat_template: Optional[str] = None) -> Optional[bool]:
+def opens_thinking(tokenizer: Any, chat_template: Optional[str] = None,
+                   template_kwargs: Optional[Dict[str, Any]] = None) -> Optional[bool]:
     """Whether the chat template's generation prompt opens a thinking block (ends with ``<think>``
-    or ``◁think▷``, whitespace aside); ``None`` when there is no template to ask."""
+    or ``◁think▷``, whitespace aside), rendered with ``template_kwargs`` (a request's
+    ``chat_template_kwargs``: ``enable_thinking: false`` closes it); ``None`` when there is no
+    template to ask."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, 'chat_template', None)):
         return None
-    kwargs: Dict[str, Any] = {'chat_template': chat_template} if chat_template else {}
+    kwargs: Dict[str, Any] = dict(template_kwargs or {})
+    if chat_template:
+        kwargs['chat_template'] = chat_template
     try:
         text = tokenizer.apply_chat_template([{'role': 'user', 'content': 'Hi'}], tokenize=False,
                                              add_generation_prompt=True, **kwargs)
@@ -177,15 +184,17 @@ def reasoning_parser(name: str, tool_parser: str = '', tokenizer: Any = None, ch
     return REASONING.get(name, base_dir)(opened_in_prompt=opened_in_prompt)
 
 
-def split_reasoning(text: str, parser: Optional[ReasoningParser], continued: bool = False) -> Split:
-    """``text`` split by ``parser`` (``None``: all content). The gateway's entry point."""
+def split_reasoning(text: str, parser: Optional[ReasoningParser], continued: bool = False,
+                    opened: Optional[bool] = None) -> Split:
+    """``text`` split by ``parser`` (``None``: all content); ``opened``: the reply's generation prompt
+    opened a thinking block (``None``: the parser's default). The gateway's entry point."""
     if parser is None or not text:
         return Split('', text or '')
-    return parser.split(text, continued)
+    return parser.split(text, continued, opened)
 
 
-def split_messages(messages: List[Dict[str, Any]], parser: Optional[ReasoningParser],
-                   first: int = 0) -> List[Dict[str, Any]]:
+def split_messages(messages: List[Dict[str, Any]], parser: Optional[ReasoningParser], first: int = 0,
+                   opened: Optional[bool] = None) -> List[Dict[str, Any]]:
     """``messages`` with each assistant message from index ``first`` on split into ``content`` and
     ``reasoning_content`` (new dicts; a message without reasoning, or one that has its own
     ``reasoning_content``, is kept as it is)."""
@@ -194,7 +203,7 @@ def split_messages(messages: List[Dict[str, Any]], parser: Optional[ReasoningPar
         m = out[k]
         if m.get('role') != 'assistant' or not isinstance(m.get('content'), str) or 'reasoning_content' in m:
             continue
-        split = split_reasoning(m['content'], parser)
+        split = split_reasoning(m['content'], parser, opened=opened)
         if split.reasoning:
             out[k] = dict(m, content=split.content, reasoning_content=split.reasoning)
     return out

@@ -49,7 +49,7 @@ from mtflow.declarative.images import (ResultImages, add_images, limits_of, norm
 from mtflow.declarative.observations import add_observations, render_result
 from mtflow.declarative.parsers import ToolCall, get_parser
 from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
-from mtflow.declarative.reasoning import Split, reasoning_parser, split_messages, split_reasoning
+from mtflow.declarative.reasoning import Split, opens_thinking, reasoning_parser, split_messages, split_reasoning
 from mtflow.declarative.request_state import RequestState, maybe_await
 from mtflow.declarative.schema import SchedulerConfig
 from mtflow.declarative.stop_rules import StopRules
@@ -86,9 +86,11 @@ class YamlScheduler(Scheduler):
         self.name = config.name
         self.base_dir = base_dir
         self.parser = get_parser(config.parser, config.parser_options, base_dir)
-        #: splits each reply's reasoning from its content (the ``reasoning`` section)
-        self.reasoning = reasoning_parser(config.reasoning.parser, config.parser, tokenizer, None,
+        #: splits each reply's reasoning from its content (the ``reasoning`` section); whether a
+        #: generation prompt opens the thinking is asked of the template per request (``opened_for``)
+        self.reasoning = reasoning_parser(config.reasoning.parser, config.parser, None, None,
                                           config.reasoning.opened_in_prompt, base_dir)
+        self._opens: Dict[Any, Optional[bool]] = {}
         self.tools: List[Tool] = [build_tool(tc, base_dir) for tc in config.tools]
         self.runner = ToolRunner(self.tools, config.max_threads)
         self.stop_rules = StopRules(config.stop, base_dir)
@@ -254,7 +256,7 @@ class YamlScheduler(Scheduler):
         state = self._state(infer_request)
         state.calls, state.tip, state.env_obs = [], None, None
         whole = response_choice.message.content or ''
-        completion = self.split_reply(whole, state.continued).content  # its reasoning: no action, call or answer
+        completion = self.split_reply(whole, state.continued, infer_request).content  # no action, call or answer
         state.continued = False
         infos: Dict[str, Any] = {}
         reason = None if self.envs.factory is None else await self.envs.step(infer_request, state, completion, infos,
@@ -283,10 +285,22 @@ class YamlScheduler(Scheduler):
         infos.update(self.turn_rewards.infos(state))
         return await self._turn_result(infer_request, state, reason, infos)
 
-    def split_reply(self, text: str, continued: bool = False) -> Split:
+    def split_reply(self, text: str, continued: bool = False, infer_request: Any = None) -> Split:
         """A reply's reasoning and content (the ``reasoning`` section; ``continued``: the turn
         continued the assistant message, so no generation prompt opened a thinking block)."""
-        return split_reasoning(text, self.reasoning, continued)
+        return split_reasoning(text, self.reasoning, continued, self.opened_for(infer_request))
+
+    def opened_for(self, infer_request: Any) -> Optional[bool]:
+        """Whether ``infer_request``'s generation prompt opens a thinking block: the config's
+        ``opened_in_prompt``, else the tokenizer's template asked with the request's
+        ``chat_template_kwargs`` (``enable_thinking: false`` closes it), once per distinct kwargs."""
+        if self.config.reasoning.opened_in_prompt is not None or self.reasoning.name == 'none':
+            return self.config.reasoning.opened_in_prompt
+        kwargs = dict(getattr(infer_request, 'chat_template_kwargs', None) or {})
+        key = repr(sorted(kwargs.items()))
+        if key not in self._opens:
+            self._opens[key] = opens_thinking(self.tokenizer, None, kwargs)
+        return self._opens[key]
 
     def content_view(self, infer_request: Any) -> Any:
         """``infer_request`` as rewards see it: each assistant message's reasoning in
@@ -294,7 +308,7 @@ class YamlScheduler(Scheduler):
         messages = getattr(infer_request, 'messages', None)
         if not messages:
             return infer_request
-        split = split_messages(messages, self.reasoning)
+        split = split_messages(messages, self.reasoning, opened=self.opened_for(infer_request))
         if all(a is b for a, b in zip(split, messages)):
             return infer_request
         if hasattr(infer_request, 'model_copy'):

@@ -156,10 +156,33 @@ def test_think_tags_opened_in_the_prompt_or_not():
     assert split_reasoning('◁think▷hm◁/think▷ok', kimi).reasoning == 'hm'
 
 
+SWITCHED = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n"
+            "{% endif %}{% endif %}")  # as Qwen3.5's and GLM-4.7's templates switch thinking off
+
+
 def test_the_template_says_whether_it_opens_thinking():
     glm, qwen = family('glm45'), family('qwen3_coder')
     assert opens_thinking(glm.tokenizer()) is True and opens_thinking(qwen.tokenizer()) is False
     assert opens_thinking(None) is None
+    assert opens_thinking(qwen.tokenizer(), SWITCHED) is True
+    assert opens_thinking(qwen.tokenizer(), SWITCHED, {'enable_thinking': False}) is False
+
+
+def test_a_request_that_switches_thinking_off_is_read_as_content():
+    """The template opens <think> unless the request's chat_template_kwargs say enable_thinking: false: an
+    untagged reply is all thinking in the first case (no </think> came), the answer (and its call) in the second."""
+    tokenizer = family('qwen3_coder').tokenizer()
+    tokenizer.chat_template = SWITCHED
+    reply = '<tool_call>\n{"name": "python", "arguments": {"code": "x"}}\n</tool_call>'
+    sched = lambda: load_scheduler({'name': 'r', 'tools': [{'name': 'python', 'impl': RECORD}], 'max_turns': 2},  # noqa
+                                   tokenizer=tokenizer)
+    RAN.clear()
+    on = Executor(sched(), Scripted({'a': [model_out(reply)]})).run([req('a')])
+    assert RAN == [] and on.finish_reasons == ['stop_rule:no_tool_call']  # a call written while thinking
+    off = Executor(sched(), Scripted({'a': [model_out(reply), model_out('done')]})).run(
+        [req('a', chat_template_kwargs={'enable_thinking': False})])
+    assert RAN == ['x'] and off.outputs[0].messages[2] == {'role': 'tool', 'name': 'python', 'content': 'ran'}
 
 
 ANSWER = {'pattern': '<answer>(.*?)</answer>', 'field': 'solution', 'compare': 'exact'}
