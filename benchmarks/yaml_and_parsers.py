@@ -106,9 +106,11 @@ SPECS = [{'type': 'function', 'function': {'name': n, 'parameters': {'type': 'ob
         ('get_weather', {'city': 'string', 'days': 'integer'}), ('python', {'code': 'string'}),
         ('search', {'query': 'string', 'limit': 'integer', 'exact': 'boolean', 'threshold': 'number',
                     'filters': 'object', 'fields': 'array'}))]
-SAME_CALLS = [('python', {'code': 'import json\nprint(json.dumps({"q": \'say "hi"\'}))\nfor i in range(3):\n    print(i)'}),
+SAME_CALLS = [('python', {'code': 'import json\nprint(json.dumps({"q": \'say "hi"\'}))\nfor i in range(3):\n'
+                                   '    print(i)'}),
               ('get_weather', {'city': 'Zürich 東京', 'days': 3}),
-              ('search', {'query': 'mtflow', 'limit': 10, 'exact': True, 'filters': {'lang': ['en'], 'meta': {'y': 2024}}})]
+              ('search', {'query': 'mtflow', 'limit': 10, 'exact': True,
+                          'filters': {'lang': ['en'], 'meta': {'y': 2024}}})]
 FAMILY_ORDER = ['hermes', 'qwen3_coder', 'glm45', 'kimi_k2', 'deepseek_v32', 'minimax_m2', 'harmony', 'deepseek',
                 'llama3_json', 'mistral', 'pythonic', 'json', 'react']
 

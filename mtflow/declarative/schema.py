@@ -12,7 +12,8 @@ import os
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 from typing_extensions import Annotated
 
 from mtflow.core.images import ImageError, to_image_url

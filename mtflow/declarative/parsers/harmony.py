@@ -129,7 +129,7 @@ class HarmonyParser(ToolCallParser):
         harmony_encoding()  # a missing package or vocabulary is said when the scheduler loads
 
     def parse(self, text: str) -> List[ToolCall]:
-        if FUNCTIONS not in (text or ''):  # no message is addressed to a function: no call (and no parse, ~20 us a token)
+        if FUNCTIONS not in (text or ''):  # no message addressed to a function: no call (no parse, ~20 us a token)
             return []
         messages, error = harmony_messages(text)
         calls = [_call(m) for m in messages if (m.recipient or '').startswith(FUNCTIONS)]

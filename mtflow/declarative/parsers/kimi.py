@@ -63,7 +63,8 @@ class KimiK2Parser(ToolCallParser):
         return calls
 
     def render_tools(self, tools: Sequence[Dict[str, Any]]) -> str:
-        return ('# Tools\n' + json.dumps(list(tools), ensure_ascii=False) + '\n\nTo call tools, write:\n' + self.expected)
+        return ('# Tools\n' + json.dumps(list(tools), ensure_ascii=False) + '\n\nTo call tools, write:\n'
+                + self.expected)
 
     def render_calls(self, calls: Sequence[Tuple[str, Any]]) -> str:
         body = ''.join(f'{CALL_BEGIN}functions.{name}:{k}{ARGS}{json.dumps(args, ensure_ascii=False)}{CALL_END}'
