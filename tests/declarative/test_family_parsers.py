@@ -293,3 +293,12 @@ def test_replay_diff_rescore_and_viewers_read_runs_with_reasoning(tmp_path, caps
     assert main(['trace', 'html', str(run_dir / 'trace.jsonl'), '--trajectories', str(run_dir / 'trajectories.jsonl'),
                  '-o', str(page)]) == 0
     assert 'reasoning_content' in page.read_text()
+
+
+def test_the_gateway_types_xml_values_by_the_clients_tools():
+    from mtflow.gateway.wire import split_calls
+    text = 'Sure.\n' + get_parser('glm45').render_calls([('f', {'days': 3, 'city': '5'})])
+    content, calls = split_calls(text, get_parser('glm45'), 1, 'session-1', SCHEMA)
+    assert content == 'Sure.' and [(n, a) for _, n, a in calls] == [('f', {'days': 3, 'city': '5'})]
+    _, untyped = split_calls(text, get_parser('glm45'), 1, 'session-1')  # no tools: GLM reads JSON where it parses
+    assert [a for _, _, a in untyped] == [{'days': 3, 'city': 5}]
