@@ -41,6 +41,11 @@ SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'  # (pyseccomp loads libse
 .venv/bin/python -c 'import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http' 2>/dev/null || $PIP install 'opentelemetry-api==1.45.2' 'opentelemetry-sdk==1.45.2' 'opentelemetry-exporter-otlp-proto-http==1.45.2'
 # Ray fan-out (mtflow/distributed/ray_fanout.py, the 'ray' extra) and its tests (tests/distributed).
 .venv/bin/python -c 'import ray' 2>/dev/null || $PIP install 'ray==2.60.0'
+# gpt-oss's harmony parser (mtflow/declarative/parsers/harmony.py, the 'harmony' extra) and the vocabulary that
+# openai-harmony would download: rebuilt from a PyPI package, checked by its SHA-256 (scripts/harmony_vocab.py);
+# tests/conftest.py points TIKTOKEN_ENCODINGS_BASE at it
+.venv/bin/python -c 'import openai_harmony' 2>/dev/null || $PIP install 'openai-harmony==0.0.8'
+.venv/bin/python scripts/harmony_vocab.py .extras/tiktoken
 
 # the gateway (mtflow/gateway, the 'gateway' extra: aiohttp, above) and its tests (tests/gateway): the anthropic
 # client and smolagents, pinned, in the venv (nothing there moves); the OpenAI Agents SDK apart, without its

@@ -25,6 +25,7 @@ from mtflow.core.safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
 from mtflow.declarative.envs import env_kind, make_env_factory
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS, get_parser
+from mtflow.declarative.reasoning import reasoning_parser
 from mtflow.declarative.scheduler import YamlScheduler
 from mtflow.declarative.schema import EnvConfig, SchedulerConfig, cross_problems
 from mtflow.tools.registry import TOOLS, check_builtin_options, make_builtin
@@ -239,10 +240,20 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
             not _under(('parser_options', ), found):
         try:
             get_parser(parser, options, base_dir)
-        except ImportError as exc:
+        except (ImportError, RuntimeError) as exc:  # a missing package or what it needs (harmony's vocabulary)
             out.append((('parser', ), str(exc)))
         except Exception as exc:
             out.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
+    reasoning = data.get('reasoning', 'auto')
+    reasoning = reasoning.get('parser', 'auto') if isinstance(reasoning, dict) else reasoning
+    parser_failed = any(loc == ('parser', ) for loc, _ in out)  # (harmony: the same missing package, said once)
+    if isinstance(reasoning, str) and isinstance(parser, str) and not _under(('reasoning', ), found) and \
+            not parser_failed:
+        try:
+            reasoning_parser(reasoning, parser, base_dir=base_dir)
+        except Exception as exc:
+            out.append((('reasoning', ), str(exc) if isinstance(exc, (ImportError, RuntimeError)) else
+                        f'{type(exc).__name__}: {exc}'))
     env = data.get('env')
     if isinstance(env, dict) and not _under(('env', ), found):
         out += _env_problems(env, base_dir)

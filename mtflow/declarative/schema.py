@@ -12,7 +12,8 @@ import os
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 from typing_extensions import Annotated
 
 from mtflow.core.images import ImageError, to_image_url
@@ -25,6 +26,7 @@ from mtflow.engine.branching import Branching
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
+from mtflow.declarative.reasoning import REASONING
 from mtflow.declarative.templates import FIELDS, check_template
 from mtflow.tools.registry import TOOLS
 
@@ -54,6 +56,15 @@ def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
     """``module:attribute`` must import (when the context allows resolving)."""
     _resolved(value, info)
     return value
+
+
+def _named(registry: Any, value: str, info: ValidationInfo, also: tuple = ()) -> str:
+    """A name ``registry`` knows (or one of ``also``), else a ``module:attribute`` that imports."""
+    if value in also or value in registry.names():
+        return value
+    if ':' not in value:
+        raise ValueError(registry.unknown(value))
+    return _check_ref(value, info)
 
 
 def _hook(what: str, *args: str) -> Any:
@@ -260,6 +271,8 @@ class StopConfig(StrictModel):
                                       "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:'); one that matches the "
                                       'empty string is an error.')
     on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
+    include_reasoning: bool = Field(False, description="The regex rules search the whole reply, reasoning included; "
+                                    "by default they search the content only (see `reasoning`).")
     correct_answer: bool = Field(False, description="Stop ('stop_rule:correct_answer') when the answer (see `answer`) "
                                  'matches the data_dict field.')
     predicate: Optional[PredicateHook] = Field(
@@ -282,6 +295,8 @@ class AnswerConfig(StrictModel):
     field: str = Field('solution', description='data_dict key holding the reference answer.')
     compare: str = Field('numeric', description="'exact' (after stripping), 'numeric' (as numbers when both parse, "
                          "else exact) or 'module:function'(answer, reference) -> bool.")
+    include_reasoning: bool = Field(False, description='Read the answer from the whole reply, reasoning included; by '
+                                    'default from the content only (see `reasoning`).')
 
     @field_validator('compare')
     @classmethod
@@ -295,6 +310,28 @@ class AnswerConfig(StrictModel):
         if problem:
             raise ValueError(problem)
         return v
+
+
+class ReasoningConfig(StrictModel):
+    """How a reply's reasoning is split from its content (mtflow.declarative.reasoning): stop rules,
+    answers, tips, rewards, environments and tool calls see the content; the trajectory keeps both
+    (the assistant message's reasoning_content); the token ids are never changed."""
+    parser: str = Field('auto', description="'auto' (by the tool-call parser's family: harmony for gpt-oss, kimi "
+                        "for Kimi, think otherwise), 'think' (<think>...</think>), 'kimi', 'harmony' (gpt-oss's "
+                        "analysis channel), 'none', a registered name or 'module:Class'.")
+    opened_in_prompt: Optional[bool] = Field(
+        None, description="The chat template's generation prompt opens <think> (so a reply has only </think>, and "
+        'one with neither tag is all reasoning); default: asked of the tokenizer\'s template when there is one.')
+
+    @field_validator('parser')
+    @classmethod
+    def _parser(cls, v: str, info: ValidationInfo) -> str:
+        return _named(REASONING, v, info, also=('auto', ))
+
+
+def _reasoning_shorthand(value: Any) -> Any:
+    """``reasoning: think`` is ``reasoning: {parser: think}``."""
+    return {'parser': value} if isinstance(value, str) else value
 
 
 class TipConfig(StrictModel):
@@ -464,9 +501,13 @@ class SchedulerConfig(StrictModel):
     max_turns: Optional[int] = Field(None, ge=1, le=MAX_TURNS_BOUND,
                                      description=f"Stop with 'max_turns' at this turn (at most {MAX_TURNS_BOUND}).")
     parser: str = Field('hermes', description="Tool-call format: 'hermes' (aliases 'qwen', 'qwen3'), 'llama3_json' "
-                        "('llama3'), 'pythonic', 'mistral', 'deepseek', 'react', 'json', a registered name or "
-                        "entry point, or 'module:Class'.")
+                        "('llama3'), 'pythonic', 'mistral', 'deepseek', 'react', 'json', 'qwen3_coder', 'glm45', "
+                        "'kimi_k2', 'deepseek_v32', 'minimax_m2', 'harmony', a registered name or entry point, or "
+                        "'module:Class'.")
     parser_options: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the parser.')
+    reasoning: Annotated[ReasoningConfig, BeforeValidator(_reasoning_shorthand)] = Field(
+        default_factory=ReasoningConfig, description="How the reply's reasoning is split from its content: a name "
+        "('auto', 'think', 'kimi', 'harmony', 'none') or {parser, opened_in_prompt}; see ReasoningConfig.")
     tools: List[ToolConfig] = Field(default_factory=list, description='The tools.')
     tool_errors: Literal['feed_back', 'finish'] = Field(
         'feed_back', description="A malformed call, unknown tool, bad arguments, exception or timeout: 'feed_back' "
@@ -506,11 +547,7 @@ class SchedulerConfig(StrictModel):
     @field_validator('parser')
     @classmethod
     def _parser(cls, v: str, info: ValidationInfo) -> str:
-        if v in PARSERS.names():
-            return v
-        if ':' not in v:
-            raise ValueError(PARSERS.unknown(v))
-        return _check_ref(v, info)
+        return _named(PARSERS, v, info)
 
     @field_validator('system_prompt')
     @classmethod
