@@ -25,13 +25,14 @@ from mtflow.core.protocol import RolloutInferRequest
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample, samples_from_result
 
-__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY']
+__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY', 'prompt_messages', 'trl_fields']
 
 #: the extra field the rollout hands the reward function
 REWARD_KEY = 'mtflow_reward'
 
 
-def _messages(prompt: Any) -> List[Dict[str, Any]]:
+def prompt_messages(prompt: Any) -> List[Dict[str, Any]]:
+    """A TRL prompt (a string, or conversational messages) as mtflow's messages."""
     if isinstance(prompt, str):
         return [{'role': 'user', 'content': prompt}]
     return [dict(m) for m in prompt]
@@ -56,7 +57,7 @@ class TRLRollout:
         if len(prompts) % n:
             raise ValueError(f'rollout_func got {len(prompts)} prompts, not a multiple of num_generations={n}')
         call, self.calls = self.calls, self.calls + 1
-        requests = [RolloutInferRequest(messages=_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
+        requests = [RolloutInferRequest(messages=prompt_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
                     for i, p in enumerate(prompts)]
         step = getattr(getattr(trainer, 'state', None), 'global_step', None)
         if isinstance(step, int) and step >= 0:
@@ -73,11 +74,18 @@ class TRLRollout:
         if self.keep:
             self.batches.append(samples)
             self.requests.append(requests)
-        have_logprobs = all(s.logprobs is not None for s in samples)
-        return {'prompt_ids': [s.prompt_ids for s in samples], 'completion_ids': [s.completion_ids for s in samples],
-                'logprobs': [s.logprobs for s in samples] if have_logprobs else None,
-                'env_mask': [s.loss_mask for s in samples], REWARD_KEY: [s.reward for s in samples],
-                'mtflow_uuid': [s.uuid for s in samples]}
+        return trl_fields(samples)
+
+
+def trl_fields(samples: Sequence[Sample]) -> Dict[str, Any]:
+    """What TRL's ``rollout_func`` returns for one exact sample per rollout: ``prompt_ids``,
+    ``completion_ids``, ``logprobs`` (``None`` unless every sample has them), the loss mask as
+    ``env_mask``, the reward as the extra field ``mtflow_reward`` and the uuid."""
+    have_logprobs = all(s.logprobs is not None for s in samples)
+    return {'prompt_ids': [s.prompt_ids for s in samples], 'completion_ids': [s.completion_ids for s in samples],
+            'logprobs': [s.logprobs for s in samples] if have_logprobs else None,
+            'env_mask': [s.loss_mask for s in samples], REWARD_KEY: [s.reward for s in samples],
+            'mtflow_uuid': [s.uuid for s in samples]}
 
 
 def mtflow_reward(prompts: Sequence[Any], completions: Sequence[Any], mtflow_reward: Optional[Sequence[float]] = None,
