@@ -28,9 +28,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from mtflow.core.protocol import RolloutInferRequest
-from mtflow.train.errors import SampleError
-from mtflow.train.samples import Sample, samples_from_output
-from mtflow.train.trl_rollout import prompt_messages, trl_fields
+from mtflow.train.samples import Sample
+from mtflow.train.trl_rollout import prompt_messages, run_for_trl, trl_fields
 
 __all__ = ['MtflowEpisode', 'TRLEnvironment', 'ENVIRONMENT_KEY']
 
@@ -142,19 +141,4 @@ class TRLEnvironment:
     def _run(self, requests: List[RolloutInferRequest], step: Any) -> List[Sample]:
         if self.executor is None:
             raise ValueError('a TRLEnvironment made by several() runs no episode itself')
-        if isinstance(step, int) and step >= 0:
-            self.executor.set_policy_version(step)
-        result = self.executor.run(requests)
-        if len(result.outputs) != len(requests):  # a branched executor: its leaves are not TRL's rollouts
-            raise ValueError(f'{len(requests)} episodes gave {len(result.outputs)} trajectories: a branched executor '
-                             'cannot be a TRL environment (TRL takes one completion per rollout)')
-        if result.failures:
-            raise RuntimeError(f'{len(result.failures)} of {len(requests)} episodes failed; first: {result.failures[0]}')
-        out = []
-        for request, output, reason in zip(requests, result.outputs, result.finish_reasons):
-            found = samples_from_output(output, request.uuid, group=request.uuid.split('#')[0], finish_reason=reason)
-            if len(found) != 1:
-                raise SampleError(f'{len(found)} context segments cannot be one TRL completion', uuid=request.uuid,
-                                  field='context_segments')
-            out.append(found[0])
-        return out
+        return run_for_trl(self.executor, requests, step)

@@ -25,7 +25,7 @@ from mtflow.core.protocol import RolloutInferRequest
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample, samples_from_result
 
-__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY', 'prompt_messages', 'trl_fields']
+__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY', 'prompt_messages', 'trl_fields', 'run_for_trl']
 
 #: the extra field the rollout hands the reward function
 REWARD_KEY = 'mtflow_reward'
@@ -59,22 +59,32 @@ class TRLRollout:
         call, self.calls = self.calls, self.calls + 1
         requests = [RolloutInferRequest(messages=prompt_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
                     for i, p in enumerate(prompts)]
-        step = getattr(getattr(trainer, 'state', None), 'global_step', None)
-        if isinstance(step, int) and step >= 0:
-            self.executor.set_policy_version(step)
-        result = self.executor.run(requests)
-        if result.failures:
-            first = result.failures[0]
-            raise RuntimeError(f'{len(result.failures)} of {len(requests)} rollouts failed; first: {first}')
-        samples = samples_from_result(result, requests)
-        for s in samples:
-            if s.segments != 1:
-                raise SampleError(f'{s.segments} context segments cannot be one TRL completion', uuid=s.uuid,
-                                  turn=s.turns[0], field='context_segments')
+        samples = run_for_trl(self.executor, requests, getattr(getattr(trainer, 'state', None), 'global_step', None))
         if self.keep:
             self.batches.append(samples)
             self.requests.append(requests)
         return trl_fields(samples)
+
+
+def run_for_trl(executor: Any, requests: List[RolloutInferRequest], step: Any = None) -> List[Sample]:
+    """Run ``requests`` through ``executor`` (its policy version set to the trainer's ``step``)
+    and return each one's single exact sample, in order: a failed rollout, a branched executor
+    (more trajectories than TRL rollouts) or a compacted trajectory (several segments) is an error."""
+    if isinstance(step, int) and step >= 0:
+        executor.set_policy_version(step)
+    asked = len(requests)
+    result = executor.run(requests)  # a branched executor appends the children's requests to the list
+    if len(result.outputs) != asked:
+        raise ValueError(f'{asked} rollouts gave {len(result.outputs)} trajectories: a branched executor cannot serve '
+                         'TRL, which takes one completion per rollout')
+    if result.failures:
+        raise RuntimeError(f'{len(result.failures)} of {len(requests)} rollouts failed; first: {result.failures[0]}')
+    samples = samples_from_result(result, requests)
+    for s in samples:
+        if s.segments != 1:
+            raise SampleError(f'{s.segments} context segments cannot be one TRL completion', uuid=s.uuid,
+                              turn=s.turns[0], field='context_segments')
+    return samples
 
 
 def trl_fields(samples: Sequence[Sample]) -> Dict[str, Any]:

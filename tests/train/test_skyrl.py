@@ -12,12 +12,11 @@ SkyRL runs in its own venv (scripts/test.sh: ``.extras/skyrl-venv``): it pins ra
 datasets 4.0.0."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.train.helpers import run_check
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / '.extras' / 'skyrl-venv' / 'bin' / 'python'
@@ -27,10 +26,7 @@ pytestmark = pytest.mark.skipif(not VENV_PYTHON.is_file(), reason='the SkyRL ven
 
 
 def test_skyrl_builds_its_training_batch_from_mtflows_exact_rollouts():
-    done = subprocess.run([str(VENV_PYTHON), str(ROOT / 'tests' / 'train' / 'skyrl_check.py')], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_check('skyrl-venv', 'skyrl_check.py')
     assert report['rows'] == 6 and report['trained'] == [18] * 6
     assert report['trajectory_ids'] == ['p0_0', 'p0_1', 'p0_2', 'p1_0', 'p1_1', 'p1_2']
     assert any(a != 0 for a in report['advantages'])

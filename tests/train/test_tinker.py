@@ -11,12 +11,11 @@ The cookbook runs in its own venv (scripts/test.sh: ``.extras/tinker-venv``): 0.
 installed without it (its RL data path does not import it)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.train.helpers import run_check
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / '.extras' / 'tinker-venv' / 'bin' / 'python'
@@ -26,9 +25,6 @@ pytestmark = pytest.mark.skipif(not VENV_PYTHON.is_file(), reason='the Tinker ve
 
 
 def test_tinker_datums_equal_the_cookbooks_own_on_the_same_rollout():
-    done = subprocess.run([str(VENV_PYTHON), str(ROOT / 'tests' / 'train' / 'tinker_check.py')], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_check('tinker-venv', 'tinker_check.py')
     assert report['datums'] == 6 and report['trained'] == [18] * 6  # three turns of six sampled ids each
     assert len(report['advantages']) > 1  # rewards differ within the groups: the comparison can fail

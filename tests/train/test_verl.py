@@ -13,12 +13,11 @@ verl runs in its own venv (scripts/test.sh: ``.extras/verl-venv``): its pins (tr
 ray, hydra) are not the main venv's."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.train.helpers import run_check
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -30,11 +29,8 @@ pytestmark = [pytest.mark.slow,
 
 
 def test_verl_agent_loop_worker_and_training_worker_get_mtflows_exact_rollouts():
-    done = subprocess.run([str(VENV_PYTHON), str(HERE / 'verl_check.py')], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), VERL_PLATFORM='cpu',
-                                             TOKENIZERS_PARALLELISM='false', CUDA_VISIBLE_DEVICES=''))
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_check('verl-venv', 'verl_check.py', VERL_PLATFORM='cpu', TOKENIZERS_PARALLELISM='false',
+                       CUDA_VISIBLE_DEVICES='')
     assert report['rows'] == 6 and report['turns'] == [3, 3, 3, 3, 4, 4]
     assert report['num_turns'] == [6, 6, 6, 6, 9, 9]  # verl counts messages: user, then assistant and tool turns
     assert all(len(scores) == turns for scores, turns in zip(report['turn_scores'], report['turns']))
