@@ -136,7 +136,7 @@ def main() -> None:
     for cond, rows in (('per-leaf', leaf_rows), ('tree', tree_rows)):
         best = min(times[cond])
         print(f'{cond:<9} {len(rows):>5} {tokens[cond]:>7} {fed[cond]:>13} {best:>8.3f} '
-              f'{tokens[cond] / tokens["per-leaf"]:>9.2f} {best / min(times["per-leaf"]):>7.2f} {losses[cond]:>12.6f}')
+              f'{tokens[cond] / tokens["per-leaf"]:>9.2f} {best / min(times["per-leaf"]):>7.2f} {losses[cond]:>12.4e}')
 
 
 if __name__ == '__main__':

@@ -19,6 +19,14 @@ from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler
 from mtflow.tools.calculator import calculator
 
 
+#: ChatML that renders tool calls and tool messages, as TRL's environment_factory requires of a template
+TOOL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }} "
+    "{{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def even_share(ids: List[int]) -> float:
     return sum(1 for t in ids if t % 2 == 0) / max(1, len(ids))
 

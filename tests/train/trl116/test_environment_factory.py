@@ -15,7 +15,7 @@ from mtflow.declarative import load_scheduler
 from mtflow.train import grpo
 from mtflow.train.trl_environment import MtflowEpisode, TRLEnvironment
 
-from tests.train.helpers import ToolEveryTurn, record_mask
+from tests.train.helpers import TOOL_TEMPLATE, ToolEveryTurn, record_mask
 
 torch = pytest.importorskip('torch')
 trl = pytest.importorskip('trl')
@@ -24,12 +24,6 @@ if tuple(int(x) for x in trl.__version__.split('.')[:2]) < (1, 16):
     pytest.skip(f'needs TRL >= 1.16 (environment_factory); this is {trl.__version__}: tests/train/test_trl116.py runs '
                 'it with .extras/trl116', allow_module_level=True)
 
-#: ChatML that renders tool calls and tool messages, as TRL's environment_factory requires of a template
-TOOL_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
-    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }} "
-    "{{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GAME = {'max_turns': 3, 'system_prompt': 'Guess my number between 1 and 100.', 'stop': {'on_length': False},
         'env': {'impl': 'guess_number', 'kwargs': {'low': 1, 'high': 100, 'max_guesses': 6}}}
 
