@@ -199,7 +199,9 @@ def _episode_at_last_turn(samples: Sequence[Sample], rewards: Dict[str, Dict[int
     returns. ``None`` (auto): in every group none of whose members has a per-turn reward (the
     setting of GiGPO's paper: only the episode ends with a reward), else not."""
     if episode_reward is not None:
-        return {u: bool(episode_reward) for u in rewards}
+        if not isinstance(episode_reward, bool):
+            raise ValueError(f'episode_reward must be None, True or False, not {episode_reward!r}')
+        return {u: episode_reward for u in rewards}
     rewarded = {group[u] for u, per_turn in rewards.items() if per_turn}
     return {u: group[u] not in rewarded for u in rewards}
 

@@ -30,8 +30,11 @@ def make_scheduler(spec: Any, tokenizer: Any = None, args: Optional[Dict[str, An
     factory = load_python_scheduler(text, Path.cwd())
     kwargs = dict(args or {})
     try:
-        return factory(**kwargs, tokenizer=tokenizer) if tokenizer is not None and 'tokenizer' not in kwargs \
+        built = factory(**kwargs, tokenizer=tokenizer) if tokenizer is not None and 'tokenizer' not in kwargs \
             and takes_tokenizer(factory) else factory(**kwargs)
     except TypeError as exc:
         raise ValueError(f'scheduler {text!r}: bad arguments {sorted(kwargs)}: {exc}') from None
+    if not callable(getattr(built, 'step', None)):
+        raise ValueError(f'scheduler {text!r} built a {type(built).__name__}, which has no step() method')
+    return built
 
