@@ -23,7 +23,6 @@ every repeat runs the same numbers.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from mtflow.core.protocol import RolloutInferRequest
 from mtflow.train.samples import Sample
-from mtflow.train.trl_rollout import prompt_messages, run_for_trl, trl_fields
+from mtflow.train.trl_rollout import TRLRuns, prompt_messages, run_for_trl, trl_fields
 
 __all__ = ['MtflowEpisode', 'TRLEnvironment', 'ENVIRONMENT_KEY']
 
@@ -74,7 +74,7 @@ class MtflowEpisode:
         return self._request
 
 
-class TRLEnvironment:
+class TRLEnvironment(TRLRuns):
     """An mtflow executor (its scheduler and backend) as TRL's environment: :attr:`factory` for
     ``environment_factory``, :meth:`rollout_func` for ``rollout_func`` (``trainer_kwargs()``
     gives both). The executor's policy version is set to the trainer's ``global_step`` before
@@ -82,11 +82,7 @@ class TRLEnvironment:
     requests (checks, logging)."""
 
     def __init__(self, executor: Any, keep: bool = False) -> None:
-        self.executor = executor
-        self.keep = keep
-        self.calls = 0
-        self.batches: List[List[Sample]] = []
-        self.requests: List[List[RolloutInferRequest]] = []
+        super().__init__(executor, keep)
         self._routes: Optional[Dict[str, 'TRLEnvironment']] = None
 
     def factory(self) -> MtflowEpisode:
@@ -133,9 +129,7 @@ class TRLEnvironment:
                 samples[k] = sample
                 episodes[k]._sample = sample
         done = [s for s in samples if s is not None]
-        if self.keep:
-            self.batches.append(done)
-            self.requests.append(requests)
+        self.kept(done, requests)
         return trl_fields(done)
 
     def _run(self, requests: List[RolloutInferRequest], step: Any) -> List[Sample]:

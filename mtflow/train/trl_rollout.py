@@ -25,7 +25,7 @@ from mtflow.core.protocol import RolloutInferRequest
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample, samples_from_result
 
-__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY', 'prompt_messages', 'trl_fields', 'run_for_trl']
+__all__ = ['TRLRuns', 'TRLRollout', 'mtflow_reward', 'REWARD_KEY', 'prompt_messages', 'trl_fields', 'run_for_trl']
 
 #: the extra field the rollout hands the reward function
 REWARD_KEY = 'mtflow_reward'
@@ -38,12 +38,9 @@ def prompt_messages(prompt: Any) -> List[Dict[str, Any]]:
     return [dict(m) for m in prompt]
 
 
-class TRLRollout:
-    """``GRPOTrainer(rollout_func=TRLRollout(executor))``. ``executor`` is an
-    :class:`mtflow.Executor` (its scheduler and backend decide the turns and tools); the policy
-    version is set to the trainer's ``global_step`` before each batch. With ``keep=True``,
-    ``batches`` and ``requests`` keep the samples and the requests of every call (for checks and
-    logging)."""
+class TRLRuns:
+    """What TRL's two ways in share: the executor, and with ``keep=True`` each batch's samples and
+    requests (``batches``, ``requests``: for checks and logging)."""
 
     def __init__(self, executor: Any, keep: bool = False) -> None:
         self.executor = executor
@@ -51,6 +48,19 @@ class TRLRollout:
         self.calls = 0
         self.batches: List[List[Sample]] = []
         self.requests: List[List[RolloutInferRequest]] = []
+
+    def kept(self, samples: List[Sample], requests: List[RolloutInferRequest]) -> None:
+        if self.keep:
+            self.batches.append(samples)
+            self.requests.append(requests)
+
+
+class TRLRollout(TRLRuns):
+    """``GRPOTrainer(rollout_func=TRLRollout(executor))``. ``executor`` is an
+    :class:`mtflow.Executor` (its scheduler and backend decide the turns and tools); the policy
+    version is set to the trainer's ``global_step`` before each batch. With ``keep=True``,
+    ``batches`` and ``requests`` keep the samples and the requests of every call (for checks and
+    logging)."""
 
     def __call__(self, prompts: Sequence[Any], trainer: Any) -> Dict[str, Any]:
         n = int(getattr(trainer, 'num_generations', 1) or 1)
@@ -60,9 +70,7 @@ class TRLRollout:
         requests = [RolloutInferRequest(messages=prompt_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
                     for i, p in enumerate(prompts)]
         samples = run_for_trl(self.executor, requests, getattr(getattr(trainer, 'state', None), 'global_step', None))
-        if self.keep:
-            self.batches.append(samples)
-            self.requests.append(requests)
+        self.kept(samples, requests)
         return trl_fields(samples)
 
 

@@ -36,7 +36,7 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
-from mtflow.backends.base import Backend, SamplingOptions, build_output
+from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import RequestConfig, RolloutInferRequest
 from mtflow.engine.executor import Executor
@@ -86,8 +86,11 @@ class VerlServerBackend(Backend):
         params = self._params(options)
         futures = [asyncio.run_coroutine_threadsafe(self._one(list(p.ids), params), self.loop) for p in plans]
         outputs = []
-        for plan, future in zip(plans, futures):
+        for request, plan, future in zip(requests, plans, futures):
             got = future.result()
+            if getattr(got, 'stop_reason', None) == 'aborted':  # verl cut it for a weight sync: not one turn's ids
+                raise BackendError(f'request {getattr(request, "uuid", None)!r}: verl aborted the generation (a weight '
+                                   'sync in flight); MtflowAgentLoop does not resume partial turns')
             ids = [int(t) for t in got.token_ids]
             logprobs = [float(v) for v in got.log_probs] if got.log_probs else None
             eos = self.tokenizer.eos_token_id
