@@ -18,7 +18,7 @@ not in), and :func:`tree_policy_loss` sums the clipped policy-gradient term of
 loss is (``'token-mean'``: over every (leaf, trained token) pair; ``'sample-mean'``: each leaf's
 mean, averaged), so the loss and its gradients equal per-leaf training on the same leaves
 (``tests/train/test_tree_packing.py``: within 1e-5 in float32 on branched runs of the tiny
-model). The token whose logits predict a node's first token is the last token of its parent's
+model). ``reference_loop(..., trees=True)`` steps this way. The token whose logits predict a node's first token is the last token of its parent's
 node (``pred_index``), not the token before it in the row.
 
 torch is imported when a function runs.
@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mtflow.train.errors import SampleError
-from mtflow.train.loop import LOSS_AGGREGATIONS
 from mtflow.train.packing import token_advantages_of
 from mtflow.train.samples import Sample
-from mtflow.train.weights import truncated_is
+from mtflow.train.weights import LOSS_AGGREGATIONS, truncated_is
 
 __all__ = ['TreeRow', 'pack_trees', 'tree_tensors', 'tree_attention_mask', 'tree_token_logprobs', 'tree_policy_loss',
            'tree_train_step', 'tree_token_counts']
@@ -303,4 +302,5 @@ def tree_train_step(model: Any, optimizer: Any, trees: Sequence[Mapping[str, Any
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    return {'loss': float(loss.detach()), 'rows': len(rows), 'max_logprob_gap': gap, **tree_token_counts(rows, samples)}
+    return {'loss': float(loss.detach()), 'rows': len(rows), 'max_logprob_gap': gap,
+            'trained_tokens': int(batch['leaf_mask'].sum()), **tree_token_counts(rows, samples)}

@@ -125,3 +125,50 @@ def test_what_cannot_be_a_tree_is_refused_naming_it(branched):
         pack_trees([broken], samples)
     with pytest.raises(ValueError, match='do not fit a row of 8'):
         pack_trees(trees[:1], samples, row_len=8)
+
+
+class StopsOneRootEarly(ToolEveryTurn):
+    """``p1#0`` ends after its first turn, before its forks: the leaf budget tops its tree up with copies
+    of the prompt (siblings of the prompt's only other node)."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return infer_request.uuid == 'p1#0' or super().check_finished(infer_request, response_choice, current_turn)
+
+
+def test_a_tree_topped_up_with_copies_of_its_prompt_trains_as_its_leaves():
+    backend = tiny_backend(seed=1, max_tokens=5)
+    requests = prompts(2, 1)
+    result = Executor(StopsOneRootEarly(max_turns=4), backend,
+                      RequestConfig(max_tokens=5, temperature=1.0, logprobs=True),
+                      branch=Branching(at=fork_before_turns_2_and_3, copies=2, leaves=4)).run(requests)
+    assert result.ok, result.failures
+    topped = next(t for t in result.trees if t['root'] == 'p1#0')
+    assert topped['topped_up'] == 3 and len(topped['leaves']) == 4
+    samples = assign_tree_advantages(samples_from_result(result, requests), result.trees)
+    model = backend.model.float().eval()
+    leaf_loss, leaf_grads = _per_leaf(model, samples)
+    tree_loss, tree_grads = _as_tree(model, result.trees, samples)
+    assert tree_loss == pytest.approx(leaf_loss, abs=1e-5)
+    assert max(float((a - b).abs().max()) for a, b in zip(leaf_grads, tree_grads)) < 1e-5
+
+
+def test_the_reference_loop_steps_on_trees_as_it_steps_on_leaves():
+    from mtflow.train import reference_loop
+
+    def loop(trees):
+        backend = tiny_backend(seed=0, max_tokens=5)
+        model = backend.model.float()
+        executor = Executor(ToolEveryTurn(max_turns=4), backend,
+                            RequestConfig(max_tokens=5, temperature=1.0, logprobs=True),
+                            branch=Branching(at=fork_before_turns_2_and_3, copies=2, leaves=4))
+        history = reference_loop(executor, model, torch.optim.SGD(model.parameters(), lr=1.0), [prompts(2, 1)],
+                                 row_len=1024, advantage='tree', trees=trees, tis_cap=2.0)
+        return history, model
+
+    (as_trees, ), tree_model = loop(True)
+    (as_leaves, ), leaf_model = loop(False)
+    assert as_trees.samples == as_leaves.samples == 8 and as_trees.trained_tokens == as_leaves.trained_tokens
+    assert as_trees.loss == pytest.approx(as_leaves.loss, abs=1e-5) and as_trees.max_logprob_gap < 1e-4
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(tree_model.parameters(), leaf_model.parameters()))
+    with pytest.raises(ValueError, match='trees=True takes neither mask_outside'):
+        reference_loop(None, None, None, [], row_len=8, trees=True, sequence_weight=True)
