@@ -67,6 +67,27 @@ CT=.extras/chat-templates
    for n in z.namelist() if n.startswith("trl/chat_templates/") and n.endswith(".jinja")]' "$D"/trl-*.whl $CT/trl/ \
   && touch $CT/.complete; rm -rf "$D"; } || echo "warning: could not fetch the chat templates: their tests are skipped" >&2
 
+# the trainers mtflow hands rollouts to (docs/training.md, tests/train): each apart from the venv, where its pins
+# conflict. TRL 1.16 (environment_factory) beside ms-swift's 0.29.1, without dependencies (none moves; ~2 s)
+[ -d .extras/trl116/trl ] || $PIP install --no-deps --target .extras/trl116 'trl==1.16.0'
+# verl 0.9.1 in a venv of its own (transformers 5.10, hydra, ray; ~90 s); torch pinned first (a bare torch pulls CUDA);
+# cachetools, uvicorn and fastapi are imported by its agent loop but not declared
+XPIP() { "$1/bin/python" -m pip --disable-pip-version-check -q install "${@:2}"; }
+.extras/verl-venv/bin/python -c 'import verl, cachetools, uvicorn, fastapi, transitions' 2>/dev/null || { .venv/bin/python -m venv .extras/verl-venv \
+  && XPIP .extras/verl-venv torch==2.13.0 && XPIP .extras/verl-venv 'verl==0.9.1' cachetools uvicorn fastapi 'transitions>=0.9.1'; }
+# the Tinker cookbook 0.6.1 (~90 s): it requires tml-renderers>=0.4.1, which the registry does not have (0.2.1 is the
+# newest), so it goes in without dependencies, beside the ones its RL data path imports
+.extras/tinker-venv/bin/python -c 'import tinker_cookbook.rl.data_processing, PIL, yaml, transitions' 2>/dev/null || { .venv/bin/python -m venv .extras/tinker-venv \
+  && XPIP .extras/tinker-venv torch==2.13.0 && XPIP .extras/tinker-venv 'tinker==0.38.0' 'transformers==5.10.4' 'chz>=0.4.0' \
+     'blobfile>=3.0.0' 'pyrage>=1.4.0' 'tiktoken>=0.12.0' 'datasets>=2.14.0' 'pillow>=10.0.0' termcolor cloudpickle safetensors pyyaml 'transitions>=0.9.1' \
+  && XPIP .extras/tinker-venv --no-deps 'tinker-cookbook==0.6.1'; }
+# SkyRL's skyrl-train 0.3.1 (~110 s) requires Python 3.12 and flash-attn (CUDA only): its data path (generator output,
+# batch builder, advantages) under 3.11, without its declared dependencies, beside the ones that path imports
+.extras/skyrl-venv/bin/python -c 'import skyrl_train.dataset.preprocess, skyrl_train.utils.trainer_utils, yaml, transitions' 2>/dev/null || { .venv/bin/python -m venv .extras/skyrl-venv \
+  && XPIP .extras/skyrl-venv torch==2.13.0 && XPIP .extras/skyrl-venv 'transformers==5.10.4' 'ray==2.51.1' 'datasets==4.0.0' torchdata \
+     jaxtyping loguru omegaconf pandas requests fastapi uvicorn func_timeout pyyaml 'transitions>=0.9.1' rich \
+  && XPIP .extras/skyrl-venv --no-deps --ignore-requires-python 'skyrl-train==0.3.1' 'skyrl-gym==0.4.0'; }
+
 # --- run ---
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

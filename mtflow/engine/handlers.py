@@ -379,7 +379,7 @@ def _new_segment(run: RunState, rec: RequestRecord, next_request: Any, cut: Any,
         raise SchedulerResultError(f'new_segment must be True or a dict, got {type(cut).__name__}', uuid=rec.uuid,
                                    turn=turn, field='new_segment')
     cut_segment(rec, getattr(run.accounting, 'name', None) == 'record', cut if isinstance(cut, dict) else None)
-    detach_record(next_request)
+    detach_record(next_request, rec.turns + 1)
 
 
 def handle_pending(run: RunState, records: List[RequestRecord], turn: int) -> List[Move]:

@@ -114,7 +114,7 @@ def _yaml_scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
     return make_yaml
 
 
-def _takes_tokenizer(factory: Callable[..., Any]) -> bool:
+def takes_tokenizer(factory: Callable[..., Any]) -> bool:
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -133,7 +133,7 @@ def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
     factory = load_python_scheduler(cfg.scheduler, cfg.base_dir)
     if not callable(factory):
         raise RunSetupError(f'scheduler {cfg.scheduler!r} is not a class or factory')
-    accepts_tokenizer = _takes_tokenizer(factory)
+    accepts_tokenizer = takes_tokenizer(factory)
 
     def make_python(tokenizer: Any) -> Any:
         kwargs = dict(cfg.scheduler_args)

@@ -16,6 +16,7 @@ from mtflow.train.samples import (STATE_KEYS, Sample, read_samples, samples_from
                                   samples_from_trajectory)
 from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
 from mtflow.train.trees import assign_tree_advantages, leaf_path, read_trees, tree_advantages, tree_values
+from mtflow.train.trl_environment import MtflowEpisode, TRLEnvironment
 from mtflow.train.trl_rollout import TRLRollout, mtflow_reward
 from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios, truncated_is
 
@@ -31,5 +32,5 @@ __all__ = [
     # stale tokens, packing, the loop, TRL
     'STALE_POLICIES', 'StaleCounts', 'StalePolicy', 'PackedRow', 'block_causal_mask', 'pack', 'pad', 'to_tensors',
     'unpack', 'StepStats', 'policy_loss', 'reference_loop', 'token_logprobs', 'train_step', 'TRLRollout',
-    'mtflow_reward',
+    'mtflow_reward', 'MtflowEpisode', 'TRLEnvironment',
 ]

@@ -193,16 +193,41 @@ def assign_turn_advantages(samples: Sequence[Sample], gamma: float = 1.0, outcom
     return _spread(samples, dict(zip(keys, values)))
 
 
+def _episode_at_last_turn(samples: Sequence[Sample], rewards: Dict[str, Dict[int, float]], group: Dict[str, str],
+                          episode_reward: Optional[bool]) -> Dict[str, bool]:
+    """Per trajectory: whether its episode reward counts as its last turn's reward for the step
+    returns. ``None`` (auto): in every group none of whose members has a per-turn reward (the
+    setting of GiGPO's paper: only the episode ends with a reward), else not."""
+    if episode_reward is not None:
+        if not isinstance(episode_reward, bool):
+            raise ValueError(f'episode_reward must be None, True or False, not {episode_reward!r}')
+        return {u: episode_reward for u in rewards}
+    rewarded = {group[u] for u, per_turn in rewards.items() if per_turn}
+    return {u: group[u] not in rewarded for u in rewards}
+
+
 def assign_gigpo_advantages(samples: Sequence[Sample], step_weight: float = 1.0, gamma: float = 0.95,
-                            scale_rewards: str = 'group', eps: float = GRPO_EPS) -> List[Sample]:
+                            scale_rewards: str = 'group', eps: float = GRPO_EPS,
+                            episode_reward: Optional[bool] = None) -> List[Sample]:
     """GiGPO (group-in-group): ``A_{i,t} = A^E_i + step_weight * A^S_{i,t}``, where ``A^E_i`` is
     :func:`grpo` over the trajectory rewards of the group and ``A^S_{i,t}`` is :func:`grpo` over the
-    discounted per-turn returns (:func:`turn_returns` of ``Sample.turn_rewards``) of the turns of
-    the group generated from the same environment state (``Sample.state_keys``: an anchor group;
-    a turn without a key, or alone in its anchor group, has ``A^S = 0``). Each token gets its
-    turn's (``Sample.token_advantages``). Returns ``samples``."""
+    discounted returns ``G_{i,t}`` (:func:`turn_returns`) of the turns of the group generated from
+    the same environment state (``Sample.state_keys``: an anchor group; a turn without a key, or
+    alone in its anchor group, has ``A^S = 0``). Each token gets its turn's
+    (``Sample.token_advantages``). Returns ``samples``.
+
+    The returns are of the per-turn rewards (``Sample.turn_rewards``) and, where
+    ``episode_reward`` says so, of the episode reward received at the last turn (so ``G_{i,t} =
+    gamma^(T_i - t) * R_i`` with no per-turn rewards): ``True`` always, ``False`` never, ``None``
+    (default) for the groups none of whose trajectories has a per-turn reward, the paper's
+    setting (ALFWorld, WebShop), where the step term would otherwise be 0 and GiGPO plain GRPO.
+    Pass ``False`` when the episode reward is already the sum of the per-turn ones."""
     rewards, last, group = _turn_table(samples, 'GiGPO advantages')
-    returns = _returns(samples, rewards, last, gamma, outcome=False)
+    at_last = _episode_at_last_turn(samples, rewards, group, episode_reward)
+    returns: Dict[Tuple[str, int], float] = {}
+    for uuid in rewards:
+        returns.update(_returns([s for s in samples if s.uuid == uuid], {uuid: rewards[uuid]}, last, gamma,
+                                outcome=at_last[uuid]))
     uuids = list(rewards)
     episode = dict(zip(uuids, grpo([next(s.reward for s in samples if s.uuid == u) for u in uuids],
                                    [group[u] for u in uuids], scale_rewards=scale_rewards, eps=eps)))

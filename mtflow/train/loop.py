@@ -28,11 +28,12 @@ from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, 
 from mtflow.train.packing import block_causal_mask, pack, to_tensors
 from mtflow.train.samples import Sample, samples_from_result
 from mtflow.train.staleness import StalePolicy
-from mtflow.train.weights import geometric_sequence_weight, keep_within, truncated_is
+from mtflow.train.trees import assign_tree_advantages
+from mtflow.train.tree_packing import tree_train_step
+from mtflow.train.weights import LOSS_AGGREGATIONS, geometric_sequence_weight, keep_within, truncated_is
 
 __all__ = ['LOSS_AGGREGATIONS', 'token_logprobs', 'policy_loss', 'train_step', 'StepStats', 'reference_loop']
 
-LOSS_AGGREGATIONS = ('token-mean', 'sample-mean')
 
 
 def token_logprobs(model: Any, batch: Dict[str, Any]) -> Any:
@@ -125,21 +126,28 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
                    stale: Optional[StalePolicy] = None, pad_id: int = 0, clip_eps: float = 0.2,
                    tis_cap: Optional[float] = None, agg: str = 'token-mean', mask_outside: Optional[float] = None,
                    sequence_weight: bool = False, on_batch: Optional[Callable[..., None]] = None,
-                   on_step: Optional[Callable[[StepStats], None]] = None) -> List[StepStats]:
+                   on_step: Optional[Callable[[StepStats], None]] = None, trees: bool = False) -> List[StepStats]:
     """A step per batch of prompts from ``batches`` (each a list of requests: whole groups):
     roll out with ``executor``, build samples, withhold stale ones (``stale``), assign
     advantages (``advantage``: a name of :data:`~mtflow.train.advantages.ADVANTAGES`, or
     ``'turn'`` / ``'gigpo'`` for :func:`~mtflow.train.advantages.assign_turn_advantages` /
-    :func:`~mtflow.train.advantages.assign_gigpo_advantages`), take one step, then
-    move the executor's policy version on by one."""
+    :func:`~mtflow.train.advantages.assign_gigpo_advantages`, ``'tree'`` for TreeRL's per-node
+    :func:`~mtflow.train.trees.assign_tree_advantages`), take one step, then move the executor's
+    policy version on by one. ``trees=True`` (a branched executor) packs each group as one tree
+    (:func:`~mtflow.train.tree_packing.tree_train_step`: the same loss and gradients, the shared
+    prefix through the model once; ``mask_outside``, ``sequence_weight`` and ``on_batch`` are
+    per-leaf only)."""
+    if trees and (mask_outside is not None or sequence_weight or on_batch is not None):
+        raise ValueError('trees=True takes neither mask_outside, sequence_weight nor on_batch (per-leaf packing only)')
     version = 0
     executor.set_policy_version(version)
     history: List[StepStats] = []
     for step, requests in enumerate(batches):
-        result = executor.run(list(requests))
+        ran = list(requests)  # a branched executor appends its children's requests to the list it runs
+        result = executor.run(ran)
         if result.failures:
             raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
-        samples = samples_from_result(result, list(requests))
+        samples = samples_from_result(result, ran)
         rewards = {s.uuid: s.reward for s in samples}
         if stale is not None:
             samples = stale.apply(samples, version)
@@ -147,11 +155,17 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
             assign_turn_advantages(samples, **(advantage_options or {}))
         elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
             assign_gigpo_advantages(samples, **(advantage_options or {}))
+        elif advantage == 'tree':  # per-token: TreeRL's node advantages of a branched group
+            assign_tree_advantages(samples, result.trees, **(advantage_options or {}))
         else:
             assign_advantages(samples, advantage, **(advantage_options or {}))
-        done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
-                          tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
-                          on_batch=on_batch)
+        if trees:
+            done = tree_train_step(model, optimizer, result.trees, samples, row_len=row_len, pad_id=pad_id,
+                                   clip_eps=clip_eps, tis_cap=tis_cap, agg=agg)
+        else:
+            done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
+                              tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
+                              on_batch=on_batch)
         stats = StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
                           samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'],
                           rows=done['rows'], withheld_tokens=sum(s.withheld_tokens for s in samples),

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Sequence
 
 from mtflow.train.samples import Sample
 
-__all__ = ['PackedRow', 'pack', 'pad', 'to_tensors', 'block_causal_mask', 'unpack']
+__all__ = ['PackedRow', 'pack', 'pad', 'to_tensors', 'block_causal_mask', 'unpack', 'token_advantages_of']
 
 
 @dataclass
@@ -50,12 +50,7 @@ class PackedRow:
         self.position_ids += list(range(n))
         self.loss_mask += [0] * len(prompt) + list(sample.loss_mask)
         self.sample_index += [index] * n
-        if sample.token_advantages is not None:
-            per_token = [float(a) if m else 0.0 for a, m in zip(sample.token_advantages, sample.loss_mask)]
-        else:
-            advantage = float(sample.advantage) if sample.advantage is not None else 0.0
-            per_token = [advantage if m else 0.0 for m in sample.loss_mask]
-        self.advantages += [0.0] * len(prompt) + per_token
+        self.advantages += [0.0] * len(prompt) + token_advantages_of(sample)
         self.logprobs += [0.0] * len(prompt) + (list(sample.logprobs) if sample.logprobs is not None
                                                 else [0.0] * len(completion))
         self.samples.append(index)
@@ -69,6 +64,15 @@ class PackedRow:
         self.sample_index += [-1] * extra
         self.advantages += [0.0] * extra
         self.logprobs += [0.0] * extra
+
+
+def token_advantages_of(sample: Sample) -> List[float]:
+    """Each completion token's advantage: its ``token_advantages`` when set, else the sample's
+    ``advantage`` (0 when unset); 0 wherever the loss mask is 0."""
+    if sample.token_advantages is not None:
+        return [float(a) if m else 0.0 for a, m in zip(sample.token_advantages, sample.loss_mask)]
+    advantage = float(sample.advantage) if sample.advantage is not None else 0.0
+    return [advantage if m else 0.0 for m in sample.loss_mask]
 
 
 def _length(sample: Sample) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from mtflow.accounting.segments_split import flat_sample, segments_of
+from mtflow.accounting.token_record import RESTART_KEY
 from mtflow.core.machine import FAILURE_REASONS
 from mtflow.data.sources import group_of
 from mtflow.run.trajectories import Trajectory, iter_trajectories, reward_of
@@ -106,6 +107,13 @@ def _check_exact(flat: Dict[str, Any], uuid: str, infos: Dict[str, Any], last: b
         raise SampleError('no token ids: the backend returned none (exact samples need a backend that keeps a '
                           'token record: hf, vllm, openai in token mode)', uuid=uuid, turn=start,
                           field='response_token_ids')
+    restart = infos.get(RESTART_KEY) if last else None
+    if restart and (flat['prompt_ids'] is None or not flat['exact']):
+        raise SampleError(f"this turn's prompt was rendered from text ({restart.get('why')}): "
+                          f"{restart.get('changed')}; the turns before it and after it are not one sequence the "
+                          'model saw, so they cannot be one exact sample (keep the history as the model saw it, or '
+                          "start a new segment: a step's new_segment)", uuid=uuid, turn=int(restart.get('turn', start)),
+                          field='messages')
     if flat['prompt_ids'] is None:
         raise SampleError("no prompt ids: the segment's ids were not kept from a token record (a backend without "
                           "one, or an accounting other than the record's), so prompt + response is not a sequence "

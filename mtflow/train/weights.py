@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ['ratios', 'truncated_is', 'geometric_sequence_weight', 'keep_within']
+__all__ = ['LOSS_AGGREGATIONS', 'ratios', 'truncated_is', 'geometric_sequence_weight', 'keep_within']
+
+#: how a policy loss averages its tokens: every trained token alike, or each sample's mean averaged
+LOSS_AGGREGATIONS = ('token-mean', 'sample-mean')
 
 
 def _tensors(current: Any, behaviour: Any) -> Any:
