@@ -20,10 +20,14 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # aiohttp: the backend's preferred client at high concurrency (benchmarks/serving.py); both are tested.
 .venv/bin/python -c 'import aiohttp' 2>/dev/null || $PIP install 'aiohttp==3.14.5'
 # Environments from the ecosystem (tests/envs; extras openenv, gym, reasoning-gym, textarena).
-# openenv-core without its Gradio web UI (gradio pins pillow<13 and mtflow never serves the UI),
-# then what its client and server import.
-.venv/bin/python -c 'import openenv.core' 2>/dev/null || { $PIP install --no-deps 'openenv-core==0.3.0' \
-  && $PIP install fastmcp 'websockets>=15' 'fastapi>=0.104' 'uvicorn>=0.24' tomli tomli-w requests; }
+# openenv 0.10, the maintained line (openenv-core was renamed openenv upstream; both install the same `openenv`
+# package, so openenv-core goes first), without its Gradio web UI (gradio pins pillow<13 and mtflow never serves
+# the UI) and without its fastmcp<4 pin (nothing mtflow calls imports more than fastmcp 4 has), then what its client
+# and server import.
+.venv/bin/python -c 'import importlib.metadata as m; assert m.version("openenv") == "0.10.0"' 2>/dev/null \
+  || { { $PIP uninstall -y openenv-core 2>/dev/null || true; } && $PIP install --no-deps 'openenv==0.10.0' \
+  && $PIP install fastmcp 'websockets>=15' 'fastapi>=0.116' 'uvicorn>=0.24' tomli tomli-w requests 'httpx>=0.28.1' \
+     'huggingface_hub>=1.29' 'jsonschema>=4.20' typer; }
 .venv/bin/python -c 'import reasoning_gym, gymnasium, textarena' 2>/dev/null || $PIP install reasoning-gym gymnasium textarena
 
 # python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;

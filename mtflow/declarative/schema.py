@@ -351,7 +351,7 @@ class EnvConfig(StrictModel):
     gym: Optional[str] = Field(None, description="A Gymnasium-style text environment: 'module:Class' (or a "
                                'factory), made with kwargs; terminated stops with stop_rule:env_done, truncated with '
                                'stop_rule:env_truncated.')
-    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv-core client).')
+    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv client).')
     textarena: Optional[TextArenaConfig] = Field(None, description='A single-player textarena game.')
     kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the environment '
                                    '(impl and gym).')

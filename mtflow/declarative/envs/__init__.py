@@ -4,7 +4,7 @@
 
 - :mod:`.gymnasium_env`: any Gymnasium-style object (``reset() -> (obs, info)``,
   ``step(a) -> (obs, reward, terminated, truncated, info)``);
-- :mod:`.openenv_env`: an OpenEnv server through ``openenv-core``'s WebSocket client;
+- :mod:`.openenv_env`: an OpenEnv server through ``openenv``'s WebSocket client;
 - :mod:`.textarena_env`: a single-player textarena game.
 
 :func:`make_env_factory` turns an ``EnvConfig`` into a zero-argument callable making one

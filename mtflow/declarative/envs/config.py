@@ -19,7 +19,7 @@ class _Strict(BaseModel):
 
 
 class OpenEnvConfig(_Strict):
-    """An OpenEnv server (``openenv-core``): one WebSocket session per request."""
+    """An OpenEnv server (``openenv``): one WebSocket session per request."""
     url: Optional[Union[str, List[str]]] = Field(
         None, description="The server's base URL (http://, ws://), or a list of replicas: each new session goes "
         'to the least-loaded live one.')

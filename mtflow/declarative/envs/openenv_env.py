@@ -1,4 +1,4 @@
-"""OpenEnv servers as YAML environments, through ``openenv-core``'s own WebSocket client
+"""OpenEnv servers as YAML environments, through ``openenv``'s own WebSocket client
 (``openenv.core.GenericEnvClient``): one server session per request, opened at the request's start
 (``reset``), stepped with every completion, closed on every finish path.
 
@@ -513,8 +513,11 @@ class OpenEnvSession:
             raise OpenEnvSessionError(f'OpenEnv server {self.server.url} failed during step {self.steps}: '
                                       f'{_describe(exc)} (the session is lost; a step is not retried)') from None
         reward = float(result.reward) if result.reward is not None else 0.0
-        return StepOutcome(self._observation(result.observation), reward, bool(result.done), False,
-                           {'openenv_server': self.server.url})
+        info: Dict[str, Any] = {'openenv_server': self.server.url}
+        metadata = result.observation.get('metadata') if isinstance(result.observation, dict) else None
+        if metadata:
+            info['openenv_metadata'] = metadata
+        return StepOutcome(self._observation(result.observation), reward, bool(result.done), False, info)
 
     async def close(self) -> None:
         """Close the session (best effort, bounded: a dead server cannot hold a request up)."""
@@ -563,7 +566,12 @@ class OpenEnvSession:
 
     def _observation(self, observation: Any) -> Any:
         """The text shown to the model, or an :class:`~mtflow.core.images.Observation` with the
-        images of ``image_fields`` (which the text then leaves out)."""
+        images of ``image_fields`` (which the text then leaves out). The fields of openenv's
+        ``Observation`` base are never shown: ``openenv`` 0.10 keeps ``metadata`` in the payload
+        (``openenv-core`` 0.3 left it out), which would turn a one-field observation into JSON
+        (a step's metadata goes to ``env_info['openenv_metadata']``)."""
+        if isinstance(observation, dict):
+            observation = {k: v for k, v in observation.items() if k not in _OBSERVATION_BASE}
         fields = self.pool.config.image_fields
         if not fields or not isinstance(observation, dict):
             return self._text(observation)
