@@ -99,11 +99,42 @@ class TextArenaConfig(_Strict):
         return v
 
 
-ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena')
+class SkyRLGymConfig(_Strict):
+    """A SkyRL text environment (``skyrl_gym.make(id, env_config=..., extras=...)``), made per
+    request with that request's row as its ``extras`` (``reward_spec``, ``extra_info``, ...)."""
+    id: str = Field(description="A skyrl-gym environment id ('gsm8k', 'gsm8k_multi_turn', 'aime', ...) or "
+                    "'module:Class' (a BaseTextEnv subclass).")
+    env_config: Dict[str, Any] = Field(default_factory=dict, description="The environment's env_config.")
+    extras: Dict[str, Any] = Field(
+        default_factory=dict, description="Extras every request gets; the request's data_dict (the dataset row's "
+        'other keys: reward_spec, extra_info, max_turns) is merged over them.')
+
+    @field_validator('id')
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not re.fullmatch(r'[\w.-]+(:[\w.]+)?', v):
+            raise ValueError(f"{v!r} is not a skyrl-gym environment id or 'module:Class'")
+        return v
+
+
+class GemConfig(_Strict):
+    """A GEM environment (``gem.make(id, **kwargs)``): Gymnasium's reset/step, GEM's own rewards."""
+    id: str = Field(description="A GEM environment id, e.g. 'game:GuessTheNumber-v0-easy', 'rg:leg_counting'.")
+    kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for gem.make.')
+
+    @field_validator('id')
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not re.fullmatch(r'[\w.:-]+', v):
+            raise ValueError(f'{v!r} is not a GEM environment id')
+        return v
+
+
+ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena', 'skyrl_gym', 'gem')
 
 
 def env_kind(env: Any) -> str:
-    """Which of ``impl``, ``gym``, ``openenv`` or ``textarena`` an ``EnvConfig`` uses."""
+    """Which of :data:`ENV_KINDS` an ``EnvConfig`` uses."""
     for kind in ENV_KINDS:
         if getattr(env, kind, None) is not None:
             return kind
