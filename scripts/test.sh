@@ -29,6 +29,13 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
   && $PIP install fastmcp 'websockets>=15' 'fastapi>=0.116' 'uvicorn>=0.24' tomli tomli-w requests 'httpx>=0.28.1' \
      'huggingface_hub>=1.29' 'jsonschema>=4.20' typer; }
 .venv/bin/python -c 'import reasoning_gym, gymnasium, textarena' 2>/dev/null || $PIP install reasoning-gym gymnasium textarena
+# SkyRL's text environments (tests/envs/test_skyrl_gym.py; extra skyrl-gym): nothing in the venv moves.
+.venv/bin/python -c 'import skyrl_gym' 2>/dev/null || $PIP install 'skyrl-gym==0.4.0'
+# GEM (tests/envs/test_gem.py; extra gem) in a venv of its own: gem-llm pins reasoning-gym 0.1.23, nltk 3.9.1 and
+# msgspec 0.19 (here 0.1.25, 3.10, 0.23); mtflow runs there from the checkout (PYTHONPATH) with its own four deps.
+.extras/gem-venv/bin/python -c 'import gem, pydantic, yaml, transitions, rich' 2>/dev/null || { .venv/bin/python -m venv .extras/gem-venv \
+  && .extras/gem-venv/bin/python -m pip --disable-pip-version-check -q install 'gem-llm==0.1.0' 'pydantic>=2.5,<3' 'pyyaml>=6' \
+     'transitions>=0.9.1' 'rich>=13'; } || echo "warning: could not make .extras/gem-venv: the GEM tests are skipped" >&2
 
 # python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.
