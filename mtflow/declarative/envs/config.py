@@ -130,7 +130,38 @@ class GemConfig(_Strict):
         return v
 
 
-ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena', 'skyrl_gym', 'gem')
+class NemoGymConfig(_Strict):
+    """A NeMo Gym resources server: its tools called with the model's tool calls, its ``/verify``
+    the reward (NeMo Gym's simple agent loop, with mtflow holding the model and its tokens)."""
+    url: Optional[str] = Field(None, description="A running resources server's base URL (http://).")
+    launch: Optional[str] = Field(
+        None, description="Start the server on 127.0.0.1 instead: 'package.module:ServerClass' (a NeMo Gym "
+        "SimpleResourcesServer subclass, e.g. 'resources_servers.example_single_tool_call.app:"
+        "SimpleWeatherResourcesServer'). Started at the first session, stopped when the scheduler closes.")
+    python: Optional[str] = Field(
+        None, description='With launch: the Python that has nemo-gym (it needs Python 3.13: usually a venv of its '
+        "own); relative to this file's directory. Default: the Python running mtflow.")
+    parser: str = Field('hermes', description="How the model's tool calls are read (a parser name, as the "
+                        "scheduler's parser:).")
+    parser_options: Dict[str, Any] = Field(default_factory=dict, description="The parser's options.")
+    request_timeout_s: float = Field(60.0, gt=0, description='One call to the server (a tool, seed_session, verify).')
+    startup_timeout_s: float = Field(120.0, gt=0, description='With launch: how long the server may take to answer '
+                                     '/health.')
+
+    @model_validator(mode='after')
+    def _one_source(self) -> 'NemoGymConfig':
+        if (self.url is None) == (self.launch is None):
+            raise ValueError('give either url or launch')
+        if self.url is not None and not re.match(r'^https?://[^/\s]+$', self.url.rstrip('/')):
+            raise ValueError(f'url {self.url!r} must look like http://host:port')
+        if self.launch is not None and not re.fullmatch(r'[\w.]+:[\w.]+', self.launch):
+            raise ValueError(f"launch {self.launch!r} must be 'package.module:ServerClass'")
+        if self.python is not None and self.launch is None:
+            raise ValueError('python applies to launch only')
+        return self
+
+
+ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena', 'skyrl_gym', 'gem', 'nemo_gym')
 
 
 def env_kind(env: Any) -> str:

@@ -1,5 +1,5 @@
 """One factory per ``EnvConfig``, whatever its kind: ``impl`` (a registered name or ``module:Class``
-in mtflow's own protocol), ``gym``, ``openenv``, ``textarena``, ``skyrl_gym`` or ``gem``."""
+in mtflow's own protocol), ``gym``, ``openenv``, ``textarena``, ``skyrl_gym``, ``gem`` or ``nemo_gym``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 from mtflow.declarative.envs.config import env_kind
 from mtflow.declarative.envs.gem_env import gem_factory
 from mtflow.declarative.envs.gymnasium_env import gym_factory
+from mtflow.declarative.envs.nemo_gym_env import NemoGymPool
 from mtflow.declarative.envs.openenv_env import OpenEnvPool
 from mtflow.declarative.envs.skyrl_gym_env import skyrl_gym_factory
 from mtflow.declarative.envs.textarena_env import textarena_factory
@@ -30,4 +31,6 @@ def make_env_factory(env: Any, base_dir: Optional[str] = None) -> Callable[[], A
         return skyrl_gym_factory(env.skyrl_gym, base_dir)
     if kind == 'gem':
         return gem_factory(env.gem)
+    if kind == 'nemo_gym':
+        return NemoGymPool(env.nemo_gym, base_dir)
     return textarena_factory(env.textarena)
