@@ -36,6 +36,14 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 .extras/gem-venv/bin/python -c 'import gem, pydantic, yaml, transitions, rich' 2>/dev/null || { .venv/bin/python -m venv .extras/gem-venv \
   && .extras/gem-venv/bin/python -m pip --disable-pip-version-check -q install 'gem-llm==0.1.0' 'pydantic>=2.5,<3' 'pyyaml>=6' \
      'transitions>=0.9.1' 'rich>=13'; } || echo "warning: could not make .extras/gem-venv: the GEM tests are skipped" >&2
+# NeMo Gym's resources servers (tests/envs/test_nemo_gym.py; extra nemo-gym: mtflow's side is aiohttp, above) in a
+# venv of their own: nemo-gym 0.7 needs Python 3.13 (it declares >=3.13.14, above every 3.13 here, so
+# --ignore-requires-python) and pins openai 2.44 and mcp<2 (here 3.63 and 2.3); ~1.4 GB (Ray, MLflow, wandb).
+NG_PY=$(command -v python3.13 || ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 2>/dev/null | tail -1)
+.extras/nemo-gym-venv/bin/python -c 'import nemo_gym, resources_servers' 2>/dev/null || { [ -n "$NG_PY" ] \
+  && "$NG_PY" -m venv .extras/nemo-gym-venv && .extras/nemo-gym-venv/bin/python -m pip --disable-pip-version-check -q \
+     install --ignore-requires-python 'nemo-gym==0.7.0'; } \
+  || echo "warning: no Python 3.13 or nemo-gym would not install: the NeMo Gym tests are skipped" >&2
 
 # python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.
