@@ -44,6 +44,17 @@ NG_PY=$(command -v python3.13 || ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.
   && "$NG_PY" -m venv .extras/nemo-gym-venv && .extras/nemo-gym-venv/bin/python -m pip --disable-pip-version-check -q \
      install --ignore-requires-python 'nemo-gym==0.7.0'; } \
   || echo "warning: no Python 3.13 or nemo-gym would not install: the NeMo Gym tests are skipped" >&2
+# verifiers 0.4 environments in-process (tests/envs/test_verifiers04.py; extra verifiers-v1) in a venv of their own:
+# verifiers 0.4 pins mcp 2.0 and openai 2.54 (here 2.3 and 3.63). With openenv 0.10 for its OpenEnv taskset (--no-deps:
+# its fastmcp<4 pin left out; fastmcp 4.1.1 is the newest that takes mcp 2.0), uv for its harness program (the
+# reference evaluation: vf-eval), and mtflow's four dependencies (mtflow runs there from the checkout).
+V=.extras/verifiers04-venv/bin/python
+$V -c 'import verifiers.v1, openenv.core, fastmcp, yaml, transitions' 2>/dev/null || { .venv/bin/python -m venv .extras/verifiers04-venv \
+  && $V -m pip --disable-pip-version-check -q install 'verifiers==0.4.0' 'pydantic>=2.5,<3' 'pyyaml>=6' 'transitions>=0.9.1' \
+     'rich>=13' 'uv==0.13.9' && $V -m pip --disable-pip-version-check -q install --no-deps 'openenv==0.10.0' \
+  && $V -m pip --disable-pip-version-check -q install 'fastmcp==4.1.1' 'mcp==2.0.0' 'fastapi>=0.116' 'uvicorn>=0.24' \
+     'websockets>=15' requests tomli 'huggingface_hub>=1.29' jsonschema typer; } \
+  || echo "warning: could not make .extras/verifiers04-venv: the verifiers 0.4 tests are skipped" >&2
 
 # python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.

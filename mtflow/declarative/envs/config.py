@@ -161,7 +161,27 @@ class NemoGymConfig(_Strict):
         return self
 
 
-ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena', 'skyrl_gym', 'gem', 'nemo_gym')
+class VerifiersConfig(_Strict):
+    """A verifiers 0.4 environment run in-process: its taskset's tasks, its ``Env.run`` and its
+    tasks' rewards in mtflow's process, with mtflow as the agent (no agent program)."""
+    taskset: str = Field(description="A verifiers taskset id, as vf-eval takes it (e.g. 'openenv', or an "
+                         'installed environment package).')
+    config: Dict[str, Any] = Field(default_factory=dict, description="The taskset's own config (e.g. base_url, "
+                                   "resets for verifiers' openenv taskset).")
+    env: Optional[str] = Field(None, description="The verifiers Env id; default: the taskset's own, else "
+                               'SingleAgentEnv (as vf-eval resolves it).')
+    turn_timeout_s: float = Field(300.0, gt=0, description="How long the environment may take between the model's "
+                                  'reply and its next message (or its end).')
+
+    @field_validator('taskset')
+    @classmethod
+    def _taskset(cls, v: str) -> str:
+        if not re.fullmatch(r'[\w.:-]+', v):
+            raise ValueError(f'{v!r} is not a verifiers taskset id')
+        return v
+
+
+ENV_KINDS = ('impl', 'gym', 'openenv', 'textarena', 'skyrl_gym', 'gem', 'nemo_gym', 'verifiers')
 
 
 def env_kind(env: Any) -> str:

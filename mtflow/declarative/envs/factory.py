@@ -1,5 +1,5 @@
 """One factory per ``EnvConfig``, whatever its kind: ``impl`` (a registered name or ``module:Class``
-in mtflow's own protocol), ``gym``, ``openenv``, ``textarena``, ``skyrl_gym``, ``gem`` or ``nemo_gym``."""
+in mtflow's own protocol), ``gym``, ``openenv``, ``textarena``, ``skyrl_gym``, ``gem``, ``nemo_gym`` or ``verifiers``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -11,6 +11,7 @@ from mtflow.declarative.envs.nemo_gym_env import NemoGymPool
 from mtflow.declarative.envs.openenv_env import OpenEnvPool
 from mtflow.declarative.envs.skyrl_gym_env import skyrl_gym_factory
 from mtflow.declarative.envs.textarena_env import textarena_factory
+from mtflow.declarative.envs.verifiers_env import VerifiersPool
 from mtflow.declarative.gym import make_env_factory as make_impl_factory
 
 __all__ = ['make_env_factory']
@@ -33,4 +34,6 @@ def make_env_factory(env: Any, base_dir: Optional[str] = None) -> Callable[[], A
         return gem_factory(env.gem)
     if kind == 'nemo_gym':
         return NemoGymPool(env.nemo_gym, base_dir)
+    if kind == 'verifiers':
+        return VerifiersPool(env.verifiers)
     return textarena_factory(env.textarena)
