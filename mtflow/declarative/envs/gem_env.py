@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
+from mtflow.core.keys import closest_key
 from mtflow.declarative.envs.base import EnvFailure, StepOutcome, request_seed, require
 from mtflow.declarative.envs.config import GemConfig
 
@@ -67,6 +68,11 @@ class GemEnv:
 def gem_factory(config: GemConfig) -> Callable[[], GemEnv]:
     """Check the id and kwargs now (one environment made and closed): a typo is a config error."""
     gem = require('gem', 'gem')
+    known = list(getattr(getattr(gem.envs, 'registration', None), 'ENV_REGISTRY', None) or [])
+    if known and config.id not in known:
+        close = closest_key(config.id, known)
+        raise ValueError(f'no GEM environment {config.id!r}' + (f'; did you mean {close!r}?' if close else
+                                                                 f' ({len(known)} registered, e.g. {known[0]!r})'))
     probe = gem.make(config.id, **config.kwargs)
     close = getattr(probe, 'close', None)
     if callable(close):
