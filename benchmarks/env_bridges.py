@@ -224,7 +224,8 @@ def measure(bridge: str, n: int, steps: int, rounds: int) -> Dict[str, Any]:
         teardown()
     row: Dict[str, Any] = {'bridge': bridge}
     for side, (wall, timer) in best.items():
-        row[side] = {'calls_per_s': timer.calls / wall, 'p50_ms': _pct(timer.steps, 50), 'p95_ms': _pct(timer.steps, 95)}
+        row[side] = {'calls_per_s': timer.calls / wall, 'p50_ms': _pct(timer.steps, 50),
+                     'p95_ms': _pct(timer.steps, 95)}
     row['ratio'] = row['mtflow']['calls_per_s'] / row['own']['calls_per_s']
     return row
 

@@ -32,7 +32,7 @@ COMMANDS = {
     'rescore': ('mtflow.commands.rescore', 'recompute the rewards and finish policy of a run, no model or tool call'),
     'diff': ('mtflow.commands.diff', 'compare two runs request by request, turn by turn (exit 1 when they differ)'),
     'gateway': ('mtflow.commands.gateway', 'serve a model to external agents (OpenAI/Anthropic API), recording sessions'),
-    'init': ('mtflow.commands.init', 'scaffold an environment package: scheduler, tool, reward, dataset, test'),
+    'init': ('mtflow.commands.init', 'scaffold an environment package (scheduler, tool, reward, dataset, test)'),
 }
 
 

@@ -155,7 +155,8 @@ def files(name: str, test_command: str) -> Dict[str, str]:
         country = question.rsplit(' ', 1)[1].rstrip('?')
         call = json.dumps({'name': 'capital', 'arguments': {'country': country}})
         replies.append({'uuid': uuid, 'turn': 1, 'content': f'<tool_call>{call}</tool_call>'})
-        replies.append({'uuid': uuid, 'turn': 2, 'content': f'The capital is <answer>{ANSWERS.get(uuid, answer)}</answer>.'})
+        said = ANSWERS.get(uuid, answer)
+        replies.append({'uuid': uuid, 'turn': 2, 'content': f'The capital is <answer>{said}</answer>.'})
     rewards = {uuid: float(uuid not in ANSWERS) for uuid, _, _ in ROWS}
     fmt = dict(name=name, module=module, test=test_command, rewards=rewards)
     return {

@@ -260,7 +260,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
 
 def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Loc, str]]:
     """Build the ``env`` section's factory once, whatever its kind (impl, gym, openenv,
-    textarena, skyrl_gym, gem, nemo_gym, verifiers), as the scheduler will: the class's kwargs, a textarena game id, a missing extra.
+    textarena, skyrl_gym, gem, nemo_gym, verifiers), as the scheduler will: the class's kwargs,
+    a game or environment id, a missing extra.
     Nothing is launched or connected (an OpenEnv pool starts its servers at the first session)."""
     try:
         env_cfg = EnvConfig.model_validate(env, context={'base_dir': base_dir, 'resolve': True})

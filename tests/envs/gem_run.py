@@ -58,8 +58,8 @@ def run_mtflow(out, game_id, kwargs, scripts):
         '''))
     (out / f'{name}.jsonl').write_text(''.join(json.dumps({'uuid': f's{s}', 'seed': s, 'messages': [
         {'role': 'system', 'content': 'Play the game.'}]}) + '\n' for s in SEEDS))
-    (out / f'{name}_model.jsonl').write_text(''.join(
-        json.dumps({'uuid': f's{s}', 'turn': k + 1, 'content': t}) + '\n' for s in SEEDS for k, t in enumerate(scripts[s])))
+    (out / f'{name}_model.jsonl').write_text(''.join(json.dumps({'uuid': f's{s}', 'turn': k + 1, 'content': t}) + '\n'
+                                                     for s in SEEDS for k, t in enumerate(scripts[s])))
     (out / f'{name}_run.yaml').write_text(textwrap.dedent(f'''\
         scheduler: {name}.yaml
         backend: scripted

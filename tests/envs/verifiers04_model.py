@@ -7,12 +7,7 @@ tries on some games: the rewards differ)."""
 import json
 import re
 
-
-def _text(message):
-    content = message.get('content') or ''
-    if isinstance(content, list):
-        content = ''.join(p.get('text', '') for p in content if isinstance(p, dict))
-    return content
+from tests.gateway.verifiers_model import _text  # stdlib only: the verifiers venvs import it too
 
 
 def reply_text(messages):

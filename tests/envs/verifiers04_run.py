@@ -61,7 +61,8 @@ def reference_model():
         await resp.prepare(request)
         for chunk in ({**base, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': text}}]},
                       {**base, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]},
-                      {**base, 'choices': [], 'usage': {'prompt_tokens': 1, 'completion_tokens': 1, 'total_tokens': 2}}):
+                      {**base, 'choices': [], 'usage': {'prompt_tokens': 1, 'completion_tokens': 1,
+                                                         'total_tokens': 2}}):
             await resp.write(f'data: {json.dumps(chunk)}\n\n'.encode())
         await resp.write(b'data: [DONE]\n\n')
         return resp

@@ -21,4 +21,5 @@ from mtflow.declarative.envs.config import (ENV_KINDS, GemConfig, NemoGymConfig,
 from mtflow.declarative.envs.factory import make_env_factory
 
 __all__ = ['StepOutcome', 'normalize_step', 'make_env_factory', 'request_seed', 'ENV_KINDS', 'OpenEnvConfig',
-           'TextArenaConfig', 'SkyRLGymConfig', 'GemConfig', 'NemoGymConfig', 'VerifiersConfig', 'env_kind', 'MissingExtra', 'require', 'EnvFailure']
+           'TextArenaConfig', 'SkyRLGymConfig', 'GemConfig', 'NemoGymConfig', 'VerifiersConfig', 'env_kind', 'MissingExtra',
+           'require', 'EnvFailure']

@@ -9,13 +9,27 @@ from __future__ import annotations
 
 import re
 from urllib.parse import urlsplit
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra='forbid')
+
+
+class _WithId(_Strict):
+    """A section whose ``id`` names something of another library: its form is checked here
+    (``_ID``), before the library is asked."""
+    _ID: ClassVar[str] = r'[\w.-]+'
+    _WHAT: ClassVar[str] = 'an id'
+
+    @field_validator('id', check_fields=False)
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not re.fullmatch(cls._ID, v):
+            raise ValueError(f'{v!r} is not {cls._WHAT}')
+        return v
 
 
 class OpenEnvConfig(_Strict):
@@ -84,24 +98,20 @@ class OpenEnvConfig(_Strict):
         return self
 
 
-class TextArenaConfig(_Strict):
+class TextArenaConfig(_WithId):
     """A single-player textarena game (``textarena.make(id)``)."""
+    _WHAT: ClassVar[str] = 'a textarena game id'
     id: str = Field(description="A textarena game id, e.g. 'GuessTheNumber-v0'.")
     kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for textarena.make.')
     invalid_move_reward: Optional[float] = Field(
         None, description="Reward of a game lost by an invalid move (textarena's own reward when null).")
 
-    @field_validator('id')
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not re.fullmatch(r'[\w.-]+', v):
-            raise ValueError(f'{v!r} is not a textarena game id')
-        return v
 
-
-class SkyRLGymConfig(_Strict):
+class SkyRLGymConfig(_WithId):
     """A SkyRL text environment (``skyrl_gym.make(id, env_config=..., extras=...)``), made per
     request with that request's row as its ``extras`` (``reward_spec``, ``extra_info``, ...)."""
+    _ID: ClassVar[str] = r'[\w.-]+(:[\w.]+)?'
+    _WHAT: ClassVar[str] = "a skyrl-gym environment id or 'module:Class'"
     id: str = Field(description="A skyrl-gym environment id ('gsm8k', 'gsm8k_multi_turn', 'aime', ...) or "
                     "'module:Class' (a BaseTextEnv subclass).")
     env_config: Dict[str, Any] = Field(default_factory=dict, description="The environment's env_config.")
@@ -109,25 +119,13 @@ class SkyRLGymConfig(_Strict):
         default_factory=dict, description="Extras every request gets; the request's data_dict (the dataset row's "
         'other keys: reward_spec, extra_info, max_turns) is merged over them.')
 
-    @field_validator('id')
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not re.fullmatch(r'[\w.-]+(:[\w.]+)?', v):
-            raise ValueError(f"{v!r} is not a skyrl-gym environment id or 'module:Class'")
-        return v
 
-
-class GemConfig(_Strict):
+class GemConfig(_WithId):
     """A GEM environment (``gem.make(id, **kwargs)``): Gymnasium's reset/step, GEM's own rewards."""
+    _ID: ClassVar[str] = r'[\w.:-]+'
+    _WHAT: ClassVar[str] = 'a GEM environment id'
     id: str = Field(description="A GEM environment id, e.g. 'game:GuessTheNumber-v0-easy', 'rg:leg_counting'.")
     kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for gem.make.')
-
-    @field_validator('id')
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not re.fullmatch(r'[\w.:-]+', v):
-            raise ValueError(f'{v!r} is not a GEM environment id')
-        return v
 
 
 class NemoGymConfig(_Strict):

@@ -1,5 +1,6 @@
 """One factory per ``EnvConfig``, whatever its kind: ``impl`` (a registered name or ``module:Class``
-in mtflow's own protocol), ``gym``, ``openenv``, ``textarena``, ``skyrl_gym``, ``gem``, ``nemo_gym`` or ``verifiers``."""
+in mtflow's own protocol), ``gym``, ``openenv``, ``textarena``, ``skyrl_gym``, ``gem``, ``nemo_gym``
+or ``verifiers``."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional

@@ -261,8 +261,9 @@ class NemoGymSession:
         return StepOutcome('\n'.join(texts), 0.0, False, False, {})
 
     async def _verify(self, text: str) -> StepOutcome:
+        content = [{'type': 'output_text', 'text': text, 'annotations': []}]
         self.output.append({'type': 'message', 'role': 'assistant', 'id': f'msg_{next(self.pool._ids)}',
-                            'status': 'completed', 'content': [{'type': 'output_text', 'text': text, 'annotations': []}]})
+                            'status': 'completed', 'content': content})
         response = {'id': f'resp_{next(self.pool._ids)}', 'created_at': int(time.time()), 'model': 'mtflow',
                     'object': 'response', 'output': copy.deepcopy(self.output), 'parallel_tool_calls': True,
                     'tool_choice': 'auto', 'tools': self.row['responses_create_params'].get('tools') or []}

@@ -288,7 +288,8 @@ class OpenEnvPool:
         return launch_local(self._command, env, self.base_dir, 'mtflow-openenv-', OpenEnvServer)
 
     def _wait_healthy(self, server: OpenEnvServer) -> None:
-        wait_healthy(server, self.config.startup_timeout_s, f'OpenEnv server {self.config.launch!r}', OpenEnvLaunchError)
+        wait_healthy(server, self.config.startup_timeout_s, f'OpenEnv server {self.config.launch!r}',
+                     OpenEnvLaunchError)
 
     def close(self) -> None:
         """Drop every session still open (their requests are over), stop the I/O loop and the
