@@ -22,9 +22,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RolloutInferRequest
-from mtflow.declarative.envs.nemo_gym_env import responses_tools
 
-__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'iter_located_prompts', 'count_prompts']
+__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'iter_located_prompts', 'count_prompts',
+           'nemo_gym_row', 'responses_tools']
 
 _KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
 
@@ -36,6 +36,18 @@ class DatasetError(UserError):
 def bundled_dataset() -> Path:
     """The path of the bundled prompt dataset."""
     return Path(__file__).with_name('prompts.jsonl')
+
+
+def responses_tools(tools: Any) -> List[Dict[str, Any]]:
+    """Responses API tools (``{type, name, parameters, ...}``) as chat-completions tools."""
+    out = []
+    for tool in tools or []:
+        if isinstance(tool, dict) and tool.get('type', 'function') == 'function' and 'function' not in tool:
+            out.append({'type': 'function', 'function': {k: tool[k] for k in ('name', 'description', 'parameters')
+                                                         if k in tool}})
+        else:
+            out.append(tool)
+    return out
 
 
 def nemo_gym_row(item: Dict[str, Any], where: str) -> Dict[str, Any]:

@@ -49,7 +49,7 @@ from mtflow.declarative.envs.config import NemoGymConfig
 from mtflow.declarative.envs.local_servers import IOLoop, LocalServer, child_env, launch_local, wait_healthy
 from mtflow.declarative.parsers import get_parser
 
-__all__ = ['NemoGymPool', 'NemoGymSession', 'server_tools', 'responses_tools', 'KIND']
+__all__ = ['NemoGymPool', 'NemoGymSession', 'server_tools', 'KIND']
 
 KIND = 'NeMo Gym'
 #: routes of every resources server that are not tools (NeMo Gym's own reserved names, and ours)
@@ -92,18 +92,6 @@ def _inline(schema: Any, schemas: Dict[str, Any], depth: int = 0) -> Any:
     if isinstance(schema, list):
         return [_inline(v, schemas, depth + 1) for v in schema]
     return schema
-
-
-def responses_tools(tools: Any) -> List[Dict[str, Any]]:
-    """Responses API tools (``{type, name, parameters, ...}``) as chat-completions tools."""
-    out = []
-    for tool in tools or []:
-        if isinstance(tool, dict) and tool.get('type', 'function') == 'function' and 'function' not in tool:
-            out.append({'type': 'function', 'function': {k: tool[k] for k in ('name', 'description', 'parameters')
-                                                         if k in tool}})
-        else:
-            out.append(tool)
-    return out
 
 
 class NemoGymPool:
