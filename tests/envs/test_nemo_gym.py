@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip('aiohttp', reason="needs aiohttp (the 'nemo-gym' extra)")
 
 from mtflow.cli import main
+from mtflow.run.token_check import check_run_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / '.extras' / 'nemo-gym-venv'
@@ -80,6 +81,7 @@ def _files(tmp_path, server):
         stop: {{on_length: false}}
         '''))
     (tmp_path / 'run.yaml').write_text('scheduler: s.yaml\nbackend: scripted\nmodel: model.jsonl\n'
+                                       'backend_options: {tokenizer: embedded}\n'  # exact token records
                                        'dataset: rows.jsonl\nout: out\nbatch_size: 8\n')
     return expected
 
@@ -96,6 +98,8 @@ def test_rewards_are_nemo_gyms_own_for_its_recorded_rollouts(tmp_path, monkeypat
         assert (line['reward'], line['finish_reason'], line['num_turns']) == (reward, 'stop_rule:env_done', turns), uuid
         seen = [json.loads(text) for m in line['messages'] if m['role'] == 'tool' for text in m['content'].split('\n')]
         assert seen == [json.loads(o) for o in outputs], uuid  # the server's own answers, as recorded
+    report = check_run_tokens(tmp_path / 'out' / 'trajectories.jsonl')  # exact tokens on mtflow's side
+    assert report.ok and not report.problems and report.segments >= len(expected), report.problems
     if server == 'example_single_tool_call':  # some recorded rollouts earn nothing: the comparison can fail
         assert {r for r, _, _ in expected.values()} == {0.0, 1.0}
 
