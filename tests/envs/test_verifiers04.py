@@ -1,6 +1,7 @@
 """verifiers 0.4 environments in-process (``env: {verifiers: ...}``): two OpenEnv environments through
-verifiers' own OpenEnv taskset (its ``OpenEnvEnv.run`` stepping the server host-side) under ``mtflow
-run`` with the scripted model, against verifiers' own evaluation (``vf-eval`` with its ``null``
+verifiers' own OpenEnv taskset (its ``OpenEnvEnv.run`` stepping the server host-side), and a plain
+taskset (``vf_arith.py``: ``SingleAgentEnv``, a task's ``@vf.reward``), under ``mtflow run`` with the
+scripted model, against verifiers' own evaluation (``vf-eval`` with its ``null``
 harness: a chat program per rollout calling a reference server) with the same model: every task's
 reward and number of model turns are equal (a differential test).
 
@@ -36,4 +37,6 @@ def test_two_environments_in_process_get_verifiers_own_rewards(tmp_path):
         assert seen['exit_code'] == 0, name
         assert seen['mtflow'] == seen['vf'], name  # {task: [reward, model turns]}
         assert {reward for reward, _ in seen['vf'].values()} == {0.0, 1.0}, name  # the comparison can fail
-        assert all(set(infos) == {'openenv_reward'} for infos in seen['infos'].values()), name
+        named = {'correct'} if name == 'arith' else {'openenv_reward'}  # the task's @vf.reward, or the env's own
+        assert all(set(infos) == named for infos in seen['infos'].values()), name
+    assert sorted(report) == ['arith', 'digit', 'number']

@@ -24,7 +24,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from verifiers04_model import reply_text  # noqa: E402
 
-APPS = {'digit': 'tests.envs.openenv_app:app', 'number': 'schedulers.openenv_guess_server:app'}
+APPS = {'digit': 'tests.envs.openenv_app:app', 'number': 'schedulers.openenv_guess_server:app'}  # and vf_arith
 RESETS = [{'seed': s} for s in (1, 4, 7, 12)]
 
 
@@ -83,21 +83,20 @@ def reference_model():
 
 def verifiers_own(out, name, url, model_url):
     run_dir = out / f'vf-{name}'
+    resets = '[' + ', '.join(f'{{seed = {r["seed"]}}}' for r in RESETS) + ']'
+    taskset = 'id = "vf_arith"' if url is None else f'id = "openenv"\nbase_url = "{url}"\nresets = {resets}'
+    seat = 'agent' if url is None else 'player'  # SingleAgentEnv's seat, OpenEnvEnv's
     (out / f'{name}.toml').write_text(textwrap.dedent(f'''\
         model = "m"
         push = false
         output_dir = "{run_dir}"
-        [env.taskset]
-        id = "openenv"
-        base_url = "{url}"
-        resets = {json.dumps(RESETS).replace(':', ' =').replace('"seed"', 'seed')}
         [client]
         base_url = "{model_url}"
-        [env.player.harness]
+        [env.{seat}.harness]
         id = "null"
-        [env.player.runtime]
+        [env.{seat}.runtime]
         type = "subprocess"
-        '''))
+        ''') + f'[env.taskset]\n{taskset}\n')
     vf_eval = Path(sys.executable).with_name('vf-eval')
     env = dict(os.environ, PRIME_API_KEY='unused', PATH=f'{vf_eval.parent}:{os.environ.get("PATH", "")}')
     done = subprocess.run([str(vf_eval), '@', str(out / f'{name}.toml')], capture_output=True, text=True, env=env,
@@ -117,15 +116,16 @@ def verifiers_own(out, name, url, model_url):
 
 def under_mtflow(out, name, url):
     from mtflow.cli import main
+    section = ('taskset: vf_arith' if url is None else
+               f"taskset: openenv\n    config: {{base_url: '{url}', resets: {json.dumps(RESETS)}}}")
     (out / f'{name}.yaml').write_text(textwrap.dedent(f'''\
         name: vf_{name}
         max_turns: 10
         env:
           verifiers:
-            taskset: openenv
-            config: {{base_url: '{url}', resets: {json.dumps(RESETS)}}}
+            SECTION
         stop: {{on_length: false}}
-        '''))
+        ''').replace('SECTION', section))
     (out / f'{name}.jsonl').write_text(''.join(json.dumps({'uuid': f't{i}', 'prompt': '(the task opens it)', 'task': i})
                                                + '\n' for i in range(len(RESETS))))
     (out / f'{name}_run.yaml').write_text(f'scheduler: {name}.yaml\nbackend: verifiers04_model:Player\n'
@@ -138,14 +138,15 @@ def under_mtflow(out, name, url):
 def main(out):
     model_url = reference_model()
     report = {}
-    for name, app in APPS.items():
-        proc, url = serve_openenv(app)
+    for name, app in [*APPS.items(), ('arith', None)]:
+        proc, url = serve_openenv(app) if app else (None, None)
         try:
             own = verifiers_own(out, name, url, model_url)
             code, mine, lines = under_mtflow(out, name, url)
         finally:
-            proc.terminate()
-            proc.wait(10)
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
         report[name] = {'vf': own, 'mtflow': mine, 'exit_code': code,
                         'infos': {t['uuid']: t['rollout_infos']['env_info'].get('verifiers_rewards') for t in lines}}
     print(json.dumps(report))
