@@ -51,13 +51,14 @@ class VerifiersPool:
     def __init__(self, config: VerifiersConfig) -> None:
         require('verifiers.v1', 'verifiers-v1')
         from verifiers.v1.configs.env import EnvConfig
+        from verifiers.v1.configs.taskset import TasksetConfig
         from verifiers.v1.env import Env
         from verifiers.v1.utils.generic import concrete_type
         from verifiers.v1.utils.loaders import environment_class, taskset_class
 
         self.config = config
         tasks_cls = taskset_class(config.taskset)
-        taskset_config = concrete_type(tasks_cls, _taskset_config_base()) or _taskset_config_base()
+        taskset_config = concrete_type(tasks_cls, TasksetConfig) or TasksetConfig
         env_cls = environment_class(config.taskset, config.env or '')
         env_config = concrete_type(env_cls, EnvConfig, origin=Env) or EnvConfig
         self.env = env_cls(env_config(taskset=taskset_config(id=config.taskset, **config.config)))
@@ -91,11 +92,6 @@ class VerifiersPool:
 
     def close(self) -> None:
         self.io.close()
-
-
-def _taskset_config_base() -> Any:
-    from verifiers.v1.configs.taskset import TasksetConfig
-    return TasksetConfig
 
 
 class _Episode:
