@@ -20,11 +20,41 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # aiohttp: the backend's preferred client at high concurrency (benchmarks/serving.py); both are tested.
 .venv/bin/python -c 'import aiohttp' 2>/dev/null || $PIP install 'aiohttp==3.14.5'
 # Environments from the ecosystem (tests/envs; extras openenv, gym, reasoning-gym, textarena).
-# openenv-core without its Gradio web UI (gradio pins pillow<13 and mtflow never serves the UI),
-# then what its client and server import.
-.venv/bin/python -c 'import openenv.core' 2>/dev/null || { $PIP install --no-deps 'openenv-core==0.3.0' \
-  && $PIP install fastmcp 'websockets>=15' 'fastapi>=0.104' 'uvicorn>=0.24' tomli tomli-w requests; }
+# openenv 0.10, the maintained line (openenv-core was renamed openenv upstream; both install the same `openenv`
+# package, so openenv-core goes first), without its Gradio web UI (gradio pins pillow<13 and mtflow never serves
+# the UI) and without its fastmcp<4 pin (nothing mtflow calls imports more than fastmcp 4 has), then what its client
+# and server import.
+.venv/bin/python -c 'import importlib.metadata as m; assert m.version("openenv") == "0.10.0"' 2>/dev/null \
+  || { { $PIP uninstall -y openenv-core 2>/dev/null || true; } && $PIP install --no-deps 'openenv==0.10.0' \
+  && $PIP install fastmcp 'websockets>=15' 'fastapi>=0.116' 'uvicorn>=0.24' tomli tomli-w requests 'httpx>=0.28.1' \
+     'huggingface_hub>=1.29' 'jsonschema>=4.20' typer; }
 .venv/bin/python -c 'import reasoning_gym, gymnasium, textarena' 2>/dev/null || $PIP install reasoning-gym gymnasium textarena
+# SkyRL's text environments (tests/envs/test_skyrl_gym.py; extra skyrl-gym): nothing in the venv moves.
+.venv/bin/python -c 'import skyrl_gym' 2>/dev/null || $PIP install 'skyrl-gym==0.4.0'
+# GEM (tests/envs/test_gem.py; extra gem) in a venv of its own: gem-llm pins reasoning-gym 0.1.23, nltk 3.9.1 and
+# msgspec 0.19 (here 0.1.25, 3.10, 0.23); mtflow runs there from the checkout (PYTHONPATH) with its own four deps.
+.extras/gem-venv/bin/python -c 'import gem, pydantic, yaml, transitions, rich' 2>/dev/null || { .venv/bin/python -m venv .extras/gem-venv \
+  && .extras/gem-venv/bin/python -m pip --disable-pip-version-check -q install 'gem-llm==0.1.0' 'pydantic>=2.5,<3' 'pyyaml>=6' \
+     'transitions>=0.9.1' 'rich>=13'; } || echo "warning: could not make .extras/gem-venv: the GEM tests are skipped" >&2
+# NeMo Gym's resources servers (tests/envs/test_nemo_gym.py; extra nemo-gym: mtflow's side is aiohttp, above) in a
+# venv of their own: nemo-gym 0.7 needs Python 3.13 (it declares >=3.13.14, above every 3.13 here, so
+# --ignore-requires-python) and pins openai 2.44 and mcp<2 (here 3.63 and 2.3); ~1.4 GB (Ray, MLflow, wandb).
+NG_PY=$(command -v python3.13 || ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 2>/dev/null | tail -1)
+.extras/nemo-gym-venv/bin/python -c 'import nemo_gym, resources_servers' 2>/dev/null || { [ -n "$NG_PY" ] \
+  && "$NG_PY" -m venv .extras/nemo-gym-venv && .extras/nemo-gym-venv/bin/python -m pip --disable-pip-version-check -q \
+     install --ignore-requires-python 'nemo-gym==0.7.0'; } \
+  || echo "warning: no Python 3.13 or nemo-gym would not install: the NeMo Gym tests are skipped" >&2
+# verifiers 0.4 environments in-process (tests/envs/test_verifiers04.py; extra verifiers-v1) in a venv of their own:
+# verifiers 0.4 pins mcp 2.0 and openai 2.54 (here 2.3 and 3.63). With openenv 0.10 for its OpenEnv taskset (--no-deps:
+# its fastmcp<4 pin left out; fastmcp 4.1.1 is the newest that takes mcp 2.0), uv for its harness program (the
+# reference evaluation: vf-eval), and mtflow's four dependencies (mtflow runs there from the checkout).
+V=.extras/verifiers04-venv/bin/python
+$V -c 'import verifiers.v1, openenv.core, fastmcp, yaml, transitions' 2>/dev/null || { .venv/bin/python -m venv .extras/verifiers04-venv \
+  && $V -m pip --disable-pip-version-check -q install 'verifiers==0.4.0' 'pydantic>=2.5,<3' 'pyyaml>=6' 'transitions>=0.9.1' \
+     'rich>=13' 'uv==0.13.9' && $V -m pip --disable-pip-version-check -q install --no-deps 'openenv==0.10.0' \
+  && $V -m pip --disable-pip-version-check -q install 'fastmcp==4.1.1' 'mcp==2.0.0' 'fastapi>=0.116' 'uvicorn>=0.24' \
+     'websockets>=15' requests tomli 'huggingface_hub>=1.29' jsonschema typer; } \
+  || echo "warning: could not make .extras/verifiers04-venv: the verifiers 0.4 tests are skipped" >&2
 
 # python tool sandbox (mtflow/tools/isolation.py, tests/declarative/test_sandbox*.py): bubblewrap;
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.

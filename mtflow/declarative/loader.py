@@ -271,7 +271,8 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
 
 def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Loc, str]]:
     """Build the ``env`` section's factory once, whatever its kind (impl, gym, openenv,
-    textarena), as the scheduler will: the class's kwargs, a textarena game id, a missing extra.
+    textarena, skyrl_gym, gem, nemo_gym, verifiers), as the scheduler will: the class's kwargs,
+    a game or environment id, a missing extra.
     Nothing is launched or connected (an OpenEnv pool starts its servers at the first session)."""
     try:
         env_cfg = EnvConfig.model_validate(env, context={'base_dir': base_dir, 'resolve': True})
@@ -279,7 +280,7 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
         return []  # the schema reports it, with its lines
     kind = env_kind(env_cfg)
     what = getattr(env_cfg, kind)
-    name = what if isinstance(what, str) else getattr(what, 'id', kind)
+    name = what if isinstance(what, str) else getattr(what, 'id', None) or getattr(what, 'taskset', kind)
     try:
         factory = make_env_factory(env_cfg, base_dir)
     except ImportError as exc:  # a missing extra, or an entry point that does not load
@@ -298,7 +299,7 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
 #: the keys that name Python code (``module:attribute``) the scheduler will import
 _REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('turn_reward', ), ('scheduler_class', ),
                                ('stop', 'predicate'), ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),
-                               ('env', 'openenv', 'launch'), ('branch', 'at', 'hook'))
+                               ('env', 'openenv', 'launch'), ('env', 'skyrl_gym', 'id'), ('branch', 'at', 'hook'))
 
 
 def imports_of(data: Any) -> List[Tuple[str, str]]:

@@ -21,7 +21,8 @@ from mtflow.core.keys import StrictModel
 from mtflow.core.registry import resolve_reference
 from mtflow.core.signatures import call_problem
 from mtflow.core.stop import MAX_TURNS_BOUND
-from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.declarative.envs.config import (ENV_KINDS, GemConfig, NemoGymConfig, OpenEnvConfig, SkyRLGymConfig,
+                                            TextArenaConfig, VerifiersConfig)
 from mtflow.engine.branching import Branching
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS
@@ -382,14 +383,23 @@ class TipConfig(StrictModel):
 class EnvConfig(StrictModel):
     """An environment per request, of one kind: ``impl`` (mtflow's own protocol: ``reset``,
     ``step -> observation, reward, done, info``, ``close``), ``gym`` (a Gymnasium-style object:
-    ``step -> observation, reward, terminated, truncated, info``), ``openenv`` (an OpenEnv server)
-    or ``textarena`` (a textarena game). See docs/environments.md."""
+    ``step -> observation, reward, terminated, truncated, info``), ``openenv`` (an OpenEnv server),
+    ``textarena`` (a textarena game), ``skyrl_gym`` (a SkyRL text environment), ``gem`` (a GEM
+    environment), ``nemo_gym`` (a NeMo Gym resources server) or ``verifiers`` (a verifiers 0.4
+    environment in-process). See docs/environments.md."""
     impl: Optional[str] = Field(None, description="A built-in environment ('guess_number') or 'module:Class'.")
     gym: Optional[str] = Field(None, description="A Gymnasium-style text environment: 'module:Class' (or a "
                                'factory), made with kwargs; terminated stops with stop_rule:env_done, truncated with '
                                'stop_rule:env_truncated.')
-    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv-core client).')
+    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv client).')
     textarena: Optional[TextArenaConfig] = Field(None, description='A single-player textarena game.')
+    skyrl_gym: Optional[SkyRLGymConfig] = Field(None, description='A SkyRL text environment (skyrl-gym), made per '
+                                                "request from its dataset row (reward_spec, extra_info).")
+    gem: Optional[GemConfig] = Field(None, description='A GEM environment (gem-llm): its games and graders.')
+    nemo_gym: Optional[NemoGymConfig] = Field(None, description="A NeMo Gym resources server: its tools run the "
+                                              "model's tool calls, its /verify gives the reward.")
+    verifiers: Optional[VerifiersConfig] = Field(None, description="A verifiers 0.4 environment run in-process: its "
+                                                 "taskset's tasks, its Env.run and its rewards, mtflow as the agent.")
     kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the environment '
                                    '(impl and gym).')
     observation_role: Literal['user', 'tool'] = Field('user', description='Role of the observation message.')
@@ -420,7 +430,7 @@ class EnvConfig(StrictModel):
     @field_validator('kwargs')
     @classmethod
     def _kwargs_kind(cls, v: Dict[str, Any], info: ValidationInfo) -> Dict[str, Any]:
-        for kind in ('openenv', 'textarena'):
+        for kind in ('openenv', 'textarena', 'skyrl_gym', 'gem', 'nemo_gym', 'verifiers'):
             if v and info.data.get(kind) is not None:
                 raise ValueError(f'kwargs applies to impl and gym; put {kind} options under {kind}:')
         return v
