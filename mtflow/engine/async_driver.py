@@ -287,6 +287,9 @@ class AsyncDriver(Driver):
                 self.on_generated(rec, turn)
             self.settle(rec, delivered=True)
             return
+        if self.stopping and outcome.kind == RAISED and isinstance(outcome.value, _Stopped):
+            self.hand_back(rec)  # a step an interrupt cancelled: the request goes back as it is
+            return
         rec.step_outcome = outcome
         self.settle(rec)
 
@@ -354,8 +357,8 @@ class AsyncDriver(Driver):
                     pass
 
     def hand_back(self, rec: RequestRecord) -> None:
-        """Stopped by the budget in ``generating``/``continuing``: its slot is free, and it goes
-        back unfinished (:attr:`RunResult.unfinished`)."""
+        """Stopped by the budget in ``generating``/``continuing`` (or, by an interrupt, in its
+        step): its slot is free, and it goes back unfinished (:attr:`RunResult.unfinished`)."""
         self.active -= 1
 
     # ---- the budget ------------------------------------------------------------------------------

@@ -560,6 +560,9 @@ class StreamDriver(AsyncDriver):
         for rec in self.queue:  # admitted, never generated (no slot held): handed back as they are
             self.unfinished.append(UnfinishedRequest(rec, True))
         super().stop()
+        if self.interrupting:  # a signal: a step (a tool that hangs) must not hold the stop up
+            for task in self.flight.steps():
+                task.cancel()
 
 
 class Stream:

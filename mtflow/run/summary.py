@@ -61,6 +61,8 @@ def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: in
         'tool_calls': tool_calls,
         'tool_errors': tool_errors,
         'tool_error_kinds': tally.tool_error_kinds(),
+        'tool_outputs_cut': tally.outputs_cut,
+        'tool_calls_printed': tally.calls_printed,
         'reward_mean': tally.reward_mean(),
         'reward_failed_left_out': tally.reward_failed,
         'reward_groups': tally.reward_groups(),
@@ -115,6 +117,9 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
     if summary.get('tool_error_kinds'):
         table.add_row('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items()))
+    if summary.get('tool_outputs_cut') or summary.get('tool_calls_printed'):
+        table.add_row('tool outputs', f"{summary.get('tool_outputs_cut', 0)} cut to max_observation, "
+                      f"{summary.get('tool_calls_printed', 0)} calls printed (kept in trace.jsonl)")
     left_out = summary.get('reward_failed_left_out') or 0
     if summary['reward_mean'] is not None or left_out:
         table.add_row('mean reward', f"{summary['reward_mean']}" + (
