@@ -353,7 +353,7 @@ def _announce(store: RunStore, total: int) -> None:
 def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``mtflow run`` of a config with ``agent:``: an agent process per request against its own
     gateway session (``mtflow/gateway/agents.py``, ``docs/gateway.md``)."""
-    from mtflow.gateway.agents import run_agents  # lazy: the gateway's HTTP server only for agent: runs
+    from mtflow.gateway.agents import check_command, run_agents  # lazy: the HTTP server only for agent: runs
 
     for flag, given in (('--ray', args.ray is not None), ('--until', getattr(args, 'until', None) is not None),
                         ('--mode', getattr(args, 'mode', None) is not None), ('--otel', getattr(args, 'otel', None)),
@@ -361,6 +361,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
         if given:
             raise UserError(f'{flag} does not go with an agent: run (the agents drive the sessions)')
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
+    check_command(cfg)  # a command that cannot start: one line, before the run directory and the model
     with StopSignals(message=None) as signals:
         try:
             store = open_store(cfg, args, run_fingerprint(cfg, dataset_file(cfg)))
@@ -368,7 +369,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
             return _stop_code(signals)
         if not args.quiet:
             _announce(store, total)
-        status, summary = run_agents(cfg, store, total)
+        status, summary = run_agents(cfg, store, total, say=_say)
     if status == 'interrupted':
         if not args.quiet:
             _say(f'interrupted: {len(store.done)} of {total} episodes are written to {store.out_dir}; the agents '

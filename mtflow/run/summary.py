@@ -16,7 +16,7 @@ from mtflow.run.reward_spread import spread_rows
 from mtflow.run.serving import admission_figures, admission_rows, serving_figures, serving_rows
 from mtflow.run.store import RunStore
 
-__all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed']
+__all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed', 'failed_unwritten']
 
 #: the finish reasons of a request that failed (a step or hook raised, a deadline passed)
 FAILED_REASONS = ('error', 'timeout')
@@ -136,6 +136,9 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
             table.add_row(label, text)
     errors = summary['errors']
     table.add_row('request errors', f'[red]{errors}[/red]' if errors else '0')
+    if failed_unwritten(summary):
+        table.add_row('failed, nothing written', f'[red]{failed_unwritten(summary)}[/red] (an agent made no model '
+                      'call: failed_unwritten in summary.json)')
     table.add_row('generated tokens', str(summary['generated_tokens']))
     tps = summary['tokens_per_s']
     table.add_row('tokens/s', f"{tps} (wall {summary['wall_s']} s"
@@ -157,15 +160,27 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
                       f"({failure.get('phase')}): {failure.get('type')}: {failure.get('message')}")
 
 
+def failed_unwritten(summary: Dict[str, Any]) -> int:
+    """Requests that failed with nothing to write (an ``agent:`` run's episodes whose agent made no
+    model call: ``failed_unwritten`` in the summary)."""
+    block = summary.get('failed_unwritten')
+    return int(block.get('count') or 0) if isinstance(block, dict) else 0
+
+
 def too_many_failed(summary: Dict[str, Any], max_failed_share: float) -> Optional[str]:
-    """Why the run must exit non-zero, or ``None``: more of the written requests failed
-    (:data:`FAILED_REASONS`) than ``max_failed_share`` of them, or every one did. A run whose
-    reward function raises on every request is no training data, whatever finished."""
+    """Why the run must exit non-zero, or ``None``: more of the requests failed than
+    ``max_failed_share`` of them, or every one did. Failed: a written request whose finish reason
+    is one of :data:`FAILED_REASONS`, and a request that produced nothing to write
+    (:func:`failed_unwritten`), which counts among the requests too. A run whose reward function
+    raises on every request, or whose agent never starts, is no training data."""
     written = summary.get('written') or 0
     reasons = summary.get('finish_reasons') or {}
-    failed = sum(int(reasons.get(r, 0)) for r in FAILED_REASONS)
-    if not written or not failed or (failed <= max_failed_share * written and failed < written):
+    unwritten = failed_unwritten(summary)
+    failed = sum(int(reasons.get(r, 0)) for r in FAILED_REASONS) + unwritten
+    counted = written + unwritten
+    if not counted or not failed or (failed <= max_failed_share * counted and failed < counted):
         return None
-    kinds = ', '.join(f'{r} {reasons[r]}' for r in FAILED_REASONS if reasons.get(r))
-    return (f'{failed} of {written} requests failed ({kinds}), more than max_failed_share {max_failed_share:g}'
-            if failed < written or max_failed_share < 1 else f'all {written} requests failed ({kinds})')
+    kinds = ', '.join([f'{r} {reasons[r]}' for r in FAILED_REASONS if reasons.get(r)]
+                      + ([f'{unwritten} produced nothing'] if unwritten else []))
+    return (f'{failed} of {counted} requests failed ({kinds}), more than max_failed_share {max_failed_share:g}'
+            if failed < counted or max_failed_share < 1 else f'all {counted} requests failed ({kinds})')
