@@ -15,6 +15,7 @@ from mtflow.run.engine_figures import engine_rows, engine_settings, prefix_cache
 from mtflow.run.reward_spread import spread_rows
 from mtflow.run.serving import admission_figures, admission_rows, serving_figures, serving_rows
 from mtflow.run.store import RunStore
+from mtflow.run.trees import prompts_of, short_trees
 
 __all__ = ['summarize', 'print_summary', 'FAILED_REASONS', 'too_many_failed', 'failed_unwritten']
 
@@ -46,6 +47,7 @@ def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: in
     tool_calls, tool_errors = tally.tool_calls()
     load_info = reports.load_info or {}
     done = len(store.done)
+    trees = _trees(store)
     return {
         'config': cfg.source if cfg is not None else None,
         'backend': reports.describe() or getattr(cfg, 'backend', None),
@@ -53,7 +55,8 @@ def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: in
         'requests': total,
         'written': done,
         'interrupted': store.interrupted,
-        'remaining': max(total - done, 0),
+        'remaining': max(total - trees.get('prompts_written', done), 0),
+        **trees,
         'finish_reasons': dict(tally.reasons.most_common()),
         'errors': tally.errors,
         'turns': tally.turns_summary(),
@@ -87,6 +90,15 @@ def summarize(cfg: Optional[RunConfig], backend: Any, store: RunStore, total: in
     }
 
 
+def _trees(store: RunStore) -> Dict[str, Any]:
+    """A branched run's counts (``docs/branching.md``): the prompts whose trees are on disk (its
+    ``written`` counts leaves) and the trees short of their leaves (``mtflow/run/trees.py``)."""
+    if not store.branched:
+        return {}
+    return {'prompts_written': len(prompts_of(store.done)),
+            'trees_short': [tree.to_dict() for tree in short_trees(store.out_dir, store.done)]}
+
+
 def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     """The table ``mtflow run`` prints at the end, from the figures of :func:`summarize`."""
     from rich.console import Console  # rich only where a table is printed (``-q`` prints none)
@@ -103,12 +115,18 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('scheduler', str(summary['scheduler']))
     table.add_row('status', status if status == 'complete' else f'[yellow]{status}[/yellow]')
     requests = str(summary['requests'])
+    branched = 'prompts_written' in summary  # its lines are leaves, its requests prompts
     if summary['written'] != summary['requests'] or summary['resumed_from']:
-        requests += f" ({summary['written']} written"
+        requests += f" prompts ({summary['prompts_written']} written, {summary['written']} leaves" if branched else \
+            f" ({summary['written']} written"
         requests += f", {summary['resumed_from']} by earlier attempts" if summary['resumed_from'] else ''
         requests += f", {summary['interrupted']} interrupted" if summary['interrupted'] else ''
         requests += ')'
     table.add_row('requests', requests)
+    if summary.get('trees_short'):
+        short = summary['trees_short']
+        table.add_row('trees short', f"[red]{len(short)}[/red]: " + ', '.join(t['root'] for t in short[:5])
+                      + (' ...' if len(short) > 5 else '') + ' (trees_short in summary.json)')
     table.add_row('finish reasons', reasons)
     table.add_row('turns per request', f"min {t['min']}  mean {t['mean']}  max {t['max']}")
     table.add_row('turns histogram', f'(turns:requests) {hist}')

@@ -89,6 +89,7 @@ class RunTally:
         self.failures: List[Dict[str, Any]] = []
         self.policy = PolicyTally()  # what a YAML finish_policy did
         self.compactions: Counter = Counter()  # compactions per request (uuid -> n; docs/context.md)
+        self.forked = 0  # lines of a fork's children (``parent``): a branched run (docs/branching.md)
 
     def add(self, record: Dict[str, Any], events: Iterable[Dict[str, Any]] = ()) -> None:
         """One finished request: its trajectory line and its trace events."""
@@ -98,6 +99,7 @@ class RunTally:
 
     def add_record(self, record: Dict[str, Any]) -> None:
         self.requests += 1
+        self.forked += record.get('parent') is not None
         self.reasons[record.get('finish_reason')] += 1
         self.turns[int(record.get('num_turns') or 0)] += 1
         infos = record.get('rollout_infos') or {}
