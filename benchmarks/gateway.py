@@ -191,7 +191,23 @@ async def run_gateway(agents: Agents, gateway: ServedGateway) -> float:
         return await agents.run(call, finish)
 
 
+def _check_tree(root: Path) -> None:
+    """``--baseline``: a tree of mtflow whose own package the gateway child imports (not the venv's
+    editable install), else the comparison would measure the wrong code."""
+    if not (root / 'mtflow' / '__init__.py').is_file():
+        raise SystemExit(f'--baseline {root}: no mtflow/ there; give a tree of mtflow, e.g. mkdir -p DIR && '
+                         'git archive <commit> | tar -x -C DIR')
+    env = dict(os.environ, PYTHONPATH=str(root))
+    found = subprocess.run([sys.executable, '-c', 'import mtflow; print(mtflow.__file__)'], env=env,
+                           capture_output=True, text=True, cwd=root).stdout.strip()
+    if not found.startswith(str(root.resolve())):
+        raise SystemExit(f'--baseline {root}: its mtflow is not what a child imports there ({found or "none"}); give '
+                         'a tree of mtflow, e.g. mkdir -p DIR && git archive <commit> | tar -x -C DIR')
+
+
 def latency(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    if args.baseline:
+        _check_tree(Path(args.baseline))
     rows = []
     for n in args.sessions:
         calls = max(args.min_calls, n * args.turns)

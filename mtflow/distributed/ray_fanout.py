@@ -410,10 +410,8 @@ def ray_run(requests: Iterable[Any],
     this thread once per finished request (uuid), in the order they finish.
 
     Args:
-        on_duplicate: gets a record dropped as a duplicate: store its ``images`` all the same
-            (its actor counts them shipped, and names them only from then on).
-        on_tree: a branched run's tree (``docs/branching.md``), called once its leaves went to
-            ``sink`` (``mtflow run --ray``: ``trees.jsonl``).
+        on_duplicate: gets a record dropped as a duplicate (store its ``images``: its actor counts them shipped).
+        on_tree: a branched run's tree (``docs/branching.md``), once its leaves went to ``sink``.
         skip: uuids already done (e.g. a run store's ``done`` set on ``--resume``): not run.
         address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
             default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
@@ -439,8 +437,7 @@ def ray_run(requests: Iterable[Any],
     t_start, t0_unix = time.perf_counter(), time.time()
     fan_out = _FanOut(spec, result, pending, attempts, done, num_actors=num_actors, sink=sink,
                       on_duplicate=on_duplicate, on_tree=on_tree, max_restarts=max_restarts, max_attempts=max_attempts,
-                      on_progress=on_progress,
-                      prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
+                      on_progress=on_progress, prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
                       actor_options={'num_cpus': 1, **(actor_options or {})})
     try:
         fan_out.run(t0_unix, poll_s)

@@ -33,7 +33,7 @@ import threading
 import weakref
 from contextlib import asynccontextmanager
 from time import perf_counter
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncIterator, Dict, Optional, Tuple
 
 __all__ = ['Admission', 'Gate', 'RESOURCES', 'sessions_per_prompt']
 
@@ -135,6 +135,18 @@ class Admission:
         if self.env_sessions.limit is None or not getattr(scheduler, 'opens_env_sessions', False):
             return None
         return self.env_sessions.limit
+
+    def session_bounds(self, scheduler: Any, branching: Any) -> Tuple[Optional[int], int]:
+        """``(session_bound(scheduler), the sessions one prompt may hold)`` (:func:`sessions_per_prompt`)."""
+        bound = self.session_bound(scheduler)
+        return bound, sessions_per_prompt(bound, branching)
+
+    def give_to(self, scheduler: Any) -> None:
+        """Hand the bounds to ``scheduler`` (``use_admission(admission)``, when it has that method:
+        the YAML scheduler gives them to its tool runner and its environments)."""
+        use = getattr(scheduler, 'use_admission', None)
+        if callable(use):
+            use(self)
 
     def summary(self) -> Dict[str, Any]:
         return {name: getattr(self, name).summary() for name in RESOURCES}

@@ -30,7 +30,7 @@ from mtflow.core.scheduler import HookSet
 from mtflow.core.types import Accounting, GatherFn, RolloutFn, SchedulerLike
 from mtflow.accounting.choose import accounting_for
 from mtflow.accounting.token_record import native_accounting
-from mtflow.engine.admission import Admission, sessions_per_prompt
+from mtflow.engine.admission import Admission
 from mtflow.engine.async_driver import AsyncDriver
 from mtflow.engine.branching import Branching
 from mtflow.engine.context import resolve_context
@@ -174,13 +174,11 @@ class Executor:
                  admission: Any = None,
                  branch: Any = None) -> None:
         admission = Admission.coerce(admission)
-        if gather_fn is identity_gather:  # passed explicitly (run_multi_turn's default): one rank all the same
-            gather_fn = None
-        own = getattr(scheduler, 'branch', None)
-        branch = Branching.coerce(branch) if branch is not None else (own if isinstance(own, Branching) else None)
+        gather_fn = None if gather_fn is identity_gather else gather_fn  # run_multi_turn's default: one rank
+        branch = Branching.of(branch, scheduler)
         given = locals()
         options = ExecutorOptions(**{name: given[name] for name in OPTION_NAMES})
-        bound = admission.session_bound(scheduler) if admission is not None else None
+        bound, per_prompt = admission.session_bounds(scheduler, branch) if admission is not None else (None, 1)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -201,12 +199,10 @@ class Executor:
             turn_bound=options.turn_bound(hooks.default_max_turns),
             context=resolve_context(context, rollout_fn, request_config),
             session_bound=bound,
-            prompt_sessions=sessions_per_prompt(bound, branch),
+            prompt_sessions=per_prompt,
             branching=branch)
         if admission is not None:
-            use = getattr(scheduler, 'use_admission', None)
-            if callable(use):
-                use(admission)
+            admission.give_to(scheduler)
         self.unbounded = options.unbounded(hooks.default_max_turns)
         self.clock = PolicyClock()
 
@@ -282,9 +278,9 @@ class Executor:
         if bound is not None and len(requests) * each > bound:
             held = f'up to {each} each, a tree of branch.leaves={each} leaves' if each > 1 else 'one each'
             raise ValueError(f'admission.env_sessions is {bound} but this lockstep batch has {len(requests)} requests, '
-                             f'holding environment sessions ({held}) from their first turn to their last (lockstep runs '
-                             f"them together); use mode='async' (requests wait for free sessions) or batches of at "
-                             f'most {bound // each}')
+                             f'holding environment sessions ({held}) from their first turn to their last (lockstep '
+                             f"runs them together); use mode='async' (requests wait for free sessions) or batches of "
+                             f'at most {bound // each}')
         return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs), self.clock)
 
     def stream(self, source: Any, *, max_concurrency: Optional[int] = None, buffer: Optional[int] = None,

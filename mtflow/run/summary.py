@@ -6,7 +6,7 @@ for a local run and a Ray fan-out (whose backend is a stand-in that reports the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 from mtflow.backends.base import reports_of
@@ -99,6 +99,36 @@ def _trees(store: RunStore) -> Dict[str, Any]:
             'trees_short': [tree.to_dict() for tree in short_trees(store.out_dir, store.done)]}
 
 
+def _request_rows(summary: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """The ``requests`` row (a branched run's lines are leaves, its requests prompts) and, for a
+    branched run, its trees short of their leaves."""
+    requests = str(summary['requests'])
+    branched = 'prompts_written' in summary
+    if summary['written'] != summary['requests'] or summary['resumed_from']:
+        requests += (f" prompts ({summary['prompts_written']} written, {summary['written']} leaves" if branched
+                     else f" ({summary['written']} written")
+        requests += f", {summary['resumed_from']} by earlier attempts" if summary['resumed_from'] else ''
+        requests += f", {summary['interrupted']} interrupted" if summary['interrupted'] else ''
+        requests += ')'
+    rows = [('requests', requests)]
+    short = summary.get('trees_short') or []
+    if short:
+        rows.append(('trees short', f'[red]{len(short)}[/red]: ' + ', '.join(t['root'] for t in short[:5])
+                     + (' ...' if len(short) > 5 else '') + ' (trees_short in summary.json)'))
+    return rows
+
+
+def _tool_rows(summary: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """Tool calls and errors, the errors by kind, the observations cut and the calls that printed."""
+    rows = [('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")]
+    if summary.get('tool_error_kinds'):
+        rows.append(('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items())))
+    if summary.get('tool_outputs_cut') or summary.get('tool_calls_printed'):
+        rows.append(('tool outputs', f"{summary.get('tool_outputs_cut', 0)} cut to max_observation, "
+                     f"{summary.get('tool_calls_printed', 0)} calls printed (kept in trace.jsonl)"))
+    return rows
+
+
 def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     """The table ``mtflow run`` prints at the end, from the figures of :func:`summarize`."""
     from rich.console import Console  # rich only where a table is printed (``-q`` prints none)
@@ -114,30 +144,15 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
     table.add_row('backend', summary['backend'])
     table.add_row('scheduler', str(summary['scheduler']))
     table.add_row('status', status if status == 'complete' else f'[yellow]{status}[/yellow]')
-    requests = str(summary['requests'])
-    branched = 'prompts_written' in summary  # its lines are leaves, its requests prompts
-    if summary['written'] != summary['requests'] or summary['resumed_from']:
-        requests += f" prompts ({summary['prompts_written']} written, {summary['written']} leaves" if branched else \
-            f" ({summary['written']} written"
-        requests += f", {summary['resumed_from']} by earlier attempts" if summary['resumed_from'] else ''
-        requests += f", {summary['interrupted']} interrupted" if summary['interrupted'] else ''
-        requests += ')'
-    table.add_row('requests', requests)
-    if summary.get('trees_short'):
-        short = summary['trees_short']
-        table.add_row('trees short', f"[red]{len(short)}[/red]: " + ', '.join(t['root'] for t in short[:5])
-                      + (' ...' if len(short) > 5 else '') + ' (trees_short in summary.json)')
+    for label, text in _request_rows(summary):
+        table.add_row(label, text)
     table.add_row('finish reasons', reasons)
     table.add_row('turns per request', f"min {t['min']}  mean {t['mean']}  max {t['max']}")
     table.add_row('turns histogram', f'(turns:requests) {hist}')
     table.add_row('multi-turn requests', f"{t['multi_turn_requests']} of {summary['written']} went past turn 1")
     table.add_row('rollout_fn calls', str(summary['rollout_fn_calls']))
-    table.add_row('tool calls / errors', f"{summary['tool_calls']} / {summary['tool_errors']}")
-    if summary.get('tool_error_kinds'):
-        table.add_row('tool error kinds', ', '.join(f'{k} {v}' for k, v in summary['tool_error_kinds'].items()))
-    if summary.get('tool_outputs_cut') or summary.get('tool_calls_printed'):
-        table.add_row('tool outputs', f"{summary.get('tool_outputs_cut', 0)} cut to max_observation, "
-                      f"{summary.get('tool_calls_printed', 0)} calls printed (kept in trace.jsonl)")
+    for label, text in _tool_rows(summary):
+        table.add_row(label, text)
     left_out = summary.get('reward_failed_left_out') or 0
     if summary['reward_mean'] is not None or left_out:
         table.add_row('mean reward', f"{summary['reward_mean']}" + (
@@ -154,9 +169,9 @@ def print_summary(summary: Dict[str, Any], out_dir: Path) -> None:
             table.add_row(label, text)
     errors = summary['errors']
     table.add_row('request errors', f'[red]{errors}[/red]' if errors else '0')
-    if failed_unwritten(summary):
-        table.add_row('failed, nothing written', f'[red]{failed_unwritten(summary)}[/red] (an agent made no model '
-                      'call: failed_unwritten in summary.json)')
+    if failed_unwritten(summary):  # an agent: run's episodes that made no model call
+        table.add_row('failed, nothing written', f'[red]{failed_unwritten(summary)}[/red] (failed_unwritten in '
+                      'summary.json)')
     table.add_row('generated tokens', str(summary['generated_tokens']))
     tps = summary['tokens_per_s']
     table.add_row('tokens/s', f"{tps} (wall {summary['wall_s']} s"

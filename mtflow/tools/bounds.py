@@ -7,9 +7,9 @@ request), and tokenizing it took a real tokenizer to 19 GB. So each tool has a b
 the scheduler has a tokenizer, else characters. The cut happens twice, each time once:
 
 * :func:`keep_window` as the call returns (:class:`mtflow.tools.ToolRunner`): the text beyond
-  ``WINDOW_CHARS_PER_UNIT * max_observation`` characters (at least ``MIN_WINDOW_CHARS``) is dropped at once, so nothing larger is
-  ever held, tokenized, or written (the trace's ``tool_io`` keeps the window: a replay renders
-  the same observation from it); the result remembers how long the text was;
+  ``WINDOW_CHARS_PER_UNIT * max_observation`` characters (at least ``MIN_WINDOW_CHARS``) is dropped
+  at once, so nothing larger is ever held, tokenized, or written (the trace's ``tool_io`` keeps the
+  window: a replay renders the same observation from it); the result remembers how long the text was;
 * :func:`cut_text` when the observation is rendered: the window cut to ``max_observation``
   tokens (or characters), with a marker the model reads, ``[... N tokens truncated]`` (characters
   when the window cut first: the tokens of text never tokenized are not known).

@@ -5,9 +5,10 @@ and a gate that holds one request at one turn until its actor is killed."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from mtflow import Branching, Scheduler
 from mtflow.backends.scripted import ScriptedBackend
@@ -83,6 +84,29 @@ class Gated:
         deadline = time.monotonic() + self.hold_s
         while time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def start_killer(gate: Path, ready: Callable[[], bool] = lambda: True) -> Tuple[threading.Thread, List[str]]:
+    """A thread that kills (``ray.kill``) the actor whose name a :class:`Gated` backend wrote to
+    ``gate/claimed``, once ``ready()``; the list gets the name killed."""
+    import ray
+
+    killed: List[str] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            claimed = gate / 'claimed'
+            if claimed.exists() and claimed.read_text() and ready():
+                name = claimed.read_text()
+                ray.kill(ray.get_actor(name))
+                killed.append(name)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    return thread, killed
 
 
 def make_backend(n: int, gate: Optional[str] = None, victim: str = 'q5', at_turn: int = 2) -> Gated:

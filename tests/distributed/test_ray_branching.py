@@ -5,8 +5,6 @@ leaf. (``mtflow run CONFIG --ray N`` of a branched config: ``tests/distributed/t
 from __future__ import annotations
 
 import functools
-import threading
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -69,21 +67,7 @@ def test_every_leaf_once_and_every_tree_whole(cluster):
 def test_an_actor_killed_mid_tree_runs_the_whole_prompt_again(cluster, tmp_path):
     gate = tmp_path / 'gate'
     gate.mkdir()
-    killed: List[str] = []
-
-    def killer() -> None:  # kill the actor holding q5's child q5~1 at its first call (q5 forked before turn 2)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            claimed = gate / 'claimed'
-            if claimed.exists() and claimed.read_text():
-                name = claimed.read_text()
-                ray.kill(ray.get_actor(name))
-                killed.append(name)
-                return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    thread, killed = H.start_killer(gate)  # the actor holding q5's child q5~1 at its first call (forked before turn 2)
     delivered: List[tuple] = []
     result = ray_run(H.dataset(N), spec(str(gate)), num_actors=2, batch_size=3,
                      sink=lambda r: delivered.append(('leaf', r)), on_tree=lambda t: delivered.append(('tree', t)),
