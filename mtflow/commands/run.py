@@ -52,6 +52,7 @@ from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize, too_many_failed
+from mtflow.run.trees import short_trees
 from mtflow.run.turn_log import REPLAY_FORMAT
 from mtflow.run.until import parse_until
 
@@ -348,16 +349,22 @@ class _Attempt:
 def _announce(store: RunStore, total: int) -> None:
     if store.set_aside is not None:
         _say(f'--overwrite: the previous run is now in {store.set_aside}')
-    if store.resumed:
-        notes = '; '.join(store.recovery.notes())
-        _say(f'resuming {store.out_dir}: {len(store.done)} of {total} requests already written'
-             + (f' ({notes})' if notes else ''))
+    if not store.resumed:
+        return
+    notes = '; '.join(store.recovery.notes())
+    written = (f'{len(store.started_prompts)} of {total} prompts already written ({len(store.done)} leaves)'
+               if store.branched else f'{len(store.done)} of {total} requests already written')
+    _say(f'resuming {store.out_dir}: {written}' + (f' ({notes})' if notes else ''))
+    short = short_trees(store.out_dir, store.done) if store.branched else []
+    if short:
+        _say(f'{len(short)} tree(s) on disk are short of their leaves and cannot be completed (their prompts are not '
+             f'run again): ' + '; '.join(t.line() for t in short[:5]) + (' ...' if len(short) > 5 else ''))
 
 
 def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``mtflow run`` of a config with ``agent:``: an agent process per request against its own
     gateway session (``mtflow/gateway/agents.py``, ``docs/gateway.md``)."""
-    from mtflow.gateway.agents import run_agents  # lazy: the gateway's HTTP server only for agent: runs
+    from mtflow.gateway.agents import check_command, run_agents  # lazy: the HTTP server only for agent: runs
 
     for flag, given in (('--ray', args.ray is not None), ('--until', getattr(args, 'until', None) is not None),
                         ('--mode', getattr(args, 'mode', None) is not None), ('--otel', getattr(args, 'otel', None)),
@@ -365,6 +372,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
         if given:
             raise UserError(f'{flag} does not go with an agent: run (the agents drive the sessions)')
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
+    check_command(cfg)  # a command that cannot start: one line, before the run directory and the model
     with StopSignals(message=None) as signals:
         try:
             store = open_store(cfg, args, run_fingerprint(cfg, dataset_file(cfg)))
@@ -372,7 +380,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
             return _stop_code(signals)
         if not args.quiet:
             _announce(store, total)
-        status, summary = run_agents(cfg, store, total)
+        status, summary = run_agents(cfg, store, total, say=_say)
     if status == 'interrupted':
         if not args.quiet:
             _say(f'interrupted: {len(store.done)} of {total} episodes are written to {store.out_dir}; the agents '
@@ -429,8 +437,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _exit_code(summary: Dict[str, Any], cfg: RunConfig, store: Any) -> int:
-    """1 when more requests failed than ``max_failed_share`` (said on the last line: what the
-    exit status means), else 0; for a run and an agent: run alike."""
+    """1 when more requests failed than ``max_failed_share``, or (a branched run) a tree on disk is
+    short of its leaves (said on the last line: what the exit status means), else 0; for a run
+    and an agent: run alike."""
+    short = summary.get('trees_short') or []
+    if short:
+        _say(f'{len(short)} tree(s) short of their leaves in {Path(store.out_dir) / "trees.jsonl"} '
+             f'({", ".join(t["root"] for t in short[:5])}{" ..." if len(short) > 5 else ""}): exit status 1 (see '
+             f'trees_short in {Path(store.out_dir) / "summary.json"}; --overwrite runs them again from their prompts)')
+        return 1
     failed = too_many_failed(summary, cfg.max_failed_share)
     if failed is None:
         return 0

@@ -391,15 +391,16 @@ class YamlScheduler(Scheduler):
             if self.result_images is not None and self.recorded_tools is None:  # recorded: already read
                 results = self.result_images.apply(results, infer_request.uuid, current_turn)
             self.turn_rewards.tools(state, current_turn, results)
-            trace_info['calls'] = [r.to_info() for r in results]
+            rendered = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
+                        for i, r in enumerate(results)]
+            trace_info['calls'] = [call_info(r, view.cut) for r, view in zip(results, rendered)]
             trace_info.update(state.calls_from)
-            # what a replay needs beside it: each call's arguments and its whole result text
+            # what a replay needs beside it: each call's arguments and its result text (as kept)
             trace_info['tool_io'] = [tool_io(r) for r in results]
             images = tool_images(results, self.config.observation.mode, self.image_limits, infer_request.uuid,
                                  current_turn)
-            texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
-                     for i, r in enumerate(results)]
-            inline_text = add_observations(self.config.observation, messages, results, texts, state.call_ids)
+            inline_text = add_observations(self.config.observation, messages, results,
+                                           [view.text for view in rendered], state.call_ids)
             add_images(infer_request, images, trace_info)
         state.continued = bool(inline_text)  # the next turn continues this assistant message
         counters = state.counters() if self.tools else (
@@ -451,10 +452,23 @@ class YamlScheduler(Scheduler):
         return results
 
 
+def call_info(result: ToolResult, cut: Any) -> Dict[str, Any]:
+    """A call's entry in the step's trace ``calls``: ``ToolResult.to_info``, and ``cut`` when its
+    observation was bounded (``max_observation``: counted in the summary)."""
+    info = result.to_info()
+    if cut is not None:
+        info['cut'] = cut.to_info()
+    return info
+
+
 def tool_io(result: ToolResult) -> Dict[str, Any]:
     """What a replay needs of a call beside its ``calls`` entry (``ToolResult.to_info``): the
-    arguments, the whole result text, and the whole error when ``calls`` holds it cut."""
+    arguments, the result text as the runner kept it (with ``output_chars``, its length before,
+    when it kept a window: :mod:`mtflow.tools.bounds`), and the whole error when ``calls`` holds
+    it cut."""
     io: Dict[str, Any] = {'arguments': result.arguments, 'output': result.output}
+    if result.output_chars is not None:
+        io['output_chars'] = result.output_chars
     if not result.ok and len(result.error) > ERROR_INFO_CHARS:
         io['error'] = result.error
     return io

@@ -29,6 +29,7 @@ from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
 from mtflow.declarative.reasoning import REASONING
 from mtflow.declarative.templates import FIELDS, check_template
+from mtflow.tools.bounds import DEFAULT_MAX_OBSERVATION
 from mtflow.tools.registry import TOOLS
 
 
@@ -160,8 +161,10 @@ class ToolConfig(StrictModel):
     timeout_s: Optional[float] = Field(None, gt=0, description='Per-call timeout in seconds; a timeout is a tool error.')
     max_concurrency: Optional[int] = Field(
         None, ge=1, description='At most this many calls of this tool run at once, across all requests.')
-    max_observation: Optional[int] = Field(
-        None, ge=1, description='Longest observation kept: tokens when the scheduler has a tokenizer, else characters.')
+    max_observation: int = Field(
+        DEFAULT_MAX_OBSERVATION, ge=1, description='Longest observation of one call: tokens when the scheduler has a '
+        f'tokenizer, else characters (default {DEFAULT_MAX_OBSERVATION}); a longer result is cut, with a marker the '
+        'model reads ([... N tokens truncated]), and counted in the summary.')
     truncate_side: Literal['right', 'left'] = Field(
         'right', description="Which end of a long observation is cut: 'right' keeps the beginning, 'left' the end.")
     reward: Optional[ToolReward] = Field(

@@ -59,6 +59,7 @@ from mtflow.run.groups import GroupWriter
 from mtflow.run.images import ImageStore
 from mtflow.run.recovery import Recovery, fingerprint_changes, read_run_info, recover
 from mtflow.run.tally import RunTally
+from mtflow.run.trees import prompts_of
 from mtflow.run.trajectories import finished_to_record
 
 __all__ = [
@@ -78,6 +79,10 @@ class RunStore:
         mode: how it was opened (``'new'``, ``'resume'``, ``'overwrite'``); a resume of an empty
             or missing directory starts a new run (``resumed`` is then False).
         done: uuids whose trajectory is on disk or pending in this store (a uuid is written once).
+        branched: the directory holds a branched run's trees (``trees.jsonl``, or lines of forks'
+            children): each prompt is a tree of leaves (``mtflow/run/trees.py``).
+        started_prompts: on resume of a branched run, the prompts with a leaf on disk
+            (:meth:`prompt_done`).
         tally: counters over every request written, earlier attempts included (``summary.json``).
         recovery: what opening found and repaired (``mode='resume'``).
         set_aside: where ``mode='overwrite'`` moved the old directory (``None`` if nothing was there
@@ -93,6 +98,8 @@ class RunStore:
         self.mode: str = 'new'
         self.resumed = False
         self.done: Set[str] = set()
+        self.started_prompts: Set[str] = set()
+        self.branched = False
         self.tally = RunTally()
         self.recovery = Recovery()
         self.set_aside: Optional[Path] = None
@@ -177,6 +184,9 @@ class RunStore:
         self.info = read_run_info(self.out_dir, entries, fingerprint)
         self.resumed = True
         self.recovery = recover(self.out_dir, self.info, self.done, self.tally)
+        self.branched = bool(self.tally.forked) or (self.out_dir / TREES).exists()
+        if self.branched:  # a leaf names its prompt
+            self.started_prompts = prompts_of(self.done)
         self._start_attempt()
 
     def _start_attempt(self) -> None:
@@ -195,6 +205,11 @@ class RunStore:
 
     def is_done(self, uuid: str) -> bool:
         return str(uuid) in self.done
+
+    def prompt_done(self, uuid: str) -> bool:
+        """Whether prompt ``uuid`` is not to be run again: its line is on disk, or (a branched run)
+        a leaf of its tree is (``mtflow/run/trees.py``: a prompt never runs twice into one tree)."""
+        return str(uuid) in self.done or str(uuid) in self.started_prompts
 
     def write(self, record: Record, events: Sequence[Record] = ()) -> None:
         """One finished request: its trajectory line (needs ``uuid``) and its trace events.
@@ -232,6 +247,7 @@ class RunStore:
         so a tree on disk always has its leaves on disk."""
         if not trees:
             return
+        self.branched = True
         data = ''.join(json_line(tree) + '\n' for tree in trees).encode('utf-8')
         with self._lock:
             self._check_open()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional
 
 from mtflow.core.calls import is_async_callable
+from mtflow.tools.bounds import DEFAULT_MAX_OBSERVATION
 
 __all__ = ['Tool', 'TruncateSide', 'schema_from_callable', 'tool_from_callable']
 
@@ -27,7 +28,9 @@ class Tool:
     parameters: Dict[str, Any] = field(default_factory=lambda: {'type': 'object', 'properties': {}})
     timeout_s: Optional[float] = None
     max_concurrency: Optional[int] = None
-    max_observation: Optional[int] = None
+    #: the longest observation of one call: tokens with the scheduler's tokenizer, else characters
+    #: (:mod:`mtflow.tools.bounds`)
+    max_observation: int = DEFAULT_MAX_OBSERVATION
     truncate_side: TruncateSide = 'right'
 
     @property
