@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--backend', help='the backend (overrides the config)')
     p.add_argument('--model', help="the backend's model")
     p.add_argument('--resume', action='store_true', help='continue the run in --out after a restart')
+    p.add_argument('--accept-changed', action='store_true',
+                   help='with --resume: go on although files the config names changed (recorded in run.json)')
     p.add_argument('--overwrite', action='store_true', help='start afresh in a non-empty --out')
     p.add_argument('--delete-old', action='store_true', help='with --overwrite: delete the old run files instead')
     p.add_argument('--flush-every', type=int, default=256, metavar='N', help='write finished sessions in groups of N')
