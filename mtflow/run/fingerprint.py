@@ -79,15 +79,6 @@ def _scheduler_file(cfg: RunConfig) -> Optional[Path]:
     return _module_file(cfg.scheduler, cfg.base_dir)
 
 
-def _shown(path: Union[str, Path]) -> str:
-    """A path as a message shows it: relative to the current directory when under it."""
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
 def _module_file(ref: str, base_dir: Optional[Union[str, Path]]) -> Optional[Path]:
     """The source file of the module ``ref`` (``module:attr``) names, found as the run imports it
     (:func:`mtflow.core.registry.module_file`: an installed module first, then next to the YAML)."""
@@ -134,7 +125,8 @@ def code_files(cfg: RunConfig) -> Dict[str, str]:
         named.append(('backend', _module_file(cfg.backend, cfg.base_dir)))
     named += _named_files(cfg.scheduler_args, 'scheduler_args', cfg)
     named += _named_files(cfg.backend_options, 'backend_options', cfg)
-    return {f'{field} ({_shown(file)})': _file_identity(file) for field, file in named if file is not None}
+    # keyed by the field and the file's name, not its path: a resume from another directory is the same run
+    return {f'{field} ({file.name})': _file_identity(file) for field, file in named if file is not None}
 
 
 def run_fingerprint(cfg: RunConfig, dataset_path: Optional[Path] = None) -> Dict[str, Any]:
