@@ -126,11 +126,13 @@ def test_a_changed_environment_diverges_exactly_the_changed_requests(recorded, c
     assert main(['diff', str(run), str(tmp / 'changed'), '--json']) == 1
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     totals = out[-1]['totals']
-    assert totals['different'] == len(expected) and totals['identical'] == 16 - len(expected)
+    # a new target is another reference: those requests are counted apart, their first differing turn beside it
+    assert totals['different_input'] == len(changes) and totals['different'] == 0
+    assert totals['identical'] == 16 - len(changes)
     named = {d['uuid']: d for d in out[:-1]}
-    assert set(named) == set(expected)
-    for uuid, k in expected.items():
-        assert named[uuid]['turn'] == k and named[uuid]['fields'] == ['observation']
+    assert set(named) == set(changes) and all(d['fields'] == ['reference'] for d in named.values())
+    assert {u: d['then']['turn'] for u, d in named.items() if 'then' in d} == expected
+    assert all(named[u]['then']['fields'] == ['observation'] for u in expected)
 
 
 def test_continue_with_goes_on_live_from_the_diverged_turn(recorded):
