@@ -83,9 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
     p.add_argument('--resume', action='store_true',
                    help='continue the interrupted run in the output directory (same config and dataset)')
-    p.add_argument('--accept-changed', action='store_true',
-                   help='with --resume: go on although code or files the config names (reward, tools, environment, '
-                   'parser, scheduler file, ...) changed since the run started (recorded in run.json)')
+    p.add_argument('--accept-changed', action='store_true', help='with --resume: go on past changed code (recorded)')
     p.add_argument('--overwrite', action='store_true',
                    help='start afresh in a non-empty output directory (the old one is moved to OUT.old-<time>)')
     p.add_argument('--delete-old', action='store_true', help='with --overwrite: delete the old run files instead')
