@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 
 import pytest
 
 from mtflow.cli import main
+from tests.helpers import http_server
 
 TOOLS = 'def search(query: str, limit: int = 5) -> str:\n    return query\n'
 #: a run config over the scripted backend whose script does not exist: had the backend been built,
@@ -117,15 +117,8 @@ class _ChatServer(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def chat_server():
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _ChatServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f'http://127.0.0.1:{server.server_address[1]}/v1'
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    with http_server(_ChatServer) as url:
+        yield url
 
 
 def test_a_chat_mode_run_counts_the_tokens_the_server_generated(work, capsys, chat_server):
