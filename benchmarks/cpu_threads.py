@@ -17,17 +17,16 @@ passive        ``OMP_WAIT_POLICY=PASSIVE`` in the environment before torch loads
 passive-late   ``OMP_WAIT_POLICY=PASSIVE`` set after ``import torch`` (it changes nothing)
 one-thread     ``torch.set_num_threads(1)``
 worker         torch's defaults, each generate run in a worker thread
-auto           ``HFBackend(threads='auto')``: the cores no other process runs on, default wait
-after          what ``HFBackend`` does now when it loads torch: ``threads='auto'`` and ``PASSIVE``
+after          what ``HFBackend`` does now (``threads='auto'``): the cores no other process runs on
 =============  ==========================================================================
 
 For each: wall and CPU seconds of the calls (CPU over all the process's threads), the threads
 torch used, and the wall time against ``before`` in the same condition. ``--main-job`` runs the
-whole main job too (``mtflow run configs/default.yaml``, ``--max-turns`` turns), before
-(``GOMP_SPINCOUNT=300000``: libgomp's default spin, which keeps mtflow's passive choice off, and
-``-o threads=null``) and after, in both conditions.
+whole main job instead (``mtflow run configs/default.yaml``, ``--max-turns`` turns), before
+(``-o threads=null``) and after, in both conditions.
 
-    .venv/bin/python benchmarks/cpu_threads.py                      # every variant, idle and hog
+    .venv/bin/python benchmarks/cpu_threads.py                      # before, passive, one-thread, after
+    .venv/bin/python benchmarks/cpu_threads.py --variants before passive passive-late one-thread worker after
     .venv/bin/python benchmarks/cpu_threads.py --variants before after --calls 2 --hog 2
     .venv/bin/python benchmarks/cpu_threads.py --main-job --max-turns 6 --variants before after
 """
@@ -45,7 +44,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ('before', 'passive', 'passive-late', 'one-thread', 'worker', 'auto', 'after')
+VARIANTS = ('before', 'passive', 'passive-late', 'one-thread', 'worker', 'after')
+#: what a run measures unless --variants says otherwise
+DEFAULT_VARIANTS = ('before', 'passive', 'one-thread', 'after')
 #: what each variant sets in the child's environment before anything starts
 ENV = {'passive': {'OMP_WAIT_POLICY': 'PASSIVE'}}
 #: the environment variables that choose OpenMP's behaviour: cleared in every child, then set per variant
@@ -66,16 +67,15 @@ def _requests(n: int) -> List[Any]:
 
 
 def child(variant: str, calls: int, rows: int) -> Dict[str, Any]:
-    if variant not in ('after', 'passive'):  # torch first: HFBackend then leaves the wait policy as it is
-        import torch  # noqa: F401
+    import torch
+
     if variant == 'passive-late':
         os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'
     from mtflow.backends.hf import HFBackend
     from mtflow.core.protocol import RequestConfig
 
-    threads = 'auto' if variant in ('auto', 'after') else 1 if variant == 'one-thread' else None
+    threads = 'auto' if variant == 'after' else 1 if variant == 'one-thread' else None
     backend = HFBackend('embedded', max_batch_size=16, seed=0, threads=threads)
-    import torch
 
     requests = _requests(rows)
     config = RequestConfig(max_tokens=24, temperature=0.7, top_p=0.95, logprobs=True)
@@ -124,9 +124,8 @@ def measure(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main_job(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
-    """The whole main job through the command line, before (libgomp's default spin, torch's
+    """The whole main job through the command line, before (``-o threads=null``: torch's own
     threads) or after (mtflow's choice)."""
-    extra = {'GOMP_SPINCOUNT': '300000'} if variant == 'before' else {}
     with tempfile.TemporaryDirectory(prefix='mtflow-cpu-threads-') as tmp:
         cmd = [sys.executable, '-m', 'mtflow', 'run', str(ROOT / 'configs' / 'default.yaml'), '--out', tmp,
                '--overwrite', '-q', '--no-progress', '--max-turns', str(args.max_turns)]
@@ -135,7 +134,7 @@ def main_job(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         cpu0 = os.times()
         wall0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=_env(extra), capture_output=True, text=True, timeout=args.timeout,
+            proc = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=args.timeout,
                                   cwd=ROOT)
         except subprocess.TimeoutExpired:
             return {'variant': variant, 'wall_s': None, 'note': f'over {args.timeout} s'}
@@ -179,9 +178,9 @@ def table(rows: List[Dict[str, Any]], main: bool) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--variants', nargs='+', default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument('--variants', nargs='+', default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument('--conditions', nargs='+', default=['idle', 'hog'], choices=('idle', 'hog'))
-    p.add_argument('--calls', type=int, default=2, help='generate calls per measurement (default 2)')
+    p.add_argument('--calls', type=int, default=1, help='generate calls per measurement (default 1)')
     p.add_argument('--rows', type=int, default=8, help='prompts per call (default 8: the main job)')
     p.add_argument('--hog', type=int, default=os.cpu_count() or 2, help='busy processes of the hog condition')
     p.add_argument('--timeout', type=float, default=300, help='seconds a measurement may take')

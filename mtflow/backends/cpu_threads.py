@@ -1,48 +1,37 @@
-"""How many of the CPU's cores torch uses when the HF backend generates on CPU, and how its
-OpenMP workers wait (``benchmarks/cpu_threads.py`` measured both; ``docs/benchmarks.md``).
+"""How many of the CPU's cores torch uses when the HF backend generates on CPU
+(``benchmarks/cpu_threads.py`` measured the choices; ``docs/benchmarks.md``).
 
 torch's intra-op threads are an OpenMP team (GNU libgomp in the CPU wheels) whose workers spin
-while they wait for the next parallel region. On a machine other processes keep busy, a spinning
-worker holds a core the main thread needs, and a barrier waits for a worker the kernel has
-descheduled: the same generate costs several times its CPU and its wall time (the main job, 8 rows
-of SmolLM2-135M: 64 s of CPU for 2 generate calls under a load of 5, against 9 s on one thread).
+a while when they wait for the next parallel region. On a machine that other processes keep
+busy, a spinning worker holds a core the main thread needs, and a barrier waits for a worker the
+kernel has descheduled: the same generate costs several times its CPU and its wall time (the
+main job's 8 rows of SmolLM2-135M, one call: 45 s of CPU and 68 s under a load of 4.5, against
+5 s and 8 s on one thread).
 
-* :func:`prefer_passive_wait`: ``OMP_WAIT_POLICY=PASSIVE`` (workers sleep at once), set in the
-  environment unless the user set a policy, and only while torch is not loaded yet: libgomp reads
-  it once, when it starts with torch; set later it changes nothing. ``mtflow``'s command line
-  calls it first thing.
-* :class:`CpuThreads`: before each generate, torch's thread count is the number of cores no other
-  process is running on (``procs_running`` of ``/proc/stat``, less this thread, the median of a
-  few samples), at least one: an idle machine gets every core, as before; a loaded one gets its
-  share, and with one thread there is no team to spin at all. A fixed count (``threads=N``, or
-  ``OMP_NUM_THREADS`` in the environment) is used as it is.
+:class:`CpuThreads` sets torch's thread count before each generate to the number of cores no
+other process is running on (``procs_running`` of ``/proc/stat``, less the asking thread, the
+median of a few readings), at least one. An idle machine gets every core, as torch's default
+gives (so it is no slower); a loaded one gets one thread per free core, and with one thread
+there is no team to spin at all. A fixed count (``threads=N``, or ``OMP_NUM_THREADS`` in the
+environment) is used as it is.
+
+The wait policy is left as it is: ``OMP_WAIT_POLICY=PASSIVE`` (workers sleep at once) helps as
+much under load when it is in the environment before torch loads (libgomp reads it once, as it
+starts: set after ``import torch`` it changes nothing, measured), but what it costs an idle
+machine (a wake-up per parallel region) could not be measured on the shared machine of the
+benchmark, and one thread under load needs no wait policy. Set it yourself to choose.
 """
 from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from typing import List, Optional, Union
 
-__all__ = ['WAIT_POLICY', 'prefer_passive_wait', 'usable_cores', 'others_running', 'CpuThreads']
+__all__ = ['usable_cores', 'others_running', 'CpuThreads']
 
-#: the environment variable of the OpenMP wait policy (libgomp reads it when it starts)
-WAIT_POLICY = 'OMP_WAIT_POLICY'
-#: what the user may set to choose the wait themselves (any of them: mtflow leaves the policy alone)
-_USER_WAIT_SETTINGS = (WAIT_POLICY, 'GOMP_SPINCOUNT')
 #: samples of ``procs_running`` per decision, and the time between two
 SAMPLES, SAMPLE_INTERVAL_S = 3, 0.001
-
-
-def prefer_passive_wait() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a wait (``OMP_WAIT_POLICY``,
-    ``GOMP_SPINCOUNT``) or torch is already loaded (then it would change nothing). Returns whether
-    it set it."""
-    if 'torch' in sys.modules or any(name in os.environ for name in _USER_WAIT_SETTINGS):
-        return False
-    os.environ[WAIT_POLICY] = 'PASSIVE'
-    return True
 
 
 def usable_cores() -> int:

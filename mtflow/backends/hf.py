@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
                                   prepare_chat, sampling_seeds)
-from mtflow.backends.cpu_threads import CpuThreads, prefer_passive_wait
+from mtflow.backends.cpu_threads import CpuThreads
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.hf_sampling import RowSampler, row_seeds
 from mtflow.backends.models import load_model
@@ -85,10 +85,8 @@ class _StopOnStrings:
 
 
 def _cpu_threads(threads: Union[int, str, None]) -> CpuThreads:
-    """The backend's CPU thread count (:class:`~mtflow.backends.cpu_threads.CpuThreads`), after
-    :func:`~mtflow.backends.cpu_threads.prefer_passive_wait`: only while torch is not loaded yet
-    does the OpenMP runtime read its wait policy."""
-    prefer_passive_wait()
+    """The backend's CPU thread count (:class:`~mtflow.backends.cpu_threads.CpuThreads`); a wrong
+    ``threads`` is a :class:`BackendError`."""
     try:
         return CpuThreads(threads)
     except ValueError as exc:
@@ -152,7 +150,7 @@ class HFBackend(Backend):
                  resume_chunk: int = 16,
                  threads: Union[int, str, None] = 'auto') -> None:
         super().__init__()
-        self.cpu_threads = _cpu_threads(threads)  # before torch loads: it may set the OpenMP wait policy
+        self.cpu_threads = _cpu_threads(threads)
         import torch
 
         if not isinstance(resume_chunk, int) or isinstance(resume_chunk, bool) or resume_chunk < 1:

@@ -1,12 +1,7 @@
 """The HF backend's torch threads on CPU (issue 47, item 14): each generate uses the cores no other
 process is running on (at least one), so a loaded machine costs the backend its share of the cores
-instead of spinning OpenMP workers; a fixed count and the user's ``OMP_NUM_THREADS`` are kept; the
-OpenMP wait policy is set to passive before torch loads, never after (libgomp reads it once). The
+instead of spinning OpenMP workers; a fixed count and the user's ``OMP_NUM_THREADS`` are kept. The
 load is faked at its source (``/proc/stat``'s ``procs_running``), so nothing here times anything."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +15,6 @@ from mtflow.cli import main  # noqa: E402
 from tests.tiny_model import make_model, make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.hf
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -78,29 +72,3 @@ def test_a_wrong_threads_option_is_one_line(tmp_path, monkeypatch, capsys):
     assert main(['run', 'run.yaml', '-o', 'threads=lots', '--no-progress']) == 2
     err = capsys.readouterr().err.strip()
     assert err == "mtflow: hf backend: threads must be 'auto', a positive int or null, not 'lots'"
-
-
-def test_the_wait_policy_is_set_before_torch_loads(tmp_path):
-    """A fresh process: building the backend from a model directory sets ``OMP_WAIT_POLICY=PASSIVE``
-    before it first imports torch (libgomp reads it once, as torch loads)."""
-    tok = make_tokenizer()
-    make_model(tok).save_pretrained(tmp_path / 'tiny')
-    tok.save_pretrained(tmp_path / 'tiny')
-    env = {k: v for k, v in os.environ.items() if k not in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')}
-    code = ('import os, sys\nfrom mtflow.backends.hf import HFBackend\nassert "torch" not in sys.modules\n'
-            f'HFBackend({str(tmp_path / "tiny")!r})\nprint(os.environ.get("OMP_WAIT_POLICY"))\n')
-    proc = subprocess.run([sys.executable, '-c', code], env={**env, 'PYTHONPATH': str(ROOT)}, capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.split() == ['PASSIVE'], proc.stderr[-2000:]
-
-
-def test_the_wait_policy_is_never_set_over_the_users_or_after_torch_loaded(monkeypatch):
-    monkeypatch.delenv('OMP_WAIT_POLICY', raising=False)
-    monkeypatch.delenv('GOMP_SPINCOUNT', raising=False)
-    assert not cpu_threads.prefer_passive_wait() and 'OMP_WAIT_POLICY' not in os.environ  # torch is loaded here
-    monkeypatch.delitem(sys.modules, 'torch')  # as in a process that has not loaded it yet
-    for name, value in (('OMP_WAIT_POLICY', 'ACTIVE'), ('GOMP_SPINCOUNT', '1000')):
-        monkeypatch.setenv(name, value)
-        assert not cpu_threads.prefer_passive_wait() and os.environ.get('OMP_WAIT_POLICY') in (None, 'ACTIVE')
-        monkeypatch.delenv(name)
-    assert cpu_threads.prefer_passive_wait() and os.environ['OMP_WAIT_POLICY'] == 'PASSIVE'
