@@ -21,7 +21,9 @@ after          what ``HFBackend`` does now (``threads='auto'``): the cores no ot
 =============  ==========================================================================
 
 For each: wall and CPU seconds of the calls (CPU over all the process's threads), the threads
-torch used, and the wall time against ``before`` in the same condition. ``--main-job`` runs the
+torch used, and the wall time against ``before`` in the same condition (medians over
+``--repeats``, the variants interleaved A B A B within a condition: a shared machine's load
+moves under any single measurement). ``--main-job`` runs the
 whole main job instead (``mtflow run configs/default.yaml``, ``--max-turns`` turns), before
 (``-o threads=null``) and after, in both conditions.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -162,16 +165,36 @@ class Hog:
             proc.wait()
 
 
+def medians(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per (condition, variant): the median of each figure over its repeats, the loads
+    seen, and every wall time."""
+    out: Dict[tuple, Dict[str, Any]] = {}
+    for r in rows:
+        out.setdefault((r['condition'], r['variant']), {'condition': r['condition'], 'variant': r['variant'],
+                                                        'runs': []})['runs'].append(r)
+    for m in out.values():
+        runs = m.pop('runs')
+        for key in ('wall_s', 'cpu_s', 'rollout_s', 'threads', 'tokens'):
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values:
+                m[key] = statistics.median(values)
+        m['load'] = ', '.join(r['load'].split()[0] for r in runs)
+        m['walls'] = ', '.join(str(r.get('wall_s')) for r in runs)
+        m['note'] = '; '.join(r['note'] for r in runs if r.get('note'))
+    return list(out.values())
+
+
 def table(rows: List[Dict[str, Any]], main: bool) -> None:
+    rows = medians(rows)
     base = {r['condition']: r['wall_s'] for r in rows if r['variant'] == 'before' and r.get('wall_s')}
-    head = ('condition', 'variant', 'load before', 'wall s', 'rollout s' if main else 'threads', 'CPU s',
-            'tokens', 'wall / before')
+    head = ('condition', 'variant', 'load (1 min) at each start', 'wall s (median)', 'walls',
+            'rollout s' if main else 'threads', 'CPU s', 'tokens', 'wall / before')
     print('| ' + ' | '.join(head) + ' |')
     print('|' + '---|' * len(head))
     for r in rows:
         wall = r.get('wall_s')
         ratio = f'{wall / base[r["condition"]]:.2f}' if wall and base.get(r['condition']) else ''
-        cells = (r['condition'], r['variant'], r['load'], wall if wall is not None else r.get('note', ''),
+        cells = (r['condition'], r['variant'], r['load'], wall if wall is not None else r.get('note', ''), r['walls'],
                  r.get('rollout_s' if main else 'threads', ''), r.get('cpu_s', ''), r.get('tokens', ''), ratio)
         print('| ' + ' | '.join(str(c) for c in cells) + ' |')
 
@@ -184,6 +207,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument('--rows', type=int, default=8, help='prompts per call (default 8: the main job)')
     p.add_argument('--hog', type=int, default=os.cpu_count() or 2, help='busy processes of the hog condition')
     p.add_argument('--timeout', type=float, default=300, help='seconds a measurement may take')
+    p.add_argument('--repeats', type=int, default=1, help='measurements of each variant, interleaved (default 1)')
     p.add_argument('--main-job', action='store_true', help='run the whole main job instead of its generate calls')
     p.add_argument('--max-turns', type=int, default=2, help='--main-job: turns of each game (the job plays 6)')
     p.add_argument('--child', help=argparse.SUPPRESS)
@@ -199,11 +223,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     for condition in args.conditions:
         hog = Hog(args.hog) if condition == 'hog' else None
         try:
-            for variant in variants:
-                load = _load()
-                row = main_job(variant, args) if args.main_job else measure(variant, args)
-                rows.append({**row, 'condition': condition, 'load': load})
-                print(json.dumps(rows[-1]), flush=True)
+            for _ in range(args.repeats):
+                for variant in variants:
+                    load = _load()
+                    row = main_job(variant, args) if args.main_job else measure(variant, args)
+                    rows.append({**row, 'condition': condition, 'load': load})
+                    print(json.dumps(rows[-1]), flush=True)
         finally:
             if hog is not None:
                 hog.stop()
