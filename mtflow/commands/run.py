@@ -85,6 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
     p.add_argument('--resume', action='store_true',
                    help='continue the interrupted run in the output directory (same config and dataset)')
+    p.add_argument('--accept-changed', action='store_true', help='with --resume: go on past changed code (recorded)')
     p.add_argument('--overwrite', action='store_true',
                    help='start afresh in a non-empty output directory (the old one is moved to OUT.old-<time>)')
     p.add_argument('--delete-old', action='store_true', help='with --overwrite: delete the old run files instead')
@@ -190,13 +191,17 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
     if args.delete_old and not args.overwrite:
         raise UserError('--delete-old goes with --overwrite')
+    accept_changed = getattr(args, 'accept_changed', False)
+    if accept_changed and not args.resume:
+        raise UserError('--accept-changed goes with --resume')
     if not args.progress_every > 0:
         raise UserError(f'--progress-every must be > 0 seconds, not {args.progress_every}')
     if args.flush_every < 1 or args.flush_interval < 0:
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
     return RunStore.open(cfg.out, mode, fingerprint, delete_old=args.delete_old, flush_every=args.flush_every,
-                         flush_interval_s=args.flush_interval, meta={**run_meta(cfg), **(meta or {})})
+                         flush_interval_s=args.flush_interval, meta={**run_meta(cfg), **(meta or {})},
+                         accept_changed=accept_changed)
 
 
 def run_meta(cfg: RunConfig) -> Dict[str, Any]:

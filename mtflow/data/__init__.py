@@ -146,9 +146,10 @@ def iter_located_prompts(path: Optional[Union[str, Path]] = None, limit: Optiona
             try:
                 item = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise DatasetError(f'{where}: not valid JSON: {exc.msg} (column {exc.colno})') from exc
+                raise DatasetError(_not_json_lines(path, no, raw, count)
+                                   or f'{where}: not valid JSON: {exc.msg} (column {exc.colno})') from exc
             if not isinstance(item, dict):
-                raise DatasetError(f'{where}: each line must be a JSON object')
+                raise DatasetError(_not_json_lines(path, no, raw, count) or f'{where}: each line must be a JSON object')
             req = _request(item, where, f'{path.stem}-{no}')
             if check_unique:
                 if req.uuid in seen:
@@ -158,6 +159,24 @@ def iter_located_prompts(path: Optional[Union[str, Path]] = None, limit: Optiona
             yield where, req
     if not count:
         raise DatasetError(f'{path}: no prompts')
+
+
+def _not_json_lines(path: Path, no: int, raw: str, count: int) -> Optional[str]:
+    """The one line for a dataset that is one JSON document rather than JSON Lines, found at its
+    first line (``count``: prompts read before it): a JSON array (``[{...}, {...}]``, on one line
+    or pretty-printed), or an object spread over several lines; ``None`` for any other bad line."""
+    if count:
+        return None
+    head = raw.strip()
+    lines = path.with_suffix('.jsonl') if path.suffix != '.jsonl' else path.with_name(f'{path.stem}-lines.jsonl')
+    convert = f"jq -c '.[]' {path} > {lines}"
+    if head.startswith('['):
+        return (f'{path}:{no}: the file is a JSON array, not JSON Lines: a dataset holds one JSON object per line '
+                f'(convert it: {convert})')
+    if head.startswith('{') and not head.endswith('}'):
+        return (f'{path}:{no}: a JSON object spread over several lines: a dataset is JSON Lines, one whole JSON '
+                f'object per line (convert it: jq -c . {path} > {lines})')
+    return None
 
 
 def count_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> int:

@@ -32,6 +32,7 @@ from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResu
 from mtflow.core.images import check_request_images
 from mtflow.core.machine import (CHECK_FINISHED, COMPACTING, CONTINUE, CONTINUING, DONE_BY_HOOK, FAIL, FINISH, GENERATE,
                                  GENERATING, PENDING, RUN_STEP, TOOL_STEP, RequestRecord)
+from mtflow.core.protocol import generated_tokens
 from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_infos, check_output, check_turn_result
@@ -151,8 +152,7 @@ def _apply_outputs(run: RunState, records: List[RequestRecord], turn: int,
             continue
         rec.turns = turn
         rec.choice = choice
-        ids = choice.token_ids
-        rec.tokens = len(ids) if ids else 0
+        rec.tokens = generated_tokens(response, choice)
         rec.turn_result = None
         applied.append(rec)
     return applied

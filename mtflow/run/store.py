@@ -124,7 +124,8 @@ class RunStore:
     @classmethod
     def open(cls, out_dir: Union[str, Path], mode: Mode = 'new', fingerprint: Optional[Dict[str, Any]] = None, *,
              delete_old: bool = False, fsync: bool = True, flush_every: int = 256,
-             flush_interval_s: float = 2.0, meta: Optional[Dict[str, Any]] = None) -> 'RunStore':
+             flush_interval_s: float = 2.0, meta: Optional[Dict[str, Any]] = None,
+             accept_changed: bool = False) -> 'RunStore':
         """Open ``out_dir`` for writing.
 
         * ``'new'``: the directory must be missing or empty; otherwise :class:`RunDirError`
@@ -132,7 +133,10 @@ class RunStore:
         * ``'resume'``: continue the run in it: the stored fingerprint must equal
           ``fingerprint`` (else :class:`FingerprintMismatch`, naming each change), torn last
           lines are dropped, trace events of unfinished requests removed, and ``done`` holds
-          every uuid already written. A missing or empty directory starts a new run.
+          every uuid already written. A missing or empty directory starts a new run. With
+          ``accept_changed``, changed code and files the config names (the fingerprint's
+          ``code`` and ``files.scheduler``) are gone past, recorded in ``run.json`` (the attempt's
+          ``accepted_changes``, and the new fingerprint).
         * ``'overwrite'``: start afresh; an existing non-empty directory is moved to
           ``<out>.old-<UTC time>``, or with ``delete_old`` its mtflow files are deleted.
 
@@ -159,7 +163,7 @@ class RunStore:
         try:
             entries = sorted(e for e in os.listdir(out) if e != LOCK)
             if entries and mode == 'resume':
-                store._open_existing(entries, fingerprint)
+                store._open_existing(entries, fingerprint, accept_changed)
             elif entries:
                 raise RunDirError(not_empty_message(out, entries))
             else:
@@ -180,20 +184,24 @@ class RunStore:
             os.close(fd)
         self._start_attempt()
 
-    def _open_existing(self, entries: List[str], fingerprint: Optional[Dict[str, Any]]) -> None:
-        self.info = read_run_info(self.out_dir, entries, fingerprint)
+    def _open_existing(self, entries: List[str], fingerprint: Optional[Dict[str, Any]],
+                       accept_changed: bool = False) -> None:
+        self.info, accepted = read_run_info(self.out_dir, entries, fingerprint, accept_changed)
         self.resumed = True
         self.recovery = recover(self.out_dir, self.info, self.done, self.tally)
         self.branched = bool(self.tally.forked) or (self.out_dir / TREES).exists()
         if self.branched:  # a leaf names its prompt
             self.started_prompts = prompts_of(self.done)
+        self.recovery.accepted_changes = accepted
         self._start_attempt()
 
     def _start_attempt(self) -> None:
         attempts = self.info.setdefault('attempts', [])
         attempts.append({'attempt': len(attempts) + 1, 'mode': self.mode if self.resumed or self.mode != 'resume'
                          else 'new', 'pid': os.getpid(), 'started': utc_now(), 'done_at_start': len(self.done),
-                         'ended': None, 'status': 'running'})
+                         'ended': None, 'status': 'running',
+                         **({'accepted_changes': self.recovery.accepted_changes} if self.recovery.accepted_changes
+                            else {})})
         write_json_atomic(self.out_dir / RUN_INFO, self.info)
         self.groups.open()
 

@@ -29,7 +29,7 @@ import math
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from mtflow.train.errors import SampleError
-from mtflow.train.samples import Sample
+from mtflow.train.samples import Sample, check_rewards
 
 __all__ = ['GRPO_EPS', 'SCALE_REWARDS', 'grpo', 'rloo', 'reinforce', 'turn_returns', 'ADVANTAGES', 'assign_advantages',
            'assign_turn_advantages', 'assign_gigpo_advantages']
@@ -61,6 +61,10 @@ def _std(values: Sequence[float]) -> float:
 def _check(rewards: Sequence[float], groups: Optional[Sequence[Hashable]]) -> None:
     if groups is not None and len(groups) != len(rewards):
         raise ValueError(f'{len(rewards)} rewards but {len(groups)} groups')
+    bad = next((i for i, r in enumerate(rewards) if not math.isfinite(r)), None)
+    if bad is not None:  # one would make its group's mean and std, and every advantage of the group, NaN
+        raise ValueError(f'rewards[{bad}] is {rewards[bad]}: a NaN or infinite reward would make every advantage '
+                         'of its group NaN')
 
 
 def grpo(rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: str = 'group',
@@ -128,6 +132,7 @@ def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options
     segments share it), grouped by ``Sample.group``. Returns ``samples``."""
     if method not in ADVANTAGES:
         raise ValueError(f'advantage method must be one of {sorted(ADVANTAGES)}, not {method!r}')
+    check_rewards(samples)
     order: List[str] = []
     reward: Dict[str, float] = {}
     group: Dict[str, str] = {}
@@ -146,6 +151,7 @@ def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options
 
 def _turn_table(samples: Sequence[Sample], why: str) -> Tuple[Dict[str, Dict[int, float]], Dict[str, int], Dict[str, str]]:
     """Per trajectory: its per-turn rewards (all segments), its last turn, its group."""
+    check_rewards(samples)
     rewards: Dict[str, Dict[int, float]] = {}
     last: Dict[str, int] = {}
     group: Dict[str, str] = {}

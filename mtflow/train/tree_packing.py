@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from mtflow.train.errors import SampleError
 from mtflow.train.packing import token_advantages_of
 from mtflow.train.samples import Sample
-from mtflow.train.weights import LOSS_AGGREGATIONS, truncated_is
+from mtflow.train.weights import LOSS_AGGREGATIONS, behaviour_logprobs, truncated_is, uncorrected_samples
 
 __all__ = ['TreeRow', 'pack_trees', 'tree_tensors', 'tree_attention_mask', 'tree_token_logprobs', 'tree_policy_loss',
            'tree_train_step', 'tree_token_counts']
@@ -54,6 +54,7 @@ class TreeRow:
     #: per row-local node: its ancestors and itself
     node_ancestors: List[List[int]] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    has_logprobs: List[int] = field(default_factory=list)  # 1 where a leaf sharing the token has its rollout logprob
     leaf_mask: List[List[int]] = field(default_factory=list)
     leaf_advantages: List[List[float]] = field(default_factory=list)
     #: the leaf uuids whose columns the row holds, in order
@@ -132,7 +133,9 @@ def _add_token(row: TreeRow, token: int, position: int, before: int, node: int, 
             continue
         mask[column[s.uuid]] = 1
         adv[column[s.uuid]] = advantages[s.uuid][c]
-        value = s.logprobs[c] if s.logprobs is not None else 0.0
+        if s.logprobs is None:  # a leaf without rollout logprobs: no correction from it
+            continue
+        value = s.logprobs[c]
         if logprob is not None and abs(value - logprob) > LOGPROB_TOLERANCE:
             raise SampleError(f'the rollout logprob of position {position} is {value} in this leaf but {logprob} in '
                               'another leaf sharing the token', uuid=s.uuid, field='logprobs')
@@ -142,6 +145,7 @@ def _add_token(row: TreeRow, token: int, position: int, before: int, node: int, 
     row.pred_index.append(before)
     row.node_index.append(node)
     row.logprobs.append(0.0 if logprob is None else float(logprob))
+    row.has_logprobs.append(int(logprob is not None))
     row.leaf_mask.append(mask)
     row.leaf_advantages.append(adv)
 
@@ -186,6 +190,7 @@ def _fill(row: TreeRow, length: int, pad_id: int) -> None:
     row.pred_index += [-1] * extra
     row.node_index += [-1] * extra
     row.logprobs += [0.0] * extra
+    row.has_logprobs += [0] * extra
     row.leaf_mask += [[0] * len(row.leaves) for _ in range(extra)]
     row.leaf_advantages += [[0.0] * len(row.leaves) for _ in range(extra)]
 
@@ -229,6 +234,7 @@ def tree_tensors(rows: Sequence[TreeRow]) -> Dict[str, Any]:
             'position_ids': torch.tensor([r.position_ids for r in rows], dtype=torch.long),
             'pred_index': torch.tensor([r.pred_index for r in rows], dtype=torch.long),
             'logprobs': torch.tensor([r.logprobs for r in rows], dtype=torch.float32),
+            'has_logprobs': torch.tensor([r.has_logprobs for r in rows], dtype=torch.bool),
             'leaf_mask': torch.tensor([widen(r.leaf_mask, 0) for r in rows], dtype=torch.float32),
             'leaf_advantages': torch.tensor([widen(r.leaf_advantages, 0.0) for r in rows], dtype=torch.float32),
             'leaf_id': torch.tensor([[number[u] for u in r.leaves] + [-1] * (width - len(r.leaves)) for r in rows],
@@ -263,7 +269,7 @@ def tree_policy_loss(logp: Any, batch: Dict[str, Any], clip_eps: float = 0.2, ti
     ratio = (logp - logp.detach()).exp()[..., None]
     per = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if tis_cap is not None:
-        per = per * truncated_is(logp, batch['logprobs'], cap=tis_cap)[..., None]
+        per = per * truncated_is(logp, behaviour_logprobs(logp, batch), cap=tis_cap)[..., None]
     per = per * mask
     if agg == 'token-mean':
         return per.sum() / mask.sum().clamp(min=1)
@@ -286,21 +292,25 @@ def tree_token_counts(rows: Sequence[TreeRow], samples: Sequence[Sample]) -> Dic
 
 def tree_train_step(model: Any, optimizer: Any, trees: Sequence[Mapping[str, Any]], samples: Sequence[Sample], *,
                     row_len: Optional[int] = None, pad_id: int = 0, clip_eps: float = 0.2,
-                    tis_cap: Optional[float] = None, agg: str = 'token-mean') -> Dict[str, Any]:
+                    tis_cap: Optional[float] = None, agg: str = 'token-mean',
+                    missing_logprobs: str = 'uncorrected') -> Dict[str, Any]:
     """One optimizer step on the leaves of ``trees`` packed as trees (advantages already assigned
     on ``samples``, as for :func:`mtflow.train.loop.train_step`, whose loss and gradients this
     step equals). Returns the loss, the rows, the token counts and the largest trainer-vs-rollout
     logprob gap on the trained tokens."""
+    uncorrected = uncorrected_samples(samples, tis_cap is not None, missing_logprobs)
     rows = pack_trees(trees, samples, row_len=row_len, pad_id=pad_id)
     batch = tree_tensors(rows)
     logp = tree_token_logprobs(model, batch)
     loss = tree_policy_loss(logp, batch, clip_eps=clip_eps, tis_cap=tis_cap, agg=agg)
     trained = batch['leaf_mask'].sum(-1) > 0
     gap = None
-    if all(s.logprobs is not None for s in samples) and bool(trained.any()):
-        gap = float((logp.detach() - batch['logprobs'])[trained].abs().max())
+    known = trained & batch['has_logprobs']
+    if bool(known.any()):
+        gap = float((logp.detach() - batch['logprobs'])[known].abs().max())
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
     return {'loss': float(loss.detach()), 'rows': len(rows), 'max_logprob_gap': gap,
-            'trained_tokens': int(batch['leaf_mask'].sum()), **tree_token_counts(rows, samples)}
+            'trained_tokens': int(batch['leaf_mask'].sum()), 'uncorrected_samples': len(uncorrected),
+            **tree_token_counts(rows, samples)}

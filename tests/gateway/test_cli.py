@@ -46,6 +46,7 @@ class Served:
             self.proc.kill()
             raise AssertionError(f'no URL in {first!r}: {self.proc.stderr.read()[-2000:]}')
         self.url = found.group(1)
+        self.first = first
 
     def stop(self, sig: int) -> tuple:
         self.proc.send_signal(sig)
@@ -143,3 +144,29 @@ def test_a_finish_is_answered_only_once_its_session_is_on_disk(tmp_path, config)
     resumed = Served(config, out, '--resume')
     code, err = resumed.stop(signal.SIGINT)
     assert code == 0 and '8 sessions already written' in err and 'were cut' not in err, err
+def test_a_config_without_backend_names_the_default_backend_and_its_model(tmp_path):
+    """A gateway config without ``backend:`` serves hf's model, and the first line named no model
+    (issue 47, item 7): the serving line and ``GET /v1/models`` name the backend and the model,
+    and that the backend is the default one."""
+    from tests.tiny_model import make_model
+
+    tok = make_tokenizer()
+    make_model(tok).save_pretrained(tmp_path / 'tiny')
+    tok.save_pretrained(tmp_path / 'tiny')
+    config = tmp_path / 'gateway.yaml'
+    config.write_text('model: tiny\nrequest_config: {max_tokens: 4}\n')
+    served = Served(config, tmp_path / 'run')
+    try:
+        first = served.first
+        assert f'with hf (tiny on cpu), the default backend ({config} names none); writing ' in first, first
+        model = httpx.get(f'{served.url}/s/a/v1/models', timeout=TIMEOUT_S).json()['data'][0]
+        assert (model['id'], model['backend']) == ('tiny', 'hf (tiny on cpu)')
+    finally:
+        assert served.stop(signal.SIGINT)[0] == 0
+    named = tmp_path / 'named.yaml'
+    named.write_text('backend: hf\nmodel: tiny\n')
+    served = Served(named, tmp_path / 'run2')
+    try:
+        assert 'with hf (tiny on cpu); writing ' in served.first, served.first
+    finally:
+        assert served.stop(signal.SIGINT)[0] == 0

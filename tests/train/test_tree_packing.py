@@ -172,3 +172,26 @@ def test_the_reference_loop_steps_on_trees_as_it_steps_on_leaves():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(tree_model.parameters(), leaf_model.parameters()))
     with pytest.raises(ValueError, match='trees=True takes neither mask_outside'):
         reference_loop(None, None, None, [], row_len=8, trees=True, sequence_weight=True)
+
+
+def test_leaves_without_rollout_logprobs_train_uncorrected_as_per_leaf_training_does(branched):
+    """A tree whose leaves have no rollout logprobs is trained without the TIS correction (ratio 1),
+    as :func:`~mtflow.train.loop.train_step` trains such samples (issue 47, item 13), never
+    weighted against the 0.0 its row would hold; the step counts them, and ``refuse`` refuses."""
+    model, trees, samples = branched
+    samples = copy.deepcopy(samples)
+    assign_advantages(samples, 'grpo')
+    bare = set(trees[0]['leaves'])
+    for s in samples:
+        if s.uuid in bare:
+            s.logprobs = None
+    model = model.float().eval()
+    leaf_loss, leaf_grads = _per_leaf(model, samples, tis_cap=2.0)
+    tree_loss, tree_grads = _as_tree(model, trees, samples, tis_cap=2.0)
+    assert tree_loss == pytest.approx(leaf_loss, abs=1e-5)
+    assert max(float((a - b).abs().max()) for a, b in zip(leaf_grads, tree_grads)) < 1e-5
+    stepped = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(stepped.parameters(), lr=0.0)
+    assert tree_train_step(stepped, optimizer, trees, samples, tis_cap=2.0)['uncorrected_samples'] == len(bare)
+    with pytest.raises(SampleError, match='no rollout logprobs'):
+        tree_train_step(stepped, optimizer, trees, samples, tis_cap=2.0, missing_logprobs='refuse')
