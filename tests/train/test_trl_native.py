@@ -17,11 +17,8 @@ from mtflow.train import NotExpressibleInTRL, TRLToolEnvironment, trl_tool_envir
 from tests.train.helpers import ToolEveryTurn
 from tests.train.trl116 import native_tools
 
-SUBMIT = {'name': 'submit', 'impl': 'tests.train.trl116.native_tools:submit'}
-ARITH = {'name': 'arith', 'tools': [{'name': 'calculator'}, SUBMIT],
-         'observation': {'template': 'Result: {result}', 'error_template': 'Oops: {error}', 'prefix': '[',
-                         'suffix': ']'},
-         'reward': 'tests.train.trl116.native_tools:graded'}
+SUBMIT = native_tools.ARITH['tools'][1]
+ARITH = dict(native_tools.ARITH, observation=dict(native_tools.ARITH['observation'], prefix='[', suffix=']'))
 
 
 def methods(cls):

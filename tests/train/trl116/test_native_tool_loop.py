@@ -16,7 +16,6 @@ with one line before a trainer is made. Runs where TRL 1.16 is importable
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -26,6 +25,7 @@ from mtflow.train.errors import NotExpressibleInTRL
 from mtflow.train.trl_native import trl_tool_environment
 
 from tests.train.trl116 import native_tools
+from tests.train.trl116.native_tools import ARITH, QUESTIONS, TOOL_RESPONSE, scripted_generate
 
 torch = pytest.importorskip('torch')
 trl = pytest.importorskip('trl')
@@ -33,45 +33,6 @@ datasets = pytest.importorskip('datasets')
 if tuple(int(x) for x in trl.__version__.split('.')[:2]) < (1, 16):
     pytest.skip(f'needs TRL >= 1.16 (environment_factory); this is {trl.__version__}: tests/train/test_trl116.py runs '
                 'it with .extras/trl116', allow_module_level=True)
-
-ARITH = {'name': 'arith', 'max_turns': 4,
-         'tools': [{'name': 'calculator'}, {'name': 'submit', 'impl': 'tests.train.trl116.native_tools:submit'}],
-         'observation': {'template': 'Result: {result}', 'error_template': 'Oops: {error}'},
-         'reward': 'tests.train.trl116.native_tools:graded'}
-QUESTIONS = {'6 * 7': '42', '5 + 5': '10'}
-_RESPONSE = re.compile(r'<tool_response>\n(.*?)\n</tool_response>', re.DOTALL)
-
-
-def call(name, **arguments):
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call><|im_end|>'
-
-
-def scripted_reply(prompt, copy):
-    """What the scripted model writes after ``prompt`` (the decoded ids TRL generates from):
-    copy ``k`` of a question computes one of four expressions (right, off by one, right, broken),
-    then submits what the calculator said, then stops."""
-    question = re.search(r'What is (.*?)\?', prompt).group(1)
-    results = _RESPONSE.findall(prompt)
-    if not results:
-        return call('calculator', expression=[question, f'{question} + 1', f'({question})', f'{question} +'][copy])
-    if len(results) == 1:
-        said = results[0]
-        return call('submit', answer=said[len('Result: '):] if said.startswith('Result: ') else 'none')
-    return 'Done.<|im_end|>'
-
-
-def scripted_generate(tok):
-    """``model.generate`` for TRL: each row's scripted reply (the first call of a batch has every
-    rollout, in order: row ``i`` is copy ``i % 4``), right-padded."""
-    def generate(input_ids, attention_mask, **_):
-        rows = []
-        for i, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
-            prompt = tok.decode([t for t, m in zip(ids, mask) if m])
-            rows.append(ids + tok.encode(scripted_reply(prompt, i % 4), add_special_tokens=False))
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-    return generate
-
 
 def test_trls_own_tool_loop_runs_mtflows_tools_observations_and_reward(tmp_path, monkeypatch):
     monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')
@@ -86,7 +47,7 @@ def test_trls_own_tool_loop_runs_mtflows_tools_observations_and_reward(tmp_path,
     tok.chat_template = qwen2_5_chat_template  # TRL knows its response parser
     model = make_model(tok, seed=0, max_position_embeddings=4096)
     monkeypatch.setattr(model, 'generate', scripted_generate(tok))
-    scheduler = load_scheduler(ARITH, tokenizer=tok)
+    scheduler = load_scheduler(dict(ARITH, max_turns=4), tokenizer=tok)
     args = trl.GRPOConfig(output_dir=str(tmp_path / 'out'), use_cpu=True, per_device_train_batch_size=8,
                           num_generations=4, max_steps=2, learning_rate=1e-2, report_to='none', save_strategy='no',
                           bf16=False, beta=0.0, seed=0, logging_steps=1, disable_tqdm=True, max_completion_length=512)
@@ -134,7 +95,7 @@ def test_trls_own_tool_loop_runs_mtflows_tools_observations_and_reward(tmp_path,
             ids, tool_mask = inputs['completion_ids'][r][keep], inputs['tool_mask'][r][keep]
             tool_text = tok.decode(ids[tool_mask == 0].tolist())
             model_text = tok.decode(ids[tool_mask == 1].tolist())
-            observations = _RESPONSE.findall(tool_text)
+            observations = TOOL_RESPONSE.findall(tool_text)
             assert len(observations) == 2 and '<tool_call>' not in tool_text and '<tool_response>' not in model_text
             assert model_text.count('<tool_call>') == 2 and model_text.endswith('Done.<|im_end|>')
             assert inputs['advantages'][r].item() == pytest.approx(by_text[json.dumps(observations)].pop(), abs=1e-5)
