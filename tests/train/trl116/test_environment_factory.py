@@ -16,13 +16,11 @@ from mtflow.train import grpo
 from mtflow.train.trl_environment import MtflowEpisode, TRLEnvironment
 
 from tests.train.helpers import TOOL_TEMPLATE, ToolEveryTurn, record_mask
+from tests.train.trl116 import trl_1_16
 
 torch = pytest.importorskip('torch')
-trl = pytest.importorskip('trl')
+trl = trl_1_16()
 datasets = pytest.importorskip('datasets')
-if tuple(int(x) for x in trl.__version__.split('.')[:2]) < (1, 16):
-    pytest.skip(f'needs TRL >= 1.16 (environment_factory); this is {trl.__version__}: tests/train/test_trl116.py runs '
-                'it with .extras/trl116', allow_module_level=True)
 
 GAME = {'max_turns': 3, 'system_prompt': 'Guess my number between 1 and 100.', 'stop': {'on_length': False},
         'env': {'impl': 'guess_number', 'kwargs': {'low': 1, 'high': 100, 'max_guesses': 6}}}

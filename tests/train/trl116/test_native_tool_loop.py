@@ -24,15 +24,12 @@ from mtflow.train import grpo
 from mtflow.train.errors import NotExpressibleInTRL
 from mtflow.train.trl_native import trl_tool_environment
 
-from tests.train.trl116 import native_tools
+from tests.train.trl116 import native_tools, trl_1_16
 from tests.train.trl116.native_tools import ARITH, QUESTIONS, TOOL_RESPONSE, scripted_generate
 
 torch = pytest.importorskip('torch')
-trl = pytest.importorskip('trl')
+trl = trl_1_16()
 datasets = pytest.importorskip('datasets')
-if tuple(int(x) for x in trl.__version__.split('.')[:2]) < (1, 16):
-    pytest.skip(f'needs TRL >= 1.16 (environment_factory); this is {trl.__version__}: tests/train/test_trl116.py runs '
-                'it with .extras/trl116', allow_module_level=True)
 
 def test_trls_own_tool_loop_runs_mtflows_tools_observations_and_reward(tmp_path, monkeypatch):
     monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')
