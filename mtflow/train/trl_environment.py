@@ -22,6 +22,11 @@ the factory::
 A dict of environments (``TRLEnvironment.several({'tools': a, 'game': b})``) routes each example
 by its ``environment`` column to its own scheduler and executor, as TRL routes its own
 environments. TRL is imported by the trainer, never here.
+
+This is the exact-token path, and it needs ``rollout_func``: an :class:`MtflowEpisode` passed as
+``environment_factory`` alone exposes no tool, so TRL would generate one reply itself and
+``get_reward`` stops training with a line saying what to pass. For TRL's own tool loop with
+``environment_factory`` alone (the ids then TRL's), see :mod:`mtflow.train.trl_native`.
 """
 from __future__ import annotations
 
@@ -63,8 +68,10 @@ class MtflowEpisode:
     def get_reward(self) -> float:
         """The scheduler's reward for this rollout (its trajectory's ``reward``)."""
         if self._sample is None:
-            raise RuntimeError('get_reward before the episode ran: pass rollout_func=TRLEnvironment.rollout_func '
-                               '(TRLEnvironment.trainer_kwargs() gives both)')
+            raise RuntimeError('get_reward before the episode ran: an MtflowEpisode is run by rollout_func='
+                               'TRLEnvironment.rollout_func (TRLEnvironment.trainer_kwargs() gives both); for TRL\'s '
+                               'own tool loop with environment_factory alone, pass '
+                               'mtflow.train.trl_tool_environment(scheduler, args)')
         return self._sample.reward
 
     @property

@@ -16,13 +16,11 @@ from mtflow.train import grpo
 from mtflow.train.trl_environment import MtflowEpisode, TRLEnvironment
 
 from tests.train.helpers import TOOL_TEMPLATE, ToolEveryTurn, record_mask
+from tests.train.trl116 import trl_1_16
 
 torch = pytest.importorskip('torch')
-trl = pytest.importorskip('trl')
+trl = trl_1_16()
 datasets = pytest.importorskip('datasets')
-if tuple(int(x) for x in trl.__version__.split('.')[:2]) < (1, 16):
-    pytest.skip(f'needs TRL >= 1.16 (environment_factory); this is {trl.__version__}: tests/train/test_trl116.py runs '
-                'it with .extras/trl116', allow_module_level=True)
 
 GAME = {'max_turns': 3, 'system_prompt': 'Guess my number between 1 and 100.', 'stop': {'on_length': False},
         'env': {'impl': 'guess_number', 'kwargs': {'low': 1, 'high': 100, 'max_guesses': 6}}}
@@ -89,6 +87,25 @@ def test_an_episode_says_what_it_is_missing():
         episode.reset(question='2 + 2')
     with pytest.raises(RuntimeError, match='get_reward before the episode ran'):
         episode.get_reward()
+
+
+def test_an_episode_passed_without_rollout_func_stops_at_its_reward_saying_what_to_pass(tmp_path, monkeypatch):
+    """``environment_factory=TRLEnvironment(...).factory`` alone: TRL offers no tool and generates one
+    reply itself; the first reward stops training with the line naming both ways."""
+    monkeypatch.setenv('TRL_EXPERIMENTAL_SILENCE', '1')
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer().__class__.from_pretrained(_saved(make_tokenizer(), tmp_path))
+    tok.chat_template = TOOL_TEMPLATE
+    args = trl.GRPOConfig(output_dir=str(tmp_path / 'out'), use_cpu=True, per_device_train_batch_size=4,
+                          num_generations=4, max_steps=1, max_completion_length=4, report_to='none', save_strategy='no',
+                          bf16=False, seed=0, disable_tqdm=True)
+    rows = [{'prompt': [{'role': 'user', 'content': 'count to 3'}]}]
+    trainer = trl.GRPOTrainer(model=make_model(tok, seed=0), processing_class=tok, args=args,
+                              train_dataset=datasets.Dataset.from_list(rows), environment_factory=TRLEnvironment(None).factory)
+    assert trainer.tools == []
+    with pytest.raises(RuntimeError, match='rollout_func=TRLEnvironment.rollout_func .*trl_tool_environment'):
+        trainer.train()
 
 
 def _saved(tok, tmp_path):
