@@ -86,7 +86,7 @@ class TRLToolEnvironment:
             self._fault = RequestError(f'tool {name!r} returned {len(result.images)} image(s), which the tool message '
                                        'of TRL\'s loop does not carry here', uuid=request.uuid, field='tools')
         obs = scheduler.config.observation
-        text = obs.prefix + render_result(obs, scheduler.runner.tools, scheduler.tokenizer, result, 1) + obs.suffix
+        text = obs.prefix + render_result(obs, scheduler.runner.tools, scheduler.tokenizer, result, 1).text + obs.suffix
         call = {'type': 'function', 'function': {'name': name, 'arguments': json.dumps(arguments, ensure_ascii=False,
                                                                                         default=str)}}
         request.messages += [{'role': 'assistant', 'content': None, 'tool_calls': [call]},

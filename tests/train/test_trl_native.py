@@ -53,7 +53,8 @@ def test_richer_schemas_read_back_typed_and_what_a_signature_cannot_say_is_refus
         'mode': {'type': 'string', 'enum': ['fast', 'exact'], 'description': 'how'},
         'tags': {'type': 'array', 'items': {'type': 'string'}, 'description': 'filters'},
         'cursor': {'type': ['string', 'null'], 'description': 'where to go on'}}}
-    tool = dict(SUBMIT, name='search', description='Search the notes.', parameters=params)
+    tool = dict(SUBMIT, name='search', impl='tests.train.trl116.native_tools:search', description='Search the notes.',
+                parameters=params)
     env = trl_tool_environment(load_scheduler({'tools': [tool]}))
     read = get_json_schema(env.search)['function']
     assert read['description'] == 'Search the notes.' and read['parameters']['required'] == ['query']
@@ -62,7 +63,8 @@ def test_richer_schemas_read_back_typed_and_what_a_signature_cannot_say_is_refus
     assert props['mode'] == {'type': 'string', 'enum': ['fast', 'exact'], 'description': 'how'}
     assert props['tags'] == {'type': 'array', 'items': {'type': 'string'}, 'description': 'filters'}
     assert props['cursor'] == {'type': 'string', 'nullable': True, 'description': 'where to go on'}
-    bounded = dict(tool, parameters={'type': 'object', 'properties': {'n': {'type': 'integer', 'minimum': 1}}})
+    bounded = dict(tool, impl='tests.train.trl116.native_tools:count',
+                   parameters={'type': 'object', 'required': ['n'], 'properties': {'n': {'type': 'integer', 'minimum': 1}}})
     with pytest.raises(NotExpressibleInTRL, match=r"tool 'search', argument 'n': minimum cannot be carried"):
         trl_tool_environment(load_scheduler({'tools': [bounded]}))
     misread = dict(tool, description='Search. Returns: the hits')  # transformers' docstring parser would cut it

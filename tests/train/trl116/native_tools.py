@@ -32,6 +32,17 @@ def submit(answer: str) -> str:
     return f'received {answer}'
 
 
+def search(query: str, limit: int = 5, mode: str = 'fast', tags: Optional[List[str]] = None,
+           cursor: Optional[str] = None) -> str:
+    """Search the notes (a tool whose schema is richer than ``submit``'s, for the signature tests)."""
+    return f'{limit} hits for {query}'
+
+
+def count(n: int) -> str:
+    """Count to ``n`` (a tool with a bounded integer argument)."""
+    return ' '.join(str(k) for k in range(1, n + 1))
+
+
 def last_submitted(messages: List[Dict[str, Any]]) -> Optional[str]:
     """The answer of the last ``submit`` call among the assistant messages' tool calls."""
     found = None
