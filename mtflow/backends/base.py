@@ -244,6 +244,11 @@ class Reports:
     #: schedulers that count tokens read it; ``None`` when the backend has none (a class
     #: attribute, so that a backend may make it a property of its engine)
     tokenizer: Any = None
+    #: what renders the prompts here (a :class:`~mtflow.backends.tokens.TokenPrompter`: its
+    #: tokenizer and chat template, checked before the first turn); ``None`` when a server renders
+    prompter: Any = None
+    #: the model's context in tokens (``max_position_embeddings``, ``max_model_len``); ``None``: unknown
+    context_length: Optional[int] = None
 
     def describe(self) -> Optional[str]:
         """One line naming the backend and its model (the summary's ``backend``); ``None``: the

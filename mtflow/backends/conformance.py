@@ -10,6 +10,9 @@ checked:
 =================  ===============================================================================
 check              holds when
 =================  ===============================================================================
+template           the template renders every part of a tool-use conversation and opens the
+                   model's turn (:func:`mtflow.backends.chat_templates.template_problems`, what
+                   ``mtflow run`` and ``mtflow validate`` check)
 prefix             the next prompt is the previous prompt + the sampled ids + the recorded delta
                    (or, for a turn the policy rendered from text, that text's ids, recorded so)
 lengths            per turn, as many logprobs as sampled ids; in the output, ids and mask segments
@@ -38,6 +41,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from mtflow.accounting.segments_split import SEGMENTS_KEY, segments_of
 from mtflow.accounting.token_record import RecordAccounting, record_accounting, record_of
 from mtflow.backends.base import prepare_chat
+from mtflow.backends.chat_templates import (BUNDLED, TemplateSource, bundled_template, resolve_chat_template,
+                                           template_problems)
 from mtflow.backends.tokens import render_text
 from mtflow.core.images import ImageError, to_image_url
 from mtflow.core.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
@@ -47,32 +52,18 @@ from mtflow.engine.executor import Executor
 __all__ = ['BUNDLED', 'SCENARIOS', 'CHECKS', 'Scenario', 'TemplateReport', 'bundled_template', 'check_tokens',
            'format_report', 'resolve_template']
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / 'data' / 'templates'
-#: bundled templates: name -> file in mtflow/data/templates
-BUNDLED = {'chatml': 'chatml.jinja', 'qwen3_think': 'qwen3_think.jinja', 'llama3': 'llama3.jinja'}
-CHECKS = ('prefix', 'lengths', 'special tokens', 'think policy', 'segments', 'images')
+CHECKS = ('template', 'prefix', 'lengths', 'special tokens', 'think policy', 'segments', 'images')
 TOOLS = [{'type': 'function', 'function': {'name': 'calculator', 'description': 'evaluate an expression',
                                            'parameters': {'type': 'object', 'properties': {
                                                'expression': {'type': 'string'}}}}}]
 
 
-def bundled_template(name: str) -> str:
-    if name not in BUNDLED:
-        raise KeyError(f'no bundled template {name!r}; bundled: {", ".join(BUNDLED)}')
-    return (TEMPLATE_DIR / BUNDLED[name]).read_text(encoding='utf-8')
-
-
 def resolve_template(spec: Optional[str]) -> tuple:
-    """``(name, template text or None)`` for a bundled name, a Jinja file, or ``None``/``'model'``."""
-    if spec in (None, '', 'model'):
-        return 'model', None
-    if spec in BUNDLED:
-        return spec, bundled_template(spec)
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(2, f'no bundled template {spec!r} (bundled: {", ".join(BUNDLED)}) and no such file',
-                                str(path))
-    return path.name, path.read_text(encoding='utf-8')
+    """``(name, template text or None)`` for a bundled name, a Jinja file, or ``None``/``'model'``
+    (:func:`~mtflow.backends.chat_templates.resolve_chat_template`, as a backend's option)."""
+    source = resolve_chat_template(spec, where='--template')
+    return ('model' if source.text is None else Path(source.name).name if source.origin == 'a template file'
+            else source.name), source.text
 
 
 @dataclass
@@ -215,6 +206,7 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
         prompter.chat_template = template
     report = TemplateReport(template_name or ('model' if template is None else 'custom'), prompter.policy)
     tok = prompter.tokenizer
+    _probe_template(report, prompter, template, scheduler)
     special = frozenset(int(i) for i in getattr(tok, 'all_special_ids', ()) or ())
     if context is not None and context.count_tokens is None:  # the probe hides the backend's own counter
         context = dataclasses.replace(context, count_tokens=backend.count_prompt_tokens,
@@ -256,6 +248,19 @@ def check_tokens(backend: Any, *, template: Optional[str] = None, template_name:
     if report.transitions == 0:
         report.problems.append('no turn transition was produced: nothing was checked')
     return report
+
+
+def _probe_template(report: TemplateReport, prompter: Any, template: Optional[str], scheduler: Any) -> None:
+    """The ``template`` check: the template shows the model every part of a tool-use conversation
+    (what ``mtflow run`` and ``mtflow validate`` check; a YAML scheduler's text-parsed calls too)."""
+    source = TemplateSource(template, report.template, 'check-tokens --template') if template is not None \
+        else prompter.template_source
+    refused = template_problems(prompter.tokenizer, source,
+                                text_calls=bool(getattr(scheduler, 'writes_tool_messages', False)))
+    for problem in refused:
+        report.add('template', False, problem)
+    if not refused:
+        report.add('template', True)
 
 
 def _collect_failures(report: TemplateReport, result: Any) -> None:

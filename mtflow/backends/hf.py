@@ -25,10 +25,12 @@ renders every turn from text instead (the old behaviour, for comparison).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
                                   prepare_chat, sampling_seeds)
+from mtflow.backends.chat_templates import resolve_chat_template
+from mtflow.backends.cpu_threads import CpuThreads
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.hf_sampling import RowSampler, row_seeds
 from mtflow.backends.models import load_model
@@ -83,6 +85,15 @@ class _StopOnStrings:
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+def _cpu_threads(threads: Union[int, str, None]) -> CpuThreads:
+    """The backend's CPU thread count (:class:`~mtflow.backends.cpu_threads.CpuThreads`); a wrong
+    ``threads`` is a :class:`BackendError`."""
+    try:
+        return CpuThreads(threads)
+    except ValueError as exc:
+        raise BackendError(f'hf backend: {exc}') from None
+
+
 class HFBackend(Backend):
     """``rollout_fn`` over a transformers causal LM.
 
@@ -94,7 +105,8 @@ class HFBackend(Backend):
         default_max_tokens: used when the request config has no ``max_tokens``.
         logprobs_mode: ``'raw'`` (the model's distribution) or ``'processed'`` (after
             temperature, top-k, top-p: the distribution sampled from).
-        chat_template: overrides the tokenizer's template.
+        chat_template: overrides the tokenizer's template: a file, Jinja text or a bundled name (the
+            run says which it used and checks it before the first turn, ``docs/declarative.md``).
         seed: the sampling seed of requests whose request config has none. Each request samples
             from its own generator, seeded from the seed and the request
             (:func:`mtflow.core.seeds.sampling_seed`): the same request samples the same tokens
@@ -114,6 +126,11 @@ class HFBackend(Backend):
         resumable, resume_chunk: ``async_rollout_fn()`` generates each single-request call in
             chunks of ``resume_chunk`` tokens, so a stream's ``on_update='resume'`` can cut it
             between chunks and continue it from its exact ids (:mod:`mtflow.backends.hf_resume`).
+        threads: torch's thread count on CPU: ``'auto'`` (default) uses, for each generate, the
+            cores no other process is running on (at least one; ``OMP_NUM_THREADS`` wins), so a
+            loaded machine costs this backend its share of the cores rather than spinning OpenMP
+            workers; an int fixes it; ``None`` leaves torch's setting alone
+            (:mod:`mtflow.backends.cpu_threads`).
     """
     name = 'hf'
 
@@ -132,8 +149,10 @@ class HFBackend(Backend):
                  prefix_policy: str = 'exact',
                  processor: Any = None,
                  resumable: bool = False,
-                 resume_chunk: int = 16) -> None:
+                 resume_chunk: int = 16,
+                 threads: Union[int, str, None] = 'auto') -> None:
         super().__init__()
+        self.cpu_threads = _cpu_threads(threads)
         import torch
 
         if not isinstance(resume_chunk, int) or isinstance(resume_chunk, bool) or resume_chunk < 1:
@@ -142,6 +161,7 @@ class HFBackend(Backend):
 
         if logprobs_mode not in ('raw', 'processed'):
             raise BackendError(f"hf backend: logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
+        template = resolve_chat_template(chat_template, where='hf backend: chat_template')  # before the model loads
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise BackendError(f'hf backend: max_batch_size must be a positive int, not {max_batch_size!r}')
         self.load_info: Dict[str, Any] = {}
@@ -161,9 +181,9 @@ class HFBackend(Backend):
         self.max_batch_size = max_batch_size
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
-        self.chat_template = chat_template
-        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
-            if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
+        self.chat_template = template.text
+        self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
+            if processor is None else VisionPrompter(processor, template, policy=prefix_policy, exact=exact_ids)
         #: the model's context in tokens (its config's ``max_position_embeddings``; context budgets read it)
         self.context_length = context_length_of(getattr(model, 'config', None), 'max_position_embeddings')
         self.eos_ids = self._eos_ids()
@@ -276,6 +296,8 @@ class HFBackend(Backend):
             from transformers import StoppingCriteriaList
 
             kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width)])
+        if getattr(device, 'type', device) == 'cpu':
+            self.cpu_threads.apply()
         with torch.inference_mode():
             more = {k: v.to(device) if hasattr(v, 'to') else v for k, v in (inputs or {}).items()}  # images
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **more,

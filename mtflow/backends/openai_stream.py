@@ -40,7 +40,8 @@ from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponse
                                   UsageInfo)
 from mtflow.engine.resume import ResumeFrom, current_prefix, merged_output
 
-__all__ = ['StreamedReply', 'streamed_acall', 'stream_body', 'completion_items', 'token_ids_from_logprobs']
+__all__ = ['StreamedReply', 'streamed_acall', 'stream_body', 'completion_items', 'token_ids_from_logprobs',
+           'message_tool_calls']
 
 
 def token_ids_from_logprobs(logprobs: Optional[Dict[str, Any]]) -> Optional[List[int]]:
@@ -100,6 +101,15 @@ def stream_body(body: Dict[str, Any], prefix: Optional[ResumeFrom], flavor: str,
     return body
 
 
+def message_tool_calls(tool_calls: Any) -> Optional[List[Dict[str, Any]]]:
+    """A reply's structured ``tool_calls`` (OpenAI's shape, as a tool-call-parsing server returns
+    them), each with an ``id``: ``call_<k>`` where the server gave none, so a run's messages
+    are the same on every replay (the protocol's default id is random); ``None`` without any."""
+    if not isinstance(tool_calls, list) or not tool_calls:
+        return None
+    return [dict(c, id=c.get('id') or f'call_{k}') if isinstance(c, dict) else c for k, c in enumerate(tool_calls)]
+
+
 class StreamedReply:
     """What one streamed call received so far, chunk by chunk. It is fed on the backend's loop
     and read (:meth:`output`) from the caller's when the call is cut, so each chunk is added,
@@ -110,6 +120,8 @@ class StreamedReply:
         self.ids: List[int] = []
         self.items: List[Dict[str, Any]] = []
         self.texts: List[str] = []
+        #: the structured tool calls streamed as ``delta.tool_calls`` pieces, by their index
+        self.tool_calls: Dict[int, Dict[str, Any]] = {}
         self.has_ids = self.has_logprobs = True
         self.finish: Optional[str] = None
         self.usage: Dict[str, Any] = {}
@@ -174,8 +186,24 @@ class StreamedReply:
         self.ids.extend(int(t) for t in ids or ())
         self.items.extend(items or ())
         self.texts.append(text or '')
+        if not self.token_mode:
+            self._add_tool_calls((raw.get('delta') or {}).get('tool_calls'))
         if raw.get('finish_reason') is not None:
             self.finish = raw['finish_reason']
+
+    def _add_tool_calls(self, pieces: Any) -> None:
+        """``delta.tool_calls``: the first piece of a call has its id and name, the others more
+        of its arguments (a JSON string streamed in parts)."""
+        for piece in pieces if isinstance(pieces, list) else ():
+            if not isinstance(piece, dict):
+                continue
+            slot = self.tool_calls.setdefault(int(piece.get('index') or 0),
+                                              {'type': 'function', 'function': {'name': '', 'arguments': ''}})
+            if piece.get('id'):
+                slot['id'] = piece['id']
+            function = piece.get('function') or {}
+            slot['function']['name'] += function.get('name') or ''
+            slot['function']['arguments'] += function.get('arguments') or ''
 
     def output(self, turn_prompt: Optional[List[int]] = None, sent_prompt: Optional[List[int]] = None) -> RolloutOutput:
         """What was received, as one rollout output (only this call's tokens); in token mode
@@ -183,6 +211,7 @@ class StreamedReply:
         the ids sent (the turn's prompt and the prefix), which the server's must equal."""
         with self._lock:
             ids, items, text = list(self.ids), list(self.items), ''.join(self.texts)
+            calls = message_tool_calls([self.tool_calls[k] for k in sorted(self.tool_calls)])
             finish, usage, served = self.finish, dict(self.usage), self.prompt_ids
             has_ids, has_logprobs = self.has_ids, self.has_logprobs
         if self.token_mode and not has_ids:
@@ -194,7 +223,7 @@ class StreamedReply:
         if finish not in ('stop', 'length', None):
             finish = 'stop'  # 'tool_calls', 'eos', ...: the model stopped by itself
         choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role='assistant', content=text), finish_reason=finish,
+            index=0, message=ChatMessage(role='assistant', content=text, tool_calls=calls), finish_reason=finish,
             logprobs={'content': items} if has_logprobs else None,  # [] too: a cut before the first token
             token_ids=ids if has_ids else None)
         prompt = len(turn_prompt) if turn_prompt is not None else int(usage.get('prompt_tokens') or 0)

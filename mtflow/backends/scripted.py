@@ -62,6 +62,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 from mtflow.core.registry import resolve_reference
 from mtflow.data.sources import group_of
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, sampling_seeds
+from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.models import load_tokenizer
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 
@@ -126,11 +127,15 @@ class ScriptedBackend(Backend):
             if path is not None or outputs is not None:
                 raise BackendError('scripted backend: give one of path=, outputs= or respond=')
             outputs = ['']  # never served: respond answers
+        template = resolve_chat_template(chat_template, where='scripted backend: chat_template')
+        if template.text is not None and tokenizer is None:
+            raise BackendError(f'scripted backend: chat_template ({template.describe()}) renders exact-id prompts '
+                               'with a tokenizer: give tokenizer= too, or it would be ignored')
         if isinstance(tokenizer, str):
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         #: exact-id prompts and token records (``None``: no tokenizer given, outputs only)
-        self.prompter = TokenPrompter(tokenizer, chat_template) if tokenizer is not None else None
+        self.prompter = TokenPrompter(tokenizer, template) if tokenizer is not None else None
         if self.prompter is not None:  # context budgets count exactly (without a tokenizer: count_tokens: words)
             self.count_prompt_tokens = self._count_prompt_tokens
         if (path is None) == (outputs is None):

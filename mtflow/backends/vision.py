@@ -15,10 +15,11 @@ them as any other ids. :func:`vision_inputs` gives the model inputs beside the i
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from mtflow.accounting.token_record import RECORD_ATTR, record_of
 from mtflow.backends.base import BackendError
+from mtflow.backends.chat_templates import TemplateSource, resolve_chat_template
 from mtflow.backends.images import has_images, image_refusal, normalized_images, refuse_images
 from mtflow.backends.tokens import PromptPlan, TokenPrompter
 from mtflow.core.images import IMAGE_TOKEN, image_bytes
@@ -94,10 +95,13 @@ class VisionPrompter(TokenPrompter):
             ``<|vision_start|>``/``<|vision_end|>`` around the image token, when it has them).
     """
 
-    def __init__(self, processor: Any, chat_template: Optional[str] = None, *, image_text: Optional[str] = None,
+    def __init__(self, processor: Any, chat_template: Union[None, str, TemplateSource] = None, *, image_text: Optional[str] = None,
                  **kwargs: Any) -> None:
         tokenizer = processor.tokenizer
-        super().__init__(tokenizer, chat_template or getattr(tokenizer, 'chat_template', None), **kwargs)
+        source = resolve_chat_template(chat_template)
+        if source.text is None and getattr(tokenizer, 'chat_template', None):
+            source = TemplateSource(tokenizer.chat_template, "the processor's template", "the processor's template")
+        super().__init__(tokenizer, source, **kwargs)
         self.processor = processor
         self.image_token = getattr(processor, 'image_token', None) or '<|image_pad|>'
         pad = getattr(processor, 'image_token_id', None)

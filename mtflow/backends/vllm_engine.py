@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, sampling_seeds,
                                   context_length_of, prepare_chat)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages, serving_the_others
+from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.models import EMBEDDED_NAMES, embedded_model_dir
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
@@ -186,6 +187,7 @@ class VLLMBackend(Backend):
                  processor: Any = None,
                  resumable: bool = False) -> None:
         super().__init__()
+        template = resolve_chat_template(chat_template, where='vllm backend: chat_template')  # before the engine starts
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
         if resumable and not self.is_async:
@@ -216,15 +218,14 @@ class VLLMBackend(Backend):
                 sampling_params_cls = _vllm_sampling_params()
         self.sampling_params_cls = sampling_params_cls
         self.prompt_mode = prompt_mode
-        self.chat_template = chat_template
-        self.default_max_tokens = default_max_tokens
+        self.chat_template, self.default_max_tokens = template.text, default_max_tokens
         tokenizer = self.llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # AsyncLLM.get_tokenizer is a coroutine
             tokenizer = self._runner.run(_awaited(tokenizer))
         self.tokenizer = tokenizer
         self.seed = seed
-        self.prompter = TokenPrompter(self.tokenizer, chat_template, policy=prefix_policy, exact=exact_ids) \
-            if processor is None else VisionPrompter(processor, chat_template, policy=prefix_policy, exact=exact_ids)
+        self.prompter = TokenPrompter(self.tokenizer, template, policy=prefix_policy, exact=exact_ids) \
+            if processor is None else VisionPrompter(processor, template, policy=prefix_policy, exact=exact_ids)
         #: the engine's ``max_model_len`` (context budgets read it)
         self.context_length = _max_model_len(self.llm)
         if prompt_mode == 'chat':

@@ -140,8 +140,8 @@ def _templates(specs: List[str]) -> List[tuple]:
         names.extend(BUNDLED if spec == 'bundled' else [spec])
     try:
         return [resolve_template(n) for n in names]
-    except FileNotFoundError as exc:
-        raise UserError(f'--template: {exc.strerror}: {exc.filename}') from None
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _scenarios(wanted: List[str]) -> List[Any]:
@@ -172,8 +172,8 @@ def _check_template(console: Console, backend: Any, name: str, text: str, args: 
         console.print(f'[red]template {name}: {exc}[/red]')
         return False
     console.print(format_report(report))
-    for problem in report.problems[:10]:
-        console.print(f'  [red]FAIL[/red] {escape(problem)}')  # a problem's text is not markup
+    for problem in report.problems[:10]:  # a problem's text is not markup; one line, whatever the width
+        console.print(f'  [red]FAIL[/red] {escape(problem)}', soft_wrap=True)
     if len(report.problems) > 10:
         console.print(f'  ... and {len(report.problems) - 10} more')
     return report.ok

@@ -41,7 +41,7 @@ def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]], List[str]]:
     except RunConfigError as exc:
         return [str(exc)], [], []
     pre = check_run_config(cfg)
-    return pre.problems, pre.imports, [f'warning: {w}' for w in pre.warnings]
+    return pre.problems, pre.imports, [f'warning: {w}' for w in pre.warnings] + [f'{path}: {n}' for n in pre.notes]
 
 
 def print_imports(path: str, imports: List[Tuple[str, str]]) -> None:

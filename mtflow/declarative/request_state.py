@@ -28,6 +28,10 @@ class RequestState:
     error_kinds: Dict[str, int] = field(default_factory=dict)
     tips_given: Dict[str, int] = field(default_factory=dict)
     calls: List[ToolCall] = field(default_factory=list)
+    #: the ids of ``calls`` when the server returned them structured (its tool messages answer them),
+    #: and what the trace says of where they came from (``tool_calls_from``, ``text_calls_ignored``)
+    call_ids: Optional[List[str]] = None
+    calls_from: Dict[str, Any] = field(default_factory=dict)
     tip: Optional[TipConfig] = None
     env: Any = None
     env_obs: Optional[str] = None
@@ -36,6 +40,9 @@ class RequestState:
     #: per-turn rewards (``mtflow.accounting.turn_spans``): env steps, tool rewards, ``turn_reward``
     turn_rewards: List[Dict[str, Any]] = field(default_factory=list)
     answer_correct: Optional[bool] = None
+    #: the next turn continues the assistant message (inline text was appended): no generation
+    #: prompt opened a thinking block for it (:mod:`mtflow.declarative.reasoning`)
+    continued: bool = False
     #: a replayable environment (``replayable = True``): the request it was reset with, and each
     #: action it was stepped with and the observation it gave, so that a fork can replay it
     env_reset: Any = None

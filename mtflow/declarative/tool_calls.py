@@ -1,18 +1,20 @@
 """The tools of a YAML scheduler: built from the ``tools`` section, the calls read from a
-completion (made safe to act on), and one turn's calls run, every failure a result the model sees."""
+completion (made safe to act on) or given structured by the server (OpenAI's ``tool_calls``), and
+one turn's calls run, every failure a result the model sees."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace as dc_replace
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.registry import resolve_reference
-from mtflow.declarative.parsers import ToolCall, foreign_format
+from mtflow.declarative.parsers import ToolCall, foreign_format, parse_calls
 from mtflow.declarative.schema import ToolConfig
 from mtflow.tools.registry import make_builtin
 from mtflow.tools.runner import ToolResult, ToolRunner
 from mtflow.tools.tool import Tool, tool_from_callable
 
-__all__ = ['build_tool', 'read_calls', 'run_calls', 'parse_error']
+__all__ = ['build_tool', 'read_calls', 'server_calls', 'run_calls', 'parse_error']
 
 
 def build_tool(tool_config: ToolConfig, base_dir: Optional[str] = None) -> Tool:
@@ -24,9 +26,11 @@ def build_tool(tool_config: ToolConfig, base_dir: Optional[str] = None) -> Tool:
                               truncate_side=c.truncate_side)
 
 
-def read_calls(parser: Any, tool_names: List[str], completion: str, finish_reason: Optional[str]) -> List[ToolCall]:
-    """The turn's tool calls (see :meth:`YamlScheduler.read_calls`)."""
-    calls = list(parser.parse(completion))
+def read_calls(parser: Any, tool_names: List[str], completion: str, finish_reason: Optional[str],
+               tools: Optional[List[Dict[str, Any]]] = None) -> List[ToolCall]:
+    """The turn's tool calls (see :meth:`YamlScheduler.read_calls`); ``tools``: the OpenAI specs
+    that type the text values of the XML formats."""
+    calls = parse_calls(parser, completion, tools)
     if finish_reason == 'length':
         calls = [c if c.error is not None or getattr(c, 'complete', True) else dc_replace(
             c, error='the reply was cut off by the token limit (finish_reason length) before this call was '
@@ -37,6 +41,37 @@ def read_calls(parser: Any, tool_names: List[str], completion: str, finish_reaso
             calls = [ToolCall('', None, completion[-200:], f'this looks like a {fmt} tool call, but this '
                               f'scheduler reads the {getattr(parser, "name", "configured")} format')]
     return calls
+
+
+def server_calls(tool_calls: List[Any]) -> Tuple[List[ToolCall], List[Dict[str, Any]]]:
+    """The calls a server returned structured (a reply's ``message.tool_calls``: vLLM with
+    ``--enable-auto-tool-choice``, SGLang, hosted APIs) as the scheduler's calls, and as the
+    OpenAI ``tool_calls`` of the assistant message (``arguments`` a JSON string, each call its
+    ``id``, ``call_<k>`` where the server gave none), which the next turn sends back to the server.
+    Arguments that are not a JSON object make that call malformed (an error observation, never
+    run), as a malformed call in text is."""
+    calls: List[ToolCall] = []
+    message_calls: List[Dict[str, Any]] = []
+    for k, item in enumerate(tool_calls):
+        item = item if isinstance(item, dict) else item.model_dump()
+        function = item.get('function') or {}
+        name, raw_args = str(function.get('name') or ''), function.get('arguments')
+        error = None if name else 'the server returned a tool call without a function name'
+        args: Any = raw_args
+        if isinstance(raw_args, str):
+            try:
+                args = json.loads(raw_args) if raw_args.strip() else {}
+            except json.JSONDecodeError as exc:
+                error = error or f'the arguments are not valid JSON ({exc.msg} at column {exc.colno}): {raw_args[:200]}'
+        elif raw_args is None:
+            args = {}
+        if error is None and not isinstance(args, dict):
+            error = f'the arguments must be a JSON object, not {type(args).__name__}: {str(raw_args)[:200]}'
+        text_args = raw_args if isinstance(raw_args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append(ToolCall(name, args if error is None else None, text_args, error))
+        message_calls.append({'id': str(item.get('id') or f'call_{k}'), 'type': 'function',
+                              'function': {'name': name, 'arguments': text_args}})
+    return calls, message_calls
 
 
 def parse_error(parser: Any, error: str) -> str:

@@ -6,7 +6,8 @@ directory (``mtflow/run/store.py``: ``--resume``, ``--overwrite``, whole lines, 
 the progress bar, the summary. What changes: the backend and the scheduler are built inside
 each actor from the same config, by the same code (``mtflow/run/assembly.py``; each actor loads
 its own model), and the driver writes every
-trajectory the moment an actor streams it back, with its images (each stored once in
+trajectory the moment an actor streams it back (a branched run's leaves tree by tree, each tree's
+line after them: ``mtflow/run/trees.py``), with its images (each stored once in
 ``<run>/images``, before the line that names it, as a local run stores them). The uuids already in the directory are never
 sent to an actor, and a uuid that arrives twice (an actor died after sending it) is written once.
 """
@@ -26,7 +27,7 @@ from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
 from mtflow.backends.base import Reports
-from mtflow.run.assembly import actor_setup, backend_from_config, scheduler_from_config
+from mtflow.run.assembly import actor_setup, backend_from_config, leaf_budget, scheduler_from_config
 from mtflow.run.episodes import as_episodes, episode_file, episode_run_roles, episode_size
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
@@ -57,7 +58,8 @@ class _FanOutBackend(Reports):
 class _Sink:
     """The driver's writer of the records the actors send: each at once, or, in an episode run
     (``episode_size``: roles per episode, ``docs/multi-agent.md``), an episode's roles together once
-    all came (a role's uuid is ``<episode>/<role>``)."""
+    all came (a role's uuid is ``<episode>/<role>``), or all to ``interrupted.jsonl`` when an
+    interrupt cut one of them."""
 
     def __init__(self, store: RunStore, episode_size: Optional[int]) -> None:
         self.store, self.episode_size = store, episode_size
@@ -74,12 +76,13 @@ class _Sink:
                 return
             del self.held[episode]
         store = self.store
+        cut = any(one.finish_reason == INTERRUPTED for one in group)  # an episode cut: all of it runs again
         try:
             whole = []
             for one in group:
                 if one.images:  # stored (fsynced) before the line that names them, as a local run does
                     one.trajectory['images'] = store.images.put_shipped(one.images, f'ray actor {one.actor}')
-                if one.finish_reason == INTERRUPTED:
+                if cut:
                     store.write_interrupted(one.trajectory, one.events)
                 else:
                     whole.append((one.trajectory, one.events))
@@ -121,7 +124,8 @@ class RayRollout:
         """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
         when a signal stops it."""
         store, cfg = self.store, self.cfg
-        progress = ProgressBar(self.show, self.total - len(store.done), 'starting Ray')
+        leaves = leaf_budget(cfg)  # a branched run's progress counts leaves, as its lines do
+        progress = ProgressBar(self.show, self.total * (leaves or 1) - len(store.done), 'starting Ray')
         sink = _Sink(store, episode_size(cfg) if episode_file(cfg) is not None else None)
 
         def on_duplicate(rec: RayRecord) -> None:  # no line, but its actor counts its images shipped
@@ -140,7 +144,9 @@ class RayRollout:
             if sink.episode_size is not None:  # each prompt an episode, its roles in one shard: on one rank
                 prompts = as_episodes(prompts, episode_run_roles(cfg))
             ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, on_duplicate=on_duplicate,
-                    on_requeue=sink.requeued, batch_size=cfg.batch_size, skip=set(store.done), address=self.args.ray_address,
+                    on_tree=lambda tree: store.write_trees([tree]),  # a branched prompt's, after its leaves
+                    on_requeue=sink.requeued, batch_size=cfg.batch_size, skip=store.done | store.started_prompts,
+                    address=self.args.ray_address,
                     on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
             progress.update(self.result.delivered, '')

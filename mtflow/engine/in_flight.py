@@ -107,6 +107,12 @@ class InFlight:
         if task is not None:
             task.cancel()
 
+    def steps(self) -> List['asyncio.Task[Outcome]']:
+        """The steps running now (to cancel them on an interrupt; not the resting records' waits,
+        which the budget's stop cancels with the generations)."""
+        return [task for index, task in list(self.tasks.items())
+                if index not in self.generating and index not in self.waking]
+
     def idle(self) -> bool:
         """Nothing running and nothing to handle."""
         return not self.tasks and not self.completions

@@ -129,6 +129,9 @@ class Gateway:
         self.max_turns = max_turns
         self.context = context
         self.model_name = str(getattr(backend, 'model_name', None) or 'mtflow')
+        #: the backend and its model in one phrase (``hf (SmolLM2-135M-Instruct on cpu)``): the
+        #: serving line and ``GET /v1/models`` name what answers
+        self.serves = reports_of(backend).describe() or f'{type(backend).__name__} ({self.model_name})'
         self._store_args = (out, mode, fingerprint, meta)
         self.store = store
         self.summary_config = summary_config

@@ -47,7 +47,7 @@ class SessionScheduler(Scheduler):
     def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
         name = str(infer_request.uuid)
         text = response_choice.message.content or ''
-        content, calls = split_calls(text, self.parser, current_turn, name)
+        content, calls = split_calls(text, self.parser, current_turn, name, infer_request.tools)
         record = record_of(infer_request)
         prompt = len(record.last_prompt) if record is not None else 0
         ids = response_choice.token_ids or []

@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mtflow.declarative.parsers import parse_calls
+
 __all__ = ['WireError', 'Call', 'Reply', 'Returned', 'parse_openai', 'parse_anthropic', 'openai_response',
            'openai_chunks', 'anthropic_response', 'anthropic_events', 'openai_error', 'anthropic_error',
            'split_calls', 'validation_message']
@@ -303,14 +305,16 @@ def parse_anthropic(body: Any, returned: Returned, render_calls: Any) -> Call:
 
 
 # ---- the model's text out -------------------------------------------------------------------------
-def split_calls(text: str, parser: Any, turn: int, session: str) -> Tuple[str, List[Tuple[str, str, Any]]]:
+def split_calls(text: str, parser: Any, turn: int, session: str,
+                tools: Optional[Sequence[Dict[str, Any]]] = None) -> Tuple[str, List[Tuple[str, str, Any]]]:
     """``(content, calls)`` of the model's text: each well-formed, complete call taken out of the
-    text as ``(id, name, arguments)`` (ids unique to this session and turn); a malformed or
-    truncated call stays in the text (the client sees what the model wrote)."""
+    text as ``(id, name, arguments)`` (ids unique to this session and turn; the XML formats' text
+    values typed by the client's ``tools``); a malformed or truncated call stays in the text (the
+    client sees what the model wrote)."""
     if parser is None or not text:
         return text, []
     try:
-        found = parser.parse(text)
+        found = parse_calls(parser, text, tools)
     except Exception:  # a parser that fails on odd text: the text goes out as it is
         return text, []
     calls: List[Tuple[str, str, Any]] = []

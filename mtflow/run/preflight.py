@@ -19,7 +19,11 @@ they import.
   allow (``max_sessions`` per server; a request holds its session for its whole life), and, at the
   start of ``mtflow run`` only, each ``url`` server must open a session (:func:`check_env_servers`)
   and its ``/schema`` must have the ``action_field``, ``observation_field`` and ``image_fields``
-  the scheduler names.
+  the scheduler names;
+- ``backend_options.chat_template``: a file that is there, Jinja text or a bundled name; and, for
+  ``mtflow validate`` only, the chat template's probe and the context, with the tokenizer and
+  ``config.json`` read from disk (:mod:`mtflow.run.chat_check`; ``mtflow run`` checks the loaded
+  backend's, before the first turn).
 
 Each problem is one ``file[:line]: field: message`` line; ``imports`` lists every Python module or
 callable the run will import (that code runs with your rights: read the list)."""
@@ -33,6 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 from mtflow.backends import BackendError, backend_options, is_backend_reference, resolve_backend
 from mtflow.backends.base import PreflightProblem
+from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.core.errors import MtflowError, RunSetupError
 from mtflow.core.keys import closest_key, unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
@@ -45,7 +50,8 @@ from mtflow.declarative.loader import read_yaml
 from mtflow.declarative.schema import AnswerConfig
 from mtflow.declarative.envs.config import OpenEnvConfig
 from mtflow.declarative.envs.openenv_env import OpenEnvPool
-from mtflow.run.assembly import load_python_scheduler
+from mtflow.run.assembly import load_python_scheduler, scheduler_factory
+from mtflow.run.chat_check import check_offline
 from mtflow.run.config import RunConfig
 from mtflow.roles.config import episode_imports
 from mtflow.run.episodes import episode_file, episode_problems
@@ -53,7 +59,7 @@ from mtflow.run.episodes import episode_file, episode_problems
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
            'check_before_load', 'check_env_servers', 'check_backend_reference', 'check_backend_options',
            'check_backend_servers', 'check_answer_field', 'sampling_warnings', 'hook_problems', 'scheduler_arg_names',
-           'check_scheduler_args']
+           'check_scheduler_args', 'check_template_option']
 
 
 @dataclass
@@ -64,6 +70,8 @@ class Preflight:
     problems: List[str] = field(default_factory=list)
     imports: List[Tuple[str, str]] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
+    #: what was checked beyond the files (the chat template, the context), for ``mtflow validate``
+    notes: List[str] = field(default_factory=list)
 
 
 #: the hooks a duck-typed scheduler class defines (at least one; see mtflow/core/scheduler.py)
@@ -199,6 +207,7 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
             else:
                 out.problems.append(problem.message)
     out.warnings += sampling_warnings(cfg)
+    out.problems += check_template_option(cfg) if with_backend else []
     if check_dataset:
         try:
             count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
@@ -206,7 +215,23 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
             out.problems.append(f'{where}: dataset: {exc}')
             return out
     out.problems += check_answer_field(cfg)
+    if check_dataset and with_backend and not out.problems:  # mtflow validate: the checks of the run's first turn
+        found, out.notes = check_offline(cfg, scheduler_factory(cfg) if cfg.scheduler_is_yaml() else None)
+        out.problems += found
     return out
+
+
+def check_template_option(cfg: RunConfig) -> List[str]:
+    """``backend_options.chat_template``: a file that is there, a bundled name or Jinja text
+    (a path given where text is expected would render every prompt as the path)."""
+    value = cfg.resolved_backend_options().get('chat_template')
+    if value is None:
+        return []
+    try:
+        resolve_chat_template(value, where=cfg.where('backend_options.chat_template'))
+    except BackendError as exc:
+        return [str(exc)]
+    return []
 
 
 def sampling_warnings(cfg: RunConfig) -> List[str]:

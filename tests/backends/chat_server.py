@@ -29,6 +29,13 @@ and ``vllm:prefix_cache_hits_total`` (the ones found), labelled ``engine`` and `
 ``report_cached=False`` leaves ``prompt_tokens_details`` out of the replies (vLLM without
 ``--enable-prompt-tokens-details``), so only the counters tell the hit rate.
 
+**Structured tool calls** (``tool_call_parser='hermes'``, as ``vllm serve --enable-auto-tool-choice
+--tool-call-parser hermes``): a chat reply's ``<tool_call>{json}</tool_call>`` blocks are taken out
+of ``content`` (``null`` when nothing else is left) and returned as OpenAI ``tool_calls`` (``id``
+``chatcmpl-tool-<n>``, ``arguments`` a JSON string), with ``finish_reason: "tool_calls"``; the
+reply's ``token_ids`` stay all the ids the model sampled, calls included, as vLLM's do.
+``keep_call_text=True`` leaves the blocks in ``content`` too (a server that returns both).
+
 **Streaming** (the resumable-generation tests): given ``lm`` (a :class:`ToyLM`, a deterministic
 autoregressive model whose next token is a function of the context ids), a request with
 ``"stream": true`` is answered as vLLM's server does, in SSE chunks (``Transfer-Encoding:
@@ -46,6 +53,7 @@ sends an error event after ``k`` tokens, ``(k, 'drop')`` closes the connection t
 from __future__ import annotations
 
 import json
+import re
 import socket
 import struct
 import threading
@@ -64,8 +72,13 @@ class ChatServer:
 
     def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True, *,
                  prefix_cache: bool = False, cache_tokens: Optional[int] = None, cache_block: int = 1,
-                 lock: Optional[Any] = None, report_cached: bool = True, lm: Optional['ToyLM'] = None) -> None:
+                 lock: Optional[Any] = None, report_cached: bool = True, lm: Optional['ToyLM'] = None,
+                 tool_call_parser: Optional[str] = None, keep_call_text: bool = False) -> None:
+        if tool_call_parser not in (None, 'hermes'):
+            raise ValueError(f'the test server parses hermes tool calls only, not {tool_call_parser!r}')
         self.backend = backend
+        self.tool_call_parser, self.keep_call_text = tool_call_parser, keep_call_text
+        self.tool_call_count = 0
         self.lm = lm
         self.stream_delay = 0.0
         self.break_streams: List[tuple] = []
@@ -317,11 +330,41 @@ class ChatServer:
             'usage': {'prompt_tokens': usage.prompt_tokens, 'completion_tokens': usage.completion_tokens,
                       'total_tokens': usage.total_tokens},
         }
+        if self.tool_call_parser is not None:
+            self._structure_calls(raw_choice)
         if body.get('return_token_ids'):
             raw_choice['token_ids'] = choice.token_ids
             payload['prompt_token_ids'] = out.response.prompt_token_ids
         self._note_cache(out.response.prompt_token_ids or [], choice.token_ids or [], payload['usage'])
         return 200, payload
+
+    def _structure_calls(self, raw_choice: Dict[str, Any]) -> None:
+        """The hermes tool-call parser of a vLLM server: the reply's ``<tool_call>`` blocks as
+        OpenAI ``tool_calls`` (see the module docstring); a block that is not JSON stays text."""
+        message = raw_choice['message']
+        text = message.get('content') or ''
+        calls, kept = [], []
+        for k, piece in enumerate(re.split(r'(<tool_call>.*?</tool_call>)', text, flags=re.DOTALL)):
+            block = re.fullmatch(r'<tool_call>(.*?)</tool_call>', piece, flags=re.DOTALL)
+            try:
+                call = json.loads(block.group(1)) if block else None
+            except ValueError:
+                call = None
+            if not isinstance(call, dict) or 'name' not in call:
+                kept.append(piece)
+                continue
+            with self._count_lock:
+                self.tool_call_count += 1
+                n = self.tool_call_count
+            calls.append({'id': f'chatcmpl-tool-{n}', 'type': 'function',
+                          'function': {'name': call['name'], 'arguments': json.dumps(call.get('arguments', {}))}})
+            if self.keep_call_text:
+                kept.append(piece)
+        if calls:
+            content = ''.join(kept)
+            message['content'] = content if content.strip() else None
+            message['tool_calls'] = calls
+            raw_choice['finish_reason'] = 'tool_calls'
 
     def complete_text(self, body: Dict[str, Any]) -> tuple:
         """``/v1/completions``: generate from the prompt's ids as they are."""

@@ -1,0 +1,197 @@
+"""A run's chat checks, before its first turn: the chat template the backend renders with shows the
+model every part of the conversation (:func:`mtflow.backends.chat_templates.template_problems`),
+and ``max_tokens`` after the dataset's longest prompt fits the model's context.
+
+The context check stands in for a ``context:`` block (``docs/context.md``), which budgets every
+turn; without one, a turn-1 prompt plus ``max_tokens`` beyond the model's context would run
+silently (a 64-position model asked for 453 new tokens). The longest prompt is measured on the
+dataset's longest texts (the :data:`MEASURED` longest by characters), each rendered as the run
+renders it: the scheduler's system prompt and tools added, through the chat template.
+
+``mtflow run`` checks once the backend is built and the scheduler made (:func:`check_loaded`);
+``mtflow validate`` with the tokenizer and the model's ``config.json`` read from disk, without the
+weights, where they are there (:func:`check_offline`). Both call :func:`chat_problems`."""
+from __future__ import annotations
+
+import copy
+import heapq
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+from mtflow.backends import BackendError, resolve_backend
+from mtflow.backends.base import prepare_chat, reports_of
+from mtflow.backends.chat_templates import TemplateSource, resolve_chat_template, template_problems
+from mtflow.backends.models import cached_model_dir, load_tokenizer
+from mtflow.backends.tokens import render_text
+from mtflow.core.errors import RunSetupError
+from mtflow.data import DatasetError
+from mtflow.data.sources import iter_requests
+from mtflow.run.config import RunConfig
+
+__all__ = ['ChatSetup', 'MEASURED', 'chat_problems', 'check_loaded', 'check_offline']
+
+#: how many of the dataset's longest prompts (by characters) are rendered and counted in tokens
+MEASURED = 8
+
+
+@dataclass
+class ChatSetup:
+    """What the checks need of a backend: its tokenizer, its template, the model's context (and
+    where that figure comes from) and the ``max_tokens`` of a request config without one."""
+    tokenizer: Any
+    source: TemplateSource
+    context_length: Optional[int]
+    context_from: str
+    default_max_tokens: int
+
+
+def _max_tokens(cfg: RunConfig, setup: ChatSetup) -> Tuple[int, str]:
+    given = cfg.request_config.get('max_tokens')
+    if isinstance(given, int):
+        return given, cfg.where('request_config.max_tokens')
+    return setup.default_max_tokens, (f'{cfg.where("request_config.max_tokens")} (not set: the backend\'s '
+                                      f'default_max_tokens)')
+
+
+def _longest_prompt(cfg: RunConfig, setup: ChatSetup, scheduler: Any) -> Tuple[int, str]:
+    """``(tokens, uuid)`` of the longest turn-1 prompt among the dataset's longest texts."""
+    def chars(request: Any) -> int:
+        return sum(len(str(m.get('content') or '')) for m in request.messages) + len(json.dumps(request.tools or []))
+
+    requests = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, check_unique=False)
+    best, uuid = 0, ''
+    for request in heapq.nlargest(MEASURED, requests, key=chars):
+        request = copy.deepcopy(request)
+        prepare = getattr(scheduler, 'prepare', None)
+        if callable(prepare):  # a YAML scheduler's system prompt, with its tools
+            prepare(request)
+        text = render_text(setup.tokenizer, prepare_chat(request), None, setup.source.text,
+                           where=f'request {request.uuid!r}')
+        n = len(setup.tokenizer(text, add_special_tokens=False)['input_ids'])
+        if n > best:
+            best, uuid = n, str(request.uuid)
+    return best, uuid
+
+
+def _context_problem(cfg: RunConfig, setup: ChatSetup, scheduler: Any) -> Tuple[Optional[str], str]:
+    """The context check's problem (``None``: it fits, or there is nothing to check) and what it
+    found, for the line that says the run was checked."""
+    if setup.context_length is None or cfg.context is not None:
+        return None, ''
+    max_tokens, where = _max_tokens(cfg, setup)
+    try:
+        prompt, uuid = _longest_prompt(cfg, setup, scheduler)
+    except (DatasetError, BackendError):
+        return None, ''  # reported as the dataset's or the template's own problem
+    context, source = setup.context_length, setup.context_from
+    found = f'longest prompt {prompt} + max_tokens {max_tokens} <= context {context}'
+    if prompt + max_tokens <= context:
+        return None, found
+    if prompt >= context:
+        return (f'{cfg.where("dataset")}: the longest prompt (request {uuid!r}, {prompt} tokens through '
+                f'{setup.source.name}) does not fit the model\'s context of {context} tokens ({source}); shorten it '
+                'or set a context: block (docs/context.md)'), found
+    return (f'{where}: {max_tokens} new tokens after the longest prompt (request {uuid!r}, {prompt} tokens) need '
+            f'{prompt + max_tokens}, more than the model\'s context of {context} tokens ({source}); set max_tokens '
+            f'to at most {context - prompt}, or a context: block (docs/context.md)'), found
+
+
+def chat_problems(cfg: RunConfig, setup: ChatSetup, scheduler: Any = None) -> Tuple[List[str], str]:
+    """Every problem of the template and the context (one line each, naming the config's key,
+    the template and the role), and a line saying what was checked."""
+    key = 'backend_options.chat_template' if 'chat_template' in cfg.backend_options else 'model'
+    at = cfg.where(key)
+    text_calls = bool(getattr(scheduler, 'writes_tool_messages', False))
+    problems = [f'{at}: {p}' for p in template_problems(setup.tokenizer, setup.source, text_calls=text_calls)]
+    context, found = _context_problem(cfg, setup, scheduler) if not problems else (None, '')
+    problems += [context] if context else []
+    shown = setup.source.describe() if setup.source.text is not None else \
+        f"the tokenizer's own ({cfg.model or 'the default model'})"
+    note = f'chat template: {shown}: shows every part of a tool-use conversation' + (
+        f'; {found}' if found else '')
+    return problems, note
+
+
+def check_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> Optional[str]:
+    """The checks of ``mtflow run``, once the backend and the scheduler are built: a
+    :class:`RunSetupError` listing the problems, else the line that says what was checked
+    (``None`` for a backend that renders nothing here: a server in chat mode)."""
+    reports = reports_of(backend)
+    prompter = reports.prompter
+    if prompter is None:
+        return None
+    setup = ChatSetup(prompter.tokenizer, prompter.template_source, reports.context_length,
+                      f'as the {cfg.backend} backend reports it', getattr(backend, 'default_max_tokens', 256))
+    problems, note = chat_problems(cfg, setup, scheduler)
+    if problems:
+        raise RunSetupError('\n'.join(problems))
+    return note
+
+
+def _offline_setup(cfg: RunConfig) -> Tuple[Optional[ChatSetup], Optional[str]]:
+    """The setup of the config's backend read from disk: the tokenizer and ``config.json`` of the
+    model (hf, vllm) or of the ``tokenizer`` option (openai in token mode, scripted), without
+    loading weights; ``(None, why)`` where they are not on disk (a hub id, an unconverted GGUF)."""
+    options = cfg.resolved_backend_options()
+    try:
+        cls = resolve_backend(cfg.backend, cfg.base_dir)
+    except Exception:
+        return None, None  # reported by the backend's own checks
+    default_max_tokens = options.get('default_max_tokens') or getattr(cls, 'default_max_tokens', 256)
+    if cfg.backend in ('hf', 'vllm'):
+        name = cfg.resolved_model() or 'embedded'
+    elif cfg.backend in ('openai', 'scripted') and isinstance(options.get('tokenizer'), str):
+        name = options['tokenizer']
+        if cfg.backend == 'openai' and options.get('prompt_mode') == 'chat':
+            return None, None  # the server renders
+    else:
+        return None, None
+    directory = cached_model_dir(name)
+    if directory is None:
+        return None, (f'chat template: not checked here ({name!r} is not on disk yet); mtflow run checks it once the '
+                      'model loads')
+    try:
+        tokenizer = load_tokenizer(str(directory))
+        source = resolve_chat_template(options.get('chat_template'))
+    except BackendError as exc:
+        return None, f'chat template: not checked here: {exc}'
+    context, context_from = None, ''
+    if cfg.backend in ('hf', 'vllm'):
+        context_from = 'max_position_embeddings in its config.json'
+        max_model_len = (options.get('engine_kwargs') or {}).get('max_model_len')
+        if isinstance(max_model_len, int):
+            context, context_from = max_model_len, 'engine_kwargs.max_model_len'
+        else:
+            context = _max_positions(directory / 'config.json')
+    return ChatSetup(tokenizer, source, context, context_from, int(default_max_tokens)), None
+
+
+def _max_positions(path: Path) -> Optional[int]:
+    try:
+        value = json.loads(path.read_text(encoding='utf-8')).get('max_position_embeddings')
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_offline(cfg: RunConfig, scheduler_factory: Any = None) -> Tuple[List[str], List[str]]:
+    """The checks of ``mtflow validate``: ``(problems, notes)``; ``scheduler_factory(tokenizer)``
+    builds the scheduler whose system prompt and tool messages the checks take into account."""
+    setup, why = _offline_setup(cfg)
+    if setup is None:
+        return [], [why] if why else []
+    scheduler = None
+    if scheduler_factory is not None:
+        try:
+            scheduler = scheduler_factory(setup.tokenizer)
+        except Exception:
+            scheduler = None  # its problems are the scheduler's own
+    try:
+        problems, note = chat_problems(cfg, setup, scheduler)
+    finally:
+        close = getattr(scheduler, 'close', None)
+        if callable(close):
+            close()
+    return problems, [] if problems else [note]

@@ -1,0 +1,124 @@
+"""``mtflow run``, ``mtflow validate`` and ``mtflow check-tokens`` check the chat template and the
+context before the model generates (``mtflow/run/chat_check.py``): a template path that is not a
+file, a template that drops the tool's result, ``max_tokens`` past the model's context are each
+one line naming the file, the key and what is wrong, with a non-zero exit and no run directory;
+a good template passes and the run says which one it used. (Before: a path where text was
+expected rendered every prompt as the path, a template without tool messages ran to the end, and
+453-token turns ran on a 64-position model, each with exit 0.)"""
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip('transformers')
+
+from mtflow.cli import main  # noqa: E402
+from tests.backends.test_chat_templates import CHATML_BODY, GENERATION, TEMPLATES  # noqa: E402
+
+SCHEDULER = '''
+name: calc
+max_turns: 2
+parser: hermes
+tools: [{name: calculator}]
+system_prompt: "Call a tool."
+'''
+NO_TOOL_MESSAGES = CHATML_BODY.replace('{% for m in messages %}', "{% for m in messages if m.role != 'tool' %}") + \
+    GENERATION
+
+
+@pytest.fixture(scope='module')
+def models(tmp_path_factory):
+    from tests.tiny_model import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp('tiny-models')
+    tok = make_tokenizer()
+    for name, positions in (('tiny', 512), ('tiny64', 64)):
+        make_model(tok, seed=2, max_position_embeddings=positions).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture
+def project(tmp_path, models, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('MTFLOW_CACHE', str(tmp_path / 'cache'))
+    (tmp_path / 'calc.yaml').write_text(SCHEDULER)
+    lines = [{'uuid': f'p{i}', 'prompt': f'What is {i} + {i}?'} for i in range(2)]
+    (tmp_path / 'prompts.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+    (tmp_path / 'no_tool.jinja').write_text(NO_TOOL_MESSAGES)
+    (tmp_path / 'good.jinja').write_text(CHATML_BODY + GENERATION)
+    return tmp_path
+
+
+def config(project, models, *, model='tiny', max_tokens=4, template=None):
+    text = (f'scheduler: calc.yaml\nbackend: hf\nmodel: {models / model}\ndataset: prompts.jsonl\nout: out\n'
+            f'request_config: {{max_tokens: {max_tokens}, temperature: 0}}\n')
+    if template is not None:
+        text += f'backend_options:\n  chat_template: {template}\n'
+    (project / 'run.yaml').write_text(text)
+    return 'run.yaml'
+
+
+def refused(capsys, argv, code):
+    """Run ``argv``; its one-line refusal (stdout and stderr together)."""
+    assert main(argv) == code
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if 'run.yaml' in line or 'chat template' in line]
+    assert len(lines) == 1, out.out + out.err
+    return lines[0]
+
+
+def test_a_template_path_that_is_not_a_file_is_refused_before_the_model_loads(project, models, capsys):
+    path = config(project, models, template='templates/qwen3.jinja')
+    line = refused(capsys, ['run', path, '--no-progress'], 2)
+    assert line.startswith('mtflow: run.yaml:8: backend_options.chat_template: ') and \
+        "'templates/qwen3.jinja' is not a file" in line and 'Jinja text' in line
+    assert not (project / 'out').exists()
+    assert refused(capsys, ['validate', path], 1) == line.removeprefix('mtflow: ')
+
+
+def test_a_template_that_drops_the_tool_result_is_refused_before_the_first_turn(project, models, capsys):
+    path = config(project, models, template='no_tool.jinja')
+    line = refused(capsys, ['run', path, '--no-progress'], 2)
+    assert line.startswith('mtflow: run.yaml:8: backend_options.chat_template: chat template ') and \
+        f"{project / 'no_tool.jinja'}: drops the tool's result (role tool)" in line
+    assert not (project / 'out').exists(), 'nothing was generated, no run directory is left'
+    assert refused(capsys, ['validate', path], 1) == line.removeprefix('mtflow: ')
+
+
+def test_check_tokens_runs_the_same_template_check(project, models, capsys):
+    assert main(['check-tokens', '--model', str(models / 'tiny'), '--template', 'no_tool.jinja',
+                 '--scenario', 'tool call']) == 1
+    failed = [line for line in capsys.readouterr().out.splitlines() if line.startswith('  FAIL')]
+    assert failed == ["  FAIL template: chat template no_tool.jinja: drops the tool's result (role tool): the probe "
+                      "conversation rendered through it lacks that message's text ('probe-tool-result-q7x')"]
+
+
+def test_max_tokens_past_the_context_is_refused_without_a_context_block(project, models, capsys):
+    path = config(project, models, model='tiny64', max_tokens=453)
+    line = refused(capsys, ['run', path, '--no-progress'], 2)
+    assert line.startswith('mtflow: run.yaml:6: request_config.max_tokens: 453 new tokens after the longest prompt '
+                           "(request 'p") and "more than the model's context of 64 tokens" in line, line
+    assert 'set max_tokens to at most' in line and not (project / 'out').exists()
+    validated = refused(capsys, ['validate', path], 1)
+    assert validated.startswith('run.yaml:6: request_config.max_tokens: 453 new tokens') and \
+        'max_position_embeddings in its config.json' in validated
+
+
+def test_a_good_template_runs_and_the_run_says_which_it_used(project, models, capsys):
+    path = config(project, models, template='good.jinja')
+    assert main(['run', path, '--no-progress']) == 0
+    said = capsys.readouterr().err
+    assert f"chat template: {project / 'good.jinja'} (a template file): shows every part of a tool-use " \
+        'conversation; longest prompt' in said and '+ max_tokens 4 <= context 512' in said
+    assert main(['validate', path]) == 0
+    assert f"run.yaml: chat template: {project / 'good.jinja'} (a template file)" in capsys.readouterr().out
+
+
+def test_a_familys_own_template_file_runs(project, models, capsys):
+    family = TEMPLATES / 'llama.cpp' / 'Qwen-Qwen2.5-7B-Instruct.jinja'
+    if not family.is_file():
+        pytest.skip(f'{family} is not there: scripts/test.sh extracts the families\' templates')
+    assert main(['run', config(project, models, template=str(family)), '--no-progress', '-q']) == 0
+    lines = (Path(project) / 'out' / 'trajectories.jsonl').read_text().splitlines()
+    assert len(lines) == 2
