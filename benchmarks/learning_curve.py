@@ -58,11 +58,13 @@ def run_seed(seed: int, steps: int, groups: int, size: int, turns: int, max_toke
     return [h.mean_reward for h in history]
 
 
-def curves_svg(curves: Dict[int, Sequence[float]], margin: float) -> str:
-    """A plain SVG line chart of mean reward per step, one line per seed."""
+def curves_svg(curves: Dict[Any, Sequence[float]], margin: float, title: str = '', label: str = 'seed {}') -> str:
+    """A plain SVG line chart of mean reward per step, one line per key of ``curves`` (a seed; a
+    policy of ``benchmarks/multi_policy_curve.py``), labelled by ``label``."""
     width, height, pad = 640, 320, 40
     steps = max(len(c) for c in curves.values())
     colors = ['#2563eb', '#dc2626', '#16a34a', '#9333ea', '#ea580c']
+    title = title or 'mean reward per step (tiny Qwen2, GRPO, reference loop)'
 
     def xy(i: int, r: float) -> str:
         x = pad + (width - 2 * pad) * i / max(1, steps - 1)
@@ -71,17 +73,17 @@ def curves_svg(curves: Dict[int, Sequence[float]], margin: float) -> str:
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
              'font-size="11">', f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad}" y="18">mean reward per step (tiny Qwen2, GRPO, reference loop); margin {margin}</text>']
+             f'<text x="{pad}" y="18">{title}; margin {margin}</text>']
     for r in (0.0, 0.25, 0.5, 0.75, 1.0):
         y = height - pad - (height - 2 * pad) * r
         parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>')
         parts.append(f'<text x="8" y="{y + 4:.1f}">{r:.2f}</text>')
     parts.append(f'<text x="{width // 2}" y="{height - 8}">step</text>')
-    for k, (seed, curve) in enumerate(sorted(curves.items())):
+    for k, (key, curve) in enumerate(sorted(curves.items(), key=lambda item: str(item[0]))):
         color = colors[k % len(colors)]
         points = ' '.join(xy(i, r) for i, r in enumerate(curve))
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}"/>')
-        parts.append(f'<text x="{width - pad - 60}" y="{pad + 14 * k}" fill="{color}">seed {seed}</text>')
+        parts.append(f'<text x="{width - pad - 110}" y="{pad + 14 * k}" fill="{color}">{label.format(key)}</text>')
     parts.append('</svg>')
     return '\n'.join(parts) + '\n'
 

@@ -25,8 +25,12 @@ a state, tool calls, entropy; copies; a leaf budget, so trees are topped up mid-
 and every tree record must be the same in every driver. A child's model turns come from its
 root's plan, its ids moved by its uuid, so that branches answer apart.
 
-850 scenarios in all (600 + 40 with deadlines + 60 with a context budget + 150 branched), fixed
-by ``derandomize`` so that a failure reproduces.
+Multi-agent scenarios (``docs/multi-agent.md``, at the end): episodes of several roles, each role a
+request, a waiting role resting in ``tool_step``; every role's trajectory must be the same in every
+driver.
+
+970 scenarios in all (600 + 40 with deadlines + 60 with a context budget + 150 branched + 120
+multi-agent), fixed by ``derandomize`` so that a failure reproduces.
 """
 from __future__ import annotations
 
@@ -280,3 +284,178 @@ def test_drivers_agree_on_branched_scenarios(plans, max_turns, branch):
     """Forks at a turn, after a turn (tool_step), after tool calls, at high entropy, with and
     without a leaf budget (top-ups start mid-run): the same leaves and the same trees."""
     assert_parity(plans, {'max_turns': max_turns, 'branch': branch})
+
+
+# ---- multi-agent episodes (docs/multi-agent.md) ------------------------------------------------
+# Every role of an episode is a request of the run; a role waiting for the others rests in tool_step
+# (its step answered Wait). The scenarios: turn-based (two or three roles in turn), simultaneous
+# moves (every role acts, then the environment steps), message passing (a user simulator and an
+# assistant), a role with its own scheduler (inner tool turns between its actions), a judge at the
+# end, a failing role (its backend fails one of its turns: the others finish role_failed, kept), an
+# environment that fails or names nobody (a deadlock), an episode cut by max_steps. Every driver
+# must give the same per-role trajectories, finish reasons, failures and traces.
+
+EPISODE_KINDS = ('turns', 'together', 'messages')
+
+
+class PlannedEpisode:
+    """An episode environment whose course is a plan: who acts at each step (turn-based in order,
+    everyone at once, or a user and an assistant in turn), when it ends, the rewards, and whether
+    it fails or names nobody at a step; ``suspend``: its methods really suspend."""
+
+    def __init__(self, kind: str, seats: Tuple[str, ...], steps: int, fault: Optional[Tuple[str, int]],
+                 suspend: bool) -> None:
+        self.kind, self.seats, self.steps, self.fault, self.suspend = kind, seats, steps, fault, suspend
+        self.roles = seats
+        self.done_steps = 0
+        self.next = 0
+
+    async def _pause(self) -> None:
+        if self.suspend:
+            await asyncio.sleep(0)
+
+    async def reset(self, episode):
+        await self._pause()
+        if self.kind == 'together':
+            return {s: f'{episode.id}: go' for s in self.seats}
+        return {self.seats[0]: f'{episode.id}: you start'}
+
+    def acting(self):
+        if self.fault is not None and self.fault == ('nobody', self.done_steps):
+            return []
+        return list(self.seats) if self.kind == 'together' else [self.seats[self.next]]
+
+    async def step(self, actions):
+        await self._pause()
+        self.done_steps += 1
+        if self.fault is not None and self.fault == ('raise', self.done_steps):
+            raise RuntimeError(f'environment failed at step {self.done_steps}')
+        said = ' | '.join(f'{s}={t}' for s, t in sorted(actions.items()))
+        if self.done_steps >= self.steps:
+            return {'done': True, 'rewards': {s: float(len(t) % 3) - 1.0 for s, t in actions.items()},
+                    'info': {'steps': self.done_steps}}
+        if self.kind == 'together':
+            return {'observations': {s: f'step {self.done_steps}: {said}' for s in self.seats},
+                    'rewards': {s: 0.5 for s in self.seats}}
+        self.next = (self.next + 1) % len(self.seats)
+        return {'observations': {self.seats[self.next]: f'step {self.done_steps}: {said}'}}
+
+
+class InnerTurns(Scheduler):
+    """A role's own scheduler: at the turns its plan names, the turn is an inner tool call (its own
+    step adds a tool message) instead of an action."""
+
+    def __init__(self, tool_turns: Tuple[int, ...]) -> None:
+        super().__init__()
+        self.tool_turns = tool_turns
+
+    async def on_turn_end(self, infer_request, response_choice, current_turn):
+        return {'done': current_turn not in self.tool_turns, 'rollout_infos': {f'own_{current_turn}': True}}
+
+    async def step(self, infer_request, response_choice, current_turn):
+        await asyncio.sleep(0)
+        infer_request.messages.append({'role': 'tool', 'content': f'tool result {current_turn}'})
+        return {'infer_request': infer_request}
+
+
+@st.composite
+def episode_st(draw) -> Dict[str, Any]:
+    kind = draw(st.sampled_from(EPISODE_KINDS))
+    seats = ('user', 'assistant') if kind == 'messages' else (('a', 'b', 'c') if draw(st.booleans()) else ('a', 'b'))
+    fault = None
+    if draw(st.integers(0, 9)) == 0:
+        fault = (draw(st.sampled_from(['raise', 'nobody'])), draw(st.integers(1, 3)))
+    return {
+        'kind': kind, 'seats': seats, 'episodes': draw(st.integers(1, 3)), 'steps': draw(st.integers(1, 5)),
+        'fault': fault, 'suspend': draw(st.booleans()), 'judge': draw(st.integers(0, 3)) == 0,
+        'tool_turns': tuple(draw(st.lists(st.integers(1, 4), max_size=2))) if draw(st.booleans()) else None,
+        'max_steps': draw(st.sampled_from([None, None, 3])),
+        'turns': draw(st.lists(turn_st(('observe', )), min_size=1, max_size=6)),
+    }
+
+
+def _episode_parts(plan: Dict[str, Any]):
+    from mtflow.roles import EpisodeScheduler, PolicyRouter, Role, iter_episode_requests
+    from mtflow.roles.judge import judged
+
+    seats = plan['seats']
+    roles = [Role(s, policy='p' if k % 2 == 0 else 'q',
+                  scheduler=InnerTurns(plan['tool_turns']) if plan['tool_turns'] is not None and k == 0 else None)
+             for k, s in enumerate(seats)]
+
+    def env(info):
+        return PlannedEpisode(plan['kind'], seats, plan['steps'], plan['fault'], plan['suspend'])
+
+    if plan['judge']:
+        roles.append(Role('judge', policy='q', train=False))
+        env = judged(env, judges=list(seats))
+    scheduler = EpisodeScheduler(env, roles, policies=['p', 'q'], max_steps=plan['max_steps'])
+    turns = plan['turns']
+
+    def policy(tag: str):
+        seen: Dict[str, int] = {}
+
+        def rollout(requests, request_config=None):
+            answers = []
+            for r in requests:
+                n = seen[r.uuid] = seen.get(r.uuid, 0) + 1
+                t = turns[(n + len(r.uuid)) % len(turns)]
+                if t['fault'] and n > 1:
+                    answers.append(RuntimeError(f'backend cannot serve {r.uuid} turn {n}'))
+                    continue
+                text = f'Score: {n}' if r.uuid.endswith('/judge') else f'{tag}:{r.uuid}/{n}'
+                answers.append(out(text, t['ids'], t['logprobs'], t['finish_reason']))
+            return answers
+
+        return rollout
+
+    router = PolicyRouter({'p': policy('P'), 'q': policy('Q')}, roles)
+    prompts = [req(f'e{i}') for i in range(plan['episodes'])]
+    groups = list(iter_episode_requests(prompts, roles))
+    return scheduler, router, groups
+
+
+def run_episode_driver(driver: str, plan: Dict[str, Any]) -> Dict[str, tuple]:
+    scheduler, router, groups = _episode_parts(plan)
+    kwargs = dict(max_turns=12, on_error='return')
+    if driver == 'stream':
+        ex = Executor(scheduler, router, mode='async', **kwargs)
+        got = {}
+        for g in ex.stream(groups, max_staleness=0, max_concurrency=2):
+            failures = _failure_view(g.failures)
+            outputs = _without_versions(g.outputs)
+            for k, uuid in enumerate(g.uuids):
+                got[uuid] = (outputs[k], g.finish_reasons[k], failures.get(uuid), dump([g.requests[k]])[0],
+                             _event_view(g.events[k]))
+        return got
+    requests = [r for g in groups for r in g]
+    mode, _, concurrency = driver.partition('@')
+    if mode == 'async':
+        kwargs.update(mode='async', max_concurrency=int(concurrency))
+    result = Executor(scheduler, router, **kwargs).run(requests)
+    failures = _failure_view(result.failures)
+    outputs = _without_versions(result.outputs)
+    return {r.uuid: (outputs[i], result.finish_reasons[i], failures.get(r.uuid), dump([requests[i]])[0],
+                     _event_view(result.trace.for_request(r.uuid)))
+            for i, r in enumerate(requests)}
+
+
+EPISODES = settings(max_examples=120, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.filterwarnings('ignore::UserWarning')
+@EPISODES
+@given(plan=episode_st())
+def test_drivers_agree_on_multi_agent_episodes(plan):
+    """Turn-based, simultaneous and message-passing episodes, a role with inner tool turns, a
+    judge, a failing role, a failing or silent environment, max_steps: the same per-role
+    trajectories under lockstep, async (one slot too: a resting role gives its slot up) and a
+    stream."""
+    reference = run_episode_driver('lockstep', plan)
+    assert all(v[1] is not None for v in reference.values())  # every role finished
+    for driver in DRIVERS[1:]:
+        got = run_episode_driver(driver, plan)
+        assert got.keys() == reference.keys()
+        for uuid, expected in reference.items():
+            assert got[uuid] == expected, f'{driver} differs from lockstep for {uuid}'

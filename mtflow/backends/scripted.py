@@ -59,6 +59,7 @@ from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
+from mtflow.core.registry import resolve_reference
 from mtflow.data.sources import group_of
 from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, sampling_seeds
 from mtflow.backends.chat_templates import resolve_chat_template
@@ -112,6 +113,14 @@ class ScriptedBackend(Backend):
         super().__init__()
         self.honor_max_tokens = honor_max_tokens
         self.sample, self.seed = bool(sample), seed
+        if isinstance(respond, str):  # a run config's 'module:function' (found in the current directory too)
+            try:
+                respond = resolve_reference(respond)
+            except (ImportError, AttributeError) as exc:
+                raise BackendError(f'scripted backend: respond: {exc}') from None
+        if respond is not None and not callable(respond):
+            raise BackendError(f'scripted backend: respond must be a function of the request (or a '
+                               f"'module:function' reference), got {type(respond).__name__}")
         #: ``respond(request) -> text or line``: each output computed from its request instead of read
         self.respond = respond
         if respond is not None:

@@ -189,7 +189,8 @@ def _check_run_dir(console: Console, run_dir: str) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     table = Table(title=f'{path}: {report.lines} trajectories, {report.segments} segments'
-                  + (f', {report.skipped} failed ones skipped' if report.skipped else ''))
+                  + (f', {report.skipped} failed ones skipped' if report.skipped else '')
+                  + (f', {report.untrained} untrained episode roles not checked' if report.untrained else ''))
     for column in ('check', 'passed', 'failed', 'result'):
         table.add_column(column, justify='right' if column in ('passed', 'failed') else 'left')
     for check in RUN_CHECKS:

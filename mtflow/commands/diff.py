@@ -3,7 +3,9 @@
 Requests are matched by uuid (``mtflow/run/diff.py``); those that started from another prompt or
 reference are printed first (they are not the same requests), then for each other that differs
 the first turn and what differs there, then the totals (different prompt or reference /
-identical / different / only in A / only in B) and the change of the mean reward of each group. ``--json`` prints JSON Lines instead: one object
+identical / different / only in A / only in B), for a multi-agent run the episodes (identical, or
+the roles that differ), and the change of the mean reward of each group (a role's: of its
+(prompt, role) group). ``--json`` prints JSON Lines instead: one object
 per differing request, then ``{"totals": ...}`` last. Streams both files: constant memory.
 
 Exit status: 0 when the runs are identical (on ``--fields``), 1 when not (usable in CI), 2 on a
@@ -100,6 +102,10 @@ def main(args: argparse.Namespace) -> int:
                    'not compared), ' if totals.different_input else '')
                   + f'identical {totals.identical}, different {totals.different}, only in A {totals.only_in_a}, '
                   f'only in B {totals.only_in_b}\n')
+        if totals.episodes_identical or totals.episodes_different:  # a multi-agent run: per episode too
+            out.write(f'episodes: identical {totals.episodes_identical}, different {len(totals.episodes_different)}\n')
+            for episode, roles in list(totals.episodes_different.items())[:args.max_shown]:
+                out.write(f'episode {episode}: roles {", ".join(roles)} differ\n')
         for group, change in totals.reward_changes().items():
             out.write(f'group {group}: mean reward {change["a"]:g} -> {change["b"]:g} ({change["change"]:+g})\n')
     return 0 if totals.same else 1

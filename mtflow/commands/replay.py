@@ -25,7 +25,9 @@ from mtflow.commands.run import dataset_file, parse_options, run_meta
 from mtflow.core.errors import UserError
 from mtflow.data.sources import count_requests
 from mtflow.run.agent_config import GatewayConfig
-from mtflow.run.assembly import scheduler_factory, seed_everything
+from mtflow.roles.router import PolicyRouter
+from mtflow.run.assembly import scheduler_factory, seed_everything, tokenizer_of
+from mtflow.run.episodes import build_policies, episode_file, episode_size
 from mtflow.run.config import load_run_config
 from mtflow.run.driver import roll_out
 from mtflow.run.files import RUN_INFO, check_out_apart, recorded_config_file
@@ -98,6 +100,17 @@ def _run_prompter(info: Dict[str, Any], run_dir: Path) -> Any:
         raise UserError(f'replay: the recorded run used {config.get("backend")} ({model}): {exc}') from None
 
 
+def _policy_replay(cfg: Any, trajectories: Path, live: Optional[Any]) -> ReplayBackend:
+    """An episode run's policy (``cfg``: the run config with that policy's backend): the record's
+    outputs of its roles, their token records rebuilt with its own tokenizer."""
+    try:
+        prompter = None if live is not None else run_prompter(cfg.backend, cfg.resolved_model(),
+                                                              cfg.resolved_backend_options())
+    except BackendError as exc:
+        raise UserError(f'replay: the recorded run used {cfg.backend} ({cfg.model}): {exc}') from None
+    return ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None), prompter=prompter)
+
+
 def _use_recorded(scheduler: Any, run_dir: Path) -> RecordedSteps:
     """Give ``scheduler`` the record's tool and environment results (``--tools recorded``)."""
     use = getattr(scheduler, 'use_recorded', None)
@@ -159,7 +172,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_run_config(config, {'out': args.out})
     if info.get('gateway'):
         return _replay_gateway(args, run_dir, info, cfg, trajectories)
-    total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
+    total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations) * episode_size(cfg)
     check_before_load(cfg, with_backend=False)  # the recorded outputs are the model: its backend is not built
     make_scheduler = scheduler_factory(cfg)
     fingerprint = {**run_fingerprint(cfg, dataset_file(cfg)), 'replay_of': str(run_dir.resolve())}
@@ -173,12 +186,15 @@ def main(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         try:
             live = _live_backend(args)
-            prompter = _run_prompter(info, run_dir) if live is None else None
-            backend = ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None),
-                                    prompter=prompter)
+            if episode_file(cfg) is not None:  # each policy's recorded outputs, with its own tokenizer
+                backend = build_policies(cfg, lambda policy_cfg: _policy_replay(policy_cfg, trajectories, live))
+            else:
+                prompter = _run_prompter(info, run_dir) if live is None else None
+                backend = ReplayBackend(trajectories, live=live, tokenizer=getattr(prompter, 'tokenizer', None),
+                                        prompter=prompter)
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
-            scheduler = make_scheduler(backend.tokenizer)
+            scheduler = make_scheduler(tokenizer_of(backend))
             if args.tools == 'recorded':
                 recorded = _use_recorded(scheduler, run_dir)
             try:
@@ -186,8 +202,10 @@ def main(args: argparse.Namespace) -> int:
                 status = 'complete'
             except KeyboardInterrupt:
                 status = 'interrupted'
-            figures.update({'replayed_outputs': backend.served, 'diverged': len(set(backend.diverged)),
-                            'live_outputs': backend.live_calls})
+            replays = list(backend.policies.values()) if isinstance(backend, PolicyRouter) else [backend]
+            figures.update({'replayed_outputs': sum(b.served for b in replays),
+                            'diverged': len({u for b in replays for u in b.diverged}),
+                            'live_outputs': sum(b.live_calls for b in replays)})
             if recorded is not None:
                 figures.update({'recorded_tool_calls': recorded.tool_calls, 'recorded_env_steps': recorded.env_steps})
             summary = summarize(cfg, backend, store, total, figures, load_s)

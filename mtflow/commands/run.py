@@ -39,9 +39,10 @@ from mtflow.core.errors import MtflowError, RunSetupError, UserError
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml
 from mtflow.data import bundled_dataset
 from mtflow.data.sources import count_requests
-from mtflow.run.assembly import SchedulerFactory, build_backend, scheduler_factory, seed_everything
+from mtflow.run.assembly import SchedulerFactory, build_backend, scheduler_factory, seed_everything, tokenizer_of
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.driver import roll_out
+from mtflow.run.episodes import episode_size
 from mtflow.run.files import config_file_meta
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.chat_check import check_loaded
@@ -298,7 +299,7 @@ class _Attempt:
     def _roll_out_with(self, make_scheduler: SchedulerFactory, otel: Any) -> None:
         self._load_backend()
         seed_everything(self.cfg.seed)
-        self.scheduler = make_scheduler(reports_of(self.backend).tokenizer)
+        self.scheduler = make_scheduler(tokenizer_of(self.backend))
         checked = check_loaded(self.cfg, self.backend, self.scheduler)  # the chat template and the context
         if checked is not None and not self.quiet:
             _say(checked)
@@ -410,6 +411,7 @@ def main(args: argparse.Namespace) -> int:
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
     for warning in check_before_load(cfg):
         _say(f'warning: {warning}')
+    total *= episode_size(cfg)  # an episode file: one request per role of each episode
     check_tracker(getattr(args, 'log', None))
     check_env_servers(cfg)  # one session on each OpenEnv url server, before the model loads
     make_scheduler = scheduler_factory(cfg)

@@ -22,6 +22,7 @@ from mtflow.core.trace import Trace
 from mtflow.run.files import TRAJECTORIES
 from mtflow.run.trajectories import read_trajectories
 from mtflow.viewer.compare import render_compare_html
+from mtflow.viewer.episodes import episode_ids, episode_lines, episode_renderable
 from mtflow.viewer.html import render_html
 from mtflow.viewer.model import request_views, select_views, summarize
 from mtflow.viewer.query import QueryError, rows_of, select_rows, sort_rows
@@ -58,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     common(show)
     show.add_argument('--detail', metavar='UUID', help="one request in detail: events, messages, the loss mask")
     show.add_argument('--no-summary', action='store_true', help='only the timeline')
+    show.add_argument('--episode', metavar='ID', help='a multi-agent episode as its roles interleaved: who acted at '
+                      'each step and what it said (needs --trajectories; docs/multi-agent.md)')
     show.add_argument('--color', choices=('auto', 'always', 'never'), default='auto')
     show.add_argument('--width', type=int, help='output width (default: the terminal, wide enough for the turns)')
 
@@ -170,6 +173,8 @@ def main(args: argparse.Namespace) -> int:
 def show(args: argparse.Namespace) -> int:
     trace, trajectories, tokenizer = _load(args)
     force: Optional[bool] = {'always': True, 'never': False}.get(args.color)
+    if args.episode:
+        return _show_episode(args, trajectories, force)
     if args.detail:
         views = {v.uuid: v for v in request_views(trace)}
         view, traj = views.get(args.detail), trajectories.get(args.detail)
@@ -191,6 +196,20 @@ def show(args: argparse.Namespace) -> int:
         width = max(needed_width(views, results), len(summary_line(summary)) + 1 if summary else 0)
     console = Console(force_terminal=force, no_color=args.color == 'never', width=width, highlight=False)
     console.print(trace_renderable(views, summary, results=results))
+    return 0
+
+
+def _show_episode(args: argparse.Namespace, trajectories: Dict[str, Any], force: Optional[bool]) -> int:
+    if not trajectories:
+        raise UserError('--episode needs --trajectories FILE (the episode record is in the role trajectories)')
+    lines = episode_lines(trajectories, args.episode)
+    if not lines:
+        known = episode_ids(trajectories)
+        raise UserError(f'no episode {args.episode!r} in {args.trajectories} (episodes: {", ".join(known[:5]) or "none"}'
+                        f'{", ..." if len(known) > 5 else ""})')
+    width = args.width or (None if sys.stdout.isatty() else 140)
+    console = Console(force_terminal=force, no_color=args.color == 'never', width=width, highlight=False)
+    console.print(episode_renderable(args.episode, lines, width=width or console.width))
     return 0
 
 

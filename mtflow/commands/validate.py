@@ -15,6 +15,7 @@ from typing import Any, List, Tuple
 
 from mtflow.declarative import inspect_file
 from mtflow.declarative.loader import read_yaml
+from mtflow.roles.config import episode_file_problems, episode_imports, is_episode_file
 from mtflow.run.config import RunConfigError, is_run_config, load_run_config
 from mtflow.run.preflight import check_run_config
 from mtflow.tools.isolation import ISOLATION_CHOICES, resolve_isolation
@@ -31,6 +32,8 @@ def report_of(path: str) -> Tuple[List[Any], List[Tuple[str, str]], List[str]]:
     """``(problems, imports, warnings)`` of one file: a scheduler YAML, or a run config and what
     it names (a warning: a backend server that does not answer now)."""
     if not is_run_config(path):
+        if is_episode_file(path):  # a scheduler file with roles: (docs/multi-agent.md)
+            return episode_file_problems(path), episode_imports(path), []
         report = inspect_file(path)
         return report.problems, report.imports, []
     try:

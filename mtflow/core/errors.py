@@ -65,6 +65,13 @@ class StepTimeout(RequestError):
     ``rollout_timeout_s``); the request finishes with reason ``timeout``."""
 
 
+class DeadlockError(RequestError):
+    """A request waits in its step for other requests of the run (a role of a multi-agent episode
+    waiting for the others, ``docs/multi-agent.md``) and none of them can act any more: nothing
+    would end its wait. The message names the episode and the turn where it knows them; the
+    waiting request fails (phase ``step``) instead of hanging the run."""
+
+
 @dataclass
 class RequestFailure:
     """One request that finished with reason ``error``: where, when and why."""

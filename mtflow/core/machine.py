@@ -34,7 +34,8 @@ OPTIONAL_STATES = frozenset((COMPACTING, ))
 # Triggers.
 GENERATE = 'generate'  # the next request adds a message: a new assistant message follows
 CONTINUE = 'continue_message'  # the next request ends with an assistant message: continue it
-RUN_STEP = 'run_step'  # the output is applied and the request goes on: the scheduler's step runs
+RUN_STEP = 'run_step'  # the output is applied and the request goes on: the scheduler's step runs (from
+# ``pending``: a request that opens in its step, e.g. a role that waits for the others before its first turn)
 FINISH = 'finish'  # the output is applied and the request stops
 FAIL = 'fail'  # a hook, a step or rollout_fn failed (or missed its deadline) for this request
 INTERRUPT = 'interrupt'  # the run was interrupted (Ctrl-C) before this request finished
@@ -56,6 +57,8 @@ LENGTH_TOTAL = 'length_total'
 CLIENT_FINISHED = 'client_finished'
 IDLE_TIMEOUT = 'idle_timeout'
 AGENT_TIMEOUT = 'agent_timeout'
+EPISODE_DONE = 'episode_done'
+ROLE_FAILED = 'role_failed'
 
 #: Every core finish reason, once: ``(reason, kind, when)``. ``kind`` is how the viewer colours
 #: it (``ok``: the scheduler stopped it; ``limit``: a bound stopped it; ``error``: it failed);
@@ -88,6 +91,11 @@ FINISH_REASON_TABLE: Tuple[Tuple[str, str, str], ...] = (
      'of its `tool_step` (`docs/gateway.md`)'),
     (AGENT_TIMEOUT, 'limit', '`mtflow run`\'s `agent:` killed the agent (its whole process tree) at '
      '`agent.timeout_s`; the verifier still gives its reward (`docs/gateway.md`)'),
+    (EPISODE_DONE, 'ok', 'the environment of a multi-agent episode ended it: every role still playing finishes '
+     'with it, its reward the one the environment gave that role (`docs/multi-agent.md`)'),
+    (ROLE_FAILED, 'limit', 'another role of the same multi-agent episode failed, timed out or stopped early, which '
+     'ended the episode; this role\'s trajectory is kept as it was, and `rollout_infos.episode.ended_by` names the '
+     'role and why (`docs/multi-agent.md`)'),
 )
 FINISH_REASONS: Tuple[str, ...] = tuple(row[0] for row in FINISH_REASON_TABLE)
 FAILURE_REASONS = frozenset(row[0] for row in FINISH_REASON_TABLE if row[1] == 'error')
@@ -117,7 +125,7 @@ def reason_kind(reason: Optional[str]) -> str:
 CORE_TRANSITIONS: List[Dict[str, Any]] = [
     {'trigger': GENERATE, 'source': [PENDING, TOOL_STEP, COMPACTING], 'dest': GENERATING},
     {'trigger': CONTINUE, 'source': [PENDING, TOOL_STEP, COMPACTING], 'dest': CONTINUING},
-    {'trigger': RUN_STEP, 'source': [GENERATING, CONTINUING], 'dest': TOOL_STEP},
+    {'trigger': RUN_STEP, 'source': [PENDING, GENERATING, CONTINUING], 'dest': TOOL_STEP},
     {'trigger': COMPACT, 'source': [PENDING, TOOL_STEP], 'dest': COMPACTING},
     {'trigger': FINISH, 'source': [GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
     {'trigger': FAIL, 'source': [PENDING, GENERATING, CONTINUING, TOOL_STEP, COMPACTING], 'dest': FINISHED},
@@ -263,7 +271,9 @@ class RequestRecord:
                  # a context budget's count of it (engine/context.py's ContextUse), made when first needed:
                  'context_use',
                  # its place in a branched rollout's tree (``mtflow.engine.branching.Branch``), or None:
-                 'branch')
+                 'branch',
+                 # the wait its step answered with (``mtflow.core.records.Wait``) while it rests in tool_step:
+                 'waiting')
 
     def __init__(self, index: int, uuid: str, request: Any) -> None:
         self.index = index
@@ -300,6 +310,7 @@ class RequestRecord:
         self.resumed_spans: Any = None  # a merged turn's per-segment versions, until the turn is applied
         self.context_use: Any = None  # a context budget's count (``mtflow.engine.context.ContextUse``)
         self.branch: Any = None  # its tree, parent and leaf budget (``mtflow.engine.branching.Branch``)
+        self.waiting: Any = None  # resting in tool_step: what its step waits for (``mtflow.core.records.Wait``)
 
     def __repr__(self) -> str:
         reason = f'({self.reason})' if self.reason else ''

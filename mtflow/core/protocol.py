@@ -162,7 +162,10 @@ class RolloutOutput(_Model):
 
 
 def extract_logprobs(choice: Any) -> List[float]:
-    """The per-token logprob values of a choice, ``[]`` when it carries none (contract rule)."""
+    """The per-token logprob values of a choice, ``[]`` when it carries none (contract rule) or
+    there is none (a step that opens a request, before its first turn)."""
+    if choice is None:
+        return []
     logprobs = choice.logprobs
     if logprobs is None:
         return []

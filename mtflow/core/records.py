@@ -14,7 +14,7 @@ from mtflow.core.errors import RequestFailure
 from mtflow.core.machine import RequestRecord
 from mtflow.core.trace import TraceEvent
 
-__all__ = ['FinishedRequest', 'Move', 'TurnMoves']
+__all__ = ['FinishedRequest', 'Move', 'TurnMoves', 'Wait']
 
 
 @dataclass(slots=True)
@@ -54,6 +54,39 @@ class Move:
     extra: Optional[dict] = None
     reason: Optional[str] = None
     failure: Optional[RequestFailure] = None
+
+
+class Wait:
+    """What a ``step`` returns when its request must wait for *other requests of the run* before
+    it can go on (a role of a multi-agent episode waiting for the others, ``docs/multi-agent.md``),
+    instead of awaiting them inside the step.
+
+    A step that awaited another request's turn would hold its own: the lockstep driver runs a
+    turn's steps together and cannot start the turn the other request waits for. So the step
+    answers at once with ``Wait(until)``, ``until`` an ``asyncio.Future`` of the run's loop (made
+    inside an ``async def`` step: ``asyncio.get_running_loop().create_future()``) that whatever
+    the request waits for resolves: with the step's real result (any step result, another
+    :class:`Wait` included), or with an exception that fails the request (phase ``step``). Until
+    then the request *rests* in ``tool_step``: no move, no model call, no slot of
+    ``max_concurrency``; every driver takes it up again when ``until`` is done, through the same
+    ``tool_step`` handler, under the step's deadline (``step_timeout_s``, counted from the
+    step's start). A request resting while nothing else of the run can act fails with a
+    :class:`mtflow.core.errors.DeadlockError` naming ``why``: a wait is ended by the steps of other
+    requests of the same run (on the same rank); a step that waits for something outside the run
+    (an HTTP call, a gateway session's next call) awaits it inside the step instead.
+
+    ``why``: what it waits for, in words ("episode e1, turn 3: player_1 waits for player_0")."""
+    __slots__ = ('until', 'why', 'started')
+
+    def __init__(self, until: Any, why: str = '') -> None:
+        if not (callable(getattr(until, 'done', None)) and callable(getattr(until, 'result', None))):
+            raise TypeError(f'Wait needs a future (done() and result()), got {type(until).__name__}')
+        self.until = until
+        self.why = why
+        self.started = 0.0  # perf_counter() when its step began (set by the engine)
+
+    def __repr__(self) -> str:
+        return f'Wait({self.why or self.until!r})'
 
 
 class TurnMoves(Sequence):

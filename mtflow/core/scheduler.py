@@ -55,6 +55,11 @@ class Scheduler:
     #: limits on the images of one request (:class:`mtflow.core.images.ImageLimits`), checked by
     #: the executor after every ``step``; ``None``: images are only checked to be readable
     image_limits: Optional[ImageLimits] = None
+    #: set to True when a request may start with no messages and get its first ones from its
+    #: ``step`` (called with ``response_choice=None`` before the first turn): such a request goes
+    #: from ``pending`` into ``tool_step`` (``run_step``) instead of the model's turn. A role of a
+    #: multi-agent episode that waits for the others before it acts opens so (``docs/multi-agent.md``)
+    opens_in_step: bool = False
 
     def __init__(self, infer_engine: Any = None, max_turns: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
         self.infer_engine = infer_engine
@@ -227,6 +232,8 @@ class HookSet:
             self.step = with_stored_images(self.step, self.step_is_async, image_store,
                                            getattr(scheduler, 'image_limits', None))
 
+        #: whether a request with no messages opens in its step (:attr:`Scheduler.opens_in_step`)
+        self.opens_in_step = getattr(scheduler, 'opens_in_step', False) is True
         extra = tuple(getattr(scheduler, 'finish_reasons', ()) or ())
         self.finish_reasons = tuple(dict.fromkeys(FINISH_REASONS + extra))
 

@@ -85,7 +85,8 @@ def _line_map(node: Any, loc: Loc = (), lines: Optional[Dict[Loc, int]] = None) 
     return lines
 
 
-def _line_of(lines: Dict[Loc, int], loc: Loc) -> Optional[int]:
+def line_of(lines: Dict[Loc, int], loc: Loc) -> Optional[int]:
+    """The line of ``loc`` in a file's line map, else of the nearest key above it."""
     for n in range(len(loc), -1, -1):
         if loc[:n] in lines:
             return lines[loc[:n]]
@@ -148,11 +149,14 @@ def _known_keys(model: Any, loc: Loc) -> List[str]:
     return keys
 
 
-def _problems_from_validation(exc: ValidationError, file: str, lines: Dict[Loc, int]) -> List[Problem]:
+def validation_problems(exc: ValidationError, file: str, lines: Dict[Loc, int],
+                        model: Any = SchedulerConfig) -> List[Problem]:
+    """A pydantic validation of a ``model`` document (a scheduler file, an episode file) as
+    problems, each at its file, line and field path (an unknown key with the closest known one)."""
     problems = []
     for err in exc.errors(include_url=False):
         loc = _clean_loc(tuple(err['loc']))
-        problems.append(Problem(file, _line_of(lines, loc), format_path(loc), _message(err, SchedulerConfig)))
+        problems.append(Problem(file, line_of(lines, loc), format_path(loc), _message(err, model)))
     return problems
 
 
@@ -193,19 +197,19 @@ def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[s
         return None, [Problem(file, 1, '', f'a scheduler config must be a mapping, got {got}')]
     problems: List[Problem] = []
     if resolve:
-        problems += [Problem(file, _line_of(lines, loc), format_path(loc), msg)
+        problems += [Problem(file, line_of(lines, loc), format_path(loc), msg)
                      for loc, msg in _plugin_problems(data, base_dir)]
     config = None
     try:
         config = SchedulerConfig.model_validate(data, context={'base_dir': base_dir, 'resolve': resolve,
                                                                'cross_check': False})
     except ValidationError as exc:
-        problems.extend(_problems_from_validation(exc, file, lines))
+        problems.extend(validation_problems(exc, file, lines))
     for loc, msg in cross_problems(data):
-        problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
+        problems.append(Problem(file, line_of(lines, loc), format_path(loc), msg))
     if resolve:
         for loc, msg in _build_problems(data, base_dir, problems):
-            problems.append(Problem(file, _line_of(lines, loc), format_path(loc), msg))
+            problems.append(Problem(file, line_of(lines, loc), format_path(loc), msg))
     problems.sort(key=lambda p: p.line or 0)
     return (config if not problems else None), problems
 
@@ -424,5 +428,5 @@ def load_config(source: Union[str, os.PathLike, Dict[str, Any], SchedulerConfig]
 
 __all__ = [
     'Problem', 'ConfigError', 'FileReport', 'validate_file', 'inspect_file', 'imports_of', 'load_config', 'read_yaml',
-    'check_data', 'format_path'
+    'check_data', 'format_path', 'line_of', 'validation_problems'
 ]

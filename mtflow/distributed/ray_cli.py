@@ -19,7 +19,7 @@ import importlib.util
 import os
 import time
 from types import SimpleNamespace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from mtflow.accounting.token_record import record_accounting
 from mtflow.core.errors import RunSetupError, UserError
@@ -28,6 +28,7 @@ from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
 from mtflow.backends.base import Reports
 from mtflow.run.assembly import actor_setup, backend_from_config, leaf_budget, scheduler_from_config
+from mtflow.run.episodes import as_episodes, episode_file, episode_run_roles, episode_size
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
 from mtflow.run.serving import merged_serving
@@ -52,6 +53,49 @@ class _FanOutBackend(Reports):
 
     def serving_summary(self) -> Optional[Dict[str, Any]]:
         return self.merged_serving
+
+
+class _Sink:
+    """The driver's writer of the records the actors send: each at once, or, in an episode run
+    (``episode_size``: roles per episode, ``docs/multi-agent.md``), an episode's roles together once
+    all came (a role's uuid is ``<episode>/<role>``), or all to ``interrupted.jsonl`` when an
+    interrupt cut one of them."""
+
+    def __init__(self, store: RunStore, episode_size: Optional[int]) -> None:
+        self.store, self.episode_size = store, episode_size
+        self.held: Dict[str, List[RayRecord]] = {}
+        self.write_error: Optional[RunDirError] = None
+
+    def __call__(self, rec: RayRecord) -> None:
+        group = [rec]
+        if self.episode_size is not None:
+            episode = rec.uuid.rpartition('/')[0]
+            group = self.held.setdefault(episode, [])
+            group.append(rec)
+            if len(group) < self.episode_size:
+                return
+            del self.held[episode]
+        store = self.store
+        cut = any(one.finish_reason == INTERRUPTED for one in group)  # an episode cut: all of it runs again
+        try:
+            whole = []
+            for one in group:
+                if one.images:  # stored (fsynced) before the line that names them, as a local run does
+                    one.trajectory['images'] = store.images.put_shipped(one.images, f'ray actor {one.actor}')
+                if cut:
+                    store.write_interrupted(one.trajectory, one.events)
+                else:
+                    whole.append((one.trajectory, one.events))
+            store.write_together(whole)
+        except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
+            self.write_error = exc
+            raise
+        store.tick()
+
+    def requeued(self, uuids: List[str]) -> None:
+        """An episode cut by an actor's death runs again, whole: its roles held here are dropped."""
+        for episode, group in list(self.held.items()):
+            self.held[episode] = [r for r in group if r.uuid not in set(uuids)]
 
 
 class RayRollout:
@@ -82,20 +126,7 @@ class RayRollout:
         store, cfg = self.store, self.cfg
         leaves = leaf_budget(cfg)  # a branched run's progress counts leaves, as its lines do
         progress = ProgressBar(self.show, self.total * (leaves or 1) - len(store.done), 'starting Ray')
-        write_error: Dict[str, RunDirError] = {}
-
-        def sink(rec: RayRecord) -> None:
-            try:
-                if rec.images:  # stored (fsynced) before the line that names them, as a local run does
-                    rec.trajectory['images'] = store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
-                if rec.finish_reason == INTERRUPTED:
-                    store.write_interrupted(rec.trajectory, rec.events)
-                    return
-                store.write(rec.trajectory, rec.events)
-            except RunDirError as exc:  # a full disk: stop the fan-out, keep what is on disk
-                write_error['error'] = exc
-                raise
-            store.tick()
+        sink = _Sink(store, episode_size(cfg) if episode_file(cfg) is not None else None)
 
         def on_duplicate(rec: RayRecord) -> None:  # no line, but its actor counts its images shipped
             store.images.put_shipped(rec.images, f'ray actor {rec.actor}')
@@ -110,9 +141,12 @@ class RayRollout:
         try:
             prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
                                     check_unique=False)  # checked in full by count_requests
+            if sink.episode_size is not None:  # each prompt an episode, its roles in one shard: on one rank
+                prompts = as_episodes(prompts, episode_run_roles(cfg))
             ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, on_duplicate=on_duplicate,
                     on_tree=lambda tree: store.write_trees([tree]),  # a branched prompt's, after its leaves
-                    batch_size=cfg.batch_size, skip=store.done | store.started_prompts, address=self.args.ray_address,
+                    on_requeue=sink.requeued, batch_size=cfg.batch_size, skip=store.done | store.started_prompts,
+                    address=self.args.ray_address,
                     on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
             progress.update(self.result.delivered, '')
@@ -121,8 +155,8 @@ class RayRollout:
         finally:
             progress.stop()
             figures.update(self.figures(time.perf_counter() - started))
-        if write_error:
-            raise write_error['error']
+        if sink.write_error is not None:
+            raise sink.write_error
 
     def figures(self, wall_s: float) -> Dict[str, Any]:
         """This attempt's figures for ``run.json``; the summary's stand-in backend gets the

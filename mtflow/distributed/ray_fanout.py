@@ -56,9 +56,11 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from mtflow.core.errors import MtflowError
+from mtflow.roles.role import seat_of
 from mtflow.backends.base import reports_of
 from mtflow.engine.branching import branch_root
 from mtflow.engine.executor import Executor
+from mtflow.run.assembly import tokenizer_of
 from mtflow.run.images import ImageStore, ShippedName
 from mtflow.run.serving import annotate as annotate_serving, serving_figures
 from mtflow.run.trajectories import finished_to_record, reference_field
@@ -172,7 +174,7 @@ class ShardWorker:
         self.slot = slot
         self.spec = spec
         self.backend = spec.make_backend()
-        self.scheduler = spec.make_scheduler(reports_of(self.backend).tokenizer)
+        self.scheduler = spec.make_scheduler(tokenizer_of(self.backend))
         #: each model call's output per request: the lines' ``turns``, what ``mtflow replay`` serves
         self.turn_log = TurnLog()
         #: the images the steps add, stored as they return (made on the first image; removed on close)
@@ -403,6 +405,7 @@ def ray_run(requests: Iterable[Any],
             max_restarts: Optional[int] = None,
             max_attempts: int = 3,
             on_progress: Optional[Callable[[int, str], None]] = None,
+            on_requeue: Optional[Callable[[List[str]], None]] = None,
             name_prefix: Optional[str] = None,
             poll_s: float = 0.5,
             result: Optional[RayRunResult] = None) -> RayRunResult:
@@ -416,18 +419,17 @@ def ray_run(requests: Iterable[Any],
         address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
             default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
             ``init_options`` (e.g. ``{'num_cpus': 2}``), shut down on return.
-        actor_options: Ray options of each actor (default ``{'num_cpus': 1}``; ``num_gpus`` for a
-            GPU model).
+        actor_options: Ray options of each actor (default ``{'num_cpus': 1}``; ``num_gpus`` for a GPU model).
         max_restarts: replacement actors started in all (default ``num_actors``).
         max_attempts: actors a request may see die before it is given up.
         on_progress: ``on_progress(delivered, description)`` after each record and state change.
+        on_requeue: ``on_requeue(uuids)``: requests given to ``sink`` that run again (an episode cut).
         name_prefix: actors are named ``<prefix>-<slot>`` (``ray.get_actor`` finds them).
         result: a :class:`RayRunResult` to fill in (an interrupted caller keeps the figures so far).
     """
-    if num_actors < 1:
-        raise ValueError(f'num_actors must be >= 1, not {num_actors}')
-    if batch_size < 1:
-        raise ValueError(f'batch_size must be >= 1, not {batch_size}')
+    for name, value in (('num_actors', num_actors), ('batch_size', batch_size)):
+        if value < 1:
+            raise ValueError(f'{name} must be >= 1, not {value}')
     result = result if result is not None else RayRunResult()
     done: Set[str] = {str(u) for u in skip}
     pending, attempts = _shards(requests, batch_size, done, result)
@@ -437,7 +439,8 @@ def ray_run(requests: Iterable[Any],
     t_start, t0_unix = time.perf_counter(), time.time()
     fan_out = _FanOut(spec, result, pending, attempts, done, num_actors=num_actors, sink=sink,
                       on_duplicate=on_duplicate, on_tree=on_tree, max_restarts=max_restarts, max_attempts=max_attempts,
-                      on_progress=on_progress, prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
+                      on_progress=on_progress, on_requeue=on_requeue,
+                      prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
                       actor_options={'num_cpus': 1, **(actor_options or {})})
     try:
         fan_out.run(t0_unix, poll_s)
@@ -457,17 +460,20 @@ def _uuid_of(index: int, request: Any) -> str:
 def _shards(requests: Iterable[Any], batch_size: int, done: Set[str],
             result: RayRunResult) -> Tuple[Deque[List[Tuple[int, Any]]], Dict[str, int]]:
     """The queue of shards (``(dataset index, request)`` lists of ``batch_size``) of the requests
-    not in ``done``, and each one's attempt count (1)."""
+    not in ``done``, and each one's attempt count (1). A list among ``requests`` is the roles of one
+    multi-agent episode (``docs/multi-agent.md``): kept in one shard, so an episode runs on one
+    rank (a shard may grow past ``batch_size`` by an episode), and skipped whole."""
     pending: Deque[List[Tuple[int, Any]]] = deque()
     attempts: Dict[str, int] = {}
     shard: List[Tuple[int, Any]] = []
-    for index, request in enumerate(requests):
-        uuid = _uuid_of(index, request)
-        if uuid in done:
-            result.skipped += 1
+    for index, item in enumerate(requests):
+        members = item if isinstance(item, list) else [item]
+        if _uuid_of(index, members[0]) in done:  # an episode's roles are written together
+            result.skipped += len(members)
             continue
-        attempts[uuid] = 1
-        shard.append((index, request))
+        for request in members:
+            attempts[_uuid_of(index, request)] = 1
+            shard.append((index, request))
         if len(shard) >= batch_size:
             pending.append(shard)
             shard = []
@@ -475,6 +481,12 @@ def _shards(requests: Iterable[Any], batch_size: int, done: Set[str],
         pending.append(shard)
     result.requests = sum(len(s) for s in pending)
     return pending, attempts
+
+
+def _episode_id(request: Any) -> Optional[str]:
+    """The multi-agent episode a request is a role of (``data_dict['episode']['id']``), or ``None``."""
+    seat = seat_of(request)
+    return seat.episode if seat is not None else None
 
 
 def _start_ray(address: Optional[str], init_options: Optional[Dict[str, Any]]) -> bool:
@@ -499,12 +511,15 @@ class _FanOut:
                  attempts: Dict[str, int], done: Set[str], *, num_actors: int,
                  sink: Optional[Callable[[RayRecord], None]], on_duplicate: Optional[Callable[[RayRecord], None]],
                  on_tree: Optional[Callable[[Dict[str, Any]], None]], max_restarts: Optional[int], max_attempts: int,
-                 on_progress: Optional[Callable[[int, str], None]], prefix: str, actor_options: Dict[str, Any]) -> None:
+                 on_progress: Optional[Callable[[int, str], None]], prefix: str, actor_options: Dict[str, Any],
+                 on_requeue: Optional[Callable[[List[str]], None]] = None) -> None:
         import ray
 
         self.ray = ray
         self.spec, self.result, self.pending, self.attempts, self.done = spec, result, pending, attempts, done
         self.sink, self.on_duplicate, self.on_tree, self.on_progress = sink, on_duplicate, on_tree, on_progress
+        #: told the uuids delivered already that run again (an episode cut by an actor's death)
+        self.on_requeue = on_requeue
         self.max_attempts = max_attempts
         self.prefix, self.actor_options = prefix, actor_options
         self.max_restarts = num_actors if max_restarts is None else max_restarts
@@ -635,6 +650,14 @@ class _FanOut:
         """The actor of ``slot`` died: requeue what it had not delivered, replace it."""
         self.result.actor_deaths += 1
         undelivered = [(index, request) for index, request in slot.shard if _uuid_of(index, request) not in self.done]
+        cut = {_episode_id(r) for _, r in undelivered} - {None}
+        if cut:  # an episode runs whole or not at all: its roles already delivered run again with it
+            again = [(i, r) for i, r in slot.shard if _episode_id(r) in cut and _uuid_of(i, r) in self.done]
+            self.done.difference_update(_uuid_of(i, r) for i, r in again)
+            self.result.delivered -= len(again)
+            if self.on_requeue is not None:
+                self.on_requeue([_uuid_of(i, r) for i, r in again])
+            undelivered = [(i, r) for i, r in slot.shard if _uuid_of(i, r) not in self.done]
         retry = []
         for index, request in undelivered:
             uuid = _uuid_of(index, request)

@@ -46,7 +46,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from mtflow.core.calls import OK, RAISED, Outcome
 from mtflow.core.errors import RolloutFnError
-from mtflow.core.machine import CONTINUE, FINISHED, GENERATE, PENDING, TOOL_STEP, WAITING_STATES, RequestRecord
+from mtflow.core.machine import (CONTINUE, FINISHED, GENERATE, PENDING, RUN_STEP, TOOL_STEP, WAITING_STATES,
+                                 RequestRecord)
 from mtflow.accounting.token_record import RECORD_ATTR
 from mtflow.engine.branching import plant
 from mtflow.engine.driver import Driver, publish, trees
@@ -58,6 +59,7 @@ from mtflow.engine.model_call import deliver, model_calls, model_failure_moves
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
 from mtflow.engine.options import MODES
 from mtflow.engine.partial import Budget, UnfinishedRequest, Until
+from mtflow.engine.resting import awaited_wait, deadlock_moves, stuck_waits
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunState
 from mtflow.engine.versions import PolicyClock, stamp
@@ -146,6 +148,8 @@ class AsyncDriver(Driver):
                     self.fill_slots()
                 if flight.idle():
                     break  # every request finished, or was handed back by the budget
+                if self.deadlocked():
+                    continue
                 batch = flight.wait(self.has_news, self.budget_left())
                 for kind, rec, turn, outcome in sorted(batch, key=lambda c: c[1].index):
                     self.on_completion(kind, rec, turn, outcome)
@@ -223,7 +227,7 @@ class AsyncDriver(Driver):
         when it does not run, e.g. the first turn was given); each one's move into the model's
         turn is kept for when it gets a slot (``record.admission``), any other is carried out."""
         for mv in moves if moves is not None else STATE_HANDLERS[PENDING](self.run, records, 1):
-            if mv.trigger in (GENERATE, CONTINUE):
+            if mv.trigger in (GENERATE, CONTINUE, RUN_STEP):  # RUN_STEP: a request that opens in its step
                 mv.record.admission = mv
             else:
                 apply_moves(self.run, [mv])
@@ -295,6 +299,15 @@ class AsyncDriver(Driver):
     def on_completion(self, kind: str, rec: RequestRecord, turn: int, outcome: Outcome) -> None:
         """A generation or a step completed: its result goes to the record, and the record goes
         on through the state table (:meth:`settle`)."""
+        if kind == 'wake':  # a resting record's wait ended: it queues first for a slot
+            if rec.state == FINISHED:  # failed meanwhile (a deadlock): its wait was dropped
+                return
+            if self.stopping:
+                self.hand_back_resting(rec)
+                return
+            rec.waiting, rec.step_outcome = None, outcome
+            self.queue.appendleft(rec)
+            return
         if kind == 'generate':
             if self.stopping or (outcome.kind == RAISED and isinstance(outcome.value, _Stopped)):
                 self.drop_generation(rec)  # past the budget: sent again on resume, unchanged
@@ -330,7 +343,10 @@ class AsyncDriver(Driver):
                     self.generate(rec, rec.turns + 1)
                 return
             if state == TOOL_STEP and rec.step_outcome is None:
-                if self.begin_step(rec, rec.turns):
+                if rec.waiting is not None:  # its step answered Wait: it rests, without its slot
+                    self.rest(rec)
+                    return
+                if self.begin_step(rec, rec.turns or 1):
                     return
                 continue  # prepare_steps failed it
             delivered = False
@@ -352,6 +368,24 @@ class AsyncDriver(Driver):
         self.flight.launch('step', rec, turn, self.flight.step(self.run.hooks, self.run.options.step_timeout_s,
                                                                rec, turn))
         return True
+
+    def rest(self, rec: RequestRecord) -> None:
+        """``rec`` rests (its step answered ``Wait``): its slot goes to another request and a task
+        awaits its wait; when it ends, the record queues first for a slot (kind ``'wake'``)."""
+        self.run.came_to_rest.clear()  # this driver rests each record as it settles
+        self.active -= 1
+        self.flight.launch('wake', rec, rec.turns or 1, awaited_wait(rec.waiting, self.run.options.step_timeout_s))
+
+    def deadlocked(self) -> bool:
+        """Every task in flight is a wait nothing can end (:func:`~mtflow.engine.resting.stuck_waits`;
+        not while a budget stops the run: then the waits were cancelled): those records fail."""
+        stuck = [] if self.stopping else stuck_waits(self.flight, self.queue)
+        if stuck:
+            apply_moves(self.run, deadlock_moves(stuck, max(r.turns for r in stuck) or 1))
+            for rec in stuck:
+                self.active += 1  # it rested without its slot; finishing gives one back
+                self.release_finished(rec)
+        return bool(stuck)
 
     def release_finished(self, rec: RequestRecord) -> None:
         """A request finished: its slot is free."""
@@ -381,6 +415,11 @@ class AsyncDriver(Driver):
         step): its slot is free, and it goes back unfinished (:attr:`RunResult.unfinished`)."""
         self.active -= 1
 
+    def hand_back_resting(self, rec: RequestRecord) -> None:
+        """Stopped by the budget while it rested (it held no slot): it goes back unfinished, in
+        ``tool_step`` without its wait (what it waited for is gone with the run)."""
+        rec.waiting = None
+
     # ---- the budget ------------------------------------------------------------------------------
     def done_counts(self) -> Dict[str, int]:
         """What the budget counts, under its names (a stream counts what it delivered)."""
@@ -403,7 +442,7 @@ class AsyncDriver(Driver):
             return
         self.stopping = True
         self.queue.clear()
-        for _rec, task in self.flight.generations():
+        for _rec, task in self.flight.generations() + self.flight.waits():
             task.cancel()
 
     # ---- the result ------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ async mode with one request at a time.
   decision -> ``finish`` / ``run_step`` / ``fail``;
 - ``tool_step``: :func:`handle_tool_step` applies the scheduler's ``step`` -> ``generate`` /
   ``continue_message`` / ``finish`` (the step returned ``done``) / ``fail`` (the step run here, or
-  brought as ``record.step_outcome`` by a driver that ran it as its own task); a step's
-  ``new_segment`` closes the training segment first;
+  brought as ``record.step_outcome`` by a driver that ran it as its own task, or that took a
+  resting record up again); a step's ``new_segment`` closes the training segment first; a step
+  that answers :class:`~mtflow.core.records.Wait` leaves its record resting there (no move);
 - ``compacting`` (a context budget only): :func:`mtflow.engine.context.handle_compacting`
   applies the policy -> ``finish`` / ``generate`` / ``continue_message`` / ``fail``; the moves
   into ``generating``/``continuing`` of ``start`` and ``tool_step`` are checked against the
@@ -25,6 +26,7 @@ async mode with one request at a time.
 """
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.calls import OK, Outcome
@@ -33,7 +35,7 @@ from mtflow.core.images import check_request_images
 from mtflow.core.machine import (CHECK_FINISHED, COMPACTING, CONTINUE, CONTINUING, DONE_BY_HOOK, FAIL, FINISH, GENERATE,
                                  GENERATING, PENDING, RUN_STEP, TOOL_STEP, RequestRecord)
 from mtflow.core.protocol import generated_tokens
-from mtflow.core.records import Move, TurnMoves
+from mtflow.core.records import Move, TurnMoves, Wait
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_infos, check_output, check_turn_result
 from mtflow.accounting.segments import is_continuation_of
@@ -69,7 +71,8 @@ def check_uuids(run: RunState) -> List[Move]:
 
 def start(run: RunState, records: List[RequestRecord]) -> List[Move]:
     """``pending``: ``on_trajectory_start`` for ``records`` (native API), then each enters
-    ``generating`` or ``continuing``."""
+    ``generating`` or ``continuing``; with a scheduler that ``opens_in_step``, a request that has
+    no messages yet enters ``tool_step`` (``run_step``): its step gives its first messages."""
     hooks = run.hooks
     hook = hooks.on_trajectory_start
     if hook is not None and records:
@@ -77,7 +80,11 @@ def start(run: RunState, records: List[RequestRecord]) -> List[Move]:
                                      run.options.step_timeout_s)
         if outcome.kind != OK:
             return [outcome_move(rec, 1, 'on_trajectory_start', outcome) for rec in records]
-    return route(run, [wait_move(rec, 1) for rec in records], 1)
+    moves = [wait_move(rec, 1) for rec in records]
+    if hooks.opens_in_step:
+        moves = [Move(mv.record, RUN_STEP, 1) if mv.trigger == GENERATE and not mv.record.request.messages else mv
+                 for mv in moves]
+    return route(run, moves, 1)
 
 
 # ---- generating / continuing ---------------------------------------------------------------------
@@ -251,7 +258,8 @@ def _stops(run: RunState, going: List[RequestRecord], turn: int, failed: Dict[in
 def handle_tool_step(run: RunState, records: List[RequestRecord], turn: int) -> Sequence[Move]:
     """``tool_step``: each record's step outcome applied through the accounting -> ``generate`` /
     ``continue_message`` (by the next request's messages) or ``fail``, one move per record, in
-    order. A record whose step already ran (``record.step_outcome``: a driver that runs each step
+    order; a record whose step answered :class:`~mtflow.core.records.Wait` (it waits for other
+    requests) rests: no move, ``record.waiting`` set, until its driver brings the wait's outcome. A record whose step already ran (``record.step_outcome``: a driver that runs each step
     as its own task, :func:`prepare_steps` having run first) brings its outcome; the others' steps
     run here, together (async ones concurrently, sync ones in order, each under
     ``step_timeout_s``)."""
@@ -301,13 +309,18 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
     triggers: List[str] = [GENERATE] * n  # columns filled in place: no call per request
     extras: List[Optional[dict]] = [None] * n
     ending: Dict[int, Move] = {}
+    resting: Optional[List[int]] = None
     for k, rec in enumerate(going):
         if problems is not None and k in problems:
             mv = ending[k] = outcome_move(rec, turn, 'step', problems[k])
             triggers[k] = mv.trigger
             continue
         result = values[k]
-        if result.__class__ is dict and result.get('done'):  # the step ends its request (docs/schedulers.md)
+        if result.__class__ is not dict:
+            if result.__class__ is Wait:  # it waits for other requests: it rests in tool_step, no move
+                resting = _rest(run, rec, result, durations[k] if durations is not None else None, k, resting)
+                continue
+        elif result.get('done'):  # the step ends its request (docs/schedulers.md)
             mv = ending[k] = _step_done(rec, turn, result, durations[k] if durations is not None else None)
             triggers[k] = mv.trigger
             continue
@@ -336,12 +349,34 @@ def _step_moves(run: RunState, records: List[RequestRecord], turn: int, going: L
         except Exception:
             mv = ending[k] = wait_move(rec, turn, durations[k] if durations is not None else None, extra)
             triggers[k] = mv.trigger
-    moves = route(run, TurnMoves(going, triggers, turn, None, durations, extras, ending or None), turn)
-    if not failed:  # going is records
+    columns = TurnMoves(going, triggers, turn, None, durations, extras, ending or None)
+    moves = route(run, columns if resting is None else _without_resting(columns, resting), turn)
+    if not failed and resting is None:  # going is records
         return moves
     by_index = {mv.record.index: mv for mv in moves}
     by_index.update((mv.record.index, mv) for mv in failed)
-    return [by_index[rec.index] for rec in records]
+    return [by_index[rec.index] for rec in records if rec.index in by_index]
+
+
+def _rest(run: RunState, rec: RequestRecord, wait: Wait, duration: Optional[float], k: int,
+          resting: Optional[List[int]]) -> List[int]:
+    """``rec``'s step answered ``wait``: it rests in ``tool_step`` (its driver takes it up when the
+    wait ends, :mod:`mtflow.engine.resting`); the positions of the records resting in this batch."""
+    wait.started = perf_counter() - (duration or 0.0)
+    rec.waiting = wait
+    run.came_to_rest.append(rec)
+    return [k] if resting is None else resting + [k]
+
+
+def _without_resting(moves: TurnMoves, resting: List[int]) -> TurnMoves:
+    """A turn's step moves without the records that rest (their step answered with a
+    :class:`~mtflow.core.records.Wait`: no move until it is done)."""
+    keep = [k for k in range(len(moves.records)) if k not in set(resting)]
+    position = {k: p for p, k in enumerate(keep)}
+    ending = {position[k]: mv for k, mv in (moves.ending or {}).items() if k in position}
+    return TurnMoves([moves.records[k] for k in keep], [moves.triggers[k] for k in keep], moves.turn, None,
+                     None if moves.durations is None else [moves.durations[k] for k in keep],
+                     [moves.extras[k] for k in keep], ending or None)
 
 
 def _step_done(rec: RequestRecord, turn: int, result: Dict[str, Any], duration: Optional[float]) -> Move:

@@ -45,9 +45,11 @@ class InFlight:
     def __init__(self, loop: asyncio.AbstractEventLoop, rollout_fn: Any) -> None:
         self.loop = loop
         self.rollout_is_async = is_async_callable(rollout_fn)
-        #: record index -> its running task, and the generations among them (their records)
+        #: record index -> its running task, and the generations and the resting records' waits
+        #: among them (their records)
         self.tasks: Dict[int, asyncio.Task] = {}
         self.generating: Dict[int, RequestRecord] = {}
+        self.waking: Dict[int, RequestRecord] = {}
         self.completions: Deque[Completion] = deque()
         self.wake: Optional[asyncio.Event] = None  # set by start(), when the driver begins
         self.waiter: Optional[asyncio.Task] = None
@@ -68,6 +70,8 @@ class InFlight:
         self.tasks[rec.index] = task
         if kind == 'generate':
             self.generating[rec.index] = rec
+        elif kind == 'wake':
+            self.waking[rec.index] = rec
         task.add_done_callback(lambda done: self._post(kind, rec, turn, done))
 
     def _post(self, kind: str, rec: RequestRecord, turn: int, task: 'asyncio.Task[Outcome]') -> None:
@@ -77,6 +81,7 @@ class InFlight:
         if self.tasks.get(rec.index) is task:
             del self.tasks[rec.index]
             self.generating.pop(rec.index, None)
+            self.waking.pop(rec.index, None)
         if task.cancelled():
             outcome = Outcome(RAISED, Stopped('cancelled'), 0.0)
         else:
@@ -89,9 +94,24 @@ class InFlight:
         """The generations running now, with their tasks (to cancel some)."""
         return [(rec, self.tasks[index]) for index, rec in list(self.generating.items())]
 
+    def waits(self) -> List[Tuple[RequestRecord, 'asyncio.Task[Outcome]']]:
+        """The resting records' waits running now, with their tasks."""
+        return [(rec, self.tasks[index]) for index, rec in list(self.waking.items())]
+
+    def forget(self, rec: RequestRecord) -> None:
+        """Stop ``rec``'s task and drop it without a completion (a deadlocked wait, failed by the
+        driver itself)."""
+        task = self.tasks.pop(rec.index, None)
+        self.generating.pop(rec.index, None)
+        self.waking.pop(rec.index, None)
+        if task is not None:
+            task.cancel()
+
     def steps(self) -> List['asyncio.Task[Outcome]']:
-        """The steps running now (to cancel them on an interrupt)."""
-        return [task for index, task in list(self.tasks.items()) if index not in self.generating]
+        """The steps running now (to cancel them on an interrupt; not the resting records' waits,
+        which the budget's stop cancels with the generations)."""
+        return [task for index, task in list(self.tasks.items())
+                if index not in self.generating and index not in self.waking]
 
     def idle(self) -> bool:
         """Nothing running and nothing to handle."""

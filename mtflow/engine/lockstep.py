@@ -12,6 +12,13 @@ One turn (see ``docs/executor.md``):
    another rank works), so every rank calls it the same number of times (``skip_empty_calls``,
    single rank only: no call when nothing is live, e.g. after the final turn).
 
+A request whose step answered :class:`~mtflow.core.records.Wait` (it waits for other requests:
+a role of a multi-agent episode waiting for the others) *rests* in ``tool_step`` out of the turn;
+after each turn's handlers the resting requests whose waits ended (the other requests' steps
+ended them) go on through the ``tool_step`` handler and join this turn's model call
+(:mod:`mtflow.engine.resting`). A rank with resting requests has work; resting requests with
+nothing live beside them can never be woken: they fail (a deadlock), never hang the run.
+
 Policy versions (:mod:`mtflow.engine.versions`) are stamped as the async driver stamps them:
 once a version was set (``executor.set_policy_version``) or the backend declares one, each
 generated turn gets the version current when its ``rollout_fn`` call was issued (read before
@@ -26,17 +33,21 @@ from collections import Counter
 from typing import List, Optional
 
 from mtflow.core.errors import RankMismatchError
-from mtflow.core.machine import PENDING, WAITING_STATES, RequestRecord
+from mtflow.core.machine import FINISHED, PENDING, WAITING_STATES, RequestRecord
 from mtflow.engine.branching import plant
 from mtflow.engine.driver import Driver, by_turn
 from mtflow.engine.handlers import advance, check_uuids, turn_phases
 from mtflow.engine.model_call import call_model, deliver
 from mtflow.engine.moves import apply_moves, fail_move, wait_move
+from mtflow.engine.resting import deadlock_moves, wait_outcome
 from mtflow.engine.result import RunResult
 from mtflow.engine.run_state import RunState
 from mtflow.engine.versions import PolicyClock, stamp
 
 __all__ = ['LockstepDriver']
+
+#: where a record taken up from resting stops going through the handlers in this turn
+_SETTLED = WAITING_STATES | {FINISHED}
 
 
 class LockstepDriver(Driver):
@@ -45,6 +56,8 @@ class LockstepDriver(Driver):
     def __init__(self, run: RunState, clock: Optional[PolicyClock] = None) -> None:
         super().__init__(run)
         self.clock = clock
+        #: the records resting in ``tool_step`` (their step answered ``Wait``), out of the turn
+        self.resting: List[RequestRecord] = []
 
     def issued_version(self) -> Optional[int]:
         """The version a ``rollout_fn`` call issued now is stamped with, or ``None`` (none set)."""
@@ -80,7 +93,6 @@ class LockstepDriver(Driver):
         phases = turn_phases()
         while True:
             live = [r for r in live if r.state in WAITING_STATES]
-            has_local = bool(live)
             run.turn = turn
             if not self.ranks_have_work(live, turn):
                 break
@@ -93,6 +105,8 @@ class LockstepDriver(Driver):
                 for at, records_at in by_turn(batch):  # one turn, but where a tree was topped up
                     apply_moves(run, handler(run, records_at, at))
                     live += self.entering()
+            if self.resting or run.came_to_rest:
+                live = self.rest_and_wake(live, turn)
             live = [r for r in live if r.state in WAITING_STATES]
             turn += 1
             run.turn = turn
@@ -100,8 +114,42 @@ class LockstepDriver(Driver):
             if not live and run.options.skip_empty_calls:
                 outputs = []  # one rank, nothing to generate: the contract's empty call is not needed
             else:
-                outputs = call_model(run, live if has_local else [], turn)
+                outputs = call_model(run, live, turn)
         return self.result()
+
+    def rest_and_wake(self, records: List[RequestRecord], turn: int) -> List[RequestRecord]:
+        """The records of ``records`` that rest in ``tool_step`` join the resting ones; the resting
+        records whose waits ended (or passed their deadline) go on through the ``tool_step``
+        handler. Returns ``records`` with those taken up; when nothing is left to act, the records
+        still resting fail (nothing could end their waits)."""
+        run = self.run
+        self.resting += run.came_to_rest
+        run.came_to_rest = []
+        timeout = run.options.step_timeout_s
+        woken: List[RequestRecord] = []
+        resting: List[RequestRecord] = []
+        for rec in self.resting:
+            outcome = wait_outcome(rec.waiting, timeout)
+            if outcome is None:
+                resting.append(rec)
+                continue
+            rec.waiting, rec.step_outcome = None, outcome
+            woken.append(rec)
+        self.resting = resting
+        going = woken
+        while going:  # through the tool_step handler, and on (a compaction) until the model's turn
+            for at, records_at in by_turn(going):
+                advance(run, records_at, at)
+                records = records + self.entering()
+            going = [r for r in going if r.state not in _SETTLED and r.waiting is None]
+        self.resting += run.came_to_rest  # woken records whose wait's result was another wait
+        run.came_to_rest = []
+        known = {id(r) for r in records}  # a record that rested in this very turn is among them already
+        records = records + [r for r in woken if id(r) not in known]
+        if self.resting and not any(r.state in WAITING_STATES for r in records):
+            stuck, self.resting = self.resting, []
+            apply_moves(run, deadlock_moves(stuck, turn))
+        return records
 
     def start(self, pending: List[RequestRecord]) -> List[RequestRecord]:
         """The turn before the first for ``pending``: ``on_trajectory_start``, then whatever it led
@@ -115,6 +163,8 @@ class LockstepDriver(Driver):
             if batch:
                 apply_moves(run, handler(run, batch, 1))
                 pending += self.entering()
+        if self.run.came_to_rest:  # requests that opened in their step and wait
+            pending = self.rest_and_wake(pending, 1)
         return [r for r in pending if r.state in WAITING_STATES]
 
     def entering(self) -> List[RequestRecord]:
@@ -131,10 +181,11 @@ class LockstepDriver(Driver):
         ranks also compare a fingerprint of their live sets."""
         run = self.run
         gather_fn = run.settings.gather_fn
+        has_work = bool(live) or bool(self.resting)  # resting requests: a wait a failure just ended
         if not run.options.check_ranks:
-            return any(gather_fn([bool(live)]))
+            return any(gather_fn([has_work]))
         digest = hashlib.blake2b('\x1f'.join(r.uuid for r in live).encode(), digest_size=8).hexdigest()
-        gathered = gather_fn([(bool(live), len(live), digest)])
+        gathered = gather_fn([(has_work, len(live), digest)])
         prints = [tuple(g) if isinstance(g, (list, tuple)) else (bool(g), None, None) for g in gathered]
         if len(set(prints)) > 1:
             majority = Counter(prints).most_common(1)[0][0]

@@ -199,7 +199,7 @@ def _finishing(run: RunState, mv: Move) -> Move:
             after_step = getattr(run.accounting, 'finalize_after_step', None)
             if after_step is not None:
                 after_step(rec, rec.choice)
-        else:
+        elif rec.choice is not None:  # None: it never generated (a role whose episode ended before it acted)
             run.accounting.finalize(rec, rec.choice, rec.turn_result or _NO_TURN_RESULT)
     except Exception as exc:  # e.g. ms-swift 4.6's get_response_token_data rejects a mask
         return fail_move(rec, turn, 'finalize', exc, tokens=mv.tokens)

@@ -108,6 +108,9 @@ class RunState:
         self.keeps_records = True
         #: records that entered the run since the driver last looked (:meth:`take_entering`)
         self.entering: List[RequestRecord] = []
+        #: records whose step answered ``Wait`` since the driver last looked: they rest in
+        #: ``tool_step`` until their waits end (:mod:`mtflow.engine.resting`)
+        self.came_to_rest: List[RequestRecord] = []
 
     def take_index(self) -> int:
         """The index of a record made during the run (a fork's child, a stream's member): one

@@ -523,6 +523,10 @@ class StreamDriver(AsyncDriver):
         super().hand_back(rec)
         self.unfinished.append(UnfinishedRequest(rec, True))  # its group goes back whole (hand_back_whole)
 
+    def hand_back_resting(self, rec: RequestRecord) -> None:
+        super().hand_back_resting(rec)
+        self.unfinished.append(UnfinishedRequest(rec, True))  # its group goes back whole (hand_back_whole)
+
     def member_done(self, rec: RequestRecord) -> None:
         group = rec.group
         if group is None:

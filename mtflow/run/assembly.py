@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from mtflow import backends
+from mtflow.backends.base import reports_of
 from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.registry import import_module
 from mtflow.declarative import load_config, load_scheduler
+from mtflow.roles.router import PolicyRouter
 from mtflow.run.config import RunConfig
+from mtflow.run.episodes import build_policies, episode_file, make_episode_scheduler
 
-__all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'load_python_scheduler', 'scheduler_factory',
+__all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'tokenizer_of', 'load_python_scheduler', 'scheduler_factory',
            'actor_setup', 'backend_from_config', 'scheduler_from_config']
 
 #: ``make(tokenizer) -> scheduler``: the scheduler is built once the backend (and its tokenizer) is
@@ -43,7 +46,20 @@ def seed_everything(seed: Optional[int]) -> None:
 
 
 def build_backend(cfg: RunConfig) -> Any:
-    """The config's backend, seeded with the run's seed when it takes one (``docs/cli.md``)."""
+    """The config's backend, seeded with the run's seed when it takes one (``docs/cli.md``); for
+    an episode file, every policy's backend behind one router (``mtflow/run/episodes.py``)."""
+    if episode_file(cfg) is not None:
+        return build_policies(cfg, _one_backend)
+    return _one_backend(cfg)
+
+
+def tokenizer_of(backend: Any) -> Any:
+    """What a scheduler factory gets: the backend's tokenizer, or an episode run's per-policy ones."""
+    tokenizers = backend.tokenizers if isinstance(backend, PolicyRouter) else None
+    return tokenizers if tokenizers else reports_of(backend).tokenizer
+
+
+def _one_backend(cfg: RunConfig) -> Any:
     options = cfg.resolved_backend_options()
     try:
         if cfg.seed is not None and 'seed' not in options and 'seed' in backends.backend_options(
@@ -125,9 +141,12 @@ def takes_tokenizer(factory: Callable[..., Any]) -> bool:
 def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
     """Check the scheduler before the (slow) model loads; return ``make(tokenizer)``.
 
-    A YAML file goes through :func:`mtflow.declarative.load_scheduler`; ``module:Class`` (or
+    A YAML file goes through :func:`mtflow.declarative.load_scheduler` (an episode file, with
+    ``roles:``, through :func:`mtflow.run.episodes.make_episode_scheduler`); ``module:Class`` (or
     ``file.py:Class``) is called with ``scheduler_args`` and, when it accepts one, the backend's
     tokenizer."""
+    if episode_file(cfg) is not None:
+        return lambda tokenizer: make_episode_scheduler(cfg, tokenizer)
     if cfg.scheduler_is_yaml():
         return _yaml_scheduler_factory(cfg)
     factory = load_python_scheduler(cfg.scheduler, cfg.base_dir)
@@ -178,4 +197,5 @@ def backend_from_config(cfg: RunConfig) -> Any:
 
 
 def scheduler_from_config(cfg: RunConfig, tokenizer: Any) -> Any:
+    """An actor's scheduler (``tokenizer``: :func:`tokenizer_of` its backend)."""
     return scheduler_factory(cfg)(tokenizer)

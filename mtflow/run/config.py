@@ -24,6 +24,9 @@
     agent: null                               # mtflow run of an external agent per prompt (docs/gateway.md)
     admission: null                           # {tool_calls: N, env_sessions: M} (docs/admission.md)
     max_failed_share: 0.5                     # exit 1 when more than this share of requests failed
+    policies: {}                              # an episode file's policy ids -> {backend, model, backend_options}
+                                              # (the run's own backend is the policy 'default'; docs/multi-agent.md)
+    roles: {}                                 # an episode file's roles by name: {policy, sampling, train} to change
 
 Relative paths in ``scheduler``, ``dataset``, ``model`` (when it names an existing file or
 directory) and the ``backend_options`` key ``path`` are looked up next to the config file first,
@@ -34,10 +37,10 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from mtflow.backends import BackendError, check_backend_name
 from mtflow.backends.base import SamplingError, sampling_options
@@ -51,6 +54,8 @@ from mtflow.data.sources import check_dataset_mapping
 from mtflow.declarative.context import ContextConfig
 from mtflow.declarative.schema import SchedulerConfig
 from mtflow.engine.admission import Admission
+from mtflow.roles.config import RoleOverride
+from mtflow.roles.role import DEFAULT_POLICY
 from mtflow.run.agent_config import AgentConfig, GatewayConfig
 
 __all__ = ['RunConfig', 'RunConfigError', 'load_run_config', 'is_run_config', 'PATH_OPTIONS', 'parse_sets',
@@ -71,6 +76,26 @@ class AdmissionConfig(StrictModel):
         return Admission(tool_calls=self.tool_calls, env_sessions=self.env_sessions)
 
 
+def _known_backend(value: str) -> str:
+    """A backend name (registered, an alias, or ``'module:Class'``), as a schema error otherwise."""
+    try:
+        return check_backend_name(value)
+    except BackendError as exc:
+        raise ValueError(str(exc)) from None
+
+
+#: a config's backend name, checked by :func:`_known_backend`
+BackendName = Annotated[str, AfterValidator(_known_backend)]
+
+
+class PolicyConfig(StrictModel):
+    """One ``policies:`` entry: the backend that serves a policy id of an episode file."""
+    backend: BackendName = Field('hf', description='As the run config\'s backend: hf, openai, vllm, scripted, swift, '
+                                 "'module:Class'.")
+    model: Optional[str] = Field(None, description="Its model (next to the config file when it is a path).")
+    backend_options: Dict[str, Any] = Field(default_factory=dict, description="The backend's keyword arguments.")
+
+
 class RunConfigError(UserError):
     """A run config that cannot be used; the message names file, line and field."""
 
@@ -84,7 +109,7 @@ class RunConfig(StrictModel):
                                      'agent: section.')
     scheduler_args: Dict[str, Any] = Field(default_factory=dict,
                                            description='Keyword arguments for a Python scheduler class.')
-    backend: str = Field('hf', description="hf, openai, vllm, scripted or swift; a name given to "
+    backend: BackendName = Field('hf', description="hf, openai, vllm, scripted or swift; a name given to "
                          "mtflow.backends.register_backend; or your own class as 'module:Class' (the module "
                          'found next to the config file too).')
     model: Optional[str] = Field(None, description="The backend's model; for hf: 'embedded' (default), a local "
@@ -122,6 +147,11 @@ class RunConfig(StrictModel):
     agent: Optional[AgentConfig] = Field(None, description='mtflow run starts this agent command per prompt against '
                                          'its own gateway session (docs/gateway.md): command, task, concurrency, '
                                          'timeout_s, verifier, ...')
+    policies: Dict[str, PolicyConfig] = Field(default_factory=dict, description='An episode file\'s policy ids '
+                                              '(docs/multi-agent.md) -> the backend serving each: {backend, model, '
+                                              "backend_options}; the run's own backend is the policy 'default'.")
+    roles: Dict[str, RoleOverride] = Field(default_factory=dict, description='An episode file\'s roles by name: '
+                                           'the policy, sampling or train flag to change for this run.')
 
     #: the directory of the config file (for relative paths); not a YAML key
     base_dir: Optional[Path] = Field(None, exclude=True)
@@ -167,6 +197,14 @@ class RunConfig(StrictModel):
         data['backend_options'] = {**given, **options} if isinstance(given, dict) else given
         return data
 
+    @field_validator('policies')
+    @classmethod
+    def _not_default(cls, value: Dict[str, Any]) -> Dict[str, Any]:
+        if DEFAULT_POLICY in value:
+            raise ValueError(f"{DEFAULT_POLICY!r} is the run's own backend (backend:, model:); give the other "
+                             'policies other ids')
+        return value
+
     @field_validator('request_config')
     @classmethod
     def _known_sampling_keys(cls, value: Dict[str, Any]) -> Dict[str, Any]:
@@ -186,14 +224,6 @@ class RunConfig(StrictModel):
         if isinstance(value, dict):
             check_dataset_mapping(value)
         return value
-
-    @field_validator('backend')
-    @classmethod
-    def _known_backend(cls, value: str) -> str:
-        try:
-            return check_backend_name(value)
-        except BackendError as exc:
-            raise ValueError(str(exc)) from None
 
     # ---- derived values ----------------------------------------------------------------------
     def make_request_config(self) -> RequestConfig:
@@ -254,6 +284,18 @@ class RunConfig(StrictModel):
             return self.model
         path = self.resolve(self.model)
         return str(path) if path.exists() else self.model
+
+    def policy_ids(self) -> List[str]:
+        """The policy ids this run serves: ``default`` (its own backend) and every ``policies:`` key."""
+        return [DEFAULT_POLICY] + list(self.policies)
+
+    def for_policy(self, policy: str) -> 'RunConfig':
+        """This config with the backend of ``policy`` in place of its own (``default``: itself)."""
+        if policy == DEFAULT_POLICY:
+            return self
+        spec = self.policies[policy]
+        return self.model_copy(update={'backend': spec.backend, 'model': spec.model,
+                                       'backend_options': dict(spec.backend_options)})
 
     def resolved_backend_options(self) -> Dict[str, Any]:
         opts = dict(self.backend_options)
@@ -345,6 +387,15 @@ def _apply_sets(data: Dict[str, Any], sets: List[Tuple[Tuple[str, ...], Any, str
 _BOUND_ERRORS = ('greater_than', 'greater_than_equal', 'less_than', 'less_than_equal')
 
 
+def _keys_at(loc: tuple) -> List[str]:
+    """The keys the mapping holding ``loc``'s last key may have: the run config's, or an entry's of
+    ``policies:`` / ``roles:`` (``roles.<name>.<key>``)."""
+    nested = {'policies': PolicyConfig, 'roles': RoleOverride}
+    if len(loc) == 3 and loc[0] in nested:
+        return list(nested[str(loc[0])].model_fields)
+    return config_keys()
+
+
 def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optional[Dict[str, str]] = None) -> str:
     problems: List[str] = []
     for err in exc.errors():
@@ -358,7 +409,7 @@ def _format_errors(exc: ValidationError, source: str, root: Any, origin: Optiona
         if msg.startswith('Value error, '):
             msg = msg[len('Value error, '):]
         if err.get('type') == 'extra_forbidden':
-            msg = unknown_key_message(str(loc[-1]), config_keys())
+            msg = unknown_key_message(str(loc[-1]), _keys_at(loc))
         if err.get('type') in _BOUND_ERRORS and 'input' in err and where.startswith(source):  # a flag shows it
             msg += f' (got {err["input"]!r})'
         problems += _at_sub_keys(msg, loc, root, source, origin) or [f'{where}: {field}: {msg}']
@@ -437,8 +488,8 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
 
 
 #: the mappings whose keys get lines of their own (messages about one sampling or backend option, agent or
-#: gateway setting)
-_NESTED = ('request_config', 'backend_options', 'agent', 'gateway')
+#: gateway setting, policy or role)
+_NESTED = ('request_config', 'backend_options', 'agent', 'gateway', 'policies', 'roles')
 
 
 def _key_lines(root: Any, data: Dict[str, Any]) -> Dict[str, int]:

@@ -171,6 +171,10 @@ class DiffTotals:
     only_in_b: int = 0
     #: group -> [sum A, count A, sum B, count B] of the final rewards of pairs
     groups: Dict[str, List[float]] = field(default_factory=dict)
+    #: multi-agent runs (``docs/multi-agent.md``): episodes whose roles are all identical, and the
+    #: others with their roles that differ (or are in one run only)
+    episodes_identical: int = 0
+    episodes_different: Dict[str, List[str]] = field(default_factory=dict)
 
     @property
     def same(self) -> bool:
@@ -189,8 +193,11 @@ class DiffTotals:
         return out
 
     def to_dict(self) -> Dict[str, Any]:
-        return {'different_input': self.different_input, 'identical': self.identical, 'different': self.different, 'only_in_a': self.only_in_a,
-                'only_in_b': self.only_in_b, 'reward_change_per_group': self.reward_changes()}
+        out = {'different_input': self.different_input, 'identical': self.identical, 'different': self.different,
+               'only_in_a': self.only_in_a, 'only_in_b': self.only_in_b, 'reward_change_per_group': self.reward_changes()}
+        if self.episodes_identical or self.episodes_different:
+            out['episodes'] = {'identical': self.episodes_identical, 'different': self.episodes_different}
+        return out
 
 
 def _first_token_difference(a: Optional[Sequence[int]], b: Optional[Sequence[int]]) -> Dict[str, Any]:
@@ -357,6 +364,8 @@ class DiskIndex:
         self.db.execute('CREATE TABLE b (uuid TEXT PRIMARY KEY, off INTEGER, seen INTEGER DEFAULT 0) WITHOUT ROWID')
         self.db.execute('CREATE TABLE a (uuid TEXT PRIMARY KEY) WITHOUT ROWID')
         self.db.execute('CREATE TABLE g (grp TEXT PRIMARY KEY, sa REAL, na INTEGER, sb REAL, nb INTEGER) WITHOUT ROWID')
+        self.db.execute('CREATE TABLE e (episode TEXT, role TEXT, differs INTEGER, PRIMARY KEY (episode, role)) '
+                        'WITHOUT ROWID')
         # a later line with the same uuid wins, as in read_trajectories
         self.db.executemany('INSERT OR REPLACE INTO b (uuid, off) VALUES (?, ?)', iter_offsets(path_b))
 
@@ -376,6 +385,23 @@ class DiskIndex:
         row = (group, a or 0.0, int(a is not None), b or 0.0, int(b is not None))
         self.db.execute('INSERT INTO g VALUES (?, ?, ?, ?, ?) ON CONFLICT (grp) DO UPDATE SET sa = sa + excluded.sa, '
                         'na = na + excluded.na, sb = sb + excluded.sb, nb = nb + excluded.nb', row)
+
+    def add_role(self, episode: str, role: str, differs: bool) -> None:
+        """A role of an episode compared (``differs``: not identical, or in one run only)."""
+        self.db.execute('INSERT OR REPLACE INTO e VALUES (?, ?, ?)', (episode, role, int(differs)))
+
+    def episodes(self) -> Iterator[Tuple[str, List[str]]]:
+        """Each episode with its differing roles (``[]``: identical), in episode order."""
+        current, differing = None, []
+        for episode, role, differs in self.db.execute('SELECT episode, role, differs FROM e ORDER BY episode, role'):
+            if episode != current and current is not None:
+                yield current, differing
+                differing = []
+            current = episode
+            if differs:
+                differing.append(role)
+        if current is not None:
+            yield current, differing
 
     def only_in_b(self) -> Iterator[str]:
         for (uuid, ) in self.db.execute('SELECT uuid FROM b WHERE seen = 0 ORDER BY off'):
@@ -417,18 +443,18 @@ class DiffRun:
                     offset = index.offset_in_b(uuid)
                     if offset is None:
                         totals.only_in_a += 1
-                        index.add_rewards(group_of(uuid), reward_of(a), None)
+                        _tally(index, uuid, a, None, differs=True)
                         yield ('only_in_a', uuid)
                         continue
                     fb.seek(offset)
                     raw_b = fb.readline()
                     if raw_b.rstrip(b'\r\n') == raw_a.rstrip(b'\r\n'):  # the same bytes: identical, parsed once
-                        index.add_rewards(group_of(uuid), reward_of(a), reward_of(a))
+                        _tally(index, uuid, a, a, differs=False)
                         totals.identical += 1
                         continue
                     b = _parse(raw_b, self.path_b, None)
-                    index.add_rewards(group_of(uuid), reward_of(a), reward_of(b))
                     d = compare(a, b, self.fields, self.logprob_tol)
+                    _tally(index, uuid, a, b, differs=d is not None)
                     if d is None:
                         totals.identical += 1
                     elif d.is_input:
@@ -439,13 +465,47 @@ class DiffRun:
                         yield d
             for uuid in index.only_in_b():
                 totals.only_in_b += 1
+                with open(self.path_b, 'rb') as fb:
+                    fb.seek(index_offset(self.path_b, uuid, index))
+                    _tally(index, uuid, _parse(fb.readline(), self.path_b, None), None, differs=True, in_b=True)
                 yield ('only_in_b', uuid)
             # only the groups whose mean changed are kept (what reward_changes reports)
             for group, sums in index.groups():
                 if _mean_changed(sums):
                     totals.groups[group] = sums
+            for episode, differing in index.episodes():
+                if differing:
+                    totals.episodes_different[episode] = differing
+                else:
+                    totals.episodes_identical += 1
         finally:
             index.close()
+
+
+def _episode_place(line: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """``(episode id, role)`` of a role's trajectory line (``rollout_infos.episode``), else ``(None, None)``."""
+    place = (line.get('rollout_infos') or {}).get('episode') if isinstance(line, dict) else None
+    if isinstance(place, dict) and place.get('id') is not None and place.get('role') is not None:
+        return str(place['id']), str(place['role'])
+    return None, None
+
+
+def _tally(index: 'DiskIndex', uuid: str, a: Dict[str, Any], b: Optional[Dict[str, Any]], differs: bool,
+           in_b: bool = False) -> None:
+    """The pair's rewards into its group (a role's: its (prompt, role) group) and, for a role of an
+    episode, its verdict into its episode (``in_b``: ``a`` is the line of a request only in B)."""
+    episode, role = _episode_place(a)
+    group = group_of(uuid) if role is None else f'{group_of(uuid)}/{role}'
+    if not in_b:  # a request only in B has no pair: its reward is not compared (as before episodes)
+        index.add_rewards(group, reward_of(a), reward_of(b) if b is not None else None)
+    if episode is not None:
+        index.add_role(episode, role, differs)
+
+
+def index_offset(path: Path, uuid: str, index: 'DiskIndex') -> int:
+    """B's byte offset of ``uuid`` (from the index)."""
+    row = index.db.execute('SELECT off FROM b WHERE uuid = ?', (uuid, )).fetchone()
+    return int(row[0])
 
 
 def _mean_changed(sums: List[float]) -> bool:

@@ -33,6 +33,8 @@ from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.trees import whole_trees
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
+from mtflow.roles.role import seat_of
+from mtflow.run.episodes import as_episodes, episode_file, episode_run_roles
 from mtflow.run.serving import annotate as annotate_serving, begin_server_metrics, end_server_metrics
 
 __all__ = ['StreamingRun', 'roll_out']
@@ -89,8 +91,12 @@ class StreamingRun:
     def __init__(self, make_executor: Callable[[Any, Callable[[Any], None]], Any], rollout_fn: Any, store: RunStore,
                  batch_size: int, on_progress: Optional[Callable[[int, str], None]] = None,
                  reference_key: Optional[str] = None, progress: Optional[RunProgress] = None,
-                 on_request: Optional[Callable[[Dict[str, Any], List[Dict[str, Any]]], None]] = None) -> None:
+                 on_request: Optional[Callable[[Dict[str, Any], List[Dict[str, Any]]], None]] = None,
+                 episode_size: Optional[int] = None) -> None:
         self.store = store
+        #: an episode run's roles per episode: each episode's lines are written together
+        self.episode_size = episode_size
+        self._episodes: Dict[str, List[Tuple[Any, int, Any, float, Any, bool]]] = {}
         self.on_request = on_request  # e.g. the OpenTelemetry exporter (mtflow/run/otel.py)
         self.reference_key = reference_key
         self.progress = progress
@@ -147,28 +153,53 @@ class StreamingRun:
         """Write one finished request (its dataset position ``index``, its input ``request``;
         ``live``: the request as it finished, with the images its steps added; default: this
         batch's copy, which the executor wrote back). ``whole=False``: a leaf of a tree an
-        interrupt cut, kept in ``interrupted.jsonl`` (not done: its prompt runs again)."""
-        record, events = finished_to_record(finished, index=index, t_offset=t_offset, request=request,
-                                            reference_key=self.reference_key)
-        if self.turn_log is not None:
-            record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
-        annotate_serving(self.counter.rollout_fn, record['uuid'], events)  # the backend's replicas
-        self.finished += 1
+        interrupt cut, kept in ``interrupted.jsonl`` (not done: its prompt runs again). A role of
+        an episode waits for the other roles of its episode: their lines are written together
+        (``docs/multi-agent.md``), or, when an interrupt cut one of them, all to ``interrupted.jsonl``."""
+        live = live if live is not None else self._live[finished.index]
+        seat = seat_of(request) if self.episode_size else None
+        if seat is None:
+            self._write([(finished, index, request, t_offset, live, whole)])
+            return
+        held = self._episodes.setdefault(seat.episode, [])
+        held.append((finished, index, request, t_offset, live, whole))
+        if len(held) >= self.episode_size:
+            del self._episodes[seat.episode]
+            if any(item[0].finish_reason == INTERRUPTED or not item[5] for item in held):
+                held = [item[:5] + (False, ) for item in held]  # cut: the episode runs again whole on resume
+            self._write(held)
+
+    def _write(self, items: List[Tuple[Any, int, Any, float, Any, bool]]) -> None:
+        """Write finished requests in one group of the run directory (an episode's roles are never
+        split by a crash), the interrupted ones (and a cut tree's leaves) to ``interrupted.jsonl``."""
+        written = []
+        for finished, index, request, t_offset, live, whole in items:
+            record, events = finished_to_record(finished, index=index, t_offset=t_offset, request=request,
+                                                reference_key=self.reference_key)
+            if self.turn_log is not None:
+                record[TURNS_KEY] = self.turn_log.finish(record['uuid'], record)
+            annotate_serving(self.counter.rollout_fn, record['uuid'], events)  # the backend's replicas
+            self.finished += 1
+            written.append((finished, record, events, live, finished.finish_reason != INTERRUPTED and whole))
         try:
-            store_request_images(self.store, live if live is not None else self._live[finished.index], record)
-            if finished.finish_reason == INTERRUPTED or not whole:
-                self.store.write_interrupted(record, events)
-            else:
-                self.store.write(record, events)
+            together = []
+            for finished, record, events, live, done in written:
+                store_request_images(self.store, live, record)
+                if done:
+                    together.append((record, events))
+                else:
+                    self.store.write_interrupted(record, events)
+            self.store.write_together(together)
         except RunDirError as exc:  # e.g. a full disk: the batch goes on, the run stops after it
             self.write_error = exc
-        if self.on_request is not None:
-            self.on_request(record, events)
-        if self.progress is not None:
-            self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events),
-                                      written=finished.finish_reason != INTERRUPTED and whole, uuid=record['uuid'])
-        if self.on_progress is not None:
-            self.on_progress(self.finished, '')
+        for finished, record, events, _, done in written:
+            if self.on_request is not None:
+                self.on_request(record, events)
+            if self.progress is not None:
+                self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events),
+                                          written=done, uuid=record['uuid'])
+            if self.on_progress is not None:
+                self.on_progress(self.finished, '')
 
     def _on_turn(self, turn: int, live: int) -> None:
         if self.progress is not None:
@@ -188,11 +219,12 @@ class StreamingRun:
                 run_streaming(self, stream[0], prompts, stream[1], stream[2])
                 return self.figures()
             batch: List[Tuple[int, Any]] = []
-            for index, request in enumerate(prompts):
-                if self.store.prompt_done(request.uuid):
-                    self.skipped += 1
+            for index, item in enumerate(prompts):
+                members = item if isinstance(item, list) else [item]  # an episode's roles: one batch
+                if self.store.prompt_done(members[0].uuid):  # an episode's roles are written together
+                    self.skipped += len(members)
                     continue
-                batch.append((index, request))
+                batch += [(index, request) for request in members]
                 if len(batch) >= self.batch_size:
                     self._run_batch(batch)
                     batch = []
@@ -334,6 +366,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     reports = reports_of(backend)
     make_executor.turn_log.on_finish = reports.forget
     make_executor.turn_log.known_digest = reports.known_digest
+    roles = episode_run_roles(cfg) if episode_file(cfg) is not None else None  # docs/multi-agent.md
     mode = show if isinstance(show, str) else ('bar' if show else 'off')
     lockstep = cfg.mode != 'async' and until is None
     leaves = getattr(getattr(scheduler, 'branch', None), 'leaves', None)  # every tree ends with exactly these
@@ -348,12 +381,15 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
     if not lockstep and progress.enabled:  # no batches: each request's model call is its turn
         make_executor.turn_log.on_turn = lambda r: is_summary_request(r) or progress.on_request_turn(str(r.uuid))
     run = StreamingRun(make_executor, backend, store, make_executor.batch_size(), reference_key=reference_field(scheduler),
-                       progress=progress if progress.enabled else None, on_request=on_request)
+                       progress=progress if progress.enabled else None, on_request=on_request,
+                       episode_size=len(roles) if roles else None)
     begin_server_metrics(backend)  # the servers' /metrics counters, read again for the summary
     progress.start()
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
         prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
+        if roles:
+            prompts = as_episodes(prompts, roles)
         streamed = None
         if cfg.mode == 'async' or until is not None:  # the streaming producer: no batch boundaries
             streamed = (make_executor.stream_executor(), until, cfg.max_concurrency or cfg.batch_size)

@@ -64,12 +64,13 @@ class GroupWriter:
     def holds_lines(self) -> bool:
         return bool(self.requests or self.interrupted)
 
-    def add(self, trace_lines: str, trajectory_line: str) -> None:
-        """One finished request; writes the group when it is full or its oldest request is due."""
+    def add(self, trace_lines: str, trajectory_line: str, flush: bool = True) -> None:
+        """One finished request; writes the group when it is full or its oldest request is due
+        (``flush=False``: not now, more of the same group follow)."""
         if not self.requests:
             self.oldest_since = time.monotonic()
         self.requests.append((trace_lines, trajectory_line))
-        if len(self.requests) >= self.flush_every or self._due():
+        if flush and (len(self.requests) >= self.flush_every or self._due()):
             self.flush()
 
     def add_interrupted(self, line: str) -> None:

@@ -53,6 +53,8 @@ from mtflow.declarative.envs.openenv_env import OpenEnvPool
 from mtflow.run.assembly import load_python_scheduler, scheduler_factory
 from mtflow.run.chat_check import check_offline
 from mtflow.run.config import RunConfig
+from mtflow.roles.config import episode_imports
+from mtflow.run.episodes import episode_file, episode_problems
 
 __all__ = ['Preflight', 'HOOKS', 'is_scheduler_class', 'check_python_scheduler', 'check_run_config',
            'check_before_load', 'check_env_servers', 'check_backend_reference', 'check_backend_options',
@@ -173,10 +175,13 @@ def check_run_config(cfg: RunConfig, check_dataset: bool = True, servers_must_an
     options and servers are not checked."""
     where = cfg.source or '<run config>'
     out = Preflight()
+    out.problems += episode_problems(cfg) if episode_file(cfg) is not None or cfg.policies or cfg.roles else []
     if cfg.scheduler_is_yaml():
         path = cfg.scheduler_path()
         if not Path(path).is_file():
             out.problems.append(f'{where}: scheduler: no such scheduler file: {cfg.scheduler}')
+        elif episode_file(cfg) is not None:  # its problems: episode_problems, above
+            out.imports += [(f'{path}: {f}', ref) for f, ref in episode_imports(path)]
         else:
             report = inspect_file(str(path))
             out.problems += [str(p) for p in report.problems]

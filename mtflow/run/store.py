@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Tuple, Union
 
 from mtflow.run.files import (FORMAT, INTERRUPTED_FILE, LOCK, RUN_FILES, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES,
                               TREES, DirLock, FingerprintMismatch, Record, RunDirError, append_file, json_line,
@@ -224,20 +224,28 @@ class RunStore:
 
         Kept in memory until the group is flushed (see :meth:`flush`); a uuid already written
         raises :class:`RunDirError`."""
-        rec = record if isinstance(record, dict) else record.to_dict()
-        evs = [e if isinstance(e, dict) else e.to_dict() for e in events]
-        uuid = str(rec['uuid'])
-        line = json_line(rec) + '\n'
-        trace_lines = ''.join(json_line(e) + '\n' for e in evs)
+        self.write_together([(record, events)])
+
+    def write_together(self, items: Sequence[Tuple[Record, Sequence[Record]]]) -> None:
+        """Finished requests that belong together (the roles of one episode, ``docs/multi-agent.md``):
+        as :meth:`write` each, in one group of the files, so a crash never leaves some of them
+        written and the others not."""
+        lines = []
+        for record, events in items:
+            rec = record if isinstance(record, dict) else record.to_dict()
+            evs = [e if isinstance(e, dict) else e.to_dict() for e in events]
+            lines.append((str(rec['uuid']), rec, evs, json_line(rec) + '\n', ''.join(json_line(e) + '\n' for e in evs)))
         with self._lock:
             self._check_open()
-            if uuid in self.done:
-                raise RunDirError(f'request {uuid} is already written to {self.out_dir / TRAJECTORIES}: '
-                                  f'a request is written once')
-            self.done.add(uuid)
-            self.written += 1
-            self.tally.add(rec, evs)
-            self.groups.add(trace_lines, line)
+            for uuid, *_ in lines:
+                if uuid in self.done:
+                    raise RunDirError(f'request {uuid} is already written to {self.out_dir / TRAJECTORIES}: '
+                                      f'a request is written once')
+            for k, (uuid, rec, evs, line, trace_lines) in enumerate(lines):
+                self.done.add(uuid)
+                self.written += 1
+                self.tally.add(rec, evs)
+                self.groups.add(trace_lines, line, flush=k == len(lines) - 1)
 
     def write_interrupted(self, record: Record, events: Sequence[Record] = ()) -> None:
         """A request cut short by a stop: kept in ``interrupted.jsonl`` (its events under

@@ -31,20 +31,24 @@ def _group_key(request: Any) -> str:
 def group_source(prompts: Iterable[Any], store: Any, positions: Dict[str, Tuple[int, Any]],
                  skipped: List[int]) -> Iterator[List[Any]]:
     """The prompts as groups (consecutive requests of one ``group``), without the ones ``store``
-    has; each request's dataset position and input go into ``positions`` until it is written."""
+    has; each request's dataset position and input go into ``positions`` until it is written. A
+    list among the prompts is an episode's roles (``docs/multi-agent.md``): written together, so
+    skipped together."""
     group: List[Any] = []
     key: Optional[str] = None
-    for index, request in enumerate(prompts):
-        if store.prompt_done(request.uuid):
-            skipped[0] += 1
+    for index, item in enumerate(prompts):
+        members = item if isinstance(item, list) else [item]
+        if store.prompt_done(members[0].uuid):
+            skipped[0] += len(members)
             continue
-        k = _group_key(request)
-        if group and k != key:
-            yield group
-            group = []
-        key = k
-        positions[str(request.uuid)] = (index, request)
-        group.append(request)
+        for request in members:
+            k = _group_key(request)
+            if group and k != key:
+                yield group
+                group = []
+            key = k
+            positions[str(request.uuid)] = (index, request)
+            group.append(request)
     if group:
         yield group
 

@@ -122,8 +122,11 @@ class RunTally:
                     self.reward_sum += reward
                     self.reward_n += 1
                     group = record.get('group')  # lines written before the field: from the uuid
-                    self.groups.add(str(group) if group is not None else group_of(str(record.get('uuid'))), reward,
-                                    record.get('index'))
+                    group = str(group) if group is not None else group_of(str(record.get('uuid')))
+                    episode = infos.get('episode')
+                    if isinstance(episode, dict) and episode.get('role') is not None:  # (prompt, role): a role's
+                        group = f'{group}/{episode["role"]}'  # rewards against its own copies (docs/multi-agent.md)
+                    self.groups.add(group, reward, record.get('index'))
             if isinstance(error, dict) or record.get('finish_reason') == 'error':
                 self.errors += 1
                 if len(self.failures) < MAX_LISTED_FAILURES:

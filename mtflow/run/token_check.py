@@ -18,7 +18,9 @@ prompts    every turn's prompt is the segment's sequence up to that turn (same l
 =========  ======================================================================================
 
 Lines of failed requests (reason ``error``, ``timeout``) are skipped (a failure keeps what it
-had, not a finished record); a line without ``turns`` fails ``sampled``.
+had, not a finished record), and so are the roles of multi-agent episodes that are not trained
+(``rollout_infos.episode.train`` false: a judge, a user simulator; ``docs/multi-agent.md``),
+counted apart; a line without ``turns`` fails ``sampled``.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ class RunTokenReport:
     lines: int = 0
     segments: int = 0
     skipped: int = 0
+    #: lines of episode roles that are not trained (not checked)
+    untrained: int = 0
 
     def add(self, check: str, ok: bool, problem: str) -> None:
         if ok:
@@ -65,6 +69,10 @@ def check_run_tokens(trajectories: Path) -> RunTokenReport:
         line = traj.to_dict()
         if reason_kind(line.get('finish_reason')) == 'error':
             report.skipped += 1
+            continue
+        episode = (line.get('rollout_infos') or {}).get('episode')
+        if isinstance(episode, dict) and episode.get('train') is False:
+            report.untrained += 1
             continue
         report.lines += 1
         turns = expand_turns(line)

@@ -15,8 +15,8 @@ from mtflow.train.advantages import (ADVANTAGES, assign_advantages, assign_gigpo
 from mtflow.train.errors import NotExpressibleInTRL, SampleError
 from mtflow.train.loop import StepStats, policy_loss, reference_loop, token_logprobs, train_step
 from mtflow.train.packing import PackedRow, block_causal_mask, pack, pad, to_tensors, unpack
-from mtflow.train.samples import (STATE_KEYS, Sample, check_rewards, finite_reward, read_samples, samples_from_group,
-                                  samples_from_output, samples_from_result, samples_from_trajectory)
+from mtflow.train.samples import (GROUP_BY, STATE_KEYS, Sample, by_policy, check_rewards, finite_reward, read_samples,
+                                  samples_from_group, samples_from_output, samples_from_result, samples_from_trajectory)
 from mtflow.train.staleness import STALE_POLICIES, StaleCounts, StalePolicy
 from mtflow.train.trees import assign_tree_advantages, leaf_path, read_trees, tree_advantages, tree_values
 from mtflow.train.trl_environment import MtflowEpisode, TRLEnvironment
@@ -25,7 +25,8 @@ from mtflow.train.weights import geometric_sequence_weight, keep_within, ratios,
 
 __all__ = [
     # samples
-    'STATE_KEYS', 'Sample', 'SampleError', 'check_rewards', 'finite_reward', 'read_samples', 'samples_from_group', 'samples_from_output', 'samples_from_result',
+    'GROUP_BY', 'STATE_KEYS', 'Sample', 'SampleError', 'by_policy', 'check_rewards', 'finite_reward', 'read_samples',
+    'samples_from_group', 'samples_from_output', 'samples_from_result',
     'samples_from_trajectory',
     # advantages and weights
     'ADVANTAGES', 'assign_advantages', 'assign_gigpo_advantages', 'assign_turn_advantages', 'grpo', 'reinforce', 'rloo', 'turn_returns',

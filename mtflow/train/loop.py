@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from mtflow.train.errors import SampleError
 from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, assign_turn_advantages
 from mtflow.train.packing import block_causal_mask, pack, to_tensors
-from mtflow.train.samples import Sample, samples_from_result
+from mtflow.train.samples import Sample, by_policy, samples_from_result
 from mtflow.train.staleness import StalePolicy
 from mtflow.train.trees import assign_tree_advantages
 from mtflow.train.tree_packing import tree_train_step
@@ -105,6 +105,8 @@ class StepStats:
     #: samples with trained tokens but no rollout logprobs, trained without the importance correction
     uncorrected_samples: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: the policy this step trained (several policies from one run: one entry per policy and step)
+    policy: Optional[str] = None
 
 
 def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len: int, pad_id: int = 0,
@@ -158,9 +160,20 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
     policy version on by one. ``trees=True`` (a branched executor) packs each group as one tree
     (:func:`~mtflow.train.tree_packing.tree_train_step`: the same loss and gradients, the shared
     prefix through the model once; ``mask_outside``, ``sequence_weight`` and ``on_batch`` are
-    per-leaf only)."""
+    per-leaf only).
+
+    Several policies from one run (``docs/multi-agent.md``): ``model`` and ``optimizer`` map policy
+    ids to each policy's own; each step's samples are split by policy id
+    (:func:`~mtflow.train.samples.by_policy`: roles not trained left out), and each policy takes
+    its step on its own samples, its advantages over the copies of each (prompt, role) (with
+    ``trees=True``, on the trees whose leaves it played). A role's trajectory without a reward (its
+    episode ended by another role's failure) is not trained on. ``on_batch(batch, rows, samples)``
+    and ``on_step(stats)`` are called per policy then (``stats.policy`` names it)."""
     if trees and (mask_outside is not None or sequence_weight or on_batch is not None):
         raise ValueError('trees=True takes neither mask_outside, sequence_weight nor on_batch (per-leaf packing only)')
+    policies = model if isinstance(model, dict) else None
+    if policies is not None and (not isinstance(optimizer, dict) or set(optimizer) != set(policies)):
+        raise ValueError(f'several policies: optimizer must map the same policy ids as model ({sorted(policies)})')
     version = 0
     executor.set_policy_version(version)
     history: List[StepStats] = []
@@ -169,32 +182,57 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
         result = executor.run(ran)
         if result.failures:
             raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
-        samples = samples_from_result(result, ran)
-        rewards = {s.uuid: s.reward for s in samples}
-        if stale is not None:
-            samples = stale.apply(samples, version)
-        if advantage == 'turn':  # per-token: each turn's discounted return, normalised in its group
-            assign_turn_advantages(samples, **(advantage_options or {}))
-        elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
-            assign_gigpo_advantages(samples, **(advantage_options or {}))
-        elif advantage == 'tree':  # per-token: TreeRL's node advantages of a branched group
-            assign_tree_advantages(samples, result.trees, **(advantage_options or {}))
+        if policies is None:
+            parts = {None: (model, optimizer, samples_from_result(result, ran))}
         else:
-            assign_advantages(samples, advantage, **(advantage_options or {}))
-        if trees:
-            done = tree_train_step(model, optimizer, result.trees, samples, row_len=row_len, pad_id=pad_id,
-                                   clip_eps=clip_eps, tis_cap=tis_cap, agg=agg, missing_logprobs=missing_logprobs)
-        else:
-            done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
-                              tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
-                              missing_logprobs=missing_logprobs, on_batch=on_batch)
-        stats = StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
-                          samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'],
-                          rows=done['rows'], withheld_tokens=sum(s.withheld_tokens for s in samples),
-                          max_logprob_gap=done['max_logprob_gap'], uncorrected_samples=done['uncorrected_samples'])
-        history.append(stats)
-        if on_step is not None:
-            on_step(stats)
+            split = by_policy(samples_from_result(result, ran, rewardless='skip'))
+            parts = {pid: (policies[pid], optimizer[pid], split.get(pid, [])) for pid in policies}
+        for pid, (policy_model, policy_optimizer, samples) in parts.items():
+            if not samples:
+                continue
+            stats = _step(policy_model, policy_optimizer, samples, step, version, advantage, advantage_options, stale,
+                          result.trees if policies is None else _trees_of(result.trees, samples),
+                          dict(row_len=row_len, pad_id=pad_id, clip_eps=clip_eps, tis_cap=tis_cap, agg=agg,
+                               missing_logprobs=missing_logprobs),
+                          dict(mask_outside=mask_outside, sequence_weight=sequence_weight, on_batch=on_batch),
+                          packed_as_trees=trees)
+            stats.policy = pid
+            history.append(stats)
+            if on_step is not None:
+                on_step(stats)
         version += 1
         executor.set_policy_version(version)
     return history
+
+
+def _trees_of(trees: Sequence[Dict[str, Any]], samples: Sequence[Sample]) -> List[Dict[str, Any]]:
+    """The trees some leaf of which is among ``samples`` (one policy's, of several)."""
+    uuids = {s.uuid for s in samples}
+    return [tree for tree in trees if any(str(leaf) in uuids for leaf in tree['leaves'])]
+
+
+def _step(model: Any, optimizer: Any, samples: List[Sample], step: int, version: int, advantage: str,
+          advantage_options: Optional[Dict[str, Any]], stale: Optional[StalePolicy],
+          trees: Optional[List[Dict[str, Any]]], options: Dict[str, Any], per_leaf: Dict[str, Any],
+          packed_as_trees: bool) -> StepStats:
+    """One policy's step on its samples: stale tokens, advantages, the update (``packed_as_trees``:
+    each of ``trees`` packed as one tree; ``per_leaf``: the options of per-leaf packing only)."""
+    rewards = {s.uuid: s.reward for s in samples}
+    if stale is not None:
+        samples = stale.apply(samples, version)
+    if advantage == 'turn':  # per-token: each turn's discounted return, normalised in its group
+        assign_turn_advantages(samples, **(advantage_options or {}))
+    elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
+        assign_gigpo_advantages(samples, **(advantage_options or {}))
+    elif advantage == 'tree':  # per-token: TreeRL's node advantages of a branched group
+        assign_tree_advantages(samples, trees, **(advantage_options or {}))
+    else:
+        assign_advantages(samples, advantage, **(advantage_options or {}))
+    if packed_as_trees:
+        done = tree_train_step(model, optimizer, trees, samples, **options)
+    else:
+        done = train_step(model, optimizer, samples, **options, **per_leaf)
+    return StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
+                     samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'], rows=done['rows'],
+                     withheld_tokens=sum(s.withheld_tokens for s in samples), max_logprob_gap=done['max_logprob_gap'],
+                     uncorrected_samples=done['uncorrected_samples'])

@@ -32,7 +32,11 @@ from mtflow.train.token_turns import token_turns, token_versions
 STATE_KEYS = 'state_keys'
 
 __all__ = ['STATE_KEYS', 'Sample', 'SampleError', 'finite_reward', 'check_rewards', 'samples_from_output', 'samples_from_trajectory', 'samples_from_result',
-           'samples_from_group', 'read_samples']
+           'samples_from_group', 'read_samples', 'GROUP_BY', 'by_policy']
+
+#: what a role's advantage group is within its prompt's copies (``docs/multi-agent.md``): the
+#: role (default: ``(prompt, role)``), its policy (self-play pools its seats), or the prompt alone
+GROUP_BY = ('role', 'policy', 'prompt')
 
 
 @dataclass
@@ -71,6 +75,11 @@ class Sample:
     #: per-token advantages aligned with ``completion_ids`` (:func:`mtflow.train.advantages.assign_turn_advantages`);
     #: when set, packing uses them instead of ``advantage``
     token_advantages: Optional[List[float]] = None
+    #: a role of a multi-agent episode (``docs/multi-agent.md``): its role, the policy id that played
+    #: it, and whether it is trained (``None``, ``None``, ``True``: no episode)
+    role: Optional[str] = None
+    policy: Optional[str] = None
+    train: bool = True
 
     @property
     def input_ids(self) -> List[int]:
@@ -195,12 +204,15 @@ def _failed(uuid: str, reason: Optional[str], failed: str) -> bool:
 
 
 def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optional[str] = None,
-                        reward: Optional[float] = None, finish_reason: Optional[str] = None) -> List[Sample]:
+                        reward: Optional[float] = None, finish_reason: Optional[str] = None,
+                        group_by: str = 'role') -> List[Sample]:
     """Every context segment of one trajectory as a :class:`Sample` (all share its reward and
     group). ``output`` is a ``RolloutOutput`` (by attribute) or a trajectory line (a dict);
     ``reward`` and ``group`` default to the line's, else ``rollout_infos['reward']`` and the uuid
     without its ``#k`` copy suffix; ``finish_reason`` (default: the line's) of a failed request
-    (``error``, ``timeout``) is refused. Raises :class:`SampleError` for what is not exact."""
+    (``error``, ``timeout``) is refused. A role of a multi-agent episode carries its role, policy
+    id and train flag, and its group is ``<group>/<role>`` (``group_by``: :data:`GROUP_BY`).
+    Raises :class:`SampleError` for what is not exact."""
     uuid = uuid if uuid is not None else _get(output, 'uuid')
     if uuid is None:
         raise SampleError('a trajectory without a uuid: pass uuid=', field='uuid')
@@ -218,6 +230,11 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
     reward = finite_reward(reward, uuid)
     group = group if group is not None else (_get(output, 'group') if isinstance(output, dict) else None)
     group = str(group) if group is not None else group_of(uuid)
+    role, policy, train = _episode_place(infos)
+    if role is not None and group_by != 'prompt':  # advantages over the copies of (prompt, role)
+        if group_by not in GROUP_BY:
+            raise ValueError(f'group_by must be one of {GROUP_BY}, not {group_by!r}')
+        group = f'{group}/{role if group_by == "role" else policy}'
     segments = segments_of(output)
     samples = []
     for k, segment in enumerate(segments):
@@ -230,8 +247,28 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
                               completion_ids=list(flat['response_ids']), loss_mask=[int(m) for m in flat['loss_mask']],
                               logprobs=_aligned_logprobs(flat, uuid), versions=versions, segment=flat['segment'],
                               segments=len(segments), turns=turns, token_turns=placed,
-                              turn_rewards=_turn_rewards(infos, turns, uuid), state_keys=_state_keys(infos, turns)))
+                              turn_rewards=_turn_rewards(infos, turns, uuid), state_keys=_state_keys(infos, turns),
+                              role=role, policy=policy, train=train))
     return samples
+
+
+def _episode_place(infos: Dict[str, Any]) -> Tuple[Optional[str], Optional[str], bool]:
+    """``(role, policy, train)`` of a role's trajectory (``rollout_infos['episode']``)."""
+    place = infos.get('episode')
+    if not isinstance(place, dict) or place.get('role') is None:
+        return None, None, True
+    return str(place['role']), str(place.get('policy', 'default')), bool(place.get('train', True))
+
+
+def by_policy(samples: Sequence[Sample]) -> Dict[str, List[Sample]]:
+    """The trained samples of each policy id (a role with ``train: false``, a judge or a user
+    simulator, is left out; a sample of no episode is the policy ``'default'``'s), each policy
+    trained on its own (``docs/multi-agent.md``)."""
+    out: Dict[str, List[Sample]] = {}
+    for sample in samples:
+        if sample.train:
+            out.setdefault(sample.policy or 'default', []).append(sample)
+    return out
 
 
 def samples_from_trajectory(line: Union[Trajectory, Dict[str, Any]], failed: str = 'raise') -> List[Sample]:
@@ -243,20 +280,27 @@ def samples_from_trajectory(line: Union[Trajectory, Dict[str, Any]], failed: str
     return samples_from_output(d)
 
 
-def samples_from_result(result: Any, requests: Sequence[Any], failed: str = 'raise') -> List[Sample]:
+def samples_from_result(result: Any, requests: Sequence[Any], failed: str = 'raise', *, group_by: str = 'role',
+                        rewardless: str = 'raise') -> List[Sample]:
     """The samples of an ``Executor.run`` result; ``requests`` (the input, same order) give the
     uuids and, from their ``data_dict``, the groups; failed requests are an error, or left out with
-    ``failed='skip'``."""
+    ``failed='skip'``; ``rewardless='skip'`` leaves out the trajectories without a reward (the
+    roles of an episode another role ended early, ``role_failed``); ``group_by``: a role's
+    advantage group (:data:`GROUP_BY`)."""
     if len(requests) != len(result.outputs):
         raise ValueError(f'{len(result.outputs)} outputs but {len(requests)} requests')
+    if rewardless not in FAILED:
+        raise ValueError(f'rewardless must be one of {FAILED}, not {rewardless!r}')
     out: List[Sample] = []
     for request, output, reason in zip(requests, result.outputs, result.finish_reasons):
         uuid = str(getattr(request, 'uuid'))
         if _failed(uuid, reason, failed):
             continue
+        if rewardless == 'skip' and reward_of(_get(output, 'rollout_infos') or {}) is None:
+            continue
         data = getattr(request, 'data_dict', None)
         out += samples_from_output(output, uuid, group=group_of(uuid, data if isinstance(data, dict) else None),
-                                   finish_reason=reason)
+                                   finish_reason=reason, group_by=group_by)
     return out
 
 

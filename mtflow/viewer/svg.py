@@ -27,7 +27,8 @@ NODE_W, NODE_H, LAYER_GAP, ROW_GAP = 118, 40, 120, 40
 
 def _back_edges(states: Sequence[str], edges: Sequence[Tuple[str, str, str]], initial: str) -> set:
     """The moves that go back: ``u -> v`` where ``v`` can reach ``u`` again (a cycle) and ``v`` is
-    no farther from ``initial`` than ``u`` (``tool_step -> generating``, not the other way)."""
+    no farther from ``initial`` than ``u``, nor declared after it at the same distance
+    (``tool_step -> generating``, not the other way)."""
     succ: Dict[str, set] = {s: set() for s in states}
     for src, _, dst in edges:
         succ[src].add(dst)
@@ -53,8 +54,10 @@ def _back_edges(states: Sequence[str], edges: Sequence[Tuple[str, str, str]], in
         frontier = nxt
     far = len(states)
     reachable = {s: reach(s) for s in states}
+    # at the same distance (``pending`` reaches ``generating`` and ``tool_step`` in one move each), the
+    # state declared first is the one the other moves back to
     return {(u, v) for u, _, v in edges
-            if u in reachable[v] and dist.get(v, far) <= dist.get(u, far)}
+            if u in reachable[v] and (dist.get(v, far), states.index(v)) <= (dist.get(u, far), states.index(u))}
 
 
 def _layers(states: Sequence[str], edges: Sequence[Tuple[str, str, str]], initial: str) -> Dict[str, int]:

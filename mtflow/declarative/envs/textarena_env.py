@@ -79,10 +79,15 @@ class TextArenaEnv:
     def close(self) -> None:
         if not self.done:
             self.done = True
-            try:
-                self.env.close()
-            except Exception:  # a game closed before it ended may fail to score itself
-                pass
+            close_game(self.env)
+
+
+def close_game(env: Any) -> None:
+    """Close a textarena game that did not end (it may fail to score itself: that is not an error)."""
+    try:
+        env.close()
+    except Exception:
+        pass
 
 
 def textarena_factory(config: TextArenaConfig) -> Callable[[], TextArenaEnv]:
