@@ -30,6 +30,13 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.
 command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
   || echo "warning: could not install bubblewrap: the sandbox tests use the unshare fallback or skip" >&2
+# rootless calls on subordinate uids (newuidmap, Debian's uidmap; setup.sh installs it as root), and the normal
+# user the rootless tests of issue 52 run as when this runs as root (tests/declarative/sandbox_util.py TEST_USER;
+# useradd gives it a subordinate uid range where these files exist)
+command -v newuidmap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq uidmap >/dev/null; } \
+  || echo "warning: could not install uidmap: rootless sandbox tests run without subordinate uids" >&2
+[ "$(id -u)" -ne 0 ] || id mtflow-sbx >/dev/null 2>&1 || { touch /etc/subuid /etc/subgid && useradd -m mtflow-sbx; } \
+  || echo "warning: could not add the user mtflow-sbx: the rootless sandbox tests of issue 52 skip" >&2
 # its seccomp filter is built with libseccomp (mtflow/tools/seccomp.py): the pyseccomp binding and the library
 SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'  # (pyseccomp loads libseccomp on import; no ldconfig needed)
 .venv/bin/python -c "$SECCOMP_OK" 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' && { .venv/bin/python -c "$SECCOMP_OK" 2>/dev/null \
