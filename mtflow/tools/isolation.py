@@ -12,7 +12,8 @@ The sandbox is built with existing tools, never by hand:
   namespace;
 - both then drop to a **dedicated unprivileged uid** with ``setpriv`` (no capabilities, no
   groups, ``no_new_privs``) before the interpreter starts; without root, bwrap instead makes its own
-  user namespace (the program is ``nobody`` inside, this user outside; see :func:`rootless`).
+  user namespace (the program is ``nobody`` inside; outside, a subordinate uid of its own where
+  this user has them, :mod:`mtflow.tools.subuid`, else this user; see :func:`rootless`).
 
 The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
 uid in one root-only directory, :data:`LEASE_DIR`, whose ownership and mode are checked and whose
@@ -487,8 +488,10 @@ ROOTLESS_UID = 65534
 
 
 def rootless() -> bool:
-    """Not root: bwrap then makes its own user namespace (the program is ``nobody`` inside and
-    this user outside), and the process limit counts per namespace instead of per leased uid."""
+    """Not root: bwrap then makes its own user namespace (the program is ``nobody`` inside and,
+    outside, a subordinate uid of its own or this user), and the process limit counts per
+    namespace instead of per leased uid (and, for the namespaces' creator, against this user's:
+    :mod:`mtflow.tools.sandbox.budget`)."""
     return os.geteuid() != 0
 
 

@@ -168,9 +168,10 @@ class Sandbox:
                     uid_w = high_fd(uid_w)
                 python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=rootless(),
                                                 bounded=self.cgroup is not None, uid_fd=uid_w, ns_fd=ns_w)
-                enter = ids.enter_argv(self.lease.uid) if ids is not None and self.lease is not None else ()
-                self.cmd = build_command(spec.kind, None if rootless() else self.lease.uid, spec.tmp_mb,  # type: ignore[union-attr]
-                                         python_argv, site_packages=spec.site_packages, shm_mb=spec.shm_mb, enter=enter)
+                uid = self.lease.uid if self.lease is not None else None
+                enter = ids.enter_argv(uid) if ids is not None and uid is not None else ()
+                self.cmd = build_command(spec.kind, None if rootless() else uid, spec.tmp_mb, python_argv,
+                                         site_packages=spec.site_packages, shm_mb=spec.shm_mb, enter=enter)
                 argv = join_argv(self.cgroup, self.cmd.argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
