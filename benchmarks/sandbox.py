@@ -202,6 +202,9 @@ def against(args: argparse.Namespace) -> None:
     import json
     import subprocess
     trees = {'before': os.path.abspath(args.against), 'after': TREE}
+    if not os.path.isfile(os.path.join(trees['before'], 'mtflow', 'tools', 'sandbox', '__init__.py')):
+        raise SystemExit(f'--against {args.against}: no mtflow checkout with the python tool\'s sandbox there '
+                         '(e.g. git archive <commit> | tar -x -C /tmp/base)')
     passed = [f'--calls={args.calls}', f'--concurrency={args.concurrency}', f'--pool={args.pool}', '--rounds=1',
               '--no-comparison', '--json', '--kinds', *args.kinds]
     runs: Dict[str, List[dict]] = {name: [] for name in trees}
