@@ -170,7 +170,7 @@ async def supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: fl
             output.keeping = False
             sandbox.kill()
         await _reap(sandbox, exited)
-        await _drained(pump)
+        await _drained(pump, DRAIN_S if sandbox.isolated else 0.0)
         return _result(sandbox, output, timed_out, timeout_s, time.monotonic() - started)
     finally:
         await _tear_down(sandbox, exited, pidfd, transport, killed=timed_out or output.flooded, pump=pump)
@@ -185,15 +185,16 @@ async def _until_done(pump: 'asyncio.Task[None]', exited: 'asyncio.Future[None]'
 
 
 #: how long the output is drained after the outer process exited: with isolation the namespace is
-#: empty by then (EOF at once); without it, a detached process may hold the pipe for ever
+#: empty by then (EOF at once); without it (not waited for), a detached process may hold the pipe
 DRAIN_S = 1.0
 
 
-async def _drained(pump: 'asyncio.Task[None]') -> None:
-    try:
-        await asyncio.wait_for(asyncio.shield(pump), DRAIN_S)
-    except asyncio.TimeoutError:
-        pump.cancel()
+async def _drained(pump: 'asyncio.Task[None]', within_s: float) -> None:
+    if not pump.done():
+        try:
+            await asyncio.wait_for(asyncio.shield(pump), within_s)
+        except asyncio.TimeoutError:
+            pump.cancel()
 
 
 def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s: float,
