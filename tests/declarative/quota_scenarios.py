@@ -235,7 +235,7 @@ def pipe_channel_scenario(kind: str) -> dict:
         sent, got = asyncio.run(_two(kind, sender, receiver))
     return {'sender': sent.error_kind + ' ' + sent.output, 'receiver': got.error_kind + ' ' + got.output,
             'driver_small': sum(s < 65536 for s in driver.sizes), 'driver_samples': len(driver.sizes),
-            'sender_ns': sent.pid_namespace}
+            'sender_ns': sent.pid_namespace, 'report': _report(kind)}
 
 
 #: item 3, the sender: 60 descriptors per message in flight over a unix socket pair, sent until
@@ -297,7 +297,13 @@ def inflight_scenario(kind: str) -> dict:
     sender = INFLIGHT_SENDER.format(pattern=PATTERN, slot=SLOT_S)
     receiver = INFLIGHT_RECEIVER.format(seconds=len(PATTERN) * SLOT_S + 1.5)
     sent, got = asyncio.run(_two(kind, sender, receiver, memory_mb=256))
-    return {'sender': sent.error_kind + ' ' + sent.output, 'receiver': got.error_kind + ' ' + got.output}
+    return {'sender': sent.error_kind + ' ' + sent.output, 'receiver': got.error_kind + ' ' + got.output,
+            'report': _report(kind)}
+
+
+def _report(kind: str) -> str:
+    from mtflow.tools import isolation
+    return isolation.resolve_isolation(kind).describe()
 
 
 #: item 4: a call that forks all it may and holds its processes
@@ -307,13 +313,13 @@ HOLD_PROCESSES = textwrap.dedent('''
     for _ in range(100):
         try:
             if os.fork() == 0:
-                time.sleep(2)
+                time.sleep(1.2)
                 os._exit(0)
             kids += 1
         except OSError:
             break
     print("forked", kids, flush=True)
-    time.sleep(2)
+    time.sleep(1.2)
 ''')
 
 
