@@ -33,7 +33,8 @@ import threading
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-__all__ = ['SubuidUnavailable', 'SubordinateIds', 'helper', 'own_range', 'block_of', 'SUBUID', 'SUBGID', 'BLOCK']
+__all__ = ['SubuidUnavailable', 'SubordinateIds', 'helper', 'ranges', 'own_range', 'block_of', 'SUBUID', 'SUBGID',
+           'BLOCK']
 
 SUBUID, SUBGID = '/etc/subuid', '/etc/subgid'
 
@@ -48,10 +49,10 @@ class SubuidUnavailable(RuntimeError):
     """This user cannot have subordinate uids here (the message says why)."""
 
 
-def own_range(path: str, name: str, uid: int) -> Tuple[int, int]:
-    """``(first, count)`` of the largest range ``path`` (``/etc/subuid`` or ``/etc/subgid``)
-    gives the user ``name`` (lines ``name:first:count`` or ``uid:first:count``)."""
-    best: Optional[Tuple[int, int]] = None
+def ranges(path: str, name: str, uid: int) -> List[Tuple[int, int]]:
+    """Every ``(first, count)`` range ``path`` (``/etc/subuid`` or ``/etc/subgid``) gives the user
+    ``name`` (lines ``name:first:count`` or ``uid:first:count``; others are skipped)."""
+    found = []
     try:
         with open(path, encoding='utf-8') as f:
             for line in f:
@@ -59,17 +60,21 @@ def own_range(path: str, name: str, uid: int) -> Tuple[int, int]:
                 if len(parts) != 3 or parts[0] not in (name, str(uid)):
                     continue
                 try:
-                    first, count = int(parts[1]), int(parts[2])
+                    found.append((int(parts[1]), int(parts[2])))
                 except ValueError:
                     continue
-                if best is None or count > best[1]:
-                    best = (first, count)
     except OSError as exc:
         raise SubuidUnavailable(f'cannot read {path}: {exc.strerror}') from None
-    if best is None:
+    return found
+
+
+def own_range(path: str, name: str, uid: int) -> Tuple[int, int]:
+    """``(first, count)`` of the largest range ``path`` gives the user ``name`` (:func:`ranges`)."""
+    found = ranges(path, name, uid)
+    if not found:
         raise SubuidUnavailable(f'{path} gives {name} (uid {uid}) no range (useradd gives one to every new user; '
                                 f'as root: usermod --add-subuids FIRST-LAST --add-subgids FIRST-LAST {name})')
-    return best
+    return max(found, key=lambda r: r[1])
 
 
 def block_of(first: int, count: int) -> Tuple[int, int]:

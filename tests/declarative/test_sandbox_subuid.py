@@ -63,17 +63,19 @@ def test_sandboxes_take_turns_under_a_small_limit():
 
 
 def test_a_call_that_can_never_fit_is_refused_at_once_saying_why():
-    b = _Budget(60, 10)
-    with pytest.raises(budget.NoProcessRoom, match=r'ulimit -u 60\) has no room for a call of 66 tasks '
-                                                   r'\(max_processes \+ 2\) beside the 10 tasks'):
+    b = _Budget(90, 0)
+    with pytest.raises(budget.NoProcessRoom, match=r'ulimit -u 90\) has no room for a call of 66 tasks '
+                                                   r'\(max_processes \+ 2\) beside the 32 kept for the driver'):
         b.take(budget.call_tasks(64))
+    assert b.take(budget.call_tasks(50)) is not None  # 52 + 32 <= 90
 
 
 def test_a_waiting_call_gives_up_at_its_timeout(monkeypatch):
     b = _Budget(121, 10)
     held = b.take(budget.call_tasks(64))
     monkeypatch.setattr(budget, 'budget', lambda: b)
-    with pytest.raises(budget.NoProcessRoom, match=r'1 running calls may reach 66.*\(waited 0.2 s\)'):
+    with pytest.raises(budget.NoProcessRoom, match=r'1 running calls may reach 66, 10 other tasks count for this '
+                                                   r'user.*\(waited 0.2 s\)'):
         asyncio.run(budget.room(64, 0.2))
     held.release()
     ticket = asyncio.run(budget.room(64, 0.2))
@@ -81,10 +83,10 @@ def test_a_waiting_call_gives_up_at_its_timeout(monkeypatch):
 
 
 def test_the_tool_reports_no_room_as_a_refusal(monkeypatch):
-    monkeypatch.setattr(budget, 'budget', lambda: _Budget(60, 10))
+    monkeypatch.setattr(budget, 'budget', lambda: _Budget(90, 10))
     tool = make_python_tool({'warm_pool': 0, 'timeout_s': 5})
     if not tool.isolation.available:
         pytest.skip(f'no isolation here: {tool.isolation.detail}')
     with pytest.raises(ToolError) as err:
         asyncio.run(tool('print(1)'))
-    assert err.value.kind == 'refused' and 'process limit (ulimit -u 60)' in str(err.value)
+    assert err.value.kind == 'refused' and 'process limit (ulimit -u 90)' in str(err.value)

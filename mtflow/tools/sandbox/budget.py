@@ -9,21 +9,25 @@ three calls took it all and the driver could not start a thread or a subprocess 
 As root there is no such count (root's limit is not enforced; each call's leased uid has its own).
 
 So, rootless under a finite ``RLIMIT_NPROC``, a sandbox is started only when its tasks fit beside
-everything else: this user's tasks in the driver's PID namespace (the driver's threads, other
-processes of the user), the tasks every running sandbox may reach (``max_processes`` + 2: the outer
-bwrap and the namespace's PID 1), and :func:`reserve` kept for the driver. A call waits for room
-(up to its ``timeout_s``), and one that can never fit is refused at once, saying why.
+everything else: the tasks in view that count against this user (the driver's threads, its other
+processes, other drivers' sandboxes and containers on its subordinate uids: :func:`user_tasks`),
+the tasks this driver's running sandboxes may reach (``max_processes`` + 2: the outer bwrap and the
+namespace's PID 1), and :func:`reserve` kept for the driver. A call waits for room (up to its
+``timeout_s``), and one that could not fit even alone is refused at once, saying why.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import pwd
 import resource
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
+from mtflow.tools import subuid
 from mtflow.tools.isolation import IsolationUnavailable, rootless
 
 __all__ = ['NoProcessRoom', 'ProcessBudget', 'Ticket', 'budget', 'call_tasks', 'reserve', 'take_room', 'room']
@@ -84,6 +88,10 @@ class ProcessBudget:
         limit = self.limit()
         if limit is None:
             return Ticket(tasks, None)
+        if tasks + reserve(limit) > limit:
+            raise NoProcessRoom(f'this user\'s process limit (ulimit -u {limit}) has no room for a call of {tasks} '
+                                f'tasks (max_processes + {EXTRA_TASKS}) beside the {reserve(limit)} kept for the '
+                                'driver: lower max_processes or raise the limit')
         with self._lock:
             for fresh in (False, True):
                 others = self._count(fresh)
@@ -91,17 +99,12 @@ class ProcessBudget:
                     self.held += tasks
                     self.sandboxes += 1
                     return Ticket(tasks, self)
-            if others + tasks + reserve(limit) > limit:
-                raise NoProcessRoom(f'this user\'s process limit (ulimit -u {limit}) has no room for a call of '
-                                    f'{tasks} tasks (max_processes + {EXTRA_TASKS}) beside the {others} tasks this '
-                                    f'user runs and the {reserve(limit)} kept for the driver: lower max_processes or '
-                                    'raise the limit')
             return None
 
     def describe(self, tasks: int) -> str:
         limit = self.limit()
         return (f'this user\'s process limit (ulimit -u {limit}) had no room for a call of {tasks} tasks: '
-                f'{self.sandboxes} running calls may reach {self.held}, this user runs {self._others} other tasks, '
+                f'{self.sandboxes} running calls may reach {self.held}, {self._others} other tasks count for this user, '
                 f'{reserve(limit or 0)} are kept for the driver; run fewer calls at once, lower max_processes, or '
                 'raise the limit')
 
@@ -119,30 +122,48 @@ class ProcessBudget:
 
 
 def user_tasks() -> int:
-    """The tasks (threads) this user runs in this PID namespace, sandboxes' own namespaces left
-    out (their tasks are in the budget already; a subordinate uid's are not this user's anyway)."""
-    uid = str(os.getuid()).encode()
-    mine = os.readlink('/proc/self/ns/pid')
-    total = 0
+    """The tasks (threads) in view that the kernel counts against this user: its own and its
+    subordinate uids' (only namespaces this user made run as those: other drivers' sandboxes, its
+    containers), in any PID namespace, but for those inside this process's own sandboxes (their
+    descendants in other PID namespaces), whose room the budget holds already."""
+    charged = charged_uids()
+    found: Dict[int, Tuple[int, int]] = {}  # pid -> (parent, threads) of the tasks counted for this user
     for name in os.listdir('/proc'):
         if not name.isdigit():
             continue
         try:
             with open(f'/proc/{name}/status', 'rb') as f:
-                status = f.read()
-            at = status.index(b'\nUid:') + 5
-            if status[at:status.index(b'\n', at)].split()[0] != uid:
-                continue
-            try:
-                if os.readlink(f'/proc/{name}/ns/pid') != mine:
-                    continue
-            except OSError:  # not ours to read (not dumpable): counted, to be safe
-                pass
-            at = status.index(b'\nThreads:') + 9
-            total += int(status[at:status.index(b'\n', at)])
-        except (OSError, ValueError):  # gone meanwhile
+                fields = dict(line.split(b':', 1) for line in f.read().splitlines() if b':' in line)
+            uid = int(fields[b'Uid'].split()[0])
+            if any(first <= uid < first + count for first, count in charged):
+                found[int(name)] = (int(fields[b'PPid']), int(fields[b'Threads']))
+        except (OSError, ValueError, KeyError):  # gone meanwhile
             pass
-    return total
+    children: Dict[int, List[int]] = {}
+    for pid, (parent, _) in found.items():
+        children.setdefault(parent, []).append(pid)
+    mine, inside, todo = os.readlink('/proc/self/ns/pid'), set(), list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            if os.readlink(f'/proc/{pid}/ns/pid') != mine:
+                inside.add(pid)
+        except OSError:  # not ours to read: counted, to be safe
+            pass
+    return sum(threads for pid, (_, threads) in found.items() if pid not in inside)
+
+
+@functools.lru_cache(maxsize=None)
+def charged_uids() -> Tuple[Tuple[int, int], ...]:
+    """``(first, count)`` of the host uids whose tasks count against this user: its own uid and
+    its subordinate ranges (:func:`mtflow.tools.subuid.ranges`)."""
+    uid = os.getuid()
+    try:
+        found = subuid.ranges(subuid.SUBUID, pwd.getpwuid(uid).pw_name, uid)
+    except (KeyError, subuid.SubuidUnavailable):
+        found = []
+    return ((uid, 1), *found)
 
 
 _budget: Optional[ProcessBudget] = None
