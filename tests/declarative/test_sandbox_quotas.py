@@ -110,7 +110,8 @@ def test_calls_holding_their_processes_leave_the_driver_room():
 
 
 def test_rootless_calls_holding_their_processes_leave_the_driver_room():
-    """The issue's driver: ulimit -u 121, three calls of the default max_processes (64) at once.
+    """The issue's driver: ulimit -u 121 (more where this user runs more already: one call must
+    fit), three calls of the default max_processes (64) at once.
     Each task of a call counts against the driver's user too (the user namespaces are its own),
     so a call starts only when its tasks fit beside the driver's and a reserve: they take turns."""
     _check_driver_starts(_as_normal_user('nproc_scenario', '121'))
