@@ -28,6 +28,13 @@ twice and read them side by side with the baseline of the same run.
     .venv/bin/python benchmarks/sandbox.py
     .venv/bin/python benchmarks/sandbox.py --calls 100 --concurrency 64 --kinds bwrap unshare
     .venv/bin/python benchmarks/sandbox.py --neighbour --calls 20 --rounds 3
+
+With ``--against TREE`` (another checkout, e.g. the commit before a change, from ``git archive``),
+the overhead figures of both trees in one run: this script runs itself once per tree and round,
+alternately (``--tree``: import mtflow from that checkout), and prints each variant's ``+p50`` and
+``+p95`` for the two side by side (medians over the rounds; every round's figure beside them):
+
+    .venv/bin/python benchmarks/sandbox.py --against /tmp/base --rounds 3 --calls 40 --concurrency 16
 """
 from __future__ import annotations
 
@@ -42,7 +49,10 @@ import sys
 import time
 from typing import Awaitable, Callable, Dict, Iterator, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the checkout mtflow is imported from: this one, or ``--tree PATH`` (what ``--against`` passes)
+TREE = sys.argv[sys.argv.index('--tree') + 1] if '--tree' in sys.argv[:-1] else HERE
+sys.path.insert(0, TREE)
 
 from mtflow.tools import cgroup, isolation, seccomp  # noqa: E402
 from mtflow.tools.sandbox import process  # noqa: E402
@@ -187,6 +197,43 @@ def neighbour(args: argparse.Namespace) -> None:
         print(f'{name:<26} {p50:8.1f} {pct(values, 0.95) * 1000:8.1f} {p50 / base:12.2f}')
 
 
+def against(args: argparse.Namespace) -> None:
+    """This script once per tree and round, alternately, each printing its figures as json."""
+    import json
+    import subprocess
+    trees = {'before': os.path.abspath(args.against), 'after': TREE}
+    if not os.path.isfile(os.path.join(trees['before'], 'mtflow', 'tools', 'sandbox', '__init__.py')):
+        raise SystemExit(f'--against {args.against}: no mtflow checkout with the python tool\'s sandbox there '
+                         '(e.g. git archive <commit> | tar -x -C /tmp/base)')
+    passed = [f'--calls={args.calls}', f'--concurrency={args.concurrency}', f'--pool={args.pool}', '--rounds=1',
+              '--no-comparison', '--json', '--kinds', *args.kinds]
+    runs: Dict[str, List[dict]] = {name: [] for name in trees}
+    loads = []
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            loads.append(os.getloadavg()[0])
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), '--tree', tree, *passed],
+                                 capture_output=True, text=True, check=True).stdout
+            runs[name].append(json.loads(out.splitlines()[-1]))
+    print(f'before: {trees["before"]}; after: {trees["after"]}; {args.rounds} rounds, alternately, of {args.calls} '
+          f'sequential calls and {args.concurrency} at once; {os.cpu_count()} CPUs, load average '
+          f'{min(loads):.1f}-{max(loads):.1f}; overhead over a plain interpreter start, ms: medians, then each '
+          'round\'s before and after +p50')
+    head = (f'{"variant":<18} {"+p50 before":>12} {"+p50 after":>11} {"+p95 before":>12} {"+p95 after":>11} '
+            f'{"cpu ms before":>14} {"cpu ms after":>13}  rounds +p50')
+    print(head)
+    print('-' * len(head))
+    for variant in runs['after'][0]:
+        cell = {(name, key): [r[variant][key] for r in runs[name] if variant in r]
+                for name in trees for key in ('d50', 'd95', 'cpu')}
+        med = {k: statistics.median(v) if v else float('nan') for k, v in cell.items()}
+        each = ' / '.join(f'{b:.1f} {a:.1f}' for b, a in zip(cell['before', 'd50'], cell['after', 'd50']))
+        print(f'{variant:<18} {med["before", "d50"]:12.1f} {med["after", "d50"]:11.1f} {med["before", "d95"]:12.1f} '
+              f'{med["after", "d95"]:11.1f} {med["before", "cpu"]:14.1f} {med["after", "cpu"]:13.1f}  {each}')
+    print('(cpu ms: CPU time per sequential call, the driver and every process it started together; plain '
+          'subprocess: the baseline itself, its +p50 is 0)')
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--calls', type=int, default=60, help='sequential calls per variant (after 3 warm-up calls)')
@@ -199,9 +246,16 @@ def main() -> None:
     ap.add_argument('--neighbour', action='store_true',
                     help='only the neighbour figure: cold calls beside a spinning call, with and without a CPU bound')
     ap.add_argument('--spinners', type=int, default=4, help='busy processes of the spinning call (--neighbour)')
+    ap.add_argument('--against', metavar='TREE', help='another checkout: both trees\' overheads side by side, '
+                                                      'measured alternately in --rounds rounds')
+    ap.add_argument('--tree', metavar='TREE', help='import mtflow from this checkout (what --against passes)')
+    ap.add_argument('--json', action='store_true', help='print the figures as one json line')
     args = ap.parse_args()
     if args.neighbour:
         neighbour(args)
+        return
+    if args.against:
+        against(args)
         return
     pools = []
 
@@ -242,6 +296,14 @@ def main() -> None:
                 time.sleep(1.0)  # the pool refills
             with without_filter_and_cgroup() if name == UNHARDENED else contextlib.nullcontext():
                 walls[name].append(asyncio.run(burst(call, args.concurrency)))
+    if args.json:
+        import json
+        print(json.dumps({name: {'p50': p50, 'p95': p95, 'd50': d50, 'd95': d95, 'cpu': cpu_ms,
+                                 'burst': statistics.median(walls[name])}
+                          for name, p50, p95, d50, d95, _, cpu_ms in rows}))
+        for pool in pools:
+            pool.close()
+        return
     print(f'sandbox overhead: {args.calls} sequential calls of {PROGRAM!r}, then {args.concurrency} at once '
           f'({args.rounds} rounds; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f})')
     head = f'{"variant":<24} {"p50 ms":>8} {"p95 ms":>8} {"+p50 ms":>8} {"+p95 ms":>8} {"mean ms":>8} ' \

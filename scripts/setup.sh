@@ -21,6 +21,12 @@ if [ "$(id -u)" -eq 0 ] && ! command -v bwrap >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
     || echo "warning: could not install bubblewrap: the python tool falls back to unshare or refuses" >&2
 fi
+# Run as a normal user, each call runs on a subordinate uid of its own (/etc/subuid) through
+# newuidmap/newgidmap (Debian's uidmap); without them the calls share this user's kernel quotas.
+if [ "$(id -u)" -eq 0 ] && ! command -v newuidmap >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq uidmap >/dev/null; } \
+    || echo "warning: could not install uidmap: rootless python tool calls share their user's kernel quotas" >&2
+fi
 # The sandbox's seccomp filter (mtflow/tools/seccomp.py) is built with libseccomp through pyseccomp;
 # without both every python tool call is refused. (pyseccomp loads libseccomp when imported: the
 # check needs no ldconfig, which is not on a normal user's PATH.)

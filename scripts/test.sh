@@ -60,6 +60,22 @@ $V -c 'import verifiers.v1, openenv.core, fastmcp, yaml, transitions' 2>/dev/nul
 # unshare and setpriv (the fallback and the uid drop) come with util-linux.
 command -v bwrap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
   || echo "warning: could not install bubblewrap: the sandbox tests use the unshare fallback or skip" >&2
+# rootless calls on subordinate uids (newuidmap, Debian's uidmap; setup.sh installs it as root), and the normal
+# user the rootless tests of issue 52 run as when this runs as root (tests/declarative/sandbox_util.py TEST_USER;
+# useradd gives it a subordinate uid range where these files exist)
+command -v newuidmap >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq uidmap >/dev/null; } \
+  || echo "warning: could not install uidmap: rootless sandbox tests run without subordinate uids" >&2
+if [ "$(id -u)" -eq 0 ]; then
+  touch /etc/subuid /etc/subgid
+  id mtflow-sbx >/dev/null 2>&1 || useradd -m mtflow-sbx \
+    || echo "warning: could not add the user mtflow-sbx: the rootless sandbox tests of issue 52 skip" >&2
+  for ids in uid gid; do  # a user made before these files existed has no range: 65536 above every range there
+    ! id mtflow-sbx >/dev/null 2>&1 || grep -q '^mtflow-sbx:' /etc/sub$ids \
+      || { first=$(awk -F: 'BEGIN { m = 100000 } $2 + $3 > m { m = $2 + $3 } END { print m }' /etc/sub$ids) \
+           && usermod --add-sub${ids}s "$first-$((first + 65535))" mtflow-sbx; } \
+      || echo "warning: could not give mtflow-sbx subordinate ${ids}s: its rootless tests run without them" >&2
+  done
+fi
 # its seccomp filter is built with libseccomp (mtflow/tools/seccomp.py): the pyseccomp binding and the library
 SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'  # (pyseccomp loads libseccomp on import; no ldconfig needed)
 .venv/bin/python -c "$SECCOMP_OK" 2>/dev/null || { $PIP install 'pyseccomp==0.1.2' && { .venv/bin/python -c "$SECCOMP_OK" 2>/dev/null \

@@ -12,7 +12,8 @@ The sandbox is built with existing tools, never by hand:
   namespace;
 - both then drop to a **dedicated unprivileged uid** with ``setpriv`` (no capabilities, no
   groups, ``no_new_privs``) before the interpreter starts; without root, bwrap instead makes its own
-  user namespace (the program is ``nobody`` inside, this user outside; see :func:`rootless`).
+  user namespace (the program is ``nobody`` inside; outside, a subordinate uid of its own where
+  this user has them, :mod:`mtflow.tools.subuid`, else this user; see :func:`rootless`).
 
 The uid is leased per call from a block nobody else uses (an exclusive ``flock`` on a file per
 uid in one root-only directory, :data:`LEASE_DIR`, whose ownership and mode are checked and whose
@@ -51,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mtflow.tools import cgroup, seccomp
+from mtflow.tools import cgroup, seccomp, subuid
 
 #: what ``isolation:`` accepts: ``auto`` (bwrap, else unshare, else refuse), one tool (else
 #: refuse), or ``none`` (no isolation; a warning at load time).
@@ -193,10 +194,11 @@ class LeaseDirUnsafe(IsolationUnavailable):
     others): sharing it could give two calls one uid, so every call is refused."""
 
 
-def open_lease_dir(path: str = LEASE_DIR) -> int:
+def open_lease_dir(path: str = LEASE_DIR, owner: int = 0) -> int:
     """An ``O_DIRECTORY | O_NOFOLLOW`` fd on the lease directory, made (mode 0700) when missing;
     refused (:class:`LeaseDirUnsafe`, naming the path and what is wrong) unless it is a real
-    directory owned by root with no access for others."""
+    directory owned by ``owner`` (root; rootless, this user: :func:`rootless_lease_dir`) with no
+    access for others, in a parent only root may rename it in."""
     parent = os.path.dirname(path)
     try:
         os.mkdir(path, 0o700)
@@ -211,16 +213,33 @@ def open_lease_dir(path: str = LEASE_DIR) -> int:
         raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({kind}); remove it (root recreates it, '
                              f'mode 0700) and check who made it') from None
     st = os.fstat(fd)
-    problem = (f'owned by uid {st.st_uid}, not root' if st.st_uid != 0 else
+    who = 'root' if owner == 0 else f'uid {owner}'
+    problem = (f'owned by uid {st.st_uid}, not {who}' if st.st_uid != owner else
                f'mode {st.st_mode & 0o7777:04o} lets others in (must be 0700)' if st.st_mode & 0o077 else '')
     pst = os.stat(parent)
     if not problem and (pst.st_uid != 0 or pst.st_mode & 0o022 and not pst.st_mode & 0o1000):
         problem = f'its parent {parent} is writable by others'
     if problem:
         os.close(fd)
-        raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({problem}); remove it (root recreates '
+        raise LeaseDirUnsafe(f'the uid lease directory {path} is unsafe ({problem}); remove it ({who} recreates '
                              'it, mode 0700) and check who made it')
     return fd
+
+
+def rootless_lease_dir() -> str:
+    """Where this (normal) user leases its subordinate uids (:mod:`mtflow.tools.subuid`): one
+    directory per user and host, whatever each driver's ``$TMPDIR``, as root's :data:`LEASE_DIR`."""
+    return f'/tmp/mtflow-sandbox-uids-{os.geteuid()}'
+
+
+@dataclass(frozen=True)
+class UidBlock:
+    """The uids a :class:`UidLease` is drawn from: ``size`` from ``base``, leased in ``lease_dir``
+    (owned by ``owner``)."""
+    base: int
+    size: int
+    lease_dir: str
+    owner: int
 
 
 class UidLease:
@@ -233,30 +252,34 @@ class UidLease:
     operating system, never from ``random`` (which a training script seeds: every container would
     then start at the same uid)."""
 
-    _dir_fd: Optional[int] = None
+    _dir_fds: Dict[str, int] = {}
     _dir_lock = threading.Lock()
     lease_dir = LEASE_DIR
     #: uid -> until when (``time.monotonic``) it is skipped: found in use outside this host's leases
     _busy: Dict[int, float] = {}
 
-    def __init__(self) -> None:
-        base = _uid_base()
-        dir_fd = self._open_dir()
-        start = self._first()
+    def __init__(self, block: Optional[UidBlock] = None) -> None:
+        """A uid of root's block (:data:`UID_BLOCK` from :func:`_uid_base`, in :attr:`lease_dir`),
+        or of ``block`` (rootless: this user's subordinate uids)."""
+        if block is None:
+            block = UidBlock(_uid_base(), UID_BLOCK, self.lease_dir, 0)
+        base, size = block.base, block.size
+        dir_fd = self._open_dir(block.lease_dir, block.owner)
+        start = self._first() % size
         now = time.monotonic()
-        for k in range(UID_BLOCK):
-            uid = base + (start + k) % UID_BLOCK
+        for k in range(size):
+            uid = base + (start + k) % size
             if self._busy.get(uid, 0.0) > now:
                 continue
             try:
                 fd = os.open(str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
             except OSError as exc:
-                raise LeaseDirUnsafe(f'cannot open the lease file {self.lease_dir}/{uid} ({exc.strerror}): the uid '
-                                     'lease directory holds something root did not make there') from None
+                raise LeaseDirUnsafe(f'cannot open the lease file {block.lease_dir}/{uid} ({exc.strerror}): the uid '
+                                     'lease directory holds something its owner did not make there') from None
             st = os.fstat(fd)
-            if not (st.st_uid == 0 and (st.st_mode & 0o170000) == 0o100000):
+            if not (st.st_uid == block.owner and (st.st_mode & 0o170000) == 0o100000):
                 os.close(fd)
-                raise LeaseDirUnsafe(f'the lease file {self.lease_dir}/{uid} is not a regular file of root')
+                raise LeaseDirUnsafe(f'the lease file {block.lease_dir}/{uid} is not a regular file of its owner')
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -266,7 +289,7 @@ class UidLease:
                 raise
             self.uid, self._fd = uid, fd
             return
-        raise IsolationUnavailable(f'all {UID_BLOCK} sandbox uids are in use (leases in {self.lease_dir}): '
+        raise IsolationUnavailable(f'all {size} sandbox uids are in use (leases in {block.lease_dir}): '
                                    'fewer concurrent calls, or wait for running ones to end')
 
     @staticmethod
@@ -285,19 +308,19 @@ class UidLease:
             cls._busy[uid] = now + UID_BUSY_S
 
     @classmethod
-    def _open_dir(cls) -> int:
+    def _open_dir(cls, path: str, owner: int) -> int:
         with cls._dir_lock:
-            if cls._dir_fd is None:
-                cls._dir_fd = open_lease_dir(cls.lease_dir)
-            return cls._dir_fd
+            if path not in cls._dir_fds:
+                cls._dir_fds[path] = open_lease_dir(path, owner)
+            return cls._dir_fds[path]
 
     @classmethod
     def forget_dir(cls) -> None:
-        """Close the cached directory fd (tests that point :attr:`lease_dir` elsewhere)."""
+        """Close the cached directory fds (tests that point :attr:`lease_dir` elsewhere)."""
         with cls._dir_lock:
-            if cls._dir_fd is not None:
-                os.close(cls._dir_fd)
-                cls._dir_fd = None
+            for fd in cls._dir_fds.values():
+                os.close(fd)
+            cls._dir_fds.clear()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -465,8 +488,10 @@ ROOTLESS_UID = 65534
 
 
 def rootless() -> bool:
-    """Not root: bwrap then makes its own user namespace (the program is ``nobody`` inside and
-    this user outside), and the process limit counts per namespace instead of per leased uid."""
+    """Not root: bwrap then makes its own user namespace (the program is ``nobody`` inside and,
+    outside, a subordinate uid of its own or this user), and the process limit counts per
+    namespace instead of per leased uid (and, for the namespaces' creator, against this user's:
+    :mod:`mtflow.tools.sandbox.budget`)."""
     return os.geteuid() != 0
 
 
@@ -585,11 +610,12 @@ def _find_tools() -> _Tools:
 
 
 def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Sequence[str],
-                  site_packages: Sequence[str] = (), shm_mb: int = SHM_MB) -> SandboxCommand:
+                  site_packages: Sequence[str] = (), shm_mb: int = SHM_MB, enter: Sequence[str] = ()) -> SandboxCommand:
     """The command line for one sandboxed call with isolation ``kind`` (``bwrap``/``unshare``), as
-    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only); ``site_packages``:
-    directories (checked by :func:`check_site_packages`) bound read-only besides the interpreter;
-    ``shm_mb``: the size of its own ``/dev/shm``.
+    the leased ``uid`` (root), or rootless (``uid=None``: bwrap only), then run under ``enter``
+    (:meth:`mtflow.tools.subuid.SubordinateIds.enter_argv`: on a subordinate uid of its own);
+    ``site_packages``: directories (checked by :func:`check_site_packages`) bound read-only
+    besides the interpreter; ``shm_mb``: the size of its own ``/dev/shm``.
     (The seccomp filter is installed by the launcher in ``python_argv``, after ``/tmp`` is mounted.)"""
     tools = _find_tools()
     interp = with_site_packages(current_interpreter(), site_packages)
@@ -605,7 +631,8 @@ def build_command(kind: str, uid: Optional[int], tmp_mb: int, python_argv: Seque
         if kind != 'bwrap':
             raise IsolationUnavailable('unshare needs root (it mounts the sandbox root and switches uid); '
                                        'without root only bwrap (with a user namespace) can isolate')
-        return bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv, shm_mb)
+        cmd = bwrap_command(tools.bwrap, None, interp, None, tmp_mb, python_argv, shm_mb)
+        return SandboxCommand([*enter, *cmd.argv], cmd.env)
     if tools.setpriv is None:
         raise IsolationUnavailable(tools.problems['setpriv'])
     if kind == 'bwrap':
@@ -617,24 +644,64 @@ _PROBE_CODE = ('import os, sys; sys.stdout.write("mtflow-probe %d %d" % '
                '(len([p for p in os.listdir("/proc") if p.isdigit()]), os.getuid()))')
 
 
+# ---- rootless: subordinate uids ------------------------------------------------------------------
+def subordinate_ids() -> Optional[subuid.SubordinateIds]:
+    """Rootless, this process's namespace of subordinate uids (:mod:`mtflow.tools.subuid`): each
+    call then runs on a host uid of its own; ``None`` as root, or where this user has none
+    (:func:`why_no_subordinate_ids` says why)."""
+    if not rootless():
+        return None
+    try:
+        return subuid.helper()
+    except subuid.SubuidUnavailable:
+        return None
+
+
+def why_no_subordinate_ids() -> str:
+    try:
+        subuid.helper()
+    except subuid.SubuidUnavailable as exc:
+        return str(exc)
+    return ''
+
+
+def subordinate_block(ids: subuid.SubordinateIds) -> UidBlock:
+    """The uids a rootless call leases from: the helper namespace's block, leased in this user's
+    :func:`rootless_lease_dir`."""
+    return UidBlock(ids.uid_base, ids.size, rootless_lease_dir(), os.geteuid())
+
+
 def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
     """Run a tiny program with isolation ``kind``; ``None`` when it worked as it must (in a new
     PID namespace, where it sees only itself and the namespace's init, as the leased uid), else
-    why not."""
+    why not. Rootless it tries a subordinate uid first (:func:`subordinate_ids`); where that fails,
+    this process uses none from then on (:func:`mtflow.tools.subuid.refuse`) and runs the calls as
+    this user."""
+    ids = subordinate_ids() if kind == 'bwrap' else None
+    why = _probe(kind, ids, timeout_s) if ids is not None else 'no subordinate uids'
+    if why is None:
+        return None
+    plain = _probe(kind, None, timeout_s)
+    if ids is not None and plain is None:  # what failed was the subordinate uid (an interpreter it cannot read...)
+        subuid.refuse(f'a probe on a subordinate uid failed: {why}')
+    return plain
+
+
+def _probe(kind: str, ids: Optional[subuid.SubordinateIds], timeout_s: float) -> Optional[str]:
     lease = None
-    if not rootless():
-        try:
-            lease = UidLease()
-        except (IsolationUnavailable, OSError) as exc:
-            return str(exc)
-    want_uid = lease.uid if lease is not None else ROOTLESS_UID
+    try:
+        lease = UidLease() if not rootless() else UidLease(subordinate_block(ids)) if ids is not None else None
+    except (IsolationUnavailable, OSError) as exc:
+        return str(exc)
+    want_uid = lease.uid if lease is not None and not rootless() else ROOTLESS_UID
     cmd = None
     try:
         # rootless, the probe mounts its /tmp as the launcher will (a kernel that forbids it refuses here)
-        code = _PROBE_CODE if lease is not None else \
+        code = _PROBE_CODE if not rootless() else \
             'import os, sys\n' + seccomp.FFI_CODE + mount_tmp_code(1, 1) + _PROBE_CODE
         python_argv = [current_interpreter().executable, '-I', '-S', '-c', code]
-        cmd = build_command(kind, lease.uid if lease is not None else None, 1, python_argv)
+        cmd = build_command(kind, None if rootless() or lease is None else lease.uid, 1, python_argv,
+                            enter=ids.enter_argv(lease.uid) if ids is not None and lease is not None else ())
         proc = subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, start_new_session=True)
     except IsolationUnavailable as exc:
@@ -645,7 +712,8 @@ def probe(kind: str, timeout_s: float = 30.0) -> Optional[str]:
         if cmd is not None and cmd.scratch:
             _remove_scratch(cmd.scratch)
         if lease is not None:
-            wait_uid_gone(lease.uid, 5.0)
+            if not rootless():
+                wait_uid_gone(lease.uid, 5.0)
             lease.release()
     out = proc.stdout.decode('utf-8', 'replace').split()
     if proc.returncode != 0 or len(out) != 3 or out[0] != 'mtflow-probe':
@@ -670,6 +738,16 @@ _DETAIL = {
     'unshare': 'unshare (util-linux): new pid, net (lo only), ipc, uts and mount namespaces; chroot into '
                'read-only /usr and interpreter; private /tmp; dedicated unprivileged uid with its own process limit',
 }
+
+
+def _rootless_detail() -> str:
+    ids = subordinate_ids()
+    if ids is not None:
+        return f'own user namespace (nobody inside) on {ids.describe()}'
+    return (f'own user namespace (nobody inside) as this user (no subordinate uids: {why_no_subordinate_ids()}): '
+            'per-user kernel quotas (pipe buffers, descriptors in flight) are shared with the driver and every call')
+
+
 _cache: Dict[str, Isolation] = {}
 _cache_lock = threading.Lock()
 
@@ -694,8 +772,7 @@ def resolve_isolation(requested: str = 'auto') -> Isolation:
             if why is None:
                 detail = _DETAIL[kind]
                 if rootless():
-                    detail = detail.replace('dedicated unprivileged uid with its own process limit',
-                                            'own user namespace (nobody inside) with its own process limit')
+                    detail = detail.replace('dedicated unprivileged uid with its own process limit', _rootless_detail())
                 result = Isolation(requested, kind, f'{detail}; {filter_detail}; {cgroup.support().describe()}')
                 break
             reasons.append(why if why.startswith(kind) else f'{kind}: {why}')

@@ -56,6 +56,13 @@ DENIED: Tuple[str, ...] = (
     # user pages pinned into pipes, owned by no process: 1536 MB through 3 pipes rootless, bounded
     # only by the user's pipe quota
     'vmsplice',
+    # page-cache folios pinned into pipes and socket buffers (issue 52, 1): a pipe slot (or a unix
+    # socket's buffer) that holds one spliced byte of a file holds that byte's whole folio, up to
+    # 2 MB where the file was mapped with huge pages; neither rlimits nor the call's cgroup count
+    # a folio the host cached already, and the pipe quota counts the slot as one page: 1024 MB held
+    # under memory_mb 64. (tee only copies those references; sendfile into a pipe or a socket
+    # splices; shutil.copyfile, socket.sendfile and asyncio fall back to read and write on EPERM)
+    'splice', 'tee', 'sendfile', 'sendfile64',
     # channels between calls: flock on a shared read-only file (a filter cannot see which file);
     # page-cache residency (cachestat; the kernel restricts mincore already), eviction of another
     # process's pages (process_madvise); AIO, whose iocb can ask RWF_NOWAIT out of the filter's view
@@ -89,7 +96,8 @@ class ArgDenial:
 #: the mask for an ``int`` argument: the kernel reads only its low 32 bits, so a filter that
 #: compared all 64 would let ``AF_VSOCK | 1 << 32`` through
 _INT = 0xFFFFFFFF
-SOL_SOCKET, AF_INET, AF_INET6, AF_VSOCK = 1, 2, 10, 40
+SOL_SOCKET, AF_INET, AF_INET6, AF_NETLINK, AF_VSOCK = 1, 2, 10, 16, 40
+NETLINK_KOBJECT_UEVENT = 15
 F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE = 5, 6, 7, 36, 37, 38, 1024
 RWF_NOWAIT, POSIX_FADV_DONTNEED, MADV_COLD, MADV_PAGEOUT = 0x8, 4, 20, 21
 _BUFFERS = ('SO_SNDBUF', 7), ('SO_RCVBUF', 8), ('SO_SNDBUFFORCE', 32), ('SO_RCVBUFFORCE', 33)
@@ -106,6 +114,10 @@ _LOCKS = (('F_GETLK', F_GETLK), ('F_SETLK', F_SETLK), ('F_SETLKW', F_SETLKW), ('
 DENIED_ARGS: Tuple[ArgDenial, ...] = (
     ArgDenial('socket', ((0, AF_VSOCK, _INT),),
               'AF_VSOCK is outside the network namespace: the VM\'s port space, shared by every call and the host'),
+    ArgDenial('socket', ((0, AF_NETLINK, _INT), (2, NETLINK_KOBJECT_UEVENT, _INT)),
+              'the kernel sends uevents (devices added, removed, changed) to every network namespace its first '
+              'user namespace owns: as root each call\'s, so a call would watch the host\'s devices and a host '
+              'event it can cause (a synthetic uevent) would reach every call'),
     *(ArgDenial('socket', ((0, family, _INT),),
                 'IP sockets, with a cgroup too: TCP buffers are one pool for the whole kernel, not charged to a v1 '
                 'memory cgroup (one call queued 440 MB under memory_mb: 64, and could stall every TCP socket of '

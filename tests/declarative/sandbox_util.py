@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -271,3 +271,99 @@ def unprivileged_uid() -> Iterator[Tuple[int, str, dict]]:
     finally:
         if lease is not None:
             lease.release()
+
+
+#: the normal user the rootless tests of issue 52 run as, when they run as root: made by
+#: scripts/test.sh with ``useradd -m``, which gives it a range of subordinate uids (/etc/subuid)
+TEST_USER = 'mtflow-sbx'
+
+
+@contextlib.contextmanager
+def normal_user() -> Iterator[Tuple[int, str, dict]]:
+    """``(uid, interpreter, env)`` for running mtflow as a normal user made with ``useradd -m``
+    (:data:`TEST_USER` as root; this user otherwise), with its subordinate uids: what most cluster
+    users are. Skips where there is none (scripts/test.sh makes it as root) or it cannot run the
+    interpreter and checkout."""
+    import pwd
+    if not shutil.which('bwrap'):
+        pytest.skip('needs bwrap')
+    if os.geteuid() == 0:
+        if not shutil.which('setpriv'):
+            pytest.skip('needs setpriv (to become the test user)')
+        try:
+            uid = pwd.getpwnam(TEST_USER).pw_uid
+        except KeyError:
+            pytest.skip(f'no user {TEST_USER} (scripts/test.sh makes it: useradd -m {TEST_USER})')
+    else:
+        uid = os.geteuid()
+    site = [p for p in sys.path if p.endswith('site-packages')]
+    env = {'PATH': '/usr/bin:/bin', 'HOME': '/', 'PYTHONPATH': os.pathsep.join([ROOT] + site)}
+    exe = interpreter_for(uid, env)
+    if exe is None:
+        pytest.skip(f'no interpreter and mtflow checkout that uid {uid} can read here')
+    yield uid, exe, env
+
+
+def run_as(uid: int, exe: str, env: dict, script: str, *args: str, timeout: float = 300) -> str:
+    """``script`` run with ``exe`` as ``uid`` (:func:`as_uid`); its stdout (stderr in the failure)."""
+    proc = subprocess.run(as_uid(uid) + [exe, '-c', script, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd='/')
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def call_processes() -> Dict[int, List[int]]:
+    """PID namespace -> host pids of the sandbox processes of calls this process started (or a
+    script it runs): its descendants in PID namespaces other than its own (the outer
+    bwrap/unshare is in ours; everything it runs is not)."""
+    children: dict = {}
+    for name in os.listdir('/proc'):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f'/proc/{name}/stat', 'rb') as f:
+                ppid = int(f.read().rsplit(b')', 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    mine, todo = pid_namespace_of(os.getpid()), list(children.get(os.getpid(), []))
+    found: Dict[int, List[int]] = {}
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        ns = pid_namespace_of(pid)
+        if ns is not None and ns != mine:
+            found.setdefault(ns, []).append(pid)
+    return found
+
+
+def pipes_held(pids: List[int]) -> Tuple[int, int]:
+    """``(pages, queued bytes)`` of the distinct pipes ``pids`` hold, read on the host: each pipe
+    reopened through ``/proc/<pid>/fd`` for its size (``F_GETPIPE_SZ``) and what is queued in it
+    (``FIONREAD``), and closed again."""
+    import fcntl
+    import struct
+    import termios
+    seen = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f'/proc/{pid}/fd')
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f'/proc/{pid}/fd/{fd}')
+                if not link.startswith('pipe:[') or link in seen:
+                    continue
+                f = os.open(f'/proc/{pid}/fd/{fd}', os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                size = fcntl.fcntl(f, 1032)  # F_GETPIPE_SZ
+                queued = struct.unpack('i', fcntl.ioctl(f, termios.FIONREAD, b'\0' * 4))[0]
+                seen[link] = (size // os.sysconf('SC_PAGE_SIZE'), queued)
+            except OSError:
+                pass
+            finally:
+                os.close(f)
+    return sum(p for p, _ in seen.values()), sum(q for _, q in seen.values())

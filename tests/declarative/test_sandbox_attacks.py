@@ -218,6 +218,30 @@ def test_huge_stdout_is_cut_and_the_flood_stopped(kind):
     assert '[output truncated: 10001 bytes in total, 100 characters shown]' in once.output
 
 
+#: issue 52, 5: 32 processes writing 1 MB at a time, so the output pipe is full again the moment
+#: the driver reads it. The flood's kill made util-linux 2.38's unshare write ``sigprocmask
+#: unblock failed`` about its killed child into that full pipe, which nobody read any more: the
+#: call hung to its timeout and raised CancelledError out of the tool (3 of 8 calls here)
+FULL_PIPE_FLOOD = 'import os\nfor _ in range(5):\n    os.fork()\nos.write(1, b"x" * (1 << 20))\n'
+
+
+def test_a_flood_that_fills_the_pipe_ends_every_call_at_once(kind):
+    require(kind)
+
+    async def calls():
+        out = []
+        for _ in range(6):
+            started = time.monotonic()
+            r = await run_python(FULL_PIPE_FLOOD, isolation=kind, timeout_s=30, max_output_chars=100)
+            out.append((r, time.monotonic() - started))
+        return out
+
+    for r, took in asyncio.run(calls()):
+        assert (r.error_kind, r.flooded, r.timed_out) == ('killed', True, False), (r, took)
+        assert r.output.startswith('x' * 100) and 'unshare' not in r.output
+        assert_nothing_survives(r)
+
+
 def test_an_outer_timeout_shorter_than_the_sandbox_kills_the_tree(kind):
     require(kind)
     marker = token()
@@ -278,7 +302,7 @@ def test_warm_sandboxes_run_one_program_each_and_contain_it(kind):
     if not isolation.rootless():
         assert len({r.uid for r in results}) == 3, 'a sandbox was used for two programs'
     for r in results:
-        inside_uid = r.uid if r.uid is not None else isolation.ROOTLESS_UID  # rootless: nobody inside
+        inside_uid = isolation.ROOTLESS_UID if isolation.rootless() else r.uid  # rootless: nobody inside
         assert r.error_kind == '' and r.output.split()[:3] == [str(inside_uid), f'pid:[{r.pid_namespace}]', "''"], \
             r.output
         assert_nothing_survives(r, marker)

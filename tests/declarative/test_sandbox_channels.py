@@ -419,7 +419,7 @@ def test_rootless_pages_pinned_with_vmsplice_never_leave_the_host_short():
 def test_every_argument_rule_resolves_on_this_architecture_and_says_why():
     import pyseccomp
     arch = pyseccomp.system_arch()
-    for name in ('vmsplice', 'flock', 'process_madvise', 'io_setup', 'io_submit') + _SYSCALLS:
+    for name in ('vmsplice', 'splice', 'tee', 'sendfile', 'flock', 'process_madvise', 'io_setup', 'io_submit') + _SYSCALLS:
         assert int(pyseccomp.resolve_syscall(arch, name)) >= 0, name
     for rule in seccomp.DENIED_ARGS:
         assert int(pyseccomp.resolve_syscall(arch, rule.syscall)) >= 0, rule

@@ -13,7 +13,7 @@ import pytest
 from mtflow.tools import cgroup
 from mtflow.tools.sandbox import check_python_options
 
-from .sandbox_util import KINDS, as_uid, assert_nothing_survives, run, unprivileged_uid
+from .sandbox_util import KINDS, as_uid, assert_nothing_survives, normal_user, run, run_as, unprivileged_uid
 
 kinds = pytest.mark.parametrize('kind', KINDS)
 
@@ -106,3 +106,41 @@ def test_rootless_multiprocessing_works_in_a_private_bounded_dev_shm():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ['ok'] + _expected(8), proc.stdout
     assert marker not in _host_shm() and _host_shm() - before == set()
+
+
+#: issue 52, 6: a Pool and a Process on a function the program defines, with every start method.
+#: spawn and forkserver start a fresh interpreter, which finds the function by running the
+#: program's file again as __mp_main__ (the reason for the __main__ guard): the launcher tells
+#: multiprocessing where that file is (/tmp/main.py). Without it, their workers died at once and
+#: the Pool waited for them to the timeout.
+START_METHODS = textwrap.dedent('''
+    import multiprocessing as mp
+    def square(x):
+        return x * x
+    def put(q, method):
+        q.put(method)
+    if __name__ == "__main__":
+        for method in ("fork", "spawn", "forkserver"):
+            ctx = mp.get_context(method)
+            with ctx.Pool(2) as pool:
+                total = sum(pool.map(square, range(10)))
+            q = ctx.Queue()
+            p = ctx.Process(target=put, args=(q, method))
+            p.start()
+            print(method, total, q.get(timeout=20), flush=True)
+            p.join()
+''')
+START_METHODS_EXPECTED = ['fork 285 fork', 'spawn 285 spawn', 'forkserver 285 forkserver']
+
+
+@kinds
+def test_every_start_method_runs_the_programs_own_functions(kind):
+    r = run(START_METHODS, kind, memory_mb=256, timeout_s=60)
+    assert (r.error_kind, r.output.splitlines()) == ('', START_METHODS_EXPECTED), r.output
+    assert_nothing_survives(r)
+
+
+def test_rootless_every_start_method_runs_the_programs_own_functions():
+    with normal_user() as (uid, exe, env):
+        out = run_as(uid, exe, env, ROOTLESS.replace('shm_mb=8, memory_mb=256', 'memory_mb=256'), START_METHODS)
+    assert out.splitlines() == ['ok'] + START_METHODS_EXPECTED, out

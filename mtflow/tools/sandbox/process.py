@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from mtflow.tools.isolation import (SHM_MB, UID_BUSY_STATUS, SandboxCommand, UidLease, build_command,
-                                    current_interpreter, mount_tmp_code, namespace_init, rootless, uid_check_code,
-                                    wait_uid_gone)
+                                    current_interpreter, mount_tmp_code, namespace_init, rootless, subordinate_block,
+                                    subordinate_ids, uid_check_code, wait_uid_gone)
 from mtflow.tools import seccomp
 from mtflow.tools.cgroup import DEFAULT_CPU_CORES, CallCgroup, join_argv, make_call_cgroup
+from mtflow.tools.sandbox.budget import Ticket, take_room
 from mtflow.tools.sandbox.result import MEMORY_STATUS
 
 __all__ = ['SandboxSpec', 'Sandbox', 'high_fd']
@@ -52,6 +53,9 @@ del _limit, resource, _f
 sys.path.extend({site})  # the site_packages option: after the standard library, read-only
 _main = type(sys)('__main__')  # the program's own __main__, so pickle finds what it defines (multiprocessing)
 _main.__builtins__ = __builtins__
+# and where it is: a fresh interpreter multiprocessing starts (spawn, forkserver) runs main.py again
+# as __mp_main__ to find the program's functions there (without it, workers die and a Pool waits)
+_main.__file__ = os.path.abspath('main.py')
 sys.modules['__main__'] = _main
 try:
     exec(compile(_src, 'main.py', 'exec'), _main.__dict__)
@@ -131,8 +135,11 @@ class Sandbox:
     """One started sandbox (a process tree) for exactly one program: the code comes through an
     inherited memfd (``code_fd``), or, for a sandbox a warm pool started ahead, on its stdin."""
 
-    def __init__(self, spec: SandboxSpec, code_fd: Optional[int] = None) -> None:
+    def __init__(self, spec: SandboxSpec, code_fd: Optional[int] = None, ticket: Optional[Ticket] = None) -> None:
+        """``ticket``: room under this user's process limit (rootless), taken here when not given
+        (:class:`~mtflow.tools.sandbox.budget.NoProcessRoom` when there is none now)."""
         self.spec = spec
+        self.ticket = ticket
         self.lease: Optional[UidLease] = None
         self.workdir: Optional[str] = None
         self.cmd: Optional[SandboxCommand] = None
@@ -147,19 +154,24 @@ class Sandbox:
         filter_fd = uid_w = ns_w = None
         try:
             if spec.kind != 'none':
+                if self.ticket is None:
+                    self.ticket = take_room(spec.max_processes)
                 self._ns_fd, ns_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                 ns_w = high_fd(ns_w)
-                self.lease = None if rootless() else UidLease()
+                ids = subordinate_ids()  # rootless: a subordinate uid of its own, where this user has them
+                self.lease = UidLease(subordinate_block(ids)) if ids is not None else None if rootless() else UidLease()
                 self.cgroup = make_call_cgroup(spec.memory_mb, spec.max_processes, spec.cpu_cores)
                 # no cgroup counts memory outside processes: the filter denies the ways to hold it
                 filter_fd = high_fd(seccomp.filter_fd(bounded=self.cgroup is not None))
-                if self.lease is not None:
+                if not rootless():  # the leased uid's check (rootless there is no kernel-wide count to ask)
                     self._uid_fd, uid_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                     uid_w = high_fd(uid_w)
-                python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=self.lease is None,
+                python_argv = self._python_argv(code_fd, filter_fd, mount_tmp=rootless(),
                                                 bounded=self.cgroup is not None, uid_fd=uid_w, ns_fd=ns_w)
-                self.cmd = build_command(spec.kind, self.lease.uid if self.lease else None, spec.tmp_mb, python_argv,
-                                         site_packages=spec.site_packages, shm_mb=spec.shm_mb)
+                uid = self.lease.uid if self.lease is not None else None
+                enter = ids.enter_argv(uid) if ids is not None and uid is not None else ()
+                self.cmd = build_command(spec.kind, None if rootless() else uid, spec.tmp_mb, python_argv,
+                                         site_packages=spec.site_packages, shm_mb=spec.shm_mb, enter=enter)
                 argv = join_argv(self.cgroup, self.cmd.argv)
             else:
                 self.workdir = tempfile.mkdtemp(prefix='mtflow-py-')
@@ -267,6 +279,9 @@ class Sandbox:
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
+        if self.ticket is not None:
+            self.ticket.release()
+            self.ticket = None
         if self.cmd is not None and self.cmd.scratch:
             shutil.rmtree(self.cmd.scratch, ignore_errors=True)
         if self.workdir is not None:

@@ -24,7 +24,7 @@ class SandboxResult:
     memory_mb: Optional[int] = None
     timeout_s: Optional[float] = None
     isolation: str = ''
-    uid: Optional[int] = None  # the leased uid it ran as (isolated runs as root)
+    uid: Optional[int] = None  # the leased host uid it ran as (as root; rootless, its subordinate uid where it had one)
     pid_namespace: Optional[int] = None  # the inode of its own PID namespace (isolated runs): all its processes' one
     oom_killed: bool = False  # the call's cgroup ran out of memory (memfd, tmpfs, kernel memory...)
     cpu_limit: bool = False  # killed at RLIMIT_CPU's hard limit (a program that caught SIGXCPU)

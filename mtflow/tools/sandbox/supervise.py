@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from mtflow.tools import seccomp
 from mtflow.tools.cgroup import DEFAULT_CPU_CORES
 from mtflow.tools.isolation import SHM_MB, IsolationUnavailable, check_site_packages, resolve_isolation
+from mtflow.tools.sandbox.budget import Ticket, room
 from mtflow.tools.sandbox.pool import SandboxPool
 from mtflow.tools.sandbox.process import Sandbox, SandboxSpec, high_fd
 from mtflow.tools.sandbox.result import SandboxResult, signal_of
@@ -48,7 +49,7 @@ async def run_python(code: str,
     for attempt in range(UID_ATTEMPTS):
         sandbox = pool.take() if pool is not None and pool.spec == spec and not attempt else None
         if sandbox is None:
-            sandbox = await start_sandbox(spec, data) if spec.kind != 'none' else _new_sandbox(spec, data)
+            sandbox = await _start(spec, data, timeout_s) if spec.kind != 'none' else _new_sandbox(spec, data)
         result = await supervise(sandbox, data if sandbox.warm else None, timeout_s, max_output_chars)
         if not sandbox.uid_busy:
             return result
@@ -61,23 +62,35 @@ async def run_python(code: str,
 UID_ATTEMPTS = 4
 
 
-def _new_sandbox(spec: SandboxSpec, data: bytes) -> Sandbox:
+async def _start(spec: SandboxSpec, data: bytes, timeout_s: float) -> Sandbox:
+    """A sandbox of its own for a call, once this user's process limit has room for it (rootless:
+    :func:`mtflow.tools.sandbox.budget.room`, waited for up to ``timeout_s``)."""
+    ticket = await room(spec.max_processes, timeout_s)
+    try:
+        return await start_sandbox(spec, data, ticket)
+    except BaseException:
+        if ticket is not None:
+            ticket.release()  # (a sandbox that started, then failed, released it already)
+        raise
+
+
+def _new_sandbox(spec: SandboxSpec, data: bytes, ticket: Optional[Ticket] = None) -> Sandbox:
     """A sandbox started for ``data`` (its program, handed over through a memfd)."""
     code_fd = high_fd(os.memfd_create('mtflow-code'))
     try:
         os.write(code_fd, data)
         os.lseek(code_fd, 0, os.SEEK_SET)
-        return Sandbox(spec, code_fd)
+        return Sandbox(spec, code_fd, ticket)
     finally:
         os.close(code_fd)
 
 
-async def start_sandbox(spec: SandboxSpec, data: bytes) -> Sandbox:
+async def start_sandbox(spec: SandboxSpec, data: bytes, ticket: Optional[Ticket] = None) -> Sandbox:
     """:func:`_new_sandbox` on a spawner thread (:func:`mtflow.tools.seccomp.spawn`), off the event
     loop: a start waits on ``mkdir`` of the cgroups and on the ``exec`` of the outer process, and
     64 concurrent calls would otherwise start one after another on the loop's thread. A call
     cancelled while its sandbox starts tears that sandbox down before the cancellation goes on."""
-    fut = seccomp.spawn(lambda: _new_sandbox(spec, data))
+    fut = seccomp.spawn(lambda: _new_sandbox(spec, data, ticket))
     try:
         return await asyncio.wrap_future(fut)
     except asyncio.CancelledError:
@@ -98,21 +111,27 @@ class CapturedOutput:
         self.chunks: List[bytes] = []
         self.size = 0  # bytes produced, kept or not
         self.flooded = False
+        self.keeping = True  # false once the sandbox is killed: what comes after is drained and dropped
 
-    async def read_until_exit(self, reader: asyncio.StreamReader, sandbox: Sandbox,
-                              exited: 'asyncio.Future[None]') -> None:
+    async def pump(self, reader: asyncio.StreamReader, sandbox: Sandbox) -> None:
+        """Read until EOF (every writer gone). Reading never stops before that, also after a flood
+        or a timeout killed the sandbox: a writer that outlives the kill for a moment must not block
+        on a full pipe, or the outer process would never exit (util-linux 2.38's ``unshare`` writes
+        ``sigprocmask unblock failed`` when its child was SIGKILLed, and waited on a pipe that a
+        flood had filled: issue 52, 5). What comes after the kill is not kept."""
         while True:
             chunk = await reader.read(65536)
             if not chunk:
-                break
+                return
+            if not self.keeping:
+                continue
             if self.size < self.limit * 4 + 4096:
                 self.chunks.append(chunk)
             self.size += len(chunk)
             if self.size > self.limit * 16 + 65536:  # far beyond what we keep: stop the producer
                 self.flooded = True
+                self.keeping = False
                 sandbox.kill()
-                break
-        await exited
 
     def shown(self) -> Tuple[str, bool]:
         """``(text, truncated)``: the output as the result carries it."""
@@ -136,21 +155,46 @@ async def supervise(sandbox: Sandbox, stdin_data: Optional[bytes], timeout_s: fl
     transport = None
     output = CapturedOutput()
     timed_out = False
+    pump: Optional['asyncio.Task[None]'] = None
     try:
         reader = asyncio.StreamReader(limit=1 << 20)
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
         if stdin_data is not None:
             await _feed(loop, popen.stdin, stdin_data)
         output.limit = max(0, int(max_output_chars))
+        pump = loop.create_task(output.pump(reader, sandbox))
         try:
-            await asyncio.wait_for(output.read_until_exit(reader, sandbox, exited), timeout_s)
+            await asyncio.wait_for(_until_done(pump, exited), timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
+            output.keeping = False
             sandbox.kill()
         await _reap(sandbox, exited)
+        await _drained(pump, DRAIN_S if sandbox.isolated else 0.0)
         return _result(sandbox, output, timed_out, timeout_s, time.monotonic() - started)
     finally:
-        await _tear_down(sandbox, exited, pidfd, transport, killed=timed_out or output.flooded)
+        await _tear_down(sandbox, exited, pidfd, transport, killed=timed_out or output.flooded, pump=pump)
+
+
+async def _until_done(pump: 'asyncio.Task[None]', exited: 'asyncio.Future[None]') -> None:
+    """The output's EOF, then the outer process's exit. Both are shielded: a timeout cancels this
+    wait, never the reading (which goes on draining) nor the exit future (which the teardown still
+    waits on; cancelled, it would raise ``CancelledError`` out of the call, issue 52, 5)."""
+    await asyncio.shield(pump)
+    await asyncio.shield(exited)
+
+
+#: how long the output is drained after the outer process exited: with isolation the namespace is
+#: empty by then (EOF at once); without it (not waited for), a detached process may hold the pipe
+DRAIN_S = 1.0
+
+
+async def _drained(pump: 'asyncio.Task[None]', within_s: float) -> None:
+    if not pump.done():
+        try:
+            await asyncio.wait_for(asyncio.shield(pump), within_s)
+        except asyncio.TimeoutError:
+            pump.cancel()
 
 
 def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s: float,
@@ -170,9 +214,9 @@ def _result(sandbox: Sandbox, output: CapturedOutput, timed_out: bool, timeout_s
 
 
 async def _tear_down(sandbox: Sandbox, exited: 'asyncio.Future[None]', pidfd: Optional[int], transport: Any,
-                     killed: bool) -> None:
-    """Kill what still runs, reap it, close the pidfd, the pipe transport and the pipes, and
-    release the sandbox (its uid waits for the namespace's teardown when it was killed)."""
+                     killed: bool, pump: Optional['asyncio.Task[None]'] = None) -> None:
+    """Kill what still runs, reap it, stop reading, close the pidfd, the pipe transport and the
+    pipes, and release the sandbox (its uid waits for the namespace's teardown when it was killed)."""
     loop = asyncio.get_running_loop()
     popen = sandbox.popen
     if popen.poll() is None:
@@ -184,6 +228,8 @@ async def _tear_down(sandbox: Sandbox, exited: 'asyncio.Future[None]', pidfd: Op
         await _reap(sandbox, exited)
     except asyncio.CancelledError:  # cancelled again while tearing down: finish synchronously
         popen.wait(5)
+    if pump is not None and not pump.done():
+        pump.cancel()
     if pidfd is not None:
         loop.remove_reader(pidfd)
         os.close(pidfd)
@@ -242,6 +288,6 @@ async def _reap(sandbox: Sandbox, exited: 'asyncio.Future[None]') -> None:
                 os.killpg(sandbox.popen.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            await exited
+            await asyncio.shield(exited)
     sandbox.popen.wait()
 
