@@ -249,6 +249,9 @@ class Reports:
     prompter: Any = None
     #: the model's context in tokens (``max_position_embeddings``, ``max_model_len``); ``None``: unknown
     context_length: Optional[int] = None
+    #: a server renders each prompt from the messages itself (chat completions, ``LLM.chat``): the
+    #: conversation goes to it in OpenAI's shape (``mtflow.declarative.call_messages``)
+    server_renders: bool = False
 
     def describe(self) -> Optional[str]:
         """One line naming the backend and its model (the summary's ``backend``); ``None``: the
@@ -338,6 +341,14 @@ class Backend(Reports):
 
     #: used when the request config has no ``max_tokens``
     default_max_tokens = 256
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Return replies with their special tokens in the text from now on (a parser reads markers
+        that are special tokens of the model's tokenizer: gpt-oss's harmony, Kimi-K2's sections);
+        ``None`` when done (or when this backend's text keeps them anyway), else why it cannot, for
+        the one-line refusal of the run (``mtflow.backends.pairing``)."""
+        return (f'the {self.name} backend cannot return replies with their special tokens (it has no '
+                'skip_special_tokens option)')
 
     def __call__(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
         if not requests:

@@ -7,8 +7,9 @@ with ``continue_final_message=True``), left-pads the prompts into micro-batches,
 
 * ``token_ids``: the sampled tokens, up to and including the EOS token or the token that
   completed a stop string (as vLLM reports them: these are the tokens a trainer must score);
-* ``content``: the decoded text of those tokens without special tokens, cut *before* a stop
-  string (OpenAI semantics);
+* ``content``: the decoded text of those tokens, cut *before* a stop string (OpenAI semantics)
+  and without the EOS token, and without the other special tokens unless ``skip_special_tokens=False``
+  (a parser that reads them: gpt-oss's harmony, Kimi-K2's sections; ``mtflow run`` sets it);
 * ``logprobs`` (when the request config asks): the log-probability of each sampled token under
   the model's raw distribution (``logprobs_mode='raw'``, vLLM's default) or under the
   distribution actually sampled from, after temperature/top-k/top-p (``'processed'``);
@@ -67,10 +68,11 @@ class _StopOnStrings:
     Decodes only the last few generated tokens of each row (enough to hold the longest stop
     string), so its cost per step does not grow with the generation."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_len: int) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_len: int, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.prompt_len = prompt_len
+        self.skip_special_tokens = skip_special_tokens
         # a token is at least one byte; a character at most four
         self.window = 4 * max(len(s) for s in stop) + 2
 
@@ -79,7 +81,7 @@ class _StopOnStrings:
 
         gen = input_ids[:, self.prompt_len:]
         tail = gen[:, -self.window:].tolist()
-        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=self.skip_special_tokens)
         done = [any(s in t for s in self.stop) for t in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
@@ -116,6 +118,9 @@ class HFBackend(Backend):
         resumable, resume_chunk: ``async_rollout_fn()`` generates each single-request call in
             chunks of ``resume_chunk`` tokens, so a stream's ``on_update='resume'`` can cut it
             between chunks and continue it from its exact ids (:mod:`mtflow.backends.hf_resume`).
+        skip_special_tokens: decode replies without the tokenizer's special tokens (default, as
+            vLLM); ``False`` keeps them in the text (the EOS that ended a reply aside), for a parser
+            that reads them (:meth:`keep_special_tokens`; ``mtflow run`` sets it for such a parser).
     """
     name = 'hf'
 
@@ -134,7 +139,8 @@ class HFBackend(Backend):
                  prefix_policy: str = 'exact',
                  processor: Any = None,
                  resumable: bool = False,
-                 resume_chunk: int = 16) -> None:
+                 resume_chunk: int = 16,
+                 skip_special_tokens: bool = True) -> None:
         super().__init__()
         import torch
 
@@ -164,6 +170,7 @@ class HFBackend(Backend):
         self.max_batch_size = max_batch_size
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
+        self.skip_special_tokens = bool(skip_special_tokens)
         self.chat_template = template.text
         self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
             if processor is None else VisionPrompter(processor, template, policy=prefix_policy, exact=exact_ids)
@@ -182,6 +189,11 @@ class HFBackend(Backend):
             return super().async_rollout_fn(**options)
         batcher = {k: v for k, v in options.items() if k in ('max_wait_s', 'settle_s', 'max_delay_s') and v is not None}
         return ChunkedRollout(self, self.resume_chunk, **batcher)
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Decode replies with their special tokens from now on (see ``skip_special_tokens``)."""
+        self.skip_special_tokens = False
+        return None
 
     def count_prompt_tokens(self, request: Any) -> int:
         """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
@@ -278,7 +290,8 @@ class HFBackend(Backend):
         if options.stop:
             from transformers import StoppingCriteriaList
 
-            kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width)])
+            kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width,
+                                                                               self.skip_special_tokens)])
         with torch.inference_mode():
             more = {k: v.to(device) if hasattr(v, 'to') else v for k, v in (inputs or {}).items()}  # images
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **more,
@@ -342,15 +355,15 @@ class HFBackend(Backend):
     def _decode(self, ids: List[int], prompt: List[int]) -> str:
         """Decode generated ids as a continuation of the prompt (tokenizers that drop a leading
         space when decoding a sequence on its own get it right this way)."""
-        tok = self.tokenizer
+        tok, skip = self.tokenizer, self.skip_special_tokens
         ctx = prompt[-4:]
         if not ctx:
-            return tok.decode(ids, skip_special_tokens=True)
-        head = tok.decode(ctx, skip_special_tokens=True)
-        full = tok.decode(ctx + ids, skip_special_tokens=True)
+            return tok.decode(ids, skip_special_tokens=skip)
+        head = tok.decode(ctx, skip_special_tokens=skip)
+        full = tok.decode(ctx + ids, skip_special_tokens=skip)
         if full.startswith(head) and '\ufffd' not in head:
             return full[len(head):]
-        return tok.decode(ids, skip_special_tokens=True)
+        return tok.decode(ids, skip_special_tokens=skip)
 
     def _stop_cut(self, body: List[int], prompt: List[int], stop: Sequence[str]) -> Optional[Tuple[int, str]]:
         """The fewest tokens whose text contains a stop string, and the text before it."""

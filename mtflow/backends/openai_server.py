@@ -60,8 +60,8 @@ from mtflow.backends.base import (Backend, BackendError, PreflightProblem, Sampl
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
-from mtflow.backends.openai_stream import (completion_items, message_tool_calls, stream_body, streamed_acall,
-                                           token_ids_from_logprobs)
+from mtflow.backends.openai_stream import (completion_items, message_tool_calls, server_reasoning, stream_body,
+                                           streamed_acall, token_ids_from_logprobs)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
@@ -140,10 +140,13 @@ def _sampling_body(model: str, options: SamplingOptions, seed: Optional[int], **
 
 
 def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model: str, flavor: str = 'vllm',
-                          extra_body: Optional[Dict[str, Any]] = None, seed: Optional[int] = None) -> Dict[str, Any]:
+                          extra_body: Optional[Dict[str, Any]] = None, seed: Optional[int] = None,
+                          skip_special_tokens: bool = True) -> Dict[str, Any]:
     """The JSON body of ``/v1/completions`` with a token prompt (token mode); ``seed`` as
-    :func:`build_body`'s."""
+    :func:`build_body`'s; ``skip_special_tokens=False``: the reply's text keeps them (vLLM's field)."""
     body = _sampling_body(model, options, seed, prompt=list(prompt_ids))
+    if not skip_special_tokens:
+        body['skip_special_tokens'] = False
     if options.logprobs:
         body['logprobs'] = options.top_logprobs or 0  # completions API: the number of alternatives
     if options.top_k:
@@ -221,7 +224,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     choice = ChatCompletionResponseChoice(
         index=0,
         message=ChatMessage(role='assistant', content=content, tool_calls=message_tool_calls(message.get('tool_calls')),
-                            reasoning_content=message.get('reasoning_content')),
+                            reasoning_content=server_reasoning(message)),
         finish_reason=reason,
         logprobs=logprobs,
         token_ids=list(token_ids) if token_ids is not None else None)
@@ -286,6 +289,13 @@ class OpenAIBackend(ServerMetrics, Backend):
         resumable: stream each single-request async call (SSE) so that a stream's
             ``on_update='resume'`` can cut it at a weight update and continue it from its exact
             ids (:mod:`mtflow.backends.openai_stream`); needs a server that streams.
+        skip_special_tokens: token mode: ``False`` asks the server for the reply's text with its
+            special tokens (vLLM's ``skip_special_tokens``), for a parser that reads them
+            (:meth:`keep_special_tokens`; ``mtflow run`` sets it).
+        server_tool_calls: the server parses the model's tool calls itself and returns them
+            structured (``vllm serve --enable-auto-tool-choice --tool-call-parser ...``): a parser
+            that reads special tokens is then not needed in chat mode, where the server decodes the
+            text without them.
     """
     name = 'openai'
     preflight = classmethod(_preflight)
@@ -315,8 +325,11 @@ class OpenAIBackend(ServerMetrics, Backend):
                  weight_version: Optional[Any] = None,
                  health_interval_s: float = 5.0,
                  http_client: str = 'auto',
-                 resumable: bool = False) -> None:
+                 resumable: bool = False,
+                 skip_special_tokens: bool = True,
+                 server_tool_calls: bool = False) -> None:
         super().__init__()
+        self.skip_special_tokens, self.server_tool_calls = bool(skip_special_tokens), bool(server_tool_calls)
         if resumable and flavor == 'openai':
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")
@@ -353,10 +366,27 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.seed = seed
         self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
             if prompt_mode == 'tokens' else None
+        #: in chat mode the server renders each prompt from the messages (OpenAI's shape)
+        self.server_renders = prompt_mode == 'chat'
         if prompt_mode == 'chat':
             warnings.warn(f'openai backend ({self.base_url}): chat completions re-render and re-tokenize the '
                           'conversation every turn, so the model is not guaranteed the exact ids it sampled; '
                           "give tokenizer= with flavor 'vllm' for token prompts (prompt_mode='tokens')", stacklevel=2)
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Token mode: ask for replies with their special tokens (``skip_special_tokens: false``).
+        Chat mode: the server decodes the reply without them and mtflow cannot ask otherwise of every
+        server (vLLM's gpt-oss path parses the ids itself), so this holds only when the server
+        returns the calls structured (``server_tool_calls``)."""
+        if self.prompter is not None:
+            self.skip_special_tokens = False
+            return None
+        if self.server_tool_calls:
+            return None
+        return ('in chat mode the server decodes the reply without special tokens; use token mode '
+                '(backend_options.tokenizer: the model\'s tokenizer, flavor: vllm), or start the server with its own '
+                'tool-call parser (vllm serve --enable-auto-tool-choice --tool-call-parser ...) and set '
+                'backend_options.server_tool_calls: true')
 
     # ---- the HTTP side (runs on the private loop) --------------------------------------------------
     async def _ensure_client(self) -> Any:
@@ -447,7 +477,8 @@ class OpenAIBackend(ServerMetrics, Backend):
         where = f'request {uuid!r}'
         key = str(uuid) if uuid else None
         if prompt_ids is not None:
-            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, seed)
+            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, seed,
+                                         self.skip_special_tokens)
         else:
             body = build_body(request, options, model, self.flavor, self.extra_body, seed)
         if self.router.weight_version is not None and self.flavor == 'vllm':

@@ -169,6 +169,9 @@ class VLLMBackend(Backend):
         resumable: the async engine's single-request calls can be cut at a weight update and
             continued from their exact ids (a stream's ``on_update='resume'``,
             :mod:`mtflow.backends.vllm_resume`).
+        skip_special_tokens: ``SamplingParams.skip_special_tokens`` (default ``True``); ``False``
+            keeps them in the reply's text (vLLM leaves out the stop token that ended it), for a
+            parser that reads them (:meth:`keep_special_tokens`; ``mtflow run`` sets it).
     """
     name = 'vllm'
 
@@ -185,8 +188,10 @@ class VLLMBackend(Backend):
                  prefix_policy: str = 'exact',
                  engine: str = 'auto',
                  processor: Any = None,
-                 resumable: bool = False) -> None:
+                 resumable: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         super().__init__()
+        self.skip_special_tokens = bool(skip_special_tokens)
         template = resolve_chat_template(chat_template, where='vllm backend: chat_template')  # before the engine starts
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
@@ -237,6 +242,11 @@ class VLLMBackend(Backend):
         """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
         return len(self.prompter.plan(request).ids)
 
+    def keep_special_tokens(self) -> Optional[str]:
+        """Decode replies with their special tokens from now on (``skip_special_tokens=False``)."""
+        self.skip_special_tokens = False
+        return None
+
     def _build_async_engine(self, model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
                             sampling_params_cls: Any) -> Tuple[Any, str, Any]:
         try:
@@ -266,7 +276,8 @@ class VLLMBackend(Backend):
         """``SamplingParams`` for one request, with its own sampling ``seed``
         (:func:`~mtflow.backends.base.sampling_seeds`: with one seed for all, vLLM would sample
         every copy of a repeated prompt, a GRPO group, identically)."""
-        return self.sampling_params_cls(**dict(sampling_kwargs(options), seed=seed))
+        return self.sampling_params_cls(**dict(sampling_kwargs(options), seed=seed,
+                                               skip_special_tokens=self.skip_special_tokens))
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         if self._closed:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from mtflow.backends import BACKENDS, BackendError, make_backend
+from mtflow.backends.pairing import fit_scheduler
 from mtflow.commands.run import dataset_file, parse_options, run_meta
 from mtflow.core.errors import UserError
 from mtflow.data.sources import count_requests
@@ -81,6 +82,10 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         return make_backend(args.continue_with, model=args.model, **parse_options(args.option))
     except BackendError as exc:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
+
+
+def _recorded_backend(info: Dict[str, Any]) -> Any:
+    return ((info.get('fingerprint') or {}).get('config') or {}).get('backend')
 
 
 def _run_prompter(info: Dict[str, Any], run_dir: Path) -> Any:
@@ -178,6 +183,13 @@ def main(args: argparse.Namespace) -> int:
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
             scheduler = make_scheduler(backend.tokenizer)
+            # the scheduler carries calls as the run's did: by the run's template, or for a server in chat mode
+            backend.server_renders = bool(getattr(live, 'server_renders', False)) if live is not None else \
+                prompter is None and _recorded_backend(info) == 'openai'
+            try:
+                fit_scheduler(backend, scheduler)
+            except BackendError as exc:
+                raise UserError(f'replay: {exc}') from None
             if args.tools == 'recorded':
                 recorded = _use_recorded(scheduler, run_dir)
             try:

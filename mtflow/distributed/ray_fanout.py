@@ -110,6 +110,9 @@ class WorkerSpec:
     executor_options: Dict[str, Any] = field(default_factory=dict)  # e.g. step_timeout_s
     setup: Optional[Callable[[], None]] = None  # run first in the actor (seeding, logging)
     make_accounting: Optional[Callable[[Any], Any]] = None  # scheduler -> accounting (default: the executor's)
+    #: ``prepare(backend, scheduler)`` once both are built, before the actor's first turn: what they must
+    #: agree on and the checks of a local run (``mtflow run``'s); what it raises fails the run in one line
+    prepare: Optional[Callable[[Any, Any], Any]] = None
 
 
 @dataclass
@@ -166,6 +169,8 @@ class ShardWorker:
         self.spec = spec
         self.backend = spec.make_backend()
         self.scheduler = spec.make_scheduler(reports_of(self.backend).tokenizer)
+        if spec.prepare is not None:
+            spec.prepare(self.backend, self.scheduler)
         #: each model call's output per request: the lines' ``turns``, what ``mtflow replay`` serves
         self.turn_log = TurnLog()
         #: the images the steps add, stored as they return (made on the first image; removed on close)

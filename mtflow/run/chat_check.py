@@ -8,9 +8,12 @@ silently (a 64-position model asked for 453 new tokens). The longest prompt is m
 dataset's longest texts (the :data:`MEASURED` longest by characters), each rendered as the run
 renders it: the scheduler's system prompt and tools added, through the chat template.
 
-``mtflow run`` checks once the backend is built and the scheduler made (:func:`check_loaded`);
-``mtflow validate`` with the tokenizer and the model's ``config.json`` read from disk, without the
-weights, where they are there (:func:`check_offline`). Both call :func:`chat_problems`."""
+``mtflow run`` checks once the backend is built and the scheduler made (:func:`prepare_loaded`:
+first what the two must agree on, :func:`mtflow.backends.pairing.fit_scheduler`, then
+:func:`check_loaded`), and so does each actor of ``--ray``, before its first turn;
+``mtflow validate`` (and the driver of ``--ray``, before the fan-out) with the tokenizer and the
+model's ``config.json`` read from disk, without the weights, where they are there
+(:func:`check_offline`). Both call :func:`chat_problems`."""
 from __future__ import annotations
 
 import copy
@@ -22,7 +25,8 @@ from typing import Any, List, Optional, Tuple
 
 from mtflow.backends import BackendError, resolve_backend
 from mtflow.backends.base import prepare_chat, reports_of
-from mtflow.backends.chat_templates import TemplateSource, resolve_chat_template, template_problems
+from mtflow.backends.chat_templates import TemplateSource, call_form, resolve_chat_template, template_problems
+from mtflow.backends.pairing import fit_scheduler
 from mtflow.backends.models import cached_model_dir, load_tokenizer
 from mtflow.backends.tokens import render_text
 from mtflow.core.errors import RunSetupError
@@ -30,7 +34,7 @@ from mtflow.data import DatasetError
 from mtflow.data.sources import iter_requests
 from mtflow.run.config import RunConfig
 
-__all__ = ['ChatSetup', 'MEASURED', 'chat_problems', 'check_loaded', 'check_offline']
+__all__ = ['ChatSetup', 'MEASURED', 'chat_problems', 'check_loaded', 'check_offline', 'prepare_loaded']
 
 #: how many of the dataset's longest prompts (by characters) are rendered and counted in tokens
 MEASURED = 8
@@ -105,6 +109,11 @@ def chat_problems(cfg: RunConfig, setup: ChatSetup, scheduler: Any = None) -> Tu
     at = cfg.where(key)
     text_calls = bool(getattr(scheduler, 'writes_tool_messages', False))
     problems = [f'{at}: {p}' for p in template_problems(setup.tokenizer, setup.source, text_calls=text_calls)]
+    if text_calls and not problems and not getattr(scheduler, 'answers_each_call', True) and \
+            call_form(setup.tokenizer, setup.source) != 'text':
+        problems.append(f'{at}: chat template {setup.source.name} takes tool results only after calls given as '
+                        'tool_calls, each answered by a tool message of its own, but the scheduler joins the results of '
+                        'a turn into one tool message (observation.one_message_per_call: false): set it true')
     context, found = _context_problem(cfg, setup, scheduler) if not problems else (None, '')
     problems += [context] if context else []
     shown = setup.source.describe() if setup.source.text is not None else \
@@ -128,6 +137,18 @@ def check_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> Optional[str]:
     if problems:
         raise RunSetupError('\n'.join(problems))
     return note
+
+
+def prepare_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> List[str]:
+    """Before the first turn, once the backend and the scheduler are built: what they must agree
+    on (special tokens kept, how calls are carried), then :func:`check_loaded`; the lines that say
+    what was set and checked, or a :class:`RunSetupError` (``mtflow run`` and each Ray actor)."""
+    try:
+        notes = fit_scheduler(backend, scheduler, cfg.backend if isinstance(cfg.backend, str) else '')
+    except BackendError as exc:
+        raise RunSetupError(f'{cfg.where("backend")}: {exc}') from None
+    checked = check_loaded(cfg, backend, scheduler)
+    return notes + ([checked] if checked else [])
 
 
 def _offline_setup(cfg: RunConfig) -> Tuple[Optional[ChatSetup], Optional[str]]:

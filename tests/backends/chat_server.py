@@ -382,7 +382,14 @@ class ChatServer:
         top = body.get('logprobs')
         config = _request_config(body, logprobs=top is not None, top_logprobs=top or None)
         with self._lock:
-            out = self.backend.generate_ids([ids], sampling_options(config, 16))[0]
+            skip = getattr(self.backend, 'skip_special_tokens', None)
+            if skip is not None:  # vLLM's field: the reply's text with its special tokens or without
+                self.backend.skip_special_tokens = body.get('skip_special_tokens', True) is not False
+            try:
+                out = self.backend.generate_ids([ids], sampling_options(config, 16))[0]
+            finally:
+                if skip is not None:
+                    self.backend.skip_special_tokens = skip
         choice = out.response.choices[0]
         raw: Dict[str, Any] = {'index': 0, 'text': choice.message.content, 'finish_reason': choice.finish_reason,
                                'logprobs': None}

@@ -1,0 +1,75 @@
+"""What a backend and a scheduler must agree on before the first turn, settled once both are built
+(``mtflow run``, each Ray actor, ``mtflow replay``; in Python, call :func:`fit_scheduler` yourself):
+
+* **special tokens the parsers read.** gpt-oss's harmony markers (``<|channel|>``, ``<|message|>``,
+  ``<|call|>``...) and Kimi-K2's section markers are special tokens of those models' tokenizers; a
+  backend that decodes replies without special tokens (vLLM's default, and the HF backend's) hands
+  the parser a text without them, and every request ends with ``stop_rule:no_tool_call`` without a
+  word. The scheduler says which markers its parsers read (``special_markers``); those that are
+  special tokens of the backend's tokenizer (all of them when the backend has none to ask) make the
+  backend keep special tokens (``Backend.keep_special_tokens``), or the run is refused in one line
+  naming the parser, the backend and what to do.
+* **how calls read from the text are carried** (``mtflow.declarative.call_messages``): in the
+  assistant's text, or as OpenAI ``tool_calls``, the way the template the prompts are rendered with
+  takes them (:func:`~mtflow.backends.chat_templates.call_form`); a server that renders the prompts
+  itself (chat completions) gets OpenAI's shape.
+
+Both are asked of the scheduler by attribute (a Python scheduler without them is left alone).
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+from mtflow.backends.base import BackendError, reports_of
+from mtflow.backends.chat_templates import call_form
+from mtflow.declarative.parsers.base import special_marker_ids
+
+__all__ = ['fit_scheduler']
+
+
+def fit_scheduler(backend: Any, scheduler: Any, backend_name: str = '') -> List[str]:
+    """Settle what ``backend`` and ``scheduler`` must agree on (the module docstring); the lines
+    that say what was set, or :class:`BackendError` with the line that says why they cannot go
+    together. ``backend_name``: how the refusal names the backend (default its ``name``)."""
+    notes = _keep_markers(backend, scheduler, backend_name)
+    form = _call_form(backend, scheduler)
+    if form is not None:
+        scheduler.carry_calls(form)
+        if form == 'openai':
+            notes.append('tool calls read from the text are carried as OpenAI tool_calls, each answered by its '
+                         'tool message (the chat template takes tool results only so)'
+                         if reports_of(backend).prompter is not None else
+                         'tool calls read from the text go to the server as OpenAI tool_calls, each answered by '
+                         'its tool message')
+    return notes
+
+
+def _keep_markers(backend: Any, scheduler: Any, backend_name: str) -> List[str]:
+    markers = tuple(getattr(scheduler, 'special_markers', ()) or ())
+    if not markers:
+        return []
+    tokenizer = reports_of(backend).tokenizer
+    special = list(special_marker_ids(tokenizer, markers).values()) if tokenizer is not None else list(markers)
+    if not special:  # plain text in this tokenizer: no decode removes them
+        return []
+    keep = getattr(backend, 'keep_special_tokens', None)
+    if not callable(keep):  # a plain rollout_fn: the scheduler checks each reply's ids against its text
+        return []
+    why = keep()
+    parser = getattr(getattr(scheduler, 'parser', None), 'name', None) or 'the configured'
+    shown = ', '.join(special[:4]) + (', ...' if len(special) > 4 else '')
+    name = backend_name or getattr(backend, 'name', type(backend).__name__)
+    if why is not None:
+        raise BackendError(f'parser {parser} reads {shown}, special tokens of the model\'s tokenizer, which the {name} '
+                           f'backend removes from the replies: {why}')
+    return [f'replies decoded with their special tokens ({shown}): the {parser} parser reads them']
+
+
+def _call_form(backend: Any, scheduler: Any) -> Any:
+    if not getattr(scheduler, 'answers_each_call', False) or not callable(getattr(scheduler, 'carry_calls', None)):
+        return None
+    reports = reports_of(backend)
+    prompter = reports.prompter
+    if prompter is not None:
+        return call_form(prompter.tokenizer, prompter.template_source)  # None: the template checks say why
+    return 'openai' if reports.server_renders else None
