@@ -249,9 +249,10 @@ class Reports:
     prompter: Any = None
     #: the model's context in tokens (``max_position_embeddings``, ``max_model_len``); ``None``: unknown
     context_length: Optional[int] = None
-    #: a server renders each prompt from the messages itself (chat completions, ``LLM.chat``): the
-    #: conversation goes to it in OpenAI's shape (``mtflow.declarative.call_messages``)
-    server_renders: bool = False
+    #: where a server renders each prompt itself (chat completions): its template and tokenizer asked
+    #: through the server (:class:`~mtflow.backends.server_template.ServerTemplate`), for the checks
+    #: before the first turn; ``None``: mtflow renders (``prompter``), or the server cannot be asked
+    chat_renderer: Any = None
 
     def describe(self) -> Optional[str]:
         """One line naming the backend and its model (the summary's ``backend``); ``None``: the

@@ -66,6 +66,7 @@ from mtflow.backends.images import aserving_the_others, image_refusal, openai_me
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
 from mtflow.backends.server_check import options_problems
+from mtflow.backends.server_template import ServerTemplate, served_context_length
 from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
@@ -366,12 +367,33 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.seed = seed
         self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
             if prompt_mode == 'tokens' else None
-        #: in chat mode the server renders each prompt from the messages (OpenAI's shape)
-        self.server_renders = prompt_mode == 'chat'
+        self._api_key = key
+        self._served: Dict[str, Any] = {}  # what the server said of itself (context_length, chat_renderer)
         if prompt_mode == 'chat':
             warnings.warn(f'openai backend ({self.base_url}): chat completions re-render and re-tokenize the '
                           'conversation every turn, so the model is not guaranteed the exact ids it sampled; '
                           "give tokenizer= with flavor 'vllm' for token prompts (prompt_mode='tokens')", stacklevel=2)
+
+    @property
+    def context_length(self) -> Optional[int]:  # type: ignore[override]
+        """The served model's ``max_model_len`` as ``GET /v1/models`` lists it (vLLM's server), asked
+        once; ``None`` when the server does not say."""
+        if 'context_length' not in self._served:
+            self._served['context_length'] = served_context_length(self.base_url, self.served_model, self._api_key)
+        return self._served['context_length']
+
+    @property
+    def chat_renderer(self) -> Any:  # type: ignore[override]
+        """In chat mode, the server's template through its ``/tokenize`` endpoint (vLLM's; asked
+        once), for the checks before the first turn; ``None`` in token mode (mtflow renders) or when
+        the server has no such endpoint."""
+        if 'chat_renderer' not in self._served:
+            renderer = None
+            if self.prompter is None and self.flavor == 'vllm':
+                renderer = ServerTemplate(self.base_url, self.served_model, self._api_key)
+                renderer = renderer if renderer.available() else None
+            self._served['chat_renderer'] = renderer
+        return self._served['chat_renderer']
 
     def keep_special_tokens(self) -> Optional[str]:
         """Token mode: ask for replies with their special tokens (``skip_special_tokens: false``).

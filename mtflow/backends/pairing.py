@@ -11,8 +11,9 @@
   naming the parser, the backend and what to do.
 * **how calls read from the text are carried** (``mtflow.declarative.call_messages``): in the
   assistant's text, or as OpenAI ``tool_calls``, the way the template the prompts are rendered with
-  takes them (:func:`~mtflow.backends.chat_templates.call_form`); a server that renders the prompts
-  itself (chat completions) gets OpenAI's shape.
+  takes them (:func:`~mtflow.backends.chat_templates.call_form`): mtflow's template, or in chat mode
+  the server's, asked through the server (:mod:`mtflow.backends.server_template`); a server that
+  cannot be asked gets the calls as text, as before.
 
 Both are asked of the scheduler by attribute (a Python scheduler without them is left alone).
 """
@@ -37,10 +38,7 @@ def fit_scheduler(backend: Any, scheduler: Any, backend_name: str = '') -> List[
         scheduler.carry_calls(form)
         if form == 'openai':
             notes.append('tool calls read from the text are carried as OpenAI tool_calls, each answered by its '
-                         'tool message (the chat template takes tool results only so)'
-                         if reports_of(backend).prompter is not None else
-                         'tool calls read from the text go to the server as OpenAI tool_calls, each answered by '
-                         'its tool message')
+                         'tool message (the chat template takes tool results only so)')
     return notes
 
 
@@ -72,4 +70,5 @@ def _call_form(backend: Any, scheduler: Any) -> Any:
     prompter = reports.prompter
     if prompter is not None:
         return call_form(prompter.tokenizer, prompter.template_source)  # None: the template checks say why
-    return 'openai' if reports.server_renders else None
+    renderer = reports.chat_renderer  # a server's own template, asked through the server
+    return call_form(renderer) if renderer is not None else None

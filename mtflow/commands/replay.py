@@ -84,8 +84,13 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
 
 
-def _recorded_backend(info: Dict[str, Any]) -> Any:
-    return ((info.get('fingerprint') or {}).get('config') or {}).get('backend')
+def _carry_calls_as_recorded(scheduler: Any, info: Dict[str, Any]) -> None:
+    """The recorded run's way of carrying calls read from the text (``tool_calls_as`` of its last
+    attempt: a server's template chose it, which the replay does not ask)."""
+    form = ((info.get('attempts') or [{}])[-1] or {}).get('tool_calls_as')
+    carry = getattr(scheduler, 'carry_calls', None)
+    if form and callable(carry):
+        carry(form)
 
 
 def _run_prompter(info: Dict[str, Any], run_dir: Path) -> Any:
@@ -183,13 +188,11 @@ def main(args: argparse.Namespace) -> int:
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
             scheduler = make_scheduler(backend.tokenizer)
-            # the scheduler carries calls as the run's did: by the run's template, or for a server in chat mode
-            backend.server_renders = bool(getattr(live, 'server_renders', False)) if live is not None else \
-                prompter is None and _recorded_backend(info) == 'openai'
             try:
                 fit_scheduler(backend, scheduler)
             except BackendError as exc:
                 raise UserError(f'replay: {exc}') from None
+            _carry_calls_as_recorded(scheduler, info)
             if args.tools == 'recorded':
                 recorded = _use_recorded(scheduler, run_dir)
             try:

@@ -297,6 +297,8 @@ class _Attempt:
         for note in prepare_loaded(self.cfg, self.backend, self.scheduler):
             if not self.quiet:
                 _say(note)
+        if getattr(self.scheduler, 'answers_each_call', False):  # how a replay carries them (mtflow replay)
+            self.figures['tool_calls_as'] = self.scheduler.call_form
         preflight = getattr(getattr(self.scheduler, 'env_factory', None), 'preflight', None)
         if callable(preflight):  # launched OpenEnv servers: up, and one session each, before turn 1
             try:

@@ -25,7 +25,8 @@ from typing import Any, List, Optional, Tuple
 
 from mtflow.backends import BackendError, resolve_backend
 from mtflow.backends.base import prepare_chat, reports_of
-from mtflow.backends.chat_templates import TemplateSource, call_form, resolve_chat_template, template_problems
+from mtflow.backends.chat_templates import (TOKENIZER_OWN, TemplateSource, call_form, resolve_chat_template,
+                                            template_problems)
 from mtflow.backends.pairing import fit_scheduler
 from mtflow.backends.models import cached_model_dir, load_tokenizer
 from mtflow.backends.tokens import render_text
@@ -116,8 +117,8 @@ def chat_problems(cfg: RunConfig, setup: ChatSetup, scheduler: Any = None) -> Tu
                         'a turn into one tool message (observation.one_message_per_call: false): set it true')
     context, found = _context_problem(cfg, setup, scheduler) if not problems else (None, '')
     problems += [context] if context else []
-    shown = setup.source.describe() if setup.source.text is not None else \
-        f"the tokenizer's own ({cfg.model or 'the default model'})"
+    shown = setup.source.describe() if setup.source.text is not None or setup.source.name != TOKENIZER_OWN.name \
+        else f"the tokenizer's own ({cfg.model or 'the default model'})"
     note = f'chat template: {shown}: shows every part of a tool-use conversation' + (
         f'; {found}' if found else '')
     return problems, note
@@ -128,15 +129,35 @@ def check_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> Optional[str]:
     :class:`RunSetupError` listing the problems, else the line that says what was checked
     (``None`` for a backend that renders nothing here: a server in chat mode)."""
     reports = reports_of(backend)
-    prompter = reports.prompter
-    if prompter is None:
-        return None
-    setup = ChatSetup(prompter.tokenizer, prompter.template_source, reports.context_length,
-                      f'as the {cfg.backend} backend reports it', getattr(backend, 'default_max_tokens', 256))
+    prompter, renderer = reports.prompter, None
+    default_max_tokens = getattr(backend, 'default_max_tokens', 256)
+    if prompter is not None:
+        setup = ChatSetup(prompter.tokenizer, prompter.template_source, reports.context_length,
+                          f'as the {cfg.backend} backend reports it', default_max_tokens)
+    else:  # a server renders: its template and tokenizer through the server (vLLM's /tokenize), where it has them
+        renderer = reports.chat_renderer
+        if renderer is None:
+            return _max_tokens_only(cfg, reports.context_length, default_max_tokens)
+        setup = ChatSetup(renderer, TemplateSource(None, renderer.describe(), renderer.describe()),
+                          reports.context_length, 'as GET /v1/models reports it, max_model_len', default_max_tokens)
     problems, note = chat_problems(cfg, setup, scheduler)
     if problems:
         raise RunSetupError('\n'.join(problems))
     return note
+
+
+def _max_tokens_only(cfg: RunConfig, context: Optional[int], default_max_tokens: int) -> Optional[str]:
+    """A server that renders the prompts and cannot be asked to (no ``/tokenize``): ``max_tokens``
+    alone against the context it reports; the line says what was not checked."""
+    if context is None or cfg.context is not None:
+        return None
+    max_tokens, where = _max_tokens(cfg, ChatSetup(None, TOKENIZER_OWN, context, '', default_max_tokens))
+    if max_tokens >= context:
+        raise RunSetupError(f'{where}: {max_tokens} new tokens do not fit the served model\'s context of {context} '
+                            'tokens (as GET /v1/models reports it, max_model_len) even after an empty prompt; set '
+                            'max_tokens lower, or a context: block (docs/context.md)')
+    return (f"chat template: the server's, not checked (it has no /tokenize endpoint to render with), nor the prompts' "
+            f'lengths; max_tokens {max_tokens} < context {context}')
 
 
 def prepare_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> List[str]:

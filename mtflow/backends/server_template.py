@@ -1,0 +1,116 @@
+"""The chat template and context of an OpenAI-compatible server in chat mode, read from the server:
+in chat mode the server renders every prompt with its own template, which mtflow never sees, so
+the checks a run makes before its first turn (``mtflow.run.chat_check``) ask the server.
+
+vLLM's server has what it takes: ``GET /v1/models`` lists each model's ``max_model_len``, and
+``POST /tokenize`` (at the server's root) renders a conversation through the server's template
+(``messages``, ``tools``, ``add_generation_prompt``...) into token ids, which ``POST /detokenize``
+turns back into the prompt's text. :class:`ServerTemplate` offers them as the part of a
+transformers tokenizer the checks use (``apply_chat_template``, calling it on text), so the same
+probe that checks a local template checks the server's, and the dataset's longest prompts are
+counted as the server would count them. A server without ``/tokenize`` (SGLang's differs, hosted
+APIs have none) is not asked: the run says what it did not check.
+
+Plain ``urllib``, as :mod:`mtflow.backends.server_check`; a few calls before the first turn.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Dict, List, Optional
+
+from mtflow.backends.server_check import PREFLIGHT_TIMEOUT_S
+
+__all__ = ['ServerTemplate', 'served_context_length']
+
+
+def _root(base_url: str) -> str:
+    url = base_url.rstrip('/')
+    return url[:-len('/v1')] if url.endswith('/v1') else url
+
+
+def _call(url: str, body: Optional[Dict[str, Any]], api_key: Optional[str], timeout_s: float) -> Any:
+    """The JSON answer of ``url`` (GET without ``body``); ``OSError`` with the server's words."""
+    headers = {'Content-Type': 'application/json'}
+    if api_key:
+        headers['Authorization'] = f'Bearer {api_key}'
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method='POST' if body is not None else 'GET')
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return json.loads(resp.read() or b'{}')
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read() or b'{}').get('error', {})
+            message = detail.get('message', detail) if isinstance(detail, dict) else detail
+        except (ValueError, AttributeError):
+            message = exc.reason
+        raise OSError(f'HTTP {exc.code}: {message}') from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise OSError(f'{type(exc).__name__}: {exc}') from None
+
+
+def served_context_length(base_url: str, model: Optional[str], api_key: Optional[str] = None,
+                          timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Optional[int]:
+    """``max_model_len`` of ``model`` (else of the first model) as ``GET <base_url>/models`` lists
+    it (vLLM's server does); ``None`` when the server does not say or does not answer."""
+    try:
+        data = _call(base_url.rstrip('/') + '/models', None, api_key, timeout_s)
+    except OSError:
+        return None
+    cards = [c for c in (data.get('data') if isinstance(data, dict) else None) or [] if isinstance(c, dict)]
+    card = next((c for c in cards if c.get('id') == model), cards[0] if cards and model is None else None)
+    value = (card or {}).get('max_model_len')
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class ServerTemplate:
+    """A server's chat template and tokenizer, through ``/tokenize`` and ``/detokenize`` (see the
+    module docstring). ``describe()`` names it in the run's messages."""
+    #: truthy: the checks ask this object's template (the server's own)
+    chat_template = "the server's template"
+
+    def __init__(self, base_url: str, model: Optional[str], api_key: Optional[str] = None,
+                 timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+        self.root, self.model, self.api_key, self.timeout_s = _root(base_url), model, api_key, timeout_s
+
+    def _post(self, path: str, body: Dict[str, Any]) -> Any:
+        if self.model is not None:
+            body = dict(body, model=self.model)
+        return _call(self.root + path, body, self.api_key, self.timeout_s)
+
+    def available(self) -> bool:
+        """Whether the server has the endpoints (one ``/tokenize`` of a short text)."""
+        try:
+            data = self._post('/tokenize', {'prompt': 'probe', 'add_special_tokens': False})
+        except OSError:
+            return False
+        return isinstance(data, dict) and isinstance(data.get('tokens'), list)
+
+    def describe(self) -> str:
+        return f"the server's template ({self.root}/tokenize)"
+
+    def apply_chat_template(self, messages: List[Dict[str, Any]], tools: Any = None, tokenize: bool = False,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            chat_template: Optional[str] = None, **kwargs: Any) -> Any:
+        """The prompt the server renders for ``messages`` (its text; its ids with ``tokenize``).
+        A template error is the server's 400, raised as ``ValueError`` as a local template's is."""
+        body: Dict[str, Any] = {'messages': messages, 'add_generation_prompt': add_generation_prompt,
+                                'continue_final_message': continue_final_message, 'add_special_tokens': False}
+        if tools:
+            body['tools'] = tools
+        if chat_template is not None:
+            body['chat_template'] = chat_template
+        if kwargs:
+            body['chat_template_kwargs'] = kwargs
+        try:
+            ids = self._post('/tokenize', body)['tokens']
+            return ids if tokenize else self._post('/detokenize', {'tokens': ids})['prompt']
+        except (OSError, KeyError, TypeError) as exc:
+            raise ValueError(f'the server could not render it: {exc}') from None
+
+    def __call__(self, text: str, add_special_tokens: bool = False, **kwargs: Any) -> Dict[str, List[int]]:
+        """``{'input_ids': ...}`` of ``text``, as the server tokenizes it."""
+        return {'input_ids': list(self._post('/tokenize', {'prompt': text, 'add_special_tokens': add_special_tokens})
+                                  ['tokens'])}
