@@ -66,7 +66,7 @@ from mtflow.backends.images import aserving_the_others, image_refusal, openai_me
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
 from mtflow.backends.server_check import options_problems
-from mtflow.backends.server_template import ServerTemplate, served_context_length
+from mtflow.backends.server_template import CHAT_MODE_STRIPS, ServerFacts
 from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
@@ -244,13 +244,24 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     return RolloutOutput(response=response)
 
 
+def chat_mode_strips(options: Dict[str, Any]) -> Optional[str]:
+    """Before the backend is built (``mtflow validate``): :data:`CHAT_MODE_STRIPS` when ``options``
+    make a chat-mode backend whose server does not return the calls structured, else ``None``."""
+    tokenizer = options.get('tokenizer')
+    try:
+        mode = _resolve_prompt_mode(options.get('prompt_mode', 'auto'), tokenizer, options.get('flavor', 'vllm'))
+    except BackendError:
+        return None  # the options' own check says what is wrong
+    return CHAT_MODE_STRIPS if mode == 'chat' and not options.get('server_tool_calls') else None
+
+
 def _preflight(cls: type, model: Optional[str], options: Dict[str, Any]) -> List[PreflightProblem]:
     """:meth:`Backend.preflight` of the OpenAI backend: each server answers ``GET /models`` and
     lists ``model`` (:mod:`mtflow.backends.server_check`)."""
     return options_problems(model, options, DEFAULT_BASE_URL)
 
 
-class OpenAIBackend(ServerMetrics, Backend):
+class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
     Args:
@@ -290,13 +301,9 @@ class OpenAIBackend(ServerMetrics, Backend):
         resumable: stream each single-request async call (SSE) so that a stream's
             ``on_update='resume'`` can cut it at a weight update and continue it from its exact
             ids (:mod:`mtflow.backends.openai_stream`); needs a server that streams.
-        skip_special_tokens: token mode: ``False`` asks the server for the reply's text with its
-            special tokens (vLLM's ``skip_special_tokens``), for a parser that reads them
-            (:meth:`keep_special_tokens`; ``mtflow run`` sets it).
-        server_tool_calls: the server parses the model's tool calls itself and returns them
-            structured (``vllm serve --enable-auto-tool-choice --tool-call-parser ...``): a parser
-            that reads special tokens is then not needed in chat mode, where the server decodes the
-            text without them.
+        skip_special_tokens, server_tool_calls: :class:`~mtflow.backends.server_template.ServerFacts`
+            (special tokens a parser reads: token mode asks for them, chat mode needs the server to
+            return the calls structured).
     """
     name = 'openai'
     preflight = classmethod(_preflight)
@@ -343,11 +350,8 @@ class OpenAIBackend(ServerMetrics, Backend):
                          or DEFAULT_BASE_URL).rstrip('/')
         self.router = Router(list(urls) if urls else [self.base_url], routing,
                              max_in_flight=max_in_flight_per_replica, weight_version=weight_version)
-        self.health_interval_s = health_interval_s
-        self._health_task: Optional[asyncio.Future] = None
-        self.served_model = model
-        self.model_name = model or self.base_url
-        self.flavor = flavor
+        self.health_interval_s, self._health_task = health_interval_s, None  # the task: Optional[asyncio.Future]
+        self.served_model, self.model_name, self.flavor = model, model or self.base_url, flavor
         self.max_connections, self.timeout, self.max_retries = max_connections, timeout, max_retries
         self.backoff, self.backoff_max = backoff, backoff_max
         self.default_max_tokens = default_max_tokens
@@ -367,48 +371,10 @@ class OpenAIBackend(ServerMetrics, Backend):
         self.seed = seed
         self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
             if prompt_mode == 'tokens' else None
-        self._api_key = key
-        self._served: Dict[str, Any] = {}  # what the server said of itself (context_length, chat_renderer)
         if prompt_mode == 'chat':
             warnings.warn(f'openai backend ({self.base_url}): chat completions re-render and re-tokenize the '
                           'conversation every turn, so the model is not guaranteed the exact ids it sampled; '
                           "give tokenizer= with flavor 'vllm' for token prompts (prompt_mode='tokens')", stacklevel=2)
-
-    @property
-    def context_length(self) -> Optional[int]:  # type: ignore[override]
-        """The served model's ``max_model_len`` as ``GET /v1/models`` lists it (vLLM's server), asked
-        once; ``None`` when the server does not say."""
-        if 'context_length' not in self._served:
-            self._served['context_length'] = served_context_length(self.base_url, self.served_model, self._api_key)
-        return self._served['context_length']
-
-    @property
-    def chat_renderer(self) -> Any:  # type: ignore[override]
-        """In chat mode, the server's template through its ``/tokenize`` endpoint (vLLM's; asked
-        once), for the checks before the first turn; ``None`` in token mode (mtflow renders) or when
-        the server has no such endpoint."""
-        if 'chat_renderer' not in self._served:
-            renderer = None
-            if self.prompter is None and self.flavor == 'vllm':
-                renderer = ServerTemplate(self.base_url, self.served_model, self._api_key)
-                renderer = renderer if renderer.available() else None
-            self._served['chat_renderer'] = renderer
-        return self._served['chat_renderer']
-
-    def keep_special_tokens(self) -> Optional[str]:
-        """Token mode: ask for replies with their special tokens (``skip_special_tokens: false``).
-        Chat mode: the server decodes the reply without them and mtflow cannot ask otherwise of every
-        server (vLLM's gpt-oss path parses the ids itself), so this holds only when the server
-        returns the calls structured (``server_tool_calls``)."""
-        if self.prompter is not None:
-            self.skip_special_tokens = False
-            return None
-        if self.server_tool_calls:
-            return None
-        return ('in chat mode the server decodes the reply without special tokens; use token mode '
-                '(backend_options.tokenizer: the model\'s tokenizer, flavor: vllm), or start the server with its own '
-                'tool-call parser (vllm serve --enable-auto-tool-choice --tool-call-parser ...) and set '
-                'backend_options.server_tool_calls: true')
 
     # ---- the HTTP side (runs on the private loop) --------------------------------------------------
     async def _ensure_client(self) -> Any:

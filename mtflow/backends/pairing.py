@@ -25,7 +25,7 @@ from mtflow.backends.base import BackendError, reports_of
 from mtflow.backends.chat_templates import call_form
 from mtflow.declarative.parsers.base import special_marker_ids
 
-__all__ = ['fit_scheduler']
+__all__ = ['fit_scheduler', 'markers_refusal']
 
 
 def fit_scheduler(backend: Any, scheduler: Any, backend_name: str = '') -> List[str]:
@@ -55,12 +55,20 @@ def _keep_markers(backend: Any, scheduler: Any, backend_name: str) -> List[str]:
         return []
     why = keep()
     parser = getattr(getattr(scheduler, 'parser', None), 'name', None) or 'the configured'
-    shown = ', '.join(special[:4]) + (', ...' if len(special) > 4 else '')
     name = backend_name or getattr(backend, 'name', type(backend).__name__)
     if why is not None:
-        raise BackendError(f'parser {parser} reads {shown}, special tokens of the model\'s tokenizer, which the {name} '
-                           f'backend removes from the replies: {why}')
-    return [f'replies decoded with their special tokens ({shown}): the {parser} parser reads them']
+        raise BackendError(markers_refusal(parser, special, name, why))
+    return [f'replies decoded with their special tokens ({_shown(special)}): the {parser} parser reads them']
+
+
+def _shown(markers: List[str]) -> str:
+    return ', '.join(markers[:4]) + (', ...' if len(markers) > 4 else '')
+
+
+def markers_refusal(parser: str, markers: List[str], backend_name: str, why: str) -> str:
+    """The line that refuses a backend that cannot return the markers ``parser`` reads."""
+    return (f'parser {parser} reads {_shown(markers)}, special tokens of the model\'s tokenizer, which the '
+            f'{backend_name} backend removes from the replies: {why}')
 
 
 def _call_form(backend: Any, scheduler: Any) -> Any:

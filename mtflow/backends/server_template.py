@@ -22,7 +22,13 @@ from typing import Any, Dict, List, Optional
 
 from mtflow.backends.server_check import PREFLIGHT_TIMEOUT_S
 
-__all__ = ['ServerTemplate', 'served_context_length']
+__all__ = ['ServerTemplate', 'ServerFacts', 'served_context_length', 'CHAT_MODE_STRIPS']
+
+#: why an OpenAI backend in chat mode cannot hand a parser the special tokens it reads, and what to do
+CHAT_MODE_STRIPS = ('in chat mode the server decodes the reply without special tokens; use token mode '
+                    "(backend_options.tokenizer: the model's tokenizer, flavor: vllm), or start the server with its "
+                    'own tool-call parser (vllm serve --enable-auto-tool-choice --tool-call-parser ...) and set '
+                    'backend_options.server_tool_calls: true')
 
 
 def _root(base_url: str) -> str:
@@ -30,13 +36,11 @@ def _root(base_url: str) -> str:
     return url[:-len('/v1')] if url.endswith('/v1') else url
 
 
-def _call(url: str, body: Optional[Dict[str, Any]], api_key: Optional[str], timeout_s: float) -> Any:
+def _call(url: str, body: Optional[Dict[str, Any]], headers: Optional[Dict[str, str]], timeout_s: float) -> Any:
     """The JSON answer of ``url`` (GET without ``body``); ``OSError`` with the server's words."""
-    headers = {'Content-Type': 'application/json'}
-    if api_key:
-        headers['Authorization'] = f'Bearer {api_key}'
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers=headers, method='POST' if body is not None else 'GET')
+    request = urllib.request.Request(url, data=data, headers={'Content-Type': 'application/json', **(headers or {})},
+                                     method='POST' if body is not None else 'GET')
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return json.loads(resp.read() or b'{}')
@@ -51,12 +55,12 @@ def _call(url: str, body: Optional[Dict[str, Any]], api_key: Optional[str], time
         raise OSError(f'{type(exc).__name__}: {exc}') from None
 
 
-def served_context_length(base_url: str, model: Optional[str], api_key: Optional[str] = None,
+def served_context_length(base_url: str, model: Optional[str], headers: Optional[Dict[str, str]] = None,
                           timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Optional[int]:
     """``max_model_len`` of ``model`` (else of the first model) as ``GET <base_url>/models`` lists
     it (vLLM's server does); ``None`` when the server does not say or does not answer."""
     try:
-        data = _call(base_url.rstrip('/') + '/models', None, api_key, timeout_s)
+        data = _call(base_url.rstrip('/') + '/models', None, headers, timeout_s)
     except OSError:
         return None
     cards = [c for c in (data.get('data') if isinstance(data, dict) else None) or [] if isinstance(c, dict)]
@@ -71,14 +75,14 @@ class ServerTemplate:
     #: truthy: the checks ask this object's template (the server's own)
     chat_template = "the server's template"
 
-    def __init__(self, base_url: str, model: Optional[str], api_key: Optional[str] = None,
+    def __init__(self, base_url: str, model: Optional[str], headers: Optional[Dict[str, str]] = None,
                  timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
-        self.root, self.model, self.api_key, self.timeout_s = _root(base_url), model, api_key, timeout_s
+        self.root, self.model, self.headers, self.timeout_s = _root(base_url), model, headers, timeout_s
 
     def _post(self, path: str, body: Dict[str, Any]) -> Any:
         if self.model is not None:
             body = dict(body, model=self.model)
-        return _call(self.root + path, body, self.api_key, self.timeout_s)
+        return _call(self.root + path, body, self.headers, self.timeout_s)
 
     def available(self) -> bool:
         """Whether the server has the endpoints (one ``/tokenize`` of a short text)."""
@@ -114,3 +118,52 @@ class ServerTemplate:
         """``{'input_ids': ...}`` of ``text``, as the server tokenizes it."""
         return {'input_ids': list(self._post('/tokenize', {'prompt': text, 'add_special_tokens': add_special_tokens})
                                   ['tokens'])}
+
+
+class ServerFacts:
+    """What an OpenAI backend reads of its server, and what it can ask of it, for the run's checks
+    (a mixin of :class:`~mtflow.backends.openai_server.OpenAIBackend`: ``base_url``,
+    ``served_model``, ``_headers``, ``flavor``, ``prompter``, ``skip_special_tokens`` and
+    ``server_tool_calls`` are its own); each fact asked once.
+
+    The backend's options: ``skip_special_tokens`` (token mode: ``False`` sends vLLM's
+    ``skip_special_tokens: false`` with each token prompt, so the reply's text keeps them; ``mtflow
+    run`` sets it for a parser that reads them) and ``server_tool_calls`` (the server parses the
+    model's calls itself, ``vllm serve --enable-auto-tool-choice --tool-call-parser ...``: in chat
+    mode a parser's special tokens are then not needed)."""
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Token mode: ask for replies with their special tokens (``skip_special_tokens: false``,
+        vLLM's field). Chat mode: the server decodes the reply without them, and mtflow cannot ask
+        every server otherwise (vLLM's gpt-oss path parses the ids itself), so this holds only when
+        the server returns the calls structured (``server_tool_calls``)."""
+        if self.prompter is not None:
+            self.skip_special_tokens = False
+            return None
+        return None if self.server_tool_calls else CHAT_MODE_STRIPS
+
+    def _asked(self) -> Dict[str, Any]:
+        return self.__dict__.setdefault('_server_facts', {})
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The served model's ``max_model_len`` as ``GET /v1/models`` lists it (vLLM's server);
+        ``None`` when the server does not say."""
+        asked = self._asked()
+        if 'context_length' not in asked:
+            asked['context_length'] = served_context_length(self.base_url, self.served_model, self._headers)
+        return asked['context_length']
+
+    @property
+    def chat_renderer(self) -> Optional[ServerTemplate]:
+        """In chat mode, the server's template through its ``/tokenize`` endpoint (vLLM's), for the
+        checks before the first turn; ``None`` in token mode (mtflow renders) or when the server has
+        no such endpoint."""
+        asked = self._asked()
+        if 'chat_renderer' not in asked:
+            renderer = None
+            if self.prompter is None and self.flavor == 'vllm':
+                renderer = ServerTemplate(self.base_url, self.served_model, self._headers)
+                renderer = renderer if renderer.available() else None
+            asked['chat_renderer'] = renderer
+        return asked['chat_renderer']

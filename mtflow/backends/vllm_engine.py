@@ -191,16 +191,14 @@ class VLLMBackend(Backend):
                  resumable: bool = False,
                  skip_special_tokens: bool = True) -> None:
         super().__init__()
-        self.skip_special_tokens = bool(skip_special_tokens)
+        self.skip_special_tokens, self.resumable = bool(skip_special_tokens), bool(resumable)
         template = resolve_chat_template(chat_template, where='vllm backend: chat_template')  # before the engine starts
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
         if resumable and not self.is_async:
             raise BackendError("vllm backend: resumable=True needs the async engine (engine='async' or an AsyncLLM): "
                                'vllm.LLM runs a batch to its end and cannot hand back a cut generation')
-        self.resumable = bool(resumable)
-        self._runner: Any = None
-        self._closed = False
+        self._runner, self._closed = None, False  # the async engine's private loop (a LoopThread)
         self._owns_engine = not given
         #: the logging config file the engine's processes read (deleted on close)
         self._log_config_path: Optional[str] = None

@@ -27,7 +27,8 @@ from mtflow.backends import BackendError, resolve_backend
 from mtflow.backends.base import prepare_chat, reports_of
 from mtflow.backends.chat_templates import (TOKENIZER_OWN, TemplateSource, call_form, resolve_chat_template,
                                             template_problems)
-from mtflow.backends.pairing import fit_scheduler
+from mtflow.backends.openai_server import chat_mode_strips
+from mtflow.backends.pairing import fit_scheduler, markers_refusal
 from mtflow.backends.models import cached_model_dir, load_tokenizer
 from mtflow.backends.tokens import render_text
 from mtflow.core.errors import RunSetupError
@@ -210,6 +211,26 @@ def _offline_setup(cfg: RunConfig) -> Tuple[Optional[ChatSetup], Optional[str]]:
     return ChatSetup(tokenizer, source, context, context_from, int(default_max_tokens)), None
 
 
+def _chat_mode_markers(cfg: RunConfig, scheduler_factory: Any) -> List[str]:
+    """An ``openai`` backend in chat mode and a parser that reads special tokens (gpt-oss's, Kimi's):
+    the refusal ``mtflow run`` makes once the backend is built (``mtflow.backends.pairing``)."""
+    why = chat_mode_strips(cfg.resolved_backend_options()) if cfg.backend == 'openai' else None
+    if why is None or scheduler_factory is None:
+        return []
+    try:
+        scheduler = scheduler_factory(None)
+    except Exception:
+        return []  # its problems are the scheduler's own
+    try:
+        markers = list(getattr(scheduler, 'special_markers', ()) or ())
+        parser = getattr(getattr(scheduler, 'parser', None), 'name', None) or 'the configured'
+    finally:
+        close = getattr(scheduler, 'close', None)
+        if callable(close):
+            close()
+    return [f'{cfg.where("backend")}: {markers_refusal(parser, markers, "openai", why)}'] if markers else []
+
+
 def _max_positions(path: Path) -> Optional[int]:
     try:
         value = json.loads(path.read_text(encoding='utf-8')).get('max_position_embeddings')
@@ -223,7 +244,7 @@ def check_offline(cfg: RunConfig, scheduler_factory: Any = None) -> Tuple[List[s
     builds the scheduler whose system prompt and tool messages the checks take into account."""
     setup, why = _offline_setup(cfg)
     if setup is None:
-        return [], [why] if why else []
+        return _chat_mode_markers(cfg, scheduler_factory), [why] if why else []
     scheduler = None
     if scheduler_factory is not None:
         try:

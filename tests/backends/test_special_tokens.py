@@ -25,7 +25,6 @@ from mtflow import Executor, RequestConfig, RolloutInferRequest  # noqa: E402
 from mtflow.backends import BackendError  # noqa: E402
 from mtflow.backends.base import Backend  # noqa: E402
 from mtflow.backends.hf import HFBackend  # noqa: E402
-from mtflow.backends.pairing import fit_scheduler  # noqa: E402
 from mtflow.cli import main  # noqa: E402
 from mtflow.declarative import load_scheduler  # noqa: E402
 from tests.declarative.families import Family, families, harmony_family  # noqa: E402
@@ -63,8 +62,8 @@ def forced_hf(model: Any = None, family_name: str = 'harmony', skip_special_toke
     """The run config's backend (``backend: tests.backends.test_special_tokens:forced_hf``)."""
     fam = family(family_name)
     tok = fam.tokenizer()
-    return HFBackend(forced_model(tok, [fam.call_turn, fam.answer_turn]), tok,
-                     skip_special_tokens=skip_special_tokens)
+    kept = {} if skip_special_tokens else {'skip_special_tokens': False}
+    return HFBackend(forced_model(tok, [fam.call_turn, fam.answer_turn]), tok, **kept)
 
 
 def _request() -> RolloutInferRequest:
@@ -94,11 +93,11 @@ def test_mtflow_run_keeps_them_for_the_parser_and_the_call_runs(name, tmp_path, 
                                        f'out: out\nbackend_options: {{family_name: {name}}}\n'
                                        'request_config: {max_tokens: 128}\n')
     assert main(['run', 'run.yaml', '--no-progress']) == 0
-    assert f'the {name} parser reads them' in capsys.readouterr().err  # said once, before the first turn
     line = json.loads((tmp_path / 'out' / 'trajectories.jsonl').read_text().splitlines()[0])
     assert line['rollout_infos']['tool_calls'] == 1 and line['num_turns'] == 2  # before: 0 calls, 1 turn
     tool = [m for m in line['messages'] if m['role'] == 'tool']
     assert [m['content'] for m in tool] == ['14'] and line['finish_reason'] == 'stop_rule:no_tool_call'
+    assert f'the {name} parser reads them' in capsys.readouterr().err  # said once, before the first turn
     assert main(['check-tokens', 'out']) == 0
 
 
@@ -145,6 +144,8 @@ class _Stripping(Backend):
 
 
 def test_a_backend_that_cannot_keep_them_is_refused_naming_parser_and_backend():
+    from mtflow.backends.pairing import fit_scheduler
+
     scheduler = load_scheduler(dict(SCHEDULER, parser='kimi_k2'))
     with pytest.raises(BackendError, match=r'parser kimi_k2 reads <\|tool_calls_section_begin\|>.* stripper backend '
                                            r'removes .*cannot return replies with their special tokens'):
@@ -155,6 +156,7 @@ def test_openai_chat_mode_is_refused_unless_the_server_parses_the_calls(tmp_path
     """In chat mode the server decodes the text (vLLM without special tokens): one line says what to do."""
     pytest.importorskip('httpx')
     from mtflow.backends.openai_server import OpenAIBackend
+    from mtflow.backends.pairing import fit_scheduler
     from tests.backends.chat_server import ChatServer
     from mtflow.backends.scripted import ScriptedBackend
 
@@ -170,6 +172,10 @@ def test_openai_chat_mode_is_refused_unless_the_server_parses_the_calls(tmp_path
         err = capsys.readouterr().err
         assert 'run.yaml' in err and 'parser kimi_k2 reads' in err and 'openai backend' in err
         assert 'server_tool_calls: true' in err and 'token mode' in err and not (tmp_path / 'out').exists()
+        assert main(['validate', 'run.yaml']) == 1  # the same line, before anything is built
+        said = capsys.readouterr().out
+        assert 'run.yaml:2: backend: parser kimi_k2 reads <|tool_calls_section_begin|>' in said and \
+            'server_tool_calls: true' in said
         with pytest.warns(UserWarning):
             backend = OpenAIBackend(model='m', base_url=server.base_url, prompt_mode='chat', server_tool_calls=True)
         try:  # the server returns the calls structured: the parser's markers are not needed
