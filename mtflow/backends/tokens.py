@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os.path
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
@@ -280,7 +281,7 @@ class TokenPrompter:
         if sampled and self._is_special(sampled[-1]):
             end = self._token_text(sampled[-1])
             at = upto.rfind(end) if end else -1
-            if at >= len(_common_prefix(upto, rec.open_text)):
+            if at >= len(os.path.commonprefix([upto, rec.open_text])):
                 return upto[at + len(end):]
         plain = head[:-1] + [{'role': 'assistant', 'content': SENTINEL}]
         try:
@@ -363,15 +364,6 @@ def _extension(history: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> Opti
     if not isinstance(after, str) or not after.startswith(before):
         return None
     return after[len(before):], new[len(history):], False
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
 
 
 def commit_outputs(prompter: TokenPrompter, requests: List[Any], plans: List[PromptPlan], outputs: List[Any]) -> None:

@@ -84,9 +84,14 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
 
 
-def _carry_calls_as_recorded(scheduler: Any, info: Dict[str, Any]) -> None:
-    """The recorded run's way of carrying calls read from the text (``tool_calls_as`` of its last
-    attempt: a server's template chose it, which the replay does not ask)."""
+def _fit_as_recorded(backend: Any, scheduler: Any, info: Dict[str, Any]) -> None:
+    """What the backend and the scheduler must agree on, as ``mtflow run`` settles it
+    (:func:`fit_scheduler`), then the recorded run's way of carrying calls read from the text
+    (``tool_calls_as`` of its last attempt: a server's template chose it, which the replay does not ask)."""
+    try:
+        fit_scheduler(backend, scheduler)
+    except BackendError as exc:
+        raise UserError(f'replay: {exc}') from None
     form = ((info.get('attempts') or [{}])[-1] or {}).get('tool_calls_as')
     carry = getattr(scheduler, 'carry_calls', None)
     if form and callable(carry):
@@ -188,11 +193,7 @@ def main(args: argparse.Namespace) -> int:
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
             scheduler = make_scheduler(backend.tokenizer)
-            try:
-                fit_scheduler(backend, scheduler)
-            except BackendError as exc:
-                raise UserError(f'replay: {exc}') from None
-            _carry_calls_as_recorded(scheduler, info)
+            _fit_as_recorded(backend, scheduler, info)
             if args.tools == 'recorded':
                 recorded = _use_recorded(scheduler, run_dir)
             try:

@@ -199,3 +199,16 @@ def _dict_args(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                     for c in m['tool_calls']])
         out.append(m)
     return out
+
+
+@pytest.mark.parametrize('name', ['minimax_m2', 'kimi_k2'])
+def test_a_replay_carries_the_calls_as_the_recorded_run_did(name, tmp_path, monkeypatch):
+    """``mtflow replay`` reads the recorded run's form (``run.json``: ``tool_calls_as``) and gives the same
+    messages, ids and all; its token record passes check-tokens too."""
+    monkeypatch.chdir(tmp_path)
+    run_dir, _ = family_run(name, tmp_path)
+    info = json.loads((run_dir / 'run.json').read_text())
+    assert info['attempts'][-1]['tool_calls_as'] == CASES[name]['form']
+    assert main(['replay', str(run_dir), '--out', str(tmp_path / 'again'), '-q']) == 0
+    assert main(['check-tokens', str(tmp_path / 'again')]) == 0
+    assert _line(tmp_path / 'again')['messages'] == _line(run_dir)['messages']
