@@ -32,13 +32,21 @@ from mtflow.core.seeds import sampling_seed
 
 __all__ = [
     'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of'
+    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of', 'flag_option'
 ]
 
 
 class BackendError(MtflowError):
     """A backend cannot be built or cannot serve a call (bad option, model that cannot load,
     server that keeps failing). The message names the backend and what to fix."""
+
+
+def flag_option(value: Any, where: str) -> bool:
+    """A backend's true/false option, refused in one line naming it when it is anything else (YAML's
+    ``"false"``, quoted, is a string that ``bool()`` would read as true)."""
+    if not isinstance(value, bool):
+        raise BackendError(f'{where} must be true or false, not {type(value).__name__} {value!r:.40}')
+    return value
 
 
 def context_length_of(config: Any, *names: str) -> Optional[int]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
-                                  prepare_chat, sampling_seeds)
+                                  flag_option, prepare_chat, sampling_seeds)
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.hf_sampling import RowSampler, row_seeds
@@ -147,6 +147,7 @@ class HFBackend(Backend):
         if not isinstance(resume_chunk, int) or isinstance(resume_chunk, bool) or resume_chunk < 1:
             raise BackendError(f'hf backend: resume_chunk must be a positive int, not {resume_chunk!r}')
         self.resumable, self.resume_chunk = bool(resumable), resume_chunk
+        self.skip_special_tokens = flag_option(skip_special_tokens, 'hf backend: skip_special_tokens')
 
         if logprobs_mode not in ('raw', 'processed'):
             raise BackendError(f"hf backend: logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
@@ -170,7 +171,6 @@ class HFBackend(Backend):
         self.max_batch_size = max_batch_size
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
-        self.skip_special_tokens = bool(skip_special_tokens)
         self.chat_template = template.text
         self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy, exact=exact_ids) \
             if processor is None else VisionPrompter(processor, template, policy=prefix_policy, exact=exact_ids)

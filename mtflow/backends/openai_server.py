@@ -56,7 +56,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, PreflightProblem, SamplingOptions, sampling_seeds,
-                                  prepare_chat)
+                                  flag_option, prepare_chat)
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
@@ -252,7 +252,7 @@ def chat_mode_strips(options: Dict[str, Any]) -> Optional[str]:
         mode = _resolve_prompt_mode(options.get('prompt_mode', 'auto'), tokenizer, options.get('flavor', 'vllm'))
     except BackendError:
         return None  # the options' own check says what is wrong
-    return CHAT_MODE_STRIPS if mode == 'chat' and not options.get('server_tool_calls') else None
+    return CHAT_MODE_STRIPS if mode == 'chat' and options.get('server_tool_calls') is not True else None
 
 
 def _preflight(cls: type, model: Optional[str], options: Dict[str, Any]) -> List[PreflightProblem]:
@@ -337,7 +337,8 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
                  skip_special_tokens: bool = True,
                  server_tool_calls: bool = False) -> None:
         super().__init__()
-        self.skip_special_tokens, self.server_tool_calls = bool(skip_special_tokens), bool(server_tool_calls)
+        self.skip_special_tokens = flag_option(skip_special_tokens, 'openai backend: skip_special_tokens')
+        self.server_tool_calls = flag_option(server_tool_calls, 'openai backend: server_tool_calls')
         if resumable and flavor == 'openai':
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")

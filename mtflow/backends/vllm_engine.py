@@ -45,7 +45,7 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, sampling_seeds,
-                                  context_length_of, prepare_chat)
+                                  context_length_of, flag_option, prepare_chat)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages, serving_the_others
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.loop_thread import LoopThread
@@ -191,7 +191,8 @@ class VLLMBackend(Backend):
                  resumable: bool = False,
                  skip_special_tokens: bool = True) -> None:
         super().__init__()
-        self.skip_special_tokens, self.resumable = bool(skip_special_tokens), bool(resumable)
+        self.skip_special_tokens = flag_option(skip_special_tokens, 'vllm backend: skip_special_tokens')
+        self.resumable = bool(resumable)
         template = resolve_chat_template(chat_template, where='vllm backend: chat_template')  # before the engine starts
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)

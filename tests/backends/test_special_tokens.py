@@ -176,6 +176,11 @@ def test_openai_chat_mode_is_refused_unless_the_server_parses_the_calls(tmp_path
         said = capsys.readouterr().out
         assert 'run.yaml:2: backend: parser kimi_k2 reads <|tool_calls_section_begin|>' in said and \
             'server_tool_calls: true' in said
+        (tmp_path / 'run.yaml').write_text((tmp_path / 'run.yaml').read_text().replace(
+            'prompt_mode: chat}', 'prompt_mode: chat, server_tool_calls: "true"}'))  # quoted: a string, not true
+        assert main(['validate', 'run.yaml']) == 1 and 'parser kimi_k2 reads' in capsys.readouterr().out
+        assert main(['run', 'run.yaml', '-q']) == 2  # refused as the backend is built
+        assert "server_tool_calls must be true or false, not str 'true'" in capsys.readouterr().err
         with pytest.warns(UserWarning):
             backend = OpenAIBackend(model='m', base_url=server.base_url, prompt_mode='chat', server_tool_calls=True)
         try:  # the server returns the calls structured: the parser's markers are not needed
@@ -194,3 +199,11 @@ def test_a_plain_rollout_fn_that_drops_them_fails_the_request_with_the_reason():
                                                     r'ids hold .*<\|tool_calls_section_begin\|>.* but its text does not.*'
                                                     'skip_special_tokens: false'):
         Executor(scheduler, lambda requests, config=None: backend(requests, config)).run([_request()])
+
+
+def test_a_quoted_false_is_refused_naming_the_option():
+    """YAML's ``"false"`` is a string, which ``bool()`` reads as true: the option says so instead."""
+    fam = family('kimi_k2')
+    tok = fam.tokenizer()
+    with pytest.raises(BackendError, match=r"hf backend: skip_special_tokens must be true or false, not str 'false'"):
+        HFBackend(make_model(tok), tok, skip_special_tokens='false')
