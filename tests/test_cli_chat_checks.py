@@ -150,6 +150,21 @@ def test_each_ray_actor_checks_its_own_backend_before_its_first_turn(project, mo
         ShardWorker(spec, slot=0)
 
 
+
+def test_a_ray_actor_refuses_a_server_template_the_driver_cannot_read(project, capsys):
+    """A real fan-out: the driver has no template to read (a server in chat mode), so the actor asks the
+    server before its first turn and the run fails with the actor's line, nothing written."""
+    pytest.importorskip('ray')
+    with serve(template=NO_TOOL_MESSAGES, max_model_len=512) as server:
+        chat_config(project, server, 8)
+        assert main(['run', 'run.yaml', '--ray', '1', '--no-progress']) != 0  # (the actor warns of chat mode)
+    said = capsys.readouterr()
+    (line, ) = [ln for ln in (said.out + said.err).splitlines() if 'could not start' in ln]
+    assert line.startswith("mtflow: Ray actor 0 could not start: RunSetupError: run.yaml:3: model: chat template the "
+                           "server's template (http://127.0.0.1:") and "drops the tool's result (role tool)" in line
+    assert not list((project / 'out').glob('trajectories*.jsonl')) or \
+        not (project / 'out' / 'trajectories.jsonl').read_text().strip()
+
 # ---- chat mode: the server's context and template, asked of the server ---------------------------------
 def serve(template=None, **kw):
     from mtflow.backends.scripted import ScriptedBackend

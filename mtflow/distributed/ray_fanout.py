@@ -681,6 +681,8 @@ def _default_runtime_env() -> Dict[str, Any]:
 
 
 _ANSI = re.compile(r'\x1b\[[0-9;]*m')
+#: the line Python ends a traceback with: ``package.module.SomeError: message``
+_RAISED = re.compile(r'^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$')
 
 
 def _cause(exc: BaseException) -> str:
@@ -694,6 +696,9 @@ def _cause(exc: BaseException) -> str:
         return type(exc).__name__
     if any(ln.startswith('Traceback') for ln in lines):
         return lines[-1][:300]
+    raised = _RAISED.match(lines[-1])
+    if raised and len(lines) > 1:  # an actor that died of the user's exception (ActorDiedError): that one, whole
+        return f'{raised.group(1)}: {raised.group(2)}'[:1000]
     head = f'{type(exc).__name__}: {lines[0]}'
     return (head if len(lines) == 1 else f'{head} ... {lines[-1]}')[:400]
 
