@@ -25,14 +25,15 @@ from mtflow.backends.base import BackendError, reports_of
 from mtflow.backends.chat_templates import call_form
 from mtflow.declarative.parsers.base import special_marker_ids
 
-__all__ = ['fit_scheduler', 'markers_refusal']
+__all__ = ['fit_scheduler', 'keep_markers', 'markers_refusal']
 
 
 def fit_scheduler(backend: Any, scheduler: Any, backend_name: str = '') -> List[str]:
     """Settle what ``backend`` and ``scheduler`` must agree on (the module docstring); the lines
     that say what was set, or :class:`BackendError` with the line that says why they cannot go
     together. ``backend_name``: how the refusal names the backend (default its ``name``)."""
-    notes = _keep_markers(backend, scheduler, backend_name)
+    notes = keep_markers(backend, getattr(scheduler, 'parser', None), getattr(scheduler, 'special_markers', ()),
+                         backend_name)
     form = _call_form(backend, scheduler)
     if form is not None:
         scheduler.carry_calls(form)
@@ -42,8 +43,11 @@ def fit_scheduler(backend: Any, scheduler: Any, backend_name: str = '') -> List[
     return notes
 
 
-def _keep_markers(backend: Any, scheduler: Any, backend_name: str) -> List[str]:
-    markers = tuple(getattr(scheduler, 'special_markers', ()) or ())
+def keep_markers(backend: Any, parser: Any, markers: Any, backend_name: str = '') -> List[str]:
+    """Have ``backend`` keep those of ``markers`` (what ``parser`` reads) that are special tokens of its
+    tokenizer: the line that says so (``[]`` when there is nothing to keep), or :class:`BackendError`
+    naming the parser and the backend (:func:`fit_scheduler`; the gateway's ``tool_parser``)."""
+    markers = tuple(markers or ())
     if not markers:
         return []
     tokenizer = reports_of(backend).tokenizer
@@ -54,7 +58,7 @@ def _keep_markers(backend: Any, scheduler: Any, backend_name: str) -> List[str]:
     if not callable(keep):  # a plain rollout_fn: the scheduler checks each reply's ids against its text
         return []
     why = keep()
-    parser = getattr(getattr(scheduler, 'parser', None), 'name', None) or 'the configured'
+    parser = getattr(parser, 'name', None) or 'the configured'
     name = backend_name or getattr(backend, 'name', type(backend).__name__)
     if why is not None:
         raise BackendError(markers_refusal(parser, special, name, why))

@@ -207,3 +207,17 @@ def test_a_quoted_false_is_refused_naming_the_option():
     tok = fam.tokenizer()
     with pytest.raises(BackendError, match=r"hf backend: skip_special_tokens must be true or false, not str 'false'"):
         HFBackend(make_model(tok), tok, skip_special_tokens='false')
+
+
+def test_the_gateway_has_its_backend_keep_the_markers_of_its_tool_parser(tmp_path):
+    """``mtflow gateway`` with ``tool_parser: kimi_k2`` over the HF backend: the calls it hands the agent
+    are read from a text that keeps the markers; a backend that cannot keep them is refused."""
+    from mtflow.gateway.gateway import Gateway
+    from mtflow.run.agent_config import GatewayConfig
+
+    backend = forced_hf(family_name='kimi_k2')
+    assert backend.skip_special_tokens
+    gateway = Gateway(backend, tmp_path / 'gw', settings=GatewayConfig(tool_parser='kimi_k2'))
+    assert not backend.skip_special_tokens and 'the kimi_k2 parser reads them' in gateway.notes[0]
+    with pytest.raises(BackendError, match=r'parser kimi_k2 reads .* stripper backend removes'):
+        Gateway(_Stripping(), tmp_path / 'gw2', settings=GatewayConfig(tool_parser='kimi_k2'))
