@@ -191,8 +191,8 @@ class VLLMBackend(Backend):
                  resumable: bool = False,
                  skip_special_tokens: bool = True) -> None:
         super().__init__()
-        self.skip_special_tokens = flag_option(skip_special_tokens, 'vllm backend: skip_special_tokens')
-        self.resumable = bool(resumable)
+        self.resumable, self.skip_special_tokens = bool(resumable), flag_option(skip_special_tokens,
+                                                                                'vllm backend: skip_special_tokens')
         template = resolve_chat_template(chat_template, where='vllm backend: chat_template')  # before the engine starts
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
@@ -220,8 +220,7 @@ class VLLMBackend(Backend):
             self.llm, self.model_name = model, _served_model_name(model)
             if sampling_params_cls is None:
                 sampling_params_cls = _vllm_sampling_params()
-        self.sampling_params_cls = sampling_params_cls
-        self.prompt_mode = prompt_mode
+        self.sampling_params_cls, self.prompt_mode = sampling_params_cls, prompt_mode
         self.chat_template, self.default_max_tokens = template.text, default_max_tokens
         tokenizer = self.llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # AsyncLLM.get_tokenizer is a coroutine
