@@ -192,6 +192,22 @@ def test_streamed_tool_call_pieces_are_joined():
         ('chatcmpl-tool-9', 'calculator', '{"expression": "2 + 3 * 4"}'), ('call_1', 'calculator', '{}')]
 
 
+
+@pytest.mark.parametrize('field', ['reasoning', 'reasoning_content'])
+def test_streamed_reasoning_pieces_are_the_replys_reasoning(field):
+    """Streamed (``resumable=True``), a server's reasoning comes as ``delta.reasoning`` pieces (vLLM >= 0.11;
+    ``reasoning_content`` before) before the content's: joined, they are the reply's ``reasoning_content``."""
+    from mtflow.backends.openai_stream import StreamedReply
+
+    reply = StreamedReply("request 'u'", token_mode=False, prefix=None)
+    deltas = [{field: 'I will '}, {field: 'compute it.'}, {'content': 'It is '}, {'content': '14.'}]
+    for k, delta in enumerate(deltas):
+        event = {'choices': [{'index': 0, 'delta': delta, 'token_ids': [k],
+                              'finish_reason': 'stop' if k == len(deltas) - 1 else None}]}
+        reply.feed('data: ' + json.dumps(event))
+    message = reply.output().response.choices[0].message
+    assert (message.reasoning_content, message.content) == ('I will compute it.', 'It is 14.')
+
 def thinking(request):
     """The scripted model of a template that opens <think> in its prompt: its thinking, </think>, then the reply."""
     thought = 'I have the result.' if request.messages[-1]['role'] == 'tool' else 'I will compute it.'
