@@ -122,3 +122,100 @@ def test_a_familys_own_template_file_runs(project, models, capsys):
     assert main(['run', config(project, models, template=str(family)), '--no-progress', '-q']) == 0
     lines = (Path(project) / 'out' / 'trajectories.jsonl').read_text().splitlines()
     assert len(lines) == 2
+
+
+# ---- --ray: the checks run in the driver before the fan-out, and in each actor before its first turn ----
+def test_with_ray_the_driver_checks_before_any_actor_starts(project, models, capsys):
+    pytest.importorskip('ray')
+    path = config(project, models, model='tiny64', max_tokens=453)
+    line = refused(capsys, ['run', path, '--ray', '2', '--no-progress'], 2)
+    assert line.startswith('mtflow: run.yaml:6: request_config.max_tokens: 453 new tokens after the longest prompt')
+    assert not (project / 'out').exists()  # refused before Ray started or any model loaded
+
+
+def test_each_ray_actor_checks_its_own_backend_before_its_first_turn(project, models):
+    """What the driver cannot read from disk (a hub model, a server) each actor checks once built."""
+    import functools
+
+    from mtflow.core.errors import RunSetupError
+    from mtflow.distributed import ShardWorker
+    from mtflow.distributed.ray_cli import RayRollout
+    from mtflow.run.config import load_run_config
+
+    cfg = load_run_config(config(project, models, template='no_tool.jinja'))
+    spec = RayRollout.spec(type('R', (), {'cfg': cfg})())
+    assert isinstance(spec.prepare, functools.partial)
+    with pytest.raises(RunSetupError, match=r"run.yaml:8: backend_options.chat_template: chat template .*no_tool.jinja: "
+                                            r"drops the tool's result \(role tool\)"):
+        ShardWorker(spec, slot=0)
+
+
+
+def test_a_ray_actor_refuses_a_server_template_the_driver_cannot_read(project, capsys):
+    """A real fan-out: the driver has no template to read (a server in chat mode), so the actor asks the
+    server before its first turn and the run fails with the actor's line, nothing written."""
+    pytest.importorskip('ray')
+    with serve(template=NO_TOOL_MESSAGES, max_model_len=512) as server:
+        chat_config(project, server, 8)
+        assert main(['run', 'run.yaml', '--ray', '1', '--no-progress']) != 0  # (the actor warns of chat mode)
+    said = capsys.readouterr()
+    (line, ) = [ln for ln in (said.out + said.err).splitlines() if 'could not start' in ln]
+    assert line.startswith("mtflow: Ray actor 0 could not start: RunSetupError: run.yaml:3: model: chat template the "
+                           "server's template (http://127.0.0.1:") and "drops the tool's result (role tool)" in line
+    assert not list((project / 'out').glob('trajectories*.jsonl')) or \
+        not (project / 'out' / 'trajectories.jsonl').read_text().strip()
+
+# ---- chat mode: the server's context and template, asked of the server ---------------------------------
+def serve(template=None, **kw):
+    from mtflow.backends.scripted import ScriptedBackend
+    from tests.backends.chat_server import ChatServer
+    from tests.tiny_model import make_tokenizer
+
+    tok = make_tokenizer()
+    if template is not None:
+        tok = __import__('copy').deepcopy(tok)
+        tok.chat_template = template
+    return ChatServer(ScriptedBackend(outputs=['It is 4.'], cycle=True, tokenizer=tok), model_name='m', **kw)
+
+
+def chat_config(project, server, max_tokens):
+    (project / 'run.yaml').write_text(f'scheduler: calc.yaml\nbackend: openai\nmodel: m\ndataset: prompts.jsonl\nout: out\n'
+                                      f'request_config: {{max_tokens: {max_tokens}, temperature: 0}}\n'
+                                      f'backend_options: {{base_url: "{server.base_url}", prompt_mode: chat}}\n')
+    return 'run.yaml'
+
+
+def test_chat_mode_checks_max_tokens_against_the_servers_context(project, capsys):
+    """vLLM's server says its max_model_len (GET /v1/models) and counts a prompt (POST /tokenize)."""
+    with serve(max_model_len=64) as server:
+        with pytest.warns(UserWarning, match='chat completions'):
+            line = refused(capsys, ['run', chat_config(project, server, 453), '--no-progress'], 2)
+        counted = [b for b in server.tokenize_bodies if 'messages' in b]
+    assert line.startswith('mtflow: run.yaml:6: request_config.max_tokens: 453 new tokens after the longest prompt '
+                           "(request 'p") and "more than the model's context of 64 tokens (as GET /v1/models reports " \
+        'it, max_model_len)' in line and not (project / 'out').exists()
+    assert counted, 'the prompts were rendered and counted by the server (/tokenize)'
+    with serve(max_model_len=512) as server:
+        with pytest.warns(UserWarning, match='chat completions'):
+            assert main(['run', chat_config(project, server, 8), '--no-progress']) == 0
+    said = capsys.readouterr().err
+    assert "chat template: the server's template (http://127.0.0.1:" in said and '+ max_tokens 8 <= context 512' in said
+
+
+def test_chat_mode_without_a_tokenize_endpoint_says_what_it_did_not_check(project, capsys):
+    with serve(max_model_len=64, tokenize=False) as server:
+        with pytest.warns(UserWarning, match='chat completions'):
+            line = refused(capsys, ['run', chat_config(project, server, 453), '--no-progress'], 2)
+        assert "453 new tokens do not fit the served model's context of 64 tokens" in line
+        with pytest.warns(UserWarning, match='chat completions'):
+            assert main(['run', chat_config(project, server, 8), '--no-progress', '--overwrite']) == 0
+    assert "chat template: the server's, not checked (it has no /tokenize endpoint to render with), nor the prompts' " \
+        'lengths; max_tokens 8 < context 64' in capsys.readouterr().err
+
+
+def test_chat_mode_refuses_a_server_template_that_drops_the_tool_result(project, capsys):
+    with serve(template=NO_TOOL_MESSAGES, max_model_len=512) as server:
+        with pytest.warns(UserWarning, match='chat completions'):
+            line = refused(capsys, ['run', chat_config(project, server, 8), '--no-progress'], 2)
+    assert line.startswith("mtflow: run.yaml:3: model: chat template the server's template (http://127.0.0.1:") and \
+        "drops the tool's result (role tool)" in line and not (project / 'out').exists()

@@ -160,7 +160,7 @@ def test_a_backend_options_typo_names_the_file_line_or_the_flag(work, capsys, tm
     sched = work('sched.yaml', 'name: s\nmax_turns: 2\n')
     run = work('run.yaml', BASE + f'scheduler: {sched}\nbackend_options:\n  cycle: true\n  cylce: true\n')
     message = ("backend_options.cylce: unknown key 'cylce' for backend scripted; did you mean 'cycle'? (known: path, "
-               'outputs, respond, cycle, honor_max_tokens, tokenizer, chat_template, sample, seed)')
+               'outputs, respond, cycle, honor_max_tokens, tokenizer, chat_template, sample, seed, prefix_policy)')
     code, out = _validate([run], capsys)
     assert code == 1 and f'run.yaml:8: {message}' in out
     assert _run([run], capsys, tmp_path) == (2, f'mtflow: run.yaml:8: {message}\n')

@@ -32,13 +32,21 @@ from mtflow.core.seeds import sampling_seed
 
 __all__ = [
     'context_length_of', 'BackendError', 'Backend', 'BackendStats', 'Chat', 'SamplingOptions', 'prepare_chat', 'sampling_options',
-    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of'
+    'build_output', 'sampling_seeds', 'PreflightProblem', 'SamplingError', 'Reports', 'reports_of', 'flag_option'
 ]
 
 
 class BackendError(MtflowError):
     """A backend cannot be built or cannot serve a call (bad option, model that cannot load,
     server that keeps failing). The message names the backend and what to fix."""
+
+
+def flag_option(value: Any, where: str) -> bool:
+    """A backend's true/false option, refused in one line naming it when it is anything else (YAML's
+    ``"false"``, quoted, is a string that ``bool()`` would read as true)."""
+    if not isinstance(value, bool):
+        raise BackendError(f'{where} must be true or false, not {type(value).__name__} {value!r:.40}')
+    return value
 
 
 def context_length_of(config: Any, *names: str) -> Optional[int]:
@@ -249,6 +257,10 @@ class Reports:
     prompter: Any = None
     #: the model's context in tokens (``max_position_embeddings``, ``max_model_len``); ``None``: unknown
     context_length: Optional[int] = None
+    #: where a server renders each prompt itself (chat completions): its template and tokenizer asked
+    #: through the server (:class:`~mtflow.backends.server_template.ServerTemplate`), for the checks
+    #: before the first turn; ``None``: mtflow renders (``prompter``), or the server cannot be asked
+    chat_renderer: Any = None
 
     def describe(self) -> Optional[str]:
         """One line naming the backend and its model (the summary's ``backend``); ``None``: the
@@ -338,6 +350,14 @@ class Backend(Reports):
 
     #: used when the request config has no ``max_tokens``
     default_max_tokens = 256
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Return replies with their special tokens in the text from now on (a parser reads markers
+        that are special tokens of the model's tokenizer: gpt-oss's harmony, Kimi-K2's sections);
+        ``None`` when done (or when this backend's text keeps them anyway), else why it cannot, for
+        the one-line refusal of the run (``mtflow.backends.pairing``)."""
+        return (f'the {self.name} backend cannot return replies with their special tokens (it has no '
+                'skip_special_tokens option)')
 
     def __call__(self, requests: List[Any], request_config: Any = None) -> List[RolloutOutput]:
         if not requests:

@@ -19,8 +19,9 @@ a user message or a tool result while it writes text before an assistant message
 refused in one line naming the template, the role and what is missing. A template that opens no
 assistant turn there at all (Mistral's after ``[/INST]``, DeepSeek-V3.1's after a tool output: the
 model's text follows at once) passes. With ``text_calls`` (a YAML scheduler that writes ``tool``
-messages after calls it read from the text) the template must also take that conversation: the
-call as the assistant's text, a tool message without ``tool_call_id``.
+messages after calls it read from the text) the template must also take that conversation, with
+the calls in the assistant's text or as ``tool_calls`` (:func:`call_form`: the run carries them the
+way the template takes them).
 
 ``mtflow run`` checks the backend's template once it is built (the tokenizer comes with the
 model) and before the first turn; ``mtflow validate`` and ``mtflow check-tokens --template`` run
@@ -36,7 +37,7 @@ from typing import Any, Dict, List, Optional, Union
 from mtflow.backends.base import BackendError
 
 __all__ = ['TemplateSource', 'BUNDLED', 'TEMPLATE_DIR', 'bundled_template', 'looks_like_jinja',
-           'resolve_chat_template', 'template_problems', 'PROBE_MESSAGES', 'PROBE_TOOLS']
+           'resolve_chat_template', 'template_problems', 'call_form', 'PROBE_MESSAGES', 'PROBE_TOOLS']
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / 'data' / 'templates'
 #: bundled templates: name -> file in mtflow/data/templates
@@ -123,15 +124,18 @@ PROBE_MESSAGES: List[Dict[str, Any]] = [
     {'role': 'tool', 'tool_call_id': CALL_ID, 'name': 'probe_lookup', 'content': RESULT},
     {'role': 'assistant', 'content': f'{ANSWER} It is found.'},
 ]
-#: the same conversation as a YAML scheduler writes it from a call parsed in the text: the call is
-#: the assistant's text, the tool message answers no ``tool_call_id``
+#: the same conversation as a YAML scheduler writes it from a call parsed in the text, in the
+#: ``text`` form (``mtflow.declarative.call_messages``): the call is the assistant's text, the tool
+#: message answers its id
 TEXT_CALL_MESSAGES: List[Dict[str, Any]] = [
     PROBE_MESSAGES[0], PROBE_MESSAGES[1],
     {'role': 'assistant', 'content': f'{CALL_TEXT} <tool_call>{{"name": "probe_lookup", "arguments": '
                                      f'{{"query": "{CALL_ARG}"}}}}</tool_call>'},
-    {'role': 'tool', 'name': 'probe_lookup', 'content': RESULT},
+    {'role': 'tool', 'tool_call_id': CALL_ID, 'name': 'probe_lookup', 'content': RESULT},
     PROBE_MESSAGES[4],
 ]
+#: ``call_form``'s answers: the calls read from the text stay in it, or go in OpenAI's ``tool_calls``
+TEXT, OPENAI = 'text', 'openai'
 #: each part of the probe: (what it is, the role named in a refusal, markers of which one must show)
 _PARTS = [
     ('the system message', 'system', (SYSTEM, )),
@@ -164,13 +168,31 @@ def _error(exc: Exception) -> str:
     return f'{type(exc).__name__}: {" ".join(str(exc).split())[:200]}'
 
 
+def call_form(tokenizer: Any, source: Union[None, str, TemplateSource] = None) -> Optional[str]:
+    """How a scheduler's calls read from the text must reach this template (``mtflow.declarative.
+    call_messages``): ``'text'`` when it shows the tool-use conversation with the calls in the
+    assistant's text (nothing changes for it), ``'openai'`` when only with the calls as ``tool_calls``
+    (gpt-oss's, MiniMax-M2's, Mistral Small 3.2's: they refuse a tool message after an assistant
+    message without them), ``None`` when neither (:func:`template_problems` says why)."""
+    source = resolve_chat_template(source)
+    tries = ((TEXT, TEXT_CALL_MESSAGES), (OPENAI, PROBE_MESSAGES), (OPENAI, _with_string_arguments(PROBE_MESSAGES)))
+    for form, messages in tries:
+        try:
+            if not _dropped('', _render(tokenizer, source.text, messages, False), ''):
+                return form
+        except Exception:
+            continue
+    return None
+
+
 def template_problems(tokenizer: Any, source: Union[None, str, TemplateSource] = None,
                       text_calls: bool = False) -> List[str]:
     """What is wrong with the chat template ``source`` (default the tokenizer's own) under
     ``tokenizer``: one line per problem, each naming the template and the role (see the module
     docstring); ``[]`` for a template that shows the model every part of the probe.
-    ``text_calls``: the run's scheduler writes tool messages for calls it parsed from the text
-    (no ``tool_calls``, no ``tool_call_id``): the template must take that conversation too."""
+    ``text_calls``: the run's scheduler writes tool messages for calls it parsed from the text:
+    the template must take them in one of the two forms of :func:`call_form` (the run then uses
+    that one)."""
     source = resolve_chat_template(source)
     name = f'chat template {source.name}'
     if source.text is None and not getattr(tokenizer, 'chat_template', None):
@@ -187,15 +209,13 @@ def template_problems(tokenizer: Any, source: Union[None, str, TemplateSource] =
             return [f'{name}: fails on a tool-use conversation (system, user, assistant with a tool call, tool '
                     f'result, assistant): {_error(exc)}']
     problems = _dropped(name, whole, '')
-    if text_calls:
+    if text_calls and not problems and call_form(tokenizer, source) is None:  # neither form: say the text form's
         try:
-            problems += [p for p in _dropped(name, _render(tokenizer, source.text, TEXT_CALL_MESSAGES, False),
-                                             ' as this scheduler writes it (the call as text, the tool message '
-                                             'without a tool_call_id)')
-                         if p.split(' as this scheduler')[0] not in ' '.join(problems)]
+            problems += _dropped(name, _render(tokenizer, source.text, TEXT_CALL_MESSAGES, False),
+                                 ' as this scheduler writes it (the call as text; as tool_calls it fails too)')
         except Exception as exc:
             problems.append(f'{name}: fails on tool results as this scheduler writes them (the call as the '
-                            f"assistant's text, the tool message without a tool_call_id; role tool): {_error(exc)}")
+                            f"assistant's text; as tool_calls too; role tool): {_error(exc)}")
     try:
         problems += _generation_prompt_problems(tokenizer, source.text, name, messages)
     except Exception as exc:

@@ -7,8 +7,9 @@ with ``continue_final_message=True``), left-pads the prompts into micro-batches,
 
 * ``token_ids``: the sampled tokens, up to and including the EOS token or the token that
   completed a stop string (as vLLM reports them: these are the tokens a trainer must score);
-* ``content``: the decoded text of those tokens without special tokens, cut *before* a stop
-  string (OpenAI semantics);
+* ``content``: the decoded text of those tokens, cut *before* a stop string (OpenAI semantics)
+  and without the EOS token, and without the other special tokens unless ``skip_special_tokens=False``
+  (a parser that reads them: gpt-oss's harmony, Kimi-K2's sections; ``mtflow run`` sets it);
 * ``logprobs`` (when the request config asks): the log-probability of each sampled token under
   the model's raw distribution (``logprobs_mode='raw'``, vLLM's default) or under the
   distribution actually sampled from, after temperature/top-k/top-p (``'processed'``);
@@ -28,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
-                                  prepare_chat, sampling_seeds)
+                                  flag_option, prepare_chat, sampling_seeds)
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.cpu_threads import CpuThreads
 from mtflow.backends.hf_resume import ChunkedRollout
@@ -68,10 +69,11 @@ class _StopOnStrings:
     Decodes only the last few generated tokens of each row (enough to hold the longest stop
     string), so its cost per step does not grow with the generation."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_len: int) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_len: int, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.prompt_len = prompt_len
+        self.skip_special_tokens = skip_special_tokens
         # a token is at least one byte; a character at most four
         self.window = 4 * max(len(s) for s in stop) + 2
 
@@ -80,7 +82,7 @@ class _StopOnStrings:
 
         gen = input_ids[:, self.prompt_len:]
         tail = gen[:, -self.window:].tolist()
-        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=self.skip_special_tokens)
         done = [any(s in t for s in self.stop) for t in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
@@ -131,6 +133,9 @@ class HFBackend(Backend):
             loaded machine costs this backend its share of the cores rather than spinning OpenMP
             workers; an int fixes it; ``None`` leaves torch's setting alone
             (:mod:`mtflow.backends.cpu_threads`).
+        skip_special_tokens: decode replies without the tokenizer's special tokens (default, as
+            vLLM); ``False`` keeps them in the text (the EOS that ended a reply aside), for a parser
+            that reads them (:meth:`keep_special_tokens`; ``mtflow run`` sets it for such a parser).
     """
     name = 'hf'
 
@@ -150,7 +155,8 @@ class HFBackend(Backend):
                  processor: Any = None,
                  resumable: bool = False,
                  resume_chunk: int = 16,
-                 threads: Union[int, str, None] = 'auto') -> None:
+                 threads: Union[int, str, None] = 'auto',
+                 skip_special_tokens: bool = True) -> None:
         super().__init__()
         self.cpu_threads = _cpu_threads(threads)
         import torch
@@ -158,6 +164,7 @@ class HFBackend(Backend):
         if not isinstance(resume_chunk, int) or isinstance(resume_chunk, bool) or resume_chunk < 1:
             raise BackendError(f'hf backend: resume_chunk must be a positive int, not {resume_chunk!r}')
         self.resumable, self.resume_chunk = bool(resumable), resume_chunk
+        self.skip_special_tokens = flag_option(skip_special_tokens, 'hf backend: skip_special_tokens')
 
         if logprobs_mode not in ('raw', 'processed'):
             raise BackendError(f"hf backend: logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
@@ -199,6 +206,11 @@ class HFBackend(Backend):
             return super().async_rollout_fn(**options)
         batcher = {k: v for k, v in options.items() if k in ('max_wait_s', 'settle_s', 'max_delay_s') and v is not None}
         return ChunkedRollout(self, self.resume_chunk, **batcher)
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Decode replies with their special tokens from now on (see ``skip_special_tokens``)."""
+        self.skip_special_tokens = False
+        return None
 
     def count_prompt_tokens(self, request: Any) -> int:
         """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
@@ -295,7 +307,8 @@ class HFBackend(Backend):
         if options.stop:
             from transformers import StoppingCriteriaList
 
-            kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width)])
+            kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width,
+                                                                               self.skip_special_tokens)])
         if getattr(device, 'type', device) == 'cpu':
             self.cpu_threads.apply()
         with torch.inference_mode():
@@ -361,15 +374,15 @@ class HFBackend(Backend):
     def _decode(self, ids: List[int], prompt: List[int]) -> str:
         """Decode generated ids as a continuation of the prompt (tokenizers that drop a leading
         space when decoding a sequence on its own get it right this way)."""
-        tok = self.tokenizer
+        tok, skip = self.tokenizer, self.skip_special_tokens
         ctx = prompt[-4:]
         if not ctx:
-            return tok.decode(ids, skip_special_tokens=True)
-        head = tok.decode(ctx, skip_special_tokens=True)
-        full = tok.decode(ctx + ids, skip_special_tokens=True)
+            return tok.decode(ids, skip_special_tokens=skip)
+        head = tok.decode(ctx, skip_special_tokens=skip)
+        full = tok.decode(ctx + ids, skip_special_tokens=skip)
         if full.startswith(head) and '\ufffd' not in head:
             return full[len(head):]
-        return tok.decode(ids, skip_special_tokens=True)
+        return tok.decode(ids, skip_special_tokens=skip)
 
     def _stop_cut(self, body: List[int], prompt: List[int], stop: Sequence[str]) -> Optional[Tuple[int, str]]:
         """The fewest tokens whose text contains a stop string, and the text before it."""

@@ -56,16 +56,17 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, PreflightProblem, SamplingOptions, sampling_seeds,
-                                  prepare_chat)
+                                  flag_option, prepare_chat)
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
-from mtflow.backends.openai_stream import (completion_items, message_tool_calls, stream_body, streamed_acall,
-                                           token_ids_from_logprobs)
+from mtflow.backends.openai_stream import (completion_items, message_tool_calls, server_reasoning, stream_body,
+                                           streamed_acall, token_ids_from_logprobs)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
 from mtflow.backends.server_check import options_problems
+from mtflow.backends.server_template import CHAT_MODE_STRIPS, ServerFacts
 from mtflow.backends.server_metrics import ServerMetrics
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, RolloutOutput, UsageInfo)
@@ -140,10 +141,13 @@ def _sampling_body(model: str, options: SamplingOptions, seed: Optional[int], **
 
 
 def build_completion_body(prompt_ids: List[int], options: SamplingOptions, model: str, flavor: str = 'vllm',
-                          extra_body: Optional[Dict[str, Any]] = None, seed: Optional[int] = None) -> Dict[str, Any]:
+                          extra_body: Optional[Dict[str, Any]] = None, seed: Optional[int] = None,
+                          skip_special_tokens: bool = True) -> Dict[str, Any]:
     """The JSON body of ``/v1/completions`` with a token prompt (token mode); ``seed`` as
-    :func:`build_body`'s."""
+    :func:`build_body`'s; ``skip_special_tokens=False``: the reply's text keeps them (vLLM's field)."""
     body = _sampling_body(model, options, seed, prompt=list(prompt_ids))
+    if not skip_special_tokens:
+        body['skip_special_tokens'] = False
     if options.logprobs:
         body['logprobs'] = options.top_logprobs or 0  # completions API: the number of alternatives
     if options.top_k:
@@ -221,7 +225,7 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     choice = ChatCompletionResponseChoice(
         index=0,
         message=ChatMessage(role='assistant', content=content, tool_calls=message_tool_calls(message.get('tool_calls')),
-                            reasoning_content=message.get('reasoning_content')),
+                            reasoning_content=server_reasoning(message)),
         finish_reason=reason,
         logprobs=logprobs,
         token_ids=list(token_ids) if token_ids is not None else None)
@@ -240,13 +244,24 @@ def parse_choice(data: Dict[str, Any], where: str) -> RolloutOutput:
     return RolloutOutput(response=response)
 
 
+def chat_mode_strips(options: Dict[str, Any]) -> Optional[str]:
+    """Before the backend is built (``mtflow validate``): :data:`CHAT_MODE_STRIPS` when ``options``
+    make a chat-mode backend whose server does not return the calls structured, else ``None``."""
+    tokenizer = options.get('tokenizer')
+    try:
+        mode = _resolve_prompt_mode(options.get('prompt_mode', 'auto'), tokenizer, options.get('flavor', 'vllm'))
+    except BackendError:
+        return None  # the options' own check says what is wrong
+    return CHAT_MODE_STRIPS if mode == 'chat' and options.get('server_tool_calls') is not True else None
+
+
 def _preflight(cls: type, model: Optional[str], options: Dict[str, Any]) -> List[PreflightProblem]:
     """:meth:`Backend.preflight` of the OpenAI backend: each server answers ``GET /models`` and
     lists ``model`` (:mod:`mtflow.backends.server_check`)."""
     return options_problems(model, options, DEFAULT_BASE_URL)
 
 
-class OpenAIBackend(ServerMetrics, Backend):
+class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
     Args:
@@ -286,6 +301,9 @@ class OpenAIBackend(ServerMetrics, Backend):
         resumable: stream each single-request async call (SSE) so that a stream's
             ``on_update='resume'`` can cut it at a weight update and continue it from its exact
             ids (:mod:`mtflow.backends.openai_stream`); needs a server that streams.
+        skip_special_tokens, server_tool_calls: :class:`~mtflow.backends.server_template.ServerFacts`
+            (special tokens a parser reads: token mode asks for them, chat mode needs the server to
+            return the calls structured).
     """
     name = 'openai'
     preflight = classmethod(_preflight)
@@ -315,8 +333,12 @@ class OpenAIBackend(ServerMetrics, Backend):
                  weight_version: Optional[Any] = None,
                  health_interval_s: float = 5.0,
                  http_client: str = 'auto',
-                 resumable: bool = False) -> None:
+                 resumable: bool = False,
+                 skip_special_tokens: bool = True,
+                 server_tool_calls: bool = False) -> None:
         super().__init__()
+        self.skip_special_tokens = flag_option(skip_special_tokens, 'openai backend: skip_special_tokens')
+        self.server_tool_calls = flag_option(server_tool_calls, 'openai backend: server_tool_calls')
         if resumable and flavor == 'openai':
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")
@@ -329,11 +351,8 @@ class OpenAIBackend(ServerMetrics, Backend):
                          or DEFAULT_BASE_URL).rstrip('/')
         self.router = Router(list(urls) if urls else [self.base_url], routing,
                              max_in_flight=max_in_flight_per_replica, weight_version=weight_version)
-        self.health_interval_s = health_interval_s
-        self._health_task: Optional[asyncio.Future] = None
-        self.served_model = model
-        self.model_name = model or self.base_url
-        self.flavor = flavor
+        self.health_interval_s, self._health_task = health_interval_s, None  # the task: Optional[asyncio.Future]
+        self.served_model, self.model_name, self.flavor = model, model or self.base_url, flavor
         self.max_connections, self.timeout, self.max_retries = max_connections, timeout, max_retries
         self.backoff, self.backoff_max = backoff, backoff_max
         self.default_max_tokens = default_max_tokens
@@ -447,7 +466,8 @@ class OpenAIBackend(ServerMetrics, Backend):
         where = f'request {uuid!r}'
         key = str(uuid) if uuid else None
         if prompt_ids is not None:
-            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, seed)
+            body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, seed,
+                                         self.skip_special_tokens)
         else:
             body = build_body(request, options, model, self.flavor, self.extra_body, seed)
         if self.router.weight_version is not None and self.flavor == 'vllm':

@@ -41,7 +41,7 @@ from mtflow.core.protocol import (ChatCompletionResponse, ChatCompletionResponse
 from mtflow.engine.resume import ResumeFrom, current_prefix, merged_output
 
 __all__ = ['StreamedReply', 'streamed_acall', 'stream_body', 'completion_items', 'token_ids_from_logprobs',
-           'message_tool_calls']
+           'message_tool_calls', 'server_reasoning']
 
 
 def token_ids_from_logprobs(logprobs: Optional[Dict[str, Any]]) -> Optional[List[int]]:
@@ -101,6 +101,17 @@ def stream_body(body: Dict[str, Any], prefix: Optional[ResumeFrom], flavor: str,
     return body
 
 
+def server_reasoning(message: Dict[str, Any]) -> Optional[str]:
+    """The reasoning a server split off a reply itself (``vllm serve --reasoning-parser``): the
+    message's ``reasoning`` (vLLM >= 0.11) or ``reasoning_content`` (older vLLM, SGLang, DeepSeek's
+    API); ``None`` when it sent neither."""
+    for key in ('reasoning_content', 'reasoning'):
+        value = message.get(key)
+        if isinstance(value, str):
+            return value
+    return None
+
+
 def message_tool_calls(tool_calls: Any) -> Optional[List[Dict[str, Any]]]:
     """A reply's structured ``tool_calls`` (OpenAI's shape, as a tool-call-parsing server returns
     them), each with an ``id``: ``call_<k>`` where the server gave none, so a run's messages
@@ -120,6 +131,8 @@ class StreamedReply:
         self.ids: List[int] = []
         self.items: List[Dict[str, Any]] = []
         self.texts: List[str] = []
+        #: the reasoning the server split off (``delta.reasoning``), when it streams some
+        self.reasoning: Optional[List[str]] = None
         #: the structured tool calls streamed as ``delta.tool_calls`` pieces, by their index
         self.tool_calls: Dict[int, Dict[str, Any]] = {}
         self.has_ids = self.has_logprobs = True
@@ -187,7 +200,11 @@ class StreamedReply:
         self.items.extend(items or ())
         self.texts.append(text or '')
         if not self.token_mode:
-            self._add_tool_calls((raw.get('delta') or {}).get('tool_calls'))
+            delta = raw.get('delta') or {}
+            self._add_tool_calls(delta.get('tool_calls'))
+            thought = server_reasoning(delta)
+            if thought is not None:
+                self.reasoning = (self.reasoning or []) + [thought]
         if raw.get('finish_reason') is not None:
             self.finish = raw['finish_reason']
 
@@ -212,6 +229,7 @@ class StreamedReply:
         with self._lock:
             ids, items, text = list(self.ids), list(self.items), ''.join(self.texts)
             calls = message_tool_calls([self.tool_calls[k] for k in sorted(self.tool_calls)])
+            reasoning = ''.join(self.reasoning) if self.reasoning is not None else None
             finish, usage, served = self.finish, dict(self.usage), self.prompt_ids
             has_ids, has_logprobs = self.has_ids, self.has_logprobs
         if self.token_mode and not has_ids:
@@ -223,7 +241,8 @@ class StreamedReply:
         if finish not in ('stop', 'length', None):
             finish = 'stop'  # 'tool_calls', 'eos', ...: the model stopped by itself
         choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role='assistant', content=text, tool_calls=calls), finish_reason=finish,
+            index=0, message=ChatMessage(role='assistant', content=text, tool_calls=calls, reasoning_content=reasoning),
+            finish_reason=finish,
             logprobs={'content': items} if has_logprobs else None,  # [] too: a cut before the first token
             token_ids=ids if has_ids else None)
         prompt = len(turn_prompt) if turn_prompt is not None else int(usage.get('prompt_tokens') or 0)

@@ -103,13 +103,14 @@ def read_script(path: Union[str, Path]) -> List[Line]:
 
 class ScriptedBackend(Backend):
     """``rollout_fn`` that replays outputs from a file (``path``) or a list of dicts (``outputs``);
-    ``sample=True``: unkeyed outputs drawn by each request's seed (the module docstring)."""
+    ``sample=True``: unkeyed outputs drawn by each request's seed (the module docstring);
+    ``prefix_policy``: with a ``tokenizer``, as the HF backend's (``docs/backends.md``)."""
     name = 'scripted'
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
                  respond: Optional[Callable[[Any], Any]] = None, cycle: bool = False, honor_max_tokens: bool = False,
                  tokenizer: Any = None, chat_template: Optional[str] = None, sample: bool = False,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, prefix_policy: str = 'exact') -> None:
         super().__init__()
         self.honor_max_tokens = honor_max_tokens
         self.sample, self.seed = bool(sample), seed
@@ -135,7 +136,7 @@ class ScriptedBackend(Backend):
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         #: exact-id prompts and token records (``None``: no tokenizer given, outputs only)
-        self.prompter = TokenPrompter(tokenizer, template) if tokenizer is not None else None
+        self.prompter = TokenPrompter(tokenizer, template, policy=prefix_policy) if tokenizer is not None else None
         if self.prompter is not None:  # context budgets count exactly (without a tokenizer: count_tokens: words)
             self.count_prompt_tokens = self._count_prompt_tokens
         if (path is None) == (outputs is None):
@@ -270,6 +271,10 @@ class ScriptedBackend(Backend):
             ids.append(int(tok.eos_token_id))
         tokens = tok.batch_decode([[i] for i in ids])
         return dict(line, token_ids=ids, tokens=tokens)
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Nothing to do: a line's text is served as written, special tokens and all."""
+        return None
 
     def _count_prompt_tokens(self, request: Any) -> int:
         """The exact length of the prompt ``request``'s next turn would send (context budgets)."""

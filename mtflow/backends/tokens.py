@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os.path
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
@@ -46,24 +48,58 @@ SENTINEL = '\u2063mtflow-sentinel-7c1f\u2063'
 
 
 def render_text(tokenizer: Any, chat: Chat, messages: Optional[List[Dict[str, Any]]] = None,
-                chat_template: Optional[str] = None, continuation: Optional[bool] = None, where: str = '') -> str:
+                chat_template: Optional[str] = None, continuation: Optional[bool] = None, where: str = '',
+                generation: Optional[bool] = None) -> str:
     """The chat template's text for ``messages`` (default: the chat's) with the chat's tools and
-    template kwargs; a generation prompt unless the turn continues the last assistant message."""
+    template kwargs; a generation prompt unless the turn continues the last assistant message
+    (``generation=False``: neither, the conversation as it stands). ``tool_calls`` arguments given
+    as JSON strings (OpenAI's shape) reach the template as dicts, as vLLM's server gives them
+    (transformers' convention; one that is not JSON as ``{}``), and as strings to a template that
+    fails on dicts (DeepSeek-V3's concatenates them)."""
     kwargs: Dict[str, Any] = dict(chat.chat_template_kwargs)
     if chat.tools:
         kwargs['tools'] = chat.tools
     if chat_template is not None:
         kwargs['chat_template'] = chat_template
     cont = chat.continuation if continuation is None else continuation
+    given = chat.messages if messages is None else messages
+    decoded = _dict_arguments(given)
+    for attempt in ([decoded, given] if decoded is not given else [given]):
+        try:
+            return tokenizer.apply_chat_template(
+                attempt,
+                tokenize=False,
+                add_generation_prompt=not cont if generation is None else generation,
+                continue_final_message=cont and generation is None,
+                **kwargs)
+        except Exception as exc:
+            error = exc
+    raise BackendError(f'{where}: the chat template failed: {error}') from error
+
+
+def _dict_arguments(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``messages`` with each ``tool_calls`` entry's string ``arguments`` decoded (``{}`` when they
+    are not a JSON object); the same list when no message has such calls."""
+    if not any(isinstance(m, dict) and m.get('tool_calls') for m in messages):
+        return messages
+    out = []
+    for m in messages:
+        calls = m.get('tool_calls') if isinstance(m, dict) else None
+        if calls:
+            m = dict(m, tool_calls=[_decoded_call(c) for c in calls])
+        out.append(m)
+    return out
+
+
+def _decoded_call(call: Any) -> Any:
+    function = call.get('function') if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get('arguments'), str):
+        return call
     try:
-        return tokenizer.apply_chat_template(
-            chat.messages if messages is None else messages,
-            tokenize=False,
-            add_generation_prompt=not cont,
-            continue_final_message=cont,
-            **kwargs)
-    except Exception as exc:
-        raise BackendError(f'{where}: the chat template failed: {exc}') from exc
+        args = json.loads(function['arguments']) if function['arguments'].strip() else {}
+    except (ValueError, RecursionError):
+        args = {}
+    return dict(call, function=dict(function, arguments=args if isinstance(args, dict) else {}))
 
 
 @dataclass
@@ -119,8 +155,8 @@ class TokenPrompter:
         return list(self.tokenizer(text, add_special_tokens=False)['input_ids'])
 
     def _render(self, chat: Chat, where: str, messages: Optional[List[Dict[str, Any]]] = None,
-                continuation: Optional[bool] = None) -> str:
-        return render_text(self.tokenizer, chat, messages, self.chat_template, continuation, where)
+                continuation: Optional[bool] = None, generation: Optional[bool] = None) -> str:
+        return render_text(self.tokenizer, chat, messages, self.chat_template, continuation, where, generation)
 
     def _token_text(self, token_id: int) -> str:
         text = self._special_text.get(token_id)
@@ -168,12 +204,14 @@ class TokenPrompter:
             if not carried:  # a new conversation under a uuid seen before
                 return self._fresh(chat, TokenRecord(), 'first', where)
             return self._fresh(chat, _restarted(rec, 'history_changed', history, new), 'history_changed', where)
-        extra, added = head
-        if chat.continuation:
+        extra, added, reshaped = head
+        if chat.continuation and not reshaped:
             appended = self.encode(extra) if extra else []
             return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, True, rec.open_text)
-        if extra:  # the assistant message was edited and then answered: no exact delta exists
+        if extra or chat.continuation:  # the assistant message was edited and then answered: no exact delta exists
             return self._fresh(chat, _restarted(rec, 'history_changed', history, new), 'history_changed', where)
+        if reshaped:
+            return self._reshaped_turn(chat, rec, where)
         return self._new_turn(chat, rec, where)
 
     def _fresh(self, chat: Chat, rec: TokenRecord, why: str, where: str) -> PromptPlan:
@@ -214,6 +252,50 @@ class TokenPrompter:
             return PromptPlan(self.encode(real), chat, rec, None, 'template_rewrites_history', False, real)
         appended = self.encode(delta_text)
         return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, stable, expected)
+
+    def _reshaped_turn(self, chat: Chat, rec: TokenRecord, where: str) -> PromptPlan:
+        """A new turn after the assistant message was put in OpenAI's shape once sampled (its calls
+        as ``tool_calls``, its reasoning apart: :mod:`mtflow.declarative.call_messages`). The
+        template renders that message its own way, not as the sampled text, so the delta is what it
+        writes after the message: the conversation rendered as it stands, then with the new
+        messages and the generation prompt; the closing glue after the reply is what the template
+        writes after the token the model ended it with (its EOS), else after the reply as text."""
+        head = chat.messages[:len(rec.history)]
+        upto = self._render(chat, where, head, generation=False)
+        real = self._render(chat, where)
+        if not real.startswith(upto):  # the message renders otherwise once others follow it
+            changed = 'the chat template renders the reply otherwise once messages follow it'
+            return self._fresh(chat, _restarted(rec, 'template_rewrites_history', changed=changed),
+                               'template_rewrites_history', where)
+        delta_text = self._closing_glue(chat, rec, head, upto, where) + real[len(upto):]
+        expected = rec.open_text + (rec.history[-1].get('content') or '') + delta_text
+        stable = real == expected
+        if not stable and self.policy == 'rerender':
+            rec.restarted = True
+            rec.restart = rec.restart or _restart_info(rec, 'template_rewrites_history',
+                                                       'the chat template renders the earlier turns differently')
+            return PromptPlan(self.encode(real), chat, rec, None, 'template_rewrites_history', False, real)
+        appended = self.encode(delta_text)
+        return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, stable, expected)
+
+    def _closing_glue(self, chat: Chat, rec: TokenRecord, head: List[Dict[str, Any]], upto: str, where: str) -> str:
+        """What the template writes after the model's reply (``upto``: the conversation rendered up
+        to it): after the last special token the model ended on, when the template writes it there
+        (``<|im_end|>`` then ``\\n``; gpt-oss's ``<|call|>``, nothing); else what it writes after a
+        reply given as text (the reply stopped by a stop string, without its EOS)."""
+        sampled = rec.turns[-1].sampled
+        if sampled and self._is_special(sampled[-1]):
+            end = self._token_text(sampled[-1])
+            at = upto.rfind(end) if end else -1
+            if at >= len(os.path.commonprefix([upto, rec.open_text])):
+                return upto[at + len(end):]
+        plain = head[:-1] + [{'role': 'assistant', 'content': SENTINEL}]
+        try:
+            text = self._render(chat, where, plain, generation=False)
+        except BackendError:
+            return ''
+        at = text.find(SENTINEL)
+        return text[at + len(SENTINEL):] if at >= 0 else ''
 
     def commit(self, request: Any, plan: PromptPlan, sampled: List[int], completion: Optional[str],
                logprobs: Optional[List[float]] = None) -> TokenRecord:
@@ -265,11 +347,12 @@ def _restart_info(old: TokenRecord, why: str, changed: str) -> Dict[str, Any]:
 
 
 def _restarted(old: TokenRecord, why: str, history: Optional[List[Dict[str, Any]]] = None,
-               new: Optional[List[Dict[str, Any]]] = None) -> TokenRecord:
+               new: Optional[List[Dict[str, Any]]] = None, changed: Optional[str] = None) -> TokenRecord:
     """The record a turn rendered from text starts: it holds the turns from this one on, and says
     where the exact ids were first lost and what changed (the first such loss is kept)."""
-    changed = what_changed(history, new, old.first_turn) if history is not None and new is not None else \
-        'the chat template does not render the assistant content verbatim'
+    if changed is None:
+        changed = what_changed(history, new, old.first_turn) if history is not None and new is not None else \
+            'the chat template does not render the assistant content verbatim'
     return TokenRecord(restarted=True, first_turn=old.first_turn + len(old.turns),
                        restart=old.restart or _restart_info(old, why, changed))
 
@@ -306,23 +389,34 @@ def what_changed(history: List[Dict[str, Any]], new: List[Dict[str, Any]], first
     return 'the messages were replaced'
 
 
+#: what putting an assistant message in OpenAI's shape adds to it (:mod:`mtflow.declarative.call_messages`)
+RESHAPED = ('tool_calls', 'reasoning_content')
+
+
 def _extension(history: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> Optional[tuple]:
-    """``(extra, added)`` when ``new`` extends ``history``: the same messages, the last
+    """``(extra, added, reshaped)`` when ``new`` extends ``history``: the same messages, the last
     (assistant) one possibly with text appended (``extra``), then ``added`` messages; else
-    ``None``."""
+    ``None``. ``reshaped``: the last one was put in OpenAI's shape after it was sampled (it gained
+    ``tool_calls`` or ``reasoning_content``, its content the reply without them): the sampled ids
+    stand for it."""
     if not history or len(new) < len(history):
         return None
     last = len(history) - 1
     if new[:last] != history[:last]:
         return None
     was, now = history[last], new[last]
-    if now.get('role') != 'assistant' or {k: v for k, v in now.items() if k != 'content'} != \
-            {k: v for k, v in was.items() if k != 'content'}:
+    if now.get('role') != 'assistant':
+        return None
+    if any(k in now and k not in was for k in RESHAPED):
+        same = {k: v for k, v in now.items() if k != 'content' and k not in RESHAPED} == \
+            {k: v for k, v in was.items() if k != 'content' and k not in RESHAPED}
+        return ('', new[len(history):], True) if same else None
+    if {k: v for k, v in now.items() if k != 'content'} != {k: v for k, v in was.items() if k != 'content'}:
         return None
     before, after = was.get('content') or '', now.get('content')
     if not isinstance(after, str) or not after.startswith(before):
         return None
-    return after[len(before):], new[len(history):]
+    return after[len(before):], new[len(history):], False
 
 
 def commit_outputs(prompter: TokenPrompter, requests: List[Any], plans: List[PromptPlan], outputs: List[Any]) -> None:

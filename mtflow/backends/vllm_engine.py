@@ -45,7 +45,7 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, sampling_seeds,
-                                  context_length_of, prepare_chat)
+                                  context_length_of, flag_option, prepare_chat)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages, serving_the_others
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.loop_thread import LoopThread
@@ -169,6 +169,9 @@ class VLLMBackend(Backend):
         resumable: the async engine's single-request calls can be cut at a weight update and
             continued from their exact ids (a stream's ``on_update='resume'``,
             :mod:`mtflow.backends.vllm_resume`).
+        skip_special_tokens: ``SamplingParams.skip_special_tokens`` (default ``True``); ``False``
+            keeps them in the reply's text (vLLM leaves out the stop token that ended it), for a
+            parser that reads them (:meth:`keep_special_tokens`; ``mtflow run`` sets it).
     """
     name = 'vllm'
 
@@ -185,17 +188,18 @@ class VLLMBackend(Backend):
                  prefix_policy: str = 'exact',
                  engine: str = 'auto',
                  processor: Any = None,
-                 resumable: bool = False) -> None:
+                 resumable: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         super().__init__()
+        self.resumable, self.skip_special_tokens = bool(resumable), flag_option(skip_special_tokens,
+                                                                                'vllm backend: skip_special_tokens')
         template = resolve_chat_template(chat_template, where='vllm backend: chat_template')  # before the engine starts
         given = not (isinstance(model, str) or model is None)
         self.is_async = _wants_async_engine(model, given, prompt_mode, engine)
         if resumable and not self.is_async:
             raise BackendError("vllm backend: resumable=True needs the async engine (engine='async' or an AsyncLLM): "
                                'vllm.LLM runs a batch to its end and cannot hand back a cut generation')
-        self.resumable = bool(resumable)
-        self._runner: Any = None
-        self._closed = False
+        self._runner, self._closed = None, False  # the async engine's private loop (a LoopThread)
         self._owns_engine = not given
         #: the logging config file the engine's processes read (deleted on close)
         self._log_config_path: Optional[str] = None
@@ -216,8 +220,7 @@ class VLLMBackend(Backend):
             self.llm, self.model_name = model, _served_model_name(model)
             if sampling_params_cls is None:
                 sampling_params_cls = _vllm_sampling_params()
-        self.sampling_params_cls = sampling_params_cls
-        self.prompt_mode = prompt_mode
+        self.sampling_params_cls, self.prompt_mode = sampling_params_cls, prompt_mode
         self.chat_template, self.default_max_tokens = template.text, default_max_tokens
         tokenizer = self.llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # AsyncLLM.get_tokenizer is a coroutine
@@ -236,6 +239,11 @@ class VLLMBackend(Backend):
     def count_prompt_tokens(self, request: Any) -> int:
         """The exact length of the prompt ``request``'s next turn would send (context budgets)."""
         return len(self.prompter.plan(request).ids)
+
+    def keep_special_tokens(self) -> Optional[str]:
+        """Decode replies with their special tokens from now on (``skip_special_tokens=False``)."""
+        self.skip_special_tokens = False
+        return None
 
     def _build_async_engine(self, model: Optional[str], engine_kwargs: Optional[Dict[str, Any]], seed: Optional[int],
                             sampling_params_cls: Any) -> Tuple[Any, str, Any]:
@@ -266,7 +274,8 @@ class VLLMBackend(Backend):
         """``SamplingParams`` for one request, with its own sampling ``seed``
         (:func:`~mtflow.backends.base.sampling_seeds`: with one seed for all, vLLM would sample
         every copy of a repeated prompt, a GRPO group, identically)."""
-        return self.sampling_params_cls(**dict(sampling_kwargs(options), seed=seed))
+        return self.sampling_params_cls(**dict(sampling_kwargs(options), seed=seed,
+                                               skip_special_tokens=self.skip_special_tokens))
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[Any]:
         if self._closed:

@@ -83,6 +83,8 @@ def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
         try:
             gateway = start()
             gc.freeze()  # what the start made (a model) lives as long as the process: no collection rescans it
+            for note in gateway.notes:  # what the backend was set to do for the tool parser
+                _say(note)
             if store.resumed:
                 _say(f'resuming {store.out_dir}: {len(store.done)} sessions already written'
                      + (f'; {len(gateway.cut)} open session(s) were cut by the restart (refused from now on): '

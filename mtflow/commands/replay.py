@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from mtflow.backends import BACKENDS, BackendError, make_backend
+from mtflow.backends.pairing import fit_scheduler
 from mtflow.commands.run import dataset_file, parse_options, run_meta
 from mtflow.core.errors import UserError
 from mtflow.data.sources import count_requests
@@ -83,6 +84,20 @@ def _live_backend(args: argparse.Namespace) -> Optional[Any]:
         return make_backend(args.continue_with, model=args.model, **parse_options(args.option))
     except BackendError as exc:
         raise UserError(f'--continue-with {args.continue_with}: {exc}') from None
+
+
+def _fit_as_recorded(backend: Any, scheduler: Any, info: Dict[str, Any]) -> None:
+    """What the backend and the scheduler must agree on, as ``mtflow run`` settles it
+    (:func:`fit_scheduler`), then the recorded run's way of carrying calls read from the text
+    (``tool_calls_as`` of its last attempt: a server's template chose it, which the replay does not ask)."""
+    try:
+        fit_scheduler(backend, scheduler)
+    except BackendError as exc:
+        raise UserError(f'replay: {exc}') from None
+    form = ((info.get('attempts') or [{}])[-1] or {}).get('tool_calls_as')
+    carry = getattr(scheduler, 'carry_calls', None)
+    if form and callable(carry):
+        carry(form)
 
 
 def _run_prompter(info: Dict[str, Any], run_dir: Path) -> Any:
@@ -195,6 +210,7 @@ def main(args: argparse.Namespace) -> int:
             load_s = time.perf_counter() - started
             seed_everything(cfg.seed)
             scheduler = make_scheduler(tokenizer_of(backend))
+            _fit_as_recorded(backend, scheduler, info)
             if args.tools == 'recorded':
                 recorded = _use_recorded(scheduler, run_dir)
             try:

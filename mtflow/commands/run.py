@@ -45,7 +45,7 @@ from mtflow.run.driver import roll_out
 from mtflow.run.episodes import episode_size
 from mtflow.run.files import config_file_meta
 from mtflow.run.fingerprint import run_fingerprint
-from mtflow.run.chat_check import check_loaded
+from mtflow.run.chat_check import prepare_loaded
 from mtflow.run.preflight import check_before_load, check_env_servers
 from mtflow.run.progress import progress_mode
 from mtflow.run.otel import make_exporter
@@ -300,9 +300,12 @@ class _Attempt:
         self._load_backend()
         seed_everything(self.cfg.seed)
         self.scheduler = make_scheduler(tokenizer_of(self.backend))
-        checked = check_loaded(self.cfg, self.backend, self.scheduler)  # the chat template and the context
-        if checked is not None and not self.quiet:
-            _say(checked)
+        # special tokens kept, calls carried as the template takes them, the chat template and the context
+        for note in prepare_loaded(self.cfg, self.backend, self.scheduler):
+            if not self.quiet:
+                _say(note)
+        if getattr(self.scheduler, 'answers_each_call', False):  # how a replay carries them (mtflow replay)
+            self.figures['tool_calls_as'] = self.scheduler.call_form
         preflight = getattr(getattr(self.scheduler, 'env_factory', None), 'preflight', None)
         if callable(preflight):  # launched OpenEnv servers: up, and one session each, before turn 1
             try:

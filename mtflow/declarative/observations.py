@@ -38,9 +38,9 @@ def render_result(obs: ObservationConfig, tools: Dict[str, Tool], tokenizer: Any
 def add_observations(obs: ObservationConfig, messages: List[Dict[str, Any]], results: List[ToolResult],
                      texts: List[str], call_ids: Optional[List[str]] = None) -> str:
     """Add the rendered results to ``messages``; the text appended inline (``''`` in message mode),
-    which the scheduler encodes with loss mask 0. ``call_ids``: the ids of calls the server
-    returned structured; each ``tool`` message then answers its call (``tool_call_id``), as the
-    server's chat template and OpenAI's API expect."""
+    which the scheduler encodes with loss mask 0. ``call_ids``: the calls' ids (the server's, or
+    given to calls read from the text: :mod:`.call_messages`); each ``tool`` message then answers its
+    call (``tool_call_id``), as chat templates and OpenAI's API expect."""
     if obs.mode == 'inline':
         inline_text = obs.prefix + obs.separator.join(texts) + obs.suffix
         messages[-1]['content'] += inline_text

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.registry import Registry
-from mtflow.declarative.parsers.harmony import harmony_encoding, harmony_messages
+from mtflow.declarative.parsers.harmony import MARKERS as HARMONY_MARKERS, harmony_encoding, harmony_messages
 
 __all__ = ['Split', 'ReasoningParser', 'ThinkTags', 'KimiThinking', 'HarmonyChannels', 'REASONING',
            'split_reasoning', 'reasoning_parser', 'opens_thinking', 'split_messages']
@@ -52,9 +52,12 @@ class Split:
 class ReasoningParser:
     """Base: no reasoning. ``split(text, continued, opened)``: ``continued`` is True for a turn that
     continued the assistant message (no generation prompt opened anything); ``opened``: whether this
-    reply's generation prompt opened a thinking block (``None``: the parser's ``opened_in_prompt``)."""
+    reply's generation prompt opened a thinking block (``None``: the parser's ``opened_in_prompt``).
+    ``special_markers``: markers it reads that are special tokens of its models' tokenizers (as
+    :attr:`ToolCallParser.special_markers <mtflow.declarative.parsers.ToolCallParser>`)."""
     name = 'none'
     opened_in_prompt: Optional[bool] = None
+    special_markers: Tuple[str, ...] = ()
 
     def split(self, text: str, continued: bool = False, opened: Optional[bool] = None) -> Split:
         return Split('', text)
@@ -118,12 +121,14 @@ class KimiThinking(ThinkTags):
     name = 'kimi'
     tags = (('<think>', '</think>'), ('◁think▷', '◁/think▷'))
     implicit_end = ('<|tool_calls_section_begin|>', )
+    special_markers = implicit_end
 
 
 class HarmonyChannels(ReasoningParser):
     """gpt-oss: the ``analysis`` messages are the reasoning (their texts, joined by a newline); the
     content is the reply without them (its ``commentary`` calls and ``final`` answer as written)."""
     name = 'harmony'
+    special_markers = HARMONY_MARKERS
 
     def __init__(self, opened_in_prompt: Optional[bool] = None) -> None:
         harmony_encoding()  # the missing package or vocabulary is said when the scheduler loads

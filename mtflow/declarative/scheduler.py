@@ -42,12 +42,14 @@ from mtflow.core.scheduler import Scheduler
 from mtflow.core.stop import turn_limit_reached
 from mtflow.core.validate import check_reward
 from mtflow.declarative.answers import AnswerCheck
+from mtflow.declarative.call_messages import FORMS, call_ids, openai_message
 from mtflow.declarative.env_sessions import EnvSessions
 from mtflow.declarative.envs import make_env_factory
 from mtflow.declarative.images import (ResultImages, add_images, limits_of, normalize_all, split_observation,
                                        tip_images, tool_images)
 from mtflow.declarative.observations import add_observations, render_result
 from mtflow.declarative.parsers import ToolCall, get_parser
+from mtflow.declarative.parsers.base import special_marker_ids
 from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
 from mtflow.declarative.reasoning import Split, opens_thinking, reasoning_parser, split_messages, split_reasoning
 from mtflow.declarative.request_state import RequestState, maybe_await
@@ -114,6 +116,10 @@ class YamlScheduler(Scheduler):
         self.recorded_tools: Optional[Any] = None
         #: the ``branch:`` section (``docs/branching.md``): the executor forks requests where it says
         self.branch = config.branch.branching(base_dir) if config.branch is not None else None
+        #: how the assistant message carries the calls read from its text (:mod:`.call_messages`):
+        #: ``'text'`` until the run says otherwise (:meth:`carry_calls`)
+        self.call_form = 'text'
+        self._marker_ids: Optional[Dict[int, str]] = None
 
     def use_recorded(self, recorded: Any) -> None:
         """Take tool and environment results from ``recorded`` instead of calling any tool or
@@ -165,6 +171,28 @@ class YamlScheduler(Scheduler):
         loads, :func:`mtflow.backends.chat_templates.template_problems`)."""
         obs = self.config.observation
         return bool(self.tools) and obs.mode == 'message' and obs.role == 'tool'
+
+    @property
+    def answers_each_call(self) -> bool:
+        """Whether each call is answered by a ``tool`` message of its own (``tool_call_id``): the
+        calls can then be carried as OpenAI ``tool_calls`` (:meth:`carry_calls`)."""
+        return self.writes_tool_messages and self.config.observation.one_message_per_call
+
+    def carry_calls(self, form: str) -> None:
+        """How the assistant message carries the calls read from its text: ``'text'`` (in its
+        content, as written) or ``'openai'`` (``tool_calls``, the content and reasoning apart:
+        :mod:`.call_messages`). The run chooses by the chat template
+        (:func:`mtflow.backends.pairing.fit_scheduler`); the default is ``'text'``."""
+        if form not in FORMS:
+            raise ValueError(f'call form must be one of {", ".join(FORMS)}, not {form!r}')
+        self.call_form = form
+
+    @property
+    def special_markers(self) -> Tuple[str, ...]:
+        """The markers the tool-call and reasoning parsers read that are special tokens in their
+        models' tokenizers: the backend must decode replies keeping them."""
+        own = tuple(getattr(self.parser, 'special_markers', ()) or ())
+        return own + tuple(m for m in self.reasoning.special_markers if m not in own)
 
     @property
     def tool_specs(self) -> List[Dict[str, Any]]:
@@ -264,7 +292,13 @@ class YamlScheduler(Scheduler):
         state = self._state(infer_request)
         state.calls, state.tip, state.env_obs = [], None, None
         whole = response_choice.message.content or ''
-        completion = self.split_reply(whole, state.continued, infer_request).content  # no action, call or answer
+        self._check_markers(infer_request, response_choice, whole, current_turn)
+        server_reasoning = getattr(response_choice.message, 'reasoning_content', None)
+        if server_reasoning is not None:  # the server split it (a reasoning parser): the content is the answer
+            self._keep_server_reasoning(infer_request, server_reasoning, state.continued)
+            completion = whole
+        else:
+            completion = self.split_reply(whole, state.continued, infer_request).content  # no action, call or answer
         state.continued = False
         infos: Dict[str, Any] = {}
         reason = None if self.envs.factory is None else await self.envs.step(infer_request, state, completion, infos,
@@ -290,6 +324,7 @@ class YamlScheduler(Scheduler):
         if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.core.stop
             reason = MAX_TURNS
         state.calls = calls if reason is None and state.tip is None and state.env_obs is None else []
+        self._carry(infer_request, state, calls, current_turn)
         await self.turn_rewards.hook_reward(state, self.content_view(infer_request), completion, infos, current_turn)
         infos.update(self.turn_rewards.infos(state))
         return await self._turn_result(infer_request, state, reason, infos)
@@ -340,6 +375,54 @@ class YamlScheduler(Scheduler):
                                                f'reward ({self.config.reward})')
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
         return {'done': False, 'rollout_infos': infos}
+
+    def _carry(self, infer_request: Any, state: RequestState, calls: List[ToolCall], turn: int) -> None:
+        """Give the calls read from the text their ids (each tool message answers one) and, in the
+        ``openai`` form, put the assistant message in OpenAI's shape (:mod:`.call_messages`). An
+        inline tip continues the message as written; structured server calls are carried already."""
+        if state.calls_from.get('tool_calls_from') == 'server':
+            return
+        if calls and self.answers_each_call:
+            state.call_ids = call_ids(calls, getattr(infer_request, 'uuid', None), turn)
+        messages = infer_request.messages
+        message = messages[-1] if messages else {}
+        if self.call_form != 'openai' or message.get('role') != 'assistant' or \
+                not isinstance(message.get('content'), str) or (state.tip is not None and state.tip.placement == 'inline'):
+            return
+        if 'reasoning_content' in message:  # the server split the reasoning off already
+            content, reasoning = message['content'], message['reasoning_content']
+        else:
+            split = self.split_reply(message['content'], False, infer_request)
+            content, reasoning = split.content, split.reasoning
+        messages[-1] = openai_message(message, content, reasoning, self.parser, calls, state.call_ids)
+        # always said (if empty): the trajectory's split leaves it, a prompt that follows extends the sampled ids
+        messages[-1].setdefault('reasoning_content', '')
+
+    def _keep_server_reasoning(self, infer_request: Any, reasoning: str, continued: bool) -> None:
+        """The server split the reply (vLLM ``--reasoning-parser``): its reasoning goes on the
+        assistant message as ``reasoning_content`` (the trajectory keeps it; the content is never
+        read as reasoning)."""
+        messages = infer_request.messages
+        if messages and messages[-1].get('role') == 'assistant':
+            before = messages[-1].get('reasoning_content') if continued else None
+            messages[-1]['reasoning_content'] = (before or '') + reasoning
+
+    def _check_markers(self, infer_request: Any, response_choice: Any, text: str, turn: int) -> None:
+        """A reply whose sampled ids hold a special token the parsers read, while its text does not,
+        was decoded without special tokens: the calls in it would be silently missed."""
+        ids = getattr(response_choice, 'token_ids', None)
+        if not ids or self.tokenizer is None or not self.special_markers:
+            return
+        if self._marker_ids is None:
+            self._marker_ids = special_marker_ids(self.tokenizer, self.special_markers)
+        # the last id is the reply's end (its EOS: never in the text)
+        lost = sorted({self._marker_ids[i] for i in ids[:-1] if i in self._marker_ids and self._marker_ids[i] not in text})
+        if lost:
+            raise RequestError(f'the reply\'s token ids hold {", ".join(lost)} (special tokens the '
+                               f'{getattr(self.parser, "name", "configured")} parser reads) but its text does not: '
+                               'the backend decoded it without special tokens, so its calls would be missed; decode '
+                               'keeping them (backend_options.skip_special_tokens: false; mtflow run sets it)',
+                               uuid=getattr(infer_request, 'uuid', None), turn=turn, field='response.content')
 
     def _turn_calls(self, infer_request: Any, response_choice: Any, completion: str,
                     state: RequestState) -> List[ToolCall]:
@@ -443,7 +526,7 @@ class YamlScheduler(Scheduler):
             results = list(self.recorded_tools.tool_results(getattr(infer_request, 'uuid', None), turn, calls))
         else:
             # a malformed structured call's error names no text format (the server wrote the call)
-            parser = None if state.call_ids is not None else self.parser
+            parser = None if state.calls_from.get('tool_calls_from') == 'server' else self.parser
             results = await run_calls(self.runner, parser, calls, cfg.max_tool_calls_per_turn)
         failed = state.count_calls(results)
         if failed and cfg.tool_errors == 'finish':

@@ -8,6 +8,7 @@ from dataclasses import replace as dc_replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.registry import resolve_reference
+from mtflow.declarative.call_messages import openai_tool_call
 from mtflow.declarative.parsers import ToolCall, foreign_format, parse_calls
 from mtflow.declarative.schema import ToolConfig
 from mtflow.tools.registry import make_builtin
@@ -38,7 +39,8 @@ def read_calls(parser: Any, tool_names: List[str], completion: str, finish_reaso
     if not calls and tool_names:
         fmt = foreign_format(completion, getattr(parser, 'name', ''), tool_names)
         if fmt is not None:
-            calls = [ToolCall('', None, completion[-200:], f'this looks like a {fmt} tool call, but this '
+            # no text of its own (raw ''): the reply is not a call of this format and stays as written
+            calls = [ToolCall('', None, '', f'this looks like a {fmt} tool call, but this '
                               f'scheduler reads the {getattr(parser, "name", "configured")} format')]
     return calls
 
@@ -69,8 +71,7 @@ def server_calls(tool_calls: List[Any]) -> Tuple[List[ToolCall], List[Dict[str, 
             error = f'the arguments must be a JSON object, not {type(args).__name__}: {str(raw_args)[:200]}'
         text_args = raw_args if isinstance(raw_args, str) else json.dumps(args, ensure_ascii=False)
         calls.append(ToolCall(name, args if error is None else None, text_args, error))
-        message_calls.append({'id': str(item.get('id') or f'call_{k}'), 'type': 'function',
-                              'function': {'name': name, 'arguments': text_args}})
+        message_calls.append(openai_tool_call(str(item.get('id') or f'call_{k}'), name, text_args))
     return calls, message_calls
 
 

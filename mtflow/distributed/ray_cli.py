@@ -17,6 +17,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
@@ -27,7 +28,9 @@ from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
 from mtflow.backends.base import Reports
-from mtflow.run.assembly import actor_setup, backend_from_config, leaf_budget, scheduler_from_config
+from mtflow.run.assembly import (actor_prepare, actor_setup, backend_from_config, leaf_budget, scheduler_factory,
+                                 scheduler_from_config)
+from mtflow.run.chat_check import check_offline
 from mtflow.run.episodes import as_episodes, episode_file, episode_run_roles, episode_size
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
@@ -118,6 +121,7 @@ class RayRollout:
                           make_scheduler=functools.partial(scheduler_from_config, cfg),
                           request_config=cfg.make_request_config(), max_turns=cfg.max_turns or None,
                           setup=functools.partial(actor_setup, os.getcwd(), cfg.seed),
+                          prepare=functools.partial(actor_prepare, cfg),  # as a local run, before the first turn
                           make_accounting=record_accounting)  # as a local mtflow run: ids from the token record
 
     def run(self, figures: Dict[str, Any]) -> None:
@@ -135,6 +139,7 @@ class RayRollout:
             progress.update(store.written, description)  # what is written, not what came back interrupted
             store.tick()
 
+        self.check_here()
         started = time.perf_counter()
         self.result = RayRunResult()
         progress.start()
@@ -157,6 +162,19 @@ class RayRollout:
             figures.update(self.figures(time.perf_counter() - started))
         if sink.write_error is not None:
             raise sink.write_error
+
+    def check_here(self) -> None:
+        """The chat template and the context, checked in this process before the fan-out, with the
+        tokenizer and ``config.json`` read from disk (as ``mtflow validate``): a problem stops the
+        run before any actor loads a model. (Each actor checks again once its backend is built:
+        ``actor_prepare``; that covers what is not on disk here.)"""
+        cfg = self.cfg
+        problems, notes = check_offline(cfg, scheduler_factory(cfg) if cfg.scheduler_is_yaml() else None)
+        if problems:
+            raise RunSetupError('\n'.join(problems))
+        if not self.args.quiet:
+            for note in notes:
+                print(f'mtflow: {note}', file=sys.stderr)
 
     def figures(self, wall_s: float) -> Dict[str, Any]:
         """This attempt's figures for ``run.json``; the summary's stand-in backend gets the

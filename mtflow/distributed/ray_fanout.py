@@ -119,6 +119,9 @@ class WorkerSpec:
     executor_options: Dict[str, Any] = field(default_factory=dict)  # e.g. step_timeout_s
     setup: Optional[Callable[[], None]] = None  # run first in the actor (seeding, logging)
     make_accounting: Optional[Callable[[Any], Any]] = None  # scheduler -> accounting (default: the executor's)
+    #: ``prepare(backend, scheduler)`` once both are built, before the actor's first turn: what they must
+    #: agree on and the checks of a local run (``mtflow run``'s); what it raises fails the run in one line
+    prepare: Optional[Callable[[Any, Any], Any]] = None
 
 
 @dataclass
@@ -175,6 +178,8 @@ class ShardWorker:
         self.spec = spec
         self.backend = spec.make_backend()
         self.scheduler = spec.make_scheduler(tokenizer_of(self.backend))
+        if spec.prepare is not None:
+            spec.prepare(self.backend, self.scheduler)
         #: each model call's output per request: the lines' ``turns``, what ``mtflow replay`` serves
         self.turn_log = TurnLog()
         #: the images the steps add, stored as they return (made on the first image; removed on close)
@@ -732,6 +737,8 @@ def _default_runtime_env() -> Dict[str, Any]:
 
 
 _ANSI = re.compile(r'\x1b\[[0-9;]*m')
+#: the line Python ends a traceback with: ``package.module.SomeError: message``
+_RAISED = re.compile(r'^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$')
 
 
 def _cause(exc: BaseException) -> str:
@@ -745,6 +752,9 @@ def _cause(exc: BaseException) -> str:
         return type(exc).__name__
     if any(ln.startswith('Traceback') for ln in lines):
         return lines[-1][:300]
+    raised = _RAISED.match(lines[-1])
+    if raised and len(lines) > 1:  # an actor that died of the user's exception (ActorDiedError): that one, whole
+        return f'{raised.group(1)}: {raised.group(2)}'[:1000]
     head = f'{type(exc).__name__}: {lines[0]}'
     return (head if len(lines) == 1 else f'{head} ... {lines[-1]}')[:400]
 

@@ -30,6 +30,7 @@ from urllib.parse import quote
 
 from mtflow.accounting.token_record import RecordAccounting
 from mtflow.backends.base import BackendError, reports_of
+from mtflow.backends.pairing import keep_markers
 from mtflow.core.machine import CLIENT_FINISHED
 from mtflow.core.protocol import RequestConfig
 from mtflow.declarative.parsers import get_parser
@@ -141,6 +142,9 @@ class Gateway:
                 if self.settings.tool_parser else None
         except (KeyError, TypeError, ValueError, ImportError) as exc:
             raise BackendError(f'gateway.tool_parser: {exc}') from None
+        # the markers the parser reads (harmony's, Kimi-K2's) reach it: the backend keeps them, or the gateway is refused
+        self.notes = keep_markers(backend, self.parser, getattr(self.parser, 'special_markers', ())) \
+            if self.parser is not None else []
         self.tools_in_system = self._tools_in_system()
         self.table: SessionTable = None  # type: ignore[assignment]  # made by start()
         self.stream: Optional[Stream] = None

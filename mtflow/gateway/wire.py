@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mtflow.declarative.parsers import parse_calls
+from mtflow.declarative.parsers.base import take_out_calls
 
 __all__ = ['WireError', 'Call', 'Reply', 'Returned', 'parse_openai', 'parse_anthropic', 'openai_response',
            'openai_chunks', 'anthropic_response', 'anthropic_events', 'openai_error', 'anthropic_error',
@@ -317,14 +318,9 @@ def split_calls(text: str, parser: Any, turn: int, session: str,
         found = parse_calls(parser, text, tools)
     except Exception:  # a parser that fails on odd text: the text goes out as it is
         return text, []
-    calls: List[Tuple[str, str, Any]] = []
-    content = text
-    for k, call in enumerate(found):
-        if call.error is not None or not call.complete or not call.name:
-            continue
-        calls.append((f'call_{session[-12:]}_{turn}_{k}_{_uuid.uuid4().hex[:8]}', call.name, call.arguments))
-        content = content.replace(call.raw, '', 1)
-    return (content.strip() if calls else content), calls
+    taken = [(k, c) for k, c in enumerate(found) if c.error is None and c.complete and c.name]
+    calls = [(f'call_{session[-12:]}_{turn}_{k}_{_uuid.uuid4().hex[:8]}', c.name, c.arguments) for k, c in taken]
+    return (take_out_calls(parser, text, [c for _, c in taken]) if calls else text), calls
 
 
 def _arguments_text(args: Any) -> str:

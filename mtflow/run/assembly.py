@@ -23,11 +23,12 @@ from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.registry import import_module
 from mtflow.declarative import load_config, load_scheduler
 from mtflow.roles.router import PolicyRouter
+from mtflow.run.chat_check import prepare_loaded
 from mtflow.run.config import RunConfig
 from mtflow.run.episodes import build_policies, episode_file, make_episode_scheduler
 
 __all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'tokenizer_of', 'load_python_scheduler', 'scheduler_factory',
-           'actor_setup', 'backend_from_config', 'scheduler_from_config']
+           'actor_setup', 'backend_from_config', 'scheduler_from_config', 'actor_prepare']
 
 #: ``make(tokenizer) -> scheduler``: the scheduler is built once the backend (and its tokenizer) is
 SchedulerFactory = Callable[[Any], Any]
@@ -199,3 +200,10 @@ def backend_from_config(cfg: RunConfig) -> Any:
 def scheduler_from_config(cfg: RunConfig, tokenizer: Any) -> Any:
     """An actor's scheduler (``tokenizer``: :func:`tokenizer_of` its backend)."""
     return scheduler_factory(cfg)(tokenizer)
+
+
+def actor_prepare(cfg: RunConfig, backend: Any, scheduler: Any) -> None:
+    """In each actor, once its backend and scheduler are built, before its first turn: what a
+    local run does there (special tokens kept, calls carried as the template takes them, the chat
+    template and the context checked); a problem stops the run with its one line."""
+    prepare_loaded(cfg, backend, scheduler)

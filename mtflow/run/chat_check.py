@@ -8,9 +8,12 @@ silently (a 64-position model asked for 453 new tokens). The longest prompt is m
 dataset's longest texts (the :data:`MEASURED` longest by characters), each rendered as the run
 renders it: the scheduler's system prompt and tools added, through the chat template.
 
-``mtflow run`` checks once the backend is built and the scheduler made (:func:`check_loaded`);
-``mtflow validate`` with the tokenizer and the model's ``config.json`` read from disk, without the
-weights, where they are there (:func:`check_offline`). Both call :func:`chat_problems`."""
+``mtflow run`` checks once the backend is built and the scheduler made (:func:`prepare_loaded`:
+first what the two must agree on, :func:`mtflow.backends.pairing.fit_scheduler`, then
+:func:`check_loaded`), and so does each actor of ``--ray``, before its first turn;
+``mtflow validate`` (and the driver of ``--ray``, before the fan-out) with the tokenizer and the
+model's ``config.json`` read from disk, without the weights, where they are there
+(:func:`check_offline`). Both call :func:`chat_problems`."""
 from __future__ import annotations
 
 import copy
@@ -22,7 +25,10 @@ from typing import Any, List, Optional, Tuple
 
 from mtflow.backends import BackendError, resolve_backend
 from mtflow.backends.base import prepare_chat, reports_of
-from mtflow.backends.chat_templates import TemplateSource, resolve_chat_template, template_problems
+from mtflow.backends.chat_templates import (TOKENIZER_OWN, TemplateSource, call_form, resolve_chat_template,
+                                            template_problems)
+from mtflow.backends.openai_server import chat_mode_strips
+from mtflow.backends.pairing import fit_scheduler, markers_refusal
 from mtflow.backends.models import cached_model_dir, load_tokenizer
 from mtflow.backends.tokens import render_text
 from mtflow.core.errors import RunSetupError
@@ -30,7 +36,7 @@ from mtflow.data import DatasetError
 from mtflow.data.sources import iter_requests
 from mtflow.run.config import RunConfig
 
-__all__ = ['ChatSetup', 'MEASURED', 'chat_problems', 'check_loaded', 'check_offline']
+__all__ = ['ChatSetup', 'MEASURED', 'chat_problems', 'check_loaded', 'check_offline', 'prepare_loaded']
 
 #: how many of the dataset's longest prompts (by characters) are rendered and counted in tokens
 MEASURED = 8
@@ -105,10 +111,15 @@ def chat_problems(cfg: RunConfig, setup: ChatSetup, scheduler: Any = None) -> Tu
     at = cfg.where(key)
     text_calls = bool(getattr(scheduler, 'writes_tool_messages', False))
     problems = [f'{at}: {p}' for p in template_problems(setup.tokenizer, setup.source, text_calls=text_calls)]
+    if text_calls and not problems and not getattr(scheduler, 'answers_each_call', True) and \
+            call_form(setup.tokenizer, setup.source) != 'text':
+        problems.append(f'{at}: chat template {setup.source.name} takes tool results only after calls given as '
+                        'tool_calls, each answered by a tool message of its own, but the scheduler joins the results of '
+                        'a turn into one tool message (observation.one_message_per_call: false): set it true')
     context, found = _context_problem(cfg, setup, scheduler) if not problems else (None, '')
     problems += [context] if context else []
-    shown = setup.source.describe() if setup.source.text is not None else \
-        f"the tokenizer's own ({cfg.model or 'the default model'})"
+    shown = setup.source.describe() if setup.source.text is not None or setup.source.name != TOKENIZER_OWN.name \
+        else f"the tokenizer's own ({cfg.model or 'the default model'})"
     note = f'chat template: {shown}: shows every part of a tool-use conversation' + (
         f'; {found}' if found else '')
     return problems, note
@@ -119,15 +130,47 @@ def check_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> Optional[str]:
     :class:`RunSetupError` listing the problems, else the line that says what was checked
     (``None`` for a backend that renders nothing here: a server in chat mode)."""
     reports = reports_of(backend)
-    prompter = reports.prompter
-    if prompter is None:
-        return None
-    setup = ChatSetup(prompter.tokenizer, prompter.template_source, reports.context_length,
-                      f'as the {cfg.backend} backend reports it', getattr(backend, 'default_max_tokens', 256))
+    prompter, renderer = reports.prompter, None
+    default_max_tokens = getattr(backend, 'default_max_tokens', 256)
+    if prompter is not None:
+        setup = ChatSetup(prompter.tokenizer, prompter.template_source, reports.context_length,
+                          f'as the {cfg.backend} backend reports it', default_max_tokens)
+    else:  # a server renders: its template and tokenizer through the server (vLLM's /tokenize), where it has them
+        renderer = reports.chat_renderer
+        if renderer is None:
+            return _max_tokens_only(cfg, reports.context_length, default_max_tokens)
+        setup = ChatSetup(renderer, TemplateSource(None, renderer.describe(), renderer.describe()),
+                          reports.context_length, 'as GET /v1/models reports it, max_model_len', default_max_tokens)
     problems, note = chat_problems(cfg, setup, scheduler)
     if problems:
         raise RunSetupError('\n'.join(problems))
     return note
+
+
+def _max_tokens_only(cfg: RunConfig, context: Optional[int], default_max_tokens: int) -> Optional[str]:
+    """A server that renders the prompts and cannot be asked to (no ``/tokenize``): ``max_tokens``
+    alone against the context it reports; the line says what was not checked."""
+    if context is None or cfg.context is not None:
+        return None
+    max_tokens, where = _max_tokens(cfg, ChatSetup(None, TOKENIZER_OWN, context, '', default_max_tokens))
+    if max_tokens >= context:
+        raise RunSetupError(f'{where}: {max_tokens} new tokens do not fit the served model\'s context of {context} '
+                            'tokens (as GET /v1/models reports it, max_model_len) even after an empty prompt; set '
+                            'max_tokens lower, or a context: block (docs/context.md)')
+    return (f"chat template: the server's, not checked (it has no /tokenize endpoint to render with), nor the prompts' "
+            f'lengths; max_tokens {max_tokens} < context {context}')
+
+
+def prepare_loaded(cfg: RunConfig, backend: Any, scheduler: Any) -> List[str]:
+    """Before the first turn, once the backend and the scheduler are built: what they must agree
+    on (special tokens kept, how calls are carried), then :func:`check_loaded`; the lines that say
+    what was set and checked, or a :class:`RunSetupError` (``mtflow run`` and each Ray actor)."""
+    try:
+        notes = fit_scheduler(backend, scheduler, cfg.backend if isinstance(cfg.backend, str) else '')
+    except BackendError as exc:
+        raise RunSetupError(f'{cfg.where("backend")}: {exc}') from None
+    checked = check_loaded(cfg, backend, scheduler)
+    return notes + ([checked] if checked else [])
 
 
 def _offline_setup(cfg: RunConfig) -> Tuple[Optional[ChatSetup], Optional[str]]:
@@ -168,6 +211,26 @@ def _offline_setup(cfg: RunConfig) -> Tuple[Optional[ChatSetup], Optional[str]]:
     return ChatSetup(tokenizer, source, context, context_from, int(default_max_tokens)), None
 
 
+def _chat_mode_markers(cfg: RunConfig, scheduler_factory: Any) -> List[str]:
+    """An ``openai`` backend in chat mode and a parser that reads special tokens (gpt-oss's, Kimi's):
+    the refusal ``mtflow run`` makes once the backend is built (``mtflow.backends.pairing``)."""
+    why = chat_mode_strips(cfg.resolved_backend_options()) if cfg.backend == 'openai' else None
+    if why is None or scheduler_factory is None:
+        return []
+    try:
+        scheduler = scheduler_factory(None)
+    except Exception:
+        return []  # its problems are the scheduler's own
+    try:
+        markers = list(getattr(scheduler, 'special_markers', ()) or ())
+        parser = getattr(getattr(scheduler, 'parser', None), 'name', None) or 'the configured'
+    finally:
+        close = getattr(scheduler, 'close', None)
+        if callable(close):
+            close()
+    return [f'{cfg.where("backend")}: {markers_refusal(parser, markers, "openai", why)}'] if markers else []
+
+
 def _max_positions(path: Path) -> Optional[int]:
     try:
         value = json.loads(path.read_text(encoding='utf-8')).get('max_position_embeddings')
@@ -181,7 +244,7 @@ def check_offline(cfg: RunConfig, scheduler_factory: Any = None) -> Tuple[List[s
     builds the scheduler whose system prompt and tool messages the checks take into account."""
     setup, why = _offline_setup(cfg)
     if setup is None:
-        return [], [why] if why else []
+        return _chat_mode_markers(cfg, scheduler_factory), [why] if why else []
     scheduler = None
     if scheduler_factory is not None:
         try:

@@ -67,6 +67,11 @@ class ReplayBackend(Backend):
         #: (:meth:`known_digest`); holding the request keeps its id from being reused
         self._digests: Dict[int, Tuple[Any, str]] = {}
 
+    def keep_special_tokens(self) -> Optional[str]:
+        """The recorded text is served as it was returned (the live backend's is asked too)."""
+        keep = getattr(self.live, 'keep_special_tokens', None)
+        return keep() if callable(keep) else None
+
     def _recorded(self, uuid: str) -> List[Dict[str, Any]]:
         turns = self._turns.get(uuid)
         if turns is None:

@@ -36,6 +36,18 @@ of ``content`` (``null`` when nothing else is left) and returned as OpenAI ``too
 reply's ``token_ids`` stay all the ids the model sampled, calls included, as vLLM's do.
 ``keep_call_text=True`` leaves the blocks in ``content`` too (a server that returns both).
 
+**Reasoning split by the server** (``reasoning_field='reasoning'``, as ``vllm serve --reasoning-parser
+qwen3`` answers since vLLM 0.11; ``'reasoning_content'`` as older vLLM and SGLang): the text
+before ``</think>`` (a leading ``<think>`` dropped) is the message's reasoning field, ``content``
+what follows, before the tool-call parser reads it; a reply without ``</think>`` is all content.
+
+**Context and tokenizer endpoints** (as vLLM's): ``GET /v1/models`` lists ``max_model_len`` (the
+model's ``max_position_embeddings``, or ``max_model_len=``); ``POST /tokenize`` (at the server's
+root) renders ``messages`` through the tokenizer's chat template (``tools``,
+``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) or takes a
+``prompt``, and answers ``count``, ``max_model_len`` and ``tokens``; ``POST /detokenize`` answers
+``prompt`` for ``tokens``. ``tokenize=False``: a server without them (404).
+
 **Streaming** (the resumable-generation tests): given ``lm`` (a :class:`ToyLM`, a deterministic
 autoregressive model whose next token is a function of the context ids), a request with
 ``"stream": true`` is answered as vLLM's server does, in SSE chunks (``Transfer-Encoding:
@@ -73,10 +85,16 @@ class ChatServer:
     def __init__(self, backend: Any, model_name: str = 'tiny-qwen2', token_prompts: bool = True, *,
                  prefix_cache: bool = False, cache_tokens: Optional[int] = None, cache_block: int = 1,
                  lock: Optional[Any] = None, report_cached: bool = True, lm: Optional['ToyLM'] = None,
-                 tool_call_parser: Optional[str] = None, keep_call_text: bool = False) -> None:
+                 tool_call_parser: Optional[str] = None, keep_call_text: bool = False,
+                 reasoning_field: Optional[str] = None, max_model_len: Optional[int] = None,
+                 tokenize: bool = True) -> None:
         if tool_call_parser not in (None, 'hermes'):
             raise ValueError(f'the test server parses hermes tool calls only, not {tool_call_parser!r}')
         self.backend = backend
+        self.reasoning_field = reasoning_field
+        self.max_model_len = max_model_len if max_model_len is not None else getattr(backend, 'context_length', None)
+        self.tokenize_endpoints = tokenize
+        self.tokenize_bodies: List[Dict[str, Any]] = []  # what /tokenize and /detokenize were asked
         self.tool_call_parser, self.keep_call_text = tool_call_parser, keep_call_text
         self.tool_call_count = 0
         self.lm = lm
@@ -138,7 +156,10 @@ class ChatServer:
                     self._drop()
                     return
                 if self.path == '/v1/models':
-                    self._reply(200, {'object': 'list', 'data': [{'id': server.model_name, 'object': 'model'}]})
+                    card = {'id': server.model_name, 'object': 'model'}
+                    if server.max_model_len is not None:
+                        card['max_model_len'] = server.max_model_len
+                    self._reply(200, {'object': 'list', 'data': [card]})
                 elif self.path == '/metrics' and server.prefix_cache:
                     data = server.metrics_text().encode()
                     self.send_response(200)
@@ -154,6 +175,10 @@ class ChatServer:
                 body = json.loads(self.rfile.read(length) or b'{}')
                 if server.dead:
                     self._drop()
+                    return
+                if self.path in ('/tokenize', '/detokenize') and server.tokenize_endpoints:
+                    server.tokenize_bodies.append(body)
+                    self._reply(*server.tokenize(body, self.path == '/detokenize'))
                     return
                 if self.path not in ('/v1/chat/completions', '/v1/completions'):
                     self._reply(404, {'error': {'message': f'no route {self.path}'}})
@@ -330,6 +355,8 @@ class ChatServer:
             'usage': {'prompt_tokens': usage.prompt_tokens, 'completion_tokens': usage.completion_tokens,
                       'total_tokens': usage.total_tokens},
         }
+        if self.reasoning_field is not None:
+            self._split_reasoning(raw_choice['message'])
         if self.tool_call_parser is not None:
             self._structure_calls(raw_choice)
         if body.get('return_token_ids'):
@@ -337,6 +364,36 @@ class ChatServer:
             payload['prompt_token_ids'] = out.response.prompt_token_ids
         self._note_cache(out.response.prompt_token_ids or [], choice.token_ids or [], payload['usage'])
         return 200, payload
+
+    def _split_reasoning(self, message: Dict[str, Any]) -> None:
+        """A reasoning parser of a vLLM server (see the module docstring)."""
+        text = message.get('content') or ''
+        if '</think>' in text:
+            thought, _, rest = text.partition('</think>')
+            message[self.reasoning_field] = thought[len('<think>'):] if thought.startswith('<think>') else thought
+            message['content'] = rest
+
+    def tokenize(self, body: Dict[str, Any], detokenize: bool) -> tuple:
+        """``/tokenize`` and ``/detokenize`` as vLLM's server answers them (the module docstring)."""
+        if body.get('model') not in (None, self.model_name):
+            return 404, {'error': {'message': f"model {body.get('model')!r} does not exist"}}
+        tok = getattr(self.backend, 'tokenizer', None)
+        if tok is None:
+            return 404, {'error': {'message': 'no tokenizer'}}
+        if detokenize:
+            return 200, {'prompt': tok.decode(body.get('tokens') or [], skip_special_tokens=False)}
+        if 'messages' in body:
+            try:
+                text = tok.apply_chat_template(body['messages'], tools=body.get('tools'), tokenize=False,
+                                               add_generation_prompt=body.get('add_generation_prompt', True),
+                                               continue_final_message=body.get('continue_final_message', False),
+                                               **(body.get('chat_template_kwargs') or {}))
+            except Exception as exc:  # vLLM answers a template error with 400
+                return 400, {'error': {'message': f'{type(exc).__name__}: {exc}'}}
+        else:
+            text = body.get('prompt') or ''
+        ids = tok(text, add_special_tokens=bool(body.get('add_special_tokens', 'messages' not in body)))['input_ids']
+        return 200, {'count': len(ids), 'max_model_len': self.max_model_len, 'tokens': ids}
 
     def _structure_calls(self, raw_choice: Dict[str, Any]) -> None:
         """The hermes tool-call parser of a vLLM server: the reply's ``<tool_call>`` blocks as
@@ -382,7 +439,14 @@ class ChatServer:
         top = body.get('logprobs')
         config = _request_config(body, logprobs=top is not None, top_logprobs=top or None)
         with self._lock:
-            out = self.backend.generate_ids([ids], sampling_options(config, 16))[0]
+            skip = getattr(self.backend, 'skip_special_tokens', None)
+            if skip is not None:  # vLLM's field: the reply's text with its special tokens or without
+                self.backend.skip_special_tokens = body.get('skip_special_tokens', True) is not False
+            try:
+                out = self.backend.generate_ids([ids], sampling_options(config, 16))[0]
+            finally:
+                if skip is not None:
+                    self.backend.skip_special_tokens = skip
         choice = out.response.choices[0]
         raw: Dict[str, Any] = {'index': 0, 'text': choice.message.content, 'finish_reason': choice.finish_reason,
                                'logprobs': None}

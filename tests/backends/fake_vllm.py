@@ -206,7 +206,8 @@ class FakeLLM:
                 if token == eos:
                     reason = 'stop'
                     break
-        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        shown = ids[:-1] if reason == 'stop' and ids and ids[-1] == eos else ids  # vLLM leaves the stop token out
+        text = self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
         out = CompletionOutput(0, text, ids, None, steps if sp.logprobs is not None else None,
                                self.finish_reason_override or reason)
         return RequestOutput(str(index), None, list(prompt), None, [out])

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip('transformers')
 
 from mtflow.backends import BackendError  # noqa: E402
-from mtflow.backends.chat_templates import BUNDLED, resolve_chat_template, template_problems  # noqa: E402
+from mtflow.backends.chat_templates import (BUNDLED, CALL_ID, PROBE_TOOLS, TEXT_CALL_MESSAGES, call_form,  # noqa: E402
+                                            resolve_chat_template, template_problems)
 from tests.tiny_model import make_tokenizer  # noqa: E402
 
 TEMPLATES = Path(__file__).resolve().parents[2] / '.extras' / 'chat-templates'
@@ -38,7 +39,7 @@ FAMILIES = {
     'Devstral (Mistral)': 'llama.cpp/unsloth-mistral-Devstral-Small-2507.jinja',
 }
 #: families whose template refuses a tool message after an assistant message without tool_calls:
-#: a YAML scheduler's calls parsed from the text (no tool_calls, no tool_call_id) fail there at turn 2
+#: a YAML scheduler carries the calls it read from the text as tool_calls for them (call_form 'openai')
 NEEDS_STRUCTURED_CALLS = {'gpt-oss (harmony)', 'MiniMax-M2', 'Mistral Small 3.2'}
 
 CHATML_BODY = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -74,14 +75,36 @@ def family_template(family):
 
 @pytest.mark.parametrize('family', sorted(FAMILIES))
 def test_each_familys_own_template_passes(tok, family):
+    """Every family's template passes, text-parsed calls included: in the form it takes them."""
     path = family_template(family)
     assert template_problems(tok, path) == []
-    refused = template_problems(tok, path, text_calls=True)
-    if family in NEEDS_STRUCTURED_CALLS:  # true of the template: a text-parsed call's tool message fails it
-        assert len(refused) == 1 and 'fails on tool results as this scheduler writes them' in refused[0]
-        assert path in refused[0] and 'role tool' in refused[0]
+    assert template_problems(tok, path, text_calls=True) == []
+    assert call_form(tok, path) == ('openai' if family in NEEDS_STRUCTURED_CALLS else 'text')
+
+
+@pytest.mark.parametrize('family', sorted(set(FAMILIES) - NEEDS_STRUCTURED_CALLS))
+def test_the_id_on_a_tool_message_leaves_the_prompt_as_it_was(tok, family):
+    """Calls read from the text now give their tool message a tool_call_id: the templates that took such a
+    conversation before render the same prompt, but Kimi-K2's, which now names the call it answers."""
+    path = family_template(family)
+    with_id = TEXT_CALL_MESSAGES[:4]
+    without = with_id[:3] + [{k: v for k, v in with_id[3].items() if k != 'tool_call_id'}]
+    render = [tok.apply_chat_template(m, chat_template=Path(path).read_text(), tools=PROBE_TOOLS, tokenize=False,
+                                      add_generation_prompt=True) for m in (with_id, without)]
+    if family == 'Kimi-K2':
+        assert f'## Return of {CALL_ID}' in render[0] and '## Return of \\n' in render[1]
     else:
-        assert refused == []
+        assert render[0] == render[1]
+
+
+def test_a_template_that_takes_calls_in_neither_form_is_refused(tok, tmp_path):
+    """A template that raises on a tool message after calls in the text, and on tool_calls too."""
+    path = tmp_path / 'strict.jinja'
+    path.write_text("{% for m in messages %}{% if m.role == 'tool' and not loop.previtem.tool_calls_ok %}"
+                    "{{ raise_exception('no tool messages here') }}{% endif %}<|im_start|>{{ m.role }}\n"
+                    "{{ m.content }}<|im_end|>\n{% endfor %}" + GENERATION)
+    assert call_form(tok, str(path)) is None
+    assert template_problems(tok, str(path)) != []  # the probe's own tool message fails it first
 
 
 def test_the_bundled_and_tiny_templates_pass(tok):

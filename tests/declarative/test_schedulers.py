@@ -11,6 +11,7 @@ import pytest
 import schedulers
 from mtflow import Executor, MultiTurnRolloutError
 from mtflow.declarative import GuessNumberEnv, load_scheduler, register_env
+from mtflow.declarative.call_messages import call_ids
 from schedulers.gym import GymScheduler
 from schedulers.math_tip_trick import MathTipTrickScheduler
 from tests.helpers import Scripted, out, req
@@ -135,11 +136,12 @@ def test_hermes_tools_messages_ids_and_errors():
     o = res.outputs[0]
     assert res.finish_reasons == ['stop_rule:no_tool_call']
     assert o.messages[0] == {'role': 'system', 'content': 'Be brief.'}  # if_missing keeps the user's system prompt
+    ids = call_ids([None] * 3, 'a', 1)  # each tool message answers its call (docs/declarative.md)
     assert o.messages[2:] == [  # the reasoning apart (reasoning: auto), the ids below whole
         {'role': 'assistant', 'content': H1[len('<think>two tools</think>'):], 'reasoning_content': 'two tools'},
-        {'role': 'tool', 'name': 'calculator', 'content': '42'},
-        {'role': 'tool', 'name': 'python', 'content': '10\n'},
-        {'role': 'tool', 'content': o.messages[5]['content']},
+        {'role': 'tool', 'name': 'calculator', 'content': '42', 'tool_call_id': ids[0]},
+        {'role': 'tool', 'name': 'python', 'content': '10\n', 'tool_call_id': ids[1]},
+        {'role': 'tool', 'content': o.messages[5]['content'], 'tool_call_id': ids[2]},
         {'role': 'assistant', 'content': H2},
     ]
     assert o.messages[5]['content'].startswith('Error: could not parse the tool call: invalid JSON')

@@ -190,3 +190,47 @@ def test_streamed_tool_call_pieces_are_joined():
     message = reply.output().response.choices[0].message
     assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls] == [
         ('chatcmpl-tool-9', 'calculator', '{"expression": "2 + 3 * 4"}'), ('call_1', 'calculator', '{}')]
+
+
+
+@pytest.mark.parametrize('field', ['reasoning', 'reasoning_content'])
+def test_streamed_reasoning_pieces_are_the_replys_reasoning(field):
+    """Streamed (``resumable=True``), a server's reasoning comes as ``delta.reasoning`` pieces (vLLM >= 0.11;
+    ``reasoning_content`` before) before the content's: joined, they are the reply's ``reasoning_content``."""
+    from mtflow.backends.openai_stream import StreamedReply
+
+    reply = StreamedReply("request 'u'", token_mode=False, prefix=None)
+    deltas = [{field: 'I will '}, {field: 'compute it.'}, {'content': 'It is '}, {'content': '14.'}]
+    for k, delta in enumerate(deltas):
+        event = {'choices': [{'index': 0, 'delta': delta, 'token_ids': [k],
+                              'finish_reason': 'stop' if k == len(deltas) - 1 else None}]}
+        reply.feed('data: ' + json.dumps(event))
+    message = reply.output().response.choices[0].message
+    assert (message.reasoning_content, message.content) == ('I will compute it.', 'It is 14.')
+
+def thinking(request):
+    """The scripted model of a template that opens <think> in its prompt: its thinking, </think>, then the reply."""
+    thought = 'I have the result.' if request.messages[-1]['role'] == 'tool' else 'I will compute it.'
+    return f'{thought}</think>\n{respond(request)}'
+
+
+@pytest.mark.parametrize('field', ['reasoning', 'reasoning_content'])
+def test_a_server_that_splits_the_reasoning_keeps_it_and_its_content_is_read_as_content(project, field):
+    """vllm serve --reasoning-parser: the reply's reasoning comes as message.reasoning (vLLM >= 0.11;
+    reasoning_content before) and content holds no tag. The trajectory keeps the server's reasoning, and mtflow's
+    own split (the template opens <think> here: an untagged reply would be all thinking) leaves the content alone.
+    (Before: the reasoning was dropped and the content read as thinking, so no call ran and no answer counted.)"""
+    (project / 'calc.yaml').write_text(SCHEDULER + 'reasoning: {parser: think, opened_in_prompt: true}\n')
+    with ChatServer(ScriptedBackend(respond=thinking, tokenizer=make_tokenizer()), model_name='calc-model',
+                    reasoning_field=field) as server:
+        lines, _ = run(server, 'split')
+        assert all('</think>' not in (m.get('content') or '') for b in server.bodies for m in b.get('messages', []))
+    q1 = lines['q1']
+    assert q1.finish_reason == 'stop_rule:correct_answer' and q1.rollout_infos['reward'] == 1.0
+    assert q1.rollout_infos['tool_calls'] == 1 and q1.rollout_infos['answer'] == '14'
+    call, result, answer = q1.messages[-3:]
+    assert call['reasoning_content'] == 'I will compute it.' and call_text('2 + 3 * 4') in call['content']
+    assert result['content'] == '14'
+    assert answer == {'role': 'assistant', 'content': '\nThe answer is 14.', 'reasoning_content': 'I have the result.'}
+    assert lines['q3'].finish_reason == 'stop_rule:no_tool_call'
+    assert lines['q3'].messages[-1]['reasoning_content'] == 'I will compute it.'

@@ -61,7 +61,8 @@ def test_unclosed_call_of_a_reply_that_stopped_normally_still_runs():
     RAN.clear()
     res = run(scheduler(), [CUT, 'done'])
     assert RAN == ['print(sum(range(10)))']
-    assert res.outputs[0].messages[2] == {'role': 'tool', 'name': 'python', 'content': 'ran'}
+    assert res.outputs[0].messages[2] == {'role': 'tool', 'name': 'python', 'content': 'ran',
+                                          'tool_call_id': res.outputs[0].messages[2]['tool_call_id']}
 
 
 def test_call_in_another_format_gets_feedback_not_silence():

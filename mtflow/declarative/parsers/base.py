@@ -25,21 +25,32 @@ class ToolCall:
     ``text_values`` is set by the XML formats (Qwen3-Coder, GLM, MiniMax-M2), whose parameter
     values are text: :func:`~mtflow.declarative.parsers.schema_types.typed_calls` converts each by
     the tool's JSON schema (an integer parameter ``"5"`` becomes ``5``); a parameter the schema does
-    not describe stays text (``'text'``) or is read as JSON when it parses (``'json'``, GLM)."""
+    not describe stays text (``'text'``) or is read as JSON when it parses (``'json'``, GLM).
+
+    ``id`` is the call's id when the model wrote one (Kimi-K2's ``functions.NAME:N``, Mistral's
+    ``[CALL_ID]``): the tool message that answers the call carries it as ``tool_call_id``."""
     name: str
     arguments: Any
     raw: str
     error: Optional[str] = None
     complete: bool = True
     text_values: Optional[str] = None
+    id: Optional[str] = None
 
 
 class ToolCallParser:
     """Base class: override :meth:`parse` and, if the model needs another format, :meth:`render_tools`.
 
-    ``expected`` shows the model what a call looks like in this format; error observations quote it."""
+    ``expected`` shows the model what a call looks like in this format; error observations quote it.
+    ``special_markers``: the markers this format writes that are special tokens in its models'
+    tokenizers (gpt-oss's ``<|channel|>``, Kimi-K2's ``<|tool_calls_section_begin|>``): a backend
+    that decodes replies without special tokens removes them, so the run has it keep them (or
+    refuses, naming the parser and the backend). ``empty_blocks``: the wrappers this format puts
+    around its calls, which :meth:`without_calls` removes once they hold no call."""
     name = 'base'
     expected = '{"name": "<tool>", "arguments": {...}}'
+    special_markers: Tuple[str, ...] = ()
+    empty_blocks: Tuple['re.Pattern[str]', ...] = ()
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -57,6 +68,44 @@ class ToolCallParser:
         :meth:`parse` reads back as those calls (the gateway writes a client's tool calls it did not
         produce this way). The default: :func:`json_calls`."""
         return json_calls(calls)
+
+    def without_calls(self, text: str, calls: Sequence[ToolCall]) -> str:
+        """``text`` (a reply's content, its reasoning taken out) without ``calls``: what an assistant
+        message holds once those calls are carried as OpenAI ``tool_calls`` (the gateway's replies,
+        a scheduler whose template takes calls only so). Each call's text is taken out, then the
+        format's wrappers left empty; the rest is stripped. ``text`` as it is when no call's text
+        is in it."""
+        out = text
+        for call in calls:
+            if call.raw and call.raw in out:
+                out = out.replace(call.raw, '', 1)
+        if out == text:
+            return text
+        for block in self.empty_blocks:
+            out = block.sub('', out)
+        return out.strip()
+
+
+def take_out_calls(parser: Any, text: str, calls: Sequence[ToolCall]) -> str:
+    """``parser.without_calls(text, calls)``; a parser of one's own without that method gets the
+    base class's (each call's text taken out)."""
+    method = getattr(parser, 'without_calls', None)
+    return method(text, calls) if callable(method) else ToolCallParser.without_calls(ToolCallParser(), text, calls)
+
+
+def special_marker_ids(tokenizer: Any, markers: Sequence[str]) -> Dict[int, str]:
+    """Those of ``markers`` that are special tokens of ``tokenizer`` (a transformers tokenizer), by
+    id: what a decode without special tokens would remove from a reply."""
+    special = set(getattr(tokenizer, 'all_special_tokens', ()) or ())
+    special |= {str(t) for t in (getattr(tokenizer, 'added_tokens_decoder', None) or {}).values()
+                if getattr(t, 'special', False)}
+    out: Dict[int, str] = {}
+    for marker in markers:
+        if marker in special:
+            token_id = tokenizer.convert_tokens_to_ids(marker)
+            if isinstance(token_id, int):
+                out[token_id] = marker
+    return out
 
 
 def json_calls(calls: Sequence[Tuple[str, Any]]) -> str:

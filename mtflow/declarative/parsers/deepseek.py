@@ -26,6 +26,7 @@ class DeepSeekParser(ToolCallParser):
     """DeepSeek-V3, R1 (and its distills' native format) and V3.1 tool calls; reasoning
     (``<think>``, or text before ``</think>``) is ignored."""
     name = 'deepseek'
+    empty_blocks = (re.compile(CALLS_BEGIN + r'\s*(?:' + CALLS_END + '|$)'), )
     expected = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><tool>\n```json\n{...}\n```'
                 '<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 

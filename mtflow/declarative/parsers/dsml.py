@@ -47,6 +47,7 @@ class DeepSeekV32Parser(ToolCallParser):
     """DeepSeek-V3.2 DSML calls: ``<｜DSML｜invoke name="NAME">`` with ``<｜DSML｜parameter
     name="K" string="true|false">`` values, several per block, between text."""
     name = 'deepseek_v32'
+    empty_blocks = (re.compile(f'<{_BAR}function_calls>\\s*(?:</{_BAR}function_calls>|$)'), )
     expected = (f'{OPEN}\n<{DSML}invoke name="<tool>">\n<{DSML}parameter name="<name>" string="true">text'
                 f'</{DSML}parameter>\n<{DSML}parameter name="<name>" string="false">JSON</{DSML}parameter>\n'
                 f'</{DSML}invoke>\n{CLOSE}')

@@ -27,6 +27,8 @@ from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, json_error
 __all__ = ['HarmonyParser', 'HarmonyMessage', 'harmony_messages', 'harmony_encoding']
 
 FUNCTIONS = 'functions.'
+#: the harmony format's structure, special tokens of gpt-oss's tokenizer (a backend must not skip them)
+MARKERS = ('<|start|>', '<|end|>', '<|message|>', '<|channel|>', '<|constrain|>', '<|call|>', '<|return|>')
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,6 +125,7 @@ class HarmonyParser(ToolCallParser):
     reply; the analysis channel is reasoning, never a call. Needs ``openai-harmony``."""
     name = 'harmony'
     expected = '<|start|>assistant<|channel|>commentary to=functions.<tool> <|constrain|>json<|message|>{...}<|call|>'
+    special_markers = MARKERS
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -136,6 +139,16 @@ class HarmonyParser(ToolCallParser):
         if error is not None and FUNCTIONS in text and not calls:
             calls.append(ToolCall('', None, text[-200:], error))
         return calls
+
+    def without_calls(self, text: str, calls: Sequence[ToolCall]) -> str:
+        """The texts of the reply's messages that are neither calls nor reasoning (a ``final``
+        answer, a ``commentary`` preamble), without the format's markup: what gpt-oss's template
+        takes as an assistant message's ``content`` (it refuses ``<|channel|>`` markup there)."""
+        if '<|message|>' not in (text or ''):
+            return super().without_calls(text, calls)
+        messages, _ = harmony_messages(text)
+        kept = [m.text for m in messages if not (m.recipient or '').startswith(FUNCTIONS) and m.channel != 'analysis']
+        return '\n'.join(t for t in kept if t).strip()
 
     def render_tools(self, tools: Sequence[Dict[str, Any]]) -> str:
         """The developer message's tool section, as the package renders it (TypeScript-like signatures)."""

@@ -12,6 +12,7 @@ is what is between ``functions.`` and the last ``:``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, json_values, strip_thinking
@@ -35,6 +36,8 @@ class KimiK2Parser(ToolCallParser):
     <|tool_call_end|>``), any number, in one or more ``<|tool_calls_section_begin|>`` sections."""
     name = 'kimi_k2'
     expected = (f'{SECTION_BEGIN}{CALL_BEGIN}functions.<tool>:0{ARGS}{{"name": "value"}}{CALL_END}{SECTION_END}')
+    special_markers = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS, CALL_END)
+    empty_blocks = (re.compile(re.escape(SECTION_BEGIN) + r'\s*(?:' + re.escape(SECTION_END) + '|$)'), )
 
     def parse(self, text: str) -> List[ToolCall]:
         text = strip_thinking(text or '')
@@ -43,23 +46,26 @@ class KimiK2Parser(ToolCallParser):
             body, raw, closed = span.body, span.raw, span.closed
             head, sep, payload = body.partition(ARGS)
             name = call_name(head)
+            call_id = head.strip() or None  # functions.NAME:N: the tool message answers it
             if not sep:
                 error = f'no {ARGS} after the call id' if closed else 'the reply ended before the arguments'
-                calls.append(ToolCall(name, None, raw, error, closed))
+                calls.append(ToolCall(name, None, raw, error, closed, id=call_id))
                 continue
             if not name:
                 calls.append(ToolCall('', None, raw, 'the call id names no function (functions.NAME:N)', closed))
                 continue
             values, _, error = json_values(payload.strip())
             if error is not None:
-                calls.append(ToolCall(name, None, raw, error, complete=closed and 'ends inside' not in error))
+                call = ToolCall(name, None, raw, error, complete=closed and 'ends inside' not in error)
             elif not values:
-                calls.append(ToolCall(name, {}, raw, None, closed) if not payload.strip() else
-                             ToolCall(name, None, raw, 'the arguments are not a JSON object', closed))
+                call = ToolCall(name, {}, raw, None, closed) if not payload.strip() else \
+                    ToolCall(name, None, raw, 'the arguments are not a JSON object', closed)
             elif not isinstance(values[0], dict):
-                calls.append(ToolCall(name, None, raw, 'the arguments must be a JSON object', closed))
+                call = ToolCall(name, None, raw, 'the arguments must be a JSON object', closed)
             else:
-                calls.append(ToolCall(name, values[0], raw, None, closed))
+                call = ToolCall(name, values[0], raw, None, closed)
+            call.id = call_id
+            calls.append(call)
         return calls
 
     def render_tools(self, tools: Sequence[Dict[str, Any]]) -> str:

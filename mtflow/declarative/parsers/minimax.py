@@ -38,6 +38,7 @@ class MiniMaxM2Parser(ToolCallParser):
     </minimax:tool_call>``: several invokes per block, several blocks per reply, between text."""
     name = 'minimax_m2'
     expected = f'{OPEN}\n<invoke name="<tool>">\n<parameter name="<name>">value</parameter>\n</invoke>\n{CLOSE}'
+    empty_blocks = (re.compile(re.escape(OPEN) + r'\s*(?:' + re.escape(CLOSE) + '|$)'), )
 
     def parse(self, text: str) -> List[ToolCall]:
         return invoke_calls(strip_thinking(text or ''), FORMAT)

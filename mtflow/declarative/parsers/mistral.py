@@ -31,12 +31,14 @@ class MistralParser(ToolCallParser):
             if m is not None:
                 values, end, error = json_values(chunk, m.end())
                 if error is not None or not values:
-                    calls.append(ToolCall(m.group(1), None, raw, error or f'no JSON object after {m.group(1)}[ARGS]',
-                                          complete=False))
+                    call = ToolCall(m.group(1), None, raw, error or f'no JSON object after {m.group(1)}[ARGS]',
+                                    complete=False)
                 elif not isinstance(values[0], dict):
-                    calls.append(ToolCall(m.group(1), None, raw, '[ARGS] must be a JSON object'))
+                    call = ToolCall(m.group(1), None, raw, '[ARGS] must be a JSON object')
                 else:
-                    calls.append(ToolCall(m.group(1), values[0], raw))
+                    call = ToolCall(m.group(1), values[0], raw)
+                call.id = m.group(2)  # [CALL_ID], when the model wrote one
+                calls.append(call)
                 continue
             values, end, error = json_values(chunk)
             if error is not None:
