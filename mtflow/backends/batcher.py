@@ -21,9 +21,11 @@ sent to the wrapped function as **one** call, and each caller gets back exactly 
 * **Callers that come back late** (a gateway's sessions: each next call comes when its agent
   is done, not when the driver applies an output). With ``settle_fraction`` the wait for the last
   batch's requests is capped at that fraction of the last batch call's own duration: a few
-  milliseconds for a fast backend, enough for a slow one's agents to answer. Without the wait,
-  requests that arrived while a batch generated went alone the moment it returned, and the
-  batch's own requests, back a millisecond later, waited for that one: concurrent sessions
+  milliseconds for a fast backend, enough for a slow one's agents to answer; and when the recent
+  return lags (their median) are longer than that, it does not wait at all (agents that think
+  between calls would not be back in time: the calls waiting would only lose it). Without the
+  wait, requests that arrived while a batch generated went alone the moment it returned, and
+  the batch's own requests, back a millisecond later, waited for that one: concurrent sessions
   settled into fixed groups that never merged (2 and 14 on the HF backend: two generate calls
   per turn where one would do).
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 from concurrent.futures import Future, InvalidStateError
 import threading
 import time
@@ -124,6 +127,7 @@ class DynamicBatcher:
             raise ValueError(f'settle_fraction must be a number >= 0 or None, not {settle_fraction!r}')
         self.settle_fraction = settle_fraction
         self._last_duration = 0.0  # seconds the last batch call took
+        self._typical_lag = 0.0  # the median of the recent return lags, when the last batch went
         self.batch_fn = batch_fn
         self.max_batch_size = max_batch_size
         self.max_wait_s = float(max_wait_s)
@@ -234,7 +238,9 @@ class DynamicBatcher:
         start = max(oldest.enqueued, self._free_since)
         cap = start + self.max_delay_s - now
         if self.settle_fraction is not None and self._expected:
-            cap = min(cap, self._free_since + self.settle_fraction * self._last_duration - now)
+            share = self.settle_fraction * self._last_duration
+            # callers that come back later than that (agents that think) are not waited for at all
+            cap = min(cap, self._free_since + share - now if self._typical_lag <= share else 0.0)
         if self._all_back:
             return 0.0
         if self._expected:  # the last batch's requests are coming back: wait for a quiet gap
@@ -271,6 +277,8 @@ class DynamicBatcher:
                 with self._cond:  # before the callers wake: their next calls are expected
                     done = time.perf_counter()
                     self._last_duration = done - began
+                    recent = sorted(itertools.islice(reversed(self.return_lags_s), 64))
+                    self._typical_lag = recent[len(recent) // 2] if recent else 0.0
                     self._expected = {k: done for k in map(_key, requests) if k is not None}
                     self._free_since = done
                     self._all_back = False

@@ -6,6 +6,7 @@ think tag is held back until it is known."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -16,7 +17,7 @@ from mtflow.gateway import Gateway
 from mtflow.gateway.streaming import Pump, SafeText
 from mtflow.gateway.thinking import Thinking
 from mtflow.gateway.wire import Reply
-from tests.gateway.helpers import ADD_TOOL, CALLS_ADD, TIMEOUT_S, assert_tokens_exact, scripted
+from tests.gateway.helpers import ADD_TOOL, CALLS_ADD, TIMEOUT_S, assert_tokens_exact, lines, scripted
 
 openai = pytest.importorskip('openai')
 
@@ -214,3 +215,75 @@ def test_think_tags_follow_a_template_that_opens_the_thinking():
     assert Thinking('auto').split('plain text') == ('', 'plain text')
     with pytest.raises(ValueError, match='gateway.reasoning'):
         Thinking('deepseek')
+
+
+def _streamed(gw: Gateway, session: str, on_first=None) -> list:
+    """The content pieces of one streaming chat call (``on_first`` called at the first)."""
+    client = openai.OpenAI(base_url=gw.base_url(session), api_key='unused', max_retries=0, timeout=TIMEOUT_S)
+    pieces = []
+    for chunk in client.chat.completions.create(model='m', messages=[{'role': 'user', 'content': 'guess a word'}],
+                                                stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            if not pieces and on_first is not None:
+                on_first()
+            pieces.append(chunk.choices[0].delta.content)
+    gw.finish(session)
+    return pieces
+
+
+def _answered(run_dir) -> str:
+    """The model's whole answer, as the trajectory keeps it (what a plain call returns here)."""
+    [line] = lines(run_dir)
+    return line['messages'][-1]['content']
+
+
+def test_vllms_async_engine_streams_through_the_gateway(tmp_path):
+    """The vLLM backend's async engine (a stand-in with AsyncLLM's signatures generating with a tiny
+    model, one cumulative output per token): content reaches the client while the last token is
+    held back in the engine."""
+    pytest.importorskip('torch')
+    from mtflow.backends.vllm_engine import VLLMBackend
+    from tests.backends.fake_vllm import FakeAsyncLLM, SamplingParams
+    from tests.tiny_model import make_tokenizer
+
+    import torch
+
+    from tests.backends.chat_server import ToyLM
+
+    tok = make_tokenizer()
+    toy = ToyLM(tok)
+
+    def words(input_ids):  # a "model" whose next token is ToyLM's: whole words (a tiny random one writes newlines)
+        logits = torch.zeros((1, input_ids.shape[1], len(tok)))
+        logits[0, -1, toy.step(input_ids[0].tolist())[0]] = 10.0
+        return SimpleNamespace(logits=logits)
+
+    gate = threading.Event()
+    firsts = []
+    engine = FakeAsyncLLM(words, tok, hold={'held': gate})
+    with VLLMBackend(engine, sampling_params_cls=SamplingParams) as backend, \
+            Gateway(backend, tmp_path / 'run', request_config=RequestConfig(max_tokens=12)) as gw:
+        streamed = _streamed(gw, 'held', lambda: (firsts.append(list(engine.finished_order)), gate.set()))
+    assert firsts == [[]]  # the stream had not finished when the first chunk reached the client
+    assert ''.join(streamed) == _answered(tmp_path / 'run') and len(streamed) > 1
+    assert_tokens_exact(tmp_path / 'run', segments=1)
+
+
+def test_an_openai_compatible_server_streams_through_the_gateway(tmp_path):
+    """mtflow's openai backend in front of a streaming server (token prompts, exact ids): the
+    gateway's streaming call makes it stream, and hands each piece on as it comes."""
+    pytest.importorskip('torch')
+    from mtflow.backends.openai_server import OpenAIBackend
+    from tests.backends.chat_server import ChatServer, ToyLM
+    from tests.tiny_model import make_tokenizer
+
+    tok = make_tokenizer()
+    with ChatServer(None, lm=ToyLM(tok)) as server:
+        server.stream_delay = 0.01
+        with OpenAIBackend('tiny-qwen2', server.base_url, tokenizer=tok, backoff=0.01) as backend, \
+                Gateway(backend, tmp_path / 'run', request_config=RequestConfig(max_tokens=10)) as gw:
+            streamed = _streamed(gw, 'streamed')
+        streams = list(server.streams)
+    assert len(streams) == 1 and streams[0]['outcome'] == 'finished'
+    assert ''.join(streamed) == _answered(tmp_path / 'run') and len(streamed) > 2
+    assert_tokens_exact(tmp_path / 'run', segments=1)
