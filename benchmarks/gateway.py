@@ -18,7 +18,12 @@ nothing, so what is measured is the path):
   input each time, ``store: false``, as Codex CLI sends it).
 
 The added latency is the gateway's p50 (p99) minus the direct p50 (p99) at the same ``N``. All
-share the machine's cores with the load generator (``--api``: which of chat and responses).
+share the machine's cores with the load generator (``--api``: which of chat and responses). Each
+session's ``POST /finish`` is timed too (``finish_p50_ms``): it is answered once the trajectory is
+durable (written and fsynced). ``--baseline DIR`` runs the gateway a second time from another
+tree of mtflow (e.g. the last landed commit, ``git archive <commit> | tar -x -C DIR``), in the
+same run, for a before/after table (through chat completions only when that tree has no
+Responses API).
 
 **Memory** (``--part memory``): the gateway's resident memory (``VmRSS`` of the child process)
 sampled every ``--calls``/10 calls over ``--calls`` calls (default 100k) by ``--mem-sessions``
@@ -37,6 +42,7 @@ batch that just returned), which phase-locked the sessions into groups that neve
     .venv/bin/python benchmarks/gateway.py --part latency --sessions 1 64 1000 --rate 300
     .venv/bin/python benchmarks/gateway.py --part memory --calls 100000
     .venv/bin/python benchmarks/gateway.py --part memory --calls 100000 --exact
+    .venv/bin/python benchmarks/gateway.py --part latency --sessions 64 --baseline /tmp/mtflow-base
     .venv/bin/python benchmarks/gateway.py --part batching --hf-sessions 64 --hf-turns 6
 """
 from __future__ import annotations
@@ -84,6 +90,7 @@ class Agents:
         self.n, self.turns, self.calls, self.think_mean_s = n, turns, calls, think_mean_s
         self.prefix = prefix
         self.latencies: List[float] = []
+        self.finish_latencies: List[float] = []
         self.made = 0
         self.sessions = 0
         self.on_calls: Any = None  # called with the count every so often (the memory part samples)
@@ -117,7 +124,9 @@ class Agents:
                 pause = self.think()
                 if pause:
                     await asyncio.sleep(pause)
+            t0 = time.perf_counter()
             await finish(session)
+            self.finish_latencies.append(time.perf_counter() - t0)
 
 
 # ---- the direct path ---------------------------------------------------------------------------------
@@ -143,7 +152,7 @@ async def run_direct(agents: Agents) -> float:
 class ServedGateway:
     """``mtflow gateway`` on a scripted backend in a child process."""
 
-    def __init__(self, workdir: Path, max_sessions: int, exact: bool = False) -> None:
+    def __init__(self, workdir: Path, max_sessions: int, exact: bool = False, root: Path = ROOT) -> None:
         (workdir / 'script.jsonl').write_text(json.dumps(REPLY) + '\n')
         tokenizer = ''
         if exact:  # exact token records under the tiny test tokenizer: the records' memory is measured too
@@ -155,7 +164,7 @@ class ServedGateway:
         config.write_text(f'backend: scripted\nbackend_options: {{path: script.jsonl, cycle: true{tokenizer}}}\n'
                           f'request_config: {{max_tokens: 32}}\ngateway: {{max_sessions: {max_sessions}, '
                           'idle_timeout_s: 600, tool_parser: null}\n')
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(root))
         self.proc = subprocess.Popen([sys.executable, '-m', 'mtflow', 'gateway', str(config), '--port', '0', '--out',
                                       str(workdir / 'run'), '-q'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env, cwd=workdir)
@@ -202,7 +211,23 @@ async def run_gateway(agents: Agents, gateway: ServedGateway, api: str = 'chat')
         return await agents.run(call, finish)
 
 
+def _check_tree(root: Path) -> None:
+    """``--baseline``: a tree of mtflow whose own package the gateway child imports (not the venv's
+    editable install), else the comparison would measure the wrong code."""
+    if not (root / 'mtflow' / '__init__.py').is_file():
+        raise SystemExit(f'--baseline {root}: no mtflow/ there; give a tree of mtflow, e.g. mkdir -p DIR && '
+                         'git archive <commit> | tar -x -C DIR')
+    env = dict(os.environ, PYTHONPATH=str(root))
+    found = subprocess.run([sys.executable, '-c', 'import mtflow; print(mtflow.__file__)'], env=env,
+                           capture_output=True, text=True, cwd=root).stdout.strip()
+    if not found.startswith(str(root.resolve())):
+        raise SystemExit(f'--baseline {root}: its mtflow is not what a child imports there ({found or "none"}); give '
+                         'a tree of mtflow, e.g. mkdir -p DIR && git archive <commit> | tar -x -C DIR')
+
+
 def latency(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    if args.baseline:
+        _check_tree(Path(args.baseline))
     rows = []
     for n in args.sessions:
         calls = max(args.min_calls, n * args.turns)
@@ -210,25 +235,38 @@ def latency(args: argparse.Namespace) -> List[Dict[str, Any]]:
         direct = Agents(n, args.turns, calls, think)
         wall_direct = asyncio.run(run_direct(direct))
         d = _percentiles(direct.latencies)
-        row: Dict[str, Any] = {'sessions': n, 'calls': calls, 'offered_calls_per_s': args.rate,
-                               'direct': {**d, 'calls_per_s': round(calls / wall_direct, 1)}}
-        with tempfile.TemporaryDirectory() as tmp:
-            gateway = ServedGateway(Path(tmp), max(n, 64))
-            try:
-                for api in args.api:
-                    served = Agents(n, args.turns, min(calls, max(200, n)), think, prefix=f'warm-{api}')
-                    asyncio.run(run_gateway(served, gateway, api))  # warm-up: connections, first sessions
-                    served = Agents(n, args.turns, calls, think, prefix=api)
-                    wall = asyncio.run(run_gateway(served, gateway, api))
-                    g = _percentiles(served.latencies)
-                    row[api] = {**g, 'calls_per_s': round(calls / wall, 1),
-                                'added_p50_ms': round(g['p50_ms'] - d['p50_ms'], 3),
-                                'added_p99_ms': round(g['p99_ms'] - d['p99_ms'], 3)}
-            finally:
-                gateway.stop()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        trees = ([('baseline', Path(args.baseline))] if args.baseline else []) + [('this tree', ROOT)]
+        for tree, root in trees:
+            row: Dict[str, Any] = {'sessions': n, 'calls': calls, 'offered_calls_per_s': args.rate, 'tree': tree,
+                                   'direct': {**d, 'calls_per_s': round(calls / wall_direct, 1)}}
+            apis = [a for a in args.api if a == 'chat' or (root / 'mtflow' / 'gateway' / 'responses_api.py').is_file()]
+            for api, (served, wall) in zip(apis, _served(n, args.turns, calls, think, root, apis)):
+                g = _percentiles(served.latencies)
+                finish = _percentiles(served.finish_latencies)
+                row[api] = {**g, 'calls_per_s': round(calls / wall, 1),
+                            'added_p50_ms': round(g['p50_ms'] - d['p50_ms'], 3),
+                            'added_p99_ms': round(g['p99_ms'] - d['p99_ms'], 3),
+                            'finish_p50_ms': finish['p50_ms'], 'finish_p99_ms': finish['p99_ms']}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
+
+
+def _served(n: int, turns: int, calls: int, think: float, root: Path, apis: List[str]) -> List[tuple]:
+    """The agents against ``mtflow gateway`` run from the tree ``root``, through each of ``apis``:
+    ``[(agents, wall seconds)]``."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        gateway = ServedGateway(Path(tmp), max(n, 64), root=root)
+        try:
+            for api in apis:
+                warm = Agents(n, turns, min(calls, max(200, n)), think, prefix=f'warm-{api}')
+                asyncio.run(run_gateway(warm, gateway, api))  # warm-up: connections, first sessions
+                served = Agents(n, turns, calls, think, prefix=api)
+                out.append((served, asyncio.run(run_gateway(served, gateway, api))))
+        finally:
+            gateway.stop()
+    return out
 
 
 # ---- batching: a real model's generate calls per turn ----------------------------------------------
@@ -331,6 +369,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument('--min-calls', type=int, default=2000, help='calls measured per row, at least')
     p.add_argument('--calls', type=int, default=100_000, help='calls of the memory part')
     p.add_argument('--mem-sessions', type=int, default=64, help='sessions at once in the memory part')
+    p.add_argument('--baseline', help='latency part: also run the gateway from this tree of mtflow (before/after)')
     p.add_argument('--exact', action='store_true', help='memory part: the scripted model keeps exact token records '
                    '(the tiny test tokenizer)')
     p.add_argument('--hf-sessions', type=int, default=64, help='batching part: concurrent sessions')

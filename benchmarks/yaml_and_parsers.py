@@ -5,7 +5,12 @@ against ``yaml.safe_load`` (the baseline, same process), and what a consumer tha
 (as the line map and pydantic do) costs after each: for bombs the baseline walk is capped at 2 s
 and reported as "> 2 s" (uncapped it runs for hours and grows past 10 GB).
 
-Table 2: parse throughput per format over the real-shaped fixtures in ``tests/data/tool_calls``.
+Table 2: parse cost per format, hermes the baseline in the same run: over the real-shaped fixtures of
+each format in ``tests/data/tool_calls``, and over the same three calls (code with newlines and quotes,
+unicode, nested JSON, typed values) written in each format by its own ``render_calls`` (the fair
+comparison: same content, another format). Parsing goes through ``parse_calls``, the path the scheduler
+and the gateway take (the XML formats' values typed by the tools' schemas). ``harmony`` needs
+openai-harmony and its vocabulary (``scripts/harmony_vocab.py``); without them its row says so.
 
     .venv/bin/python benchmarks/yaml_and_parsers.py [--repeats 5]
 """
@@ -22,7 +27,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mtflow.declarative.parsers import get_parser  # noqa: E402
+from mtflow.declarative.parsers import get_parser, parse_calls  # noqa: E402
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml  # noqa: E402
 
 
@@ -95,6 +100,33 @@ def yaml_table(repeats: int) -> None:
         print(f'| {name} | {len(doc.encode())} | {base:.2f} | {base_walk} | {safe:.2f} | {safe_walk} |')
 
 
+#: the tools the fixtures call, and the calls every format writes for the "same calls" column
+SPECS = [{'type': 'function', 'function': {'name': n, 'parameters': {'type': 'object', 'properties': {
+    k: {'type': t} for k, t in props.items()}}}} for n, props in (
+        ('get_weather', {'city': 'string', 'days': 'integer'}), ('python', {'code': 'string'}),
+        ('search', {'query': 'string', 'limit': 'integer', 'exact': 'boolean', 'threshold': 'number',
+                    'filters': 'object', 'fields': 'array'}))]
+SAME_CALLS = [('python', {'code': 'import json\nprint(json.dumps({"q": \'say "hi"\'}))\nfor i in range(3):\n'
+                                   '    print(i)'}),
+              ('get_weather', {'city': 'Zürich 東京', 'days': 3}),
+              ('search', {'query': 'mtflow', 'limit': 10, 'exact': True,
+                          'filters': {'lang': ['en'], 'meta': {'y': 2024}}})]
+FAMILY_ORDER = ['hermes', 'qwen3_coder', 'glm45', 'kimi_k2', 'deepseek_v32', 'minimax_m2', 'harmony', 'deepseek',
+                'llama3_json', 'mistral', 'pythonic', 'json', 'react']
+
+
+def per_reply(parser: Any, texts: list, repeats: int) -> float:
+    """Seconds to parse one reply (best of ``repeats`` runs over ``texts``)."""
+    n = max(1, 400 // len(texts))
+
+    def run() -> None:
+        for _ in range(n):
+            for t in texts:
+                parse_calls(parser, t, SPECS)
+
+    return best(run, repeats) / (n * len(texts))
+
+
 def parser_table(repeats: int) -> None:
     here = os.path.join(ROOT, 'tests', 'data', 'tool_calls')
     with open(os.path.join(here, 'expected.yaml'), encoding='utf-8') as f:
@@ -103,22 +135,31 @@ def parser_table(repeats: int) -> None:
     for c in cases:
         if c.get('foreign') or not c['calls']:
             continue
+        try:
+            name = get_parser(c['parser']).name
+        except (ImportError, RuntimeError):
+            continue
         with open(os.path.join(here, c['file']), encoding='utf-8') as f:
-            by_parser.setdefault(get_parser(c['parser']).name, []).append(f.read())
-    print('\n| parser | fixtures | us per reply | replies/s |')
-    print('|---|---:|---:|---:|')
-    for name, texts in sorted(by_parser.items()):
-        parser = get_parser(name)
-        n = 200
-
-        def run() -> None:
-            for _ in range(n):
-                for t in texts:
-                    parser.parse(t)
-
-        s = best(run, repeats)
-        per = s / (n * len(texts))
-        print(f'| {name} | {len(texts)} | {per * 1e6:.1f} | {1 / per:,.0f} |')
+            by_parser.setdefault(name, []).append(f.read())
+    print('\n| parser | fixtures | us per fixture reply | x hermes | us per reply, same 3 calls | x hermes |')
+    print('|---|---:|---:|---:|---:|---:|')
+    base_fix = base_same = None
+    for name in FAMILY_ORDER:
+        try:
+            parser = get_parser(name)
+        except (ImportError, RuntimeError) as exc:
+            print(f'| {name} | - | not measured: {exc} | | | |')
+            continue
+        fix = per_reply(parser, by_parser[name], repeats) if by_parser.get(name) else None
+        same = None
+        if name not in ('react', 'json', 'pythonic', 'mistral', 'llama3_json', 'deepseek'):
+            same = per_reply(parser, [parser.render_calls(SAME_CALLS)], repeats)
+        if name == 'hermes':
+            base_fix, base_same = fix, same
+        ratio = lambda v, b: f'{v / b:.2f}' if v is not None and b else '-'  # noqa: E731
+        show = lambda v: f'{v * 1e6:.1f}' if v is not None else '-'  # noqa: E731
+        print(f'| {name} | {len(by_parser.get(name, []))} | {show(fix)} | {ratio(fix, base_fix)} | {show(same)} | '
+              f'{ratio(same, base_same)} |')
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The ``mtflow`` command line: ``run``, ``validate``, ``schema``, ``graph``, ``trace``, ``check-tokens``,
-``replay``, ``rescore``, ``diff``, ``gateway``.
+``replay``, ``rescore``, ``diff``, ``gateway``, ``init``.
 
 Each subcommand lives in ``mtflow/commands/<name>.py`` with ``add_parser(subparsers)`` and
 ``main(args) -> int``, and is imported only when used, so ``mtflow --help`` stays fast.
@@ -32,6 +32,7 @@ COMMANDS = {
     'rescore': ('mtflow.commands.rescore', 'recompute the rewards and finish policy of a run, no model or tool call'),
     'diff': ('mtflow.commands.diff', 'compare two runs request by request, turn by turn (exit 1 when they differ)'),
     'gateway': ('mtflow.commands.gateway', 'serve a model to external agents (OpenAI/Anthropic API), recording sessions'),
+    'init': ('mtflow.commands.init', 'scaffold an environment package (scheduler, tool, reward, dataset, test)'),
 }
 
 

@@ -1,4 +1,4 @@
-"""Guess-the-number as an OpenEnv server: mtflow's :class:`GuessNumberEnv` behind openenv-core's
+"""Guess-the-number as an OpenEnv server: mtflow's :class:`GuessNumberEnv` behind openenv's
 own ``create_app`` (the WebSocket protocol every OpenEnv client speaks). ``openenv_guess.yaml``
 launches it on 127.0.0.1; run it yourself with
 ``python -m uvicorn schedulers.openenv_guess_server:app --port 8000`` and point ``url:`` at it.

@@ -2,11 +2,14 @@
 script (or computes outputs from the request), counting its calls."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import http.server
 import itertools
 import json
+import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from mtflow.core.protocol import RolloutInferRequest, RolloutOutput, make_choice, make_response
 from mtflow.core.scheduler import Scheduler
@@ -104,3 +107,18 @@ class SaysLower(Scheduler):
         infer_request.messages.append({'role': 'user', 'content': 'lower'})
         ids = response_choice.token_ids or []
         return {'infer_request': infer_request, 'response_token_ids': ids, 'response_loss_mask': [1] * len(ids)}
+
+
+@contextlib.contextmanager
+def http_server(handler: type) -> Iterator[str]:
+    """A threaded ``http.server`` with ``handler`` on a free loopback port, for as long as the
+    ``with`` lasts; yields its OpenAI-style base URL (``http://127.0.0.1:<port>/v1``)."""
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f'http://127.0.0.1:{server.server_address[1]}/v1'
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -236,7 +236,7 @@ def test_openenv_sessions_queue_for_the_bound_instead_of_failing():
     """The failure of ``test_client_side_capacity_waits_then_fails_clearly`` (tests/envs): 6
     requests against OpenEnv servers capped at 2 sessions fail past the capacity wait; with
     ``admission: {env_sessions: 2}`` they wait for a session and all succeed."""
-    pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv-core)")
+    pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv 0.10)")
     from tests.envs.test_openenv import ROOT as REPO, Guesser, config, requests as guess_requests, settled
 
     names = ['g1-a', 'g2-b', 'g3-c', 'w-d', 'g1-e', 'w-f']

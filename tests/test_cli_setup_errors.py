@@ -156,7 +156,7 @@ def test_every_unknown_key_lists_the_known_keys_and_the_closest(work, capsys, tm
     assert main(['validate', 'envs.yaml', 'oe.yaml', run]) == 1
     out = capsys.readouterr().out
     assert ("envs.yaml:3: env.gymnasium: unknown key 'gymnasium'; did you mean 'gym'? (known: impl, gym, openenv, "
-            'textarena, kwargs, observation_role)') in out
+            'textarena, skyrl_gym, gem, nemo_gym, verifiers, kwargs, observation_role)') in out
     assert "oe.yaml:5: env.openenv.max_session: unknown key 'max_session'; did you mean 'max_sessions'? (known: url," in out
     assert "run.yaml:6: num_generation: unknown key 'num_generation'; did you mean 'num_generations'? (known: scheduler," in out
     assert "run.yaml:7: request_config: unknown key 'max_token'; did you mean 'max_tokens'? (known: max_tokens," in out

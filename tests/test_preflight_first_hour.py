@@ -9,11 +9,11 @@ from __future__ import annotations
 import http.server
 import json
 import socket
-import threading
 
 import pytest
 
 from mtflow.cli import main
+from tests.helpers import http_server
 
 REWARDS = '''
 def wrong_sig_reward(completion):
@@ -195,15 +195,8 @@ class _Models(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def models_server():
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Models)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f'http://127.0.0.1:{server.server_address[1]}/v1'
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    with http_server(_Models) as url:
+        yield url
 
 
 def test_an_openai_base_url_nobody_answers_fails_before_the_run_directory_is_written(work, capsys, tmp_path):

@@ -126,11 +126,13 @@ def test_a_changed_environment_diverges_exactly_the_changed_requests(recorded, c
     assert main(['diff', str(run), str(tmp / 'changed'), '--json']) == 1
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     totals = out[-1]['totals']
-    assert totals['different'] == len(expected) and totals['identical'] == 16 - len(expected)
+    # a new target is another reference: those requests are counted apart, their first differing turn beside it
+    assert totals['different_input'] == len(changes) and totals['different'] == 0
+    assert totals['identical'] == 16 - len(changes)
     named = {d['uuid']: d for d in out[:-1]}
-    assert set(named) == set(expected)
-    for uuid, k in expected.items():
-        assert named[uuid]['turn'] == k and named[uuid]['fields'] == ['observation']
+    assert set(named) == set(changes) and all(d['fields'] == ['reference'] for d in named.values())
+    assert {u: d['then']['turn'] for u, d in named.items() if 'then' in d} == expected
+    assert all(named[u]['then']['fields'] == ['observation'] for u in expected)
 
 
 def test_continue_with_goes_on_live_from_the_diverged_turn(recorded):
@@ -199,3 +201,25 @@ def test_config_after_out_as_the_synopsis_writes_it(recorded, capsys):
     with pytest.raises(SystemExit):
         main(['replay', str(run), '--out', str(tmp / 'x'), str(cfg), 'extra'])
     assert 'mtflow replay: error: unrecognized arguments: extra' in capsys.readouterr().err
+
+
+def test_an_out_that_is_holds_or_is_inside_the_recorded_run_is_refused_before_anything_moves(recorded, capsys):
+    """``mtflow replay RUN --out RUN --overwrite`` moved the record aside before reading it, and
+    every request "diverged" (issue 47, item 4); the same --out through a symlink, the directory
+    that holds the run, or a directory inside it, are refused too, before anything is opened."""
+    tmp, _, run = recorded
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    link = tmp / 'link-to-orig'
+    link.symlink_to(run)
+    capsys.readouterr()
+    for out, how in ((run, 'is the run it reads'), (link, 'is the run it reads'),
+                     (tmp, f'holds the run it reads ({run})'), (run / 'again', f'is inside the run it reads ({run})')):
+        for command in ('replay', 'rescore'):
+            overwrite = ['--overwrite'] if command == 'replay' else []  # rescore has none
+            assert main([command, str(run), '--out', str(out), '-q', *overwrite]) == 2
+            err = capsys.readouterr().err.strip()
+            moves = ', and --overwrite would move the record away before reading it' if overwrite else ''
+            assert err == (f'mtflow: --out {out} {how}: {command} writes a new run directory apart from the recorded '
+                           f'one{moves}; choose an --out outside {run}'), err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert not (run / 'again').exists() and not list(tmp.glob('orig.old-*')) and not list(tmp.glob('*.old-*'))

@@ -139,7 +139,7 @@ def test_rescore_errors_name_what_is_wrong(run, capsys):
     assert main(['rescore', str(run / 'orig'), '--out', str(run / 'bad'), '--reward', 'tests.test_rescore:nope']) == 2
     assert '--reward tests.test_rescore:nope' in capsys.readouterr().err
     assert main(['rescore', str(run / 'orig'), '--out', str(run / 'orig'), '-q']) == 2
-    assert 'not empty' in capsys.readouterr().err
+    assert 'is the run it reads' in capsys.readouterr().err
 
 
 REWARDS = '''

@@ -66,16 +66,17 @@ def cut_segment(record: RequestRecord, exact_ids: bool, ended_by: Optional[Dict[
     segments.append(seg)
     record.ids, record.mask, record.logprobs = [], [], []
     record.segment_start = record.turns
-    detach_record(record.request)
+    detach_record(record.request, record.turns + 1)
     return seg
 
 
-def detach_record(request: Any) -> None:
-    """Give ``request`` an empty token record: its next turn starts a new exact record, rendered
-    from its messages (not matched against the record the backend keeps for its uuid, which a
-    rewritten history could otherwise seem to extend, and mark restarted)."""
+def detach_record(request: Any, first_turn: int = 1) -> None:
+    """Give ``request`` an empty token record whose first turn is ``first_turn``: its next turn
+    starts a new exact record, rendered from its messages (not matched against the record the
+    backend keeps for its uuid, which a rewritten history could otherwise seem to extend, and mark
+    restarted)."""
     try:
-        setattr(request, RECORD_ATTR, TokenRecord())
+        setattr(request, RECORD_ATTR, TokenRecord(first_turn=first_turn))
     except (AttributeError, TypeError, ValueError):  # a frozen request: the backend renders from text
         pass
 

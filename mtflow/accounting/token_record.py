@@ -30,10 +30,12 @@ from mtflow.accounting.choose import accounting_for, keeps_messages_as_ids
 from mtflow.accounting.segments import ContractAccounting
 
 __all__ = ['TokenTurn', 'TokenRecord', 'RecordAccounting', 'record_of', 'record_accounting', 'native_accounting',
-           'RECORD_ATTR']
+           'RECORD_ATTR', 'RESTART_KEY']
 
 #: the attribute of a request that carries its record
 RECORD_ATTR = 'token_record'
+#: the ``rollout_infos`` key of a restarted record's :attr:`TokenRecord.restart`
+RESTART_KEY = 'token_record_restart'
 
 
 @dataclass
@@ -82,6 +84,11 @@ class TokenRecord:
     open_text: str = ''
     #: set when a turn's prompt was rendered from text after turn 1
     restarted: bool = False
+    #: the request turn of ``turns[0]`` (a record restarted at turn 3 holds turns 3, 4, ...)
+    first_turn: int = 1
+    #: where and why the exact ids were first lost (``{'turn', 'why', 'changed'}``: the first turn
+    #: rendered from text, the reason, what the history edit changed); kept across later restarts
+    restart: Optional[Dict[str, Any]] = None
 
     # ---- reading -----------------------------------------------------------------------------
     @property
@@ -181,6 +188,8 @@ class RecordAccounting(ContractAccounting):
         """The record's ids for a request whose last turn a step already accumulated (it finishes
         from ``compacting``: ``context_full``, ``length_total``)."""
         rec = record_of(record.request)
+        if rec is not None and rec.restart is not None:
+            record.infos[RESTART_KEY] = dict(rec.restart)  # samples name the first turn that lost the ids
         if rec is None or rec.restarted or not rec.turns or choice is None:
             return
         if list(choice.token_ids or []) != rec.turns[-1].sampled:

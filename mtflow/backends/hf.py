@@ -25,11 +25,12 @@ renders every turn from text instead (the old behaviour, for comparison).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mtflow.backends.base import (Backend, BackendError, SamplingOptions, build_output, context_length_of,
                                   prepare_chat, sampling_seeds)
 from mtflow.backends.chat_templates import resolve_chat_template
+from mtflow.backends.cpu_threads import CpuThreads
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.hf_sampling import RowSampler, row_seeds
 from mtflow.backends.models import load_model
@@ -115,6 +116,15 @@ class _RowStreamer:
         pass
 
 
+def _cpu_threads(threads: Union[int, str, None]) -> CpuThreads:
+    """The backend's CPU thread count (:class:`~mtflow.backends.cpu_threads.CpuThreads`); a wrong
+    ``threads`` is a :class:`BackendError`."""
+    try:
+        return CpuThreads(threads)
+    except ValueError as exc:
+        raise BackendError(f'hf backend: {exc}') from None
+
+
 class HFBackend(Backend):
     """``rollout_fn`` over a transformers causal LM.
 
@@ -147,6 +157,11 @@ class HFBackend(Backend):
         resumable, resume_chunk: ``async_rollout_fn()`` generates each single-request call in
             chunks of ``resume_chunk`` tokens, so a stream's ``on_update='resume'`` can cut it
             between chunks and continue it from its exact ids (:mod:`mtflow.backends.hf_resume`).
+        threads: torch's thread count on CPU: ``'auto'`` (default) uses, for each generate, the
+            cores no other process is running on (at least one; ``OMP_NUM_THREADS`` wins), so a
+            loaded machine costs this backend its share of the cores rather than spinning OpenMP
+            workers; an int fixes it; ``None`` leaves torch's setting alone
+            (:mod:`mtflow.backends.cpu_threads`).
     """
     name = 'hf'
     streams_text = True
@@ -166,8 +181,10 @@ class HFBackend(Backend):
                  prefix_policy: str = 'exact',
                  processor: Any = None,
                  resumable: bool = False,
-                 resume_chunk: int = 16) -> None:
+                 resume_chunk: int = 16,
+                 threads: Union[int, str, None] = 'auto') -> None:
         super().__init__()
+        self.cpu_threads = _cpu_threads(threads)
         import torch
 
         if not isinstance(resume_chunk, int) or isinstance(resume_chunk, bool) or resume_chunk < 1:
@@ -317,6 +334,8 @@ class HFBackend(Backend):
             from transformers import StoppingCriteriaList
 
             kwargs['stopping_criteria'] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, options.stop, width)])
+        if getattr(device, 'type', device) == 'cpu':
+            self.cpu_threads.apply()
         if sinks is not None:
             kwargs['streamer'] = _RowStreamer(self, prompts, sinks)
         with torch.inference_mode():

@@ -38,7 +38,7 @@ from mtflow.backends.base import BackendError, Chat, prepare_chat
 from mtflow.backends.chat_templates import TemplateSource, resolve_chat_template
 from mtflow.core.protocol import extract_logprobs
 
-__all__ = ['TokenPrompter', 'PromptPlan', 'POLICIES', 'render_text']
+__all__ = ['TokenPrompter', 'PromptPlan', 'POLICIES', 'render_text', 'what_changed']
 
 POLICIES = ('exact', 'rerender')
 #: replaces the assistant content when the template's glue is measured; never in real text
@@ -167,13 +167,13 @@ class TokenPrompter:
         if head is None:
             if not carried:  # a new conversation under a uuid seen before
                 return self._fresh(chat, TokenRecord(), 'first', where)
-            return self._fresh(chat, TokenRecord(restarted=True), 'history_changed', where)
+            return self._fresh(chat, _restarted(rec, 'history_changed', history, new), 'history_changed', where)
         extra, added = head
         if chat.continuation:
             appended = self.encode(extra) if extra else []
             return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, True, rec.open_text)
         if extra:  # the assistant message was edited and then answered: no exact delta exists
-            return self._fresh(chat, TokenRecord(restarted=True), 'history_changed', where)
+            return self._fresh(chat, _restarted(rec, 'history_changed', history, new), 'history_changed', where)
         return self._new_turn(chat, rec, where)
 
     def _fresh(self, chat: Chat, rec: TokenRecord, why: str, where: str) -> PromptPlan:
@@ -196,7 +196,7 @@ class TokenPrompter:
         at = text.find(SENTINEL)
         if at < 0 or text.count(SENTINEL) != 1:
             # the template does not render assistant content verbatim: only text is left
-            return self._fresh(chat, TokenRecord(restarted=True), 'template_hides_content', where)
+            return self._fresh(chat, _restarted(rec, 'template_hides_content'), 'template_hides_content', where)
         delta_text = text[at + len(SENTINEL):]
         sampled = rec.turns[-1].sampled
         if sampled and self._is_special(sampled[-1]):
@@ -209,6 +209,8 @@ class TokenPrompter:
         stable = real == expected and text[:at] == rec.open_text
         if not stable and self.policy == 'rerender':
             rec.restarted = True
+            rec.restart = rec.restart or _restart_info(rec, 'template_rewrites_history',
+                                                       'the chat template renders the earlier turns differently')
             return PromptPlan(self.encode(real), chat, rec, None, 'template_rewrites_history', False, real)
         appended = self.encode(delta_text)
         return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, stable, expected)
@@ -223,7 +225,7 @@ class TokenPrompter:
         turns = list(old.turns)
         if plan.appended is not None and turns:
             turns[-1] = dataclasses.replace(turns[-1], appended=list(plan.appended))
-        rec = TokenRecord(turns=turns, restarted=old.restarted)
+        rec = TokenRecord(turns=turns, restarted=old.restarted, first_turn=old.first_turn, restart=old.restart)
         rendered = plan.rendered
         rec.turns.append(
             TokenTurn(
@@ -256,6 +258,52 @@ class TokenPrompter:
             while len(self._by_uuid) > self.max_tracked:
                 self._by_uuid.popitem(last=False)
         return rec
+
+
+def _restart_info(old: TokenRecord, why: str, changed: str) -> Dict[str, Any]:
+    return {'turn': old.first_turn + len(old.turns), 'why': why, 'changed': changed}
+
+
+def _restarted(old: TokenRecord, why: str, history: Optional[List[Dict[str, Any]]] = None,
+               new: Optional[List[Dict[str, Any]]] = None) -> TokenRecord:
+    """The record a turn rendered from text starts: it holds the turns from this one on, and says
+    where the exact ids were first lost and what changed (the first such loss is kept)."""
+    changed = what_changed(history, new, old.first_turn) if history is not None and new is not None else \
+        'the chat template does not render the assistant content verbatim'
+    return TokenRecord(restarted=True, first_turn=old.first_turn + len(old.turns),
+                       restart=old.restart or _restart_info(old, why, changed))
+
+
+def _clip(value: Any, width: int = 40) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text if len(text) <= width else text[:width] + '...')
+
+
+def what_changed(history: List[Dict[str, Any]], new: List[Dict[str, Any]], first_turn: int = 1) -> str:
+    """One phrase naming the first message of ``history`` (what the model saw) that ``new`` does
+    not keep: its number, role (an assistant message: the turn that generated it), and the field
+    that changed, with both values where they are text."""
+    replies = 0
+    for k, was in enumerate(history):
+        if was.get('role') == 'assistant':
+            replies += 1
+        role = was.get('role')
+        name = f"message {k + 1} ({role}{f', the reply of turn {first_turn + replies - 1}' if role == 'assistant' else ''})"
+        if k >= len(new):
+            return f'{name} and the {len(history) - k - 1} after it were removed'
+        now = new[k]
+        if now == was:
+            continue
+        if now.get('role') != role:
+            return f"{name}: its role became {now.get('role')!r}"
+        for key in sorted(set(was) | set(now)):
+            if was.get(key) == now.get(key):
+                continue
+            before, after = was.get(key), now.get(key)
+            if key == 'content' and isinstance(before, str) and isinstance(after, str) and after.startswith(before):
+                return f'{name}: text was appended to its content after the model saw it: {_clip(after[len(before):])}'
+            return f'{name}: field {key!r} changed from {_clip(before)} to {_clip(after)}'
+    return 'the messages were replaced'
 
 
 def _extension(history: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> Optional[tuple]:

@@ -1,8 +1,9 @@
 """``mtflow diff RUN_A RUN_B``: which requests two runs disagree on, and where first.
 
-Requests are matched by uuid (``mtflow/run/diff.py``); for each that differs the first turn and
-what differs there is printed, then the totals (identical / different / only in A / only in B)
-and the change of the mean reward of each group. ``--json`` prints JSON Lines instead: one object
+Requests are matched by uuid (``mtflow/run/diff.py``); those that started from another prompt or
+reference are printed first (they are not the same requests), then for each other that differs
+the first turn and what differs there, then the totals (different prompt or reference /
+identical / different / only in A / only in B) and the change of the mean reward of each group. ``--json`` prints JSON Lines instead: one object
 per differing request, then ``{"totals": ...}`` last. Streams both files: constant memory.
 
 Exit status: 0 when the runs are identical (on ``--fields``), 1 when not (usable in CI), 2 on a
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, List
+from typing import Any, Dict, List
 
 from mtflow.core.errors import UserError
 from mtflow.run.diff import FIELDS, LOGPROB_TOL, DiffRun, RequestDiff
@@ -37,8 +38,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _line(d: RequestDiff) -> str:
+    """``q2: turn 3: text: "a" vs "b"``; a request that started from another input says so first."""
+    line = f'{d.uuid}: {"started from another input" if d.is_input else f"turn {d.turn}"}: {_what(d)}'
+    return line + (f'; then turn {d.then.turn}: {_what(d.then)}' if d.then is not None else '')
+
+
+def _what(d: RequestDiff) -> str:
     parts = []
     for f in d.fields:
+        if f == 'prompt':
+            k = d.detail.get('prompt_message', 0)
+            parts.append(f'prompt message {k}: {json.dumps(d.a.get(f), ensure_ascii=False)[:120]} vs '
+                         f'{json.dumps(d.b.get(f), ensure_ascii=False)[:120]}')
+            continue
         if f in ('token_ids', 'trained') and 'first_token' in d.detail:
             ft = d.detail['first_token']
             where = 'token_ids' if f == 'token_ids' else 'trained ids (response_token_ids)'
@@ -46,7 +58,7 @@ def _line(d: RequestDiff) -> str:
         else:
             parts.append(f'{f}: {json.dumps(d.a.get(f), ensure_ascii=False)[:120]} vs '
                          f'{json.dumps(d.b.get(f), ensure_ascii=False)[:120]}')
-    return f'{d.uuid}: turn {d.turn}: ' + '; '.join(parts)
+    return '; '.join(parts)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -54,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         run = DiffRun(args.run_a, args.run_b, args.fields, args.logprob_tol)
     except ValueError as exc:
         raise UserError(f'--fields: {exc}') from None
-    shown = 0
+    shown: Dict[bool, List[str]] = {True: [], False: []}  # by RequestDiff.is_input, at most --max-shown each
     only: List[Any] = []
     out = sys.stdout
     try:
@@ -62,9 +74,8 @@ def main(args: argparse.Namespace) -> int:
             if isinstance(item, RequestDiff):
                 if args.json:
                     out.write(json.dumps(item.to_dict(), ensure_ascii=False, default=str) + '\n')
-                elif shown < args.max_shown:
-                    out.write(_line(item) + '\n')
-                    shown += 1
+                elif len(shown[item.is_input]) < args.max_shown:
+                    shown[item.is_input].append(_line(item))
             else:
                 kind, uuid = item
                 if args.json:
@@ -77,11 +88,17 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         out.write(json.dumps({'totals': totals.to_dict()}) + '\n')
     else:
+        for inputs, count in ((True, totals.different_input), (False, totals.different)):
+            for text in shown[inputs]:
+                out.write(text + '\n')
+            if count > len(shown[inputs]):
+                out.write(f'... and {count - len(shown[inputs])} more request(s) '
+                          f'{"that started from another input" if inputs else "that differ"} (--max-shown)\n')
         for text in only:
             out.write(text + '\n')
-        if totals.different > shown:
-            out.write(f'... and {totals.different - shown} more differing request(s) (--max-shown)\n')
-        out.write(f'identical {totals.identical}, different {totals.different}, only in A {totals.only_in_a}, '
+        out.write((f'different prompt or reference {totals.different_input} (not the same requests: their turns are '
+                   'not compared), ' if totals.different_input else '')
+                  + f'identical {totals.identical}, different {totals.different}, only in A {totals.only_in_a}, '
                   f'only in B {totals.only_in_b}\n')
         for group, change in totals.reward_changes().items():
             out.write(f'group {group}: mean reward {change["a"]:g} -> {change["b"]:g} ({change["change"]:+g})\n')

@@ -3,7 +3,8 @@
 ::
 
     mtflow gateway configs/gateway.yaml --port 0 --out runs/gw
-    # mtflow gateway: serving http://127.0.0.1:41237  (OpenAI base URL: http://127.0.0.1:41237/s/<session>/v1)
+    # mtflow gateway: serving http://127.0.0.1:41237 (OpenAI base URL http://127.0.0.1:41237/s/<session>/v1,
+    #   Anthropic http://127.0.0.1:41237/s/<session>) with hf (SmolLM2-135M-Instruct on cpu); writing runs/gw
 
 The config is a run config (``mtflow/run/config.py``: backend, model, request_config, max_turns,
 context; its ``gateway:`` section: tool parser, idle timeout, limits; no scheduler is needed).
@@ -45,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument('--backend', help='the backend (overrides the config)')
     p.add_argument('--model', help="the backend's model")
     p.add_argument('--resume', action='store_true', help='continue the run in --out after a restart')
+    p.add_argument('--accept-changed', action='store_true',
+                   help='with --resume: go on although files the config names changed (recorded in run.json)')
     p.add_argument('--overwrite', action='store_true', help='start afresh in a non-empty --out')
     p.add_argument('--delete-old', action='store_true', help='with --overwrite: delete the old run files instead')
     p.add_argument('--flush-every', type=int, default=256, metavar='N', help='write finished sessions in groups of N')
@@ -68,10 +71,12 @@ def _say(message: str) -> None:
 
 
 def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
-          extra: Optional[Callable[[Gateway], Dict[str, Any]]] = None) -> int:
+          extra: Optional[Callable[[Gateway], Dict[str, Any]]] = None, note: str = '') -> int:
     """Start the gateway ``start()`` builds (on ``store``), say where it serves, and serve until
     SIGINT or SIGTERM; then close it (the sessions in flight finish ``interrupted``), print the
     summary unless ``quiet`` (``extra(gateway)``: more figures for it), and return the exit code.
+    The first stdout line names the URL, then the backend and model that answer (``note``: more
+    about them: the default backend a config that names none gets)
     A signal before it serves leaves no run behind (130)."""
     gateway = None
     with StopSignals(message=None) as signals:
@@ -84,7 +89,7 @@ def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
                         f'{", ".join(gateway.cut[:20])}' + (' ...' if len(gateway.cut) > 20 else '')
                         if gateway.cut else ''))
             print(f'mtflow gateway: serving {gateway.url} (OpenAI base URL {gateway.url}/s/<session>/v1, Anthropic '
-                  f'{gateway.url}/s/<session>); writing {store.out_dir}', flush=True)
+                  f'{gateway.url}/s/<session>) with {gateway.serves}{note}; writing {store.out_dir}', flush=True)
             threading.Event().wait()
         except KeyboardInterrupt:
             _say(f'stopping ({"SIGTERM" if signals.signum == 15 else "SIGINT"}): the sessions in flight finish as '
@@ -113,5 +118,7 @@ def main(args: argparse.Namespace) -> int:
         backend = build_backend(cfg)
         return Gateway.from_config(cfg, backend, store).start()
 
-    return serve(store, start, args.quiet)
+    named = 'backend' in cfg.lines or 'backend' in cfg.overridden
+    note = '' if named else f', the default backend ({cfg.source or "the config"} names none)'
+    return serve(store, start, args.quiet, note=note)
 

@@ -28,7 +28,7 @@ from mtflow.run.agent_config import GatewayConfig
 from mtflow.run.assembly import scheduler_factory, seed_everything
 from mtflow.run.config import load_run_config
 from mtflow.run.driver import roll_out
-from mtflow.run.files import RUN_INFO, recorded_config_file
+from mtflow.run.files import RUN_INFO, check_out_apart, recorded_config_file
 from mtflow.run.fingerprint import run_fingerprint
 from mtflow.run.preflight import check_before_load
 from mtflow.run.recorded_steps import RecordedSteps
@@ -152,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     info = _run_info(run_dir)
     trajectories = trajectories_file(run_dir)
+    check_out_apart(args.out, run_dir, 'replay', overwrite=True)  # before anything is opened or moved
     config = args.config or recorded_config_file(run_dir, info)
     if not config:
         raise UserError(f'{run_dir / RUN_INFO} names no config_file: give the CONFIG to replay against')

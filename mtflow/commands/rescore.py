@@ -23,7 +23,7 @@ from mtflow.declarative.schema import REWARD_ARGS
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig, load_run_config
 from mtflow.run.diff import trajectories_file
-from mtflow.run.files import RUN_INFO, recorded_config_file
+from mtflow.run.files import RUN_INFO, check_out_apart, recorded_config_file
 from mtflow.run.rescore import Rescorer, count_lines
 
 
@@ -88,6 +88,7 @@ def _scoring(cfg: RunConfig, reward_ref: Optional[str]) -> Tuple[Any, Any, Dict[
 def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     source = trajectories_file(run_dir)
+    check_out_apart(args.out, source.parent, 'rescore')
     cfg = _config(run_dir, args.config)
     reward, policy, describe = _scoring(cfg, args.reward)
     requests = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)

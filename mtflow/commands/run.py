@@ -52,6 +52,7 @@ from mtflow.run.tracking import TRACKERS, check_tracker, make_tracker
 from mtflow.run.signals import StopSignals, exit_code_for
 from mtflow.run.store import RunDirError, RunStore
 from mtflow.run.summary import print_summary, summarize, too_many_failed
+from mtflow.run.trees import short_trees
 from mtflow.run.turn_log import REPLAY_FORMAT
 from mtflow.run.until import parse_until
 
@@ -84,6 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='a backend option (VALUE is YAML: 8, true, "text"); repeatable')
     p.add_argument('--resume', action='store_true',
                    help='continue the interrupted run in the output directory (same config and dataset)')
+    p.add_argument('--accept-changed', action='store_true', help='with --resume: go on past changed code (recorded)')
     p.add_argument('--overwrite', action='store_true',
                    help='start afresh in a non-empty output directory (the old one is moved to OUT.old-<time>)')
     p.add_argument('--delete-old', action='store_true', help='with --overwrite: delete the old run files instead')
@@ -189,13 +191,17 @@ def open_store(cfg: RunConfig, args: argparse.Namespace, fingerprint: Dict[str, 
         raise UserError('--resume and --overwrite exclude each other: continue the run, or start it afresh')
     if args.delete_old and not args.overwrite:
         raise UserError('--delete-old goes with --overwrite')
+    accept_changed = getattr(args, 'accept_changed', False)
+    if accept_changed and not args.resume:
+        raise UserError('--accept-changed goes with --resume')
     if not args.progress_every > 0:
         raise UserError(f'--progress-every must be > 0 seconds, not {args.progress_every}')
     if args.flush_every < 1 or args.flush_interval < 0:
         raise UserError('--flush-every must be >= 1 and --flush-interval >= 0')
     mode = 'resume' if args.resume else 'overwrite' if args.overwrite else 'new'
     return RunStore.open(cfg.out, mode, fingerprint, delete_old=args.delete_old, flush_every=args.flush_every,
-                         flush_interval_s=args.flush_interval, meta={**run_meta(cfg), **(meta or {})})
+                         flush_interval_s=args.flush_interval, meta={**run_meta(cfg), **(meta or {})},
+                         accept_changed=accept_changed)
 
 
 def run_meta(cfg: RunConfig) -> Dict[str, Any]:
@@ -348,16 +354,22 @@ class _Attempt:
 def _announce(store: RunStore, total: int) -> None:
     if store.set_aside is not None:
         _say(f'--overwrite: the previous run is now in {store.set_aside}')
-    if store.resumed:
-        notes = '; '.join(store.recovery.notes())
-        _say(f'resuming {store.out_dir}: {len(store.done)} of {total} requests already written'
-             + (f' ({notes})' if notes else ''))
+    if not store.resumed:
+        return
+    notes = '; '.join(store.recovery.notes())
+    written = (f'{len(store.started_prompts)} of {total} prompts already written ({len(store.done)} leaves)'
+               if store.branched else f'{len(store.done)} of {total} requests already written')
+    _say(f'resuming {store.out_dir}: {written}' + (f' ({notes})' if notes else ''))
+    short = short_trees(store.out_dir, store.done) if store.branched else []
+    if short:
+        _say(f'{len(short)} tree(s) on disk are short of their leaves and cannot be completed (their prompts are not '
+             f'run again): ' + '; '.join(t.line() for t in short[:5]) + (' ...' if len(short) > 5 else ''))
 
 
 def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``mtflow run`` of a config with ``agent:``: an agent process per request against its own
     gateway session (``mtflow/gateway/agents.py``, ``docs/gateway.md``)."""
-    from mtflow.gateway.agents import run_agents  # lazy: the gateway's HTTP server only for agent: runs
+    from mtflow.gateway.agents import check_command, run_agents  # lazy: the HTTP server only for agent: runs
 
     for flag, given in (('--ray', args.ray is not None), ('--until', getattr(args, 'until', None) is not None),
                         ('--mode', getattr(args, 'mode', None) is not None), ('--otel', getattr(args, 'otel', None)),
@@ -365,6 +377,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
         if given:
             raise UserError(f'{flag} does not go with an agent: run (the agents drive the sessions)')
     total = count_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations)
+    check_command(cfg)  # a command that cannot start: one line, before the run directory and the model
     with StopSignals(message=None) as signals:
         try:
             store = open_store(cfg, args, run_fingerprint(cfg, dataset_file(cfg)))
@@ -372,7 +385,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
             return _stop_code(signals)
         if not args.quiet:
             _announce(store, total)
-        status, summary = run_agents(cfg, store, total)
+        status, summary = run_agents(cfg, store, total, say=_say)
     if status == 'interrupted':
         if not args.quiet:
             _say(f'interrupted: {len(store.done)} of {total} episodes are written to {store.out_dir}; the agents '
@@ -429,8 +442,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _exit_code(summary: Dict[str, Any], cfg: RunConfig, store: Any) -> int:
-    """1 when more requests failed than ``max_failed_share`` (said on the last line: what the
-    exit status means), else 0; for a run and an agent: run alike."""
+    """1 when more requests failed than ``max_failed_share``, or (a branched run) a tree on disk is
+    short of its leaves (said on the last line: what the exit status means), else 0; for a run
+    and an agent: run alike."""
+    short = summary.get('trees_short') or []
+    if short:
+        _say(f'{len(short)} tree(s) short of their leaves in {Path(store.out_dir) / "trees.jsonl"} '
+             f'({", ".join(t["root"] for t in short[:5])}{" ..." if len(short) > 5 else ""}): exit status 1 (see '
+             f'trees_short in {Path(store.out_dir) / "summary.json"}; --overwrite runs them again from their prompts)')
+        return 1
     failed = too_many_failed(summary, cfg.max_failed_share)
     if failed is None:
         return 0

@@ -26,7 +26,7 @@ Tool = Dict[str, Any]
 __all__ = [
     'Message', 'Messages', 'Tool', 'RequestConfig', 'RolloutInferRequest', 'Function', 'ChatCompletionMessageToolCall',
     'ChatMessage', 'UsageInfo', 'ChatCompletionResponseChoice', 'ChatCompletionResponse', 'RolloutOutput',
-    'extract_logprobs', 'make_choice', 'make_response'
+    'extract_logprobs', 'generated_tokens', 'make_choice', 'make_response'
 ]
 
 
@@ -170,6 +170,17 @@ def extract_logprobs(choice: Any) -> List[float]:
     if content is None:
         return []
     return [item['logprob'] for item in content]
+
+
+def generated_tokens(response: Any, choice: Any) -> int:
+    """How many tokens the model generated for ``choice``: its ids when it carries them, else the
+    response's ``usage.completion_tokens`` (a server in chat mode returns text and usage, no ids),
+    else 0. The one count behind the trace's ``tokens``, the summary and a context budget."""
+    ids = getattr(choice, 'token_ids', None)
+    if ids:
+        return len(ids)
+    tokens = getattr(getattr(response, 'usage', None), 'completion_tokens', None)
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0
 
 
 def make_choice(content: str,

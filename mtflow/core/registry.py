@@ -19,8 +19,36 @@ import sys
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ['Registry', 'import_module', 'resolve_reference', 'registry_for', 'entry_point_names',
+__all__ = ['Registry', 'import_module', 'module_file', 'resolve_reference', 'registry_for', 'entry_point_names',
            'load_entry_point', 'loaded_entry_points', 'refresh_entry_points', 'import_plugins']
+
+
+def _local_file(module_name: str, base_dir: Optional[str]) -> Tuple[bool, str, Optional[str]]:
+    """``(is a path, the relative file, the file found)`` of a module name, as
+    :func:`import_module` looks for it next to ``base_dir`` and in the current directory."""
+    is_path = '/' in module_name or module_name.endswith('.py')
+    relative = (module_name if module_name.endswith('.py') else module_name + '.py') if is_path else \
+        os.path.join(*module_name.split('.')) + '.py'
+    candidates = [relative] if os.path.isabs(relative) else \
+        [os.path.join(d, relative) for d in (base_dir, os.getcwd()) if d]
+    return is_path, relative, next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
+
+
+def module_file(module_name: str, base_dir: Optional[str] = None) -> Optional[str]:
+    """The source file :func:`import_module` would run for ``module_name``, found without running
+    it (an installed module's parent packages are imported to find it); ``None`` when there is
+    none (a built-in module, a name that does not import)."""
+    is_path, _, candidate = _local_file(module_name, base_dir)
+    if is_path:
+        return candidate
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        spec = None
+    origin = getattr(spec, 'origin', None)
+    if spec is not None:
+        return origin if origin and os.path.isfile(origin) else None
+    return candidate
 
 
 def import_module(module_name: str, base_dir: Optional[str] = None) -> Any:
@@ -30,12 +58,7 @@ def import_module(module_name: str, base_dir: Optional[str] = None) -> Any:
     lacks the directory ``python -m`` would put there). A name that is a path (``../lib/rewards``,
     ``tools/mine.py``, absolute or not) is that file. ``ImportError`` names what was missing; an
     exception raised by the module itself propagates."""
-    is_path = '/' in module_name or module_name.endswith('.py')
-    relative = (module_name if module_name.endswith('.py') else module_name + '.py') if is_path else \
-        os.path.join(*module_name.split('.')) + '.py'
-    candidates = [relative] if os.path.isabs(relative) else \
-        [os.path.join(d, relative) for d in (base_dir, os.getcwd()) if d]
-    candidate = next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
+    is_path, relative, candidate = _local_file(module_name, base_dir)
     if is_path:
         if candidate is None:
             raise ImportError(f'cannot import module {module_name!r}: no file {relative}'

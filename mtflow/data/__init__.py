@@ -11,7 +11,8 @@ One line of a dataset is one request::
 Instead of ``messages`` a line may give ``prompt`` (or ``query``): one user message, with an
 optional ``system``. ``uuid`` (or ``id``) is optional (``<file stem>-<line>`` otherwise) but must
 be unique. Any other key goes into ``data_dict``, where schedulers read per-prompt data (answers,
-targets).
+targets). A NeMo Gym row (``responses_create_params`` with ``input`` and ``tools``, and its task's
+own fields) is read as it is (:func:`nemo_gym_row`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 from mtflow.core.errors import UserError
 from mtflow.core.protocol import RolloutInferRequest
 
-__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'iter_located_prompts', 'count_prompts']
+__all__ = ['DatasetError', 'bundled_dataset', 'read_prompts', 'iter_prompts', 'iter_located_prompts', 'count_prompts',
+           'nemo_gym_row', 'responses_tools']
 
 _KNOWN = {'uuid', 'id', 'messages', 'prompt', 'query', 'system', 'tools', 'data_dict', 'images', 'chat_template_kwargs'}
 
@@ -36,7 +38,48 @@ def bundled_dataset() -> Path:
     return Path(__file__).with_name('prompts.jsonl')
 
 
+def responses_tools(tools: Any) -> List[Dict[str, Any]]:
+    """Responses API tools (``{type, name, parameters, ...}``) as chat-completions tools."""
+    out = []
+    for tool in tools or []:
+        if isinstance(tool, dict) and tool.get('type', 'function') == 'function' and 'function' not in tool:
+            out.append({'type': 'function', 'function': {k: tool[k] for k in ('name', 'description', 'parameters')
+                                                         if k in tool}})
+        else:
+            out.append(tool)
+    return out
+
+
+def nemo_gym_row(item: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """A NeMo Gym JSONL row as a line of this format: ``responses_create_params.input`` (its
+    ``developer`` messages as ``system``) is the conversation, its ``tools`` (Responses API) the
+    request's tools; the whole row stays in ``data_dict`` (a resources server reads it back)."""
+    params = item['responses_create_params']
+    inputs = params.get('input')
+    if isinstance(inputs, str):
+        inputs = [{'role': 'user', 'content': inputs}]
+    if not isinstance(inputs, list) or not inputs:
+        raise DatasetError(f"{where}: responses_create_params.input must be a non-empty list of messages")
+    messages = []
+    for k, m in enumerate(inputs):
+        if not isinstance(m, dict) or not isinstance(m.get('role'), str):
+            raise DatasetError(f'{where}: responses_create_params.input[{k}] is not a message with a role')
+        content = m.get('content')
+        if isinstance(content, list):  # [{type: input_text, text}]
+            content = ''.join(str(p.get('text', '')) for p in content if isinstance(p, dict))
+        messages.append({'role': 'system' if m['role'] == 'developer' else m['role'], 'content': content or ''})
+    out = {k: v for k, v in item.items() if k in _KNOWN}
+    out.update(messages=messages, data_dict={**{k: v for k, v in item.items() if k not in ('uuid', 'data_dict')},
+                                             **(item.get('data_dict') or {})})
+    if params.get('tools') and 'tools' not in item:
+        out['tools'] = responses_tools(params['tools'])
+    return out
+
+
 def _request(item: Dict[str, Any], where: str, default_uuid: str) -> RolloutInferRequest:
+    if 'messages' not in item and 'prompt' not in item and 'query' not in item and \
+            isinstance(item.get('responses_create_params'), dict):
+        item = nemo_gym_row(item, where)
     if 'messages' in item:
         messages = item['messages']
         if not isinstance(messages, list) or not messages or not all(
@@ -103,9 +146,10 @@ def iter_located_prompts(path: Optional[Union[str, Path]] = None, limit: Optiona
             try:
                 item = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise DatasetError(f'{where}: not valid JSON: {exc.msg} (column {exc.colno})') from exc
+                raise DatasetError(_not_json_lines(path, no, raw, count)
+                                   or f'{where}: not valid JSON: {exc.msg} (column {exc.colno})') from exc
             if not isinstance(item, dict):
-                raise DatasetError(f'{where}: each line must be a JSON object')
+                raise DatasetError(_not_json_lines(path, no, raw, count) or f'{where}: each line must be a JSON object')
             req = _request(item, where, f'{path.stem}-{no}')
             if check_unique:
                 if req.uuid in seen:
@@ -115,6 +159,24 @@ def iter_located_prompts(path: Optional[Union[str, Path]] = None, limit: Optiona
             yield where, req
     if not count:
         raise DatasetError(f'{path}: no prompts')
+
+
+def _not_json_lines(path: Path, no: int, raw: str, count: int) -> Optional[str]:
+    """The one line for a dataset that is one JSON document rather than JSON Lines, found at its
+    first line (``count``: prompts read before it): a JSON array (``[{...}, {...}]``, on one line
+    or pretty-printed), or an object spread over several lines; ``None`` for any other bad line."""
+    if count:
+        return None
+    head = raw.strip()
+    lines = path.with_suffix('.jsonl') if path.suffix != '.jsonl' else path.with_name(f'{path.stem}-lines.jsonl')
+    convert = f"jq -c '.[]' {path} > {lines}"
+    if head.startswith('['):
+        return (f'{path}:{no}: the file is a JSON array, not JSON Lines: a dataset holds one JSON object per line '
+                f'(convert it: {convert})')
+    if head.startswith('{') and not head.endswith('}'):
+        return (f'{path}:{no}: a JSON object spread over several lines: a dataset is JSON Lines, one whole JSON '
+                f'object per line (convert it: jq -c . {path} > {lines})')
+    return None
 
 
 def count_prompts(path: Optional[Union[str, Path]] = None, limit: Optional[int] = None) -> int:

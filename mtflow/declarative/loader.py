@@ -25,9 +25,11 @@ from mtflow.core.safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
 from mtflow.declarative.envs import env_kind, make_env_factory
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS, get_parser
+from mtflow.declarative.reasoning import reasoning_parser
 from mtflow.declarative.scheduler import YamlScheduler
 from mtflow.declarative.schema import EnvConfig, SchedulerConfig, cross_problems
 from mtflow.tools.registry import TOOLS, check_builtin_options, make_builtin
+from mtflow.tools.tool import parameters_problems
 
 Loc = Tuple[Union[str, int], ...]
 
@@ -210,39 +212,32 @@ def check_data(data: Any, file: str, lines: Dict[Loc, int], base_dir: Optional[s
 
 def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[Problem]) -> List[Tuple[Loc, str]]:
     """What only building finds, tried section by section on the raw mapping (a section the
-    schema already flagged is skipped): a built-in's options, a parser's options, an
-    environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
+    schema already flagged is skipped): a built-in's options, a tool's declared parameters against
+    its function's signature, a parser's options, an environment's kwargs, and ``scheduler_class`` being a :class:`YamlScheduler` subclass."""
     out: List[Tuple[Loc, str]] = []
     tools = data.get('tools') if isinstance(data.get('tools'), list) else []
     for i, tc in enumerate(tools):
-        if not isinstance(tc, dict) or tc.get('impl') or _under(('tools', i, 'options'), found):
-            continue
-        name, options = tc.get('builtin') or tc.get('name'), tc.get('options', {})
-        if not isinstance(name, str) or name not in TOOLS.names() or not isinstance(options, dict):
-            continue
-        try:
-            bad = check_builtin_options(name, options)
-            if not bad:
-                make_builtin(name, options)
-        except ImportError as exc:  # an installed plugin's entry point that does not load
-            out.append((('tools', i), str(exc)))
-            continue
-        except (KeyError, ValueError, TypeError) as exc:
-            out.append((('tools', i, 'options'), str(exc).strip('"')))
-            continue
-        except Exception as exc:  # the factory itself failed
-            out.append((('tools', i, 'options'), f'{type(exc).__name__}: {exc}'))
-            continue
-        out += [(('tools', i, 'options') + tuple(loc), msg) for loc, msg in bad]
+        if isinstance(tc, dict):
+            out += _tool_problems(('tools', i), tc, base_dir, found)
     parser, options = data.get('parser', 'hermes'), data.get('parser_options', {})
     if isinstance(parser, str) and isinstance(options, dict) and not _under(('parser', ), found) and \
             not _under(('parser_options', ), found):
         try:
             get_parser(parser, options, base_dir)
-        except ImportError as exc:
+        except (ImportError, RuntimeError) as exc:  # a missing package or what it needs (harmony's vocabulary)
             out.append((('parser', ), str(exc)))
         except Exception as exc:
             out.append((('parser_options', ), f'{type(exc).__name__}: {exc}'))
+    reasoning = data.get('reasoning', 'auto')
+    reasoning = reasoning.get('parser', 'auto') if isinstance(reasoning, dict) else reasoning
+    parser_failed = any(loc == ('parser', ) for loc, _ in out)  # (harmony: the same missing package, said once)
+    if isinstance(reasoning, str) and isinstance(parser, str) and not _under(('reasoning', ), found) and \
+            not parser_failed:
+        try:
+            reasoning_parser(reasoning, parser, base_dir=base_dir)
+        except Exception as exc:
+            out.append((('reasoning', ), str(exc) if isinstance(exc, (ImportError, RuntimeError)) else
+                        f'{type(exc).__name__}: {exc}'))
     env = data.get('env')
     if isinstance(env, dict) and not _under(('env', ), found):
         out += _env_problems(env, base_dir)
@@ -258,9 +253,43 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
     return out
 
 
+def _tool_problems(at: Loc, tc: Dict[str, Any], base_dir: Optional[str], found: List[Problem]) -> List[Tuple[Loc, str]]:
+    """What building one ``tools`` entry finds: a built-in's options, and declared ``parameters``
+    that its function's signature would refuse (:func:`mtflow.tools.tool.parameters_problems`),
+    each at the line of the parameter."""
+    out: List[Tuple[Loc, str]] = []
+    fn = None
+    if tc.get('impl'):
+        try:
+            fn = resolve_reference(tc['impl'], base_dir) if isinstance(tc['impl'], str) else None
+        except Exception:
+            fn = None  # the schema reports it
+    elif not _under(at + ('options', ), found):
+        name, options = tc.get('builtin') or tc.get('name'), tc.get('options', {})
+        if not isinstance(name, str) or name not in TOOLS.names() or not isinstance(options, dict):
+            return out
+        try:
+            bad = check_builtin_options(name, options)
+            if not bad:
+                fn = make_builtin(name, options)
+        except ImportError as exc:  # an installed plugin's entry point that does not load
+            return [(at, str(exc))]
+        except (KeyError, ValueError, TypeError) as exc:
+            return [(at + ('options', ), str(exc).strip('"'))]
+        except Exception as exc:  # the factory itself failed
+            return [(at + ('options', ), f'{type(exc).__name__}: {exc}')]
+        out += [(at + ('options', ) + tuple(loc), msg) for loc, msg in bad]
+    params = tc.get('parameters')
+    if callable(fn) and isinstance(params, dict) and not _under(at + ('parameters', ), found):
+        out += [(at + ('parameters', ) + where, f'tool {tc.get("name")!r}: {msg}')
+                for where, msg in parameters_problems(fn, params)]
+    return out
+
+
 def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Loc, str]]:
     """Build the ``env`` section's factory once, whatever its kind (impl, gym, openenv,
-    textarena), as the scheduler will: the class's kwargs, a textarena game id, a missing extra.
+    textarena, skyrl_gym, gem, nemo_gym, verifiers), as the scheduler will: the class's kwargs,
+    a game or environment id, a missing extra.
     Nothing is launched or connected (an OpenEnv pool starts its servers at the first session)."""
     try:
         env_cfg = EnvConfig.model_validate(env, context={'base_dir': base_dir, 'resolve': True})
@@ -268,7 +297,7 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
         return []  # the schema reports it, with its lines
     kind = env_kind(env_cfg)
     what = getattr(env_cfg, kind)
-    name = what if isinstance(what, str) else getattr(what, 'id', kind)
+    name = what if isinstance(what, str) else getattr(what, 'id', None) or getattr(what, 'taskset', kind)
     try:
         factory = make_env_factory(env_cfg, base_dir)
     except ImportError as exc:  # a missing extra, or an entry point that does not load
@@ -287,7 +316,8 @@ def _env_problems(env: Dict[str, Any], base_dir: Optional[str]) -> List[Tuple[Lo
 #: the keys that name Python code (``module:attribute``) the scheduler will import
 _REF_FIELDS: Tuple[Loc, ...] = (('parser', ), ('reward', ), ('turn_reward', ), ('scheduler_class', ),
                                ('stop', 'predicate'), ('answer', 'compare'), ('env', 'impl'), ('env', 'gym'),
-                               ('env', 'openenv', 'launch'), ('branch', 'at', 'hook'))
+                               ('env', 'openenv', 'launch'), ('env', 'skyrl_gym', 'id'), ('branch', 'at', 'hook'),
+                               ('observation', 'images_from', 'impl'))
 
 
 def imports_of(data: Any) -> List[Tuple[str, str]]:
@@ -303,8 +333,9 @@ def imports_of(data: Any) -> List[Tuple[str, str]]:
         if isinstance(tc, dict) and isinstance(tc.get('impl'), str):
             out.append((format_path(('tools', i, 'impl')), tc['impl']))
     for i, tip in enumerate(data.get('tips') if isinstance(data.get('tips'), list) else []):
-        if isinstance(tip, dict) and isinstance(tip.get('predicate'), str):
-            out.append((format_path(('tips', i, 'predicate')), tip['predicate']))
+        for key in ('predicate', 'images_impl'):
+            if isinstance(tip, dict) and isinstance(tip.get(key), str):
+                out.append((format_path(('tips', i, key)), tip[key]))
     for loc in _REF_FIELDS:
         value: Any = data
         for key in loc:

@@ -2,29 +2,37 @@
 call, or joined) or as text appended to the assistant message (``inline``, loss mask 0)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from mtflow.core.images import place_images
 from mtflow.declarative.schema import ObservationConfig
 from mtflow.declarative.templates import render
-from mtflow.tools.runner import ToolResult, truncate
+from mtflow.tools.bounds import Cut, cut_text
+from mtflow.tools.runner import ToolResult
 from mtflow.tools.tool import Tool
 
-__all__ = ['render_result', 'add_observations']
+__all__ = ['Rendered', 'render_result', 'add_observations']
+
+
+class Rendered(NamedTuple):
+    """One result as the model reads it, and the cut that bounded it (``None``: shown whole)."""
+    text: str
+    cut: Optional[Cut]
 
 
 def render_result(obs: ObservationConfig, tools: Dict[str, Tool], tokenizer: Any, result: ToolResult,
-                  index: int) -> str:
+                  index: int) -> Rendered:
     """One result's text: ``error_template`` for a failed call, else ``template`` with the output
-    cut to the tool's ``max_observation`` (tokens with a tokenizer, else characters)."""
+    cut to the tool's ``max_observation`` (tokens with a tokenizer, else characters; a marker says
+    how much was dropped, :mod:`mtflow.tools.bounds`)."""
     if not result.ok:
-        return render(obs.error_template, name=result.name, error=result.error, index=index)
+        return Rendered(render(obs.error_template, name=result.name, error=result.error, index=index), None)
     tool = tools.get(result.name)
-    text = result.output
-    if tool is not None and tool.max_observation:
-        text = truncate(text, tool.max_observation, tool.truncate_side, tokenizer)
+    text, cut = result.output, None
+    if tool is not None:
+        text, cut = cut_text(text, tool.max_observation, tool.truncate_side, tokenizer, result.output_chars)
     text = place_images(text, len(result.images))  # after the cut: every image keeps its placeholder
-    return render(obs.template, name=result.name, result=text, index=index)
+    return Rendered(render(obs.template, name=result.name, result=text, index=index), cut)
 
 
 def add_observations(obs: ObservationConfig, messages: List[Dict[str, Any]], results: List[ToolResult],

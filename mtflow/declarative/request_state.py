@@ -40,6 +40,9 @@ class RequestState:
     #: per-turn rewards (``mtflow.accounting.turn_spans``): env steps, tool rewards, ``turn_reward``
     turn_rewards: List[Dict[str, Any]] = field(default_factory=list)
     answer_correct: Optional[bool] = None
+    #: the next turn continues the assistant message (inline text was appended): no generation
+    #: prompt opened a thinking block for it (:mod:`mtflow.declarative.reasoning`)
+    continued: bool = False
     #: a replayable environment (``replayable = True``): the request it was reset with, and each
     #: action it was stepped with and the observation it gave, so that a fork can replay it
     env_reset: Any = None

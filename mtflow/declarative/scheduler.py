@@ -30,6 +30,7 @@ naming the request, the turn and ``observation.mode``; a backend that returns no
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestError
@@ -48,6 +49,7 @@ from mtflow.declarative.images import (ResultImages, add_images, limits_of, norm
 from mtflow.declarative.observations import add_observations, render_result
 from mtflow.declarative.parsers import ToolCall, get_parser
 from mtflow.declarative.policy import INFO_KEY as POLICY_INFO_KEY, FinishPolicy, apply_policy
+from mtflow.declarative.reasoning import Split, opens_thinking, reasoning_parser, split_messages, split_reasoning
 from mtflow.declarative.request_state import RequestState, maybe_await
 from mtflow.declarative.schema import SchedulerConfig
 from mtflow.declarative.stop_rules import StopRules
@@ -84,6 +86,11 @@ class YamlScheduler(Scheduler):
         self.name = config.name
         self.base_dir = base_dir
         self.parser = get_parser(config.parser, config.parser_options, base_dir)
+        #: splits each reply's reasoning from its content (the ``reasoning`` section); whether a
+        #: generation prompt opens the thinking is asked of the template per request (``opened_for``)
+        self.reasoning = reasoning_parser(config.reasoning.parser, config.parser, None, None,
+                                          config.reasoning.opened_in_prompt, base_dir)
+        self._opens: Dict[Any, Optional[bool]] = {}
         self.tools: List[Tool] = [build_tool(tc, base_dir) for tc in config.tools]
         self.runner = ToolRunner(self.tools, config.max_threads)
         self.stop_rules = StopRules(config.stop, base_dir)
@@ -207,10 +214,15 @@ class YamlScheduler(Scheduler):
             await asyncio.gather(*[self.envs.start(request, self._state(request)) for request in requests])
 
     def finalize_output(self, output: Any, finish_reason: str, turn: int) -> Any:
-        """Apply ``finish_policy`` (the executor calls this once per request, on every finish path:
-        stop rules, ``length``, ``max_turns``, errors, timeouts, interrupts)."""
+        """Split each assistant message's reasoning into ``reasoning_content`` (the token ids stay
+        as they are) and apply ``finish_policy`` (the executor calls this once per request, on
+        every finish path: stop rules, ``length``, ``max_turns``, errors, timeouts, interrupts)."""
+        if output.messages:
+            split = split_messages(output.messages, self.reasoning)
+            if any(a is not b for a, b in zip(split, output.messages)):
+                output = output.model_copy(update={'messages': split})
         if self.finish_policy is None:
-            return None
+            return {'output': output}
         output = apply_policy(self.finish_policy, output, finish_reason)
         # the same record on the finish event of the trace (``finish_policy`` in its extra)
         return {'output': output, 'trace_info': {'finish_policy': output.rollout_infos.get(POLICY_INFO_KEY)}}
@@ -251,13 +263,15 @@ class YamlScheduler(Scheduler):
     async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
         state = self._state(infer_request)
         state.calls, state.tip, state.env_obs = [], None, None
-        completion = response_choice.message.content or ''
+        whole = response_choice.message.content or ''
+        completion = self.split_reply(whole, state.continued, infer_request).content  # no action, call or answer
+        state.continued = False
         infos: Dict[str, Any] = {}
         reason = None if self.envs.factory is None else await self.envs.step(infer_request, state, completion, infos,
                                                                              current_turn)
         answer = correct = None
         if self.answers is not None:
-            answer = self.extract_answer(completion)
+            answer = self.extract_answer(whole if self.config.answer.include_reasoning else completion)
             correct = self.answer_is_correct(answer, infer_request)
             state.answer_correct = correct
             infos.update(answer=answer, answer_correct=correct)
@@ -266,8 +280,8 @@ class YamlScheduler(Scheduler):
         if self.tools or self.config.stop.stop_tools:
             calls = self._turn_calls(infer_request, response_choice, completion, state)
         if reason is None:
-            reason = await self.stop_rules.first_match(completion, calls, correct, infer_request, response_choice,
-                                                       current_turn)
+            reason = await self.stop_rules.first_match(whole if self.config.stop.include_reasoning else completion,
+                                                       calls, correct, infer_request, response_choice, current_turn)
         if reason is None and state.env_obs is None:
             state.tip = self.tip_rules.choose(state.tips_given, completion, calls, answer, correct, infer_request,
                                            response_choice, current_turn)
@@ -276,9 +290,41 @@ class YamlScheduler(Scheduler):
         if reason is None and turn_limit_reached(current_turn, self.max_turns):  # the bound of mtflow.core.stop
             reason = MAX_TURNS
         state.calls = calls if reason is None and state.tip is None and state.env_obs is None else []
-        await self.turn_rewards.hook_reward(state, infer_request, completion, infos, current_turn)
+        await self.turn_rewards.hook_reward(state, self.content_view(infer_request), completion, infos, current_turn)
         infos.update(self.turn_rewards.infos(state))
         return await self._turn_result(infer_request, state, reason, infos)
+
+    def split_reply(self, text: str, continued: bool = False, infer_request: Any = None) -> Split:
+        """A reply's reasoning and content (the ``reasoning`` section; ``continued``: the turn
+        continued the assistant message, so no generation prompt opened a thinking block)."""
+        return split_reasoning(text, self.reasoning, continued, self.opened_for(infer_request))
+
+    def opened_for(self, infer_request: Any) -> Optional[bool]:
+        """Whether ``infer_request``'s generation prompt opens a thinking block: the config's
+        ``opened_in_prompt``, else the tokenizer's template asked with the request's
+        ``chat_template_kwargs`` (``enable_thinking: false`` closes it), once per distinct kwargs."""
+        if self.config.reasoning.opened_in_prompt is not None or self.reasoning.name == 'none':
+            return self.config.reasoning.opened_in_prompt
+        kwargs = dict(getattr(infer_request, 'chat_template_kwargs', None) or {})
+        key = repr(sorted(kwargs.items()))
+        if key not in self._opens:
+            self._opens[key] = opens_thinking(self.tokenizer, None, kwargs)
+        return self._opens[key]
+
+    def content_view(self, infer_request: Any) -> Any:
+        """``infer_request`` as rewards see it: each assistant message's reasoning in
+        ``reasoning_content``, its ``content`` what the model said (a copy; the request is unchanged)."""
+        messages = getattr(infer_request, 'messages', None)
+        if not messages:
+            return infer_request
+        split = split_messages(messages, self.reasoning, opened=self.opened_for(infer_request))
+        if all(a is b for a, b in zip(split, messages)):
+            return infer_request
+        if hasattr(infer_request, 'model_copy'):
+            return infer_request.model_copy(update={'messages': split})
+        view = copy.copy(infer_request)
+        view.messages = split
+        return view
 
     async def _turn_result(self, infer_request: Any, state: RequestState, reason: Optional[str],
                            infos: Dict[str, Any]) -> Dict[str, Any]:
@@ -289,7 +335,7 @@ class YamlScheduler(Scheduler):
         if reason is not None:
             infos['stop_rule'] = reason
             if self._reward is not None:
-                value = await maybe_await(self._reward(infer_request, dict(infos)))
+                value = await maybe_await(self._reward(self.content_view(infer_request), dict(infos)))
                 infos['reward'] = check_reward(value, getattr(infer_request, 'uuid', None), None,
                                                f'reward ({self.config.reward})')
             return {'done': True, 'finish_reason': reason, 'rollout_infos': infos}
@@ -321,7 +367,7 @@ class YamlScheduler(Scheduler):
           'length'``, no closing delimiter) is truncated: malformed, never run;
         - a reply with no call in the parser's format that looks like a call in another format
           gets one malformed call naming both formats, so the model is told (not silence)."""
-        return read_calls(self.parser, [t.name for t in self.tools], completion, finish_reason)
+        return read_calls(self.parser, [t.name for t in self.tools], completion, finish_reason, self.tool_specs)
 
     # ---- acting ---------------------------------------------------------------------------------
     async def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
@@ -345,16 +391,18 @@ class YamlScheduler(Scheduler):
             if self.result_images is not None and self.recorded_tools is None:  # recorded: already read
                 results = self.result_images.apply(results, infer_request.uuid, current_turn)
             self.turn_rewards.tools(state, current_turn, results)
-            trace_info['calls'] = [r.to_info() for r in results]
+            rendered = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
+                        for i, r in enumerate(results)]
+            trace_info['calls'] = [call_info(r, view.cut) for r, view in zip(results, rendered)]
             trace_info.update(state.calls_from)
-            # what a replay needs beside it: each call's arguments and its whole result text
+            # what a replay needs beside it: each call's arguments and its result text (as kept)
             trace_info['tool_io'] = [tool_io(r) for r in results]
             images = tool_images(results, self.config.observation.mode, self.image_limits, infer_request.uuid,
                                  current_turn)
-            texts = [render_result(self.config.observation, self.runner.tools, self.tokenizer, r, i + 1)
-                     for i, r in enumerate(results)]
-            inline_text = add_observations(self.config.observation, messages, results, texts, state.call_ids)
+            inline_text = add_observations(self.config.observation, messages, results,
+                                           [view.text for view in rendered], state.call_ids)
             add_images(infer_request, images, trace_info)
+        state.continued = bool(inline_text)  # the next turn continues this assistant message
         counters = state.counters() if self.tools else (
             {'tips_given': dict(state.tips_given)} if state.tips_given else {})
         trace_info.update(counters)
@@ -404,10 +452,23 @@ class YamlScheduler(Scheduler):
         return results
 
 
+def call_info(result: ToolResult, cut: Any) -> Dict[str, Any]:
+    """A call's entry in the step's trace ``calls``: ``ToolResult.to_info``, and ``cut`` when its
+    observation was bounded (``max_observation``: counted in the summary)."""
+    info = result.to_info()
+    if cut is not None:
+        info['cut'] = cut.to_info()
+    return info
+
+
 def tool_io(result: ToolResult) -> Dict[str, Any]:
     """What a replay needs of a call beside its ``calls`` entry (``ToolResult.to_info``): the
-    arguments, the whole result text, and the whole error when ``calls`` holds it cut."""
+    arguments, the result text as the runner kept it (with ``output_chars``, its length before,
+    when it kept a window: :mod:`mtflow.tools.bounds`), and the whole error when ``calls`` holds
+    it cut."""
     io: Dict[str, Any] = {'arguments': result.arguments, 'output': result.output}
+    if result.output_chars is not None:
+        io['output_chars'] = result.output_chars
     if not result.ok and len(result.error) > ERROR_INFO_CHARS:
         io['error'] = result.error
     return io

@@ -12,7 +12,8 @@ import os
 import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 from typing_extensions import Annotated
 
 from mtflow.core.images import ImageError, to_image_url
@@ -20,12 +21,15 @@ from mtflow.core.keys import StrictModel
 from mtflow.core.registry import resolve_reference
 from mtflow.core.signatures import call_problem
 from mtflow.core.stop import MAX_TURNS_BOUND
-from mtflow.declarative.envs.config import ENV_KINDS, OpenEnvConfig, TextArenaConfig
+from mtflow.declarative.envs.config import (ENV_KINDS, GemConfig, NemoGymConfig, OpenEnvConfig, SkyRLGymConfig,
+                                            TextArenaConfig, VerifiersConfig)
 from mtflow.engine.branching import Branching
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.policy import PolicyAction, check_key
+from mtflow.declarative.reasoning import REASONING
 from mtflow.declarative.templates import FIELDS, check_template
+from mtflow.tools.bounds import DEFAULT_MAX_OBSERVATION
 from mtflow.tools.registry import TOOLS
 
 
@@ -54,6 +58,15 @@ def _check_ref(value: Optional[str], info: ValidationInfo) -> Optional[str]:
     """``module:attribute`` must import (when the context allows resolving)."""
     _resolved(value, info)
     return value
+
+
+def _named(registry: Any, value: str, info: ValidationInfo, also: tuple = ()) -> str:
+    """A name ``registry`` knows (or one of ``also``), else a ``module:attribute`` that imports."""
+    if value in also or value in registry.names():
+        return value
+    if ':' not in value:
+        raise ValueError(registry.unknown(value))
+    return _check_ref(value, info)
 
 
 def _hook(what: str, *args: str) -> Any:
@@ -148,8 +161,10 @@ class ToolConfig(StrictModel):
     timeout_s: Optional[float] = Field(None, gt=0, description='Per-call timeout in seconds; a timeout is a tool error.')
     max_concurrency: Optional[int] = Field(
         None, ge=1, description='At most this many calls of this tool run at once, across all requests.')
-    max_observation: Optional[int] = Field(
-        None, ge=1, description='Longest observation kept: tokens when the scheduler has a tokenizer, else characters.')
+    max_observation: int = Field(
+        DEFAULT_MAX_OBSERVATION, ge=1, description='Longest observation of one call: tokens when the scheduler has a '
+        f'tokenizer, else characters (default {DEFAULT_MAX_OBSERVATION}); a longer result is cut, with a marker the '
+        'model reads ([... N tokens truncated]), and counted in the summary.')
     truncate_side: Literal['right', 'left'] = Field(
         'right', description="Which end of a long observation is cut: 'right' keeps the beginning, 'left' the end.")
     reward: Optional[ToolReward] = Field(
@@ -260,6 +275,8 @@ class StopConfig(StrictModel):
                                       "'stop_rule:<name>' (e.g. final_answer: 'Final Answer:'); one that matches the "
                                       'empty string is an error.')
     on_length: bool = Field(True, description="Stop with 'length' when the output hit the token limit.")
+    include_reasoning: bool = Field(False, description="The regex rules search the whole reply, reasoning included; "
+                                    "by default they search the content only (see `reasoning`).")
     correct_answer: bool = Field(False, description="Stop ('stop_rule:correct_answer') when the answer (see `answer`) "
                                  'matches the data_dict field.')
     predicate: Optional[PredicateHook] = Field(
@@ -282,6 +299,8 @@ class AnswerConfig(StrictModel):
     field: str = Field('solution', description='data_dict key holding the reference answer.')
     compare: str = Field('numeric', description="'exact' (after stripping), 'numeric' (as numbers when both parse, "
                          "else exact) or 'module:function'(answer, reference) -> bool.")
+    include_reasoning: bool = Field(False, description='Read the answer from the whole reply, reasoning included; by '
+                                    'default from the content only (see `reasoning`).')
 
     @field_validator('compare')
     @classmethod
@@ -295,6 +314,28 @@ class AnswerConfig(StrictModel):
         if problem:
             raise ValueError(problem)
         return v
+
+
+class ReasoningConfig(StrictModel):
+    """How a reply's reasoning is split from its content (mtflow.declarative.reasoning): stop rules,
+    answers, tips, rewards, environments and tool calls see the content; the trajectory keeps both
+    (the assistant message's reasoning_content); the token ids are never changed."""
+    parser: str = Field('auto', description="'auto' (by the tool-call parser's family: harmony for gpt-oss, kimi "
+                        "for Kimi, think otherwise), 'think' (<think>...</think>), 'kimi', 'harmony' (gpt-oss's "
+                        "analysis channel), 'none', a registered name or 'module:Class'.")
+    opened_in_prompt: Optional[bool] = Field(
+        None, description="The chat template's generation prompt opens <think> (so a reply has only </think>, and "
+        'one with neither tag is all reasoning); default: asked of the tokenizer\'s template when there is one.')
+
+    @field_validator('parser')
+    @classmethod
+    def _parser(cls, v: str, info: ValidationInfo) -> str:
+        return _named(REASONING, v, info, also=('auto', ))
+
+
+def _reasoning_shorthand(value: Any) -> Any:
+    """``reasoning: think`` is ``reasoning: {parser: think}``."""
+    return {'parser': value} if isinstance(value, str) else value
 
 
 class TipConfig(StrictModel):
@@ -345,14 +386,23 @@ class TipConfig(StrictModel):
 class EnvConfig(StrictModel):
     """An environment per request, of one kind: ``impl`` (mtflow's own protocol: ``reset``,
     ``step -> observation, reward, done, info``, ``close``), ``gym`` (a Gymnasium-style object:
-    ``step -> observation, reward, terminated, truncated, info``), ``openenv`` (an OpenEnv server)
-    or ``textarena`` (a textarena game). See docs/environments.md."""
+    ``step -> observation, reward, terminated, truncated, info``), ``openenv`` (an OpenEnv server),
+    ``textarena`` (a textarena game), ``skyrl_gym`` (a SkyRL text environment), ``gem`` (a GEM
+    environment), ``nemo_gym`` (a NeMo Gym resources server) or ``verifiers`` (a verifiers 0.4
+    environment in-process). See docs/environments.md."""
     impl: Optional[str] = Field(None, description="A built-in environment ('guess_number') or 'module:Class'.")
     gym: Optional[str] = Field(None, description="A Gymnasium-style text environment: 'module:Class' (or a "
                                'factory), made with kwargs; terminated stops with stop_rule:env_done, truncated with '
                                'stop_rule:env_truncated.')
-    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv-core client).')
+    openenv: Optional[OpenEnvConfig] = Field(None, description='An OpenEnv server (openenv client).')
     textarena: Optional[TextArenaConfig] = Field(None, description='A single-player textarena game.')
+    skyrl_gym: Optional[SkyRLGymConfig] = Field(None, description='A SkyRL text environment (skyrl-gym), made per '
+                                                "request from its dataset row (reward_spec, extra_info).")
+    gem: Optional[GemConfig] = Field(None, description='A GEM environment (gem-llm): its games and graders.')
+    nemo_gym: Optional[NemoGymConfig] = Field(None, description="A NeMo Gym resources server: its tools run the "
+                                              "model's tool calls, its /verify gives the reward.")
+    verifiers: Optional[VerifiersConfig] = Field(None, description="A verifiers 0.4 environment run in-process: its "
+                                                 "taskset's tasks, its Env.run and its rewards, mtflow as the agent.")
     kwargs: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the environment '
                                    '(impl and gym).')
     observation_role: Literal['user', 'tool'] = Field('user', description='Role of the observation message.')
@@ -383,7 +433,7 @@ class EnvConfig(StrictModel):
     @field_validator('kwargs')
     @classmethod
     def _kwargs_kind(cls, v: Dict[str, Any], info: ValidationInfo) -> Dict[str, Any]:
-        for kind in ('openenv', 'textarena'):
+        for kind in ('openenv', 'textarena', 'skyrl_gym', 'gem', 'nemo_gym', 'verifiers'):
             if v and info.data.get(kind) is not None:
                 raise ValueError(f'kwargs applies to impl and gym; put {kind} options under {kind}:')
         return v
@@ -464,9 +514,13 @@ class SchedulerConfig(StrictModel):
     max_turns: Optional[int] = Field(None, ge=1, le=MAX_TURNS_BOUND,
                                      description=f"Stop with 'max_turns' at this turn (at most {MAX_TURNS_BOUND}).")
     parser: str = Field('hermes', description="Tool-call format: 'hermes' (aliases 'qwen', 'qwen3'), 'llama3_json' "
-                        "('llama3'), 'pythonic', 'mistral', 'deepseek', 'react', 'json', a registered name or "
-                        "entry point, or 'module:Class'.")
+                        "('llama3'), 'pythonic', 'mistral', 'deepseek', 'react', 'json', 'qwen3_coder', 'glm45', "
+                        "'kimi_k2', 'deepseek_v32', 'minimax_m2', 'harmony', a registered name or entry point, or "
+                        "'module:Class'.")
     parser_options: Dict[str, Any] = Field(default_factory=dict, description='Keyword arguments for the parser.')
+    reasoning: Annotated[ReasoningConfig, BeforeValidator(_reasoning_shorthand)] = Field(
+        default_factory=ReasoningConfig, description="How the reply's reasoning is split from its content: a name "
+        "('auto', 'think', 'kimi', 'harmony', 'none') or {parser, opened_in_prompt}; see ReasoningConfig.")
     tools: List[ToolConfig] = Field(default_factory=list, description='The tools.')
     tool_errors: Literal['feed_back', 'finish'] = Field(
         'feed_back', description="A malformed call, unknown tool, bad arguments, exception or timeout: 'feed_back' "
@@ -506,11 +560,7 @@ class SchedulerConfig(StrictModel):
     @field_validator('parser')
     @classmethod
     def _parser(cls, v: str, info: ValidationInfo) -> str:
-        if v in PARSERS.names():
-            return v
-        if ':' not in v:
-            raise ValueError(PARSERS.unknown(v))
-        return _check_ref(v, info)
+        return _named(PARSERS, v, info)
 
     @field_validator('system_prompt')
     @classmethod

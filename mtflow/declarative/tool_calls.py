@@ -8,7 +8,7 @@ from dataclasses import replace as dc_replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.registry import resolve_reference
-from mtflow.declarative.parsers import ToolCall, foreign_format
+from mtflow.declarative.parsers import ToolCall, foreign_format, parse_calls
 from mtflow.declarative.schema import ToolConfig
 from mtflow.tools.registry import make_builtin
 from mtflow.tools.runner import ToolResult, ToolRunner
@@ -26,9 +26,11 @@ def build_tool(tool_config: ToolConfig, base_dir: Optional[str] = None) -> Tool:
                               truncate_side=c.truncate_side)
 
 
-def read_calls(parser: Any, tool_names: List[str], completion: str, finish_reason: Optional[str]) -> List[ToolCall]:
-    """The turn's tool calls (see :meth:`YamlScheduler.read_calls`)."""
-    calls = list(parser.parse(completion))
+def read_calls(parser: Any, tool_names: List[str], completion: str, finish_reason: Optional[str],
+               tools: Optional[List[Dict[str, Any]]] = None) -> List[ToolCall]:
+    """The turn's tool calls (see :meth:`YamlScheduler.read_calls`); ``tools``: the OpenAI specs
+    that type the text values of the XML formats."""
+    calls = parse_calls(parser, completion, tools)
     if finish_reason == 'length':
         calls = [c if c.error is not None or getattr(c, 'complete', True) else dc_replace(
             c, error='the reply was cut off by the token limit (finish_reason length) before this call was '

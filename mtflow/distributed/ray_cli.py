@@ -6,7 +6,8 @@ directory (``mtflow/run/store.py``: ``--resume``, ``--overwrite``, whole lines, 
 the progress bar, the summary. What changes: the backend and the scheduler are built inside
 each actor from the same config, by the same code (``mtflow/run/assembly.py``; each actor loads
 its own model), and the driver writes every
-trajectory the moment an actor streams it back, with its images (each stored once in
+trajectory the moment an actor streams it back (a branched run's leaves tree by tree, each tree's
+line after them: ``mtflow/run/trees.py``), with its images (each stored once in
 ``<run>/images``, before the line that names it, as a local run stores them). The uuids already in the directory are never
 sent to an actor, and a uuid that arrives twice (an actor died after sending it) is written once.
 """
@@ -26,7 +27,7 @@ from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.distributed.ray_fanout import RayRecord, RayRunError, RayRunResult, WorkerSpec, ray_run
 from mtflow.backends.base import Reports
-from mtflow.run.assembly import actor_setup, backend_from_config, scheduler_from_config
+from mtflow.run.assembly import actor_setup, backend_from_config, leaf_budget, scheduler_from_config
 from mtflow.run.progress import ProgressBar
 from mtflow.run.config import RunConfig
 from mtflow.run.serving import merged_serving
@@ -79,7 +80,8 @@ class RayRollout:
         """Roll out what the store does not have; ``figures`` gets this attempt's figures, also
         when a signal stops it."""
         store, cfg = self.store, self.cfg
-        progress = ProgressBar(self.show, self.total - len(store.done), 'starting Ray')
+        leaves = leaf_budget(cfg)  # a branched run's progress counts leaves, as its lines do
+        progress = ProgressBar(self.show, self.total * (leaves or 1) - len(store.done), 'starting Ray')
         write_error: Dict[str, RunDirError] = {}
 
         def sink(rec: RayRecord) -> None:
@@ -109,7 +111,8 @@ class RayRollout:
             prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations,
                                     check_unique=False)  # checked in full by count_requests
             ray_run(prompts, self.spec(), num_actors=self.args.ray, sink=sink, on_duplicate=on_duplicate,
-                    batch_size=cfg.batch_size, skip=set(store.done), address=self.args.ray_address,
+                    on_tree=lambda tree: store.write_trees([tree]),  # a branched prompt's, after its leaves
+                    batch_size=cfg.batch_size, skip=store.done | store.started_prompts, address=self.args.ray_address,
                     on_progress=on_progress,
                     result=self.result, init_options={'logging_level': 'error'} if self.args.quiet else None)
             progress.update(self.result.delivered, '')

@@ -23,6 +23,12 @@ How it keeps every trajectory exactly once:
 * a request that was in flight on ``max_attempts`` actors that died is given up: the sink gets an
   ``error`` record for it (phase ``ray_actor``), so it is reported, not silently lost.
 
+A branched run (``docs/branching.md``: the scheduler's ``branch``) is streamed by whole trees: the
+actor holds a prompt's leaves until the executor's run of the shard ends, then yields each tree
+with all its leaves (``('tree', {'tree': ..., 'records': [...]})``); the driver passes the leaves to
+the sink and then the tree to ``on_tree``. A prompt is delivered when its tree is, so an actor that
+dies mid-tree has the whole prompt run again on another actor, never a tree mixed from two runs.
+
 Images (``docs/multimodal.md``): an actor stores each image a step adds in a content-addressed
 folder of its own (a temporary directory, removed when it closes), as ``mtflow run`` does in the
 run directory, so its requests in flight hold paths, not pixels; a finished request's record
@@ -51,6 +57,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 from mtflow.core.errors import MtflowError
 from mtflow.backends.base import reports_of
+from mtflow.engine.branching import branch_root
 from mtflow.engine.executor import Executor
 from mtflow.run.images import ImageStore, ShippedName
 from mtflow.run.serving import annotate as annotate_serving, serving_figures
@@ -240,16 +247,26 @@ class ShardWorker:
         requests = [r for _, r in shard]
         t_offset = time.time() - t_offset_from if t_offset_from else 0.0
         out: 'queue.Queue[Tuple[str, Any]]' = queue.Queue()
+        held: Dict[str, Dict[str, Any]] = {}  # a branched run's leaves, by uuid, until their trees are known
 
-        def on_finished(finished: Any) -> None:  # requests[k]: the live request, with its images
-            out.put(('finished', self._plain_record(finished, indices[finished.index], t_offset,
-                                                    requests[finished.index])))
+        def on_finished(finished: Any) -> None:  # requests[k]: the live request (a fork's child appended), its images
+            root = finished.root_index if finished.root_index is not None else finished.index
+            record = self._plain_record(finished, indices[root], t_offset, requests[finished.index])
+            if branched:
+                held[record['uuid']] = record
+            else:
+                out.put(('finished', record))
 
         executor = self._executor(on_finished)
+        branched = executor.options.branch is not None
 
         def body() -> None:
             try:
                 result = executor.run(requests)
+                for tree in result.trees:  # each tree with every leaf: delivered whole or not at all
+                    out.put(('tree', {'tree': tree, 'records': [held.pop(u) for u in tree['leaves'] if u in held]}))
+                if held:  # records that are no tree's (a duplicate uuid failed before it was planted)
+                    out.put(('finished', list(held.values())))
                 out.put(('done', {'rollout_fn_calls': result.rollout_fn_calls, 'turns': result.turns}))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the generator's thread
                 out.put(('raised', exc))
@@ -289,32 +306,32 @@ class ShardWorker:
 def _stream_of(out: 'queue.Queue[Tuple[str, Any]]') -> Iterator[Tuple[str, Any]]:
     """What a shard's generator yields from the executor thread's queue: every request finished
     by now in one ``('finished', [...])`` (one Ray object, and one round trip at the driver, per
-    group of requests a turn finishes, not per request), then ``('done', figures)``; an exception
-    of the executor thread is raised here."""
+    group of requests a turn finishes, not per request), a branched run's trees each as it was put
+    (``('tree', {...})``), then ``('done', figures)``; an exception of the executor thread is
+    raised here."""
+    pending: Optional[Tuple[str, Any]] = None
     while True:
-        kind, payload = out.get()
+        kind, payload = pending if pending is not None else out.get()
+        pending = None
         if kind == 'raised':
             raise payload
-        if kind == 'done':
+        if kind != 'finished' or isinstance(payload, list):  # done, a tree, records put together
             yield kind, payload
-            return
+            if kind == 'done':
+                return
+            continue
         batch = [payload]
-        tail = None
-        while tail is None:
+        while True:
             try:
                 item = out.get_nowait()
             except queue.Empty:
                 break
-            if item[0] == 'finished':
+            if item[0] == 'finished' and not isinstance(item[1], list):
                 batch.append(item[1])
             else:
-                tail = item
+                pending = item
+                break
         yield 'finished', batch
-        if tail is not None:
-            if tail[0] == 'raised':
-                raise tail[1]
-            yield tail
-            return
 
 
 def _actor_class() -> Any:
@@ -377,6 +394,7 @@ def ray_run(requests: Iterable[Any],
             num_actors: int = 2,
             sink: Optional[Callable[[RayRecord], None]] = None,
             on_duplicate: Optional[Callable[[RayRecord], None]] = None,
+            on_tree: Optional[Callable[[Dict[str, Any]], None]] = None,
             batch_size: int = 8,
             skip: Iterable[str] = (),
             address: Optional[str] = None,
@@ -392,8 +410,8 @@ def ray_run(requests: Iterable[Any],
     this thread once per finished request (uuid), in the order they finish.
 
     Args:
-        on_duplicate: gets a record dropped as a duplicate: store its ``images`` all the same
-            (its actor counts them shipped, and names them only from then on).
+        on_duplicate: gets a record dropped as a duplicate (store its ``images``: its actor counts them shipped).
+        on_tree: a branched run's tree (``docs/branching.md``), once its leaves went to ``sink``.
         skip: uuids already done (e.g. a run store's ``done`` set on ``--resume``): not run.
         address: a Ray cluster to join (``'auto'``, ``'ray://host:10001'``, ``'host:6379'``);
             default: the running Ray if initialised, else a new local cluster on 127.0.0.1 with
@@ -418,9 +436,8 @@ def ray_run(requests: Iterable[Any],
     started_ray = _start_ray(address, init_options)
     t_start, t0_unix = time.perf_counter(), time.time()
     fan_out = _FanOut(spec, result, pending, attempts, done, num_actors=num_actors, sink=sink,
-                      on_duplicate=on_duplicate, max_restarts=max_restarts, max_attempts=max_attempts,
-                      on_progress=on_progress,
-                      prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
+                      on_duplicate=on_duplicate, on_tree=on_tree, max_restarts=max_restarts, max_attempts=max_attempts,
+                      on_progress=on_progress, prefix=name_prefix or f'mtflow-{os.getpid()}-{int(t0_unix)}',
                       actor_options={'num_cpus': 1, **(actor_options or {})})
     try:
         fan_out.run(t0_unix, poll_s)
@@ -481,13 +498,13 @@ class _FanOut:
     def __init__(self, spec: WorkerSpec, result: RayRunResult, pending: Deque[List[Tuple[int, Any]]],
                  attempts: Dict[str, int], done: Set[str], *, num_actors: int,
                  sink: Optional[Callable[[RayRecord], None]], on_duplicate: Optional[Callable[[RayRecord], None]],
-                 max_restarts: Optional[int], max_attempts: int,
+                 on_tree: Optional[Callable[[Dict[str, Any]], None]], max_restarts: Optional[int], max_attempts: int,
                  on_progress: Optional[Callable[[int, str], None]], prefix: str, actor_options: Dict[str, Any]) -> None:
         import ray
 
         self.ray = ray
         self.spec, self.result, self.pending, self.attempts, self.done = spec, result, pending, attempts, done
-        self.sink, self.on_duplicate, self.on_progress = sink, on_duplicate, on_progress
+        self.sink, self.on_duplicate, self.on_tree, self.on_progress = sink, on_duplicate, on_tree, on_progress
         self.max_attempts = max_attempts
         self.prefix, self.actor_options = prefix, actor_options
         self.max_restarts = num_actors if max_restarts is None else max_restarts
@@ -571,10 +588,10 @@ class _FanOut:
             return
         if kind == 'finished':
             for item in payload:
-                uuid = item['uuid']
-                self.deliver(RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'], item['events'],
-                                       slot.index, self.attempts.get(uuid, 1), item['failure'],
-                                       item.get('images') or []))
+                self.deliver(self.record_of(item, slot))
+            self.progress(f'{sum(1 for s in self.slots if s.state == "busy")} actor(s) busy')
+        elif kind == 'tree':
+            self.deliver_tree(payload, slot)
             self.progress(f'{sum(1 for s in self.slots if s.state == "busy")} actor(s) busy')
         elif kind == 'done':
             self.result.rollout_fn_calls += int(payload.get('rollout_fn_calls', 0))
@@ -583,6 +600,22 @@ class _FanOut:
     def progress(self, description: str) -> None:
         if self.on_progress is not None:
             self.on_progress(self.result.delivered, description)
+
+    def record_of(self, item: Dict[str, Any], slot: _Slot) -> RayRecord:
+        uuid = item['uuid']
+        return RayRecord(item['index'], uuid, item['finish_reason'], item['trajectory'], item['events'], slot.index,
+                         self.attempts.get(uuid) or self.attempts.get(branch_root(uuid), 1), item['failure'],
+                         item.get('images') or [])
+
+    def deliver_tree(self, payload: Dict[str, Any], slot: _Slot) -> None:
+        """A branched prompt's whole tree: its leaves to the sink, then the tree (a tree whose
+        root was delivered before came twice: its leaves are dropped as duplicates, no tree)."""
+        tree = payload['tree']
+        fresh = str(tree['root']) not in self.done
+        for item in payload['records']:
+            self.deliver(self.record_of(item, slot))
+        if fresh and self.on_tree is not None:
+            self.on_tree(tree)
 
     def deliver(self, rec: RayRecord) -> None:
         result = self.result

@@ -17,6 +17,11 @@ resource           bound, and who waits
                    and ``mtflow run`` makes its batches that small)
 =================  ================================================================================
 
+A branched run (``docs/branching.md``) forks a request's session with it: a prompt's tree holds up
+to its leaf budget of sessions at once (a finished leaf closes its session before a top-up copy
+opens one), so the drivers count prompts by :func:`sessions_per_prompt`: a prompt starts only when
+its whole tree fits, and its children never wait for a session they already hold.
+
 Each :class:`Gate` counts what it saw whether it bounds or not: the peak in flight, how many
 waited and for how long; ``summary()`` is the ``admission`` block of ``summary.json``. A gate's
 bound holds per event loop (one run has one), its figures across them.
@@ -28,9 +33,9 @@ import threading
 import weakref
 from contextlib import asynccontextmanager
 from time import perf_counter
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncIterator, Dict, Optional, Tuple
 
-__all__ = ['Admission', 'Gate', 'RESOURCES']
+__all__ = ['Admission', 'Gate', 'RESOURCES', 'sessions_per_prompt']
 
 RESOURCES = ('tool_calls', 'env_sessions')
 
@@ -131,5 +136,34 @@ class Admission:
             return None
         return self.env_sessions.limit
 
+    def session_bounds(self, scheduler: Any, branching: Any) -> Tuple[Optional[int], int]:
+        """``(session_bound(scheduler), the sessions one prompt may hold)`` (:func:`sessions_per_prompt`)."""
+        bound = self.session_bound(scheduler)
+        return bound, sessions_per_prompt(bound, branching)
+
+    def give_to(self, scheduler: Any) -> None:
+        """Hand the bounds to ``scheduler`` (``use_admission(admission)``, when it has that method:
+        the YAML scheduler gives them to its tool runner and its environments)."""
+        use = getattr(scheduler, 'use_admission', None)
+        if callable(use):
+            use(self)
+
     def summary(self) -> Dict[str, Any]:
         return {name: getattr(self, name).summary() for name in RESOURCES}
+
+
+def sessions_per_prompt(bound: Optional[int], branching: Any) -> int:
+    """The environment sessions one prompt may hold at once under the bound ``bound``: 1, or, for a
+    branched run, its tree's leaf budget (``branch.leaves``). A tree without a budget, or with one
+    larger than the bound, cannot be kept within it: refused, with what to change."""
+    if bound is None or branching is None:
+        return 1
+    leaves = branching.leaves
+    if leaves is None:
+        raise ValueError(f'admission.env_sessions is {bound}, but branch has no leaves budget: a fork opens a session '
+                         'for each child, so a tree could hold any number at once; give branch.leaves (at most '
+                         f'{bound}), the sessions one prompt may hold')
+    if leaves > bound:
+        raise ValueError(f'branch.leaves is {leaves}: a tree holds up to {leaves} environment sessions at once (one '
+                         f'per leaf), more than admission.env_sessions ({bound}); raise the bound or lower the budget')
+    return leaves

@@ -112,6 +112,10 @@ class AsyncDriver(Driver):
         self.session_bound = run.settings.session_bound
         if self.session_bound is not None:
             self.max_concurrency = min(self.max_concurrency, self.session_bound)
+        #: a branched run under the bound: the trees started and not finished, each holding up to
+        #: ``prompt_sessions`` sessions (``mtflow.engine.admission.sessions_per_prompt``)
+        self.prompt_sessions = run.settings.prompt_sessions
+        self.open_trees: List[Any] = []
         self.start_rounds = 0
         #: the generations and steps running as tasks on the run's loop, the completions they
         #: posted, the worker pools of synchronous calls (``mtflow.engine.in_flight``)
@@ -189,9 +193,16 @@ class AsyncDriver(Driver):
     def start_deferred(self) -> None:
         """Under a session bound: ``on_trajectory_start`` for the queued requests that get a slot
         now, together (their resets run concurrently); the wait of each one admitted after the
-        first round is counted as time queued for a session."""
-        room = self.max_concurrency - self.active
-        due = [rec for rec in list(self.queue)[:max(0, room)] if rec.state == PENDING and rec.index not in self.started]
+        first round is counted as time queued for a session. A branched run starts a prompt only
+        when its whole tree's sessions are free (:meth:`tree_room`)."""
+        if self.prompt_sessions > 1:
+            room = self.tree_room()
+            due = [rec for rec in self.queue if rec.state == PENDING and rec.index not in self.started][:max(0, room)]
+            self.open_trees.extend(rec.branch.tree for rec in due if rec.branch is not None)
+        else:
+            room = self.max_concurrency - self.active
+            due = [rec for rec in list(self.queue)[:max(0, room)]
+                   if rec.state == PENDING and rec.index not in self.started]
         if not due:
             return
         if self.start_rounds:  # not the first round: these waited for a session since the run began
@@ -200,6 +211,12 @@ class AsyncDriver(Driver):
                 gate.waited(perf_counter() - self.t_start)
         self.start_rounds += 1
         self.begin(due)
+
+    def tree_room(self) -> int:
+        """How many more prompts of a branched run may start: the trees whose sessions fit beside
+        the trees started and not finished (a tree is finished when none of its records is live)."""
+        self.open_trees = [tree for tree in self.open_trees if tree.live > 0]
+        return self.session_bound // self.prompt_sessions - len(self.open_trees)
 
     def begin(self, records: List[RequestRecord], moves: Optional[List[Any]] = None) -> None:
         """``on_trajectory_start`` for ``records`` (``pending``), together (``moves``: their moves
@@ -232,6 +249,9 @@ class AsyncDriver(Driver):
             self.admit_entering()
             if not (self.queue and self.active < self.max_concurrency):
                 break
+            if self.session_bound is not None and self.queue[0].state == PENDING and \
+                    self.queue[0].index not in self.started:
+                break  # its session is not free yet (start_deferred starts it when it is)
             rec = self.queue.popleft()
             self.active += 1
             admission, rec.admission = rec.admission, None
@@ -286,6 +306,9 @@ class AsyncDriver(Driver):
                 deliver(self.run, [rec], outcome.value, turn)
                 self.on_generated(rec, turn)
             self.settle(rec, delivered=True)
+            return
+        if self.stopping and outcome.kind == RAISED and isinstance(outcome.value, _Stopped):
+            self.hand_back(rec)  # a step an interrupt cancelled: the request goes back as it is
             return
         rec.step_outcome = outcome
         self.settle(rec)
@@ -354,8 +377,8 @@ class AsyncDriver(Driver):
                     pass
 
     def hand_back(self, rec: RequestRecord) -> None:
-        """Stopped by the budget in ``generating``/``continuing``: its slot is free, and it goes
-        back unfinished (:attr:`RunResult.unfinished`)."""
+        """Stopped by the budget in ``generating``/``continuing`` (or, by an interrupt, in its
+        step): its slot is free, and it goes back unfinished (:attr:`RunResult.unfinished`)."""
         self.active -= 1
 
     # ---- the budget ------------------------------------------------------------------------------

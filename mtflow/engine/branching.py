@@ -176,6 +176,13 @@ class Branching:
         """``None``, a :class:`Branching`, or a dict of its fields (``{'at': {'turn': 2}, 'copies': 4}``)."""
         return coerce_fields(cls, value, 'branch')
 
+    @classmethod
+    def of(cls, given: Any, scheduler: Any) -> Optional['Branching']:
+        """A run's branching: ``given`` (coerced), else the scheduler's own ``branch`` attribute
+        when it is a :class:`Branching` (a YAML scheduler's ``branch:`` section), else ``None``."""
+        own = getattr(scheduler, 'branch', None)
+        return cls.coerce(given) if given is not None else (own if isinstance(own, cls) else None)
+
     # ---- the decision -------------------------------------------------------------------------
     def branches(self, rec: RequestRecord, extra: Optional[dict], call: Callable[[Any], Any]) -> int:
         """How many branches ``rec`` forks into where it rests now (``<= 1``: none). ``extra`` is

@@ -135,7 +135,9 @@ class Executor:
             machine forks into branches that share its history exactly, and the tree's leaf
             budget (``docs/branching.md``); default: the scheduler's own ``branch`` attribute when it is a ``Branching``
             (a YAML scheduler's ``branch:`` section), else no forks. Every driver forks alike;
-            the outputs are one per leaf and :attr:`RunResult.trees` holds the trees.
+            the outputs are one per leaf and :attr:`RunResult.trees` holds the trees. With
+            ``gather_fn`` each rank forks its own requests (its outputs: its prompts' leaves) and
+            the ranks stay in step as in any run (a fork adds no model call of its own).
 
     A ``KeyboardInterrupt`` inside :meth:`run` raises :class:`mtflow.RolloutInterrupted`, whose
     ``.result`` holds every output (finished ones unchanged, the others partial with reason
@@ -172,10 +174,11 @@ class Executor:
                  admission: Any = None,
                  branch: Any = None) -> None:
         admission = Admission.coerce(admission)
-        own = getattr(scheduler, 'branch', None)
-        branch = Branching.coerce(branch) if branch is not None else (own if isinstance(own, Branching) else None)
+        gather_fn = None if gather_fn is identity_gather else gather_fn  # run_multi_turn's default: one rank
+        branch = Branching.of(branch, scheduler)
         given = locals()
         options = ExecutorOptions(**{name: given[name] for name in OPTION_NAMES})
+        bound, per_prompt = admission.session_bounds(scheduler, branch) if admission is not None else (None, 1)
         if not callable(rollout_fn):
             raise TypeError(f'rollout_fn must be callable, not {type(rollout_fn).__name__}')
         self.scheduler = scheduler
@@ -195,12 +198,11 @@ class Executor:
             bool(unique_uuids),
             turn_bound=options.turn_bound(hooks.default_max_turns),
             context=resolve_context(context, rollout_fn, request_config),
-            session_bound=admission.session_bound(scheduler) if admission is not None else None,
+            session_bound=bound,
+            prompt_sessions=per_prompt,
             branching=branch)
         if admission is not None:
-            use = getattr(scheduler, 'use_admission', None)
-            if callable(use):
-                use(admission)
+            admission.give_to(scheduler)
         self.unbounded = options.unbounded(hooks.default_max_turns)
         self.clock = PolicyClock()
 
@@ -272,12 +274,13 @@ class Executor:
             return AsyncDriver(RunState(self.settings, loop, requests, first_turn_outputs), budget, self.clock)
         if until is not None or any(isinstance(r, UnfinishedRequest) for r in requests):
             raise ValueError("partial rollouts (until=, resuming RunResult.unfinished) need Executor(mode='async')")
-        bound = self.settings.session_bound
-        if bound is not None and len(requests) > bound:
+        bound, each = self.settings.session_bound, self.settings.prompt_sessions
+        if bound is not None and len(requests) * each > bound:
+            held = f'up to {each} each, a tree of branch.leaves={each} leaves' if each > 1 else 'one each'
             raise ValueError(f'admission.env_sessions is {bound} but this lockstep batch has {len(requests)} requests, '
-                             f'each holding an environment session from its first turn to its last (lockstep runs '
-                             f"them together); use mode='async' (requests wait for a free session) or batches of at "
-                             f'most {bound}')
+                             f'holding environment sessions ({held}) from their first turn to their last (lockstep '
+                             f"runs them together); use mode='async' (requests wait for free sessions) or batches of "
+                             f'at most {bound // each}')
         return LockstepDriver(RunState(self.settings, loop, requests, first_turn_outputs), self.clock)
 
     def stream(self, source: Any, *, max_concurrency: Optional[int] = None, buffer: Optional[int] = None,

@@ -32,6 +32,7 @@ from mtflow.core.errors import DuplicateUuidError, RolloutFnError, SchedulerResu
 from mtflow.core.images import check_request_images
 from mtflow.core.machine import (CHECK_FINISHED, COMPACTING, CONTINUE, CONTINUING, DONE_BY_HOOK, FAIL, FINISH, GENERATE,
                                  GENERATING, PENDING, RUN_STEP, TOOL_STEP, RequestRecord)
+from mtflow.core.protocol import generated_tokens
 from mtflow.core.records import Move, TurnMoves
 from mtflow.core.stop import decide_stop, default_check, output_finish
 from mtflow.core.validate import check_bool, check_infos, check_output, check_turn_result
@@ -151,8 +152,7 @@ def _apply_outputs(run: RunState, records: List[RequestRecord], turn: int,
             continue
         rec.turns = turn
         rec.choice = choice
-        ids = choice.token_ids
-        rec.tokens = len(ids) if ids else 0
+        rec.tokens = generated_tokens(response, choice)
         rec.turn_result = None
         applied.append(rec)
     return applied
@@ -379,7 +379,7 @@ def _new_segment(run: RunState, rec: RequestRecord, next_request: Any, cut: Any,
         raise SchedulerResultError(f'new_segment must be True or a dict, got {type(cut).__name__}', uuid=rec.uuid,
                                    turn=turn, field='new_segment')
     cut_segment(rec, getattr(run.accounting, 'name', None) == 'record', cut if isinstance(cut, dict) else None)
-    detach_record(next_request)
+    detach_record(next_request, rec.turns + 1)
 
 
 def handle_pending(run: RunState, records: List[RequestRecord], turn: int) -> List[Move]:

@@ -89,6 +89,10 @@ class InFlight:
         """The generations running now, with their tasks (to cancel some)."""
         return [(rec, self.tasks[index]) for index, rec in list(self.generating.items())]
 
+    def steps(self) -> List['asyncio.Task[Outcome]']:
+        """The steps running now (to cancel them on an interrupt)."""
+        return [task for index, task in list(self.tasks.items()) if index not in self.generating]
+
     def idle(self) -> bool:
         """Nothing running and nothing to handle."""
         return not self.tasks and not self.completions

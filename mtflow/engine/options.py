@@ -99,8 +99,6 @@ class ExecutorOptions:
             raise TypeError(f'admission must be an Admission, not {type(self.admission).__name__}')
         if self.branch is not None and not isinstance(self.branch, Branching):
             raise TypeError(f'branch must be a Branching, not {type(self.branch).__name__}')
-        if self.branch is not None and self.gather_fn is not None:
-            raise ValueError('branch needs a single rank (no gather_fn): forks add requests on one rank only')
         _check_timeout('step_timeout_s', self.step_timeout_s)
         _check_timeout('rollout_timeout_s', self.rollout_timeout_s)
 

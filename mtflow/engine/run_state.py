@@ -41,6 +41,9 @@ class RunSettings:
     #: the most requests started and not finished, when the scheduler opens an environment
     #: session per request and ``admission.env_sessions`` bounds them (``mtflow.engine.admission``)
     session_bound: Optional[int] = None
+    #: the sessions one prompt may hold at once under that bound (a branched run: its tree's leaf
+    #: budget; :func:`mtflow.engine.admission.sessions_per_prompt`)
+    prompt_sessions: int = 1
     #: where requests fork (``mtflow.engine.branching.Branching``), or ``None``: no forks
     branching: Optional[Any] = None
 

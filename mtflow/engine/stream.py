@@ -303,17 +303,23 @@ class StreamDriver(AsyncDriver):
 
     def room_for(self, members: List[Any]) -> bool:
         """Under a session bound (``mtflow.engine.admission``): do ``members`` fit beside the
-        requests started and not finished (each holds an environment session)? A group larger than
-        the bound never fits: an error, not a wait."""
-        bound = self.session_bound
+        requests started and not finished (each holds an environment session; a branched run's
+        prompt, its tree's, :meth:`tree_room`)? A group larger than the bound never fits: an
+        error, not a wait."""
+        bound, each = self.session_bound, self.prompt_sessions
         if bound is None:
             return True
-        if len(members) > bound:
-            raise ValueError(f'a stream group of {len(members)} requests is larger than admission.env_sessions '
+        if len(members) * each > bound:
+            held = f', each a tree of up to {each} leaves,' if each > 1 else ''
+            raise ValueError(f'a stream group of {len(members)} requests{held} is larger than admission.env_sessions '
                              f'({bound}): its members hold their sessions together')
-        started = self.active + len(self.queue)
-        if started and started + len(members) > bound:
-            return False
+        if each > 1:
+            if self.tree_room() < len(members):
+                return False
+        else:
+            started = self.active + len(self.queue)
+            if started and started + len(members) > bound:
+                return False
         if self.stream_started_rounds:
             self.run.options.admission.env_sessions.waited(perf_counter() - self.t_start)
         self.stream_started_rounds += 1
@@ -336,6 +342,8 @@ class StreamDriver(AsyncDriver):
         group.tokens = 0
         group.doomed = False
         plant(run.branching, records)
+        if self.prompt_sessions > 1:  # their trees hold their sessions from now on (room_for)
+            self.open_trees.extend(rec.branch.tree for rec in records if rec.branch is not None)
         self.begin(records)
         for rec in records:
             if rec.state == FINISHED:  # on_trajectory_start failed: finished before it took a slot
@@ -560,6 +568,9 @@ class StreamDriver(AsyncDriver):
         for rec in self.queue:  # admitted, never generated (no slot held): handed back as they are
             self.unfinished.append(UnfinishedRequest(rec, True))
         super().stop()
+        if self.interrupting:  # a signal: a step (a tool that hangs) must not hold the stop up
+            for task in self.flight.steps():
+                task.cancel()
 
 
 class Stream:

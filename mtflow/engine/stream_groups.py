@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.core.errors import RequestFailure
 from mtflow.core.machine import RequestRecord
+from mtflow.core.protocol import generated_tokens
 from mtflow.core.trace import TraceEvent
 from mtflow.engine.run_state import RunState
 from mtflow.engine.versions import versions_of
@@ -101,15 +102,10 @@ def delivered_group(run: RunState, group: InFlightGroup, current: int) -> Stream
 
 
 def completion_tokens(outputs: Any) -> int:
-    """Completion tokens of a one-request ``rollout_fn`` result (usage, else the choice's ids)."""
+    """Completion tokens of a one-request ``rollout_fn`` result (:func:`~mtflow.core.protocol.generated_tokens`)."""
     try:
         output = outputs[0]
         response = getattr(output, 'response', output)
-        usage = getattr(response, 'usage', None)
-        tokens = getattr(usage, 'completion_tokens', None)
-        if isinstance(tokens, int):
-            return tokens
-        ids = getattr(response.choices[0], 'token_ids', None)
-        return len(ids or [])
+        return generated_tokens(response, response.choices[0])
     except Exception:  # an output the handlers will reject anyway
         return 0

@@ -12,6 +12,12 @@ the exit code, whether it was killed) and the runner finishes the session with t
 (finish reason ``client_finished``, or ``agent_timeout`` for a killed agent). At most
 ``agent.concurrency`` episodes run at once; the model calls are the gateway's, so policy versions
 and ``gateway.max_staleness`` apply to them as to any stream.
+
+An episode that produced nothing (its command could not start, or the agent exited before its
+first model call) has no trajectory to write: it *fails*, with its reason on the terminal (the
+exit status, the last line of its stderr) and in ``summary.json`` (``failed_unwritten``, which the
+exit-code rule counts: ``mtflow.run.summary.too_many_failed``). A command that is not on ``PATH``
+is refused before the backend loads (:func:`check_command`).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -39,7 +46,7 @@ from mtflow.gateway.wire import WireError
 from mtflow.run.agent_config import AgentConfig, GatewayConfig, VerifierCommand
 from mtflow.run.assembly import build_backend, seed_everything
 
-__all__ = ['Episode', 'AgentRunner', 'run_agents', 'kill_tree', 'process_tree', 'AGENTS_DIR']
+__all__ = ['Episode', 'AgentRunner', 'run_agents', 'kill_tree', 'process_tree', 'check_command', 'AGENTS_DIR']
 
 #: the folder of the agents' stdout and stderr in the run directory
 AGENTS_DIR = 'agents'
@@ -181,6 +188,65 @@ class Verifier:
             os.unlink(f.name)
 
 
+# ---- the command ---------------------------------------------------------------------------------
+def agent_command(agent: AgentConfig) -> List[str]:
+    """The agent's argv: its ``command`` split as a shell would; a first word ``python`` is this
+    interpreter (the venv's, whatever ``PATH`` holds)."""
+    command = shlex.split(agent.command) if isinstance(agent.command, str) else list(agent.command)
+    if command and command[0] in ('python', 'python3'):
+        command[0] = sys.executable
+    return command
+
+
+def agent_cwd(agent: AgentConfig, base_dir: Optional[Path]) -> Optional[str]:
+    """Where the agent runs: ``agent.cwd`` relative to the config's directory, else here."""
+    return str((base_dir or Path.cwd()) / agent.cwd) if agent.cwd else None
+
+
+def check_command(cfg: Any) -> None:
+    """Refuse, before the backend loads, an agent command that cannot start: a program that is not
+    on ``PATH`` (the agent's ``env`` PATH when it sets one), or a path that is not an executable
+    file (relative to ``agent.cwd``)."""
+    agent = cfg.agent
+    program = agent_command(agent)[0]
+    cwd = agent_cwd(agent, cfg.base_dir) or os.getcwd()
+    path = agent.env.get('PATH', os.environ.get('PATH', os.defpath))
+    if os.sep in program:
+        target = program if os.path.isabs(program) else os.path.join(cwd, program)
+        if not (os.path.isfile(target) and os.access(target, os.X_OK)):
+            what = 'is not an executable file' if os.path.exists(target) else 'does not exist'
+            raise UserError(f"{cfg.where('agent.command')}: {program!r} {what} (relative paths are from {cwd})")
+    elif shutil.which(program, path=path) is None:
+        raise UserError(f"{cfg.where('agent.command')}: {program!r} is not on PATH; install it, or give its full "
+                        'path')
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a log file (its tail only), for a one-line reason."""
+    try:
+        with open(path, 'rb') as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            tail = f.read().decode('utf-8', errors='replace')
+    except OSError:
+        return ''
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else ''
+
+
+def nothing_produced(exit_code: Optional[int], timed_out: bool, out_path: Path, err_path: Path) -> str:
+    """Why an episode made no model call, in one line: how the agent ended, and the last line of its
+    stderr (else of its stdout), named by its path in the run directory."""
+    how = 'was killed at agent.timeout_s' if timed_out else f'exited with status {exit_code}'
+    for path in (err_path, out_path):
+        last = _last_line(path)
+        if last.startswith('mtflow: cannot start the agent'):
+            return last[len('mtflow: '):]
+        if last:
+            return f'the agent {how} before its first model call ({path.parent.name}/{path.name}: {last})'
+    return f'the agent {how} before its first model call, printing nothing'
+
+
 # ---- the episodes -------------------------------------------------------------------------------
 def _safe(name: str) -> str:
     return re.sub(r'[^0-9A-Za-z_.#-]', '_', name)[:120]
@@ -189,17 +255,21 @@ def _safe(name: str) -> str:
 class AgentRunner:
     """Runs ``agent`` once per request against ``gateway`` (see the module docstring)."""
 
+    #: how many episodes that produced nothing are named on the terminal (the rest are counted)
+    MAX_SAID = 5
+
     def __init__(self, agent: AgentConfig, gateway: Gateway, out_dir: Path, base_dir: Optional[Path],
-                 where: Callable[[str], str]) -> None:
+                 where: Callable[[str], str], say: Optional[Callable[[str], None]] = None) -> None:
         self.agent, self.gateway = agent, gateway
-        self.command = shlex.split(agent.command) if isinstance(agent.command, str) else list(agent.command)
-        if self.command[0] in ('python', 'python3'):  # this Python (the venv's), whatever PATH holds
-            self.command[0] = sys.executable
+        self.command = agent_command(agent)
         self.logs = Path(out_dir) / AGENTS_DIR
-        self.cwd = str((base_dir or Path.cwd()) / agent.cwd) if agent.cwd else None
+        self.cwd = agent_cwd(agent, base_dir)
         self.verifier = Verifier(agent.verifier, base_dir, where('agent'), agent.verifier_timeout_s)
         self.counts = {'episodes': 0, 'killed': 0, 'no_calls': 0, 'verifier_errors': 0, 'agent_failed': 0}
         self.episodes: List[Dict[str, Any]] = []
+        #: the episodes that produced nothing (no model call: no trajectory), each with its reason
+        self.failed: List[Dict[str, Any]] = []
+        self.say = say
         self._procs: Dict[str, Any] = {}
 
     def task_of(self, request: Any) -> str:
@@ -260,8 +330,15 @@ class AgentRunner:
             summary = {'session': uuid, 'error': exc.message}
             if exc.code == 'no_calls':
                 self.counts['no_calls'] += 1
+                self._produced_nothing(uuid, nothing_produced(exit_code, timed_out, out_path, err_path))
         self.episodes.append({'uuid': uuid, 'reward': reward, 'exit_code': exit_code, 'timed_out': timed_out,
                               **{k: v for k, v in summary.items() if k != 'session'}})
+
+    def _produced_nothing(self, uuid: str, reason: str) -> None:
+        """An episode with no trajectory: it failed; said at once (the first :attr:`MAX_SAID`)."""
+        self.failed.append({'uuid': uuid, 'phase': 'agent', 'message': reason})
+        if self.say is not None and len(self.failed) <= self.MAX_SAID:
+            self.say(f'episode {uuid} failed: {reason}')
 
     async def _agent(self, uuid: str, task: str, session: Dict[str, Any], out_path: Path,
                      err_path: Path) -> Tuple[Optional[int], bool]:
@@ -307,18 +384,20 @@ class AgentRunner:
                 self._procs.pop(uuid, None)
 
 
-def run_agents(cfg: Any, store: Any, total: int) -> Tuple[str, Optional[Dict[str, Any]]]:
+def run_agents(cfg: Any, store: Any, total: int,
+               say: Optional[Callable[[str], None]] = None) -> Tuple[str, Optional[Dict[str, Any]]]:
     """``mtflow run`` of a config with ``agent:``: the backend, a gateway on ``store`` (sessions only
     the runner opens, unless ``gateway.open_on_call`` says otherwise), one episode per request the
     store does not have. ``(status, summary)``: ``complete``, or ``interrupted`` on a signal (the
-    agents running are killed; their sessions are cut and run again on ``--resume``)."""
+    agents running are killed; their sessions are cut and run again on ``--resume``). ``say``
+    gets one line per episode that produced nothing (the summary's ``failed_unwritten``)."""
     seed_everything(cfg.seed)
     settings = cfg.gateway or GatewayConfig(open_on_call=False)
     gateway = None
     try:
         backend = build_backend(cfg)
         gateway = Gateway.from_config(cfg, backend, store, settings=settings, refuse_cut=False).start()
-        runner = AgentRunner(cfg.agent, gateway, store.out_dir, cfg.base_dir, cfg.where)
+        runner = AgentRunner(cfg.agent, gateway, store.out_dir, cfg.base_dir, cfg.where, say)
         prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
         status = 'complete'
         try:
@@ -328,5 +407,10 @@ def run_agents(cfg: Any, store: Any, total: int) -> Tuple[str, Optional[Dict[str
     except BaseException:
         close_failed(gateway, store)
         raise
-    figures = gateway.close(status, total=total, extra={'agent': {**runner.counts, 'command': runner.command}})
+    failed = runner.failed
+    if say is not None and len(failed) > AgentRunner.MAX_SAID:
+        say(f'{len(failed) - AgentRunner.MAX_SAID} more episodes produced nothing (failed_unwritten in summary.json)')
+    figures = gateway.close(status, total=total, extra={'agent': {**runner.counts, 'command': runner.command},
+                                                        'failed_unwritten': {'count': len(failed),
+                                                                             'listed': failed[:20]}})
     return status, figures.get('summary')

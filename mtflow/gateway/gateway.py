@@ -143,6 +143,9 @@ class Gateway:
         self.max_turns = max_turns
         self.context = context
         self.model_name = str(getattr(backend, 'model_name', None) or 'mtflow')
+        #: the backend and its model in one phrase (``hf (SmolLM2-135M-Instruct on cpu)``): the
+        #: serving line and ``GET /v1/models`` name what answers
+        self.serves = reports_of(backend).describe() or f'{type(backend).__name__} ({self.model_name})'
         self._store_args = (out, mode, fingerprint, meta)
         self.store = store
         self.summary_config = summary_config
@@ -153,8 +156,11 @@ class Gateway:
         except (KeyError, TypeError, ValueError, ImportError) as exc:
             raise BackendError(f'gateway.tool_parser: {exc}') from None
         self.tools_in_system = tools_in_system(self.settings.tools_in_system, self.parser, backend)
-        self.thinking = Thinking(self.settings.reasoning, self.settings.tool_parser,
-                                 getattr(backend, 'tokenizer', None))
+        try:
+            self.thinking = Thinking(self.settings.reasoning, self.settings.tool_parser,
+                                     getattr(backend, 'tokenizer', None))
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
         #: who listens to a streaming call's text as the backend generates it (None: the backend does not stream)
         self.sinks = getattr(backend, 'text_sinks', None) if getattr(backend, 'streams_text', False) else None
         self.responses = ResponseStore()

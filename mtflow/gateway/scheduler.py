@@ -54,7 +54,7 @@ class SessionScheduler(Scheduler):
         reasoning, said = self.thinking.split(text)
         call = self.table.current_call(name)
         parser = self.parser if call is None or call.tool_choice != 'none' else None
-        content, calls = split_calls(said, parser, current_turn, name)
+        content, calls = split_calls(said, parser, current_turn, name, infer_request.tools)
         record = record_of(infer_request)
         prompt = len(record.last_prompt) if record is not None else 0
         ids = response_choice.token_ids or []

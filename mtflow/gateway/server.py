@@ -276,7 +276,8 @@ class GatewayServer:
 
     async def models(self, request: Any) -> Any:
         return web.json_response({'object': 'list', 'data': [{'id': self.gateway.model_name, 'object': 'model',
-                                                              'created': 0, 'owned_by': 'mtflow'}]})
+                                                              'created': 0, 'owned_by': 'mtflow',
+                                                              'backend': self.gateway.serves}]})
 
     # ---- sessions -------------------------------------------------------------------------------
     async def open_session(self, request: Any) -> Any:

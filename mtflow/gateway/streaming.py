@@ -15,7 +15,8 @@ text equals the text a non-streaming client gets. :class:`SafeText` holds back w
 known: the start of a marker still being written (``<thi``, ``<tool_c``, a stop string's head),
 everything from the first tool-call start on (the parser reads the call at the end), trailing
 whitespace (dropped before a call), an incomplete UTF-8 character. A parser whose call starts
-are unknown holds the whole content of a call that offers tools. Should a reply still disagree
+are unknown holds the whole content of a call that offers tools; a reasoning format that is read
+whole (gpt-oss's harmony channels) holds the whole reply. Should a reply still disagree
 with what was sent (a reasoning parser that rereads earlier text), the stream sends nothing more
 but the end, and the gateway counts it (``stream_mismatches``) and warns.
 """
@@ -123,10 +124,13 @@ class SafeText:
                  offers_tools: bool, stops: Sequence[str] = ()) -> None:
         self.thinking, self.stops = thinking, tuple(s for s in stops if s)
         self.starts = (starts or ()) if parse_calls else ()
-        self.hold_all = parse_calls and starts is None and offers_tools
+        self.hold_content = parse_calls and starts is None and offers_tools
+        self.hold_all = not thinking.streams  # a reasoning format read whole (harmony's channels)
         self.markers = tuple(thinking.markers) + self.starts + self.stops
 
     def __call__(self, text: str) -> Tuple[str, str]:
+        if self.hold_all:
+            return '', ''
         text = text.rstrip('\ufffd')  # a character whose last bytes are still to come
         for stop in self.stops:
             at = text.find(stop)
@@ -134,7 +138,7 @@ class SafeText:
                 text = text[:at]
         text = text[:len(text) - _held_suffix(text, self.markers)]
         reasoning, content = self.thinking.split(text)
-        if self.hold_all:
+        if self.hold_content:
             return reasoning, ''
         found = [at for at in (content.find(s) for s in self.starts) if at >= 0]
         if found:

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mtflow.core.images import IMAGE_TOKEN
+from mtflow.declarative.parsers import parse_calls
 
 __all__ = ['WireError', 'Loose', 'Call', 'Reply', 'Returned', 'validated', 'validation_message', 'content_of',
            'sampling', 'tool_choice_of', 'refuse_format', 'split_calls', 'arguments_text', 'loads_or_text',
@@ -288,16 +289,18 @@ def refuse_format(kind: Any, where: str) -> None:
 
 
 # ---- the model's text out -------------------------------------------------------------------------
-def split_calls(text: str, parser: Any, turn: int, session: str) -> Tuple[str, List[Tuple[str, str, Any]]]:
+def split_calls(text: str, parser: Any, turn: int, session: str,
+                tools: Optional[Sequence[Dict[str, Any]]] = None) -> Tuple[str, List[Tuple[str, str, Any]]]:
     """``(content, calls)`` of the model's text: each well-formed, complete call taken out of the
-    text as ``(id, name, arguments)`` (ids unique to this session and turn); a malformed or
-    truncated call stays in the text (the client sees what the model wrote). With calls, the
-    content is the text before the first call without its trailing whitespace, then what
-    follows the calls (a stream sends the first part as it comes: :mod:`.streaming`)."""
+    text as ``(id, name, arguments)`` (ids unique to this session and turn; the XML formats' text
+    values typed by the client's ``tools``); a malformed or truncated call stays in the text (the
+    client sees what the model wrote). With calls, the content is the text before the first call
+    without its trailing whitespace, then what follows the calls (a stream sends the first part as
+    it comes: :mod:`.streaming`)."""
     if parser is None or not text:
         return text, []
     try:
-        found = parser.parse(text)
+        found = parse_calls(parser, text, tools)
     except Exception:  # a parser that fails on odd text: the text goes out as it is
         return text, []
     calls: List[Tuple[str, str, Any]] = []

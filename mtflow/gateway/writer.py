@@ -6,12 +6,18 @@ trace events, ``interrupted.jsonl`` for an interrupted one). A session that a li
 client's finish, nor idle, nor an interrupt) is *parked* until its client's finish brings the
 reward (:meth:`SessionWriter.parked`), or for ``grace_s`` at most; then it is written as it is.
 The writer's ticks also sweep the sessions idle past their timeout (:meth:`SessionTable.idle`).
+
+A session counts as written (its client's ``POST /finish`` is answered, a later finish gets its
+summary) only once its line is durable: the writer writes every job queued at the moment, then
+flushes the run store (its lines written and fsynced, :meth:`mtflow.run.store.RunStore.flush`),
+then answers them all. Concurrent finishes share one fsync; a ``SIGKILL`` after an answer never
+loses the session it answered.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mtflow.accounting.segments_split import segments_of
 from mtflow.core.machine import CLIENT_FINISHED, IDLE_TIMEOUT, INTERRUPTED
@@ -43,6 +49,9 @@ class SessionWriter:
         self.grace_s, self.t_offset, self.idle_timeout_s = grace_s, t_offset, idle_timeout_s
         self.jobs: 'queue.Queue[Any]' = queue.Queue()
         self.written = 0
+        #: sessions written but not yet durable: ``(name, summary)``, answered after the next flush
+        self.unsynced: List[Tuple[str, Dict[str, Any]]] = []
+        self.syncs = 0  # flushes made to answer finishes (one per batch of sessions written together)
         self.error: Optional[BaseException] = None
         self.threads: List[threading.Thread] = []
 
@@ -76,27 +85,47 @@ class SessionWriter:
         store = self.run.store
         while True:
             try:
-                job = self.jobs.get(timeout=tick)
+                jobs = [self.jobs.get(timeout=tick)]
             except queue.Empty:
-                job = None
+                jobs = []
+            while jobs and jobs[-1] is not _STOP:  # everything queued now: written together, one fsync
+                try:
+                    jobs.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if job is _STOP:
-                    for session, parked in self.table.close():
-                        self._write(session, *parked)
-                    store.flush()
-                    return
-                if job is not None and job[0] == 'group':
-                    self._delivered(job[1])
-                elif job is not None:
-                    session = self.table.get(job[1])
-                    if session is not None:
-                        self._write(session, *job[2])
+                for job in jobs:
+                    if job is _STOP:
+                        for session, parked in self.table.close():
+                            self._write(session, *parked)
+                        self._sync(store)
+                        return
+                    self._handle(job)
                 for session, parked in self.table.expired(self.grace_s):
                     self._write(session, *parked)
+                self._sync(store)
                 self.table.idle(self.idle_timeout_s)
                 store.tick()
             except BaseException as exc:  # a full disk: recorded, the gateway keeps serving what it can
                 self.error = exc
+
+    def _handle(self, job: Any) -> None:
+        if job[0] == 'group':
+            self._delivered(job[1])
+            return
+        session = self.table.get(job[1])
+        if session is not None:
+            self._write(session, *job[2])
+
+    def _sync(self, store: Any) -> None:
+        """Make the sessions written since the last sync durable, then answer their finishes."""
+        if not self.unsynced:
+            return
+        store.flush()  # raises on a full disk: the finishes stay unanswered (their clients time out)
+        self.syncs += 1
+        done, self.unsynced = self.unsynced, []
+        for name, summary in done:
+            self.table.written(name, summary)
 
     def _delivered(self, group: Any) -> None:
         failures = {f.uuid: f for f in group.failures}
@@ -109,7 +138,7 @@ class SessionWriter:
 
     def _write(self, session: Session, finished: FinishedRequest, request: Any) -> None:
         """One session's line (the client's reward and info added when a limit ended it first);
-        the finish calls waiting get its summary."""
+        the finish calls waiting get its summary once it is durable."""
         infos = getattr(finished.output, 'rollout_infos', None)
         finish = session.finish
         if isinstance(infos, dict) and finish is not None and 'reward' not in infos:
@@ -121,4 +150,4 @@ class SessionWriter:
         summary: Dict[str, Any] = {'session': session.name, 'finish_reason': finished.finish_reason,
                                    'turns': (infos or {}).get('num_turns'),
                                    'segments': len(segments_of(finished.output)), 'reward': (infos or {}).get('reward')}
-        self.table.written(session.name, summary)
+        self.unsynced.append((session.name, summary))  # answered once durable (:meth:`_sync`)

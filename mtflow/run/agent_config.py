@@ -47,9 +47,9 @@ class GatewayConfig(StrictModel):
     session_header: str = Field('X-Session-ID', pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
                                 description="The header that names a call's session on the gateway's own /v1 "
                                 "(verifiers' X-Session-ID by default; X-Mtflow-Session is read too).")
-    reasoning: Literal['auto', 'think', 'none'] = Field(
-        'auto', description="How a reply's thinking is split from its content (reasoning_content, thinking blocks, "
-        "reasoning items): think tags (auto); none: all content.")
+    reasoning: str = Field('auto', description="How a reply's thinking is split from its content (reasoning_content, "
+                           "thinking blocks, reasoning items): a reasoning parser of docs/declarative.md (auto: by "
+                           "the tool parser's family and the chat template; think, kimi, harmony, none, module:Class).")
 
 
 class VerifierCommand(StrictModel):

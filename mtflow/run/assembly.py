@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from mtflow import backends
 from mtflow.core.errors import RunSetupError, UserError
 from mtflow.core.registry import import_module
-from mtflow.declarative import load_scheduler
+from mtflow.declarative import load_config, load_scheduler
 from mtflow.run.config import RunConfig
 
 __all__ = ['SchedulerFactory', 'seed_everything', 'build_backend', 'load_python_scheduler', 'scheduler_factory',
@@ -114,7 +114,7 @@ def _yaml_scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
     return make_yaml
 
 
-def _takes_tokenizer(factory: Callable[..., Any]) -> bool:
+def takes_tokenizer(factory: Callable[..., Any]) -> bool:
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -133,7 +133,7 @@ def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
     factory = load_python_scheduler(cfg.scheduler, cfg.base_dir)
     if not callable(factory):
         raise RunSetupError(f'scheduler {cfg.scheduler!r} is not a class or factory')
-    accepts_tokenizer = _takes_tokenizer(factory)
+    accepts_tokenizer = takes_tokenizer(factory)
 
     def make_python(tokenizer: Any) -> Any:
         kwargs = dict(cfg.scheduler_args)
@@ -148,6 +148,20 @@ def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
                                 f'{type(exc).__name__}: {exc}') from exc
 
     return make_python
+
+
+def leaf_budget(cfg: RunConfig) -> Optional[int]:
+    """The leaf budget of each prompt's tree (``branch.leaves``, ``docs/branching.md``) of a YAML
+    scheduler, read from its file without building it (a Ray driver counts its leaves); ``None``
+    without one, or for a Python scheduler whose class declares none."""
+    if cfg.scheduler_is_yaml():
+        try:
+            config, _ = load_config(str(cfg.scheduler_path()))
+        except Exception:  # checked before the model loads (check_before_load) with every problem named
+            return None
+        return config.branch.leaves if config.branch is not None else None
+    branch = getattr(load_python_scheduler(cfg.scheduler, cfg.base_dir), 'branch', None)
+    return getattr(branch, 'leaves', None)
 
 
 # ---- what a Ray actor calls (mtflow/distributed/ray_cli.py ships these by reference) ----------------

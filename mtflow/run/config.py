@@ -49,6 +49,7 @@ from mtflow.core.keys import StrictModel, unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml, load_yaml_file  # the hostile-YAML reader scheduler files use too
 from mtflow.data.sources import check_dataset_mapping
 from mtflow.declarative.context import ContextConfig
+from mtflow.declarative.schema import SchedulerConfig
 from mtflow.engine.admission import Admission
 from mtflow.run.agent_config import AgentConfig, GatewayConfig
 
@@ -409,13 +410,19 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
         data = {}
     if not isinstance(data, dict):
         raise RunConfigError(f'{path}: a run config must be a mapping of keys, not {type(data).__name__}')
+    misplaced = scheduler_file_problem(path, data)
+    if misplaced:
+        raise RunConfigError(misplaced)
     for key in _INTERNAL:
         if key in data:
             raise RunConfigError(f'{path}:{_line_of(root, (key,))}: {key}: unknown key')
     given_sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
     flags = {f'request_config.{k}': f'--{k.replace("_", "-")} {v}' for k, v in given_sampling.items()}
-    origin = _apply_sets(data, parse_sets(sets or []) + [(('request_config', k), v, flags[f'request_config.{k}'])
-                                                         for k, v in given_sampling.items()])
+    parsed_sets = parse_sets(sets or [])
+    for keys, _, flag in parsed_sets:  # a nested key --set gave is blamed on the flag (cfg.where), not the file
+        flags.update({'.'.join(keys[:depth]): flag for depth in range(2, len(keys) + 1)})
+    origin = _apply_sets(data, parsed_sets + [(('request_config', k), v, flags[f'request_config.{k}'])
+                                              for k, v in given_sampling.items()])
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     data.update(given)
     origin.update({k: f'--{k.replace("_", "-")} {v}' for k, v in given.items()})
@@ -429,8 +436,9 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
     return cfg
 
 
-#: the mappings whose keys get lines of their own (messages about one sampling or backend option)
-_NESTED = ('request_config', 'backend_options')
+#: the mappings whose keys get lines of their own (messages about one sampling or backend option, agent or
+#: gateway setting)
+_NESTED = ('request_config', 'backend_options', 'agent', 'gateway')
 
 
 def _key_lines(root: Any, data: Dict[str, Any]) -> Dict[str, int]:
@@ -449,6 +457,54 @@ def _key_lines(root: Any, data: Dict[str, Any]) -> Dict[str, int]:
             if line is not None:
                 lines[f'{name}.{sub}'] = line
     return lines
+
+
+#: at most this many YAML files are read looking for the run config that names a scheduler file
+_MAX_CONFIGS_SEARCHED = 200
+
+
+def scheduler_file_problem(path: Path, data: Dict[str, Any]) -> Optional[str]:
+    """The one line for a scheduler YAML given where a run config belongs (``mtflow run
+    schedulers/x.yaml``): it has no ``scheduler``, and its other keys are a scheduler file's, not a
+    run config's; the line names a run config that uses it (looked for in the ``configs/`` beside
+    its directory, the current directory's ``configs/`` and the current directory), or says what
+    to write. ``None`` for anything else (a run config's own mistakes are reported key by key)."""
+    foreign = set(map(str, data)) - set(RunConfig.model_fields)
+    if not foreign or 'scheduler' in data or 'agent' in data or not foreign <= set(SchedulerConfig.model_fields):
+        return None
+    keys = ', '.join(k for k in map(str, data) if k in foreign)
+    users = _configs_naming(path)
+    said = f'{path} is a scheduler file, not a run config (its keys {keys} are a scheduler\'s): give a run config ' \
+        'that names it'
+    if users:
+        return f'{said}, as {users[0]} does (mtflow run {users[0]})'
+    return (f'{said} (scheduler: {path}, with backend, model and dataset: docs/cli.md; no run config in configs/ '
+            f'names it); mtflow validate {path} checks the scheduler file alone')
+
+
+def _configs_naming(scheduler: Path) -> List[str]:
+    """The run configs (as a path a message shows) whose ``scheduler`` is ``scheduler``."""
+    target = scheduler.resolve()
+    here = Path.cwd()
+    found: List[str] = []
+    dirs = dict.fromkeys([target.parent.parent / 'configs', here / 'configs', here])
+    files = [f for d in dirs if d.is_dir() for f in sorted(d.iterdir()) if f.suffix in ('.yaml', '.yml')]
+    for file in files[:_MAX_CONFIGS_SEARCHED]:
+        try:
+            data = load_yaml_file(str(file))[0]
+        except (OSError, YamlLoadError):
+            continue
+        named = data.get('scheduler') if isinstance(data, dict) else None
+        if not isinstance(named, str) or not named.endswith(('.yaml', '.yml')):
+            continue
+        cfg = RunConfig.model_construct(scheduler=named, base_dir=file.resolve().parent)
+        try:
+            same = cfg.scheduler_path().resolve() == target
+        except OSError:
+            same = False
+        if same:
+            found.append(str(file.relative_to(here)) if file.is_relative_to(here) else str(file))
+    return found
 
 
 def is_run_config(path: Union[str, Path]) -> bool:

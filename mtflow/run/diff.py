@@ -1,7 +1,10 @@
 """Comparing two runs request by request, turn by turn, in constant memory (``mtflow diff``).
 
-Requests are matched by ``uuid``. For each pair the first turn where they differ is found, with
-what differs there: the model's ``text``, its ``token_ids`` (with the first differing position),
+Requests are matched by ``uuid``. Two lines of one uuid that started from another ``prompt``
+(the messages before the first model turn) or another ``reference`` (the dataset's answer) are
+not the same request: that is their difference, counted apart (``different_input``) and reported
+first, with their first differing turn beside it (``then``). For every other pair the first turn where they differ is
+found, with what differs there: the model's ``text``, its ``token_ids`` (with the first differing position),
 the ``observation`` that followed it (the tool, user or environment messages before the next
 model turn), the step's ``reward`` (an environment's per-step ``rewards``); and, over the whole
 request, the ``finish_reason``, the number of turns (``num_turns``), the final ``reward``, what a
@@ -33,13 +36,15 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 from mtflow.run.files import TRAJECTORIES
 from mtflow.run.turn_log import expand_turns
 
-__all__ = ['FIELDS', 'index_lines', 'iter_offsets', 'iter_raw', 'DiskIndex', 'RequestDiff', 'DiffTotals', 'DiffRun', 'compare', 'trajectories_file', 'reward_of', 'turn_views',
+__all__ = ['FIELDS', 'INPUT_FIELDS', 'prompt_of', 'index_lines', 'iter_offsets', 'iter_raw', 'DiskIndex', 'RequestDiff', 'DiffTotals', 'DiffRun', 'compare', 'trajectories_file', 'reward_of', 'turn_views',
            'group_of']
 
-#: what can differ, in the order they are checked within a turn, then over the request
+#: what can differ, in the order they are checked: what the request started from, then within a
+#: turn, then over the request
+INPUT_FIELDS = ('prompt', 'reference')
 TURN_FIELDS = ('text', 'token_ids', 'observation', 'reward')
 REQUEST_FIELDS = ('finish_reason', 'num_turns', 'final_reward', 'trained', 'token_record')
-FIELDS = TURN_FIELDS + REQUEST_FIELDS
+FIELDS = INPUT_FIELDS + TURN_FIELDS + REQUEST_FIELDS
 #: logprobs closer than this are the same (float rounding of another batch shape: ~1e-6 on CPU)
 LOGPROB_TOL = 1e-4
 
@@ -98,25 +103,68 @@ def turn_views(line: Dict[str, Any]) -> List[Dict[str, Any]]:
     return views
 
 
+def prompt_of(line: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The messages a request started from: those before its first assistant message (role,
+    content, tool calls), as the first model call was given them."""
+    out = []
+    for m in line.get('messages') or []:
+        if not isinstance(m, dict):
+            continue
+        if m.get('role') == 'assistant':
+            break
+        out.append({k: m[k] for k in ('role', 'content', 'tool_calls') if m.get(k) is not None})
+    return out
+
+
+def _input_difference(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str]) -> Optional['RequestDiff']:
+    """How two lines of one uuid started from another prompt or reference (turn 0), else ``None``:
+    the prompt's first differing message, with its index in ``detail``."""
+    diff = RequestDiff(str(a.get('uuid')), 0, [])
+    if 'prompt' in fields:
+        pa, pb = prompt_of(a), prompt_of(b)
+        if pa != pb:
+            k = next((i for i, (x, y) in enumerate(zip(pa, pb)) if x != y), min(len(pa), len(pb)))
+            diff.fields.append('prompt')
+            diff.a['prompt'] = _short(pa[k]) if k < len(pa) else None
+            diff.b['prompt'] = _short(pb[k]) if k < len(pb) else None
+            diff.detail['prompt_message'] = k
+    if 'reference' in fields and a.get('reference') != b.get('reference'):
+        diff.fields.append('reference')
+        diff.a['reference'], diff.b['reference'] = _short(a.get('reference')), _short(b.get('reference'))
+    return diff if diff.fields else None
+
+
 @dataclass
 class RequestDiff:
     """The first difference of one request: ``turn`` (from 1; for a request-level field, the
-    last turn both have, or the one after it when their numbers of turns differ) and each field
-    that differs there, with both values."""
+    last turn both have, or the one after it when their numbers of turns differ; 0: the request
+    started from another ``prompt`` or ``reference``, :attr:`is_input`) and each field that
+    differs there, with both values."""
     uuid: str
     turn: int
     fields: List[str]
     a: Dict[str, Any] = field(default_factory=dict)
     b: Dict[str, Any] = field(default_factory=dict)
     detail: Dict[str, Any] = field(default_factory=dict)
+    #: of a request that started from another input: its first differing turn after that
+    then: Optional['RequestDiff'] = None
+
+    @property
+    def is_input(self) -> bool:
+        """The two lines started from another prompt or reference: not the same request."""
+        return any(f in INPUT_FIELDS for f in self.fields)
 
     def to_dict(self) -> Dict[str, Any]:
+        then = self.then.to_dict() if self.then is not None else None
         return {'uuid': self.uuid, 'turn': self.turn, 'fields': self.fields, 'a': self.a, 'b': self.b,
-                **({'detail': self.detail} if self.detail else {})}
+                **({'detail': self.detail} if self.detail else {}),
+                **({'then': {k: v for k, v in then.items() if k != 'uuid'}} if then else {})}
 
 
 @dataclass
 class DiffTotals:
+    #: pairs that started from another prompt or reference (their turns are not compared)
+    different_input: int = 0
     identical: int = 0
     different: int = 0
     only_in_a: int = 0
@@ -126,7 +174,7 @@ class DiffTotals:
 
     @property
     def same(self) -> bool:
-        return not (self.different or self.only_in_a or self.only_in_b)
+        return not (self.different_input or self.different or self.only_in_a or self.only_in_b)
 
     def reward_changes(self) -> Dict[str, Dict[str, float]]:
         """Groups whose mean reward (over the members each run has) changed:
@@ -141,7 +189,7 @@ class DiffTotals:
         return out
 
     def to_dict(self) -> Dict[str, Any]:
-        return {'identical': self.identical, 'different': self.different, 'only_in_a': self.only_in_a,
+        return {'different_input': self.different_input, 'identical': self.identical, 'different': self.different, 'only_in_a': self.only_in_a,
                 'only_in_b': self.only_in_b, 'reward_change_per_group': self.reward_changes()}
 
 
@@ -165,7 +213,21 @@ def _short(value: Any, limit: int = 200) -> Any:
 def compare(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str] = FIELDS,
             logprob_tol: float = LOGPROB_TOL) -> Optional[RequestDiff]:
     """The first difference of two lines of one request, ``None`` when they agree on ``fields``
-    (``rollout_logprobs`` within ``logprob_tol``; 0: exactly)."""
+    (``rollout_logprobs`` within ``logprob_tol``; 0: exactly). Lines that started from another
+    prompt or reference differ there first (turn 0), their first differing turn after it in
+    ``then``."""
+    started = _input_difference(a, b, fields)
+    if started is None:
+        return _turn_difference(a, b, fields, logprob_tol)
+    then = _turn_difference(a, b, fields, logprob_tol)
+    if then is not None:
+        started.then = then
+    return started
+
+
+def _turn_difference(a: Dict[str, Any], b: Dict[str, Any], fields: Sequence[str],
+                     logprob_tol: float) -> Optional[RequestDiff]:
+    """The first difference of two lines after what they started from (:func:`compare`)."""
     uuid = str(a.get('uuid'))
     va, vb = turn_views(a), turn_views(b)
     turn_fields = [f for f in TURN_FIELDS if f in fields]
@@ -369,6 +431,9 @@ class DiffRun:
                     d = compare(a, b, self.fields, self.logprob_tol)
                     if d is None:
                         totals.identical += 1
+                    elif d.is_input:
+                        totals.different_input += 1
+                        yield d
                     else:
                         totals.different += 1
                         yield d

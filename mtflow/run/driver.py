@@ -7,7 +7,8 @@ store already has (an earlier attempt wrote them) are skipped, so ``--resume`` n
 writes a uuid twice. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM through
 :class:`mtflow.run.signals.StopSignals`) reaches the executor, which finishes the requests in
 flight with reason ``interrupted``; they go to ``interrupted.jsonl`` and the interrupt goes on
-to the caller, which closes the store.
+to the caller, which closes the store. A branched batch's leaves are written tree by tree, each
+tree whole with its line of ``trees.jsonl``, when the batch ends (``mtflow/run/trees.py``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from mtflow.core.errors import RolloutInterrupted
 from mtflow.core.machine import INTERRUPTED
 from mtflow.data.sources import iter_requests
 from mtflow.run.images import store_request_images
+from mtflow.engine.admission import sessions_per_prompt
+from mtflow.engine.branching import Branching
 from mtflow.engine.context import is_summary_request
 from mtflow.engine.executor import Executor
 from mtflow.run.progress import RunProgress
@@ -28,6 +31,7 @@ from mtflow.run.config import RunConfig
 from mtflow.run.store import RunDirError, RunStore, finished_to_record
 from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
+from mtflow.run.trees import whole_trees
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 from mtflow.run.serving import annotate as annotate_serving, begin_server_metrics, end_server_metrics
 
@@ -108,16 +112,42 @@ class StreamingRun:
         self._requests: List[Any] = []
         self._live: List[Any] = []
         self._t_offset = 0.0
+        #: a branched run's finished leaves, held until their trees are known (the batch's end)
+        self.branched = getattr(getattr(self.executor, 'options', None), 'branch', None) is not None
+        self._held: List[Any] = []
 
     # ---- the executor's callbacks ------------------------------------------------------------
     def on_finished(self, finished: Any) -> None:
-        root = finished.root_index if finished.root_index is not None else finished.index  # a fork's child: its root's
-        self.write_finished(finished, self._indices[root], self._requests[root], self._t_offset)
+        if self.branched:  # written with its tree (write_trees)
+            self._held.append(finished)
+            return
+        self._write_own(finished)
 
-    def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None) -> None:
+    def _write_own(self, finished: Any, whole: bool = True) -> None:
+        root = finished.root_index if finished.root_index is not None else finished.index  # a fork's child: its root's
+        self.write_finished(finished, self._indices[root], self._requests[root], self._t_offset, whole=whole)
+
+    def write_trees(self, trees: List[Dict[str, Any]]) -> None:
+        """The held leaves of a branched batch, tree by tree: a whole tree's leaves, then its line;
+        a tree some leaf of which did not finish (an interrupt) to ``interrupted.jsonl``, whole."""
+        held = {str(f.uuid): f for f in self._held}
+        self._held = []
+        whole, cut = whole_trees(trees, {u for u, f in held.items() if f.finish_reason != INTERRUPTED})
+        for tree in trees:
+            for leaf in tree['leaves']:
+                finished = held.pop(str(leaf), None)
+                if finished is not None:
+                    self._write_own(finished, whole=str(leaf) not in cut)
+        for finished in held.values():  # no tree's (a duplicate uuid, failed before it was planted)
+            self._write_own(finished)
+        self.store.write_trees(whole)
+
+    def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None,
+                       whole: bool = True) -> None:
         """Write one finished request (its dataset position ``index``, its input ``request``;
         ``live``: the request as it finished, with the images its steps added; default: this
-        batch's copy, which the executor wrote back)."""
+        batch's copy, which the executor wrote back). ``whole=False``: a leaf of a tree an
+        interrupt cut, kept in ``interrupted.jsonl`` (not done: its prompt runs again)."""
         record, events = finished_to_record(finished, index=index, t_offset=t_offset, request=request,
                                             reference_key=self.reference_key)
         if self.turn_log is not None:
@@ -126,7 +156,7 @@ class StreamingRun:
         self.finished += 1
         try:
             store_request_images(self.store, live if live is not None else self._live[finished.index], record)
-            if finished.finish_reason == INTERRUPTED:
+            if finished.finish_reason == INTERRUPTED or not whole:
                 self.store.write_interrupted(record, events)
             else:
                 self.store.write(record, events)
@@ -136,7 +166,7 @@ class StreamingRun:
             self.on_request(record, events)
         if self.progress is not None:
             self.progress.on_finished(record.get('num_turns'), sum(int(e.get('tokens') or 0) for e in events),
-                                      written=finished.finish_reason != INTERRUPTED, uuid=record['uuid'])
+                                      written=finished.finish_reason != INTERRUPTED and whole, uuid=record['uuid'])
         if self.on_progress is not None:
             self.on_progress(self.finished, '')
 
@@ -159,7 +189,7 @@ class StreamingRun:
                 return self.figures()
             batch: List[Tuple[int, Any]] = []
             for index, request in enumerate(prompts):
-                if self.store.is_done(request.uuid):
+                if self.store.prompt_done(request.uuid):
                     self.skipped += 1
                     continue
                 batch.append((index, request))
@@ -187,9 +217,11 @@ class StreamingRun:
         except RolloutInterrupted as exc:
             if exc.result is not None:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls
+                if self.branched:
+                    self.write_trees(exc.result.trees)
             raise
         self.rollout_fn_calls += result.rollout_fn_calls
-        self.store.write_trees(result.trees)
+        self.write_trees(result.trees)
         lost = [f for f in result.failures if f.phase == 'on_finished']
         if lost:  # the executor kept going; a request that could not be stored must not pass silently
             raise RunDirError(f'request {lost[0].uuid} could not be written ({len(lost)} in this batch): '
@@ -259,10 +291,14 @@ class _ExecutorFactory:
 
     def batch_size(self) -> int:
         """``batch_size``, or fewer in lockstep when ``admission.env_sessions`` is smaller (the
-        batch holds its sessions together; the next batch waits for it)."""
+        batch holds its sessions together, a branched prompt its tree's; the next batch waits for
+        it)."""
         size = self.cfg.batch_size
         bound = self.admission.session_bound(self.scheduler) if self.admission is not None else None
-        return min(size, bound) if bound is not None and self.cfg.mode != 'async' else size
+        if bound is None or self.cfg.mode == 'async':
+            return size
+        branch = getattr(self.scheduler, 'branch', None)  # the executor forks only with a Branching
+        return max(1, min(size, bound // sessions_per_prompt(bound, branch if isinstance(branch, Branching) else None)))
 
     def stream_executor(self) -> Executor:
         """The executor of a streamed run (``mtflow/run/streamed.py``): the backend's async

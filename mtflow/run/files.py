@@ -18,7 +18,7 @@ __all__ = [
     'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY',
     'LOCK', 'IMAGES_DIR', 'SESSIONS', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all',
     'append_file', 'write_json_atomic',
-    'count_lines', 'scan_jsonl', 'DirLock', 'set_aside', 'not_empty_message', 'config_file_meta', 'recorded_config_file'
+    'count_lines', 'scan_jsonl', 'DirLock', 'check_out_apart', 'set_aside', 'not_empty_message', 'config_file_meta', 'recorded_config_file'
 ]
 
 TRAJECTORIES = 'trajectories.jsonl'
@@ -253,6 +253,26 @@ def _delete_run_files(out: Path, entries: List[str]) -> None:
         else:
             os.unlink(out / e)
     fsync_dir(out)
+
+
+def check_out_apart(out: Union[str, Path], source: Union[str, Path], command: str, overwrite: bool = False) -> None:
+    """Refuse (:class:`RunDirError`) an ``--out`` that is the run a command reads (``mtflow replay``,
+    ``rescore``), holds it or lies inside it: ``--overwrite`` (``overwrite``: the command has it)
+    would move the record aside before reading it (every request "diverges"), and a new run
+    inside a recorded one mixes the two.
+    Checked before anything is opened or moved; symlinks resolved."""
+    out_r, source_r = Path(out).resolve(), Path(source).resolve()
+    if out_r == source_r:
+        how = 'is the run it reads'
+    elif out_r in source_r.parents:
+        how = f'holds the run it reads ({source})'
+    elif source_r in out_r.parents:
+        how = f'is inside the run it reads ({source})'
+    else:
+        return
+    moves = ', and --overwrite would move the record away before reading it' if overwrite else ''
+    raise RunDirError(f'--out {out} {how}: {command} writes a new run directory apart from the recorded one{moves}; '
+                      f'choose an --out outside {source}')
 
 
 def set_aside(out: Path, delete_old: bool) -> Optional[Path]:

@@ -92,6 +92,7 @@ class RecordedSteps:
             results.append(ToolResult(info['name'], io.get('arguments'), bool(info['ok']), output=io.get('output', ''),
                                       error=io.get('error', info.get('error', '')),
                                       error_kind=info.get('error_kind', ''), duration_s=info.get('duration_s', 0.0),
+                                      output_chars=io.get('output_chars'),
                                       images=[self.image_file(next(shown)['sha256'], uuid, turn)
                                               for _ in range(int(info.get('images') or 0))]))
         self.tool_calls += len(results)

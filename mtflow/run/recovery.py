@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from mtflow.run.files import (FORMAT, INTERRUPTED_FILE, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES, FingerprintMismatch,
                               RunDirError, count_lines, fsync_dir, scan_jsonl)
+from mtflow.run.fingerprint import ACCEPTABLE
 from mtflow.run.tally import RunTally
 
 __all__ = ['Recovery', 'fingerprint_changes', 'read_run_info', 'recover']
@@ -31,6 +32,7 @@ class Recovery:
     orphan_events: int = 0  # trace events of requests that were not done, dropped
     interrupted: int = 0  # requests the last attempt cut short (run again)
     attempts: int = 0  # earlier attempts
+    accepted_changes: List[str] = field(default_factory=list)  # code changes --accept-changed went past
 
     def notes(self) -> List[str]:
         """One phrase per repair, for the command's message."""
@@ -43,6 +45,9 @@ class Recovery:
             out.append(f'dropped {self.orphan_events} trace event(s) of requests that were not finished')
         if self.interrupted:
             out.append(f'{self.interrupted} interrupted request(s) run again')
+        if self.accepted_changes:
+            out.append(f'--accept-changed: going on with changed code ({"; ".join(self.accepted_changes)}), '
+                       f'recorded in {RUN_INFO}')
         return out
 
 
@@ -68,10 +73,19 @@ def fingerprint_changes(old: Any, new: Any, prefix: str = '') -> List[str]:
     return [] if old == new else [f'{prefix or "fingerprint"}: {short(old)} -> {short(new)}']
 
 
-def read_run_info(out: Path, entries: List[str], fingerprint: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _acceptable(change: str) -> bool:
+    """Whether ``--accept-changed`` may go past this change (:data:`ACCEPTABLE`)."""
+    return any(change == part or change.startswith(part + '.') or change.startswith(part + ':')
+               for part in ACCEPTABLE)
+
+
+def read_run_info(out: Path, entries: List[str], fingerprint: Optional[Dict[str, Any]],
+                  accept_changed: bool = False) -> Tuple[Dict[str, Any], List[str]]:
     """The ``run.json`` of the run in ``out`` (which holds ``entries``), refused unless it is an
     mtflow run started with the same ``fingerprint`` (:class:`FingerprintMismatch` names each
-    change)."""
+    change), and the changes ``accept_changed`` went past: the code and files the config names
+    (:data:`mtflow.run.fingerprint.ACCEPTABLE`); ``run.json`` then takes the new fingerprint. A
+    run started before the fingerprint held ``code`` compares none."""
     info_path = out / RUN_INFO
     if RUN_INFO not in entries:
         shown = ', '.join(entries[:5]) + (' ...' if len(entries) > 5 else '')
@@ -84,14 +98,28 @@ def read_run_info(out: Path, entries: List[str], fingerprint: Optional[Dict[str,
                           f'--overwrite starts afresh') from None
     if not isinstance(info, dict) or info.get('format') != FORMAT:
         raise RunDirError(f'cannot resume {out}: {info_path} is not an mtflow run file (format {FORMAT})')
-    if fingerprint is not None:
-        changes = fingerprint_changes(info.get('fingerprint') or {}, fingerprint)
-        if changes:
-            listed = '; '.join(changes[:8]) + (f'; and {len(changes) - 8} more' if len(changes) > 8 else '')
-            raise FingerprintMismatch(
-                f'cannot resume {out}: the run was started with another config or dataset ({listed}); '
-                f'resume with the original ones, or pass --overwrite to start afresh', changes)
-    return info
+    if fingerprint is None:
+        return info, []
+    old = info.get('fingerprint') or {}
+    if 'code' not in old:
+        fingerprint = {k: v for k, v in fingerprint.items() if k != 'code'}
+    changes = fingerprint_changes(old, fingerprint)
+    held = [c for c in changes if not _acceptable(c)]
+    code = [c for c in changes if _acceptable(c)]
+    if held:
+        listed = '; '.join(changes[:8]) + (f'; and {len(changes) - 8} more' if len(changes) > 8 else '')
+        raise FingerprintMismatch(
+            f'cannot resume {out}: the run was started with another config or dataset ({listed}); '
+            f'resume with the original ones, or pass --overwrite to start afresh', changes)
+    if code and not accept_changed:
+        listed = '; '.join(code[:8]) + (f'; and {len(code) - 8} more' if len(code) > 8 else '')
+        raise FingerprintMismatch(
+            f'cannot resume {out}: code or files the config names changed since the run started ({listed}), so '
+            f'the requests already written ran the old ones: restore them, pass --accept-changed to go on with the '
+            f'new ones (recorded in {RUN_INFO}), or --overwrite to start afresh', code)
+    if code:
+        info['fingerprint'] = fingerprint
+    return info, code
 
 
 def recover(out: Path, info: Dict[str, Any], done: Set[str], tally: RunTally) -> Recovery:

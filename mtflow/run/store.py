@@ -59,6 +59,7 @@ from mtflow.run.groups import GroupWriter
 from mtflow.run.images import ImageStore
 from mtflow.run.recovery import Recovery, fingerprint_changes, read_run_info, recover
 from mtflow.run.tally import RunTally
+from mtflow.run.trees import prompts_of
 from mtflow.run.trajectories import finished_to_record
 
 __all__ = [
@@ -78,6 +79,10 @@ class RunStore:
         mode: how it was opened (``'new'``, ``'resume'``, ``'overwrite'``); a resume of an empty
             or missing directory starts a new run (``resumed`` is then False).
         done: uuids whose trajectory is on disk or pending in this store (a uuid is written once).
+        branched: the directory holds a branched run's trees (``trees.jsonl``, or lines of forks'
+            children): each prompt is a tree of leaves (``mtflow/run/trees.py``).
+        started_prompts: on resume of a branched run, the prompts with a leaf on disk
+            (:meth:`prompt_done`).
         tally: counters over every request written, earlier attempts included (``summary.json``).
         recovery: what opening found and repaired (``mode='resume'``).
         set_aside: where ``mode='overwrite'`` moved the old directory (``None`` if nothing was there
@@ -93,6 +98,8 @@ class RunStore:
         self.mode: str = 'new'
         self.resumed = False
         self.done: Set[str] = set()
+        self.started_prompts: Set[str] = set()
+        self.branched = False
         self.tally = RunTally()
         self.recovery = Recovery()
         self.set_aside: Optional[Path] = None
@@ -117,7 +124,8 @@ class RunStore:
     @classmethod
     def open(cls, out_dir: Union[str, Path], mode: Mode = 'new', fingerprint: Optional[Dict[str, Any]] = None, *,
              delete_old: bool = False, fsync: bool = True, flush_every: int = 256,
-             flush_interval_s: float = 2.0, meta: Optional[Dict[str, Any]] = None) -> 'RunStore':
+             flush_interval_s: float = 2.0, meta: Optional[Dict[str, Any]] = None,
+             accept_changed: bool = False) -> 'RunStore':
         """Open ``out_dir`` for writing.
 
         * ``'new'``: the directory must be missing or empty; otherwise :class:`RunDirError`
@@ -125,7 +133,10 @@ class RunStore:
         * ``'resume'``: continue the run in it: the stored fingerprint must equal
           ``fingerprint`` (else :class:`FingerprintMismatch`, naming each change), torn last
           lines are dropped, trace events of unfinished requests removed, and ``done`` holds
-          every uuid already written. A missing or empty directory starts a new run.
+          every uuid already written. A missing or empty directory starts a new run. With
+          ``accept_changed``, changed code and files the config names (the fingerprint's
+          ``code`` and ``files.scheduler``) are gone past, recorded in ``run.json`` (the attempt's
+          ``accepted_changes``, and the new fingerprint).
         * ``'overwrite'``: start afresh; an existing non-empty directory is moved to
           ``<out>.old-<UTC time>``, or with ``delete_old`` its mtflow files are deleted.
 
@@ -152,7 +163,7 @@ class RunStore:
         try:
             entries = sorted(e for e in os.listdir(out) if e != LOCK)
             if entries and mode == 'resume':
-                store._open_existing(entries, fingerprint)
+                store._open_existing(entries, fingerprint, accept_changed)
             elif entries:
                 raise RunDirError(not_empty_message(out, entries))
             else:
@@ -173,17 +184,24 @@ class RunStore:
             os.close(fd)
         self._start_attempt()
 
-    def _open_existing(self, entries: List[str], fingerprint: Optional[Dict[str, Any]]) -> None:
-        self.info = read_run_info(self.out_dir, entries, fingerprint)
+    def _open_existing(self, entries: List[str], fingerprint: Optional[Dict[str, Any]],
+                       accept_changed: bool = False) -> None:
+        self.info, accepted = read_run_info(self.out_dir, entries, fingerprint, accept_changed)
         self.resumed = True
         self.recovery = recover(self.out_dir, self.info, self.done, self.tally)
+        self.branched = bool(self.tally.forked) or (self.out_dir / TREES).exists()
+        if self.branched:  # a leaf names its prompt
+            self.started_prompts = prompts_of(self.done)
+        self.recovery.accepted_changes = accepted
         self._start_attempt()
 
     def _start_attempt(self) -> None:
         attempts = self.info.setdefault('attempts', [])
         attempts.append({'attempt': len(attempts) + 1, 'mode': self.mode if self.resumed or self.mode != 'resume'
                          else 'new', 'pid': os.getpid(), 'started': utc_now(), 'done_at_start': len(self.done),
-                         'ended': None, 'status': 'running'})
+                         'ended': None, 'status': 'running',
+                         **({'accepted_changes': self.recovery.accepted_changes} if self.recovery.accepted_changes
+                            else {})})
         write_json_atomic(self.out_dir / RUN_INFO, self.info)
         self.groups.open()
 
@@ -195,6 +213,11 @@ class RunStore:
 
     def is_done(self, uuid: str) -> bool:
         return str(uuid) in self.done
+
+    def prompt_done(self, uuid: str) -> bool:
+        """Whether prompt ``uuid`` is not to be run again: its line is on disk, or (a branched run)
+        a leaf of its tree is (``mtflow/run/trees.py``: a prompt never runs twice into one tree)."""
+        return str(uuid) in self.done or str(uuid) in self.started_prompts
 
     def write(self, record: Record, events: Sequence[Record] = ()) -> None:
         """One finished request: its trajectory line (needs ``uuid``) and its trace events.
@@ -232,6 +255,7 @@ class RunStore:
         so a tree on disk always has its leaves on disk."""
         if not trees:
             return
+        self.branched = True
         data = ''.join(json_line(tree) + '\n' for tree in trees).encode('utf-8')
         with self._lock:
             self._check_open()

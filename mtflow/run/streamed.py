@@ -15,8 +15,10 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from mtflow.core.machine import INTERRUPTED
 from mtflow.core.records import FinishedRequest
 from mtflow.engine.stream import StreamGroup, StreamUntil
+from mtflow.run.trees import whole_trees
 
 __all__ = ['group_source', 'run_streaming']
 
@@ -33,7 +35,7 @@ def group_source(prompts: Iterable[Any], store: Any, positions: Dict[str, Tuple[
     group: List[Any] = []
     key: Optional[str] = None
     for index, request in enumerate(prompts):
-        if store.is_done(request.uuid):
+        if store.prompt_done(request.uuid):
             skipped[0] += 1
             continue
         k = _group_key(request)
@@ -76,9 +78,12 @@ def _source_done(stream: Any) -> bool:
 
 def _write(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], t_offset: float) -> None:
     failures = {f.uuid: f for f in group.failures}
-    # a branched group (docs/branching.md): each fork's child is written at its root's position
+    # a branched group (docs/branching.md): each fork's child is written at its root's position, and
+    # only a whole tree is done (an interrupt's cut tree goes whole to interrupted.jsonl: mtflow/run/trees.py)
     parents = {child: fork['parent'] for tree in group.trees for fork in tree['forks'] for child in fork['children']}
     roots = {leaf: tree['root'] for tree in group.trees for leaf in tree['leaves']}
+    whole, cut = whole_trees(group.trees, {u for u, reason in zip(group.uuids, group.finish_reasons)
+                                           if reason != INTERRUPTED})
     placed: Dict[str, Tuple[int, Any]] = {}
     for k, uuid in enumerate(group.uuids):
         root = roots.get(uuid, uuid)
@@ -87,6 +92,6 @@ def _write(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], 
         index, request = placed[root]
         finished = FinishedRequest(index, uuid, group.outputs[k], group.finish_reasons[k], failures.get(uuid),
                                    group.events[k], parents.get(uuid))
-        run.write_finished(finished, index, request, t_offset, live=group.requests[k])
-    run.store.write_trees(group.trees)
+        run.write_finished(finished, index, request, t_offset, live=group.requests[k], whole=uuid not in cut)
+    run.store.write_trees(whole)
     run.store.tick()

@@ -16,7 +16,7 @@ from mtflow.data.sources import group_of
 from mtflow.declarative.policy import PolicyTally
 from mtflow.run.reward_spread import GroupRewards
 
-__all__ = ['RunTally', 'tool_counts', 'tool_error_kinds']
+__all__ = ['RunTally', 'tool_counts', 'tool_error_kinds', 'cut_and_printed']
 
 #: how many request errors the summary lists (the count covers all of them)
 MAX_LISTED_FAILURES = 20
@@ -54,6 +54,16 @@ def tool_error_kinds(extra: Any) -> List[str]:
     return [str(c.get('error_kind') or 'error') for c in calls if isinstance(c, dict) and c.get('ok') is False]
 
 
+def cut_and_printed(extra: Any) -> Tuple[int, int]:
+    """Calls of one step whose observation was cut to its tool's ``max_observation``, and calls
+    that printed (``cut`` and ``printed_chars`` in its ``calls``, :mod:`mtflow.tools.bounds`)."""
+    calls = extra.get('calls') if isinstance(extra, dict) else None
+    if not isinstance(calls, list):
+        return 0, 0
+    entries = [c for c in calls if isinstance(c, dict)]
+    return sum(1 for c in entries if c.get('cut')), sum(1 for c in entries if c.get('printed_chars'))
+
+
 class RunTally:
     """Counters over the finished requests of a run (constant memory)."""
 
@@ -67,6 +77,8 @@ class RunTally:
         self.info_tool_calls = 0
         self.info_tool_errors = 0
         self.trace_error_kinds: Counter = Counter()  # error_kind of each failed call in the trace
+        self.outputs_cut = 0  # calls whose observation was cut to the tool's max_observation
+        self.calls_printed = 0  # calls that printed (captured into the trace, not mtflow's stdout)
         self.info_error_kinds: Counter = Counter()  # the declarative scheduler's per-request totals
         self.reward_sum = 0.0
         self.reward_n = 0
@@ -77,6 +89,7 @@ class RunTally:
         self.failures: List[Dict[str, Any]] = []
         self.policy = PolicyTally()  # what a YAML finish_policy did
         self.compactions: Counter = Counter()  # compactions per request (uuid -> n; docs/context.md)
+        self.forked = 0  # lines of a fork's children (``parent``): a branched run (docs/branching.md)
 
     def add(self, record: Dict[str, Any], events: Iterable[Dict[str, Any]] = ()) -> None:
         """One finished request: its trajectory line and its trace events."""
@@ -86,6 +99,7 @@ class RunTally:
 
     def add_record(self, record: Dict[str, Any]) -> None:
         self.requests += 1
+        self.forked += record.get('parent') is not None
         self.reasons[record.get('finish_reason')] += 1
         self.turns[int(record.get('num_turns') or 0)] += 1
         infos = record.get('rollout_infos') or {}
@@ -125,6 +139,9 @@ class RunTally:
         self.trace_tool_calls += calls
         self.trace_tool_errors += errors
         self.trace_error_kinds.update(tool_error_kinds(event.get('extra')))
+        cut, printed = cut_and_printed(event.get('extra'))
+        self.outputs_cut += cut
+        self.calls_printed += printed
 
     # ---- what the summary shows ---------------------------------------------------------------
     def tool_calls(self) -> Tuple[int, int]:

@@ -4,7 +4,9 @@ The YAML scheduler's ``step`` is ``async def``, so the executor gathers the step
 of a turn; inside a step, the calls of one request are gathered too. :class:`ToolRunner` runs each
 call:
 
-- async tools on the event loop; sync tools in one bounded thread pool (``max_threads``);
+- async tools on the event loop; sync tools each in a daemon thread of its own, at most
+  ``max_threads`` at once (daemon: a call that hangs never keeps the process alive after a
+  SIGTERM or Ctrl-C stopped the run, as a pool's worker, joined at exit, would);
 - at most ``tool.max_concurrency`` calls of one tool at a time, across all requests (a semaphore
   per tool and per event loop: the executor uses a fresh loop per run), and at most the run's
   ``admission.tool_calls`` calls of all tools together (:mod:`mtflow.engine.admission`);
@@ -15,7 +17,10 @@ call:
   that calls ``sys.exit(3)`` fails its call, not the run) or a timeout become a
   :class:`ToolResult` with ``ok=False`` and an ``error`` message for the model, never an exception;
   a tool that knows why it failed raises :class:`ToolError` with a kind (the ``python`` tool:
-  ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``), which becomes the ``error_kind``.
+  ``timeout``, ``memory``, ``exit``, ``killed``, ``refused``), which becomes the ``error_kind``;
+- its text is bounded as it returns (:mod:`mtflow.tools.bounds`: nothing beyond what
+  ``tool.max_observation`` can show is kept), and what it prints is captured with the call
+  (:mod:`mtflow.tools.printed`), not written to mtflow's stdout.
 
 Results come back in call order (``asyncio.gather`` keeps order), so observations are
 deterministic whatever finishes first.
@@ -23,9 +28,8 @@ deterministic whatever finishes first.
 from __future__ import annotations
 
 import asyncio
-import functools
+import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence
@@ -33,6 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from mtflow.core.calls import RAISED, TIMED_OUT, Outcome, within
 from mtflow.core.images import ImageError, observation_parts
 from mtflow.engine.admission import Admission
+from mtflow.tools.bounds import cut_text, keep_window
+from mtflow.tools.printed import Printed, capturing
 from mtflow.tools.tool import Tool
 
 
@@ -76,11 +82,18 @@ class ToolResult:
     usage: Dict[str, float] = field(default_factory=dict)  # what the call used, when the tool says
     #: the images the tool returned beside its text, as it returned them (:mod:`mtflow.core.images`)
     images: List[Any] = field(default_factory=list)
+    #: how long the tool's text was when the runner kept only a window of it (``None``: kept whole;
+    #: :func:`mtflow.tools.bounds.keep_window`)
+    output_chars: Optional[int] = None
+    #: what the call printed (:mod:`mtflow.tools.printed`), or ``None``
+    printed: Optional[Printed] = None
 
     def to_info(self) -> Dict[str, Any]:
         info: Dict[str, Any] = {'name': self.name, 'ok': self.ok, 'duration_s': round(self.duration_s, 6)}
         if self.usage:
             info['usage'] = dict(self.usage)
+        if self.printed is not None:
+            info.update(self.printed.to_info())
         if self.images:
             info['images'] = len(self.images)
         if not self.ok:
@@ -137,25 +150,49 @@ class ToolRunner:
         #: every tool (taken after the tool's own ``max_concurrency`` slot, so one busy tool's
         #: queue never holds the shared slots); ``None``: only the per-tool bounds
         self.admission = admission
-        self._pool: Optional[ThreadPoolExecutor] = None
         self._semaphores: 'weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[str, asyncio.Semaphore]]' = (
             weakref.WeakKeyDictionary())
 
-    @property
-    def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.max_threads, thread_name_prefix='mtflow-tool')
-        return self._pool
+    def _loop_semaphore(self, key: str, bound: int) -> asyncio.Semaphore:
+        per_loop = self._semaphores.setdefault(asyncio.get_running_loop(), {})
+        sem = per_loop.get(key)
+        if sem is None:
+            sem = per_loop[key] = asyncio.Semaphore(bound)
+        return sem
 
     def _semaphore(self, tool: Tool) -> Optional[asyncio.Semaphore]:
-        if not tool.max_concurrency:
-            return None
+        return self._loop_semaphore(f'tool:{tool.name}', tool.max_concurrency) if tool.max_concurrency else None
+
+    async def _in_thread(self, tool: Tool, kwargs: Dict[str, Any], printed: Printed) -> Any:
+        """A sync tool's call in a daemon thread of its own (one of ``max_threads``, whose slot is
+        freed when the thread ends, also after the call was abandoned), printing into ``printed``."""
+        slots = self._loop_semaphore('threads', self.max_threads)
+        await slots.acquire()
         loop = asyncio.get_running_loop()
-        per_loop = self._semaphores.setdefault(loop, {})
-        sem = per_loop.get(tool.name)
-        if sem is None:
-            sem = per_loop[tool.name] = asyncio.Semaphore(tool.max_concurrency)
-        return sem
+        done = loop.create_future()
+
+        def settle(value: Any, failed: bool) -> None:
+            slots.release()
+            if not done.done():
+                done.set_exception(value) if failed else done.set_result(value)
+
+        def body() -> None:
+            try:
+                with capturing(printed):
+                    value, failed = tool.fn(**kwargs), False
+            except BaseException as exc:  # noqa: BLE001 - the call's outcome (sys.exit() too)
+                value, failed = exc, True
+            try:
+                loop.call_soon_threadsafe(settle, value, failed)
+            except RuntimeError:  # the run's loop is closed: the call was abandoned long ago
+                pass
+
+        try:
+            threading.Thread(target=body, name=f'mtflow-tool-{tool.name}', daemon=True).start()
+        except BaseException:
+            slots.release()
+            raise
+        return await done
 
     async def call(self, name: str, arguments: Any) -> ToolResult:
         """Run one call; never raises (except cancellation)."""
@@ -183,14 +220,21 @@ class ToolRunner:
 
     async def _run(self, tool: Tool, kwargs: Dict[str, Any]) -> ToolResult:
         t = perf_counter()
+        printed = Printed()
         try:
             if tool.is_async:
-                aw = tool.fn(**kwargs)
+                with capturing(printed):  # the call's task (and the tasks it starts) print into it
+                    aw = tool.fn(**kwargs)
+                    outcome = await within(aw, tool.timeout_s or None, t)
             else:
-                aw = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(tool.fn, **kwargs))
-            outcome = await within(aw, tool.timeout_s or None, t)
+                outcome = await within(self._in_thread(tool, kwargs, printed), tool.timeout_s or None, t)
         except (Exception, SystemExit) as exc:  # an async-declared tool that raised as it was called
             outcome = Outcome(RAISED, exc, perf_counter() - t)
+        result = self._result(tool, kwargs, outcome, t)
+        result.printed = printed if printed.chars else None
+        return result
+
+    def _result(self, tool: Tool, kwargs: Dict[str, Any], outcome: Outcome, t: float) -> ToolResult:
         if outcome.kind == TIMED_OUT:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} timed out after {tool.timeout_s:g} s',
                               error_kind='timeout', duration_s=outcome.duration)
@@ -202,23 +246,23 @@ class ToolRunner:
         except ImageError as exc:
             return ToolResult(tool.name, kwargs, False, error=f'{tool.name} returned {exc}', error_kind='exception',
                               duration_s=perf_counter() - t)
-        return ToolResult(tool.name, kwargs, True, output=_to_text(text), duration_s=perf_counter() - t,
-                          usage=getattr(value, 'usage', None) if isinstance(value, ToolOutput) else {}, images=images)
+        text = _to_text(text)
+        kept = keep_window(text, tool.max_observation, tool.truncate_side)  # never hold more than it can show
+        return ToolResult(tool.name, kwargs, True, output=kept, duration_s=perf_counter() - t,
+                          usage=getattr(value, 'usage', None) if isinstance(value, ToolOutput) else {}, images=images,
+                          output_chars=len(text) if len(kept) < len(text) else None)
 
     async def call_all(self, calls: Sequence[tuple]) -> List[ToolResult]:
         """Run ``[(name, arguments), ...]`` concurrently; results in call order."""
         return list(await asyncio.gather(*[self.call(n, a) for n, a in calls]))
 
     def close(self) -> None:
-        """Release the thread pool, and what tools hold (a ``close()`` on the tool's callable:
-        the ``python`` tool's warm sandboxes)."""
+        """Release what tools hold (a ``close()`` on the tool's callable: the ``python`` tool's
+        warm sandboxes). A sync call still running is abandoned: its thread is a daemon."""
         for tool in self.tools.values():
             close = getattr(tool.fn, 'close', None)
             if callable(close):
                 close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
 
 def _to_text(value: Any) -> str:
@@ -235,22 +279,9 @@ def _to_text(value: Any) -> str:
 
 def truncate(text: str, limit: Optional[int], side: str = 'right', tokenizer: Any = None) -> str:
     """``text`` cut to ``limit`` tokens (with a tokenizer) or characters; ``side='right'`` keeps
-    the beginning, ``'left'`` the end. A marker says how much was dropped."""
-    if not limit:
-        return text
-    if tokenizer is not None:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= limit:
-            return text
-        kept = ids[:limit] if side == 'right' else ids[-limit:]
-        body = tokenizer.decode(kept)
-        dropped = f'[... {len(ids) - limit} tokens truncated]'
-    else:
-        if len(text) <= limit:
-            return text
-        body = text[:limit] if side == 'right' else text[-limit:]
-        dropped = f'[... {len(text) - limit} characters truncated]'
-    return f'{body}\n{dropped}' if side == 'right' else f'{dropped}\n{body}'
+    the beginning, ``'left'`` the end. A marker says how much was dropped
+    (:func:`mtflow.tools.bounds.cut_text`)."""
+    return cut_text(text, limit, side, tokenizer)[0]
 
 
 def _failed(tool: Tool, kwargs: Dict[str, Any], exc: BaseException, duration: float) -> ToolResult:

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional
 
 from mtflow.core.calls import is_async_callable
+from mtflow.tools.bounds import DEFAULT_MAX_OBSERVATION
+from mtflow.core.signatures import describe_callable
 
-__all__ = ['Tool', 'TruncateSide', 'schema_from_callable', 'tool_from_callable']
+__all__ = ['Tool', 'TruncateSide', 'parameters_problems', 'schema_from_callable', 'tool_from_callable']
 
 TruncateSide = Literal['right', 'left']
 
@@ -27,7 +29,9 @@ class Tool:
     parameters: Dict[str, Any] = field(default_factory=lambda: {'type': 'object', 'properties': {}})
     timeout_s: Optional[float] = None
     max_concurrency: Optional[int] = None
-    max_observation: Optional[int] = None
+    #: the longest observation of one call: tokens with the scheduler's tokenizer, else characters
+    #: (:mod:`mtflow.tools.bounds`)
+    max_observation: int = DEFAULT_MAX_OBSERVATION
     truncate_side: TruncateSide = 'right'
 
     @property
@@ -103,6 +107,49 @@ def schema_from_callable(fn: Callable[..., Any]) -> tuple:
     if required:
         schema['required'] = required
     return summary, schema
+
+
+def parameters_problems(fn: Callable[..., Any], parameters: Dict[str, Any]) -> List[tuple]:
+    """What makes a call whose arguments pass ``parameters`` (the tool's declared JSON Schema)
+    fail on ``fn``'s signature, as ``[(where in parameters, message)]`` (``('properties', 'q')``,
+    ``('required', )``): the runner checks a call's arguments against the schema alone, then calls
+    ``fn(**arguments)``, so a property ``fn`` does not take, or a parameter ``fn`` requires that the
+    schema leaves out or leaves optional, would fail such calls at run time, counted as the model's
+    ``bad_arguments``. ``[]`` when they agree, or when ``fn``'s signature cannot be read."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    params = {n: p for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    any_keyword = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    props = parameters.get('properties') if isinstance(parameters.get('properties'), dict) else {}
+    required = [r for r in parameters.get('required') or [] if isinstance(r, str)]
+    shown = '(' + ', '.join(str(p.replace(annotation=inspect.Parameter.empty)) for p in sig.parameters.values()) + ')'
+    where = describe_callable(fn).replace('()', shown, 1)  # search(query, limit=5) in tools.py:4
+    at_required = ('required', ) if 'required' in parameters else ()
+    at_properties = ('properties', ) if 'properties' in parameters else ()
+    found: List[tuple] = []
+    for name in dict.fromkeys([*props, *required]):
+        param = params.get(name)
+        at = ('properties', name) if name in props else at_required
+        if param is None and not any_keyword:
+            found.append((at, f'parameter {name!r} is declared, but {where} takes no argument {name!r}: every call '
+                          'that passes it fails'))
+        elif param is not None and param.kind == param.POSITIONAL_ONLY:
+            found.append((at, f'parameter {name!r} is positional-only in {where}: a call by name fails'))
+        elif name not in props and props and parameters.get('additionalProperties', False) is False:
+            found.append((at, f'parameter {name!r} is in parameters.required but not in parameters.properties: '
+                          'every call is refused'))
+    for name, param in params.items():
+        if param.default is not param.empty or param.kind == param.POSITIONAL_ONLY:
+            continue  # a positional-only one is reported above when declared; else no call passes it anyway
+        if name not in props and name not in required:
+            found.append((at_properties, f'{where} requires {name!r}, which parameters does not declare: every call '
+                          'fails'))
+        elif name not in required:
+            found.append((at_required, f'{where} requires {name!r}, which is not in parameters.required: a call '
+                          'without it fails'))
+    return found
 
 
 def tool_from_callable(fn: Callable[..., Any], name: Optional[str] = None, **meta: Any) -> Tool:

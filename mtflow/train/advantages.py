@@ -29,7 +29,7 @@ import math
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from mtflow.train.errors import SampleError
-from mtflow.train.samples import Sample
+from mtflow.train.samples import Sample, check_rewards
 
 __all__ = ['GRPO_EPS', 'SCALE_REWARDS', 'grpo', 'rloo', 'reinforce', 'turn_returns', 'ADVANTAGES', 'assign_advantages',
            'assign_turn_advantages', 'assign_gigpo_advantages']
@@ -61,6 +61,10 @@ def _std(values: Sequence[float]) -> float:
 def _check(rewards: Sequence[float], groups: Optional[Sequence[Hashable]]) -> None:
     if groups is not None and len(groups) != len(rewards):
         raise ValueError(f'{len(rewards)} rewards but {len(groups)} groups')
+    bad = next((i for i, r in enumerate(rewards) if not math.isfinite(r)), None)
+    if bad is not None:  # one would make its group's mean and std, and every advantage of the group, NaN
+        raise ValueError(f'rewards[{bad}] is {rewards[bad]}: a NaN or infinite reward would make every advantage '
+                         'of its group NaN')
 
 
 def grpo(rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: str = 'group',
@@ -128,6 +132,7 @@ def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options
     segments share it), grouped by ``Sample.group``. Returns ``samples``."""
     if method not in ADVANTAGES:
         raise ValueError(f'advantage method must be one of {sorted(ADVANTAGES)}, not {method!r}')
+    check_rewards(samples)
     order: List[str] = []
     reward: Dict[str, float] = {}
     group: Dict[str, str] = {}
@@ -146,6 +151,7 @@ def assign_advantages(samples: Sequence[Sample], method: str = 'grpo', **options
 
 def _turn_table(samples: Sequence[Sample], why: str) -> Tuple[Dict[str, Dict[int, float]], Dict[str, int], Dict[str, str]]:
     """Per trajectory: its per-turn rewards (all segments), its last turn, its group."""
+    check_rewards(samples)
     rewards: Dict[str, Dict[int, float]] = {}
     last: Dict[str, int] = {}
     group: Dict[str, str] = {}
@@ -193,16 +199,41 @@ def assign_turn_advantages(samples: Sequence[Sample], gamma: float = 1.0, outcom
     return _spread(samples, dict(zip(keys, values)))
 
 
+def _episode_at_last_turn(samples: Sequence[Sample], rewards: Dict[str, Dict[int, float]], group: Dict[str, str],
+                          episode_reward: Optional[bool]) -> Dict[str, bool]:
+    """Per trajectory: whether its episode reward counts as its last turn's reward for the step
+    returns. ``None`` (auto): in every group none of whose members has a per-turn reward (the
+    setting of GiGPO's paper: only the episode ends with a reward), else not."""
+    if episode_reward is not None:
+        if not isinstance(episode_reward, bool):
+            raise ValueError(f'episode_reward must be None, True or False, not {episode_reward!r}')
+        return {u: episode_reward for u in rewards}
+    rewarded = {group[u] for u, per_turn in rewards.items() if per_turn}
+    return {u: group[u] not in rewarded for u in rewards}
+
+
 def assign_gigpo_advantages(samples: Sequence[Sample], step_weight: float = 1.0, gamma: float = 0.95,
-                            scale_rewards: str = 'group', eps: float = GRPO_EPS) -> List[Sample]:
+                            scale_rewards: str = 'group', eps: float = GRPO_EPS,
+                            episode_reward: Optional[bool] = None) -> List[Sample]:
     """GiGPO (group-in-group): ``A_{i,t} = A^E_i + step_weight * A^S_{i,t}``, where ``A^E_i`` is
     :func:`grpo` over the trajectory rewards of the group and ``A^S_{i,t}`` is :func:`grpo` over the
-    discounted per-turn returns (:func:`turn_returns` of ``Sample.turn_rewards``) of the turns of
-    the group generated from the same environment state (``Sample.state_keys``: an anchor group;
-    a turn without a key, or alone in its anchor group, has ``A^S = 0``). Each token gets its
-    turn's (``Sample.token_advantages``). Returns ``samples``."""
+    discounted returns ``G_{i,t}`` (:func:`turn_returns`) of the turns of the group generated from
+    the same environment state (``Sample.state_keys``: an anchor group; a turn without a key, or
+    alone in its anchor group, has ``A^S = 0``). Each token gets its turn's
+    (``Sample.token_advantages``). Returns ``samples``.
+
+    The returns are of the per-turn rewards (``Sample.turn_rewards``) and, where
+    ``episode_reward`` says so, of the episode reward received at the last turn (so ``G_{i,t} =
+    gamma^(T_i - t) * R_i`` with no per-turn rewards): ``True`` always, ``False`` never, ``None``
+    (default) for the groups none of whose trajectories has a per-turn reward, the paper's
+    setting (ALFWorld, WebShop), where the step term would otherwise be 0 and GiGPO plain GRPO.
+    Pass ``False`` when the episode reward is already the sum of the per-turn ones."""
     rewards, last, group = _turn_table(samples, 'GiGPO advantages')
-    returns = _returns(samples, rewards, last, gamma, outcome=False)
+    at_last = _episode_at_last_turn(samples, rewards, group, episode_reward)
+    returns: Dict[Tuple[str, int], float] = {}
+    for uuid in rewards:
+        returns.update(_returns([s for s in samples if s.uuid == uuid], {uuid: rewards[uuid]}, last, gamma,
+                                outcome=at_last[uuid]))
     uuids = list(rewards)
     episode = dict(zip(uuids, grpo([next(s.reward for s in samples if s.uuid == u) for u in uuids],
                                    [group[u] for u in uuids], scale_rewards=scale_rewards, eps=eps)))

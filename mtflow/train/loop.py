@@ -15,6 +15,12 @@ rollout's (``tis_cap``; ``None``: no correction; ``mask_outside`` and ``sequence
 masked and the sequence-level corrections). ``agg`` is ``'token-mean'`` (every trained token
 of the batch weighs the same) or ``'sample-mean'`` (each sample's token mean, averaged).
 
+A sample without rollout logprobs (the contract clears them when they do not cover its trained
+tokens, or the rollout asked for none) has no behaviour policy: its tokens get no correction
+(ratio 1 in every weight, :func:`behaviour_logprobs`), never a weight against the 0.0 its packed
+row holds; :func:`train_step` counts them (``uncorrected_samples``), or with
+``missing_logprobs='refuse'`` refuses a step that asks for a correction it cannot make.
+
 The model is shared with the backend (``HFBackend(model, tokenizer)``), so every step's rollouts
 come from the weights the previous step left; the executor's policy version moves with each step.
 torch is imported when a function runs.
@@ -24,15 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+from mtflow.train.errors import SampleError
 from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, assign_turn_advantages
 from mtflow.train.packing import block_causal_mask, pack, to_tensors
 from mtflow.train.samples import Sample, samples_from_result
 from mtflow.train.staleness import StalePolicy
-from mtflow.train.weights import geometric_sequence_weight, keep_within, truncated_is
+from mtflow.train.trees import assign_tree_advantages
+from mtflow.train.tree_packing import tree_train_step
+from mtflow.train.weights import (LOSS_AGGREGATIONS, MISSING_LOGPROBS, behaviour_logprobs, geometric_sequence_weight,
+                                  keep_within, truncated_is, uncorrected_samples)
 
-__all__ = ['LOSS_AGGREGATIONS', 'token_logprobs', 'policy_loss', 'train_step', 'StepStats', 'reference_loop']
+__all__ = ['LOSS_AGGREGATIONS', 'MISSING_LOGPROBS', 'token_logprobs', 'behaviour_logprobs', 'policy_loss', 'train_step',
+           'StepStats', 'reference_loop']
 
-LOSS_AGGREGATIONS = ('token-mean', 'sample-mean')
 
 
 def token_logprobs(model: Any, batch: Dict[str, Any]) -> Any:
@@ -52,20 +62,22 @@ def policy_loss(logp: Any, batch: Dict[str, Any], clip_eps: float = 0.2, tis_cap
     the rollout corrections of :mod:`mtflow.train.weights` against ``batch['logprobs']``:
     ``tis_cap`` (token TIS weights), ``mask_outside`` (tokens whose ratio is outside
     ``[1/u, u]`` leave the mask) and ``sequence_weight`` (each sample weighted by the geometric
-    mean of its ratios)."""
+    mean of its ratios). Tokens without a rollout logprob get none of them
+    (:func:`behaviour_logprobs`)."""
     import torch
 
     if agg not in LOSS_AGGREGATIONS:
         raise ValueError(f'agg must be one of {LOSS_AGGREGATIONS}, not {agg!r}')
     mask, adv = batch['loss_mask'], batch['advantages']
+    behaviour = behaviour_logprobs(logp, batch)
     ratio = (logp - logp.detach()).exp()
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if tis_cap is not None:
-        per_token = per_token * truncated_is(logp, batch['logprobs'], cap=tis_cap)
+        per_token = per_token * truncated_is(logp, behaviour, cap=tis_cap)
     if mask_outside is not None:
-        mask = mask * keep_within(logp, batch['logprobs'], upper=mask_outside)
+        mask = mask * keep_within(logp, behaviour, upper=mask_outside)
     if sequence_weight:
-        per_token = per_token * geometric_sequence_weight(logp, batch['logprobs'], mask, batch['sample_index'])
+        per_token = per_token * geometric_sequence_weight(logp, behaviour, mask, batch['sample_index'])
     per_token = per_token * mask
     if agg == 'token-mean':
         return per_token.sum() / mask.sum().clamp(min=1)
@@ -88,20 +100,29 @@ class StepStats:
     loss: float
     rows: int
     withheld_tokens: int = 0
-    #: max |trainer logprob - rollout logprob| over the trained tokens, before the update
+    #: max |trainer logprob - rollout logprob| over the trained tokens that have one, before the update
     max_logprob_gap: Optional[float] = None
+    #: samples with trained tokens but no rollout logprobs, trained without the importance correction
+    uncorrected_samples: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
 def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len: int, pad_id: int = 0,
                clip_eps: float = 0.2, tis_cap: Optional[float] = None, agg: str = 'token-mean',
                mask_outside: Optional[float] = None, sequence_weight: bool = False,
+               missing_logprobs: str = 'uncorrected',
                on_batch: Optional[Callable[[Dict[str, Any], List[Any], Sequence[Sample]], None]] = None) -> Dict[str, Any]:
     """One optimizer step on ``samples`` (advantages already assigned). ``on_batch(batch, rows,
-    samples)`` sees the exact tensors the loss receives. Returns the loss, the rows and the
-    largest trainer-vs-rollout logprob gap on the trained tokens."""
+    samples)`` sees the exact tensors the loss receives. Returns the loss, the rows, the largest
+    trainer-vs-rollout logprob gap on the trained tokens that have a rollout logprob, and
+    ``uncorrected_samples``: the samples with trained tokens and no rollout logprobs, trained
+    without the correction; with ``missing_logprobs='refuse'`` a step that asks for a correction
+    (``tis_cap``, ``mask_outside``, ``sequence_weight``) and has such a sample is refused
+    (:class:`~mtflow.train.errors.SampleError` naming the first and the count)."""
     import torch
 
+    corrects = tis_cap is not None or mask_outside is not None or sequence_weight
+    uncorrected = uncorrected_samples(samples, corrects, missing_logprobs)
     rows = pack(samples, row_len, pad_id=pad_id)
     batch = to_tensors(rows)
     if on_batch is not None:
@@ -111,35 +132,44 @@ def train_step(model: Any, optimizer: Any, samples: Sequence[Sample], *, row_len
                        sequence_weight=sequence_weight)
     gap = None
     trained = batch['loss_mask'] > 0
-    if all(s.logprobs is not None for s in samples) and bool(trained.any()):
-        gap = float((logp.detach() - batch['logprobs'])[trained].abs().max())
+    known = trained & batch['has_logprobs']
+    if bool(known.any()):
+        gap = float((logp.detach() - batch['logprobs'])[known].abs().max())
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
     return {'loss': float(loss.detach()), 'rows': len(rows), 'max_logprob_gap': gap,
-            'trained_tokens': int(trained.sum())}
+            'trained_tokens': int(trained.sum()), 'uncorrected_samples': len(uncorrected)}
 
 
 def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[Sequence[Any]], *, row_len: int,
                    advantage: str = 'grpo', advantage_options: Optional[Dict[str, Any]] = None,
                    stale: Optional[StalePolicy] = None, pad_id: int = 0, clip_eps: float = 0.2,
                    tis_cap: Optional[float] = None, agg: str = 'token-mean', mask_outside: Optional[float] = None,
-                   sequence_weight: bool = False, on_batch: Optional[Callable[..., None]] = None,
-                   on_step: Optional[Callable[[StepStats], None]] = None) -> List[StepStats]:
+                   sequence_weight: bool = False, missing_logprobs: str = 'uncorrected',
+                   on_batch: Optional[Callable[..., None]] = None,
+                   on_step: Optional[Callable[[StepStats], None]] = None, trees: bool = False) -> List[StepStats]:
     """A step per batch of prompts from ``batches`` (each a list of requests: whole groups):
     roll out with ``executor``, build samples, withhold stale ones (``stale``), assign
     advantages (``advantage``: a name of :data:`~mtflow.train.advantages.ADVANTAGES`, or
     ``'turn'`` / ``'gigpo'`` for :func:`~mtflow.train.advantages.assign_turn_advantages` /
-    :func:`~mtflow.train.advantages.assign_gigpo_advantages`), take one step, then
-    move the executor's policy version on by one."""
+    :func:`~mtflow.train.advantages.assign_gigpo_advantages`, ``'tree'`` for TreeRL's per-node
+    :func:`~mtflow.train.trees.assign_tree_advantages`), take one step, then move the executor's
+    policy version on by one. ``trees=True`` (a branched executor) packs each group as one tree
+    (:func:`~mtflow.train.tree_packing.tree_train_step`: the same loss and gradients, the shared
+    prefix through the model once; ``mask_outside``, ``sequence_weight`` and ``on_batch`` are
+    per-leaf only)."""
+    if trees and (mask_outside is not None or sequence_weight or on_batch is not None):
+        raise ValueError('trees=True takes neither mask_outside, sequence_weight nor on_batch (per-leaf packing only)')
     version = 0
     executor.set_policy_version(version)
     history: List[StepStats] = []
     for step, requests in enumerate(batches):
-        result = executor.run(list(requests))
+        ran = list(requests)  # a branched executor appends its children's requests to the list it runs
+        result = executor.run(ran)
         if result.failures:
             raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
-        samples = samples_from_result(result, list(requests))
+        samples = samples_from_result(result, ran)
         rewards = {s.uuid: s.reward for s in samples}
         if stale is not None:
             samples = stale.apply(samples, version)
@@ -147,15 +177,21 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
             assign_turn_advantages(samples, **(advantage_options or {}))
         elif advantage == 'gigpo':  # per-token: episode plus step advantages over anchor states
             assign_gigpo_advantages(samples, **(advantage_options or {}))
+        elif advantage == 'tree':  # per-token: TreeRL's node advantages of a branched group
+            assign_tree_advantages(samples, result.trees, **(advantage_options or {}))
         else:
             assign_advantages(samples, advantage, **(advantage_options or {}))
-        done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
-                          tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
-                          on_batch=on_batch)
+        if trees:
+            done = tree_train_step(model, optimizer, result.trees, samples, row_len=row_len, pad_id=pad_id,
+                                   clip_eps=clip_eps, tis_cap=tis_cap, agg=agg, missing_logprobs=missing_logprobs)
+        else:
+            done = train_step(model, optimizer, samples, row_len=row_len, pad_id=pad_id, clip_eps=clip_eps,
+                              tis_cap=tis_cap, agg=agg, mask_outside=mask_outside, sequence_weight=sequence_weight,
+                              missing_logprobs=missing_logprobs, on_batch=on_batch)
         stats = StepStats(step=step, version=version, mean_reward=sum(rewards.values()) / max(1, len(rewards)),
                           samples=len(samples), trained_tokens=done['trained_tokens'], loss=done['loss'],
                           rows=done['rows'], withheld_tokens=sum(s.withheld_tokens for s in samples),
-                          max_logprob_gap=done['max_logprob_gap'])
+                          max_logprob_gap=done['max_logprob_gap'], uncorrected_samples=done['uncorrected_samples'])
         history.append(stats)
         if on_step is not None:
             on_step(stats)

@@ -10,7 +10,11 @@ rows or batches), each as ``prompt_ids + completion_ids`` with
   that keeps samples apart (:func:`block_causal_mask`, for SDPA or eager attention, where position
   ids alone do not) and per-token values (advantages, rollout logprobs) are built from it;
 * ``advantages`` and ``logprobs``: each sample's advantage (its ``token_advantages`` when set) and
-  rollout logprobs on its trained completion tokens (0 elsewhere).
+  rollout logprobs on its trained completion tokens (0 elsewhere);
+* ``has_logprobs``: 1 on the completion tokens of a sample that has rollout logprobs, 0 elsewhere:
+  a sample without them (the contract clears logprobs that do not cover its trained tokens) has
+  no behaviour policy to correct against, and its ``logprobs`` 0.0 are no logprob (a loss reads
+  ``has_logprobs`` to train it without the importance correction, :mod:`mtflow.train.loop`).
 
 :func:`pack` fills rows first-fit in the samples' order; :func:`pad` is the padded layout (one
 sample per row, right-padded to the longest). Both are plain lists; :func:`to_tensors` makes
@@ -23,7 +27,7 @@ from typing import Any, Dict, List, Sequence
 
 from mtflow.train.samples import Sample
 
-__all__ = ['PackedRow', 'pack', 'pad', 'to_tensors', 'block_causal_mask', 'unpack']
+__all__ = ['PackedRow', 'pack', 'pad', 'to_tensors', 'block_causal_mask', 'unpack', 'token_advantages_of']
 
 
 @dataclass
@@ -35,6 +39,8 @@ class PackedRow:
     sample_index: List[int] = field(default_factory=list)
     advantages: List[float] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    #: 1 where ``logprobs`` holds a rollout logprob (a completion token of a sample that has them)
+    has_logprobs: List[int] = field(default_factory=list)
     #: the indices (into the packed list) of the samples in this row, in order
     samples: List[int] = field(default_factory=list)
     #: the boundaries of the samples in the row: ``[0, len_1, len_1 + len_2, ...]`` (padding excluded)
@@ -50,14 +56,10 @@ class PackedRow:
         self.position_ids += list(range(n))
         self.loss_mask += [0] * len(prompt) + list(sample.loss_mask)
         self.sample_index += [index] * n
-        if sample.token_advantages is not None:
-            per_token = [float(a) if m else 0.0 for a, m in zip(sample.token_advantages, sample.loss_mask)]
-        else:
-            advantage = float(sample.advantage) if sample.advantage is not None else 0.0
-            per_token = [advantage if m else 0.0 for m in sample.loss_mask]
-        self.advantages += [0.0] * len(prompt) + per_token
-        self.logprobs += [0.0] * len(prompt) + (list(sample.logprobs) if sample.logprobs is not None
-                                                else [0.0] * len(completion))
+        self.advantages += [0.0] * len(prompt) + token_advantages_of(sample)
+        known = sample.logprobs is not None
+        self.logprobs += [0.0] * len(prompt) + (list(sample.logprobs) if known else [0.0] * len(completion))
+        self.has_logprobs += [0] * len(prompt) + [int(known)] * len(completion)
         self.samples.append(index)
         self.cu_seqlens.append(self.cu_seqlens[-1] + n)
 
@@ -69,6 +71,16 @@ class PackedRow:
         self.sample_index += [-1] * extra
         self.advantages += [0.0] * extra
         self.logprobs += [0.0] * extra
+        self.has_logprobs += [0] * extra
+
+
+def token_advantages_of(sample: Sample) -> List[float]:
+    """Each completion token's advantage: its ``token_advantages`` when set, else the sample's
+    ``advantage`` (0 when unset); 0 wherever the loss mask is 0."""
+    if sample.token_advantages is not None:
+        return [float(a) if m else 0.0 for a, m in zip(sample.token_advantages, sample.loss_mask)]
+    advantage = float(sample.advantage) if sample.advantage is not None else 0.0
+    return [advantage if m else 0.0 for m in sample.loss_mask]
 
 
 def _length(sample: Sample) -> int:
@@ -130,7 +142,8 @@ def to_tensors(rows: Sequence[PackedRow]) -> Dict[str, Any]:
 
     return {'input_ids': stack('input_ids', torch.long), 'position_ids': stack('position_ids', torch.long),
             'loss_mask': stack('loss_mask', torch.float32), 'sample_index': stack('sample_index', torch.long),
-            'advantages': stack('advantages', torch.float32), 'logprobs': stack('logprobs', torch.float32)}
+            'advantages': stack('advantages', torch.float32), 'logprobs': stack('logprobs', torch.float32),
+            'has_logprobs': stack('has_logprobs', torch.bool)}
 
 
 def block_causal_mask(sample_index: Any) -> Any:

@@ -11,15 +11,17 @@ conditioned on and ``loss_mask`` is exactly the accounting's.
 
 What cannot be trained on exactly is refused, never patched: a segment without prompt ids (the
 backend kept no token record), one whose ids were re-rendered from text after a turn, a mask or
-logprobs that do not line up with the ids. :class:`SampleError` names the request and the turn.
+logprobs that do not line up with the ids, a NaN or infinite reward (:func:`finite_reward`). :class:`SampleError` names the request and the turn.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from mtflow.accounting.segments_split import flat_sample, segments_of
+from mtflow.accounting.token_record import RESTART_KEY
 from mtflow.core.machine import FAILURE_REASONS
 from mtflow.data.sources import group_of
 from mtflow.run.trajectories import Trajectory, iter_trajectories, reward_of
@@ -29,7 +31,7 @@ from mtflow.train.token_turns import token_turns, token_versions
 #: the ``rollout_infos`` key of the per-turn environment-state fingerprints
 STATE_KEYS = 'state_keys'
 
-__all__ = ['STATE_KEYS', 'Sample', 'SampleError', 'samples_from_output', 'samples_from_trajectory', 'samples_from_result',
+__all__ = ['STATE_KEYS', 'Sample', 'SampleError', 'finite_reward', 'check_rewards', 'samples_from_output', 'samples_from_trajectory', 'samples_from_result',
            'samples_from_group', 'read_samples']
 
 
@@ -88,6 +90,27 @@ class Sample:
         return replace(self, loss_mask=list(keep), withheld_tokens=self.withheld_tokens + withheld)
 
 
+def finite_reward(value: Any, uuid: str, turn: Optional[int] = None, field: str = 'reward') -> float:
+    """``value`` as a float, or :class:`SampleError` naming the request (and turn) when it is NaN or
+    infinite: one such reward makes its whole group's mean, std and so every advantage of the
+    group NaN (and the next step's weights with them), so it is refused before any is computed."""
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise SampleError(f'the reward is {reward}: a NaN or infinite reward would make every advantage of its '
+                          'group NaN; fix the reward function (or leave the request out)', uuid=uuid, turn=turn,
+                          field=field)
+    return reward
+
+
+def check_rewards(samples: Sequence['Sample']) -> None:
+    """:func:`finite_reward` on every sample's reward and per-turn rewards (samples built by hand
+    too), before advantages are computed from them."""
+    for sample in samples:
+        finite_reward(sample.reward, sample.uuid)
+        for turn, reward in sample.turn_rewards.items():
+            finite_reward(reward, sample.uuid, turn, 'turn_rewards')
+
+
 def _get(output: Any, name: str) -> Any:
     return output.get(name) if isinstance(output, dict) else getattr(output, name, None)
 
@@ -106,6 +129,13 @@ def _check_exact(flat: Dict[str, Any], uuid: str, infos: Dict[str, Any], last: b
         raise SampleError('no token ids: the backend returned none (exact samples need a backend that keeps a '
                           'token record: hf, vllm, openai in token mode)', uuid=uuid, turn=start,
                           field='response_token_ids')
+    restart = infos.get(RESTART_KEY) if last else None
+    if restart and (flat['prompt_ids'] is None or not flat['exact']):
+        raise SampleError(f"this turn's prompt was rendered from text ({restart.get('why')}): "
+                          f"{restart.get('changed')}; the turns before it and after it are not one sequence the "
+                          'model saw, so they cannot be one exact sample (keep the history as the model saw it, or '
+                          "start a new segment: a step's new_segment)", uuid=uuid, turn=int(restart.get('turn', start)),
+                          field='messages')
     if flat['prompt_ids'] is None:
         raise SampleError("no prompt ids: the segment's ids were not kept from a token record (a backend without "
                           "one, or an accounting other than the record's), so prompt + response is not a sequence "
@@ -134,12 +164,12 @@ def _aligned_logprobs(flat: Dict[str, Any], uuid: str) -> Optional[List[float]]:
     return [float(next(it)) if m else 0.0 for m in mask]
 
 
-def _turn_rewards(infos: Dict[str, Any], turns: Tuple[int, int]) -> Dict[int, float]:
+def _turn_rewards(infos: Dict[str, Any], turns: Tuple[int, int], uuid: str) -> Dict[int, float]:
     out: Dict[int, float] = {}
     for entry in infos.get('turn_rewards') or ():
         turn = int(entry.get('turn', 0))
         if turns[0] <= turn <= turns[1]:
-            out[turn] = out.get(turn, 0.0) + float(entry['reward'])
+            out[turn] = out.get(turn, 0.0) + finite_reward(entry['reward'], uuid, turn, 'turn_rewards')
     return out
 
 
@@ -185,6 +215,7 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
     if reward is None or isinstance(reward, bool) or not isinstance(reward, (int, float)):
         raise SampleError(f'no numeric reward (rollout_infos reward is {infos.get("reward")!r}); pass reward=',
                           uuid=uuid, field='reward')
+    reward = finite_reward(reward, uuid)
     group = group if group is not None else (_get(output, 'group') if isinstance(output, dict) else None)
     group = str(group) if group is not None else group_of(uuid)
     segments = segments_of(output)
@@ -199,7 +230,7 @@ def samples_from_output(output: Any, uuid: Optional[str] = None, *, group: Optio
                               completion_ids=list(flat['response_ids']), loss_mask=[int(m) for m in flat['loss_mask']],
                               logprobs=_aligned_logprobs(flat, uuid), versions=versions, segment=flat['segment'],
                               segments=len(segments), turns=turns, token_turns=placed,
-                              turn_rewards=_turn_rewards(infos, turns), state_keys=_state_keys(infos, turns)))
+                              turn_rewards=_turn_rewards(infos, turns, uuid), state_keys=_state_keys(infos, turns)))
     return samples
 
 

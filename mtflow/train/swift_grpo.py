@@ -42,7 +42,6 @@ mtflow imports it.
 from __future__ import annotations
 
 import copy
-import math
 import random
 import threading
 from contextlib import contextmanager
@@ -59,7 +58,7 @@ from mtflow.engine.executor import Executor
 from mtflow.integrations.swift.converters import from_swift, to_swift
 from mtflow.run.trajectories import reward_of
 from mtflow.train.errors import SampleError
-from mtflow.train.samples import Sample, samples_from_group
+from mtflow.train.samples import Sample, finite_reward, samples_from_group
 from mtflow.train.staleness import StalePolicy
 
 __all__ = ['StreamGRPOTrainer', 'StreamSample', 'MtflowReward', 'exact_encoding', 'use_stream_trainer',
@@ -136,11 +135,11 @@ class MtflowReward(ORM):
         rewards = []
         for k, info in enumerate(infos):
             reward = reward_of(info)
+            name = request_id[k] if request_id else k
             if reward is None:
-                name = request_id[k] if request_id else k
                 raise ValueError(f"{REWARD_NAME}: trajectory {name!r} has no numeric rollout_infos['reward'] "
                                  f'(the scheduler gave none): use another reward function')
-            rewards.append(reward)
+            rewards.append(finite_reward(reward, str(name)))
         return rewards
 
 
@@ -391,7 +390,7 @@ class StreamGRPOTrainer(GRPOTrainer):
 
     def _exact_samples(self, group: Any) -> List[Sample]:
         """A stream group's members as exact samples, one each, in order (the scheduler's reward
-        where it gave one, NaN where ms-swift's reward functions alone score them)."""
+        where it gave one, 0.0 where ms-swift's reward functions alone score them)."""
         size = self.num_generations
         if len(group.uuids) != size:
             raise ValueError(f'StreamGRPOTrainer: group {group.uuids[0]!r} has {len(group.uuids)} members, not '
@@ -399,10 +398,9 @@ class StreamGRPOTrainer(GRPOTrainer):
         if group.failures:
             raise RuntimeError(f'StreamGRPOTrainer: {len(group.failures)} of {size} rollouts of group '
                                f'{group.uuids[0]!r} failed; first: {group.failures[0]}')
-        rewards = []
-        for output in group.outputs:
-            reward = reward_of(output.rollout_infos)
-            rewards.append(math.nan if reward is None else reward)  # ms-swift's reward functions score it
+        # the scheduler's reward where it gave one (a NaN or infinite one is refused, naming the request);
+        # where it gave none, ms-swift's reward functions alone score the sample: 0.0 holds its place
+        rewards = [0.0 if (r := reward_of(output.rollout_infos)) is None else r for output in group.outputs]
         samples = samples_from_group(group, reward=rewards)
         for s in samples:
             if s.segments != 1:

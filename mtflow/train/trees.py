@@ -18,11 +18,11 @@ the ones the tree recorded), so a rescored run's rewards can be passed in.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
+from mtflow.run.trees import read_tree_lines
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample
 
@@ -34,18 +34,9 @@ WEIGHTS = ('sqrt', 'none')
 
 def read_trees(path: Union[str, Path]) -> Iterator[Dict[str, Any]]:
     """The trees of a run's ``trees.jsonl``, the last line of each root (a resumed run may have
-    written a prompt's tree again), in the order their roots first appear."""
-    latest: Dict[str, Dict[str, Any]] = {}
-    with open(path, encoding='utf-8') as f:
-        for no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                tree = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f'{path}:{no}: not a tree record: {exc.msg}') from None
-            latest[str(tree['root'])] = tree
-    yield from latest.values()
+    written a prompt's tree again), in the order their roots first appear
+    (:func:`mtflow.run.trees.read_tree_lines`; a missing file has none)."""
+    yield from read_tree_lines(path).values()
 
 
 def _rewards(tree: Mapping[str, Any], rewards: Optional[Mapping[str, float]]) -> Dict[str, Optional[float]]:

@@ -25,24 +25,22 @@ from mtflow.core.protocol import RolloutInferRequest
 from mtflow.train.errors import SampleError
 from mtflow.train.samples import Sample, samples_from_result
 
-__all__ = ['TRLRollout', 'mtflow_reward', 'REWARD_KEY']
+__all__ = ['TRLRuns', 'TRLRollout', 'mtflow_reward', 'REWARD_KEY', 'prompt_messages', 'trl_fields', 'run_for_trl']
 
 #: the extra field the rollout hands the reward function
 REWARD_KEY = 'mtflow_reward'
 
 
-def _messages(prompt: Any) -> List[Dict[str, Any]]:
+def prompt_messages(prompt: Any) -> List[Dict[str, Any]]:
+    """A TRL prompt (a string, or conversational messages) as mtflow's messages."""
     if isinstance(prompt, str):
         return [{'role': 'user', 'content': prompt}]
     return [dict(m) for m in prompt]
 
 
-class TRLRollout:
-    """``GRPOTrainer(rollout_func=TRLRollout(executor))``. ``executor`` is an
-    :class:`mtflow.Executor` (its scheduler and backend decide the turns and tools); the policy
-    version is set to the trainer's ``global_step`` before each batch. With ``keep=True``,
-    ``batches`` and ``requests`` keep the samples and the requests of every call (for checks and
-    logging)."""
+class TRLRuns:
+    """What TRL's two ways in share: the executor, and with ``keep=True`` each batch's samples and
+    requests (``batches``, ``requests``: for checks and logging)."""
 
     def __init__(self, executor: Any, keep: bool = False) -> None:
         self.executor = executor
@@ -51,33 +49,61 @@ class TRLRollout:
         self.batches: List[List[Sample]] = []
         self.requests: List[List[RolloutInferRequest]] = []
 
+    def kept(self, samples: List[Sample], requests: List[RolloutInferRequest]) -> None:
+        if self.keep:
+            self.batches.append(samples)
+            self.requests.append(requests)
+
+
+class TRLRollout(TRLRuns):
+    """``GRPOTrainer(rollout_func=TRLRollout(executor))``. ``executor`` is an
+    :class:`mtflow.Executor` (its scheduler and backend decide the turns and tools); the policy
+    version is set to the trainer's ``global_step`` before each batch. With ``keep=True``,
+    ``batches`` and ``requests`` keep the samples and the requests of every call (for checks and
+    logging)."""
+
     def __call__(self, prompts: Sequence[Any], trainer: Any) -> Dict[str, Any]:
         n = int(getattr(trainer, 'num_generations', 1) or 1)
         if len(prompts) % n:
             raise ValueError(f'rollout_func got {len(prompts)} prompts, not a multiple of num_generations={n}')
         call, self.calls = self.calls, self.calls + 1
-        requests = [RolloutInferRequest(messages=_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
+        requests = [RolloutInferRequest(messages=prompt_messages(p), uuid=f'trl{call}-{i // n}#{i % n}')
                     for i, p in enumerate(prompts)]
-        step = getattr(getattr(trainer, 'state', None), 'global_step', None)
-        if isinstance(step, int) and step >= 0:
-            self.executor.set_policy_version(step)
-        result = self.executor.run(requests)
-        if result.failures:
-            first = result.failures[0]
-            raise RuntimeError(f'{len(result.failures)} of {len(requests)} rollouts failed; first: {first}')
-        samples = samples_from_result(result, requests)
-        for s in samples:
-            if s.segments != 1:
-                raise SampleError(f'{s.segments} context segments cannot be one TRL completion', uuid=s.uuid,
-                                  turn=s.turns[0], field='context_segments')
-        if self.keep:
-            self.batches.append(samples)
-            self.requests.append(requests)
-        have_logprobs = all(s.logprobs is not None for s in samples)
-        return {'prompt_ids': [s.prompt_ids for s in samples], 'completion_ids': [s.completion_ids for s in samples],
-                'logprobs': [s.logprobs for s in samples] if have_logprobs else None,
-                'env_mask': [s.loss_mask for s in samples], REWARD_KEY: [s.reward for s in samples],
-                'mtflow_uuid': [s.uuid for s in samples]}
+        samples = run_for_trl(self.executor, requests, getattr(getattr(trainer, 'state', None), 'global_step', None))
+        self.kept(samples, requests)
+        return trl_fields(samples)
+
+
+def run_for_trl(executor: Any, requests: List[RolloutInferRequest], step: Any = None) -> List[Sample]:
+    """Run ``requests`` through ``executor`` (its policy version set to the trainer's ``step``)
+    and return each one's single exact sample, in order: a failed rollout, a branched executor
+    (more trajectories than TRL rollouts) or a compacted trajectory (several segments) is an error."""
+    if isinstance(step, int) and step >= 0:
+        executor.set_policy_version(step)
+    asked = len(requests)
+    result = executor.run(requests)  # a branched executor appends the children's requests to the list
+    if len(result.outputs) != asked:
+        raise ValueError(f'{asked} rollouts gave {len(result.outputs)} trajectories: a branched executor cannot serve '
+                         'TRL, which takes one completion per rollout')
+    if result.failures:
+        raise RuntimeError(f'{len(result.failures)} of {len(requests)} rollouts failed; first: {result.failures[0]}')
+    samples = samples_from_result(result, requests)
+    for s in samples:
+        if s.segments != 1:
+            raise SampleError(f'{s.segments} context segments cannot be one TRL completion', uuid=s.uuid,
+                              turn=s.turns[0], field='context_segments')
+    return samples
+
+
+def trl_fields(samples: Sequence[Sample]) -> Dict[str, Any]:
+    """What TRL's ``rollout_func`` returns for one exact sample per rollout: ``prompt_ids``,
+    ``completion_ids``, ``logprobs`` (``None`` unless every sample has them), the loss mask as
+    ``env_mask``, the reward as the extra field ``mtflow_reward`` and the uuid."""
+    have_logprobs = all(s.logprobs is not None for s in samples)
+    return {'prompt_ids': [s.prompt_ids for s in samples], 'completion_ids': [s.completion_ids for s in samples],
+            'logprobs': [s.logprobs for s in samples] if have_logprobs else None,
+            'env_mask': [s.loss_mask for s in samples], REWARD_KEY: [s.reward for s in samples],
+            'mtflow_uuid': [s.uuid for s in samples]}
 
 
 def mtflow_reward(prompts: Sequence[Any], completions: Sequence[Any], mtflow_reward: Optional[Sequence[float]] = None,

@@ -19,7 +19,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ['ratios', 'truncated_is', 'geometric_sequence_weight', 'keep_within']
+from mtflow.train.errors import SampleError
+
+__all__ = ['LOSS_AGGREGATIONS', 'MISSING_LOGPROBS', 'ratios', 'truncated_is', 'geometric_sequence_weight', 'keep_within',
+           'behaviour_logprobs', 'uncorrected_samples']
+
+#: how a policy loss averages its tokens: every trained token alike, or each sample's mean averaged
+LOSS_AGGREGATIONS = ('token-mean', 'sample-mean')
+#: what a train step does with samples without rollout logprobs when a correction is asked:
+#: train them without it (counted), or refuse the step naming the first
+MISSING_LOGPROBS = ('uncorrected', 'refuse')
 
 
 def _tensors(current: Any, behaviour: Any) -> Any:
@@ -75,3 +84,31 @@ def keep_within(current: Any, behaviour: Any, upper: float = 2.0, lower: Optiona
         raise ValueError(f'need 0 <= lower <= upper, got lower={lower!r}, upper={upper!r}')
     r = ratios(current, behaviour)
     return ((r >= lower) & (r <= upper)).float()
+
+
+def behaviour_logprobs(logp: Any, batch: Any) -> Any:
+    """The rollout's logprob of each token where its sample has them (``batch['has_logprobs']``),
+    else the trainer's own, detached: every correction then gives such a token ratio 1, so a
+    sample without rollout logprobs is trained without the correction rather than weighted
+    against the 0.0 its row holds (``exp(logp - 0)``: its own probability)."""
+    import torch
+
+    known = batch.get('has_logprobs')
+    if known is None:  # a batch built by hand, without the flag: every logprob is a rollout's
+        return batch['logprobs']
+    return torch.where(known.bool(), batch['logprobs'], logp.detach())
+
+
+def uncorrected_samples(samples: Any, corrects: bool, missing_logprobs: str) -> list:
+    """The samples with trained tokens and no rollout logprobs (trained without the correction);
+    with ``missing_logprobs='refuse'`` and a correction asked (``corrects``), a step holding one is
+    refused (:class:`~mtflow.train.errors.SampleError` naming the first and the count)."""
+    if missing_logprobs not in MISSING_LOGPROBS:
+        raise ValueError(f'missing_logprobs must be one of {MISSING_LOGPROBS}, not {missing_logprobs!r}')
+    uncorrected = [s for s in samples if s.logprobs is None and s.trained_tokens]
+    if uncorrected and corrects and missing_logprobs == 'refuse':
+        first = uncorrected[0]
+        raise SampleError(f'no rollout logprobs ({len(uncorrected)} of {len(samples)} samples have none): the '
+                          "importance correction asked for cannot be made (missing_logprobs='uncorrected' trains "
+                          'them without it)', uuid=first.uuid, turn=first.turns[0], field='rollout_logprobs')
+    return uncorrected

@@ -81,10 +81,15 @@ def _request_block(d: RequestDiff, a: Dict[str, Any], b: Dict[str, Any]) -> str:
     token = d.detail.get('first_token')
     token_note = (f'<p class="muted">first differing token id at position {token["position"]}: '
                   f'{html.escape(_text(token["a"]))} vs {html.escape(_text(token["b"]))}</p>') if token else ''
-    return (f'<div class="req" id="r-{html.escape(d.uuid)}"><h3>{html.escape(d.uuid)}: turn {d.turn}: '
+    return (f'<div class="req" id="r-{html.escape(d.uuid)}"><h3>{html.escape(d.uuid)}: {_where(d)}: '
             f'{html.escape(", ".join(d.fields))}</h3>{ends}{token_note}<table><tr><th>turn</th><th>A: model</th>'
             '<th>A: observation</th><th>A: reward</th><th>B: model</th><th>B: observation</th><th>B: reward</th></tr>'
             + ''.join(rows) + '</table></div>')
+
+
+def _where(d: RequestDiff) -> str:
+    """Where a request first differs: a turn, or before it (another prompt or reference)."""
+    return 'started from another prompt or reference' if d.is_input else f'turn {d.turn}'
 
 
 def _reward(line: Dict[str, Any]) -> Any:
@@ -109,9 +114,9 @@ def render_compare_html(run_a: Union[str, Path], run_b: Union[str, Path], *, fie
     wanted = {d.uuid for d in shown}
     lines_a, lines_b = _lines_of(diff.path_a, wanted), _lines_of(diff.path_b, wanted)
     t = diff.totals
-    rows = ''.join(f'<tr><td><a href="#r-{html.escape(d.uuid)}">{html.escape(d.uuid)}</a></td><td>turn {d.turn}</td>'
+    rows = ''.join(f'<tr><td><a href="#r-{html.escape(d.uuid)}">{html.escape(d.uuid)}</a></td><td>{_where(d)}</td>'
                    f'<td>{html.escape(", ".join(d.fields))}</td></tr>' for d in shown) + ''.join(only)
-    more = t.different - len(shown)
+    more = t.different + t.different_input - len(shown)
     changes = t.reward_changes()
     change_rows = ''.join(f'<tr><td>{html.escape(g)}</td><td>{c["a"]:g}</td><td>{c["b"]:g}</td><td>{c["change"]:+g}</td>'
                           '</tr>' for g, c in list(changes.items())[:max_shown])
@@ -120,7 +125,8 @@ def render_compare_html(run_a: Union[str, Path], run_b: Union[str, Path], *, fie
             f'{html.escape(name)} · mtflow compare</title><style>{_CSS}</style></head><body><header>'
             f'<h1>{html.escape(name)}</h1><div class="muted">A: {html.escape(str(diff.path_a))}<br>B: '
             f'{html.escape(str(diff.path_b))}</div><div class="stats">'
-            f'<span><b>{t.identical}</b>identical</span><span><b>{t.different}</b>different</span>'
+            + (f'<span><b>{t.different_input}</b>other prompt or reference</span>' if t.different_input else '')
+            + f'<span><b>{t.identical}</b>identical</span><span><b>{t.different}</b>different</span>'
             f'<span><b>{t.only_in_a}</b>only in A</span><span><b>{t.only_in_b}</b>only in B</span></div></header><main>'
             '<h2>Requests that differ</h2>'
             + (f'<table><tr><th>request</th><th>first difference</th><th>fields</th></tr>{rows}</table>' if rows

@@ -566,6 +566,7 @@ function openDetail(ri){
     section('Messages ('+tr.messages.length+')');
     tr.messages.forEach(function(m, k){ var box = el('div','msg '+(m.role||''));
       box.appendChild(el('div','role','['+k+'] '+(m.role||'?')));
+      if(typeof m.reasoning_content === 'string') box.appendChild(el('pre','muted','reasoning: '+m.reasoning_content));
       var content = (typeof m.content === 'string') ? m.content : JSON.stringify(m.content);
       box.appendChild(el('pre', null, content));
       ((tr.message_images||[])[k]||[]).forEach(function(i){ var im = tr.images[i]; if(!im) return;  // the images this message brought

@@ -390,6 +390,8 @@ def detail_renderable(view: Optional[RequestView], traj: Optional[Trajectory], t
         content = msg.get('content')
         body = content if isinstance(content, str) else ('' if content is None else repr(content))
         line = Text.assemble(safe_text(f'[{k}] {role}: ', f'bold {role_styles.get(role, "")}'.strip()), safe_text(body))
+        if isinstance(msg.get('reasoning_content'), str):  # split from the content (docs/declarative.md, "Reasoning")
+            parts.append(safe_text(f'[{k}] {role} reasoning: {msg["reasoning_content"]}', 'dim'))
         if msg.get('tool_calls'):
             line.append_text(safe_text(f'  tool_calls={msg["tool_calls"]}', 'yellow'))
         parts.append(line)

@@ -48,9 +48,8 @@ def embedded():
     except Exception as exc:  # the package is installed by scripts/setup.sh
         pytest.skip(f'the embedded model is not installed: {exc}')
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        yield HFBackend('embedded')
+        yield HFBackend('embedded', threads=1)  # every call sets it (the default, 'auto', would choose)
     finally:
         torch.set_num_threads(threads)
 

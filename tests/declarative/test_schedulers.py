@@ -135,8 +135,8 @@ def test_hermes_tools_messages_ids_and_errors():
     o = res.outputs[0]
     assert res.finish_reasons == ['stop_rule:no_tool_call']
     assert o.messages[0] == {'role': 'system', 'content': 'Be brief.'}  # if_missing keeps the user's system prompt
-    assert o.messages[2:] == [
-        {'role': 'assistant', 'content': H1},
+    assert o.messages[2:] == [  # the reasoning apart (reasoning: auto), the ids below whole
+        {'role': 'assistant', 'content': H1[len('<think>two tools</think>'):], 'reasoning_content': 'two tools'},
         {'role': 'tool', 'name': 'calculator', 'content': '42'},
         {'role': 'tool', 'name': 'python', 'content': '10\n'},
         {'role': 'tool', 'content': o.messages[5]['content']},

@@ -5,11 +5,12 @@ and a gate that holds one request at one turn until its actor is killed."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
-from mtflow import Scheduler
+from mtflow import Branching, Scheduler
 from mtflow.backends.scripted import ScriptedBackend
 from tests.helpers import req
 
@@ -61,6 +62,9 @@ class Gated:
     def stats(self) -> Any:
         return self.inner.stats
 
+    def fork(self, parent: str, children: List[str]) -> None:  # a branched run's children go on from their parent
+        self.inner.fork(parent, children)
+
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
         for r in requests:
             self.turns[r.uuid] = self.turns.get(r.uuid, 0) + 1
@@ -82,5 +86,38 @@ class Gated:
             time.sleep(0.05)
 
 
-def make_backend(n: int, gate: Optional[str] = None) -> Gated:
-    return Gated(n, gate)
+def start_killer(gate: Path, ready: Callable[[], bool] = lambda: True) -> Tuple[threading.Thread, List[str]]:
+    """A thread that kills (``ray.kill``) the actor whose name a :class:`Gated` backend wrote to
+    ``gate/claimed``, once ``ready()``; the list gets the name killed."""
+    import ray
+
+    killed: List[str] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            claimed = gate / 'claimed'
+            if claimed.exists() and claimed.read_text() and ready():
+                name = claimed.read_text()
+                ray.kill(ray.get_actor(name))
+                killed.append(name)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def make_backend(n: int, gate: Optional[str] = None, victim: str = 'q5', at_turn: int = 2) -> Gated:
+    return Gated(n, gate, victim, at_turn)
+
+
+class BranchedCountTurns(CountTurns):
+    """:class:`CountTurns` as a branched group (``docs/branching.md``): forked before turn 2 into 2,
+    3 leaves per prompt (a prompt of 1 turn ends first and is topped up with copies)."""
+    branch = Branching(at={'turn': 2}, copies=2, leaves=3)
+
+
+def make_branched_scheduler(tokenizer: Any = None) -> BranchedCountTurns:
+    return BranchedCountTurns()

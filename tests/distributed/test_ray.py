@@ -5,8 +5,6 @@ started is gone after ``ray.shutdown()``."""
 from __future__ import annotations
 
 import functools
-import threading
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -98,25 +96,10 @@ def test_two_actors_produce_a_single_process_trajectories(cluster):
 def test_an_actor_killed_mid_rollout_loses_nothing_and_writes_nothing_twice(cluster, tmp_path):
     gate = tmp_path / 'gate'
     gate.mkdir()
-    killed: List[str] = []
-
     records = []
-
-    def killer() -> None:
-        # kill the actor that holds q5 at its turn 2, once q4 (same shard, done at turn 1, so
-        # streamed before q5's turn 2 began) has reached the driver
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            claimed = gate / 'claimed'
-            if claimed.exists() and claimed.read_text() and any(r.uuid == 'q4' for r in list(records)):
-                name = claimed.read_text()
-                ray.kill(ray.get_actor(name))
-                killed.append(name)
-                return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    # kill the actor that holds q5 at its turn 2, once q4 (same shard, done at turn 1, so streamed
+    # before q5's turn 2 began) has reached the driver
+    thread, killed = H.start_killer(gate, lambda: any(r.uuid == 'q4' for r in list(records)))
     result = ray_run(H.dataset(N), spec(str(gate)), num_actors=2, batch_size=3, sink=records.append,
                      name_prefix='mtflow-kill-test')
     thread.join(10)

@@ -97,3 +97,23 @@ def test_ray_run_then_resume_after_a_crash(project, local_run):
 def test_ray_flag_errors_are_one_line(project, capsys):
     assert main(['run', str(project / 'run.yaml'), '--out', str(project / 'bad'), '--ray', '0', '-q']) == 2
     assert '--ray needs a number of actors >= 1' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_branched_config_on_ray_writes_every_leaf_and_every_tree(tmp_path):
+    """Issue 47, item 10: ``--ray`` used to write only the roots of a branched run (no
+    ``trees.jsonl``, status complete, exit 0); now its directory is a local run's."""
+    config = str(Path(__file__).resolve().parents[2] / 'configs' / 'scripted_branch.yaml')
+    local, fanned = tmp_path / 'local', tmp_path / 'ray'
+    assert main(['run', config, '--out', str(local), '-q']) == 0
+    assert run_cli(['run', config, '--out', str(fanned), '--ray', '2', '-q']) == 0
+    got, want = trajectories(fanned), trajectories(local)
+    assert len(got) == len(want) == 16 and len({t['uuid'] for t in got}) == 16  # 4 games, 4 leaves each
+    want_by_uuid = {t['uuid']: t for t in want}
+    for t in got:
+        assert {k: v for k, v in t.items() if k != 'rank'} == {k: v for k, v in want_by_uuid[t['uuid']].items()
+                                                               if k != 'rank'}
+    trees = lambda out: sorted((out / 'trees.jsonl').read_text().splitlines())  # noqa: E731
+    assert trees(fanned) == trees(local) and len(trees(fanned)) == 4
+    assert paths(fanned) == paths(local)
+    assert json.loads((fanned / 'summary.json').read_text())['written'] == 16

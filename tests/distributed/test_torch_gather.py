@@ -41,7 +41,7 @@ def single_process(shards: List[List[str]]) -> List[Any]:
 def group(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f'gloo{world}')
-    return world, run_group(tmp, world, ['layouts', 'raising', 'check_ranks'])
+    return world, run_group(tmp, world, ['layouts', 'raising', 'check_ranks', 'branching'])
 
 
 def test_ranks_join_the_group(group):
@@ -138,3 +138,16 @@ def test_torch_gather_without_a_process_group_is_a_clear_error():
 
     with pytest.raises(GatherError, match='init_process_group'):
         torch_gather()
+
+
+def test_each_rank_forks_its_own_requests_over_a_real_group(group):
+    """Issue 47, item 10: branching with ``gather_fn`` (it was refused): every rank's leaves and
+    trees are its requests' alone, and the ranks called ``rollout_fn`` equally often."""
+    world, reports = group
+    entries = [r['branching'] for r in reports]
+    assert not [e['error'] for e in entries if 'error' in e], entries
+    for rank, entry in enumerate(entries):
+        assert entry['together']['outputs'] == entry['alone']['outputs'], rank
+        assert entry['together']['trees'] == entry['alone']['trees'], rank
+    assert entries[0]['together']['leaves'] == [['a', 'a~3', 'a~4'], ['b', 'b~1', 'b~3']]
+    assert len({len(e['together']['calls']) for e in entries}) == 1

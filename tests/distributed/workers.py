@@ -162,7 +162,22 @@ def scenario_check_ranks(rank: int, world: int, gather: Callable) -> Dict[str, A
     return report
 
 
+def scenario_branching(rank: int, world: int, gather: Callable) -> Dict[str, Any]:
+    """Each rank forks its own requests (``docs/branching.md``) over the real group: its leaves
+    and trees, and the same requests alone (no ``gather_fn``); an error is reported, not raised
+    (the other scenarios' ranks go on)."""
+    from tests.branching import test_ranks as B
+
+    shards = B.SHARDS[:world] if world <= len(B.SHARDS) else B.SHARDS + [[]] * (world - len(B.SHARDS))
+    try:
+        together = B._run(shards[rank], gather, rank)
+    except Exception as exc:  # noqa: BLE001 - what the test reports
+        return {'error': f'{type(exc).__name__}: {exc}'}
+    return {'together': together, 'alone': B._run(shards[rank])}
+
+
 SCENARIOS = {
+    'branching': scenario_branching,
     'check_ranks': scenario_check_ranks,
     'layouts': scenario_layouts,
     'raising': scenario_raising,

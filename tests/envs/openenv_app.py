@@ -1,4 +1,4 @@
-"""A small OpenEnv environment served with openenv-core's own server code (``create_app``), for
+"""A small OpenEnv environment served with openenv's own server code (``create_app``), for
 the OpenEnv tests: guess a digit 1..9 (target from the reset seed), reward 1.0 on the right guess.
 
 ``/stats`` (added to openenv's FastAPI app) reports how many sessions this server process reset

@@ -1,4 +1,4 @@
-"""An OpenEnv environment whose observations carry images, served with openenv-core's own server
+"""An OpenEnv environment whose observations carry images, served with openenv's own server
 code (``create_app``), for the multimodal tests: walk a marker along a 4-pixel strip; every
 observation shows it three ways (``frame``: nested lists of pixels, as a numpy array
 serialises; ``snapshot``: base64 of a PNG; ``screen`` + ``screen_shape``: a flat list of

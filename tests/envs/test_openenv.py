@@ -1,5 +1,5 @@
 """OpenEnv environments against real OpenEnv servers: ``tests/envs/openenv_app.py`` served by
-openenv-core's own server code (``create_app``, uvicorn) on 127.0.0.1, launched by the scheduler
+openenv's own server code (``create_app``, uvicorn) on 127.0.0.1, launched by the scheduler
 (``launch:``) or by the test (``url:``).
 
 The scripted model guesses from the uuid (``g<target>-...`` guesses the target, ``w-...`` always
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv-core)")
+pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv 0.10)")
 
 from mtflow import Executor
 from mtflow.declarative import load_scheduler

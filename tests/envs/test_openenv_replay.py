@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv-core)")
+pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv 0.10)")
 
 from mtflow.cli import main  # noqa: E402
 from mtflow.declarative.envs.openenv_env import OpenEnvPool  # noqa: E402

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv-core)")
+pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv 0.10)")
 
 from mtflow import Executor
 from mtflow.cli import main

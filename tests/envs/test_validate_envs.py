@@ -19,7 +19,8 @@ VALID = {
 
 INVALID = {
     'two_kinds.yaml': ('env:\n  impl: guess_number\n  gym: tests.envs.text_envs:make_timed\n',
-                       ':1: env: give exactly one of impl, gym, openenv, textarena (got impl, gym)'),
+                       ':1: env: give exactly one of impl, gym, openenv, textarena, skyrl_gym, gem, nemo_gym, verifiers '
+                       '(got impl, gym)'),
     'url_and_launch.yaml': ('name: x\nenv:\n  openenv:\n    url: http://127.0.0.1:9\n    launch: a.b:app\n',
                             ':3: env.openenv: give either url or launch'),
     'bad_scheme.yaml': ('env:\n  openenv: {url: "127.0.0.1:9"}\n', ":2: env.openenv: url '127.0.0.1:9' must start with http://"),

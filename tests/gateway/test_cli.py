@@ -46,6 +46,7 @@ class Served:
             self.proc.kill()
             raise AssertionError(f'no URL in {first!r}: {self.proc.stderr.read()[-2000:]}')
         self.url = found.group(1)
+        self.first = first
 
     def stop(self, sig: int) -> tuple:
         self.proc.send_signal(sig)
@@ -112,3 +113,60 @@ def test_a_config_mistake_is_one_line(tmp_path, config, capsys):
     bad.write_text('backend: scripted\ngateway: {idle_timeout_s: -1}\n')
     assert main(['gateway', str(bad), '--out', str(tmp_path / 'y')]) == 2
     assert 'bad.yaml:2: gateway.idle_timeout_s' in capsys.readouterr().err
+
+
+def test_a_finish_is_answered_only_once_its_session_is_on_disk(tmp_path, config):
+    """Issue 47, item 9: the answer to ``POST /finish`` means the trajectory is durable. Killed
+    (SIGKILL, no cleanup) the moment the answers came, the gateway has every session it answered
+    on disk, and ``--resume`` calls none of them cut."""
+    out = tmp_path / 'run'
+    served = Served(config, out)
+    chat = f'{served.url}/s/{{}}/v1/chat/completions'
+    names = [f'ep{k}' for k in range(8)]
+    with httpx.Client(timeout=TIMEOUT_S) as client:
+        for name in names:
+            assert client.post(chat.format(name), json=HELLO).status_code == 200
+    answers: 'queue.Queue[tuple]' = queue.Queue()
+
+    def finish(name: str) -> None:  # the clients finish at once, together
+        answers.put((name, httpx.post(f'{served.url}/s/{name}/finish', json={'reward': 1}, timeout=TIMEOUT_S)))
+
+    threads = [threading.Thread(target=finish, args=(name, )) for name in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    served.proc.kill()  # no flush, no close: only what was durable survives
+    served.proc.communicate(timeout=TIMEOUT_S)
+    answered = sorted(name for name, reply in (answers.get() for _ in names) if reply.status_code == 200)
+    assert answered == names
+    assert sorted(line['uuid'] for line in lines(out)) == names
+    resumed = Served(config, out, '--resume')
+    code, err = resumed.stop(signal.SIGINT)
+    assert code == 0 and '8 sessions already written' in err and 'were cut' not in err, err
+def test_a_config_without_backend_names_the_default_backend_and_its_model(tmp_path):
+    """A gateway config without ``backend:`` serves hf's model, and the first line named no model
+    (issue 47, item 7): the serving line and ``GET /v1/models`` name the backend and the model,
+    and that the backend is the default one."""
+    from tests.tiny_model import make_model
+
+    tok = make_tokenizer()
+    make_model(tok).save_pretrained(tmp_path / 'tiny')
+    tok.save_pretrained(tmp_path / 'tiny')
+    config = tmp_path / 'gateway.yaml'
+    config.write_text('model: tiny\nrequest_config: {max_tokens: 4}\n')
+    served = Served(config, tmp_path / 'run')
+    try:
+        first = served.first
+        assert f'with hf (tiny on cpu), the default backend ({config} names none); writing ' in first, first
+        model = httpx.get(f'{served.url}/s/a/v1/models', timeout=TIMEOUT_S).json()['data'][0]
+        assert (model['id'], model['backend']) == ('tiny', 'hf (tiny on cpu)')
+    finally:
+        assert served.stop(signal.SIGINT)[0] == 0
+    named = tmp_path / 'named.yaml'
+    named.write_text('backend: hf\nmodel: tiny\n')
+    served = Served(named, tmp_path / 'run2')
+    try:
+        assert 'with hf (tiny on cpu); writing ' in served.first, served.first
+    finally:
+        assert served.stop(signal.SIGINT)[0] == 0

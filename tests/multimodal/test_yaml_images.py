@@ -161,7 +161,7 @@ def test_tip_images_are_checked_when_the_file_is_validated(tmp_path):
 # ---- OpenEnv ------------------------------------------------------------------------------------
 
 def test_openenv_image_fields_reach_the_model_at_the_next_turn():
-    pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv-core)")
+    pytest.importorskip('openenv.core', reason="needs the 'openenv' extra (openenv 0.10)")
     cfg = {'name': 'strip', 'max_turns': 5, 'env': {'openenv': {
         'launch': 'tests.envs.openenv_frames_app:app', 'image_fields': ['frame', 'snapshot', 'screen']}}}
     sched = load_scheduler(cfg, base_dir=str(ROOT))

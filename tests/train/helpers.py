@@ -9,11 +9,22 @@ messages (mask 0)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import zlib
+from pathlib import Path
 from typing import Any, List, Tuple
 
 from mtflow import Executor, RequestConfig, RolloutInferRequest, Scheduler
 from mtflow.tools.calculator import calculator
+
+
+#: ChatML that renders tool calls and tool messages, as TRL's environment_factory requires of a template
+TOOL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }} "
+    "{{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def even_share(ids: List[int]) -> float:
@@ -110,3 +121,14 @@ def transformers_own_callbacks(monkeypatch: Any) -> None:
     from transformers import trainer, trainer_callback
     monkeypatch.setattr(trainer, 'DEFAULT_CALLBACKS', [trainer_callback.DefaultFlowCallback])
     monkeypatch.setattr(trainer, 'PrinterCallback', trainer_callback.PrinterCallback)
+
+
+def run_check(venv: str, script: str, timeout: float = 600, **env: str) -> Any:
+    """Run ``tests/train/<script>`` with the python of ``.extras/<venv>`` (a trainer whose pins need a
+    venv of its own) and return the JSON report its last line prints; a failure shows its stderr."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([str(root / '.extras' / venv / 'bin' / 'python'), str(root / 'tests' / 'train' / script)],
+                          capture_output=True, text=True, timeout=timeout, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root), **env))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

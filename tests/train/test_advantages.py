@@ -156,3 +156,54 @@ def test_gigpo_by_hand():
     # step_weight 0 is the episode-level GRPO advantage on every token
     assign_gigpo_advantages([a, b, c], step_weight=0.0)
     assert b.token_advantages == pytest.approx([eb, eb, 0.0, eb])
+
+
+def _episode_only(uuid, reward, keys):
+    """Two turns, no per-turn reward: only the episode ends with ``reward`` (GiGPO's paper setting)."""
+    s = _two_turns(uuid, [], keys)
+    s.reward = reward
+    return s
+
+
+def test_gigpo_with_an_episode_reward_only_by_hand():
+    from mtflow.train.advantages import assign_gigpo_advantages
+
+    # one group; turn 1 from s0 for all; turn 2: a and b from s1, c from s2; rewards 1, 0, 1 at the end only
+    a, b, c = (_episode_only('q#0', 1.0, ['s0', 's1']), _episode_only('q#1', 0.0, ['s0', 's1']),
+               _episode_only('q#2', 1.0, ['s0', 's2']))
+    assert a.turn_rewards == {} and a.turns == (1, 2)
+    eps = 1e-4
+    # episode: 1, 0, 1: mean 2/3, unbiased std sqrt(1/3)
+    se = math.sqrt(1 / 3)
+    ea, eb = (1 / 3) / (se + eps), (-2 / 3) / (se + eps)
+    # the episode reward is received at the last turn: G2 = R, G1 = gamma * R (gamma 0.5)
+    # anchor s0: G1 = 0.5, 0, 0.5: mean 1/3, unbiased std sqrt(1/12)
+    s0 = math.sqrt(1 / 12)
+    # anchor s1: G2 = 1 (a), 0 (b): mean 0.5, std sqrt(0.5); anchor s2: c alone, 0
+    s1 = math.sqrt(0.5)
+    assign_gigpo_advantages([a, b, c], step_weight=1.0, gamma=0.5)
+    assert a.token_advantages == pytest.approx([ea + (1 / 6) / (s0 + eps)] * 2 + [0.0] + [ea + 0.5 / (s1 + eps)])
+    assert b.token_advantages == pytest.approx([eb - (1 / 3) / (s0 + eps)] * 2 + [0.0] + [eb - 0.5 / (s1 + eps)])
+    assert c.token_advantages == pytest.approx([ea + (1 / 6) / (s0 + eps)] * 2 + [0.0] + [ea])
+    # episode_reward=False is what it was before: no per-turn rewards, no step term, plain GRPO on every token
+    assign_gigpo_advantages([a, b, c], step_weight=1.0, gamma=0.5, episode_reward=False)
+    assert a.token_advantages == pytest.approx([ea, ea, 0.0, ea]) and b.token_advantages == pytest.approx([eb, eb, 0.0, eb])
+
+
+def test_gigpo_adds_the_episode_reward_only_to_groups_without_per_turn_rewards_unless_told():
+    from mtflow.train.advantages import assign_gigpo_advantages
+
+    # group q has per-turn rewards (the episode reward is their sum): returns of the per-turn rewards alone
+    a, b = _two_turns('q#0', [0.0, 1.0], ['s0', 's1']), _two_turns('q#1', [0.0, 0.0], ['s0', 's1'])
+    # group r has none: its episode rewards are received at the last turn
+    c, d = _episode_only('r#0', 2.0, ['t0', 't1']), _episode_only('r#1', 0.0, ['t0', 't1'])
+    assign_gigpo_advantages([a, b, c, d], step_weight=1.0, gamma=1.0, scale_rewards='none')
+    # q: episode rewards 1, 0: A^E = +-0.5; s0: G1 = 1, 0: +-0.5; s1: G2 = 1, 0: +-0.5
+    assert a.token_advantages == pytest.approx([1.0, 1.0, 0.0, 1.0])
+    # r: A^E = +-1; t0: G1 = 2, 0: +-1; t1: G2 = 2, 0: +-1
+    assert c.token_advantages == pytest.approx([2.0, 2.0, 0.0, 2.0])
+    assert d.token_advantages == pytest.approx([-2.0, -2.0, 0.0, -2.0])
+    # True adds it to q too (double counting when the reward is the per-turn sum: the caller's choice)
+    assign_gigpo_advantages([a, b], step_weight=1.0, gamma=1.0, scale_rewards='none', episode_reward=True)
+    # G: a: G2 = 1 + 1 = 2, G1 = 2; b: 0, 0: step terms +-1
+    assert a.token_advantages == pytest.approx([1.5, 1.5, 0.0, 1.5])

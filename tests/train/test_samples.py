@@ -172,3 +172,45 @@ def test_a_real_mtflow_run_directory_gives_exact_samples_and_failed_requests_are
     with pytest.raises(SampleError, match=rf"request {samples[0].uuid}, field 'finish_reason': the request failed"):
         list(read_samples(path))
     assert list(read_samples(path, failed='skip')) == []
+
+
+class EditsTheFirstReply(ToolEveryTurn):
+    """Rewrites the first tool message at the step of turn 2: the prompt of turn 3 no longer extends
+    the ids turns 1 and 2 were generated from."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        out = super().step(infer_request, response_choice, current_turn)
+        if current_turn == 2:
+            infer_request.messages[2]['content'] = 'forty-two'
+        return out
+
+
+def test_an_edited_history_is_refused_at_the_first_turn_it_reached_naming_what_changed():
+    requests = prompts(1, 1)
+    ex = Executor(EditsTheFirstReply(max_turns=4), tiny_backend(),
+                  RequestConfig(max_tokens=6, temperature=1.0, logprobs=True))
+    result = ex.run(requests)
+    assert result.ok, result.failures
+    restart = result.outputs[0].rollout_infos['token_record_restart']
+    assert restart['turn'] == 3 and restart['why'] == 'history_changed'
+    with pytest.raises(SampleError) as err:
+        samples_from_result(result, requests)
+    assert err.value.uuid == 'p0#0' and err.value.turn == 3 and err.value.field == 'messages'
+    assert "message 3 (tool): field 'content' changed from " in str(err.value)
+    assert "to 'forty-two'" in str(err.value)
+    # the same from the run's trajectory line (what read_samples sees)
+    (line, ) = [t.to_dict() for t in trajectories_from_result(result, requests)]
+    with pytest.raises(SampleError, match=r"request p0#0, turn 3, field 'messages': this turn's prompt was rendered"):
+        samples_from_output(line)
+
+
+def test_what_changed_names_an_edited_reply_by_its_turn_and_removed_messages():
+    from mtflow.backends.tokens import what_changed
+
+    seen = [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'a'}, {'role': 'user', 'content': 'go'},
+            {'role': 'assistant', 'content': 'b'}]
+    assert what_changed(seen, seen[:2] + [seen[2], {'role': 'assistant', 'content': 'B'}], first_turn=1) == \
+        "message 4 (assistant, the reply of turn 2): field 'content' changed from 'b' to 'B'"
+    assert what_changed(seen, seen[:1]) == 'message 2 (assistant, the reply of turn 1) and the 2 after it were removed'
+    assert what_changed(seen, seen[:3] + [{'role': 'assistant', 'content': 'b!'}]) == \
+        "message 4 (assistant, the reply of turn 2): text was appended to its content after the model saw it: '!'"

@@ -7,11 +7,12 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
+from mtflow.core.errors import MtflowError
 from mtflow.core.images import env_observation
 from mtflow.core.seeds import stable_seed
 from mtflow.engine.branching import branch_root
 
-__all__ = ['MissingExtra', 'require', 'StepOutcome', 'normalize_step', 'request_seed']
+__all__ = ['MissingExtra', 'require', 'StepOutcome', 'normalize_step', 'request_seed', 'EnvFailure']
 
 
 class MissingExtra(ImportError):
@@ -27,6 +28,17 @@ def require(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise MissingExtra(module, extra) from None
+
+
+class EnvFailure(MtflowError):
+    """An environment of another library failed for one request (it could not be made, reset or
+    stepped; its server is down; its verifier raised). The message names the kind, the environment,
+    the step and the library's own error; it fails that request only, never the run."""
+
+    def __init__(self, kind: str, name: str, where: str, exc: BaseException) -> None:
+        text = ' '.join(str(exc).split())
+        super().__init__(f'{kind} environment {name!r} failed {where}: {type(exc).__name__}'
+                         + (f': {text}' if text else ''))
 
 
 @dataclass

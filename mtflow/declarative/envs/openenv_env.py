@@ -1,4 +1,4 @@
-"""OpenEnv servers as YAML environments, through ``openenv-core``'s own WebSocket client
+"""OpenEnv servers as YAML environments, through ``openenv``'s own WebSocket client
 (``openenv.core.GenericEnvClient``): one server session per request, opened at the request's start
 (``reset``), stepped with every completion, closed on every finish path.
 
@@ -39,13 +39,9 @@ import base64
 import binascii
 import importlib.util
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -57,6 +53,7 @@ from mtflow.core.images import ImageError, Observation
 from mtflow.core.keys import closest_key
 from mtflow.declarative.envs.base import MissingExtra, StepOutcome, request_seed
 from mtflow.declarative.envs.config import OpenEnvConfig
+from mtflow.declarative.envs.local_servers import IOLoop, LocalServer, child_env, launch_local, wait_healthy
 
 __all__ = ['OpenEnvPool', 'OpenEnvSession', 'OpenEnvError', 'OpenEnvSessionError', 'OpenEnvCapacityError',
            'OpenEnvLaunchError', 'OpenEnvActionError', 'OpenEnvServer', 'action_field_problem', 'observation_field_problems',
@@ -155,19 +152,11 @@ def _is_server_reply(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and str(exc).startswith('Server error:')
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-class OpenEnvServer:
+class OpenEnvServer(LocalServer):
     """One server: its URL, the sessions this pool has open on it, and (when launched) its process."""
 
     def __init__(self, url: str, process: Optional[subprocess.Popen] = None, log_path: Optional[str] = None) -> None:
-        self.url = url.rstrip('/')
-        self.process = process
-        self.log_path = log_path
+        super().__init__(url, process, log_path)
         self.open = 0
         self.opened = 0
         #: refused a connection: not chosen before this time (``time.monotonic()``)
@@ -176,37 +165,8 @@ class OpenEnvServer:
         self.full_until = 0.0
         self.full_message: Optional[str] = None
 
-    @property
-    def exited(self) -> bool:
-        return self.process is not None and self.process.poll() is not None
-
     def live(self, now: float) -> bool:
         return not self.exited and now >= self.skip_until
-
-    def log_tail(self, chars: int = 600) -> str:
-        if not self.log_path:
-            return ''
-        try:
-            with open(self.log_path, encoding='utf-8', errors='replace') as f:
-                return ' '.join(f.read()[-chars:].split())
-        except OSError:
-            return ''
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return
-            proc.wait(timeout=grace_s)
 
 
 class OpenEnvPool:
@@ -225,8 +185,7 @@ class OpenEnvPool:
         self._started = False
         self._start_error: Optional[BaseException] = None
         self._closed = False
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
+        self.io = IOLoop('mtflow-openenv-io', lambda: OpenEnvError('the OpenEnv pool is closed'))
         self._preflighted = False
         if config.url is not None:
             urls = [config.url] if isinstance(config.url, str) else list(config.url)
@@ -324,35 +283,13 @@ class OpenEnvPool:
         return [str(part).replace('{port}', str(port)).replace('{python}', sys.executable) for part in launch]
 
     def _launch_one(self) -> OpenEnvServer:
-        port = _free_port()
-        env = dict(os.environ)
-        paths = ([self.base_dir] if self.base_dir else []) + [p for p in sys.path if p]
-        env['PYTHONPATH'] = os.pathsep.join(paths + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+        env = child_env(self.base_dir)
         env.setdefault('ENABLE_WEB_INTERFACE', 'false')
-        log = tempfile.NamedTemporaryFile(prefix='mtflow-openenv-', suffix='.log', delete=False)
-        try:
-            proc = subprocess.Popen(self._command(port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True, cwd=self.base_dir or None)
-        finally:
-            log.close()
-        return OpenEnvServer(f'http://127.0.0.1:{port}', proc, log.name)
+        return launch_local(self._command, env, self.base_dir, 'mtflow-openenv-', OpenEnvServer)
 
     def _wait_healthy(self, server: OpenEnvServer) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while True:
-            if server.exited:
-                raise OpenEnvLaunchError(f'OpenEnv server {self.config.launch!r} exited with status '
-                                         f'{server.process.returncode} before answering: {server.log_tail()}')
-            try:
-                with urllib.request.urlopen(f'{server.url}/health', timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise OpenEnvLaunchError(f'OpenEnv server {self.config.launch!r} did not answer {server.url}/health '
-                                         f'within {self.config.startup_timeout_s:g} s: {server.log_tail()}')
-            time.sleep(0.1)
+        wait_healthy(server, self.config.startup_timeout_s, f'OpenEnv server {self.config.launch!r}',
+                     OpenEnvLaunchError)
 
     def close(self) -> None:
         """Drop every session still open (their requests are over), stop the I/O loop and the
@@ -360,49 +297,23 @@ class OpenEnvPool:
         self._closed = True
         for session in list(self.sessions):
             session.abandon()
-        with self._start_lock:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-            if not thread.is_alive():
-                loop.close()
+        self.io.close()
         for server in self.servers:
             server.stop()
         _LIVE_POOLS.discard(self)
 
     # ---- the I/O loop -------------------------------------------------------------------------
-    def _io_loop(self) -> asyncio.AbstractEventLoop:
-        with self._start_lock:
-            if self._closed:
-                raise OpenEnvError('the OpenEnv pool is closed')
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name='mtflow-openenv-io', daemon=True)
-                thread.start()
-                self._loop, self._thread = loop, thread
-            return self._loop
-
     async def run(self, coro: Any) -> Any:
         """Run ``coro`` on the pool's own event loop, in a thread of its own, and await it from the
         caller's loop. The WebSocket connections live there because that loop always runs: the
         executor's loop is idle while the model generates (minutes with a slow model), and a
         connection whose loop does not run cannot answer the server's keepalive pings; the server
         then drops it (close code 1011) and the request's session is lost."""
-        try:
-            loop = self._io_loop()
-        except BaseException:
-            coro.close()
-            raise
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return await self.io.run(coro)
 
     def call_soon(self, fn: Any) -> None:
         """Run ``fn`` on the I/O loop (it owns the connections), or now when there is none."""
-        loop = self._loop
-        if loop is not None and loop.is_running():
-            loop.call_soon_threadsafe(fn)
-        else:
-            fn()
+        self.io.call_soon(fn)
 
     # ---- sessions -----------------------------------------------------------------------------
     async def _pick(self, deadline: float) -> OpenEnvServer:
@@ -513,8 +424,11 @@ class OpenEnvSession:
             raise OpenEnvSessionError(f'OpenEnv server {self.server.url} failed during step {self.steps}: '
                                       f'{_describe(exc)} (the session is lost; a step is not retried)') from None
         reward = float(result.reward) if result.reward is not None else 0.0
-        return StepOutcome(self._observation(result.observation), reward, bool(result.done), False,
-                           {'openenv_server': self.server.url})
+        info: Dict[str, Any] = {'openenv_server': self.server.url}
+        metadata = result.observation.get('metadata') if isinstance(result.observation, dict) else None
+        if metadata:
+            info['openenv_metadata'] = metadata
+        return StepOutcome(self._observation(result.observation), reward, bool(result.done), False, info)
 
     async def close(self) -> None:
         """Close the session (best effort, bounded: a dead server cannot hold a request up)."""
@@ -563,7 +477,12 @@ class OpenEnvSession:
 
     def _observation(self, observation: Any) -> Any:
         """The text shown to the model, or an :class:`~mtflow.core.images.Observation` with the
-        images of ``image_fields`` (which the text then leaves out)."""
+        images of ``image_fields`` (which the text then leaves out). The fields of openenv's
+        ``Observation`` base are never shown: ``openenv`` 0.10 keeps ``metadata`` in the payload
+        (``openenv-core`` 0.3 left it out), which would turn a one-field observation into JSON
+        (a step's metadata goes to ``env_info['openenv_metadata']``)."""
+        if isinstance(observation, dict):
+            observation = {k: v for k, v in observation.items() if k not in _OBSERVATION_BASE}
         fields = self.pool.config.image_fields
         if not fields or not isinstance(observation, dict):
             return self._text(observation)

@@ -11,7 +11,16 @@ Built in (one module per format family):
 ``deepseek``       DeepSeek-V3, R1, V3.1 ``<｜tool▁call▁begin｜>...`` (aliases ``deepseek_v3``, ``deepseek_r1``)
 ``react``          ``Action:`` / ``Action Input:``, Markdown and lowercase variants
 ``json``           a bare JSON call object or list, or fenced ```json blocks
+``qwen3_coder``    Qwen3-Coder, Qwen3.5 XML ``<tool_call><function=NAME><parameter=K>V</parameter>...``
+``glm45``          GLM-4.5/4.6/4.7 ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>`` (``glm``, ``glm47``)
+``kimi_k2``        Kimi-K2 ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0...`` (``kimi``)
+``deepseek_v32``   DeepSeek-V3.2 DSML ``<｜DSML｜function_calls><｜DSML｜invoke name="NAME">...``
+``minimax_m2``     MiniMax-M2 ``<minimax:tool_call><invoke name="NAME"><parameter name="K">V...``
+``harmony``        gpt-oss channels, through ``openai-harmony`` (``gpt_oss``; an optional extra)
 =================  ===============================================================================
+
+The XML formats carry parameter values as text; :func:`typed_calls` types them by the tools' JSON
+schemas (:mod:`.schema_types`), which :func:`parse_calls` applies for every caller.
 
 More with :func:`register_parser`, or from installed packages (``mtflow.parsers`` entry points).
 A call that cannot be parsed is still returned, with ``error`` set, so that the scheduler can feed
@@ -19,17 +28,24 @@ the problem back to the model (quoting the parser's ``expected`` format) and cou
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mtflow.core.registry import Registry
 from mtflow.declarative.parsers.base import ToolCall, ToolCallParser, call_from_obj, loads_lenient, strip_thinking
 from mtflow.declarative.parsers.deepseek import DeepSeekParser
 from mtflow.declarative.parsers.detect import detect_formats, foreign_format
+from mtflow.declarative.parsers.dsml import DeepSeekV32Parser
+from mtflow.declarative.parsers.glm import GLMParser
+from mtflow.declarative.parsers.harmony import HarmonyParser
 from mtflow.declarative.parsers.hermes import HermesParser
 from mtflow.declarative.parsers.json_calls import JSONParser
+from mtflow.declarative.parsers.kimi import KimiK2Parser
 from mtflow.declarative.parsers.llama import Llama3JsonParser, PythonicParser
+from mtflow.declarative.parsers.minimax import MiniMaxM2Parser
 from mtflow.declarative.parsers.mistral import MistralParser
+from mtflow.declarative.parsers.qwen3_coder import Qwen3CoderParser
 from mtflow.declarative.parsers.react import ReActParser
+from mtflow.declarative.parsers.schema_types import typed_calls
 
 #: name -> factory(**parser_options) -> parser
 PARSERS = Registry('mtflow.parsers', 'unknown parser {name} (known: {known}, or module:Class)', builtins={
@@ -45,6 +61,17 @@ PARSERS = Registry('mtflow.parsers', 'unknown parser {name} (known: {known}, or 
     'deepseek_r1': DeepSeekParser,
     'react': ReActParser,
     'json': JSONParser,
+    'qwen3_coder': Qwen3CoderParser,
+    'glm45': GLMParser,
+    'glm': GLMParser,
+    'glm47': GLMParser,
+    'kimi_k2': KimiK2Parser,
+    'kimi': KimiK2Parser,
+    'deepseek_v32': DeepSeekV32Parser,
+    'minimax_m2': MiniMaxM2Parser,
+    'minimax': MiniMaxM2Parser,
+    'harmony': HarmonyParser,
+    'gpt_oss': HarmonyParser,
 })
 
 
@@ -69,8 +96,16 @@ def get_parser(name: str, options: Optional[Dict[str, Any]] = None, base_dir: Op
     return parser
 
 
+def parse_calls(parser: Any, text: str, tools: Optional[Sequence[Dict[str, Any]]] = None) -> List[ToolCall]:
+    """The calls ``parser`` reads from ``text``, the text values of the XML formats typed by
+    ``tools`` (OpenAI function specs: the scheduler's tools, or a gateway client's)."""
+    return typed_calls(list(parser.parse(text)), tools)
+
+
 __all__ = [
     'ToolCall', 'ToolCallParser', 'HermesParser', 'Llama3JsonParser', 'PythonicParser', 'MistralParser',
-    'DeepSeekParser', 'ReActParser', 'JSONParser', 'PARSERS', 'register_parser', 'parser_names', 'get_parser',
-    'strip_thinking', 'loads_lenient', 'call_from_obj', 'detect_formats', 'foreign_format'
+    'DeepSeekParser', 'ReActParser', 'JSONParser', 'Qwen3CoderParser', 'GLMParser', 'KimiK2Parser',
+    'DeepSeekV32Parser', 'MiniMaxM2Parser', 'HarmonyParser', 'PARSERS', 'register_parser', 'parser_names',
+    'get_parser', 'parse_calls', 'typed_calls', 'strip_thinking', 'loads_lenient', 'call_from_obj',
+    'detect_formats', 'foreign_format'
 ]

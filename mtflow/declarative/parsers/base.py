@@ -20,12 +20,18 @@ class ToolCall:
     closes it in its format (``</tool_call>``, ``<｜tool▁call▁end｜>``, a terminating label): a
     reply cut by ``max_tokens`` (``finish_reason == 'length'``) then has a truncated call, which
     the scheduler treats as malformed and never runs. (A stop string may also have eaten the
-    closing tag, so an unclosed call of a reply that stopped normally is still run.)"""
+    closing tag, so an unclosed call of a reply that stopped normally is still run.)
+
+    ``text_values`` is set by the XML formats (Qwen3-Coder, GLM, MiniMax-M2), whose parameter
+    values are text: :func:`~mtflow.declarative.parsers.schema_types.typed_calls` converts each by
+    the tool's JSON schema (an integer parameter ``"5"`` becomes ``5``); a parameter the schema does
+    not describe stays text (``'text'``) or is read as JSON when it parses (``'json'``, GLM)."""
     name: str
     arguments: Any
     raw: str
     error: Optional[str] = None
     complete: bool = True
+    text_values: Optional[str] = None
 
 
 class ToolCallParser:

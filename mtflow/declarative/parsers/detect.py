@@ -16,10 +16,22 @@ READS = {
     'deepseek': {'deepseek'},
     'react': {'react'},
     'json': {'json'},
+    'qwen3_coder': {'qwen3_coder', 'hermes'},
+    'glm45': {'glm45', 'hermes'},
+    'kimi_k2': {'kimi_k2'},
+    'deepseek_v32': {'deepseek_v32'},
+    'minimax_m2': {'minimax_m2'},
+    'harmony': {'harmony'},
 }
 
 _MARKERS = [
+    ('qwen3_coder', re.compile(r'<function=[^>\n]+>')),
+    ('glm45', re.compile(r'<arg_key>')),
     ('hermes', re.compile(r'<tool_call>')),
+    ('kimi_k2', re.compile(re.escape('<|tool_call_begin|>'))),
+    ('deepseek_v32', re.compile(r'<[｜|]DSML[｜|]')),
+    ('minimax_m2', re.compile(r'<minimax:tool_call>')),
+    ('harmony', re.compile(r'to=functions\.')),
     ('llama3_json', re.compile(re.escape('<|python_tag|>'))),
     ('mistral', re.compile(re.escape('[TOOL_CALLS]'))),
     ('deepseek', re.compile(r'<[｜|]tool[▁_ ]calls?[▁_ ]begin[｜|]>')),

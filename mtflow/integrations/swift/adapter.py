@@ -23,10 +23,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import swift.rollout.multi_turn as swift_multi_turn
 from swift.rollout.multi_turn import MultiTurnScheduler
 
+from mtflow.core.errors import UserError
 from mtflow.core.machine import CHECK_FINISHED, ERROR
 from mtflow.core.scheduler import is_default_hook
 from mtflow.core.stop import decide_stop, default_check
 from mtflow.declarative import load_scheduler
+from mtflow.engine.branching import Branching
 from mtflow.integrations.swift.converters import to_swift
 
 __all__ = ['FINISH_REASON_KEY', 'SwiftSchedulerAdapter', 'as_swift_scheduler', 'register']
@@ -83,6 +85,9 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
 
     Token accounting is ms-swift 4.6's (the adapter inherits ``get_response_token_data`` and the
     id-backed message methods), under ms-swift's driver and under mtflow's executor alike.
+
+    A scheduler with a ``branch`` (``docs/branching.md``) is refused when the adapter is built:
+    ms-swift's trainers take one output per request, so its forks could only be dropped.
     """
 
     #: builds the mtflow scheduler: ``inner_factory(**kwargs)`` with the kwargs ms-swift passed
@@ -104,6 +109,11 @@ class SwiftSchedulerAdapter(MultiTurnScheduler):
         if inner is None:
             inner = self.make_inner(infer_engine=infer_engine, max_turns=max_turns, tokenizer=tokenizer,
                                     template=template, **kwargs)
+        if isinstance(getattr(inner, 'branch', None), Branching):
+            raise UserError(f'mtflow scheduler {self.registered_name or type(inner).__name__!r} has a branch: section '
+                            "(docs/branching.md), but ms-swift's trainers and driver take one output per request and "
+                            'cannot fork it: remove branch: to train with ms-swift, or roll the trees out with mtflow '
+                            '(mtflow run, Executor) and train on them (docs/training.md)')
         self.inner = inner
         if max_turns is None:  # ms-swift passed none: the mtflow scheduler's own limit applies
             self.max_turns = getattr(inner, 'max_turns', None)
