@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mtflow.declarative.parsers import hermes, llama, mistral
+from mtflow.declarative.parsers import glm, hermes, kimi, llama, minimax, mistral, qwen3_coder
 from mtflow.gateway.thinking import Thinking
 from mtflow.gateway.wire import Reply, WireError, arguments_text, openai_error
 
@@ -37,9 +37,15 @@ __all__ = ['TextFeed', 'SafeText', 'Pump', 'ChatStream', 'call_starts', 'safe_te
 
 log = logging.getLogger('mtflow.gateway')
 
-#: what starts a tool call in each built-in format (a parser may declare its own ``call_starts``)
+#: what starts a tool call in each built-in format (a parser may declare its own ``call_starts``);
+#: harmony and ReAct are not here: their calls are read from the whole text, so a stream holds them
 _CALL_STARTS: Dict[str, Tuple[str, ...]] = {
     'hermes': (hermes.OPEN, ),
+    'qwen3_coder': (qwen3_coder.OPEN, '<function='),  # the parser reads a bare <function=...> too
+    'glm45': (glm.OPEN, ),
+    'kimi_k2': (kimi.SECTION_BEGIN, kimi.CALL_BEGIN),
+    'minimax_m2': (minimax.OPEN, ),
+    'deepseek_v32': ('<｜DSML', '<|DSML'),
     'llama3_json': (llama.PYTHON_TAG, '{'),
     'pythonic': ('[', ),
     'mistral': (mistral.MARK, ),

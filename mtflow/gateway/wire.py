@@ -27,15 +27,16 @@ Every problem is a :class:`WireError` with the HTTP status and the field it name
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid as _uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Pattern, Sequence, Tuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mtflow.core.images import IMAGE_TOKEN
-from mtflow.declarative.parsers import parse_calls
+from mtflow.declarative.parsers import dsml, kimi, minimax, parse_calls
 
 __all__ = ['WireError', 'Loose', 'Call', 'Reply', 'Returned', 'validated', 'validation_message', 'content_of',
            'sampling', 'tool_choice_of', 'refuse_format', 'split_calls', 'arguments_text', 'loads_or_text',
@@ -304,22 +305,59 @@ def split_calls(text: str, parser: Any, turn: int, session: str,
     except Exception:  # a parser that fails on odd text: the text goes out as it is
         return text, []
     calls: List[Tuple[str, str, Any]] = []
+    taken: List[Tuple[int, int]] = []  # where each call's text is, as written
     content = text
-    first = len(text)
     for k, call in enumerate(found):
         if call.error is not None or not call.complete or not call.name:
             continue
         calls.append((call_id(session, turn, k), call.name, call.arguments))
         at = text.find(call.raw)
-        first = min(first, at) if at >= 0 else first
+        if at >= 0:
+            taken.append((at, at + len(call.raw)))
         content = content.replace(call.raw, '', 1)
     if not calls:
         return content, []
-    if first == len(text):  # no call's text found as written: the text without them
+    if not taken:  # no call's text found as written: the text without them
         return content.strip(), calls
-    head = text[:first].rstrip()
-    rest = content[len(text[:first]):].strip() if content.startswith(text[:first]) else ''
+    taken = _with_blocks(text, taken, _CALL_BLOCKS.get(getattr(parser, 'name', '')))
+    head = text[:taken[0][0]].rstrip()
+    rest = ''.join(text[end:nxt] for (_, end), (nxt, _) in zip(taken, taken[1:] + [(len(text), 0)])).strip()
     return (f'{head}\n{rest}' if head and rest else head or rest), calls
+
+
+#: the block a format wraps its calls in (Kimi-K2's section, MiniMax-M2's and DSML's blocks): a
+#: block left holding nothing but calls goes with them, so the content never shows an empty wrapper
+_CALL_BLOCKS: Dict[str, Tuple[Pattern[str], Pattern[str]]] = {
+    'kimi_k2': (re.compile(re.escape(kimi.SECTION_BEGIN)), re.compile(re.escape(kimi.SECTION_END))),
+    'minimax_m2': (minimax.FORMAT.block_open, minimax.FORMAT.block_close),
+    'deepseek_v32': (dsml.FORMAT.block_open, dsml.FORMAT.block_close),
+}
+
+
+def _with_blocks(text: str, taken: List[Tuple[int, int]],
+                 block: Optional[Tuple[Pattern[str], Pattern[str]]]) -> List[Tuple[int, int]]:
+    """``taken`` (the calls' spans) sorted, merged, and widened to each block of ``text`` whose
+    inside is nothing but those calls and whitespace."""
+    taken = sorted(taken)
+    if block is not None:
+        for opening in block[0].finditer(text):
+            closing = block[1].search(text, opening.end())
+            start, stop = opening.start(), closing.end() if closing else len(text)
+            inside = [(a, b) for a, b in taken if start <= a and b <= stop]
+            if not inside:
+                continue
+            gaps = [text[b:a] for (_, b), (a, _) in zip([(0, opening.end())] + inside,
+                                                         inside + [(closing.start() if closing else stop, 0)])]
+            if all(not gap.strip() for gap in gaps):
+                taken = [span for span in taken if span not in inside] + [(start, stop)]
+        taken.sort()
+    merged: List[Tuple[int, int]] = []
+    for a, b in taken:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 # ---- errors -------------------------------------------------------------------------------------

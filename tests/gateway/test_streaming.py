@@ -14,9 +14,10 @@ import pytest
 
 from mtflow import RequestConfig
 from mtflow.gateway import Gateway
-from mtflow.gateway.streaming import Pump, SafeText
+from mtflow.declarative.parsers import get_parser
+from mtflow.gateway.streaming import Pump, SafeText, call_starts
 from mtflow.gateway.thinking import Thinking
-from mtflow.gateway.wire import Reply
+from mtflow.gateway.wire import Reply, split_calls
 from tests.gateway.helpers import ADD_TOOL, CALLS_ADD, TIMEOUT_S, assert_tokens_exact, lines, scripted
 
 openai = pytest.importorskip('openai')
@@ -199,6 +200,30 @@ def test_a_pump_sends_prefixes_of_the_whole_reply_and_says_when_it_could_not():
     other = Pump(_Writer(), SafeText(Thinking('none'), None, False, False))
     other.update('abc')
     assert other.finish(Reply('xyz', 'xyz', [], 'stop', 1, 1, 1)) == [b'end'] and other.diverged
+
+
+@pytest.mark.parametrize('name', ['hermes', 'qwen3_coder', 'glm45', 'kimi_k2', 'minimax_m2', 'deepseek_v32'])
+@pytest.mark.parametrize('head', ['I will add.\n', ''])
+def test_each_formats_call_is_held_and_the_text_before_it_streams(name, head):
+    """Token by token, a stream of a reply in each tag format sends the text before the call as it
+    comes and the same content as the whole reply (no block wrapper left behind), never text it
+    has to take back."""
+    parser = get_parser(name)
+    text = head + parser.render_calls([('add', {'a': 2, 'b': 3})])
+    content, calls = split_calls(text, parser, 1, 's', [ADD_TOOL])
+    assert content == head.strip() and [(n, a) for _, n, a in calls] == [('add', {'a': 2, 'b': 3})]
+    pump, sent = Pump(_Writer(), SafeText(Thinking('none'), call_starts(parser), True, True)), []
+    for k in range(1, len(text) + 1):
+        sent += pump.update(text[:k])
+    assert b''.join(e[2:] for e in sent if e.startswith(b'c:')).decode() == content
+    pump.finish(Reply(text, content, calls, 'stop', 1, 1, 1))
+    assert not pump.diverged
+
+
+def test_a_qwen3_coder_call_without_its_tool_call_tag_is_held_too():
+    text = 'I will add.\n<function=add>\n<parameter=a>\n2\n</parameter>\n</function>'
+    safe = SafeText(Thinking('none'), call_starts(get_parser('qwen3_coder')), True, True)
+    assert safe(text) == ('', 'I will add.') == ('', split_calls(text, get_parser('qwen3_coder'), 1, 's')[0])
 
 
 def test_think_tags_follow_a_template_that_opens_the_thinking():
