@@ -177,6 +177,8 @@ class Pump:
         return list(self.writer.start())
 
     def _send(self, reasoning: str, content: str) -> List[bytes]:
+        if self.reasoning.startswith(reasoning) and self.content.startswith(content):
+            return []  # nothing new: a text no further than what went out (a backend that restarted its stream)
         if not (reasoning.startswith(self.reasoning) and content.startswith(self.content)):
             self.diverged = True
             return []

@@ -39,7 +39,7 @@ class Held:
             cut = len('<think>Two')
             sink(text[:cut])
             self.waited.append(self.go.wait(TIMEOUT_S))  # the last token waits for the test
-            stream(request, text, tokens, sink)
+            stream(request, text, tokens, lambda grown: len(grown) > cut and sink(grown))  # on from the cut
 
         self.backend.stream_text = held
 
@@ -197,6 +197,10 @@ def test_a_pump_sends_prefixes_of_the_whole_reply_and_says_when_it_could_not():
                   'abc')
     events += pump.finish(reply)
     assert events == [b'start', b'r:ab', b'r:c', b'c:He', b'c:llo', b'end'] and not pump.diverged
+    again = Pump(_Writer(), SafeText(Thinking('think'), ('<tool_call>', ), True, True))
+    again.update('<think>Two')
+    assert again.update('<think>T') == [] and not again.diverged  # a stream started over: nothing new yet
+    assert again.update('<think>Two and') == [b'r: and'] and not again.diverged
     other = Pump(_Writer(), SafeText(Thinking('none'), None, False, False))
     other.update('abc')
     assert other.finish(Reply('xyz', 'xyz', [], 'stop', 1, 1, 1)) == [b'end'] and other.diverged
