@@ -52,6 +52,9 @@ _CALL_STARTS: Dict[str, Tuple[str, ...]] = {
     'deepseek': ('<｜tool', '<|tool'),
     'json': ('{', '['),
 }
+#: what starts a call only at the start of a reply: Mistral's marker-less JSON list (a backend that
+#: skipped the special tokens), read as calls only there
+_LEADING_CALLS: Dict[str, Tuple[str, ...]] = {'mistral': ('[', '{')}
 
 
 def call_starts(parser: Any) -> Optional[Tuple[str, ...]]:
@@ -124,12 +127,14 @@ class SafeText:
         parse_calls: whether calls are taken out of this reply (a parser, and ``tool_choice`` not ``none``).
         offers_tools: the call offers tools (an unknown parser then holds the content).
         stops: the call's stop strings (the reply ends before them).
+        leading: what starts a call only at the start of the content (the content is held while it starts so).
     """
 
     def __init__(self, thinking: Thinking, starts: Optional[Tuple[str, ...]], parse_calls: bool,
-                 offers_tools: bool, stops: Sequence[str] = ()) -> None:
+                 offers_tools: bool, stops: Sequence[str] = (), leading: Tuple[str, ...] = ()) -> None:
         self.thinking, self.stops = thinking, tuple(s for s in stops if s)
         self.starts = (starts or ()) if parse_calls else ()
+        self.leading = leading if parse_calls else ()
         self.hold_content = parse_calls and starts is None and offers_tools
         self.hold_all = not thinking.streams  # a reasoning format read whole (harmony's channels)
         self.markers = tuple(thinking.markers) + self.starts + self.stops
@@ -144,7 +149,7 @@ class SafeText:
                 text = text[:at]
         text = text[:len(text) - _held_suffix(text, self.markers)]
         reasoning, content = self.thinking.split(text)
-        if self.hold_content:
+        if self.hold_content or (self.leading and content.lstrip().startswith(self.leading)):
             return reasoning, ''
         found = [at for at in (content.find(s) for s in self.starts) if at >= 0]
         if found:
@@ -156,7 +161,7 @@ def safe_text(call: Any, thinking: Thinking, parser: Any, run_stops: Optional[Se
     """The :class:`SafeText` of one call: its tools, ``tool_choice`` and stop strings (with the run's)."""
     stops = list(call.sampling.get('stop') or ()) + list(run_stops or ())
     return SafeText(thinking, call_starts(parser), parser is not None and call.tool_choice != 'none', bool(call.tools),
-                    stops)
+                    stops, _LEADING_CALLS.get(getattr(parser, 'name', ''), ()))
 
 
 class Pump:

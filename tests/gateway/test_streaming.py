@@ -15,9 +15,9 @@ import pytest
 from mtflow import RequestConfig
 from mtflow.gateway import Gateway
 from mtflow.declarative.parsers import get_parser
-from mtflow.gateway.streaming import Pump, SafeText, call_starts
+from mtflow.gateway.streaming import Pump, SafeText, call_starts, safe_text
 from mtflow.gateway.thinking import Thinking
-from mtflow.gateway.wire import Reply, split_calls
+from mtflow.gateway.wire import Call, Reply, split_calls
 from tests.gateway.helpers import ADD_TOOL, CALLS_ADD, TIMEOUT_S, assert_tokens_exact, lines, scripted
 
 openai = pytest.importorskip('openai')
@@ -222,6 +222,16 @@ def test_each_formats_call_is_held_and_the_text_before_it_streams(name, head):
     assert b''.join(e[2:] for e in sent if e.startswith(b'c:')).decode() == content
     pump.finish(Reply(text, content, calls, 'stop', 1, 1, 1))
     assert not pump.diverged
+
+
+def test_a_mistral_reply_that_starts_as_a_json_call_is_held_and_other_text_streams():
+    parser = get_parser('mistral')
+    call = Call(messages=[], tools=[ADD_TOOL], sampling={}, api='openai')
+    safe = safe_text(call, Thinking('none'), parser)
+    bare = '[{"name": "add", "arguments": {"a": 2, "b": 3}}]'  # the marker skipped with the special tokens
+    assert [safe(bare[:k]) for k in (1, 10, len(bare))] == [('', '')] * 3
+    assert split_calls(bare, parser, 1, 's')[0] == ''  # what the whole reply gives: nothing sent was wrong
+    assert safe('Sure. [1] is a list') == ('', 'Sure. [1] is a list')
 
 
 def test_a_qwen3_coder_call_without_its_tool_call_tag_is_held_too():
