@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mtflow.gateway.streaming import sse
 from mtflow.gateway.wire import (AssistantTurn, Call, Loose, Reply, Returned, WireError, arguments_text, content_of,
@@ -41,7 +41,7 @@ LOGPROBS_INCLUDE = 'message.output_text.logprobs'
 
 class _Request(Loose):
     model: str = ''
-    input: Union[str, List[Dict[str, Any]]]
+    input: Union[str, List[Dict[str, Any]]]  # checked by _input_kind, which names the wrong item
     instructions: Optional[str] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Union[str, Dict[str, Any], None] = None
@@ -56,6 +56,17 @@ class _Request(Loose):
     store: Optional[bool] = None
     background: Optional[bool] = None
     conversation: Any = None
+
+    @field_validator('input', mode='before')
+    @classmethod
+    def _input_kind(cls, value: Any) -> Any:
+        if not isinstance(value, (str, list)):  # else pydantic names a union member ('input.str')
+            raise ValueError(f'a string or a list of input items, not {type(value).__name__}')
+        for k, item in enumerate(value if isinstance(value, list) else ()):
+            if not isinstance(item, dict):
+                raise ValueError(f'item {k} is {type(item).__name__}: each input item is an object '
+                                 '({"role": ..., "content": ...} or {"type": ...})')
+        return value
 
 
 def _tools(tools: List[Any], dropped: List[str]) -> Optional[List[Dict[str, Any]]]:

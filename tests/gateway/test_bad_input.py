@@ -43,6 +43,9 @@ def test_malformed_bodies_are_400s_that_name_the_field(gw):
     assert anthropic.status_code == 400 and anthropic.json()['type'] == 'error'
     assert 'max_tokens' in anthropic.json()['error']['message']
     assert _post(url, [1, 2]).status_code == 400
+    for bad, said in ((42, 'a string or a list of input items, not int'), ([1], 'item 0 is int')):
+        responses = _post(f'{gw.url}/s/a/v1/responses', {'model': 'm', 'input': bad}).json()['error']
+        assert responses['param'] == 'input' and said in responses['message']  # not a union member's name
     # none of these opened a session or cost anything: the session still serves its first turn
     assert _post(url, HELLO).json()['choices'][0]['message']['content'] == 'fine'
 
