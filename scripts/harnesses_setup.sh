@@ -15,6 +15,6 @@ else
   echo "warning: npm not found: the Codex CLI and Claude Code tests are skipped" >&2
 fi
 M=.extras/mini-swe-agent-venv
-$M/bin/python -c 'import minisweagent' 2>/dev/null || { python3 -m venv $M \
+$M/bin/python -c 'import minisweagent' >/dev/null 2>&1 || { python3 -m venv $M \
   && $M/bin/python -m pip --disable-pip-version-check -q install 'mini-swe-agent==2.4.6'; } \
   || echo "warning: could not install mini-swe-agent: its test is skipped" >&2
