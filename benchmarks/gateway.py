@@ -1,35 +1,49 @@
-"""The gateway's overhead per model call, and its memory over many calls (``docs/benchmarks.md``).
+"""The gateway's overhead per model call, its memory over many calls, and how it batches a real
+model's sessions (``docs/benchmarks.md``).
 
 **Latency** (``--part latency``): ``N`` concurrent sessions (``--sessions``, default 1, 64, 1000),
 each an agent that makes ``--turns`` calls (its messages growing: each call extends the last),
 thinks between calls (uniform in ``[0, 2 * N / --rate]`` seconds, so that the offered load is
 about ``--rate`` calls/s whatever ``N``), finishes, and starts a new session; the agents start
 spread over one think time (a steady stream, not all first calls at once). The same agents run
-two ways against the same scripted backend (text only, no tokenizer: the backend costs almost
+three ways against the same scripted backend (text only, no tokenizer: the backend costs almost
 nothing, so what is measured is the path):
 
 * ``direct``: in the benchmark's process, each call is ``await rollout_fn([request], config)``,
   the backend's async path the gateway itself uses (its dynamic batcher, no wait);
-* ``gateway``: ``mtflow gateway`` in a child process, its run directory written as usual; each
+* ``chat``: ``mtflow gateway`` in a child process, its run directory written as usual; each
   call is an HTTP ``POST /s/<session>/v1/chat/completions`` from this process (aiohttp, kept
-  connections); the latency is the client's.
+  connections); the latency is the client's;
+* ``responses``: the same gateway, each call a ``POST /s/<session>/v1/responses`` (the whole
+  input each time, ``store: false``, as Codex CLI sends it).
 
-The added latency is the gateway's p50 (p99) minus the direct p50 (p99) at the same ``N``. Both
-share the machine's cores with the load generator. Each session's ``POST /finish`` is timed too
-(``finish_p50_ms``): it is answered once the trajectory is durable (written and fsynced).
-``--baseline DIR`` runs the gateway a second time from another tree of mtflow (e.g. the last landed
-commit, ``git archive <commit> | tar -x -C DIR``), in the same run, for a before/after table.
+The added latency is the gateway's p50 (p99) minus the direct p50 (p99) at the same ``N``. All
+share the machine's cores with the load generator (``--api``: which of chat and responses). Each
+session's ``POST /finish`` is timed too (``finish_p50_ms``): it is answered once the trajectory is
+durable (written and fsynced). ``--baseline DIR`` runs the gateway a second time from another
+tree of mtflow (e.g. the last landed commit, ``git archive <commit> | tar -x -C DIR``), in the
+same run, for a before/after table (through chat completions only when that tree has no
+Responses API).
 
 **Memory** (``--part memory``): the gateway's resident memory (``VmRSS`` of the child process)
 sampled every ``--calls``/10 calls over ``--calls`` calls (default 100k) by ``--mem-sessions``
 agents at full speed (no thinking), sessions recycled every ``--turns`` calls; ``--exact``: the
 scripted model keeps exact token records (the tiny test tokenizer), whose memory counts too.
 
-    .venv/bin/python benchmarks/gateway.py                      # both parts
+**Batching** (``--part batching``): ``--hf-sessions`` sessions (default 64) against an in-process
+gateway in front of a real transformers model (``--hf-model``: the tiny random test model, or
+``embedded``), its batch size as large as the sessions, each session making ``--hf-turns`` calls
+back to back (no thinking: a call leaves as soon as its answer is back). What is counted is the
+model's ``generate`` calls per turn against the ideal (one per turn), with the batcher the
+gateway uses and, in the same run, with the one it used before (no wait for the sessions of the
+batch that just returned), which phase-locked the sessions into groups that never merged.
+
+    .venv/bin/python benchmarks/gateway.py                      # latency and memory
     .venv/bin/python benchmarks/gateway.py --part latency --sessions 1 64 1000 --rate 300
     .venv/bin/python benchmarks/gateway.py --part memory --calls 100000
     .venv/bin/python benchmarks/gateway.py --part memory --calls 100000 --exact
     .venv/bin/python benchmarks/gateway.py --part latency --sessions 64 --baseline /tmp/mtflow-base
+    .venv/bin/python benchmarks/gateway.py --part batching --hf-sessions 64 --hf-turns 6
 """
 from __future__ import annotations
 
@@ -171,18 +185,24 @@ class ServedGateway:
         return {'exit': self.proc.returncode}
 
 
-async def run_gateway(agents: Agents, gateway: ServedGateway) -> float:
+async def run_gateway(agents: Agents, gateway: ServedGateway, api: str = 'chat') -> float:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
         async def call(session: str, messages: List[Dict[str, Any]]) -> Dict[str, Any]:
-            async with http.post(f'{gateway.url}/s/{session}/v1/chat/completions',
-                                 json={'model': 'm', 'messages': messages}) as response:
-                body = await response.json()
+            if api == 'responses':
+                body = {'model': 'm', 'input': messages, 'store': False}
+                path = 'responses'
+            else:
+                body, path = {'model': 'm', 'messages': messages}, 'chat/completions'
+            async with http.post(f'{gateway.url}/s/{session}/v1/{path}', json=body) as response:
+                answer = await response.json()
                 if response.status != 200:
-                    raise RuntimeError(f'{response.status}: {body}')
-            return body['choices'][0]['message']
+                    raise RuntimeError(f'{response.status}: {answer}')
+            if api == 'responses':
+                return {'role': 'assistant', 'content': answer['output'][-1]['content'][0]['text']}
+            return answer['choices'][0]['message']
 
         async def finish(session: str) -> None:
             async with http.post(f'{gateway.url}/s/{session}/finish', json={'reward': 1.0}) as response:
@@ -217,31 +237,105 @@ def latency(args: argparse.Namespace) -> List[Dict[str, Any]]:
         d = _percentiles(direct.latencies)
         trees = ([('baseline', Path(args.baseline))] if args.baseline else []) + [('this tree', ROOT)]
         for tree, root in trees:
-            served, wall = _served(n, args.turns, calls, think, root)
-            g = _percentiles(served.latencies)
-            finish = _percentiles(served.finish_latencies)
-            rows.append({'sessions': n, 'calls': calls, 'offered_calls_per_s': args.rate, 'tree': tree,
-                         'direct': {**d, 'calls_per_s': round(calls / wall_direct, 1)},
-                         'gateway': {**g, 'calls_per_s': round(calls / wall, 1)},
-                         'added_p50_ms': round(g['p50_ms'] - d['p50_ms'], 3),
-                         'added_p99_ms': round(g['p99_ms'] - d['p99_ms'], 3),
-                         'finish_p50_ms': finish['p50_ms'], 'finish_p99_ms': finish['p99_ms']})
-            print(json.dumps(rows[-1]), flush=True)
+            row: Dict[str, Any] = {'sessions': n, 'calls': calls, 'offered_calls_per_s': args.rate, 'tree': tree,
+                                   'direct': {**d, 'calls_per_s': round(calls / wall_direct, 1)}}
+            apis = [a for a in args.api if a == 'chat' or (root / 'mtflow' / 'gateway' / 'responses_api.py').is_file()]
+            for api, (served, wall) in zip(apis, _served(n, args.turns, calls, think, root, apis)):
+                g = _percentiles(served.latencies)
+                finish = _percentiles(served.finish_latencies)
+                row[api] = {**g, 'calls_per_s': round(calls / wall, 1),
+                            'added_p50_ms': round(g['p50_ms'] - d['p50_ms'], 3),
+                            'added_p99_ms': round(g['p99_ms'] - d['p99_ms'], 3),
+                            'finish_p50_ms': finish['p50_ms'], 'finish_p99_ms': finish['p99_ms']}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
-def _served(n: int, turns: int, calls: int, think: float, root: Path) -> tuple:
-    """The agents against ``mtflow gateway`` run from the tree ``root``: ``(agents, wall seconds)``."""
+def _served(n: int, turns: int, calls: int, think: float, root: Path, apis: List[str]) -> List[tuple]:
+    """The agents against ``mtflow gateway`` run from the tree ``root``, through each of ``apis``:
+    ``[(agents, wall seconds)]``."""
+    out = []
     with tempfile.TemporaryDirectory() as tmp:
         gateway = ServedGateway(Path(tmp), max(n, 64), root=root)
         try:
-            warm = Agents(n, turns, min(calls, max(200, n)), think, prefix='warm')
-            asyncio.run(run_gateway(warm, gateway))  # warm-up: connections, first sessions
-            served = Agents(n, turns, calls, think)
-            wall = asyncio.run(run_gateway(served, gateway))
+            for api in apis:
+                warm = Agents(n, turns, min(calls, max(200, n)), think, prefix=f'warm-{api}')
+                asyncio.run(run_gateway(warm, gateway, api))  # warm-up: connections, first sessions
+                served = Agents(n, turns, calls, think, prefix=api)
+                out.append((served, asyncio.run(run_gateway(served, gateway, api))))
         finally:
             gateway.stop()
-    return served, wall
+    return out
+
+
+# ---- batching: a real model's generate calls per turn ----------------------------------------------
+def _hf_backend(model: str, sessions: int) -> Any:
+    from mtflow.backends.hf import HFBackend
+
+    if model == 'embedded':
+        return HFBackend('embedded', max_batch_size=sessions, seed=0)
+    from tests.tiny_model import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    return HFBackend(make_model(tok, max_position_embeddings=4096), tok, max_batch_size=sessions, seed=0)
+
+
+async def _batching_agents(url: str, sessions: int, turns: int) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
+        async def agent(k: int) -> None:
+            messages = [{'role': 'user', 'content': f'Session {k}: say something.'}]
+            for t in range(turns):
+                async with http.post(f'{url}/s/hf{k}/v1/chat/completions',
+                                     json={'model': 'm', 'messages': messages}) as response:
+                    body = await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f'{response.status}: {body}')
+                messages += [body['choices'][0]['message'], {'role': 'user', 'content': f'Go on ({t}).'}]
+            async with http.post(f'{url}/s/hf{k}/finish', json={'reward': 0.0}) as response:
+                await response.read()
+
+        await asyncio.gather(*(agent(k) for k in range(sessions)))
+
+
+def batching(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Generate calls per turn of ``--hf-sessions`` sessions, with the gateway's batcher now and
+    with the one it had before, against the ideal of one per turn."""
+    from mtflow import RequestConfig
+    from mtflow.gateway import Gateway, gateway as gateway_module
+
+    rows = []
+    backend = _hf_backend(args.hf_model, args.hf_sessions)
+    generate = backend.model.generate
+    for label, settle_s, fraction in (('before (no wait)', 0.0, None),
+                                      ('now', gateway_module.SETTLE_S, gateway_module.SETTLE_FRACTION)):
+        sizes: List[int] = []
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            sizes.append(int(kw['input_ids'].shape[0]))
+            return generate(*a, **kw)
+
+        backend.model.generate = counted
+        saved = gateway_module.SETTLE_S, gateway_module.SETTLE_FRACTION
+        gateway_module.SETTLE_S, gateway_module.SETTLE_FRACTION = settle_s, fraction
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                config = RequestConfig(max_tokens=args.hf_tokens, temperature=0.0)
+                t0 = time.perf_counter()
+                with Gateway(backend, Path(tmp) / 'run', request_config=config) as gw:
+                    asyncio.run(_batching_agents(gw.url, args.hf_sessions, args.hf_turns))
+                wall = time.perf_counter() - t0
+        finally:
+            gateway_module.SETTLE_S, gateway_module.SETTLE_FRACTION = saved
+            backend.model.generate = generate
+        rows.append({'batcher': label, 'model': args.hf_model, 'sessions': args.hf_sessions, 'turns': args.hf_turns,
+                     'generate_calls': len(sizes), 'ideal_calls': args.hf_turns,
+                     'calls_per_turn': round(len(sizes) / args.hf_turns, 2), 'batch_sizes': sizes,
+                     'wall_s': round(wall, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def memory(args: argparse.Namespace) -> Dict[str, Any]:
@@ -265,7 +359,10 @@ def memory(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--part', choices=('latency', 'memory', 'both'), default='both')
+    p.add_argument('--part', choices=('latency', 'memory', 'batching', 'both'), default='both',
+                   help='both: latency and memory')
+    p.add_argument('--api', nargs='+', choices=('chat', 'responses'), default=['chat', 'responses'],
+                   help='the gateway APIs of the latency part')
     p.add_argument('--sessions', type=int, nargs='+', default=[1, 64, 1000])
     p.add_argument('--turns', type=int, default=10, help='calls per session')
     p.add_argument('--rate', type=float, default=200.0, help='offered calls/s in the latency part (0: no thinking)')
@@ -275,11 +372,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument('--baseline', help='latency part: also run the gateway from this tree of mtflow (before/after)')
     p.add_argument('--exact', action='store_true', help='memory part: the scripted model keeps exact token records '
                    '(the tiny test tokenizer)')
+    p.add_argument('--hf-sessions', type=int, default=64, help='batching part: concurrent sessions')
+    p.add_argument('--hf-turns', type=int, default=6, help='batching part: calls per session')
+    p.add_argument('--hf-tokens', type=int, default=16, help='batching part: max_tokens per call')
+    p.add_argument('--hf-model', choices=('tiny', 'embedded'), default='tiny',
+                   help='batching part: the tiny random test model, or the embedded SmolLM2-135M')
     args = p.parse_args(argv)
     if args.part in ('latency', 'both'):
         latency(args)
     if args.part in ('memory', 'both'):
         memory(args)
+    if args.part == 'batching':
+        batching(args)
 
 
 if __name__ == '__main__':

@@ -103,6 +103,10 @@ SECCOMP_OK='import pyseccomp; pyseccomp.system_arch()'  # (pyseccomp loads libse
 # 17.4 -> 16.1 here (and bring prime-* packages); 0.3.1 is the newest release with the MultiTurnEnv/ToolEnv/Rubric API (0.4.0 ships only its v1 stack)
 .extras/verifiers-venv/bin/python -c 'import verifiers.legacy' 2>/dev/null || { .venv/bin/python -m venv .extras/verifiers-venv \
   && .extras/verifiers-venv/bin/python -m pip --disable-pip-version-check -q install 'verifiers==0.3.1'; }
+# verifiers 0.4 for tests/gateway/test_verifiers04.py (its v1 stack against the gateway by X-Session-ID): the
+# .extras/verifiers04-venv made above
+# real agent harnesses (tests/gateway/test_harnesses.py: Codex CLI, Claude Code, mini-swe-agent), opt-in: npm and PyPI
+if [ "${MTFLOW_HARNESSES:-0}" = 1 ]; then bash scripts/harnesses_setup.sh; fi
 # the model families' chat templates as their repositories ship them (tests/backends/test_chat_templates.py), from two
 # registry packages: llama.cpp's copies in the llama-cpp-python sdist, TRL 1.16's originals in its wheel (.jinja only)
 CT=.extras/chat-templates

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from mtflow.backends.batcher import DynamicBatcher
+from mtflow.backends.text_sinks import TextSinks
 from mtflow.core.errors import MtflowError
 from mtflow.core.protocol import RequestConfig, RolloutOutput, make_choice, make_response
 from mtflow.core.seeds import sampling_seed
@@ -332,10 +333,14 @@ class Backend(Reports):
     Subclasses implement :meth:`generate`; :meth:`__call__` adds the bookkeeping every backend
     needs (an empty call returns ``[]`` at once: idle ranks call ``rollout_fn([])``)."""
     name = 'backend'
+    #: whether :attr:`text_sinks` get each request's text as it is generated (:mod:`.text_sinks`)
+    streams_text = False
 
     def __init__(self) -> None:
         self.stats = BackendStats()
         self.model_name = self.name
+        #: who listens to a request's text as it grows (the gateway's streaming calls)
+        self.text_sinks = TextSinks()
 
     def generate(self, requests: List[Any], options: SamplingOptions) -> List[RolloutOutput]:  # pragma: no cover
         raise NotImplementedError
@@ -403,18 +408,20 @@ class Backend(Reports):
         return outputs
 
     def async_rollout_fn(self, *, max_batch_size: Optional[int] = None, max_wait_s: float = 0.005,
-                         settle_s: float = 0.05, max_delay_s: float = 1.0) -> Any:
+                         settle_s: float = 0.05, max_delay_s: float = 1.0,
+                         settle_fraction: Optional[float] = None) -> Any:
         """The ``rollout_fn`` for ``Executor(..., mode='async')``: :meth:`acall` when the backend
         serves single requests concurrently itself, else a dynamic batcher that groups the
         concurrent single-request calls into batch calls of this backend (``max_batch_size``:
         default the backend's own, else 16; ``settle_s``, ``max_delay_s``: how it waits for the
-        last batch's requests to come back, see :class:`DynamicBatcher`). Close a batcher when
-        done (it is a context manager)."""
+        last batch's requests to come back, see :class:`DynamicBatcher`; ``settle_fraction``: that
+        wait at most this fraction of the last batch's time). Close a batcher when done (it is a
+        context manager)."""
         if self.native_async:
             return self.acall
         size = max_batch_size or getattr(self, 'max_batch_size', None) or 16
         return DynamicBatcher(self, max_batch_size=size, max_wait_s=max_wait_s, settle_s=settle_s,
-                              max_delay_s=max_delay_s)
+                              max_delay_s=max_delay_s, settle_fraction=settle_fraction)
 
     def __enter__(self) -> 'Backend':
         return self

@@ -18,6 +18,17 @@ sent to the wrapped function as **one** call, and each caller gets back exactly 
   all came back) waits ``max_wait_s`` as before. These waits count from when the engine became
   free: a request queued behind a running batch waits for that batch's requests too.
 
+* **Callers that come back late** (a gateway's sessions: each next call comes when its agent
+  is done, not when the driver applies an output). With ``settle_fraction`` the wait for the last
+  batch's requests is capped at that fraction of the last batch call's own duration: a few
+  milliseconds for a fast backend, enough for a slow one's agents to answer; and when the recent
+  return lags (their median) are longer than that, it does not wait at all (agents that think
+  between calls would not be back in time: the calls waiting would only lose it). Without the
+  wait, requests that arrived while a batch generated went alone the moment it returned, and
+  the batch's own requests, back a millisecond later, waited for that one: concurrent sessions
+  settled into fixed groups that never merged (2 and 14 on the HF backend: two generate calls
+  per turn where one would do).
+
 * While a batch call runs, new requests keep queueing; the next batch starts as soon as a
   dispatcher is free and holds everything that waited (up to ``max_batch_size``). With
   ``max_concurrent_batches=1`` (default) the engine never sees two calls at once, which is what
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 from concurrent.futures import Future, InvalidStateError
 import threading
 import time
@@ -93,11 +105,13 @@ class DynamicBatcher:
             workload needs.
         max_delay_s: the longest any request waits for company, whatever comes back.
         max_concurrent_batches: batch calls in flight at once (dispatcher threads).
+        settle_fraction: cap the wait for the last batch's requests at this fraction of that
+            batch call's duration (``None``: no cap but ``max_delay_s``).
     """
 
     def __init__(self, batch_fn: Callable[[List[Any], Any], Any], *, max_batch_size: int = 16,
                  max_wait_s: float = 0.005, settle_s: float = 0.05, max_delay_s: float = 1.0,
-                 max_concurrent_batches: int = 1) -> None:
+                 max_concurrent_batches: int = 1, settle_fraction: Optional[float] = None) -> None:
         if not callable(batch_fn):
             raise TypeError(f'batch_fn must be callable, not {type(batch_fn).__name__}')
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -109,6 +123,11 @@ class DynamicBatcher:
                 raise ValueError(f'{label} must be a number >= 0, not {value!r}')
         if not isinstance(max_concurrent_batches, int) or max_concurrent_batches < 1:
             raise ValueError(f'max_concurrent_batches must be a positive int, not {max_concurrent_batches!r}')
+        if settle_fraction is not None and (not isinstance(settle_fraction, (int, float)) or settle_fraction < 0):
+            raise ValueError(f'settle_fraction must be a number >= 0 or None, not {settle_fraction!r}')
+        self.settle_fraction = settle_fraction
+        self._last_duration = 0.0  # seconds the last batch call took
+        self._typical_lag = 0.0  # the median of the recent return lags, when the last batch went
         self.batch_fn = batch_fn
         self.max_batch_size = max_batch_size
         self.max_wait_s = float(max_wait_s)
@@ -218,6 +237,10 @@ class DynamicBatcher:
         # requests for 16 games x 6 turns instead of 6 of 14-16; docs/benchmarks.md).
         start = max(oldest.enqueued, self._free_since)
         cap = start + self.max_delay_s - now
+        if self.settle_fraction is not None and self._expected:
+            share = self.settle_fraction * self._last_duration
+            # callers that come back later than that (agents that think) are not waited for at all
+            cap = min(cap, self._free_since + share - now if self._typical_lag <= share else 0.0)
         if self._all_back:
             return 0.0
         if self._expected:  # the last batch's requests are coming back: wait for a quiet gap
@@ -234,6 +257,7 @@ class DynamicBatcher:
                     return
                 requests = [r for it in batch for r in it.requests]
                 self.batch_sizes.append(len(requests))
+                began = time.perf_counter()
                 try:
                     outputs = self.batch_fn(requests, batch[0].config)
                     if asyncio.iscoroutine(outputs) or isinstance(outputs, asyncio.Future) or hasattr(
@@ -252,6 +276,9 @@ class DynamicBatcher:
                     continue
                 with self._cond:  # before the callers wake: their next calls are expected
                     done = time.perf_counter()
+                    self._last_duration = done - began
+                    recent = sorted(itertools.islice(reversed(self.return_lags_s), 64))
+                    self._typical_lag = recent[len(recent) // 2] if recent else 0.0
                     self._expected = {k: done for k in map(_key, requests) if k is not None}
                     self._free_since = done
                     self._all_back = False

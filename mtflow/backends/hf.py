@@ -35,6 +35,7 @@ from mtflow.backends.cpu_threads import CpuThreads
 from mtflow.backends.hf_resume import ChunkedRollout
 from mtflow.backends.hf_sampling import RowSampler, row_seeds
 from mtflow.backends.models import load_model
+from mtflow.backends.text_sinks import Sink
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
 from mtflow.backends.images import serving_the_others
 from mtflow.backends.vision import VisionPrompter, generate_with_images, image_refusals
@@ -85,6 +86,36 @@ class _StopOnStrings:
         texts = self.tokenizer.batch_decode(tail, skip_special_tokens=self.skip_special_tokens)
         done = [any(s in t for s in self.stop) for t in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class _RowStreamer:
+    """``generate``'s streamer for a batch: each listened-to row's text so far, decoded as the
+    row's output will be, to its sink after every step (transformers' own streamers take one row)."""
+
+    def __init__(self, backend: 'HFBackend', prompts: List[List[int]], sinks: Sequence[Optional[Sink]]) -> None:
+        self.backend, self.prompts, self.sinks = backend, prompts, list(sinks)
+        self.rows: List[List[int]] = [[] for _ in prompts]
+        self.done = [sink is None for sink in self.sinks]
+        self.prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:  # the first call hands the prompts
+            self.prompt_seen = True
+            return
+        step = value.reshape(len(self.rows), -1).tolist()
+        eos = self.backend.eos_ids
+        for row, ids in enumerate(step):
+            if self.done[row]:
+                continue
+            for t in ids:
+                if t in eos:
+                    self.done[row] = True
+                    break
+                self.rows[row].append(t)
+            self.sinks[row](self.backend._decode(self.rows[row], self.prompts[row]))
+
+    def end(self) -> None:
+        pass
 
 
 def _cpu_threads(threads: Union[int, str, None]) -> CpuThreads:
@@ -138,6 +169,7 @@ class HFBackend(Backend):
             that reads them (:meth:`keep_special_tokens`; ``mtflow run`` sets it for such a parser).
     """
     name = 'hf'
+    streams_text = True
 
     def __init__(self,
                  model: Any = 'embedded',
@@ -240,21 +272,26 @@ class HFBackend(Backend):
         if any(getattr(r, 'images', None) for r in requests):
             outputs = generate_with_images(self, requests, plans, options, seeds)
         else:
-            outputs = self.generate_ids([p.ids for p in plans], options, seeds)
+            outputs = self.generate_ids([p.ids for p in plans], options, seeds,
+                                        sinks=[self.text_sinks.get(r) for r in requests])
         commit_outputs(self.prompter, requests, plans, outputs)
         return outputs
 
     def generate_ids(self, prompts: List[List[int]], options: SamplingOptions,
-                     seeds: Optional[Sequence[Optional[int]]] = None) -> List[Any]:
+                     seeds: Optional[Sequence[Optional[int]]] = None,
+                     sinks: Optional[Sequence[Optional[Sink]]] = None) -> List[Any]:
         """Generate from token prompts as they are (one output per prompt, in order); ``seeds``:
-        each prompt's sampling seed (:func:`~mtflow.backends.base.sampling_seeds`; ``None``: drawn)."""
+        each prompt's sampling seed (:func:`~mtflow.backends.base.sampling_seeds`; ``None``: drawn);
+        ``sinks``: each prompt's text sink, if someone listens (:mod:`.text_sinks`)."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths pad less
         outputs: List[Any] = [None] * len(prompts)
         seeds = row_seeds(seeds, len(prompts)) if not options.greedy else None
         for start in range(0, len(order), self.max_batch_size):
             idx = order[start:start + self.max_batch_size]
             batch_seeds = [seeds[i] for i in idx] if seeds is not None else None
-            for i, out in zip(idx, self._generate_batch([prompts[i] for i in idx], options, seeds=batch_seeds)):
+            batch_sinks = [sinks[i] for i in idx] if sinks is not None and any(sinks[i] for i in idx) else None
+            for i, out in zip(idx, self._generate_batch([prompts[i] for i in idx], options, seeds=batch_seeds,
+                                                        sinks=batch_sinks)):
                 outputs[i] = out
         return outputs
 
@@ -287,9 +324,10 @@ class HFBackend(Backend):
         return kwargs
 
     def _generate_batch(self, prompts: List[List[int]], options: SamplingOptions,
-                        inputs: Optional[Dict[str, Any]] = None, seeds: Optional[Sequence[int]] = None) -> List[Any]:
+                        inputs: Optional[Dict[str, Any]] = None, seeds: Optional[Sequence[int]] = None,
+                        sinks: Optional[Sequence[Optional[Sink]]] = None) -> List[Any]:
         """One ``generate`` over ``prompts`` (left-padded); ``seeds``: each row's sampling seed
-        (a sampled turn; ``None``: drawn from torch's generator)."""
+        (a sampled turn; ``None``: drawn from torch's generator); ``sinks``: each row's text sink."""
         import torch
 
         width = max(len(p) for p in prompts)
@@ -311,6 +349,8 @@ class HFBackend(Backend):
                                                                                self.skip_special_tokens)])
         if getattr(device, 'type', device) == 'cpu':
             self.cpu_threads.apply()
+        if sinks is not None:
+            kwargs['streamer'] = _RowStreamer(self, prompts, sinks)
         with torch.inference_mode():
             more = {k: v.to(device) if hasattr(v, 'to') else v for k, v in (inputs or {}).items()}  # images
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **more,

@@ -73,11 +73,11 @@ class _Httpx:
                                 keepalive_expiry=KEEPALIVE_S))
 
     async def request(self, method: str, url: str, body: Optional[Dict[str, Any]] = None,
-                      timeout: Optional[float] = None) -> Reply:
+                      timeout: Optional[float] = None, headers: Optional[Dict[str, str]] = None) -> Reply:
         httpx = self._httpx
         try:
             kw = {'timeout': timeout} if timeout is not None else {}
-            resp = await self.client.request(method, url, json=body, **kw)
+            resp = await self.client.request(method, url, json=body, headers=headers, **kw)
         except httpx.TimeoutException as exc:
             raise TimedOut(str(exc)) from exc
         except httpx.TransportError as exc:
@@ -85,10 +85,10 @@ class _Httpx:
         return Reply(resp.status_code, resp.headers, resp.text)
 
     async def stream(self, method: str, url: str, body: Optional[Dict[str, Any]],
-                     on_line: Callable[[str], None]) -> Reply:
+                     on_line: Callable[[str], None], headers: Optional[Dict[str, str]] = None) -> Reply:
         httpx = self._httpx
         try:
-            async with self.client.stream(method, url, json=body) as resp:
+            async with self.client.stream(method, url, json=body, headers=headers) as resp:
                 if resp.status_code >= 400 or not _is_sse(resp.headers):
                     text = (await resp.aread()).decode('utf-8', 'replace')
                     return Reply(resp.status_code, resp.headers, text)
@@ -116,11 +116,11 @@ class _Aiohttp:
             connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S))
 
     async def request(self, method: str, url: str, body: Optional[Dict[str, Any]] = None,
-                      timeout: Optional[float] = None) -> Reply:
+                      timeout: Optional[float] = None, headers: Optional[Dict[str, str]] = None) -> Reply:
         aiohttp = self._aiohttp
         kw = {'timeout': aiohttp.ClientTimeout(total=timeout)} if timeout is not None else {}
         try:
-            async with self.session.request(method, url, json=body, **kw) as resp:
+            async with self.session.request(method, url, json=body, headers=headers, **kw) as resp:
                 text = await resp.text()
                 return Reply(resp.status, resp.headers, text)
         except asyncio.TimeoutError as exc:
@@ -129,10 +129,10 @@ class _Aiohttp:
             raise Unreachable(f'{_HTTPX_NAMES.get(type(exc).__name__, type(exc).__name__)}: {exc}') from exc
 
     async def stream(self, method: str, url: str, body: Optional[Dict[str, Any]],
-                     on_line: Callable[[str], None]) -> Reply:
+                     on_line: Callable[[str], None], headers: Optional[Dict[str, str]] = None) -> Reply:
         aiohttp = self._aiohttp
         try:
-            async with self.session.request(method, url, json=body) as resp:
+            async with self.session.request(method, url, json=body, headers=headers) as resp:
                 if resp.status >= 400 or not _is_sse(resp.headers):
                     return Reply(resp.status, resp.headers, await resp.text())
                 try:

@@ -44,7 +44,13 @@ that exact ids cannot be guaranteed.
 
 **Resumable** (``resumable=True``): single-request async calls are streamed (SSE) so that a
 stream's ``on_update='resume'`` can cut them at a weight update and continue each from its
-exact ids (:mod:`mtflow.backends.openai_stream`).
+exact ids (:mod:`mtflow.backends.openai_stream`). A request a gateway's streaming call listens to
+(:mod:`mtflow.backends.text_sinks`) is streamed the same way, its text handed on as it comes.
+
+**Sessions** (``session_header``, default ``X-Session-ID``): every HTTP request names its
+request's session (the request's uuid), so that mtflow can be the client of a gateway that
+records sessions (``mtflow gateway``, verifiers' interception server) or sit behind a sticky
+router, and two mtflow processes never share one session.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -60,8 +67,8 @@ from mtflow.backends.base import (Backend, BackendError, PreflightProblem, Sampl
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.http_client import (RETRY_STATUS, TimedOut, Unreachable, choose_client, error_message, make_client,
                                          retry_after)
-from mtflow.backends.openai_stream import (completion_items, message_tool_calls, server_reasoning, stream_body,
-                                           streamed_acall, token_ids_from_logprobs)
+from mtflow.backends.openai_stream import (StreamedReply, completion_items, message_tool_calls, server_reasoning,
+                                           stream_body, streamed_acall, token_ids_from_logprobs)
 from mtflow.backends.images import aserving_the_others, image_refusal, openai_messages
 from mtflow.backends.loop_thread import LoopThread
 from mtflow.backends.routing import Router, cached_tokens_of, watch_health
@@ -76,6 +83,8 @@ __all__ = ['OpenAIBackend', 'build_body', 'build_completion_body', 'parse_choice
 FLAVORS = ('vllm', 'sglang', 'swift', 'openai')
 #: the server asked when neither base_url, urls nor MTFLOW_OPENAI_BASE_URL says
 DEFAULT_BASE_URL = 'http://127.0.0.1:8000/v1'
+#: the header that names each request's session (``session_header``); verifiers' and mtflow's gateways read it
+SESSION_HEADER = 'X-Session-ID'
 
 
 def build_body(request: Any, options: SamplingOptions, model: str, flavor: str = 'vllm',
@@ -304,8 +313,13 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
         skip_special_tokens, server_tool_calls: :class:`~mtflow.backends.server_template.ServerFacts`
             (special tokens a parser reads: token mode asks for them, chat mode needs the server to
             return the calls structured).
+        session_header: the header that names each request's session (its uuid) on every HTTP
+            request, so that a gateway in front (``mtflow gateway``, verifiers' interception
+            server) records each request as its own session, and a sticky router (slime's
+            routing key, sglang's router) keeps its turns on one server; ``None``: not sent.
     """
     name = 'openai'
+    streams_text = True
     preflight = classmethod(_preflight)
 
     def __init__(self,
@@ -335,10 +349,16 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
                  http_client: str = 'auto',
                  resumable: bool = False,
                  skip_special_tokens: bool = True,
-                 server_tool_calls: bool = False) -> None:
+                 server_tool_calls: bool = False,
+                 session_header: Optional[str] = SESSION_HEADER) -> None:
         super().__init__()
         self.skip_special_tokens = flag_option(skip_special_tokens, 'openai backend: skip_special_tokens')
         self.server_tool_calls = flag_option(server_tool_calls, 'openai backend: server_tool_calls')
+        if session_header is not None and (not isinstance(session_header, str)
+                                           or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", session_header)):
+            raise BackendError(f'openai backend: session_header must be an HTTP header name (e.g. X-Session-ID) or null, '
+                               f'not {session_header!r}')
+        self.session_header = session_header
         if resumable and flavor == 'openai':
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")
@@ -406,7 +426,8 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
         return self.served_model
 
     async def _send(self, method: str, path: str, body: Optional[Dict[str, Any]], where: str,
-                    key: Optional[str] = None, entry: Any = None, fetch: Any = None) -> Tuple[Any, Any]:
+                    key: Optional[str] = None, entry: Any = None, fetch: Any = None,
+                    headers: Optional[Dict[str, str]] = None) -> Tuple[Any, Any]:
         """The server's JSON answer and the replica that gave it. A failed try is retried on
         another replica when there is one (a move, counted and noted in ``entry``), at once
         while an untried healthy replica is left, else after a backoff delay. ``fetch``: a
@@ -422,7 +443,8 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
                 replica = await router.acquire(key, failed)
                 url = replica.url + path
                 try:
-                    resp = await (fetch(client, method, url, body) if fetch else client.request(method, url, body))
+                    resp = await (fetch(client, method, url, body, headers) if fetch else
+                                  client.request(method, url, body, headers=headers))
                 except TimedOut:
                     resp, problem = None, f'timed out after {self.timeout} s'
                 except Unreachable as exc:
@@ -461,10 +483,16 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
     async def _one(self, request: Any, options: SamplingOptions, model: str, seed: Optional[int],
                    prompt_ids: Optional[List[int]] = None, reply: Any = None) -> Optional[RolloutOutput]:
         """One request's HTTP request; with ``reply`` (a resumable call) it is streamed into
-        ``reply`` and ``None`` is returned."""
+        ``reply`` and ``None`` is returned. A request someone listens to (:mod:`.text_sinks`) is
+        streamed too, its text handed on as it comes (a server that answers in one body is read
+        as such)."""
         uuid = getattr(request, 'uuid', None)
         where = f'request {uuid!r}'
         key = str(uuid) if uuid else None
+        headers = {self.session_header: str(uuid)} if self.session_header and uuid else None
+        sink = self.text_sinks.get(request) if reply is None else None
+        if sink is not None:
+            reply = StreamedReply(where, prompt_ids is not None, None, on_text=sink)
         if prompt_ids is not None:
             body = build_completion_body(prompt_ids, options, model, self.flavor, self.extra_body, seed,
                                          self.skip_special_tokens)
@@ -474,15 +502,18 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
             body.setdefault('cache_salt', f'weights-{self.router.weight_version}')
         entry = self.router.begin(key)
         path = '/completions' if prompt_ids is not None else '/chat/completions'
+        data = None
         if reply is not None:
             data, replica = await self._send('POST', path, stream_body(body, reply.prefix, self.flavor, where), where,
-                                             key, entry, reply.fetch())
-            if data is not None:
+                                             key, entry, reply.fetch(), headers)
+            if data is None:
+                self.router.served(entry, replica, len(prompt_ids or ()), None)
+                return reply.output(prompt_ids, prompt_ids) if sink is not None else None
+            if sink is None:
                 raise BackendError(f'{where}: {replica.url} answered a streamed request (stream: true) with one JSON '
                                    'body: resumable=True needs a server that streams (SSE); else resumable=False')
-            self.router.served(entry, replica, len(prompt_ids or ()), None)
-            return None
-        data, replica = await self._send('POST', path, body, where, key, entry)
+        if data is None:
+            data, replica = await self._send('POST', path, body, where, key, entry, headers=headers)
         out = parse_completion(data, prompt_ids, where) if prompt_ids is not None else parse_choice(data, where)
         usage = out.response.usage
         self.router.served(entry, replica, usage.prompt_tokens if usage is not None else 0, cached_tokens_of(data))

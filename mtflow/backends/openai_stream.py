@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from mtflow.backends.base import BackendError, sampling_seeds
 from mtflow.backends.http_client import TimedOut, Unreachable
@@ -126,8 +126,11 @@ class StreamedReply:
     and read (:meth:`output`) from the caller's when the call is cut, so each chunk is added,
     and read, under a lock: a snapshot is always whole chunks."""
 
-    def __init__(self, where: str, token_mode: bool, prefix: Optional[ResumeFrom]) -> None:
+    def __init__(self, where: str, token_mode: bool, prefix: Optional[ResumeFrom],
+                 on_text: Optional[Callable[[str], None]] = None) -> None:
         self.where, self.token_mode, self.prefix = where, token_mode, prefix
+        #: given the text received so far after each chunk that added some (a gateway's streaming call)
+        self.on_text = on_text
         self.ids: List[int] = []
         self.items: List[Dict[str, Any]] = []
         self.texts: List[str] = []
@@ -178,12 +181,17 @@ class StreamedReply:
                 self.usage = event['usage']
             if event.get('prompt_token_ids') is not None:
                 self.prompt_ids = list(event['prompt_token_ids'])
+            grew = False
             for raw in event.get('choices') or []:
                 if not isinstance(raw, dict) or raw.get('index', 0) != 0:
                     continue
-                self._add_choice(raw)
+                grew = self._add_choice(raw) or grew
+            text = ''.join(self.texts) if grew and self.on_text is not None else None
+        if text is not None:
+            self.on_text(text)
 
-    def _add_choice(self, raw: Dict[str, Any]) -> None:
+    def _add_choice(self, raw: Dict[str, Any]) -> bool:
+        """Add one chunk's choice; whether its text grew."""
         if raw.get('prompt_token_ids') is not None:
             self.prompt_ids = list(raw['prompt_token_ids'])
         text = raw.get('text') if self.token_mode else (raw.get('delta') or {}).get('content')
@@ -207,6 +215,7 @@ class StreamedReply:
                 self.reasoning = (self.reasoning or []) + [thought]
         if raw.get('finish_reason') is not None:
             self.finish = raw['finish_reason']
+        return bool(text)
 
     def _add_tool_calls(self, pieces: Any) -> None:
         """``delta.tool_calls``: the first piece of a call has its id and name, the others more
@@ -258,9 +267,10 @@ class StreamedReply:
         """The backend's ``_send`` fetch for this stream: a broken connection after the first
         chunk fails the request (a retry would stream the tokens again)."""
 
-        async def fetch(client: Any, method: str, url: str, body: Optional[Dict[str, Any]]) -> Any:
+        async def fetch(client: Any, method: str, url: str, body: Optional[Dict[str, Any]],
+                        headers: Optional[Dict[str, str]] = None) -> Any:
             try:
-                return await client.stream(method, url, body, self.feed)
+                return await client.stream(method, url, body, self.feed, headers=headers)
             except (TimedOut, Unreachable) as exc:
                 if self.started:
                     raise BackendError(f'{self.where}: the stream from {url} broke after {len(self.ids)} token(s): '

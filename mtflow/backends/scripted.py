@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 from collections import defaultdict, deque
 from pathlib import Path
@@ -106,6 +107,7 @@ class ScriptedBackend(Backend):
     ``sample=True``: unkeyed outputs drawn by each request's seed (the module docstring);
     ``prefix_policy``: with a ``tokenizer``, as the HF backend's (``docs/backends.md``)."""
     name = 'scripted'
+    streams_text = True
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
                  respond: Optional[Callable[[Any], Any]] = None, cycle: bool = False, honor_max_tokens: bool = False,
@@ -246,6 +248,9 @@ class ScriptedBackend(Backend):
                 line = self._tokenized(line)
             if self.honor_max_tokens:
                 line = _cut(line, options.max_tokens, request)
+            sink = self.text_sinks.get(request)
+            if sink is not None:
+                self.stream_text(request, line['content'], line.get('tokens'), sink)
             lps = line.get('logprobs') if options.logprobs else None
             prompt = plans[k].ids if plans is not None else None
             outputs.append(
@@ -261,6 +266,20 @@ class ScriptedBackend(Backend):
         if plans is not None:
             commit_outputs(prompter, requests, plans, outputs)
         return outputs
+
+    def stream_text(self, request: Any, text: str, tokens: Optional[List[str]], sink: Any) -> None:
+        """Give ``sink`` the text as a model streams it, growing a token at a time (the line's
+        token strings where they spell the text, else word by word); a test overrides it to
+        generate slowly."""
+        if tokens and ''.join(tokens).startswith(text):
+            cuts, at = [], 0
+            for token in tokens:
+                at = min(len(text), at + len(token))
+                cuts.append(at)
+        else:
+            cuts = [m.end() for m in re.finditer(r'\S+\s*', text)] or [len(text)]
+        for cut in dict.fromkeys(cuts):
+            sink(text[:cut])
 
     def _tokenized(self, line: Line) -> Line:
         """A line without ``token_ids`` under a tokenizer: its text's ids and the EOS, as a model

@@ -342,6 +342,11 @@ class VLLMBackend(Backend):
     def native_async(self) -> bool:  # type: ignore[override]
         return self.is_async
 
+    @property
+    def streams_text(self) -> bool:  # type: ignore[override]
+        """The async engine streams each request's text to its sink (:mod:`.text_sinks`)."""
+        return self.is_async
+
     def _live_runner(self) -> Any:
         if self._runner is None:
             raise BackendError('vllm backend: used after close()')
@@ -382,12 +387,15 @@ class VLLMBackend(Backend):
         prompt = plan.ids + list(prefix_ids or ())
         request_id = f'mtflow-{getattr(request, "uuid", None) or "request"}-{next(self._request_ids)}'
         last = None
+        sink = self.text_sinks.get(request)  # a gateway's streaming call listens
         try:
             async for out in self.llm.generate(await self._engine_input(prompt), self._params(options, seed),
                                                request_id):
                 last = out
                 if progress is not None:
                     progress['last'] = snapshot(out)
+                if sink is not None and out.outputs:
+                    sink(out.outputs[0].text)
         except (asyncio.CancelledError, GeneratorExit):
             abort = getattr(self.llm, 'abort', None)
             if abort is not None:

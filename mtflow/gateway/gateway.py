@@ -37,11 +37,16 @@ from mtflow.declarative.parsers import get_parser
 from mtflow.declarative.parsers.base import json_calls
 from mtflow.engine.executor import Executor
 from mtflow.engine.stream import Stream
+from mtflow.gateway.formats import FORMATS
+from mtflow.gateway.responses_api import ResponseStore
 from mtflow.gateway.scheduler import SessionScheduler
 from mtflow.gateway.server import GatewayServer
 from mtflow.gateway.sessions import Finish, Session, SessionTable
+from mtflow.gateway.images import CallImages, check_placeholders
+from mtflow.gateway.streaming import SafeText, safe_text
+from mtflow.gateway.thinking import Thinking
 from mtflow.gateway.writer import SessionWriter
-from mtflow.gateway.wire import Call, Returned, WireError, parse_anthropic, parse_openai
+from mtflow.gateway.wire import Call, Returned, WireError
 from mtflow.run.agent_config import GatewayConfig
 from mtflow.run.driver import StreamingRun
 from mtflow.run.files import SESSIONS, json_line
@@ -49,10 +54,14 @@ from mtflow.run.store import RunStore
 from mtflow.run.summary import summarize
 from mtflow.run.turn_log import TurnLog
 
-__all__ = ['Gateway', 'SESSIONS_FILE', 'sessions_opened', 'close_failed']
+__all__ = ['Gateway', 'SESSIONS_FILE', 'sessions_opened', 'close_failed', 'tools_in_system']
 
 #: one line per session opened (``{"session", "index", "opened"}``), flushed as it opens
 SESSIONS_FILE = SESSIONS
+#: the batcher's wait for the sessions of the batch that just returned: a quiet gap of this long ...
+SETTLE_S = 0.05
+#: ... and at most this fraction of that batch's time (:class:`mtflow.backends.batcher.DynamicBatcher`)
+SETTLE_FRACTION = 0.5
 
 
 def sessions_opened(out_dir: Path) -> List[str]:
@@ -71,9 +80,14 @@ def sessions_opened(out_dir: Path) -> List[str]:
 
 def _merged_config(config: Any, asked: Dict[str, Any], client_sampling: bool) -> Any:
     """The request config of one call: the run's, with the client's ``max_tokens`` (capped by the
-    run's) and ``stop`` (added), and its ``temperature``/``top_p``/``seed`` under ``client_sampling``."""
+    run's) and ``stop`` (added), its ``logprobs`` (and ``top_logprobs``) when it asked for them,
+    and its ``temperature``/``top_p``/``seed`` under ``client_sampling``."""
     base = config if config is not None else RequestConfig()
     update: Dict[str, Any] = {}
+    if asked.get('logprobs'):
+        update['logprobs'] = True
+        top = max(getattr(base, 'top_logprobs', None) or 0, asked.get('top_logprobs') or 0)
+        update['top_logprobs'] = top or getattr(base, 'top_logprobs', None)
     wanted = asked.get('max_tokens')
     if wanted is not None:
         cap = getattr(base, 'max_tokens', None)
@@ -145,7 +159,18 @@ class Gateway:
         # the markers the parser reads (harmony's, Kimi-K2's) reach it: the backend keeps them, or the gateway is refused
         self.notes = keep_markers(backend, self.parser, getattr(self.parser, 'special_markers', ())) \
             if self.parser is not None else []
-        self.tools_in_system = self._tools_in_system()
+        self.tools_in_system = tools_in_system(self.settings.tools_in_system, self.parser, backend)
+        try:
+            self.thinking = Thinking(self.settings.reasoning, self.settings.tool_parser,
+                                     getattr(backend, 'tokenizer', None))
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
+        #: who listens to a streaming call's text as the backend generates it (None: the backend does not stream)
+        self.sinks = getattr(backend, 'text_sinks', None) if getattr(backend, 'streams_text', False) else None
+        self.responses = ResponseStore()
+        #: streamed replies whose whole text disagreed with what was sent before it (warned each)
+        self.stream_mismatches = 0
+        self.images: Optional[CallImages] = None  # made by start(), on the run directory
         self.table: SessionTable = None  # type: ignore[assignment]  # made by start()
         self.stream: Optional[Stream] = None
         self.server: Optional[GatewayServer] = None
@@ -168,28 +193,12 @@ class Gateway:
                    refuse_cut=refuse_cut)
 
     # ---- starting --------------------------------------------------------------------------------
-    def _tools_in_system(self) -> bool:
-        """Whether the client's tools go into the system prompt (the parser's text): ``always``,
-        or ``auto`` when the chat template does not render a tool list itself."""
-        mode = self.settings.tools_in_system
-        if mode != 'auto' or self.parser is None:
-            return mode == 'always' and self.parser is not None
-        tok = getattr(self.backend, 'tokenizer', None)
-        if tok is None or not getattr(tok, 'chat_template', None):
-            return False  # an OpenAI server renders the tools itself
-        probe = [{'type': 'function', 'function': {'name': 'mtflow_probe_tool', 'parameters': {}}}]
-        try:
-            text = tok.apply_chat_template([{'role': 'user', 'content': 'q'}], tools=probe, tokenize=False,
-                                           add_generation_prompt=True)
-        except Exception:
-            return True
-        return 'mtflow_probe_tool' not in text
-
     def start(self) -> 'Gateway':
         if self.store is None:
             out, mode, fingerprint, meta = self._store_args
             self.store = RunStore.open(out, mode, fingerprint, meta={**(meta or {}), 'gateway': True})
         store = self.store
+        self.images = CallImages(store.images)
         opened = sessions_opened(store.out_dir)
         self.cut = [name for name in opened if name not in store.done]
         table = self.table = SessionTable(self.settings.open_on_call, cut=set(self.cut) if self.refuse_cut else None,
@@ -200,7 +209,7 @@ class Gateway:
         reports = reports_of(self.backend)  # as mtflow run wires them (run.driver.roll_out)
         turn_log.on_finish = reports.forget
         turn_log.known_digest = reports.known_digest
-        executor = Executor(SessionScheduler(table, self.parser, self.settings.idle_timeout_s),
+        executor = Executor(SessionScheduler(table, self.parser, self.settings.idle_timeout_s, self.thinking),
                             turn_log.wrap(self._rollout_fn()), self.request_config, max_turns=self.max_turns or None,
                             on_error='return', accounting=RecordAccounting(), context=self.context,
                             step_timeout_s=None, rollout_timeout_s=self.settings.rollout_timeout_s)
@@ -214,7 +223,8 @@ class Gateway:
         self.writer = SessionWriter(self.stream, table, self.run, self.settings.finish_grace_s,
                                     time.time() - store.started_unix, self.settings.idle_timeout_s)
         self.writer.start()
-        self.server = GatewayServer(self, self.settings.host, self.settings.port, self.settings.max_body_bytes)
+        self.server = GatewayServer(self, self.settings.host, self.settings.port, self.settings.max_body_bytes,
+                                    self.settings.session_header)
         try:
             port = self.server.start()
         except BaseException:
@@ -226,11 +236,13 @@ class Gateway:
 
     def _rollout_fn(self) -> Any:
         """The backend as the stream's ``rollout_fn``: its own async path, or a dynamic batcher
-        that sends at once (a session's next call comes when its agent is done, not soon: waiting
-        for it would only add latency), with each call's sampling merged in."""
+        that sends at once, except while the sessions of the batch that just returned are coming
+        back: then it waits for them (a quiet gap of ``settle_s``) at most a fraction of that
+        batch's own time, so sessions do not settle into groups that never merge (a backend as
+        fast as the scripted one waits next to nothing); each call's sampling merged in."""
         backend, client = self.backend, self.settings.client_sampling
         make = getattr(backend, 'async_rollout_fn', None)
-        inner = make(max_wait_s=0.0, settle_s=0.0) if callable(make) else backend
+        inner = make(max_wait_s=0.0, settle_s=SETTLE_S, settle_fraction=SETTLE_FRACTION) if callable(make) else backend
         if inner is not backend and callable(getattr(inner, 'close', None)):
             self._closers.append(inner.close)
         gateway = self
@@ -238,7 +250,10 @@ class Gateway:
         async def rollout(requests: List[Any], request_config: Any = None) -> Any:
             table = gateway.table
             if requests:
-                asked = table.sampling(str(requests[0].uuid))
+                call = table.current_call(str(requests[0].uuid))
+                asked = dict(call.sampling) if call is not None else {}
+                if call is not None and call.logprobs is not None:  # the client asked for logprobs: computed
+                    asked.update(logprobs=True, top_logprobs=call.logprobs or None)
                 if asked:
                     request_config = _merged_config(request_config, asked, client)
             try:
@@ -273,18 +288,25 @@ class Gateway:
         return f'{self.url}/s/{quote(session, safe="")}' + ('/v1' if api == 'openai' else '')
 
     def response_id(self, api: str) -> str:
-        return ('msg_' if api == 'anthropic' else 'chatcmpl-') + secrets.token_hex(12)
+        return FORMATS[api].new_id()
 
-    def parse_call(self, name: str, body: Any, api: str) -> Call:
+    def parse_call(self, name: str, body: Any, api: str, previous: Optional[Any] = None) -> Call:
+        """A request body of ``api`` (:data:`.formats.FORMATS`) as session ``name``'s call;
+        ``previous``: the kept ``(session, messages, images)`` a Responses call continues."""
         session = self.table.get(name)
-        returned = session.returned if session is not None else None
-        if returned is None:  # a new session: nothing returned to it yet
-            returned = Returned()
+        returned = session.returned if session is not None else Returned()  # a new session: nothing returned yet
         render = self.parser.render_calls if self.parser is not None else json_calls
-        call = parse_openai(body, returned, render) if api == 'openai' else parse_anthropic(body, returned, render)
+        call = FORMATS[api].parse(body, returned, render, previous[1:] if previous is not None else None)
+        check_placeholders(call)
+        if api == 'responses':  # what previous_response_id continues: as the client wrote it, before the tools' text
+            call.echo['conversation'] = call.messages[call.echo.get('prefix', 0):]
         if call.tools and self.tools_in_system:
             call.messages = _with_tools(call.messages, self.parser.render_tools(call.tools))
         return call
+
+    def safe_text(self, call: Call) -> SafeText:
+        """What of a streaming call's growing reply can go out now (:class:`.streaming.SafeText`)."""
+        return safe_text(call, self.thinking, self.parser, getattr(self.request_config, 'stop', None))
 
     def open_session(self, name: Optional[str] = None, *, key: bool = False,
                      data: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -333,6 +355,7 @@ class Gateway:
             self.table.dropped(uuid, f'its oldest turn is more than gateway.max_staleness='
                                      f'{self.settings.max_staleness} policy versions old')
             self.run.turn_log.drop(uuid)
+        self.responses.drop_session(uuid)
         reports_of(self.backend).forget(uuid)
         prompter = getattr(self.backend, 'prompter', None)  # its token record, kept by uuid (HF, vLLM)
         if prompter is not None and callable(getattr(prompter, 'forget', None)):
@@ -346,7 +369,7 @@ class Gateway:
 
     def figures(self) -> Dict[str, Any]:
         stats = self.stream.stats if self.stream is not None else {}
-        return {'rollout_fn_calls': stats.get('rollout_fn_calls', 0),
+        return {'rollout_fn_calls': stats.get('rollout_fn_calls', 0), 'stream_mismatches': self.stream_mismatches,
                 'wall_s': round(time.perf_counter() - self._t0, 3),
                 'sessions_written': self.written, 'sessions_cut_before': len(self.cut),
                 'dropped_stale': stats.get('dropped_groups', 0), 'write_s': round(self.store.fsync_s, 4)
@@ -392,6 +415,23 @@ class Gateway:
         summary = summarize(self.summary_config, self.backend, self.store, total, figures, 0.0)
         summary['gateway'] = {'url': self.url, 'sessions_written': self.written, 'cut_before': self.cut}
         return {**summary, **(extra or {})}
+
+
+def tools_in_system(mode: str, parser: Any, backend: Any) -> bool:
+    """Whether the client's tools go into the system prompt (the parser's text): ``always``,
+    or ``auto`` when the chat template does not render a tool list itself."""
+    if mode != 'auto' or parser is None:
+        return mode == 'always' and parser is not None
+    tok = getattr(backend, 'tokenizer', None)
+    if tok is None or not getattr(tok, 'chat_template', None):
+        return False  # an OpenAI server renders the tools itself
+    probe = [{'type': 'function', 'function': {'name': 'mtflow_probe_tool', 'parameters': {}}}]
+    try:
+        text = tok.apply_chat_template([{'role': 'user', 'content': 'q'}], tools=probe, tokenize=False,
+                                       add_generation_prompt=True)
+    except Exception:
+        return True
+    return 'mtflow_probe_tool' not in text
 
 
 def close_failed(gateway: Optional[Gateway], store: RunStore) -> None:

@@ -16,18 +16,19 @@ kind                   the new messages ...
 ``compaction``         are shorter than the conversation and differ inside it (a summary)
 ``history_edited``     differ inside the conversation otherwise
 ``tools_changed``      come with other tools (``at``: the first message that differs, if any)
+``images_edited``      hold an earlier image changed (``at``: the image's index)
 =====================  ============================================================================
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from mtflow.declarative.parsers import strip_thinking
 
 __all__ = ['transition', 'KINDS']
 
 KINDS = ('retry', 'new_conversation', 'thinking_stripped', 'assistant_edited', 'tool_result_edited', 'compaction',
-         'history_edited', 'tools_changed')
+         'history_edited', 'tools_changed', 'images_edited')
 
 
 def _head(messages: List[Dict[str, Any]]) -> int:
@@ -48,15 +49,20 @@ def _first_char(a: Any, b: Any) -> Optional[int]:
 
 
 def transition(old: List[Dict[str, Any]], old_tools: Any, new: List[Dict[str, Any]],
-               new_tools: Any) -> Optional[Dict[str, Any]]:
-    """``None`` when ``new`` (with ``new_tools``) extends ``old``; else ``{'kind', 'at'
-    (message index), 'char' (first differing character of that message, when both are text),
-    'messages_before', 'messages_after'}``."""
+               new_tools: Any, old_images: Sequence[Any] = (), new_images: Sequence[Any] = ()) -> Optional[Dict[str, Any]]:
+    """``None`` when ``new`` (with ``new_tools`` and ``new_images``, the images of the
+    placeholders in order) extends ``old``; else ``{'kind', 'at' (message index), 'char' (first
+    differing character of that message, when both are text), 'messages_before', 'messages_after'}``."""
     n = len(old)
     extends = len(new) >= n and new[:n] == old
-    if extends and (old_tools or None) == (new_tools or None):
+    images_kept = list(new_images[:len(old_images)]) == list(old_images)
+    if extends and (old_tools or None) == (new_tools or None) and images_kept:
         return None
     info: Dict[str, Any] = {'messages_before': n, 'messages_after': len(new)}
+    if extends and not images_kept:
+        at = next(k for k, (a, b) in enumerate(zip(old_images, new_images)) if a != b) \
+            if len(new_images) >= len(old_images) else len(new_images)
+        return {'kind': 'images_edited', 'at': at, **info}
     if extends:
         return {'kind': 'tools_changed', 'at': None, **info}
     at = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(n, len(new)))

@@ -26,19 +26,23 @@ from mtflow.core.machine import AGENT_TIMEOUT, CLIENT_FINISHED, IDLE_TIMEOUT
 from mtflow.core.scheduler import Scheduler
 from mtflow.gateway.history import transition
 from mtflow.gateway.sessions import CLOSING, Finish, SessionTable
-from mtflow.gateway.wire import Reply, split_calls
+from mtflow.gateway.thinking import Thinking
+from mtflow.gateway.wire import Reply, split_calls, unmet_tool_choice
 
 __all__ = ['SessionScheduler']
 
 
 class SessionScheduler(Scheduler):
-    """See the module docstring. ``parser``: the tool-call parser (``None``: calls are never parsed)."""
+    """See the module docstring. ``parser``: the tool-call parser (``None``: calls are never
+    parsed); ``thinking``: how a reply's reasoning is split from its content."""
     finish_reasons = (CLIENT_FINISHED, IDLE_TIMEOUT, AGENT_TIMEOUT)
 
-    def __init__(self, table: SessionTable, parser: Any, idle_timeout_s: Optional[float]) -> None:
+    def __init__(self, table: SessionTable, parser: Any, idle_timeout_s: Optional[float],
+                 thinking: Optional[Thinking] = None) -> None:
         super().__init__()
         self.table = table
         self.parser = parser
+        self.thinking = thinking or Thinking('none')
         self.idle_timeout_s = idle_timeout_s  # swept by the gateway's writer (SessionTable.idle)
 
     def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
@@ -47,12 +51,17 @@ class SessionScheduler(Scheduler):
     def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
         name = str(infer_request.uuid)
         text = response_choice.message.content or ''
-        content, calls = split_calls(text, self.parser, current_turn, name, infer_request.tools)
+        reasoning, said = self.thinking.split(text)
+        call = self.table.current_call(name)
+        parser = self.parser if call is None or call.tool_choice != 'none' else None
+        content, calls = split_calls(said, parser, current_turn, name, infer_request.tools)
         record = record_of(infer_request)
         prompt = len(record.last_prompt) if record is not None else 0
         ids = response_choice.token_ids or []
-        reply = Reply(text, content, calls, response_choice.finish_reason, prompt, len(ids), current_turn)
-        self.table.reply(name, reply, infer_request.messages)
+        logprobs = response_choice.logprobs.get('content') if isinstance(response_choice.logprobs, dict) else None
+        reply = Reply(text, content, calls, response_choice.finish_reason, prompt, len(ids), current_turn, reasoning,
+                      logprobs)
+        self.table.reply(name, reply, infer_request.messages, unmet_tool_choice(call, reply) if call else None)
         return {}
 
     async def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
@@ -66,11 +75,14 @@ class SessionScheduler(Scheduler):
             if event.reward is not None:
                 infos['reward'] = event.reward
             return {'done': True, 'finish_reason': event.reason, 'rollout_infos': infos}
-        change = transition(infer_request.messages, infer_request.tools, event.messages, event.tools)
+        change = transition(infer_request.messages, infer_request.tools, event.messages, event.tools,
+                            infer_request.images, event.images)
         if change is None:
             infer_request.messages = event.messages
+            infer_request.images = list(event.images)
             return {'infer_request': infer_request}
-        nxt = infer_request.model_copy(update={'messages': event.messages, 'tools': event.tools})
+        nxt = infer_request.model_copy(update={'messages': event.messages, 'tools': event.tools,
+                                               'images': list(event.images)})
         return {'infer_request': nxt, 'new_segment': change, 'trace_info': {'segment': change}}
 
     def on_request_finished(self, infer_request: Any, reason: str, turn: int) -> None:

@@ -5,40 +5,57 @@ base URL, ``http://HOST:PORT/s/{s}`` as its Anthropic one):
 
 =========================================  ===========================================================
 ``POST /s/{s}/v1/chat/completions``        OpenAI chat completions (streaming and not, tools, ``n=1``)
+``POST /s/{s}/v1/responses``               the OpenAI Responses API (streaming and not, function
+                                           tools, ``previous_response_id``)
 ``POST /s/{s}/v1/messages``                Anthropic messages (streaming and not, tools)
 ``GET  /s/{s}/v1/models``, ``/v1/models``  the model served
-``POST /v1/chat/completions``, ...         the same, the session named by the ``X-Mtflow-Session``
-                                           header or by a session's own API key
+``POST /v1/chat/completions``, ...         the same, the session named by a header
+                                           (``gateway.session_header``, default ``X-Session-ID``;
+                                           ``X-Mtflow-Session`` too), by a session's own API key, or
+                                           (Responses) by the ``previous_response_id``'s session
 ``POST /sessions``                         open a session: ``{"session"?, "key"?: bool, "data"?}``
 ``POST /s/{s}/finish``                     end it: ``{"reward": R, "info": {...}}``; answers once its
                                            trajectory is written
 ``POST /policy_version``                   ``{"version": n}``: the weights the backend serves now
 ``GET  /health``                           the sessions open
+``GET  /``                                 what the gateway serves
 =========================================  ===========================================================
 
 Errors are JSON in the API's own shape, with the status a client expects: 400 a malformed body
-(naming the field), 401 a wrong key, 404 an unknown session, 409 a finished session or a second
-finish, 413 a body over ``max_body_bytes``. A client that goes away mid-answer loses that answer
-only; the session goes on.
+(naming the field) or a call that names no session, 401 a wrong key, 404 an unknown session or
+route (naming the routes served), 405 a method a route does not take, 409 a finished session
+or a second finish, 413 a body over ``max_body_bytes``. A streaming call's first event goes out
+with the first text the backend streams (:mod:`.streaming`); an error before it is a plain error
+answer, one after it an error event. A client that goes away mid-answer loses that answer only;
+the session goes on.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import threading
-from typing import Any, Awaitable, Callable, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, Optional, Tuple
 
 from aiohttp import web
 
 from mtflow.core.machine import CLIENT_FINISHED
+from mtflow.gateway.formats import FORMATS
 from mtflow.gateway.sessions import Finish
-from mtflow.gateway.wire import (WireError, anthropic_error, anthropic_events, anthropic_response, openai_chunks,
-                                 openai_error, openai_response)
+from mtflow.gateway.streaming import Pump, TextFeed
+from mtflow.gateway.wire import Call, WireError, anthropic_error, openai_error
 
-__all__ = ['GatewayServer', 'SESSION_HEADER']
+__all__ = ['GatewayServer', 'SESSION_HEADER', 'ROUTES']
 
-#: the header that names the session when the URL does not
+log = logging.getLogger('mtflow.gateway')
+
+#: the header that names the session when the URL does not, read beside ``gateway.session_header``
 SESSION_HEADER = 'X-Mtflow-Session'
+#: what the gateway serves (``GET /``, and the 404 of any other route)
+ROUTES = ('POST /s/{session}/v1/chat/completions', 'POST /s/{session}/v1/responses', 'POST /s/{session}/v1/messages',
+          'GET /s/{session}/v1/models', 'POST /v1/chat/completions', 'POST /v1/responses', 'POST /v1/messages',
+          'GET /v1/models', 'POST /sessions', 'POST /s/{session}/finish', 'POST /policy_version', 'GET /health', 'GET /')
 
 
 def _key_of(request: Any) -> Optional[str]:
@@ -52,8 +69,10 @@ class GatewayServer:
     """Serves one :class:`mtflow.gateway.Gateway` (see the module docstring): ``start()`` binds
     and returns the port; ``stop()`` closes the listener and waits for the thread."""
 
-    def __init__(self, gateway: Any, host: str, port: int, max_body_bytes: int) -> None:
+    def __init__(self, gateway: Any, host: str, port: int, max_body_bytes: int,
+                 session_header: str = 'X-Session-ID') -> None:
         self.gateway = gateway
+        self.session_headers = tuple(dict.fromkeys((session_header, SESSION_HEADER)))
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -84,16 +103,18 @@ class GatewayServer:
             loop.close()
 
     async def _serve(self) -> None:
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_unserved])
         route = self._route
         for prefix in ('/s/{session}', ''):
             app.router.add_post(f'{prefix}/v1/chat/completions', route(self.chat, 'openai'))
+            app.router.add_post(f'{prefix}/v1/responses', route(self.responses, 'openai'))
             app.router.add_post(f'{prefix}/v1/messages', route(self.messages, 'anthropic'))
             app.router.add_get(f'{prefix}/v1/models', route(self.models, 'openai'))
         app.router.add_post('/sessions', route(self.open_session, 'openai'))
         app.router.add_post('/s/{session}/finish', route(self.finish, 'openai'))
         app.router.add_post('/policy_version', route(self.policy_version, 'openai'))
         app.router.add_get('/health', route(self.health, 'openai'))
+        app.router.add_get('/', route(self.served, 'openai'))
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
@@ -150,59 +171,107 @@ class GatewayServer:
         except RecursionError:
             raise WireError(400, 'the body is not valid JSON: nested too deeply', param='body') from None
 
-    def _session_of(self, request: Any) -> Tuple[str, Optional[str]]:
-        """``(session name, the key the client presented)``: the URL's session, else the header's,
-        else the session whose own key the client presented."""
+    def _session_of(self, request: Any, previous: Optional[str] = None) -> Tuple[str, Optional[str]]:
+        """``(session name, the key the client presented)``: the URL's session, else a session
+        header's, else the session whose own key the client presented, else ``previous`` (the
+        session of the response a Responses call continues)."""
         key = _key_of(request)
-        name = request.match_info.get('session') or request.headers.get(SESSION_HEADER)
+        name = request.match_info.get('session') or next(
+            (request.headers[h] for h in self.session_headers if request.headers.get(h)), None)
         if name:
             if len(name) > 200 or not name.isprintable():
                 raise WireError(400, 'a session name is at most 200 printable characters', param='session')
             return name, key
-        named = self.gateway.table.named_by_key(key) if key else None
+        named = (self.gateway.table.named_by_key(key) if key else None) or previous
         if named is None:
-            raise WireError(400 if not key else 401, 'no session: use http://HOST:PORT/s/<session>/v1 as the base URL, '
-                            f'the {SESSION_HEADER} header, or a session\'s own API key', code='no_session')
+            said = " (the API key presented is no session's own)" if key else ''
+            raise WireError(400, f'no session{said}: use http://HOST:PORT/s/<session>/v1 as the base URL, the '
+                            f"{self.session_headers[0]} header, or a session's own API key", code='no_session')
         return named, key
 
     # ---- model calls --------------------------------------------------------------------------
     async def chat(self, request: Any) -> Any:
         return await self._call(request, 'openai')
 
+    async def responses(self, request: Any) -> Any:
+        return await self._call(request, 'responses')
+
     async def messages(self, request: Any) -> Any:
         return await self._call(request, 'anthropic')
 
     async def _call(self, request: Any, api: str) -> Any:
-        name, key = self._session_of(request)
         body = await self._body(request)
         gateway = self.gateway
-        call = gateway.parse_call(name, body, api)
+        previous = gateway.responses.previous_of(body) if api == 'responses' else None
+        name, key = self._session_of(request, previous[0] if previous is not None else None)
+        call = gateway.parse_call(name, body, api, previous)
         loop = asyncio.get_running_loop()
+        if call.images:  # stored in the run directory (a file write): off the server's loop
+            await loop.run_in_executor(None, gateway.images.store_call, call)
+        rid, model = gateway.response_id(api), call.model or gateway.model_name
+        headers = _warnings(call)
+        feed = TextFeed(loop) if call.stream and gateway.sinks is not None else None
         fut = loop.create_future()
-        gateway.table.post_call(name, call, key, loop, fut)
-        result = await fut
+        if feed is not None:
+            gateway.sinks.open(name, feed.push)
+        try:
+            gateway.table.post_call(name, call, key, loop, fut)
+            if call.stream:
+                return await self._stream(request, call, model, rid, fut, feed, name, headers)
+            result = await fut
+        finally:
+            if feed is not None:
+                gateway.sinks.close(name, feed.push)
         if isinstance(result, WireError):
             raise result
-        rid, model = gateway.response_id(api), call.model or gateway.model_name
-        if not call.stream:
-            body = anthropic_response(result, model, rid) if api == 'anthropic' else openai_response(result, model, rid)
-            return web.json_response(body)
-        return await self._stream(request, api, result, model, rid, call.include_usage)
+        gateway.responses.keep(rid, name, call, result)
+        return web.json_response(FORMATS[call.api].answer(result, call, model, rid), headers=headers)
 
-    async def _stream(self, request: Any, api: str, reply: Any, model: str, rid: str, include_usage: bool) -> Any:
-        response = web.StreamResponse(headers={'Content-Type': 'text/event-stream', 'Cache-Control': 'no-cache'})
+    async def _stream(self, request: Any, call: Call, model: str, rid: str, fut: Any, feed: Optional[TextFeed],
+                      name: str, headers: Dict[str, str]) -> Any:
+        """A streaming call: events as the text comes (see the module docstring)."""
+        gateway = self.gateway
+        pump = Pump(FORMATS[call.api].writer(call, model, rid), gateway.safe_text(call))
+        response: Optional[web.StreamResponse] = None
         try:
-            await response.prepare(request)
-            if api == 'anthropic':
-                for event, data in anthropic_events(reply, model, rid):
-                    await response.write(f'event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n'.encode())
+            while feed is not None and not fut.done():
+                text = asyncio.ensure_future(feed.next())
+                done, _ = await asyncio.wait({fut, text}, return_when=asyncio.FIRST_COMPLETED)
+                if text not in done:
+                    text.cancel()
+                    break
+                events = pump.update(text.result())
+                if events:
+                    response = response or await self._open_stream(request, headers)
+                    await response.write(b''.join(events))
+            result = await fut
+            if isinstance(result, WireError):
+                if response is None:
+                    raise result
+                await response.write(b''.join(pump.error(result)))
             else:
-                for chunk in openai_chunks(reply, model, rid, include_usage):
-                    await response.write(f'data: {json.dumps(chunk, ensure_ascii=False)}\n\n'.encode())
-                await response.write(b'data: [DONE]\n\n')
+                gateway.responses.keep(rid, name, call, result)
+                events = pump.finish(result)
+                if pump.diverged:
+                    gateway.stream_mismatches += 1
+                response = response or await self._open_stream(request, headers)
+                await response.write(b''.join(events))
             await response.write_eof()
         except (ConnectionError, RuntimeError):  # the client went away: only this answer is lost
             pass
+        except Exception as exc:  # a bug of ours after the answer began: said in the stream, the gateway goes on
+            if response is None:
+                raise
+            err = WireError(500, f'the gateway failed on this call: {type(exc).__name__}: {exc}', code='internal')
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await response.write(b''.join(pump.error(err)))
+                await response.write_eof()
+        return response if response is not None else web.Response(status=499)
+
+    async def _open_stream(self, request: Any, headers: Dict[str, str]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={'Content-Type': 'text/event-stream', 'Cache-Control': 'no-cache',
+                                               **headers})
+        await response.prepare(request)
         return response
 
     async def models(self, request: Any) -> Any:
@@ -256,3 +325,39 @@ class GatewayServer:
 
     async def health(self, request: Any) -> Any:
         return web.json_response({'ok': True, 'sessions': len(self.gateway.table.sessions)})
+
+    async def served(self, request: Any) -> Any:
+        return web.json_response({'service': 'mtflow gateway', 'model': self.gateway.model_name, 'routes': list(ROUTES),
+                                  'session_headers': list(self.session_headers)})
+
+
+_warned: set = set()
+
+
+def _warnings(call: Call) -> Dict[str, str]:
+    """The ``x-mtflow-warning`` header of a call whose tools were not all offered to the model
+    (each kind also said once in the gateway's log)."""
+    dropped = call.echo.get('dropped_tools') if call.echo else None
+    if not dropped:
+        return {}
+    text = f'tools not offered to the model: {", ".join(dropped)} (the gateway offers function tools only)'
+    if text not in _warned:
+        _warned.add(text)
+        log.warning('gateway: %s', text)
+    return {'x-mtflow-warning': text}
+
+
+@web.middleware
+async def _unserved(request: Any, handler: Any) -> Any:
+    """A route the gateway does not serve (or a method it does not take there) answers JSON that
+    names what it serves, in the OpenAI error shape (Anthropic's under ``/v1/messages``)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        what = 'no such route' if exc.status == 404 else f'{request.method} is not served here'
+        err = WireError(exc.status, f'{what}: {request.method} {request.path}; the gateway serves '
+                        f'{", ".join(ROUTES)}', code='not_found' if exc.status == 404 else 'method_not_allowed')
+        body = anthropic_error(err) if '/v1/messages' in request.path else openai_error(err)
+        return web.json_response(body, status=exc.status)

@@ -233,7 +233,7 @@ class SessionTable:
                 data = dict(session.data)
                 data.setdefault('session', name)
                 self.source.pending.append(RolloutInferRequest(uuid=name, messages=call.messages, tools=call.tools,
-                                                               data_dict=data))
+                                                               images=list(call.images), data_dict=data))
                 wake = self.wake
             else:
                 wake = None
@@ -323,14 +323,15 @@ class SessionTable:
             return event[0]
         return event
 
-    def sampling(self, name: str) -> Dict[str, Any]:
-        """The sampling the call being answered asked for."""
+    def current_call(self, name: str) -> Optional[Call]:
+        """The call session ``name`` is answering now (``None``: none)."""
         session = self.sessions.get(name)
         current = session.current if session is not None else None
-        return current[0].sampling if current is not None else {}
+        return current[0] if current is not None else None
 
-    def reply(self, name: str, reply: Reply, messages: List[Dict[str, Any]]) -> None:
-        """The model's output for the call being answered (``on_turn_end``)."""
+    def reply(self, name: str, reply: Reply, messages: List[Dict[str, Any]], error: Optional[WireError] = None) -> None:
+        """The model's output for the call being answered (``on_turn_end``); ``error``: what the
+        call gets instead (its ``tool_choice`` unmet)."""
         with self.lock:
             session = self.sessions.get(name)
             if session is None:
@@ -340,7 +341,7 @@ class SessionTable:
             session.returned.add(reply)
             current, session.current = session.current, None
         if current is not None:
-            _resolve(current[1], current[2], reply)
+            _resolve(current[1], current[2], error or reply)
 
     def failed(self, name: str, why: str) -> None:
         """The model call of session ``name`` failed (said to its waiting call when it ends)."""

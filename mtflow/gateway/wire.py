@@ -1,18 +1,27 @@
-"""The wire formats the gateway speaks: OpenAI chat completions and Anthropic messages, in and out.
+"""What the gateway's three wire formats share: a call in mtflow's terms, a reply, the errors.
 
-In: a request body is validated with pydantic models (extra keys allowed, as the servers allow
-them) and turned into mtflow's own conversation, the *canonical* messages every call of a session
-is compared in: ``{'role', 'content'}`` dicts (a tool result keeps its ``tool_call_id``), text
-parts joined, an Anthropic ``system`` and ``tool_result`` blocks as system and tool messages. An
-assistant message the gateway itself returned becomes the exact text the model sampled (the
-session's :class:`Returned` map, keyed by what the client got: its text and its tool calls' ids,
-names and arguments), so a client that sends the history back unchanged extends the model's own
-ids; any other assistant message is its text plus its tool calls written in the parser's format
-(:meth:`mtflow.declarative.parsers.ToolCallParser.render_calls`).
+The formats themselves are one module each: OpenAI chat completions (:mod:`.chat_api`),
+Anthropic messages (:mod:`.messages_api`) and the OpenAI Responses API (:mod:`.responses_api`).
+Each validates a request body with pydantic models (extra keys allowed, as the servers allow
+them) and turns it into a :class:`Call`: mtflow's own conversation, the *canonical* messages
+every call of a session is compared in (``{'role', 'content'}`` dicts; a tool result keeps its
+``tool_call_id``; text parts joined; an image part is an ``<image>`` placeholder in the text and
+its data URL in :attr:`Call.images`, in order). An assistant message the gateway itself
+returned becomes the exact text the model sampled (the session's :class:`Returned` map, keyed by
+what the client got: its text without the reasoning, its tool calls' ids, names and arguments),
+so a client that sends the history back unchanged, with or without the thinking, extends the
+model's own ids; any other assistant message is its text plus its tool calls written in the
+parser's format (:meth:`mtflow.declarative.parsers.ToolCallParser.render_calls`).
 
-Out: the model's text is split by the tool-call parser into content and ``tool_calls`` (OpenAI)
-or ``tool_use`` blocks (Anthropic), as a whole response or as server-sent events.
+Out: the model's text is split into reasoning (:mod:`.thinking`), content and tool calls
+(:func:`split_calls`), the :class:`Reply` each format writes as a whole response or as
+server-sent events (:mod:`.streaming`).
 
+What the gateway cannot honour it refuses, naming the field: a ``response_format`` (or the
+Responses API's ``text.format``) other than text, an image that is not a data URL. A
+``tool_choice`` is honoured: ``none`` takes no calls out of the reply; ``required`` (Anthropic's
+``any``) and a named function are checked, and a reply that does not make the call is answered
+with a 400 that says so (:func:`unmet_tool_choice`).
 Every problem is a :class:`WireError` with the HTTP status and the field it names.
 """
 from __future__ import annotations
@@ -21,16 +30,17 @@ import json
 import time
 import uuid as _uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from mtflow.core.images import IMAGE_TOKEN
 from mtflow.declarative.parsers import parse_calls
 from mtflow.declarative.parsers.base import take_out_calls
 
-__all__ = ['WireError', 'Call', 'Reply', 'Returned', 'parse_openai', 'parse_anthropic', 'openai_response',
-           'openai_chunks', 'anthropic_response', 'anthropic_events', 'openai_error', 'anthropic_error',
-           'split_calls', 'validation_message']
+__all__ = ['WireError', 'Loose', 'Call', 'Reply', 'Returned', 'validated', 'validation_message', 'content_of',
+           'sampling', 'tool_choice_of', 'refuse_format', 'split_calls', 'arguments_text', 'loads_or_text',
+           'openai_error', 'anthropic_error', 'call_id', 'AssistantTurn', 'logprob_items', 'unmet_tool_choice']
 
 
 class WireError(Exception):
@@ -43,61 +53,9 @@ class WireError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
-# ---- request models -------------------------------------------------------------------------------
-class _Loose(BaseModel):
+class Loose(BaseModel):
+    """A request model that keeps the keys it does not name (servers accept them too)."""
     model_config = ConfigDict(extra='allow')
-
-
-class _Function(_Loose):
-    name: str
-    arguments: Union[str, Dict[str, Any]] = ''
-
-
-class _ToolCall(_Loose):
-    id: str = ''
-    type: str = 'function'
-    function: _Function
-
-
-class _OpenAIMessage(_Loose):
-    role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: Union[str, List[Dict[str, Any]], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[List[_ToolCall]] = None
-    tool_call_id: Optional[str] = None
-
-
-class _OpenAIRequest(_Loose):
-    model: str = ''
-    messages: List[_OpenAIMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: Optional[Dict[str, Any]] = None
-    tools: Optional[List[Dict[str, Any]]] = None
-    n: Optional[int] = 1
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Union[str, List[str], None] = None
-    logprobs: Optional[bool] = None
-
-
-class _AnthropicMessage(_Loose):
-    role: Literal['user', 'assistant']
-    content: Union[str, List[Dict[str, Any]]]
-
-
-class _AnthropicRequest(_Loose):
-    model: str = ''
-    messages: List[_AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    system: Union[str, List[Dict[str, Any]], None] = None
-    tools: Optional[List[Dict[str, Any]]] = None
-    stream: bool = False
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stop_sequences: Optional[List[str]] = None
 
 
 def validation_message(exc: ValidationError) -> Tuple[str, str]:
@@ -107,7 +65,8 @@ def validation_message(exc: ValidationError) -> Tuple[str, str]:
     return f'{where}: {err.get("msg", "invalid")}', where
 
 
-def _validated(model: type, body: Any) -> Any:
+def validated(model: type, body: Any) -> Any:
+    """``body`` as ``model``, or a 400 naming the first wrong field."""
     if not isinstance(body, dict):
         raise WireError(400, f'the body must be a JSON object, not {type(body).__name__}', param='body')
     try:
@@ -121,21 +80,35 @@ def _validated(model: type, body: Any) -> Any:
 @dataclass
 class Call:
     """One model call of a session, parsed: the canonical messages and tools (OpenAI function
-    specs), the sampling the client asked for, and how to answer (``api``, ``stream``)."""
+    specs), the sampling the client asked for, and how to answer (``api``, ``stream``).
+
+    ``images``: the images of the messages, in placeholder order (data URLs; the gateway stores
+    each in the run directory and puts its reference here); ``tool_choice``: ``auto``, ``none``
+    (calls are then not taken out of the text), ``required`` or ``function:<name>`` (checked);
+    ``logprobs``: ``None`` when not asked, else how many alternatives per token (0: the sampled
+    token's only); ``echo``: what a Responses answer repeats of its request;
+    ``previous_response_id``: the stored response it continues."""
     messages: List[Dict[str, Any]]
     tools: Optional[List[Dict[str, Any]]]
     sampling: Dict[str, Any]
-    api: str  # 'openai' | 'anthropic'
+    api: str  # 'openai' | 'anthropic' | 'responses'
     stream: bool = False
     model: str = ''
     include_usage: bool = False
+    images: List[Any] = field(default_factory=list)
+    tool_choice: str = 'auto'
+    logprobs: Optional[int] = None
+    echo: Dict[str, Any] = field(default_factory=dict)
+    previous_response_id: Optional[str] = None
     arrived: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
 class Reply:
-    """The model's answer to one call, in wire terms: the text before and around the calls, the
-    calls ``(id, name, arguments)`` and the finish reason; ``raw``: the text the model sampled."""
+    """The model's answer to one call, in wire terms: its reasoning, the text before and around
+    the calls, the calls ``(id, name, arguments)`` and the finish reason; ``raw``: the text the
+    model sampled; ``logprobs``: per sampled token ``{token, logprob, bytes, top_logprobs}`` (when
+    the backend gave them)."""
     raw: str
     content: str
     calls: List[Tuple[str, str, Any]]
@@ -143,6 +116,8 @@ class Reply:
     prompt_tokens: int
     completion_tokens: int
     turn: int
+    reasoning: str = ''
+    logprobs: Optional[List[Dict[str, Any]]] = None
 
 
 class Returned:
@@ -155,7 +130,7 @@ class Returned:
 
     @staticmethod
     def key(content: Optional[str], calls: Sequence[Tuple[str, str, Any]]) -> str:
-        shown = [[i, n, a if not isinstance(a, str) else _loads_or_text(a)] for i, n, a in calls]
+        shown = [[i, n, a if not isinstance(a, str) else loads_or_text(a)] for i, n, a in calls]
         return json.dumps([content or '', shown], sort_keys=True, ensure_ascii=False)
 
     def add(self, reply: Reply) -> None:
@@ -167,32 +142,93 @@ class Returned:
         return self._by_key.get(self.key(content, calls))
 
 
-def _loads_or_text(text: str) -> Any:
+class AssistantTurn:
+    """A client's assistant message (its text and its calls) as the model's exact text when the
+    gateway returned it, else its text and its calls in the model's format (``render_calls``)."""
+
+    def __init__(self, returned: Returned, render_calls: Any) -> None:
+        self.returned, self.render_calls = returned, render_calls
+
+    def message(self, text: str, calls: List[Tuple[str, str, Any]]) -> Dict[str, Any]:
+        raw = self.returned.raw(text, calls)
+        if raw is None and text == '':
+            raw = self.returned.raw(None, calls)
+        if raw is not None:
+            return {'role': 'assistant', 'content': raw}
+        if calls:
+            written = self.render_calls([(n, loads_or_text(a) if isinstance(a, str) else a) for _, n, a in calls])
+            text = f'{text}\n{written}' if text else written
+        return {'role': 'assistant', 'content': text}
+
+
+def loads_or_text(text: str) -> Any:
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return text
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message content as text: a string, or text parts joined (anything else refused)."""
+def arguments_text(args: Any) -> str:
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def call_id(session: str, turn: int, k: int) -> str:
+    """A tool call's id, unique to its session and turn."""
+    return f'call_{session[-12:]}_{turn}_{k}_{_uuid.uuid4().hex[:8]}'
+
+
+# ---- content -----------------------------------------------------------------------------------
+_TEXT_PARTS = ('text', 'input_text', 'output_text')
+
+
+def _image_url(part: Dict[str, Any], kind: str, where: str) -> str:
+    """The data URL of an image part (OpenAI ``image_url``, the Responses API's ``input_image``,
+    Anthropic's ``image``); anything but an inline image is refused."""
+    if kind == 'image':  # Anthropic: {"source": {"type": "base64", "media_type", "data"}}
+        source = part.get('source') if isinstance(part.get('source'), dict) else {}
+        if source.get('type') == 'base64' and isinstance(source.get('data'), str):
+            return f'data:{source.get("media_type") or "image/png"};base64,{source["data"]}'
+        url = source.get('url') if source.get('type') == 'url' else None
+    else:
+        url = part.get('image_url')
+        url = url.get('url') if isinstance(url, dict) else url
+        if kind == 'input_image' and url is None and part.get('file_id'):
+            raise WireError(400, f'{where}: an image by file_id is not served by the gateway (send a data URL)',
+                            param=where)
+    if isinstance(url, str) and url.startswith('data:'):
+        return url
+    shown = url[:60] if isinstance(url, str) else url
+    raise WireError(400, f'{where}: the gateway takes inline images only (a data:image/...;base64 URL), not '
+                    f'{shown!r}: remote images are not fetched', param=where)
+
+
+def content_of(content: Any, where: str) -> Tuple[str, List[str]]:
+    """A message content as ``(text, images)``: a string, or parts: text joined, each image an
+    ``<image>`` placeholder at its place and its data URL in ``images`` (anything else refused)."""
     if content is None:
-        return ''
+        return '', []
     if isinstance(content, str):
-        return content
-    parts = []
+        return content, []
+    if not isinstance(content, list):
+        raise WireError(400, f'{where}: must be a string or a list of parts', param=where)
+    texts: List[str] = []
+    images: List[str] = []
     for k, part in enumerate(content):
         kind = part.get('type') if isinstance(part, dict) else None
-        if kind in ('text', 'input_text', 'output_text') and isinstance(part.get('text'), str):
-            parts.append(part['text'])
+        if kind in _TEXT_PARTS and isinstance(part.get('text'), str):
+            texts.append(part['text'])
+        elif kind in ('image_url', 'input_image', 'image'):
+            images.append(_image_url(part, kind, f'{where}.{k}'))
+            texts.append(IMAGE_TOKEN)
         else:
-            raise WireError(400, f'{where}.{k}: content of type {kind!r} is not supported by the gateway (text only)',
-                            param=f'{where}.{k}')
-    return ''.join(parts)
+            raise WireError(400, f'{where}.{k}: content of type {kind!r} is not supported by the gateway (text and '
+                            'images)', param=f'{where}.{k}')
+    return ''.join(texts), images
 
 
-def _sampling(max_tokens: Optional[int], temperature: Optional[float], top_p: Optional[float],
-              seed: Optional[int], stop: Any) -> Dict[str, Any]:
+def sampling(max_tokens: Optional[int], temperature: Optional[float], top_p: Optional[float],
+             seed: Optional[int], stop: Any) -> Dict[str, Any]:
+    """The sampling a call asked for, by mtflow's names (only what it gave)."""
     out: Dict[str, Any] = {}
     if max_tokens is not None:
         out['max_tokens'] = max_tokens
@@ -207,102 +243,50 @@ def _sampling(max_tokens: Optional[int], temperature: Optional[float], top_p: Op
     return out
 
 
-# ---- OpenAI in ------------------------------------------------------------------------------------
-def parse_openai(body: Any, returned: Returned, render_calls: Any) -> Call:
-    """An OpenAI ``/v1/chat/completions`` body as a :class:`Call` (``returned``: the session's
-    answers so far; ``render_calls``: the parser's writer for tool calls the gateway did not make)."""
-    req = _validated(_OpenAIRequest, body)
-    if req.n not in (None, 1):
-        raise WireError(400, f'n: must be 1 (got {req.n}): each sample of an episode is its own session', param='n')
-    messages = []
-    for k, m in enumerate(req.messages):
-        where = f'messages.{k}'
-        text = _text_of(m.content, f'{where}.content')
-        if m.role == 'assistant':
-            calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
-            messages.append(_assistant(text, calls, returned, render_calls))
-        elif m.role == 'tool':
-            messages.append({'role': 'tool', 'content': text, 'tool_call_id': m.tool_call_id or ''})
-        else:
-            messages.append({'role': 'system' if m.role == 'developer' else m.role, 'content': text})
-    tools = [_openai_tool(t, k) for k, t in enumerate(req.tools)] if req.tools else None
-    include_usage = bool((req.stream_options or {}).get('include_usage'))
-    return Call(messages, tools, _sampling(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p,
-                                           req.seed, req.stop), 'openai', req.stream, req.model, include_usage)
+# ---- what the gateway honours or refuses ---------------------------------------------------------
+def tool_choice_of(value: Any, where: str = 'tool_choice') -> str:
+    """Any format's ``tool_choice`` (a string, or an object with a ``type``) as ``auto``, ``none``,
+    ``required`` or ``function:<name>``. The gateway samples the model as it is: ``none`` is
+    honoured by taking no calls out of the reply; ``required`` and a named function by checking
+    the reply (:func:`unmet_tool_choice`)."""
+    if value is None:
+        return 'auto'
+    kind = value if isinstance(value, str) else value.get('type') if isinstance(value, dict) else None
+    if kind in ('auto', 'none'):
+        return kind
+    if kind in ('required', 'any'):
+        return 'required'
+    if kind in ('function', 'tool') and isinstance(value, dict):
+        name = value.get('name') or (value.get('function') or {}).get('name')
+        if isinstance(name, str) and name:
+            return f'function:{name}'
+    raise WireError(400, f'{where}: {value!r:.80} is not a tool_choice the gateway honours (auto, none, required, or '
+                    'one function by name)', code='unsupported_tool_choice', param=where)
 
 
-def _openai_tool(tool: Dict[str, Any], k: int) -> Dict[str, Any]:
-    function = tool.get('function') if isinstance(tool, dict) else None
-    if tool.get('type', 'function') != 'function' or not isinstance(function, dict) or \
-            not isinstance(function.get('name'), str):
-        raise WireError(400, f'tools.{k}: a tool must be {{"type": "function", "function": {{"name": ...}}}}',
-                        param=f'tools.{k}')
-    return {'type': 'function', 'function': function}
+def unmet_tool_choice(call: Any, reply: 'Reply') -> Optional[WireError]:
+    """The error a call gets when its reply does not make the call its ``tool_choice`` asked for
+    (the reply stays in the trajectory: it is what the model sampled)."""
+    choice = getattr(call, 'tool_choice', 'auto')
+    if choice == 'required' and not reply.calls:
+        wanted = 'a tool call'
+    elif choice.startswith('function:') and choice[9:] not in [n for _, n, _ in reply.calls]:
+        wanted = f'a call of {choice[9:]!r}'
+    else:
+        return None
+    return WireError(400, f'tool_choice asked for {wanted} and the model\'s reply (turn {reply.turn}) made none: the '
+                     'gateway samples the model as it is and cannot force a call (the reply is in the trajectory)',
+                     code='tool_choice_unmet', param='tool_choice')
 
 
-def _assistant(text: str, calls: List[Tuple[str, str, Any]], returned: Returned, render_calls: Any) -> Dict[str, Any]:
-    """A client's assistant message as the model's exact text when the gateway returned it, else
-    its text and its calls in the model's format."""
-    raw = returned.raw(text, calls)
-    if raw is None and text == '':
-        raw = returned.raw(None, calls)
-    if raw is not None:
-        return {'role': 'assistant', 'content': raw}
-    if calls:
-        written = render_calls([(n, _loads_or_text(a) if isinstance(a, str) else a) for _, n, a in calls])
-        text = f'{text}\n{written}' if text else written
-    return {'role': 'assistant', 'content': text}
-
-
-# ---- Anthropic in ---------------------------------------------------------------------------------
-def parse_anthropic(body: Any, returned: Returned, render_calls: Any) -> Call:
-    """An Anthropic ``/v1/messages`` body as a :class:`Call` (see :func:`parse_openai`)."""
-    req = _validated(_AnthropicRequest, body)
-    messages: List[Dict[str, Any]] = []
-    if req.system:
-        messages.append({'role': 'system', 'content': _text_of(req.system, 'system')})
-    for k, m in enumerate(req.messages):
-        where = f'messages.{k}.content'
-        blocks = [{'type': 'text', 'text': m.content}] if isinstance(m.content, str) else m.content
-        if m.role == 'assistant':
-            text, calls = [], []
-            for j, b in enumerate(blocks):
-                kind = b.get('type') if isinstance(b, dict) else None
-                if kind == 'text':
-                    text.append(str(b.get('text', '')))
-                elif kind == 'tool_use':
-                    calls.append((str(b.get('id', '')), str(b.get('name', '')), b.get('input') or {}))
-                elif kind in ('thinking', 'redacted_thinking'):
-                    continue  # the model's text holds its reasoning: the raw text is found by the rest
-                else:
-                    raise WireError(400, f'{where}.{j}: block of type {kind!r} is not supported in an assistant '
-                                    'message', param=f'{where}.{j}')
-            messages.append(_assistant(''.join(text), calls, returned, render_calls))
-            continue
-        text = []
-        for j, b in enumerate(blocks):
-            kind = b.get('type') if isinstance(b, dict) else None
-            if kind == 'tool_result':
-                content = b.get('content')
-                result = _text_of(content, f'{where}.{j}.content') if not isinstance(content, str) else content
-                messages.append({'role': 'tool', 'content': result, 'tool_call_id': str(b.get('tool_use_id', ''))})
-            elif kind == 'text':
-                text.append(str(b.get('text', '')))
-            else:
-                raise WireError(400, f'{where}.{j}: content of type {kind!r} is not supported by the gateway (text '
-                                'and tool_result only)', param=f'{where}.{j}')
-        if text or not any(b.get('type') == 'tool_result' for b in blocks if isinstance(b, dict)):
-            messages.append({'role': 'user', 'content': ''.join(text)})
-    tools = None
-    if req.tools:
-        tools = []
-        for k, t in enumerate(req.tools):
-            if not isinstance(t.get('name'), str):
-                raise WireError(400, f'tools.{k}.name: required', param=f'tools.{k}.name')
-            tools.append({'type': 'function', 'function': {'name': t['name'], 'description': t.get('description', ''),
-                                                           'parameters': t.get('input_schema') or {}}})
-    return Call(messages, tools, _sampling(req.max_tokens, req.temperature, req.top_p, None, req.stop_sequences),
-                'anthropic', req.stream, req.model)
+def refuse_format(kind: Any, where: str) -> None:
+    """A structured output format (anything but text) is refused: no backend's sampling is
+    constrained to a schema here."""
+    if kind in (None, 'text'):
+        return
+    raise WireError(400, f'{where}: {kind!r} cannot be honoured: the gateway samples the model as it is and cannot '
+                    'constrain its output to a format; send "text" (and check the output yourself)',
+                    code='unsupported_response_format', param=where)
 
 
 # ---- the model's text out -------------------------------------------------------------------------
@@ -311,7 +295,9 @@ def split_calls(text: str, parser: Any, turn: int, session: str,
     """``(content, calls)`` of the model's text: each well-formed, complete call taken out of the
     text as ``(id, name, arguments)`` (ids unique to this session and turn; the XML formats' text
     values typed by the client's ``tools``); a malformed or truncated call stays in the text (the
-    client sees what the model wrote)."""
+    client sees what the model wrote). With calls, the content is the text without the calls' text
+    and the wrappers they leave empty (the parser's ``without_calls``), stripped: it begins with
+    the text before the first call, which a stream sends as it comes (:mod:`.streaming`)."""
     if parser is None or not text:
         return text, []
     try:
@@ -319,94 +305,10 @@ def split_calls(text: str, parser: Any, turn: int, session: str,
     except Exception:  # a parser that fails on odd text: the text goes out as it is
         return text, []
     taken = [(k, c) for k, c in enumerate(found) if c.error is None and c.complete and c.name]
-    calls = [(f'call_{session[-12:]}_{turn}_{k}_{_uuid.uuid4().hex[:8]}', c.name, c.arguments) for k, c in taken]
+    calls = [(call_id(session, turn, k), c.name, c.arguments) for k, c in taken]
+    # the parser takes its calls' text out, and the wrappers they leave empty (Kimi-K2's section,
+    # MiniMax-M2's and DSML's blocks): one rule with a scheduler's messages (mtflow.declarative.call_messages)
     return (take_out_calls(parser, text, [c for _, c in taken]) if calls else text), calls
-
-
-def _arguments_text(args: Any) -> str:
-    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-
-
-_OPENAI_FINISH = {'stop': 'stop', 'length': 'length', None: 'stop'}
-_ANTHROPIC_STOP = {'stop': 'end_turn', 'length': 'max_tokens', None: 'end_turn'}
-
-
-def _usage(reply: Reply) -> Dict[str, int]:
-    return {'prompt_tokens': reply.prompt_tokens, 'completion_tokens': reply.completion_tokens,
-            'total_tokens': reply.prompt_tokens + reply.completion_tokens}
-
-
-def openai_response(reply: Reply, model: str, rid: str) -> Dict[str, Any]:
-    message: Dict[str, Any] = {'role': 'assistant', 'content': reply.content if reply.content or not reply.calls
-                               else None}
-    if reply.calls:
-        message['tool_calls'] = [{'id': i, 'type': 'function', 'function': {'name': n, 'arguments': _arguments_text(a)}}
-                                 for i, n, a in reply.calls]
-    finish = 'tool_calls' if reply.calls else _OPENAI_FINISH.get(reply.finish_reason, 'stop')
-    return {'id': rid, 'object': 'chat.completion', 'created': int(time.time()), 'model': model,
-            'choices': [{'index': 0, 'message': message, 'finish_reason': finish, 'logprobs': None}],
-            'usage': _usage(reply)}
-
-
-def openai_chunks(reply: Reply, model: str, rid: str, include_usage: bool) -> List[Dict[str, Any]]:
-    """The server-sent chunks of one reply (the whole output is known when they are sent: the
-    content in one delta, each tool call in one)."""
-    created = int(time.time())
-
-    def chunk(delta: Dict[str, Any], finish: Optional[str] = None) -> Dict[str, Any]:
-        return {'id': rid, 'object': 'chat.completion.chunk', 'created': created, 'model': model,
-                'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish, 'logprobs': None}]}
-
-    out = [chunk({'role': 'assistant', 'content': ''})]
-    if reply.content:
-        out.append(chunk({'content': reply.content}))
-    for k, (i, n, a) in enumerate(reply.calls):
-        out.append(chunk({'tool_calls': [{'index': k, 'id': i, 'type': 'function',
-                                          'function': {'name': n, 'arguments': _arguments_text(a)}}]}))
-    out.append(chunk({}, 'tool_calls' if reply.calls else _OPENAI_FINISH.get(reply.finish_reason, 'stop')))
-    if include_usage:
-        out.append({'id': rid, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [],
-                    'usage': _usage(reply)})
-    return out
-
-
-def _anthropic_blocks(reply: Reply) -> List[Dict[str, Any]]:
-    blocks: List[Dict[str, Any]] = [{'type': 'text', 'text': reply.content}] if reply.content or not reply.calls else []
-    for i, n, a in reply.calls:
-        args = _loads_or_text(a) if isinstance(a, str) else a
-        blocks.append({'type': 'tool_use', 'id': i, 'name': n, 'input': args if isinstance(args, dict) else {}})
-    return blocks
-
-
-def anthropic_response(reply: Reply, model: str, rid: str) -> Dict[str, Any]:
-    stop = 'tool_use' if reply.calls else _ANTHROPIC_STOP.get(reply.finish_reason, 'end_turn')
-    return {'id': rid, 'type': 'message', 'role': 'assistant', 'model': model, 'content': _anthropic_blocks(reply),
-            'stop_reason': stop, 'stop_sequence': None,
-            'usage': {'input_tokens': reply.prompt_tokens, 'output_tokens': reply.completion_tokens}}
-
-
-def anthropic_events(reply: Reply, model: str, rid: str) -> List[Tuple[str, Dict[str, Any]]]:
-    """``(event, data)`` of Anthropic's message stream for one reply."""
-    message = anthropic_response(reply, model, rid)
-    start = dict(message, content=[], stop_reason=None, usage={'input_tokens': reply.prompt_tokens, 'output_tokens': 0})
-    events: List[Tuple[str, Dict[str, Any]]] = [('message_start', {'type': 'message_start', 'message': start})]
-    for k, block in enumerate(message['content']):
-        if block['type'] == 'text':
-            events.append(('content_block_start', {'type': 'content_block_start', 'index': k,
-                                                   'content_block': {'type': 'text', 'text': ''}}))
-            events.append(('content_block_delta', {'type': 'content_block_delta', 'index': k,
-                                                   'delta': {'type': 'text_delta', 'text': block['text']}}))
-        else:
-            events.append(('content_block_start', {'type': 'content_block_start', 'index': k, 'content_block': {
-                'type': 'tool_use', 'id': block['id'], 'name': block['name'], 'input': {}}}))
-            events.append(('content_block_delta', {'type': 'content_block_delta', 'index': k, 'delta': {
-                'type': 'input_json_delta', 'partial_json': json.dumps(block['input'], ensure_ascii=False)}}))
-        events.append(('content_block_stop', {'type': 'content_block_stop', 'index': k}))
-    events.append(('message_delta', {'type': 'message_delta', 'delta': {'stop_reason': message['stop_reason'],
-                                                                        'stop_sequence': None},
-                                     'usage': {'output_tokens': reply.completion_tokens}}))
-    events.append(('message_stop', {'type': 'message_stop'}))
-    return events
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -421,3 +323,14 @@ _ANTHROPIC_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 4
 
 def anthropic_error(err: WireError) -> Dict[str, Any]:
     return {'type': 'error', 'error': {'type': _ANTHROPIC_TYPES.get(err.status, 'api_error'), 'message': err.message}}
+
+
+def logprob_items(reply: Reply, top: int) -> List[Dict[str, Any]]:
+    """The reply's per-token logprobs in OpenAI's shape (``token``, ``logprob``, ``bytes``,
+    ``top_logprobs`` cut to ``top``): every sampled token, reasoning and tool calls included."""
+    def entry(item: Dict[str, Any]) -> Dict[str, Any]:
+        token = str(item.get('token', ''))
+        return {'token': token, 'logprob': float(item.get('logprob', 0.0)), 'bytes': list(token.encode('utf-8'))}
+
+    return [dict(entry(item), top_logprobs=[entry(t) for t in (item.get('top_logprobs') or [])[:top]])
+            for item in reply.logprobs or ()]

@@ -44,6 +44,12 @@ class GatewayConfig(StrictModel):
                                          'policy versions old is dropped (docs/streaming.md).')
     rollout_timeout_s: Optional[float] = Field(None, gt=0, description='A model call running longer fails its '
                                                'session (timeout).')
+    session_header: str = Field('X-Session-ID', pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$",
+                                description="The header that names a call's session on the gateway's own /v1 "
+                                "(verifiers' X-Session-ID by default; X-Mtflow-Session is read too).")
+    reasoning: str = Field('auto', description="How a reply's thinking is split from its content (reasoning_content, "
+                           "thinking blocks, reasoning items): a reasoning parser of docs/declarative.md (auto: by "
+                           "the tool parser's family and the chat template; think, kimi, harmony, none, module:Class).")
 
 
 class VerifierCommand(StrictModel):

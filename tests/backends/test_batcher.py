@@ -305,3 +305,37 @@ def test_when_all_came_back_the_batch_goes_without_waiting_for_the_gap():
         futs = [batcher.submit([req(u)]) for u in 'abc']
         assert [_text(f.result(timeout=30)[0]) for f in futs] == ['a:2', 'b:2', 'c:2']
     assert batcher.batch_sizes == [3, 3]
+
+
+def test_settle_fraction_caps_the_wait_for_the_last_batch_at_a_share_of_its_time():
+    """Sessions that come back late (the gateway's): 'b' queued while 'a' and 'gone' ran for about a
+    second; 'a' comes back, 'gone' never does. With a quiet gap of 600 s the batch would wait for
+    max_delay_s; settle_fraction=0.5 lets it go after half the last call's time, with 'a' in it."""
+    fn = Echo(gate=threading.Event())
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=600.0, max_delay_s=600.0,
+                        settle_fraction=0.5) as batcher:
+        first = batcher.submit([req('a'), req('gone')])
+        assert fn.entered.wait(timeout=30)
+        queued = batcher.submit([req('b')])
+        time.sleep(1.0)  # the call runs a second: the wait for its requests is at most half of it
+        fn.gate.set()
+        first.result(timeout=30)
+        back = batcher.submit([req('a')])
+        assert [_text(back.result(timeout=30)[0]), _text(queued.result(timeout=30)[0])] == ['a:2', 'b:2']
+    assert batcher.batch_sizes == [2, 2]
+    with pytest.raises(ValueError, match='settle_fraction'):
+        DynamicBatcher(fn, settle_fraction=-1)
+
+
+def test_settle_fraction_does_not_wait_for_callers_that_come_back_later_than_it_would():
+    """Agents that think between calls (their return lags longer than the share of the batch's
+    time): a request waiting behind the last batch goes at once, with nothing to wait for."""
+    fn = Echo()
+    with DynamicBatcher(fn, max_batch_size=8, max_wait_s=0.0, settle_s=600.0, max_delay_s=600.0,
+                        settle_fraction=0.5) as batcher:
+        batcher.call([req('a')])
+        time.sleep(0.3)  # 'a' thinks far longer than its batch call took
+        batcher.call([req('a')])  # its lag is recorded when the next batch goes ...
+        lone = batcher.submit([req('b')])  # ... and 'a' is expected back, slowly: 'b' does not wait 600 s
+        assert _text(lone.result(timeout=30)[0]) == 'b:3'
+    assert batcher.batch_sizes == [1, 1, 1] and min(batcher.return_lags_s) >= 0.25

@@ -1,6 +1,7 @@
 """Agent libraries from the registry, unchanged, each run as its own process with its OpenAI client
-pointed at a gateway session (``OPENAI_BASE_URL``): the OpenAI Agents SDK with a function tool,
-smolagents' ``ToolCallingAgent`` and ``CodeAgent`` with ``OpenAIServerModel``. The scripted model
+pointed at a gateway session (``OPENAI_BASE_URL``): the OpenAI Agents SDK with a function tool (on
+its default Responses API and on chat completions), smolagents' ``ToolCallingAgent`` (which sends
+``tool_choice: required``) and ``CodeAgent`` with ``OpenAIServerModel``. The scripted model
 makes the calls (a tiny random model would not call a tool); every segment passes ``mtflow
 check-tokens``. smolagents writes its own history (``Calling tools: [...]``, ``Observation: ...``)
 instead of the model's text, so each of its calls starts a new segment (``assistant_edited``)."""
@@ -26,29 +27,32 @@ AGENTS_SDK = ROOT / '.extras' / 'openai-agents'
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
-def _run_agent(tmp_path: Path, outputs: list, script: str, extra_path: str = '') -> tuple:
+def _run_agent(tmp_path: Path, outputs: list, script: str, extra_path: str = '', flags: tuple = ()) -> tuple:
     """Serve ``outputs``, run ``script`` against session ``ep``, finish it with reward 1; the
     agent's output and the trajectory line."""
     with Gateway(scripted(*outputs), tmp_path / 'run', request_config=RequestConfig(max_tokens=64)) as gw:
         path = os.pathsep.join(p for p in (extra_path, str(ROOT)) if p)
         env = dict(os.environ, OPENAI_BASE_URL=gw.base_url('ep'), OPENAI_API_KEY='unused', PYTHONPATH=path,
                    OPENAI_AGENTS_DISABLE_TRACING='1')
-        done = subprocess.run([sys.executable, str(AGENTS / script), 'What is 2 + 3?'], env=env, capture_output=True,
-                              text=True, timeout=TIMEOUT_S * 2)
+        done = subprocess.run([sys.executable, str(AGENTS / script), *flags, 'What is 2 + 3?'], env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT_S * 2)
         assert done.returncode == 0, done.stderr[-3000:]
         assert httpx.post(f'{gw.url}/s/ep/finish', json={'reward': 1}, timeout=TIMEOUT_S).status_code == 200
     [line] = lines(tmp_path / 'run')
     return done.stdout.strip(), line
 
 
-def test_the_openai_agents_sdk_with_a_function_tool(tmp_path):
+@pytest.mark.parametrize('api', ['responses', 'chat_completions'])
+def test_the_openai_agents_sdk_with_a_function_tool(tmp_path, api):
+    """On its default Responses API, and on chat completions."""
     if (AGENTS_SDK / 'agents').is_dir():
         extra = str(AGENTS_SDK)
     elif importlib.util.find_spec('agents') is not None:
         extra = ''
     else:
         pytest.skip('openai-agents is not installed (scripts/test.sh installs it into .extras/openai-agents)')
-    answer, line = _run_agent(tmp_path, [ADD, 'The sum is 5.'], 'openai_agents_sdk.py', extra)
+    answer, line = _run_agent(tmp_path, [ADD, 'The sum is 5.'], 'openai_agents_sdk.py', extra,
+                              ('--chat', ) if api == 'chat_completions' else ())
     assert answer == 'The sum is 5.'
     assert [m['role'] for m in line['messages']] == ['system', 'user', 'assistant', 'tool', 'assistant']
     assert line['messages'][3]['content'] == '5'  # the SDK ran the tool the model called

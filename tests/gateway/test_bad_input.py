@@ -43,6 +43,9 @@ def test_malformed_bodies_are_400s_that_name_the_field(gw):
     assert anthropic.status_code == 400 and anthropic.json()['type'] == 'error'
     assert 'max_tokens' in anthropic.json()['error']['message']
     assert _post(url, [1, 2]).status_code == 400
+    for bad, said in ((42, 'a string or a list of input items, not int'), ([1], 'item 0 is int')):
+        responses = _post(f'{gw.url}/s/a/v1/responses', {'model': 'm', 'input': bad}).json()['error']
+        assert responses['param'] == 'input' and said in responses['message']  # not a union member's name
     # none of these opened a session or cost anything: the session still serves its first turn
     assert _post(url, HELLO).json()['choices'][0]['message']['content'] == 'fine'
 
@@ -186,3 +189,44 @@ def test_an_idle_session_finishes_idle_timeout(tmp_path):
         assert late.status_code == 409
     [line] = lines(tmp_path / 'run')
     assert line['finish_reason'] == 'idle_timeout' and line['num_turns'] == 1
+
+
+def test_sessions_by_header_and_the_status_codes_the_docs_give(tmp_path):
+    """``X-Session-ID`` by default (verifiers' header: its client sends an API key beside it), a
+    configured header instead, ``X-Mtflow-Session`` always; no session named is a 400 (a key that
+    is no session's own too), a key that is not the session's a 401."""
+    with Gateway(scripted('one'), tmp_path / 'default') as gw:
+        v1 = f'{gw.url}/v1/chat/completions'
+        verifiers_like = _post(v1, HELLO, headers={'X-Session-ID': 'rollout-1', 'Authorization': 'Bearer sk-any'})
+        assert verifiers_like.status_code == 200
+        stray = _post(v1, HELLO, headers={'Authorization': 'Bearer sk-nobody'})
+        assert stray.status_code == 400 and stray.json()['error']['code'] == 'no_session'
+        assert "no session's own" in stray.json()['error']['message'] and 'X-Session-ID' in stray.json()['error']['message']
+        gw.finish('rollout-1', reward=1.0)
+    with Gateway(scripted('two'), tmp_path / 'custom', settings=GatewayConfig(session_header='X-Rollout')) as gw:
+        v1 = f'{gw.url}/v1/chat/completions'
+        assert _post(v1, HELLO, headers={'X-Rollout': 'r1'}).status_code == 200
+        assert _post(v1, HELLO, headers={'X-Mtflow-Session': 'r2'}).status_code == 200
+        unnamed = _post(v1, HELLO, headers={'X-Session-ID': 'not-read-here'})
+        assert unnamed.status_code == 400 and 'X-Rollout' in unnamed.json()['error']['message']
+        too_long = _post(v1, HELLO, headers={'X-Rollout': 'r' * 201})
+        assert too_long.status_code == 400 and too_long.json()['error']['param'] == 'session'
+        for name in ('r1', 'r2'):
+            gw.finish(name)
+    assert sorted(line['uuid'] for line in lines(tmp_path / 'custom')) == ['r1', 'r2']
+    with pytest.raises(Exception, match='session_header'):
+        GatewayConfig(session_header='X Session')
+
+
+def test_every_route_not_served_answers_json_naming_what_is(gw):
+    embeddings = httpx.post(f'{gw.url}/v1/embeddings', json={'input': 'x'}, timeout=TIMEOUT_S)
+    assert embeddings.status_code == 404
+    message = embeddings.json()['error']['message']
+    assert 'POST /v1/embeddings' in message and 'POST /s/{session}/v1/responses' in message
+    wrong_method = httpx.get(f'{gw.url}/s/a/v1/chat/completions', timeout=TIMEOUT_S)
+    assert wrong_method.status_code == 405 and wrong_method.json()['error']['code'] == 'method_not_allowed'
+    count = httpx.post(f'{gw.url}/s/a/v1/messages/count_tokens', json={}, timeout=TIMEOUT_S)
+    assert count.status_code == 404 and count.json()['error']['type'] == 'not_found_error'  # Anthropic's shape
+    root = httpx.get(gw.url, timeout=TIMEOUT_S)
+    assert root.status_code == 200 and 'POST /v1/responses' in root.json()['routes']
+    assert httpx.head(gw.url, timeout=TIMEOUT_S).status_code == 200  # Claude Code's reachability probe

@@ -7,6 +7,7 @@ import pytest
 
 from mtflow.accounting.segments_split import training_samples
 from mtflow.gateway import Gateway, transition
+from mtflow.run.agent_config import GatewayConfig
 from tests.gateway.helpers import ADD_TOOL, TIMEOUT_S, assert_tokens_exact, events, lines, scripted
 
 openai = pytest.importorskip('openai')
@@ -17,9 +18,9 @@ def _ask(client, messages, **kw):
     return reply.choices[0].message.model_dump(exclude_none=True)
 
 
-def _run(tmp_path, outputs, episode):
+def _run(tmp_path, outputs, episode, settings=None):
     """Run ``episode(client)`` against a fresh gateway; finish with reward 0.75; return the line."""
-    with Gateway(scripted(*outputs), tmp_path / 'run') as gw:
+    with Gateway(scripted(*outputs), tmp_path / 'run', settings=settings) as gw:
         client = openai.OpenAI(base_url=gw.base_url('ep'), api_key='unused', timeout=TIMEOUT_S, max_retries=0)
         episode(client)
         assert httpx.post(f'{gw.url}/s/ep/finish', json={'reward': 0.75}, timeout=TIMEOUT_S).status_code == 200
@@ -79,8 +80,10 @@ def test_stripped_thinking_a_sub_agent_and_new_tools_each_start_a_segment(tmp_pa
         history += [_ask(client, history)]
         _ask(client, history + [{'role': 'user', 'content': 'now add'}], tools=[ADD_TOOL])
 
+    # reasoning: none keeps the thinking in the content, so the client's stripping is a rewrite (with the default
+    # split, the answer sent back without its reasoning is the model's own text again: test_wire_features.py)
     line = _run(tmp_path, ['<think>hidden plan</think>Plan ready.', 'working', 'X is 4', 'resumed', 'adding'],
-                episode)
+                episode, GatewayConfig(reasoning='none'))
     kinds = [s['ended_by']['kind'] for s in line['rollout_infos']['context_segments']]
     assert kinds == ['thinking_stripped', 'new_conversation', 'new_conversation', 'tools_changed']
     assert [s['segment'] for s in training_samples(line)] == [0, 1, 2, 3, 4]
