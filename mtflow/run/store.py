@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Union
 
 from mtflow.run.files import (FORMAT, INTERRUPTED_FILE, LOCK, RUN_FILES, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES,
-                              TREES, DirLock, FingerprintMismatch, Record, RunDirError, append_file, json_line,
-                              not_empty_message, set_aside, utc_now, write_json_atomic)
+                              TREES, DirLock, FingerprintMismatch, Record, RunDirError, WriteRefused, append_file,
+                              json_line, not_empty_message, set_aside, utc_now, write_json_atomic)
 from mtflow.run.groups import GroupWriter
 from mtflow.run.images import ImageStore
 from mtflow.run.recovery import Recovery, fingerprint_changes, read_run_info, recover
@@ -63,7 +63,7 @@ from mtflow.run.trees import prompts_of
 from mtflow.run.trajectories import finished_to_record
 
 __all__ = [
-    'RunStore', 'RunDirError', 'FingerprintMismatch', 'Recovery', 'finished_to_record', 'fingerprint_changes',
+    'RunStore', 'RunDirError', 'WriteRefused', 'FingerprintMismatch', 'Recovery', 'finished_to_record', 'fingerprint_changes',
     'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY', 'LOCK', 'RUN_FILES', 'FORMAT'
 ]
 
@@ -223,7 +223,8 @@ class RunStore:
         """One finished request: its trajectory line (needs ``uuid``) and its trace events.
 
         Kept in memory until the group is flushed (see :meth:`flush`); a uuid already written
-        raises :class:`RunDirError`."""
+        raises :class:`WriteRefused` (the line is not kept); a group that cannot be written (a
+        full disk) raises :class:`RunDirError`, its lines kept for the next flush."""
         rec = record if isinstance(record, dict) else record.to_dict()
         evs = [e if isinstance(e, dict) else e.to_dict() for e in events]
         uuid = str(rec['uuid'])
@@ -232,7 +233,7 @@ class RunStore:
         with self._lock:
             self._check_open()
             if uuid in self.done:
-                raise RunDirError(f'request {uuid} is already written to {self.out_dir / TRAJECTORIES}: '
+                raise WriteRefused(f'request {uuid} is already written to {self.out_dir / TRAJECTORIES}: '
                                   f'a request is written once')
             self.done.add(uuid)
             self.written += 1
@@ -279,7 +280,7 @@ class RunStore:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RunDirError(f'the run store of {self.out_dir} is closed')
+            raise WriteRefused(f'the run store of {self.out_dir} is closed')
 
     # ---- closing ------------------------------------------------------------------------------
     def close(self, status: str = 'complete', summary: Optional[Dict[str, Any]] = None,

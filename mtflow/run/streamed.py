@@ -8,7 +8,9 @@ flight held in memory, whatever the dataset's size. Prompts the store already ha
 (``--resume``); the budget ``--until`` (:mod:`mtflow.run.until`) stops after that many written
 groups, requests, seconds or tokens, and what was in flight is not written, so ``--resume`` runs
 it again from its prompts. A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM) finishes the requests in
-flight as ``interrupted`` (``interrupted.jsonl``) and goes on to the caller.
+flight as ``interrupted`` (``interrupted.jsonl``) and goes on to the caller. A line that could not
+be written fails the run after its group (:meth:`mtflow.run.driver.StreamingRun.check_writes`):
+the stream stops, and what was in flight runs again on ``--resume``.
 """
 from __future__ import annotations
 
@@ -62,14 +64,30 @@ def run_streaming(run: Any, executor: Any, prompts: Iterable[Any], until: Option
     try:
         for group in stream:
             _write(run, group, positions, t_offset)
+            run.check_writes()  # a line that could not be written fails the run, naming it
     except KeyboardInterrupt:
         for group in stream.interrupt():
+            _write(run, group, positions, t_offset)
+        run.check_lost()
+        raise
+    except BaseException:  # the run fails: the driver stops, what is in flight goes back (run again on --resume)
+        for group in _stop(stream):  # the groups that had finished are written all the same
             _write(run, group, positions, t_offset)
         raise
     finally:
         run.skipped += skipped[0]
         run.rollout_fn_calls += stream.stats['rollout_fn_calls']
     run.until_met = bool(stream.unfinished) or (until is not None and not _source_done(stream))
+
+
+def _stop(stream: Any) -> List[StreamGroup]:
+    """Stop the stream's driver after the consumer failed; the groups that finished and were not
+    taken. An error of the driver's own is not the one to report then."""
+    try:
+        stream.close()
+    except BaseException:  # noqa: BLE001 - the consumer's error is on its way up
+        pass
+    return list(stream.untaken)
 
 
 def _source_done(stream: Any) -> bool:
@@ -87,11 +105,13 @@ def _write(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], 
     placed: Dict[str, Tuple[int, Any]] = {}
     for k, uuid in enumerate(group.uuids):
         root = roots.get(uuid, uuid)
-        if root not in placed:
-            placed[root] = positions.pop(root, (k, group.requests[k]))
+        if root not in placed:  # a tree an interrupt cut comes in two groups: its position is kept for the second
+            placed[root] = positions.get(root, (k, group.requests[k]))
         index, request = placed[root]
         finished = FinishedRequest(index, uuid, group.outputs[k], group.finish_reasons[k], failures.get(uuid),
                                    group.events[k], parents.get(uuid))
         run.write_finished(finished, index, request, t_offset, live=group.requests[k], whole=uuid not in cut)
-    run.store.write_trees(whole)
-    run.store.tick()
+        if group.finish_reasons[k] != INTERRUPTED and uuid not in cut:
+            positions.pop(root, None)  # done: only what is in flight is held
+    run.store.write_trees(run.written_trees(whole))
+    run.tick()
