@@ -40,6 +40,7 @@ from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.trees import whole_trees
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
+from mtflow.run.signals import deferred_interrupts
 from mtflow.run.serving import annotate as annotate_serving, begin_server_metrics, end_server_metrics
 
 __all__ = ['StreamingRun', 'roll_out']
@@ -140,7 +141,12 @@ class StreamingRun:
 
     def write_trees(self, trees: List[Dict[str, Any]]) -> None:
         """The held leaves of a branched batch, tree by tree: a whole tree's leaves, then its line;
-        a tree some leaf of which did not finish (an interrupt) to ``interrupted.jsonl``, whole."""
+        a tree some leaf of which did not finish (an interrupt) to ``interrupted.jsonl``, whole. A
+        first signal meanwhile waits until all of it is taken."""
+        with deferred_interrupts():
+            self._write_trees(trees)
+
+    def _write_trees(self, trees: List[Dict[str, Any]]) -> None:
         held: Dict[str, Any] = {}
         twice = []  # a second request under a uuid already held: written too, so the store refuses it loudly
         for f in self._held:

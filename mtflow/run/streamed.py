@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from mtflow.core.machine import INTERRUPTED
 from mtflow.core.records import FinishedRequest
 from mtflow.engine.stream import StreamGroup, StreamUntil
+from mtflow.run.signals import deferred_interrupts
 from mtflow.run.trees import whole_trees
 
 __all__ = ['group_source', 'run_streaming']
@@ -95,6 +96,13 @@ def _source_done(stream: Any) -> bool:
 
 
 def _write(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], t_offset: float) -> None:
+    """One delivered group, whole: a first signal that comes meanwhile waits until its lines and
+    its trees' lines are taken (a tree line cut off would leave its tree short for good)."""
+    with deferred_interrupts():
+        _write_group(run, group, positions, t_offset)
+
+
+def _write_group(run: Any, group: StreamGroup, positions: Dict[str, Tuple[int, Any]], t_offset: float) -> None:
     failures = {f.uuid: f for f in group.failures}
     # a branched group (docs/branching.md): each fork's child is written at its root's position, and
     # only a whole tree is done (an interrupt's cut tree goes whole to interrupted.jsonl: mtflow/run/trees.py)

@@ -19,47 +19,96 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCHEDULER = '''
 import os
+import time
 from mtflow import Branching, Scheduler
 
 
 class CutOnce(Scheduler):
     """p0's tree ends at turn 1 (the prompt and its top-up copy p0~2); p1 forks before turn 2 and runs
-    3 turns; while the file ``interrupt-once`` exists, p1~1's step at turn 2 is a Ctrl-C."""
+    3 turns; while the file ``interrupt-once`` exists, p1~1's step at turn 2 waits until p0's tree has
+    finished (under ``--mode async`` p0~2 runs beside it), then is a Ctrl-C."""
     branch = Branching(at={'turn': 2}, copies=2, leaves=2)
+    done = set()  # the module is executed afresh for every run
+
+    def on_request_finished(self, infer_request, reason, turn):
+        self.done.add(infer_request.uuid)
 
     def check_finished(self, infer_request, response_choice, current_turn):
         return current_turn >= (1 if infer_request.uuid.startswith('p0') else 3)
 
+    def waiting_for(self, uuids):
+        return not set(uuids) <= self.done and time.monotonic() < self.since + 30  # bounded: a hang fails
+
     def step(self, infer_request, response_choice, current_turn):
         if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
             os.unlink('interrupt-once')
+            self.since = time.monotonic()
+            while self.waiting_for({'p0', 'p0~2'}):  # a step thread of its own under --mode async
+                time.sleep(0.01)
             raise KeyboardInterrupt
         infer_request.messages.append({'role': 'user', 'content': f'go on {current_turn}'})
         return {'infer_request': infer_request}
 '''
 
 
+#: the same trees, stopped by a real SIGTERM (as a cluster's scheduler sends it) once p0's tree and
+#: p1's first leaf have finished: p1 stops at turn 2, and p1~1's step at turn 2 waits for them, then
+#: signals (its coroutine is cancelled by the stop)
+SIGNALLED = SCHEDULER.replace('import os\n', 'import asyncio\nimport os\nimport signal\n').replace(
+    "return current_turn >= (1 if infer_request.uuid.startswith('p0') else 3)",
+    "return current_turn >= {'p1': 2, 'p1~1': 3}.get(infer_request.uuid, 1)").replace(
+    """    def step(self, infer_request, response_choice, current_turn):
+        if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
+            os.unlink('interrupt-once')
+            self.since = time.monotonic()
+            while self.waiting_for({'p0', 'p0~2'}):  # a step thread of its own under --mode async
+                time.sleep(0.01)
+            raise KeyboardInterrupt
+""", """    async def step(self, infer_request, response_choice, current_turn):
+        if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
+            os.unlink('interrupt-once')
+            self.since = time.monotonic()
+            while self.waiting_for({'p0', 'p0~2', 'p1'}):  # p1's tree is then cut with one leaf finished
+                await asyncio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(60)
+""")
+assert SIGNALLED != SCHEDULER and 'async def step' in SIGNALLED
+
+
 def _uuids(path: Path) -> list:
     return sorted(t['uuid'] for t in jsonl_lines(path)) if path.is_file() else []
 
 
-def test_an_interrupted_tree_is_kept_whole_apart_and_run_again(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize('mode', ['lockstep', 'async'])
+@pytest.mark.parametrize('stop', ['KeyboardInterrupt', 'SIGTERM'])
+def test_an_interrupted_tree_is_kept_whole_apart_and_run_again(tmp_path, monkeypatch, capsys, mode, stop):
+    """In ``--mode async`` too (issue 47 item 11 had no test there): a ``KeyboardInterrupt`` a step
+    raised in the stream's own thread lost the requests in flight (nothing in ``interrupted.jsonl``);
+    under SIGTERM a cut tree's finished leaf was written as done, and a signal that came while a
+    whole tree was being written (its leaves' fsync) left its leaves on disk without its line in
+    ``trees.jsonl``: either way a tree short for good, and ``--resume`` then fails."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / 'cut_once.py').write_text(SCHEDULER)
+    (tmp_path / 'cut_once.py').write_text(SCHEDULER if stop == 'KeyboardInterrupt' else SIGNALLED)
     (tmp_path / 'data.jsonl').write_text(''.join(json.dumps({'uuid': u, 'prompt': 'go'}) + '\n' for u in ('p0', 'p1')))
     (tmp_path / 'run.yaml').write_text('scheduler: cut_once.py:CutOnce\nbackend: scripted\nbackend_options: '
                                        '{outputs: [a guess], cycle: true}\ndataset: data.jsonl\nout: out\nmax_turns: 4\n'
                                        'batch_size: 4\n')
     (tmp_path / 'interrupt-once').touch()
-    assert main(['run', 'run.yaml', '-q']) == 130
+    assert main(['run', 'run.yaml', '-q', '--mode', mode]) == (130 if stop == 'KeyboardInterrupt' else 143)
     out = tmp_path / 'out'
     # p0's tree finished whole before the interrupt: on disk with its line; p1's was cut: all of it
     # (its finished leaves too) in interrupted.jsonl, nothing of it done
     assert _uuids(out / 'trajectories.jsonl') == ['p0', 'p0~2']
     assert [t['root'] for t in jsonl_lines(out / 'trees.jsonl')] == ['p0']
     assert _uuids(out / 'interrupted.jsonl') == ['p1', 'p1~1']
+    if stop == 'SIGTERM':  # the leaf that had finished is kept as it finished
+        reasons = {t['uuid']: t['finish_reason'] for t in jsonl_lines(out / 'interrupted.jsonl')}
+        assert reasons == {'p1': 'check_finished', 'p1~1': 'interrupted'}
+    summary = json.loads((out / 'summary.json').read_text())
+    assert (summary['status'], summary['written'], summary['interrupted']) == ('interrupted', 2, 2)
     capsys.readouterr()
-    assert main(['run', 'run.yaml', '--resume']) == 0
+    assert main(['run', 'run.yaml', '--resume', '--mode', mode]) == 0
     err = capsys.readouterr().err
     assert 'resuming out: 1 of 2 prompts already written (2 leaves)' in err
     assert _uuids(out / 'trajectories.jsonl') == ['p0', 'p0~2', 'p1', 'p1~1']
