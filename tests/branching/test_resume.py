@@ -7,12 +7,16 @@ leaves of prompts."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from mtflow.cli import main
+from mtflow.run.files import TRAJECTORIES
+from mtflow.run.groups import GroupWriter
 from tests.helpers import jsonl_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +121,39 @@ def test_an_interrupted_tree_is_kept_whole_apart_and_run_again(tmp_path, monkeyp
     summary = json.loads((out / 'summary.json').read_text())
     assert (summary['requests'], summary['prompts_written'], summary['written'], summary['trees_short']) == \
         (2, 2, 4, [])
+
+
+@pytest.mark.parametrize('mode', ['lockstep', 'async'])
+def test_a_signal_while_a_tree_is_written_waits_for_its_line(tmp_path, monkeypatch, capsys, mode):
+    """A SIGTERM that comes while the first finished tree's leaves are being written (between their
+    lines and the tree's line of ``trees.jsonl``) waits until the tree is whole: before, the leaves
+    were on disk without the line, and ``--resume`` found that tree short for good (exit 1). The
+    resume then writes every other tree once: no leaf lost, none twice."""
+    append = GroupWriter._append
+    signalled = []
+
+    def append_then_signal(self, name, data):  # the signal lands in the main thread, mid-write
+        append(self, name, data)
+        if name == TRAJECTORIES and not signalled:
+            signalled.append(name)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(GroupWriter, '_append', append_then_signal)
+    out = tmp_path / 'run'
+    config = str(ROOT / 'configs' / 'scripted_branch.yaml')
+    assert main(['run', config, '--out', str(out), '-q', '--mode', mode, '--batch-size', '1']) == 143
+    monkeypatch.setattr(GroupWriter, '_append', append)
+    trees = list(jsonl_lines(out / 'trees.jsonl')) if (out / 'trees.jsonl').is_file() else []
+    leaves = _uuids(out / 'trajectories.jsonl')
+    assert leaves and sorted(str(u) for t in trees for u in t['leaves']) == leaves  # every leaf on disk is a whole tree's
+    capsys.readouterr()
+    assert main(['run', config, '--out', str(out), '--resume', '--no-progress', '--mode', mode]) == 0
+    assert f'{len(trees)} of 4 prompts already written ({len(leaves)} leaves)' in capsys.readouterr().err
+    lines = [t['uuid'] for t in jsonl_lines(out / 'trajectories.jsonl')]
+    assert len(lines) == len(set(lines)) == 16
+    trees = list(jsonl_lines(out / 'trees.jsonl'))
+    assert len(trees) == 4 and sorted(str(u) for t in trees for u in t['leaves']) == sorted(lines)
+    assert json.loads((out / 'summary.json').read_text())['trees_short'] == []
 
 
 @pytest.fixture
