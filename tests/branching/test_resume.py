@@ -123,12 +123,16 @@ def test_an_interrupted_tree_is_kept_whole_apart_and_run_again(tmp_path, monkeyp
         (2, 2, 4, [])
 
 
-@pytest.mark.parametrize('mode', ['lockstep', 'async'])
+@pytest.mark.parametrize('mode', ['lockstep', 'async', pytest.param('ray', marks=pytest.mark.slow)])
 def test_a_signal_while_a_tree_is_written_waits_for_its_line(tmp_path, monkeypatch, capsys, mode):
     """A SIGTERM that comes while the first finished tree's leaves are being written (between their
     lines and the tree's line of ``trees.jsonl``) waits until the tree is whole: before, the leaves
     were on disk without the line, and ``--resume`` found that tree short for good (exit 1). The
-    resume then writes every other tree once: no leaf lost, none twice."""
+    resume then writes every other tree once: no leaf lost, none twice. ``ray``: ``--ray 2``, the
+    trees delivered by the fan-out (``mtflow/distributed/ray_fanout.py``)."""
+    if mode == 'ray':
+        pytest.importorskip('ray')
+    how = ['--ray', '2'] if mode == 'ray' else ['--mode', mode]
     append = GroupWriter._append
     signalled = []
 
@@ -141,13 +145,13 @@ def test_a_signal_while_a_tree_is_written_waits_for_its_line(tmp_path, monkeypat
     monkeypatch.setattr(GroupWriter, '_append', append_then_signal)
     out = tmp_path / 'run'
     config = str(ROOT / 'configs' / 'scripted_branch.yaml')
-    assert main(['run', config, '--out', str(out), '-q', '--mode', mode, '--batch-size', '1']) == 143
+    assert main(['run', config, '--out', str(out), '-q', *how, '--batch-size', '1']) == 143
     monkeypatch.setattr(GroupWriter, '_append', append)
     trees = list(jsonl_lines(out / 'trees.jsonl')) if (out / 'trees.jsonl').is_file() else []
     leaves = _uuids(out / 'trajectories.jsonl')
     assert leaves and sorted(str(u) for t in trees for u in t['leaves']) == leaves  # every leaf on disk is a whole tree's
     capsys.readouterr()
-    assert main(['run', config, '--out', str(out), '--resume', '--no-progress', '--mode', mode]) == 0
+    assert main(['run', config, '--out', str(out), '--resume', '--no-progress', *how]) == 0
     assert f'{len(trees)} of 4 prompts already written ({len(leaves)} leaves)' in capsys.readouterr().err
     lines = [t['uuid'] for t in jsonl_lines(out / 'trajectories.jsonl')]
     assert len(lines) == len(set(lines)) == 16
