@@ -147,3 +147,25 @@ def test_refuse_stops_the_batch_naming_the_sample(tmp_path, monkeypatch, transfo
         trainer.train()
     assert (err.value.uuid, err.value.field) == ('trl0-0#1', 'rollout_logprobs')
     assert 'no rollout logprobs (1 of 8 samples have none)' in str(err.value) and not seen
+
+
+def test_trls_vllm_correction_refuses_a_sample_without_logprobs_whatever_the_rule():
+    """TRL's vLLM importance sampling correction subtracts the rollout logprobs as given (vLLM
+    cannot run here: a trainer with its two settings stands in); a batch that would hand it none is
+    refused naming the first sample, under ``'uncorrected'`` too. Without it the batch goes on."""
+    from types import SimpleNamespace
+
+    from mtflow.train.samples import Sample
+    from mtflow.train.trl_rollout import TRLRuns
+
+    samples = [Sample('a', 'g', 1.0, [1], [2, 3], [1, 1], logprobs=[-0.1, -0.2]),
+               Sample('b', 'g', 0.0, [1], [2, 3], [1, 1])]
+    vllm = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True, _metrics={})
+    with pytest.raises(SampleError) as err:
+        TRLRuns(None, missing_logprobs='uncorrected').fields(samples, vllm)
+    assert (err.value.uuid, err.value.field) == ('b', 'rollout_logprobs')
+    assert "vllm_importance_sampling_correction=False" in str(err.value)
+    runs = TRLRuns(None)
+    with pytest.warns(RuntimeWarning, match='1 of 2 samples have no rollout logprobs'):
+        fields = runs.fields(samples, SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=False))
+    assert fields['logprobs'] is None and runs.uncorrected_samples == 1
