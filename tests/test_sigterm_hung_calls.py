@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import jsonl_lines
+from tests.helpers import jsonl_lines, stop_by_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,13 +112,7 @@ def test_sigterm_stops_a_run_whose_user_call_never_returns(tmp_path, what, mode)
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, 'the call never started'
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # once: a clean stop, not the second signal's exit at once
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail(f'SIGTERM did not stop the run while its {what} hung ({mode})')
+    err = stop_by_sigterm(proc, f'its {what} hung ({mode})')
     assert proc.returncode == 143, err
     assert 'Traceback' not in err, err
     assert [t['uuid'] for t in jsonl_lines(out / 'trajectories.jsonl')] == ['b']

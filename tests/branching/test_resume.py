@@ -22,7 +22,9 @@ from tests.helpers import jsonl_lines
 ROOT = Path(__file__).resolve().parents[2]
 
 SCHEDULER = '''
+import asyncio
 import os
+import signal
 import time
 from mtflow import Branching, Scheduler
 
@@ -33,51 +35,52 @@ class CutOnce(Scheduler):
     finished (under ``--mode async`` p0~2 runs beside it), then is a Ctrl-C."""
     branch = Branching(at={'turn': 2}, copies=2, leaves=2)
     done = set()  # the module is executed afresh for every run
+    ends = {}  # the turn a request ends at, where not p0's tree's 1 or p1's tree's 3
 
     def on_request_finished(self, infer_request, reason, turn):
         self.done.add(infer_request.uuid)
 
     def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= (1 if infer_request.uuid.startswith('p0') else 3)
+        uuid = infer_request.uuid
+        return current_turn >= self.ends.get(uuid, 1 if uuid.startswith('p0') else 3)
+
+    def cutting(self, infer_request, current_turn):
+        """p1~1's step at turn 2, once."""
+        if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
+            os.unlink('interrupt-once')
+            self.since = time.monotonic()
+            return True
+        return False
 
     def waiting_for(self, uuids):
         return not set(uuids) <= self.done and time.monotonic() < self.since + 30  # bounded: a hang fails
 
-    def step(self, infer_request, response_choice, current_turn):
-        if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
-            os.unlink('interrupt-once')
-            self.since = time.monotonic()
-            while self.waiting_for({'p0', 'p0~2'}):  # a step thread of its own under --mode async
-                time.sleep(0.01)
-            raise KeyboardInterrupt
+    def go_on(self, infer_request, current_turn):
         infer_request.messages.append({'role': 'user', 'content': f'go on {current_turn}'})
         return {'infer_request': infer_request}
-'''
 
-
-#: the same trees, stopped by a real SIGTERM (as a cluster's scheduler sends it) once p0's tree and
-#: p1's first leaf have finished: p1 stops at turn 2, and p1~1's step at turn 2 waits for them, then
-#: signals (its coroutine is cancelled by the stop)
-SIGNALLED = SCHEDULER.replace('import os\n', 'import asyncio\nimport os\nimport signal\n').replace(
-    "return current_turn >= (1 if infer_request.uuid.startswith('p0') else 3)",
-    "return current_turn >= {'p1': 2, 'p1~1': 3}.get(infer_request.uuid, 1)").replace(
-    """    def step(self, infer_request, response_choice, current_turn):
-        if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
-            os.unlink('interrupt-once')
-            self.since = time.monotonic()
+    def step(self, infer_request, response_choice, current_turn):
+        if self.cutting(infer_request, current_turn):
             while self.waiting_for({'p0', 'p0~2'}):  # a step thread of its own under --mode async
                 time.sleep(0.01)
             raise KeyboardInterrupt
-""", """    async def step(self, infer_request, response_choice, current_turn):
-        if infer_request.uuid == 'p1~1' and current_turn == 2 and os.path.exists('interrupt-once'):
-            os.unlink('interrupt-once')
-            self.since = time.monotonic()
+        return self.go_on(infer_request, current_turn)
+
+
+class Signalled(CutOnce):
+    """The same trees, stopped by a real SIGTERM (as a cluster's scheduler sends it) once p0's tree
+    and p1's first leaf have finished: p1 ends at turn 2, and p1~1's step at turn 2 waits for them,
+    then signals (its coroutine is cancelled by the stop)."""
+    ends = {'p1': 2}
+
+    async def step(self, infer_request, response_choice, current_turn):
+        if self.cutting(infer_request, current_turn):
             while self.waiting_for({'p0', 'p0~2', 'p1'}):  # p1's tree is then cut with one leaf finished
                 await asyncio.sleep(0.01)
             os.kill(os.getpid(), signal.SIGTERM)
             await asyncio.sleep(60)
-""")
-assert SIGNALLED != SCHEDULER and 'async def step' in SIGNALLED
+        return self.go_on(infer_request, current_turn)
+'''
 
 
 def _uuids(path: Path) -> list:
@@ -93,9 +96,10 @@ def test_an_interrupted_tree_is_kept_whole_apart_and_run_again(tmp_path, monkeyp
     whole tree was being written (its leaves' fsync) left its leaves on disk without its line in
     ``trees.jsonl``: either way a tree short for good, and ``--resume`` then fails."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / 'cut_once.py').write_text(SCHEDULER if stop == 'KeyboardInterrupt' else SIGNALLED)
+    (tmp_path / 'cut_once.py').write_text(SCHEDULER)
     (tmp_path / 'data.jsonl').write_text(''.join(json.dumps({'uuid': u, 'prompt': 'go'}) + '\n' for u in ('p0', 'p1')))
-    (tmp_path / 'run.yaml').write_text('scheduler: cut_once.py:CutOnce\nbackend: scripted\nbackend_options: '
+    name = 'CutOnce' if stop == 'KeyboardInterrupt' else 'Signalled'
+    (tmp_path / 'run.yaml').write_text(f'scheduler: cut_once.py:{name}\nbackend: scripted\nbackend_options: '
                                        '{outputs: [a guess], cycle: true}\ndataset: data.jsonl\nout: out\nmax_turns: 4\n'
                                        'batch_size: 4\n')
     (tmp_path / 'interrupt-once').touch()
