@@ -153,7 +153,8 @@ def test_a_signal_while_a_tree_is_written_waits_for_its_line(tmp_path, monkeypat
     monkeypatch.setattr(GroupWriter, '_append', append)
     trees = list(jsonl_lines(out / 'trees.jsonl')) if (out / 'trees.jsonl').is_file() else []
     leaves = _uuids(out / 'trajectories.jsonl')
-    assert leaves and sorted(str(u) for t in trees for u in t['leaves']) == leaves  # every leaf on disk is a whole tree's
+    # every leaf on disk is a whole tree's
+    assert leaves and sorted(str(u) for t in trees for u in t['leaves']) == leaves
     capsys.readouterr()
     assert main(['run', config, '--out', str(out), '--resume', '--no-progress', *how]) == 0
     assert f'{len(trees)} of 4 prompts already written ({len(leaves)} leaves)' in capsys.readouterr().err
