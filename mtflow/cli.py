@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 
 from mtflow import __version__
 from mtflow.core.errors import UserError
+from mtflow.run.signals import leave_if_calls_hang
 
 #: subcommand -> (module, one-line help)
 COMMANDS = {
@@ -89,7 +90,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.command:
             _build_parser([])[0].print_help()
             return 0
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        if whole_process:  # the process's own command: a call that hangs after a stop must not hold it
+            leave_if_calls_hang(code)
+        return code
     except UserError as exc:
         if os.environ.get('MTFLOW_DEBUG'):  # where it was raised, and what caused it
             traceback.print_exc(file=sys.stderr)
@@ -97,6 +101,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         print('mtflow: interrupted', file=sys.stderr)
+        if whole_process:
+            leave_if_calls_hang(130)
         return 130
     except BrokenPipeError:  # `mtflow diff ... | head`: the reader has what it wanted
         # nothing more reaches the closed pipe, not even the flush at exit (Python's own advice)

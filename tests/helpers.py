@@ -7,6 +7,8 @@ import copy
 import http.server
 import itertools
 import json
+import signal
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -122,3 +124,17 @@ def http_server(handler: type) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+def stop_by_sigterm(proc: subprocess.Popen, hung: str) -> str:
+    """Send ``proc`` one SIGTERM (a clean stop, not the second signal's exit at once) and wait for
+    it; its stderr. A run that does not stop within a minute fails the test, saying what ``hung``."""
+    import pytest
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f'SIGTERM did not stop the run while {hung}')

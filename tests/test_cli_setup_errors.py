@@ -82,7 +82,7 @@ def test_a_typo_in_scheduler_args_and_args_for_a_yaml_scheduler_are_errors(work,
     assert main(['validate', typo]) == 1
     out = capsys.readouterr().out
     assert ("run.yaml:6: scheduler_args.max_turn: unknown key 'max_turn' for scheds.py:Echo; did you mean "
-            "'max_turns'? (known: infer_engine, max_turns, tokenizer, template)") in out
+            "'max_turns'? (known: infer_engine, max_turns, tokenizer, template, gym_env, use_gym_env)") in out
     assert main(['run', typo, '--no-progress']) == 2
     assert "unknown key 'max_turn'" in _one_line(capsys)
     yaml_args = work(BASE + 'scheduler: sched.yaml\nscheduler_args: {max_turns: 3}\n', 'yaml_args.yaml')

@@ -87,3 +87,18 @@ def test_a_changed_config_value_is_not_gone_past_by_accept_changed(project, caps
 def test_accept_changed_goes_with_resume(project, capsys):
     code, err = _run(capsys, '--accept-changed')
     assert code == 2 and 'mtflow: --accept-changed goes with --resume' in err
+
+
+def test_quiet_still_says_the_accepted_change_in_one_line(project, capsys):
+    """``-q`` hides the progress and the summary, not what changes what the run means: the line
+    naming the code ``--accept-changed`` went past is said, alone."""
+    assert _run(capsys, '--until', 'requests=2')[0] == 0
+    (project / 'rewards.py').write_text(REWARD.format(value=0.5))
+    code, err = _run(capsys, '--resume', '--accept-changed', '-q')
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('mtflow: --accept-changed: going on with changed code '
+                                                   '(code.reward (rewards.py): "sha256:')
+    assert lines[0].endswith('recorded in run.json')
+    code, err = _run(capsys, '--resume', '-q')  # nothing accepted this time: -q says nothing
+    assert code == 0 and err == ''

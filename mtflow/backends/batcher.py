@@ -291,9 +291,10 @@ class DynamicBatcher:
                 loop.close()
 
     # ---- lifetime ------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stop the dispatchers; calls still waiting fail with :class:`BatcherClosed`. A batch call
-        already running finishes first. Safe to call twice."""
+        already running finishes first (``wait``: joined, 30 s at most per dispatcher; an interrupt
+        does not wait for a call that may never return). Safe to call twice."""
         with self._cond:
             self._closed = True
             pending, self._pending = self._pending, []
@@ -301,7 +302,7 @@ class DynamicBatcher:
         for it in pending:
             _resolve(it.future, exc=BatcherClosed('the dynamic batcher was closed before this call ran'))
         for t in self._threads:
-            if t is not threading.current_thread():
+            if wait and t is not threading.current_thread():
                 t.join(timeout=30)
 
     def __enter__(self) -> 'DynamicBatcher':

@@ -110,7 +110,7 @@ class ScriptedBackend(Backend):
     streams_text = True
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
-                 respond: Optional[Callable[[Any], Any]] = None, cycle: bool = False, honor_max_tokens: bool = False,
+                 respond: Union[str, Callable[[Any], Any], None] = None, cycle: bool = False, honor_max_tokens: bool = False,
                  tokenizer: Any = None, chat_template: Optional[str] = None, sample: bool = False,
                  seed: Optional[int] = None, prefix_policy: str = 'exact') -> None:
         super().__init__()

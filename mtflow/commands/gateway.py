@@ -90,6 +90,8 @@ def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
                      + (f'; {len(gateway.cut)} open session(s) were cut by the restart (refused from now on): '
                         f'{", ".join(gateway.cut[:20])}' + (' ...' if len(gateway.cut) > 20 else '')
                         if gateway.cut else ''))
+                if store.recovery.accepted_changes:
+                    _say(store.recovery.accepted_note())
             print(f'mtflow gateway: serving {gateway.url} (OpenAI base URL {gateway.url}/s/<session>/v1, Anthropic '
                   f'{gateway.url}/s/<session>) with {gateway.serves}{note}; writing {store.out_dir}', flush=True)
             threading.Event().wait()

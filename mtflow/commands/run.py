@@ -355,7 +355,13 @@ class _Attempt:
         return summary
 
 
-def _announce(store: RunStore, total: int) -> None:
+def _announce(store: RunStore, total: int, quiet: bool = False) -> None:
+    """What opening the run directory did: the old run set aside, the resume's counts and repairs;
+    under ``quiet`` only what changes what the run means (the code ``--accept-changed`` went past)."""
+    if quiet:
+        if store.recovery.accepted_changes:
+            _say(store.recovery.accepted_note())
+        return
     if store.set_aside is not None:
         _say(f'--overwrite: the previous run is now in {store.set_aside}')
     if not store.resumed:
@@ -387,8 +393,7 @@ def _agent_main(cfg: RunConfig, args: argparse.Namespace) -> int:
             store = open_store(cfg, args, run_fingerprint(cfg, dataset_file(cfg)))
         except KeyboardInterrupt:
             return _stop_code(signals)
-        if not args.quiet:
-            _announce(store, total)
+        _announce(store, total, args.quiet)
         status, summary = run_agents(cfg, store, total, say=_say)
     if status == 'interrupted':
         if not args.quiet:
@@ -425,8 +430,7 @@ def main(args: argparse.Namespace) -> int:
             store = open_store(cfg, args, fingerprint)
         except KeyboardInterrupt:  # the store released what it had opened
             return _stop_code(signals)
-        if not args.quiet:
-            _announce(store, total)
+        _announce(store, total, args.quiet)
         attempt = _Attempt(cfg, args, store, signals, total)
         status, code = attempt.run(make_scheduler)
         if status == NOTHING_RAN:

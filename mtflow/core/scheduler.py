@@ -40,6 +40,55 @@ HOOK_ARGS: Dict[str, tuple] = {
 }
 
 
+#: the keywords :class:`Scheduler` takes through ``**kwargs``: those ms-swift 4.6 passes every
+#: scheduler it builds (its trainers' ``_prepare_scheduler``: ``tokenizer``, ``template``, and
+#: ``gym_env`` with a gym environment; its rollout server's ``get_rollout_engine_type``:
+#: ``tokenizer``, ``use_gym_env``, ``gym_env``), so an ms-swift-style subclass that forwards
+#: ``**kwargs`` keeps working; any other keyword that reaches the base class is refused
+SWIFT_KEYWORDS: Tuple[str, ...] = ('tokenizer', 'template', 'gym_env', 'use_gym_env')
+
+
+class UnknownSchedulerArgument(TypeError):
+    """A keyword no class of the scheduler takes reached :class:`Scheduler` (``keyword``; ``known``:
+    every keyword its classes take, :func:`scheduler_keywords`)."""
+
+    def __init__(self, owner: str, keyword: str, known: List[str]) -> None:
+        self.keyword, self.known = keyword, known
+        close = closest_key(keyword, known)
+        super().__init__(f'{owner}() got an unexpected keyword argument {keyword!r}'
+                         + (f'; did you mean {close!r}?' if close else '') + f' (known: {", ".join(known)})')
+
+
+def scheduler_keywords(cls: type) -> List[str]:
+    """Every keyword the ``__init__`` methods of ``cls`` and its bases name (``self``,
+    ``*args``, ``**kwargs`` aside), then :data:`SWIFT_KEYWORDS`: what a scheduler class may be
+    given."""
+    names: List[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get('__init__')
+        if init is None or klass is object:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C initialiser: nothing to read
+            continue
+        names += [p.name for p in params if p.name != 'self' and p.name not in names
+                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    return names + [k for k in SWIFT_KEYWORDS if k not in names]
+
+
+def check_scheduler_arguments(cls: type, args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+    """What reached :class:`Scheduler`'s ``__init__`` beyond its own arguments: refused unless it
+    is one of :data:`SWIFT_KEYWORDS` (see :class:`UnknownSchedulerArgument`)."""
+    if args:
+        raise TypeError(f'{cls.__name__}() takes infer_engine and max_turns as positional arguments of the base '
+                        f'scheduler, and got {len(args)} more ({", ".join(repr(a)[:40] for a in args)}): pass them '
+                        'by keyword')
+    for key in kwargs:
+        if key not in SWIFT_KEYWORDS:
+            raise UnknownSchedulerArgument(cls.__name__, str(key), scheduler_keywords(cls))
+
+
 class Scheduler:
     """Base class for Python schedulers (compatible with ms-swift's ``MultiTurnScheduler``).
 
@@ -62,6 +111,12 @@ class Scheduler:
     opens_in_step: bool = False
 
     def __init__(self, infer_engine: Any = None, max_turns: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
+        """``tokenizer`` and ``template`` may be given as keywords (as ms-swift gives them);
+        ``gym_env``/``use_gym_env`` are taken and ignored (ms-swift's trainers pass them to every
+        scheduler they build, :data:`SWIFT_KEYWORDS`). Any other keyword, or a third positional
+        argument, is a :class:`UnknownSchedulerArgument` naming it and the closest keyword the
+        scheduler's classes take: a typo in ``scheduler_args`` must not be ignored."""
+        check_scheduler_arguments(type(self), args, kwargs)
         self.infer_engine = infer_engine
         self.max_turns = max_turns
         self._tokenizer = kwargs.get('tokenizer')

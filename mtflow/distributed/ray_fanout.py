@@ -46,6 +46,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -63,6 +64,7 @@ from mtflow.engine.executor import Executor
 from mtflow.run.assembly import tokenizer_of
 from mtflow.run.images import ImageStore, ShippedName
 from mtflow.run.serving import annotate as annotate_serving, serving_figures
+from mtflow.run.signals import deferred_interrupts
 from mtflow.run.trajectories import finished_to_record, reference_field
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 
@@ -500,11 +502,16 @@ def _start_ray(address: Optional[str], init_options: Optional[Dict[str, Any]]) -
 
     if ray.is_initialized():
         return False
+    own = signal.getsignal(signal.SIGTERM)
     if address is not None:
         ray.init(address=address, **(init_options or {}))
     else:
         ray.init(**{'include_dashboard': False, '_node_ip_address': '127.0.0.1', 'log_to_driver': True,
                     **_default_runtime_env(), **(init_options or {})})
+    if callable(own) and threading.current_thread() is threading.main_thread():
+        # ray.init replaces a driver's SIGTERM handler with sys.exit: a caller's own (mtflow run's
+        # StopSignals: the requests in flight kept as interrupted, exit 143) comes back
+        signal.signal(signal.SIGTERM, own)
     return True
 
 
@@ -629,13 +636,16 @@ class _FanOut:
 
     def deliver_tree(self, payload: Dict[str, Any], slot: _Slot) -> None:
         """A branched prompt's whole tree: its leaves to the sink, then the tree (a tree whose
-        root was delivered before came twice: its leaves are dropped as duplicates, no tree)."""
+        root was delivered before came twice: its leaves are dropped as duplicates, no tree). A
+        first signal meanwhile waits until the tree is taken: its leaves on disk without its line
+        would leave it short for good."""
         tree = payload['tree']
         fresh = str(tree['root']) not in self.done
-        for item in payload['records']:
-            self.deliver(self.record_of(item, slot))
-        if fresh and self.on_tree is not None:
-            self.on_tree(tree)
+        with deferred_interrupts():
+            for item in payload['records']:
+                self.deliver(self.record_of(item, slot))
+            if fresh and self.on_tree is not None:
+                self.on_tree(tree)
 
     def deliver(self, rec: RayRecord) -> None:
         result = self.result

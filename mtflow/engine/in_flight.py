@@ -9,18 +9,20 @@ of running it are in one place:
 * a synchronous ``rollout_fn`` runs in a worker pool (each call blocks one thread, at most
   :data:`MAX_ROLLOUT_THREADS`), a synchronous ``step`` in one step thread (one at a time, as the
   lockstep driver runs them); async ones are awaited on the loop; both under their deadlines
-  (:func:`mtflow.core.calls.within`, the one call-with-deadline);
+  (:func:`mtflow.core.calls.within`, the one call-with-deadline). The pools' threads are daemons
+  (:class:`mtflow.core.call_threads.CallThreads`): a user's call that never returns cannot hold the
+  process after an interrupt;
 * an interrupt cancels every task and lets them unwind (:meth:`InFlight.cancel_all`), and the
   pools are shut down with or without joining their threads (:meth:`InFlight.close`).
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 from collections import deque
 from time import perf_counter
 from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Tuple
 
+from mtflow.core.call_threads import CallThreads
 from mtflow.core.calls import RAISED, Outcome, is_async_callable, within
 from mtflow.core.errors import MtflowError
 from mtflow.core.machine import RequestRecord
@@ -53,8 +55,8 @@ class InFlight:
         self.completions: Deque[Completion] = deque()
         self.wake: Optional[asyncio.Event] = None  # set by start(), when the driver begins
         self.waiter: Optional[asyncio.Task] = None
-        self.rollout_pool: Optional[cf.ThreadPoolExecutor] = None
-        self.step_pool: Optional[cf.ThreadPoolExecutor] = None
+        self.rollout_pool: Optional[CallThreads] = None
+        self.step_pool: Optional[CallThreads] = None
         self.calls = 0  # rollout_fn calls running now
         self.max_calls = 0  # the most at once
 
@@ -147,8 +149,7 @@ class InFlight:
                 call = rollout_fn([request], config)
             else:
                 if self.rollout_pool is None:
-                    self.rollout_pool = cf.ThreadPoolExecutor(min(threads, MAX_ROLLOUT_THREADS),
-                                                              thread_name_prefix='mtflow-rollout')
+                    self.rollout_pool = CallThreads(min(threads, MAX_ROLLOUT_THREADS), 'mtflow-rollout')
                 call = asyncio.wrap_future(self.rollout_pool.submit(rollout_fn, [request], config))
         except Exception as exc:  # submitting it failed (a pool shut down)
             self.calls -= 1
@@ -161,7 +162,7 @@ class InFlight:
     def step(self, hooks: Any, timeout: Optional[float], rec: RequestRecord, turn: int) -> Awaitable[Outcome]:
         """One request's ``step`` under its deadline (a sync one in the single step thread)."""
         if self.step_pool is None and not hooks.step_is_async:  # one at a time, as lockstep runs sync steps
-            self.step_pool = cf.ThreadPoolExecutor(1, thread_name_prefix='mtflow-step')
+            self.step_pool = CallThreads(1, 'mtflow-step')
         return timed_step(hooks, timeout, self.step_pool, rec, turn)
 
     # ---- the end ---------------------------------------------------------------------------------
@@ -169,10 +170,11 @@ class InFlight:
         """Shut the worker pools down. ``wait``: join the threads of synchronous calls still
         running (a generation the budget cancelled cannot be stopped inside its thread), so that
         no thread of this run is left running native code when the interpreter exits; an interrupt
-        does not wait (the threads are not daemons: the interpreter joins them at exit)."""
+        does not wait (a call that never returns would hold the stop: the daemon threads are left,
+        and the interpreter's exit waits a bounded time for them, ``mtflow.core.call_threads``)."""
         for pool in (self.rollout_pool, self.step_pool):
             if pool is not None:
-                pool.shutdown(wait=wait, cancel_futures=True)
+                pool.shutdown(wait=wait)
 
     def cancel_all(self) -> None:
         """Cancel every task of this run and let them unwind. A task whose coroutine raised an
@@ -194,7 +196,7 @@ class InFlight:
                 task.exception()  # retrieved: no "exception was never retrieved" at exit
 
 
-async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[cf.ThreadPoolExecutor],
+async def timed_step(hooks: Any, timeout: Optional[float], step_pool: Optional[CallThreads],
                      rec: RequestRecord, turn: int) -> Outcome:
     """One request's ``step`` under its deadline: an async step on the loop, a sync one in the
     driver's single step thread."""

@@ -202,19 +202,31 @@ class StreamDriver(AsyncDriver):
                     self.on_completion(kind, rec, turn, outcome)
                     if self.over_budget():
                         self.stop()
-        except BaseException:
+        except BaseException as exc:
             with self.returned_lock:
                 self.ended = True
             flight.cancel_all()
             flight.close(wait=False)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # user code raised it in this thread
+                self.interrupted_here()
             raise
-        flight.close(wait=True)
+        flight.close(wait=not self.interrupting)  # a signal's stop never waits for a call that hangs
         self.restore_records()
         self.hand_back_whole()
         if self.interrupting and self.unfinished:
             self.deliver_interrupted()
         for stale in self.end_returns():  # sent back after the budget stopped the stream: run again on resume
             self.hand_back_group(stale)
+
+    def interrupted_here(self) -> None:
+        """An interrupt raised by user code in the driver's thread (a step's ``KeyboardInterrupt``)
+        stops the stream as :meth:`Stream.interrupt` would: what finished is delivered, the requests
+        in flight as one group of ``interrupted`` ones, before the interrupt reaches the consumer."""
+        self.interrupting = True
+        self.stop()
+        self.hand_back_whole()
+        if self.unfinished:
+            self.deliver_interrupted()
 
     def hand_back_whole(self) -> None:
         """The stream stopped: every group still in flight goes back whole, its members together
@@ -239,8 +251,11 @@ class StreamDriver(AsyncDriver):
                 done = [rec for rec in members if rec.state == FINISHED]
                 if done:
                     self.handed_out += 1
-                    self.deliver_fn(delivered_group(self.run, InFlightGroup(group.seq, [], done, len(done)),
-                                                    self.staleness.seen_version))
+                    cut = delivered_group(self.run, InFlightGroup(group.seq, [], done, len(done)),
+                                          self.staleness.seen_version)
+                    if self.run.branching is not None:  # the whole trees: a cut one's leaves are not done
+                        cut.trees = [tree_record(tree) for tree in trees_of(members)]
+                    self.deliver_fn(cut)
                 members = [rec for rec in members if rec.state != FINISHED]
             grouped.extend(back.get(rec.index) or UnfinishedRequest(rec, True) for rec in members)
         moved = self.unfinished[len(back):]  # the doomed groups' fresh prompts, just appended

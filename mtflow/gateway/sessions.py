@@ -40,6 +40,8 @@ CLOSING = 'closing'
 IDLE = 'idle'
 #: why a session's calls are refused once its stream group was dropped as too stale
 STALE = 'stale'
+#: why a session's calls are refused once its finished line could not be written
+NOT_WRITTEN = 'not_written'
 
 
 @dataclass
@@ -415,14 +417,22 @@ class SessionTable:
     def dropped(self, name: str, why: str) -> None:
         """Session ``name`` will not be written (its stream group was dropped as too stale)."""
         self.ended(name, STALE, why)
+        self._unwritten(name, STALE, WireError(409, f'session {name!r} was dropped: {why}', code='stale'))
+
+    def not_written(self, name: str, why: str) -> None:
+        """Session ``name`` finished but its line could not be written (``why``): its finish calls
+        get a 500 saying so, never a summary of a trajectory that is not on disk."""
+        self._unwritten(name, NOT_WRITTEN, WireError(500, f'session {name!r} could not be written: {why}',
+                                                     code='not_written'))
+
+    def _unwritten(self, name: str, reason: str, err: WireError) -> None:
         with self.lock:
             session = self.sessions.pop(name, None)
             if session is None:
                 return
             self.by_key.pop(session.key or '', None)
-            self._remember(name, STALE)
+            self._remember(name, reason)
             waiters = list(session.written_waiters)
-        err = WireError(409, f'session {name!r} was dropped: {why}', code='stale')
         for loop, fut in waiters:
             _resolve(loop, fut, err)
 

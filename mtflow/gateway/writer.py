@@ -7,6 +7,8 @@ client's finish, nor idle, nor an interrupt) is *parked* until its client's fini
 reward (:meth:`SessionWriter.parked`), or for ``grace_s`` at most; then it is written as it is.
 The writer's ticks also sweep the sessions idle past their timeout (:meth:`SessionTable.idle`).
 
+A session whose line cannot be written at all (its uuid is written already, a value JSON cannot
+hold) gets a 500 on its finish, never a summary, and the gateway ends with that error naming it.
 A session counts as written (its client's ``POST /finish`` is answered, a later finish gets its
 summary) only once its line is durable: the writer writes every job queued at the moment, then
 flushes the run store (its lines written and fsynced, :meth:`mtflow.run.store.RunStore.flush`),
@@ -93,21 +95,33 @@ class SessionWriter:
                     jobs.append(self.jobs.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                for job in jobs:
-                    if job is _STOP:
-                        for session, parked in self.table.close():
-                            self._write(session, *parked)
-                        self._sync(store)
-                        return
-                    self._handle(job)
-                for session, parked in self.table.expired(self.grace_s):
-                    self._write(session, *parked)
-                self._sync(store)
-                self.table.idle(self.idle_timeout_s)
-                store.tick()
-            except BaseException as exc:  # a full disk: recorded, the gateway keeps serving what it can
-                self.error = exc
+            for job in jobs:
+                if job is _STOP:
+                    self._guarded(self._last_writes, store)
+                    return
+                self._guarded(self._handle, job)  # one job failing never drops the others
+            self._guarded(self._tick, store)
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        """``fn(*args)``; a failure (a full disk) is kept (the first one), said when the gateway
+        closes, and the writer goes on with what it can."""
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - see the docstring
+            self.error = self.error or exc
+
+    def _tick(self, store: Any) -> None:
+        for session, parked in self.table.expired(self.grace_s):
+            self._write(session, *parked)
+        self._sync(store)
+        self.table.idle(self.idle_timeout_s)
+        store.tick()
+
+    def _last_writes(self, store: Any) -> None:
+        """The stream ended: the parked sessions as they are, then the last sync."""
+        for session, parked in self.table.close():
+            self._write(session, *parked)
+        self._sync(store)
 
     def _handle(self, job: Any) -> None:
         if job[0] == 'group':
@@ -145,7 +159,16 @@ class SessionWriter:
             if finish.reward is not None:
                 infos['reward'] = finish.reward
             infos['gateway_finish'] = finish.info
+        lost = len(self.run.lost)
         self.run.write_finished(finished, session.index, request, self.t_offset, live=request)
+        if len(self.run.lost) > lost:  # its line is nowhere: its finish is told so, and the gateway fails
+            try:
+                self.run.check_lost()
+            except BaseException as exc:  # noqa: BLE001 - the RunDirError naming it
+                self.error = self.error or exc
+            _, why = self.run.lost[-1]
+            self.table.not_written(session.name, str(why))
+            return
         self.written += 1
         summary: Dict[str, Any] = {'session': session.name, 'finish_reason': finished.finish_reason,
                                    'turns': (infos or {}).get('num_turns'),

@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import os
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -20,7 +21,9 @@ from typing import Any, Callable, Optional
 from mtflow import backends
 from mtflow.backends.base import reports_of
 from mtflow.core.errors import RunSetupError, UserError
+from mtflow.core.keys import unknown_key_message
 from mtflow.core.registry import import_module
+from mtflow.core.scheduler import UnknownSchedulerArgument
 from mtflow.declarative import load_config, load_scheduler
 from mtflow.roles.router import PolicyRouter
 from mtflow.run.chat_check import prepare_loaded
@@ -68,15 +71,26 @@ def _one_backend(cfg: RunConfig) -> Any:
             options['seed'] = cfg.seed
         return backends.make_backend(cfg.backend, model=cfg.resolved_model(), base_dir=cfg.base_dir, **options)
     except backends.BackendError as exc:
-        raise RunSetupError(f'{cfg.where("backend")}: {exc}' if backends.is_backend_reference(cfg.backend)
-                            else str(exc)) from None
+        blamed = _option_named(cfg, str(exc))
+        raise RunSetupError(f'{blamed}: {exc}' if blamed else f'{cfg.where("backend")}: {exc}'
+                            if backends.is_backend_reference(cfg.backend) else str(exc)) from None
     except ImportError as exc:  # an engine's package (ms-swift, vLLM, ...) is not installed
         missing = getattr(exc, 'name', None) or str(exc)
         raise RunSetupError(f'backend {cfg.backend!r} needs the package {missing!r}, which is not installed '
                             f'({type(exc).__name__}: {exc}); see docs/backends.md') from None
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         first_line = (str(exc).strip().splitlines() or [''])[0]
-        raise RunSetupError(f'backend {cfg.backend!r} cannot start: {type(exc).__name__}: {first_line}') from None
+        blamed = _option_named(cfg, first_line)
+        raise RunSetupError((f'{blamed}: ' if blamed else '')
+                            + f'backend {cfg.backend!r} cannot start: {type(exc).__name__}: {first_line}') from None
+
+
+def _option_named(cfg: RunConfig, message: str) -> Optional[str]:
+    """Where the backend option a constructor's error names was given (``file:line: key``, or the
+    ``-o``/``--set`` flag), so the user sees what to change; ``None`` when it names none of them."""
+    named = [(m.start(), key) for key in cfg.backend_options
+             if (m := re.search(rf'(?<![\w.]){re.escape(str(key))}(?![\w])', message)) is not None]
+    return cfg.where(f'backend_options.{min(named)[1]}') if named else None
 
 
 def _module_from_file(path: Path) -> Any:
@@ -161,6 +175,11 @@ def scheduler_factory(cfg: RunConfig) -> SchedulerFactory:
             kwargs['tokenizer'] = tokenizer
         try:
             return factory(**kwargs)
+        except UnknownSchedulerArgument as exc:
+            if exc.keyword not in cfg.scheduler_args:  # the scheduler's own code passed it
+                raise RunSetupError(f'{cfg.where("scheduler")}: building {cfg.scheduler} raised {exc}') from None
+            raise RunSetupError(f'{cfg.where(f"scheduler_args.{exc.keyword}")}: '  # named at its own key
+                                f'{unknown_key_message(exc.keyword, exc.known, cfg.scheduler)}') from None
         except TypeError as exc:
             raise RunSetupError(f'{cfg.where("scheduler_args")}: bad scheduler_args for {cfg.scheduler}: {exc}') from None
         except Exception as exc:  # the scheduler's own __init__ raised: one line, naming where it came from

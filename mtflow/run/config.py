@@ -487,9 +487,9 @@ def load_run_config(path: Union[str, Path], overrides: Optional[Dict[str, Any]] 
     return cfg
 
 
-#: the mappings whose keys get lines of their own (messages about one sampling or backend option, agent or
-#: gateway setting, policy or role)
-_NESTED = ('request_config', 'backend_options', 'agent', 'gateway', 'policies', 'roles')
+#: the mappings whose keys get lines of their own (messages about one sampling or backend option, scheduler
+#: argument, agent or gateway setting, policy or role)
+_NESTED = ('request_config', 'backend_options', 'scheduler_args', 'agent', 'gateway', 'policies', 'roles')
 
 
 def _key_lines(root: Any, data: Dict[str, Any]) -> Dict[str, int]:

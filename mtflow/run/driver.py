@@ -9,9 +9,16 @@ writes a uuid twice. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM through
 flight with reason ``interrupted``; they go to ``interrupted.jsonl`` and the interrupt goes on
 to the caller, which closes the store. A branched batch's leaves are written tree by tree, each
 tree whole with its line of ``trees.jsonl``, when the batch ends (``mtflow/run/trees.py``).
+
+A write never fails silently: a request whose line the store could not take (its uuid is
+written already, a value JSON cannot hold) fails the run naming it, after its batch (or its
+stream group) and what finished beside it are written; a group that could not be written for want
+of room keeps its lines and is tried once more there, and the run fails if that fails too
+(:meth:`StreamingRun.check_writes`).
 """
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -28,13 +35,14 @@ from mtflow.engine.context import is_summary_request
 from mtflow.engine.executor import Executor
 from mtflow.run.progress import RunProgress
 from mtflow.run.config import RunConfig
-from mtflow.run.store import RunDirError, RunStore, finished_to_record
+from mtflow.run.store import RunDirError, RunStore, WriteRefused, finished_to_record
 from mtflow.run.streamed import run_streaming
 from mtflow.run.trajectories import reference_field
 from mtflow.run.trees import whole_trees
 from mtflow.run.turn_log import TURNS_KEY, TurnLog
 from mtflow.roles.role import seat_of
 from mtflow.run.episodes import as_episodes, episode_file, episode_run_roles
+from mtflow.run.signals import deferred_interrupts
 from mtflow.run.serving import annotate as annotate_serving, begin_server_metrics, end_server_metrics
 
 __all__ = ['StreamingRun', 'roll_out']
@@ -46,10 +54,10 @@ class _TurnCounter:
     Between turns it lets the store flush a group that has waited too long; before and after each
     it moves the progress."""
 
-    def __init__(self, rollout_fn: Any, store: RunStore, on_turn: Optional[Callable[[int, int], None]],
+    def __init__(self, rollout_fn: Any, tick: Callable[[], None], on_turn: Optional[Callable[[int, int], None]],
                  on_call: Optional[Callable[[], None]] = None) -> None:
         self.rollout_fn = rollout_fn
-        self.store = store
+        self.tick = tick  # the store's flush of a group that waited long enough (never raising here)
         self.on_turn = on_turn
         self.on_call = on_call
         self.turn = 0
@@ -61,7 +69,7 @@ class _TurnCounter:
             tell(parent, children)
 
     def __call__(self, requests: List[Any], request_config: Any) -> Any:
-        self.store.tick()
+        self.tick()
         live = sum(1 for r in requests if not is_summary_request(r))
         if live and self.on_call is not None:
             self.on_call()
@@ -102,7 +110,7 @@ class StreamingRun:
         self.progress = progress
         self.batch_size = batch_size
         self.on_progress = on_progress
-        self.counter = _TurnCounter(rollout_fn, store, self._on_turn, progress.on_call if progress else None)
+        self.counter = _TurnCounter(rollout_fn, self.tick, self._on_turn, progress.on_call if progress else None)
         self.executor = make_executor(self.counter, self.on_finished)
         #: the model calls' outputs per request (the ``turns`` of each line, what replay serves)
         self.turn_log: Optional[TurnLog] = getattr(make_executor, 'turn_log', None)
@@ -111,7 +119,11 @@ class StreamingRun:
         self.skipped = 0  # prompts already written by an earlier attempt
         self.batches = 0
         self.wall_s = 0.0
+        #: the first group write that failed for want of room (its lines are kept): tried again
+        #: by :meth:`check_writes`
         self.write_error: Optional[RunDirError] = None
+        #: ``(uuid, error)`` of each finished request whose line could not be written at all
+        self.lost: List[Tuple[str, BaseException]] = []
         #: a streamed run (``mtflow/run/streamed.py``) stopped by its ``until`` before the dataset's end
         self.until_met = False
         self._indices: List[int] = []
@@ -135,8 +147,19 @@ class StreamingRun:
 
     def write_trees(self, trees: List[Dict[str, Any]]) -> None:
         """The held leaves of a branched batch, tree by tree: a whole tree's leaves, then its line;
-        a tree some leaf of which did not finish (an interrupt) to ``interrupted.jsonl``, whole."""
-        held = {str(f.uuid): f for f in self._held}
+        a tree some leaf of which did not finish (an interrupt) to ``interrupted.jsonl``, whole. A
+        first signal meanwhile waits until all of it is taken."""
+        with deferred_interrupts():
+            self._write_trees(trees)
+
+    def _write_trees(self, trees: List[Dict[str, Any]]) -> None:
+        held: Dict[str, Any] = {}
+        twice = []  # a second request under a uuid already held: written too, so the store refuses it loudly
+        for f in self._held:
+            if str(f.uuid) in held:
+                twice.append(f)
+            else:
+                held[str(f.uuid)] = f
         self._held = []
         whole, cut = whole_trees(trees, {u for u, f in held.items() if f.finish_reason != INTERRUPTED})
         for tree in trees:
@@ -144,9 +167,15 @@ class StreamingRun:
                 finished = held.pop(str(leaf), None)
                 if finished is not None:
                     self._write_own(finished, whole=str(leaf) not in cut)
-        for finished in held.values():  # no tree's (a duplicate uuid, failed before it was planted)
+        for finished in list(held.values()) + twice:  # no tree's (a duplicate uuid, failed before it was planted)
             self._write_own(finished)
-        self.store.write_trees(whole)
+        self.store.write_trees(self.written_trees(whole))
+
+    def written_trees(self, trees: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """``trees`` less those with a leaf whose line could not be written (:attr:`lost`): a tree
+        line names only leaves on disk."""
+        lost = {uuid for uuid, _ in self.lost}
+        return [tree for tree in trees if not lost.intersection(str(u) for u in tree['leaves'])]
 
     def write_finished(self, finished: Any, index: int, request: Any, t_offset: float, live: Any = None,
                        whole: bool = True) -> None:
@@ -190,8 +219,13 @@ class StreamingRun:
                 else:
                     self.store.write_interrupted(record, events)
             self.store.write_together(together)
-        except RunDirError as exc:  # e.g. a full disk: the batch goes on, the run stops after it
-            self.write_error = exc
+        except RunDirError as exc:
+            if isinstance(exc, WriteRefused):  # the lines are nowhere: the run fails naming them (check_writes)
+                self.lost.extend((str(record['uuid']), exc) for _, record, *_ in written)
+            else:  # e.g. a full disk: its lines are kept, tried again after the batch
+                self.write_error = self.write_error or exc
+        except Exception as exc:  # a value JSON cannot hold, an image that cannot be stored: lost too
+            self.lost.extend((str(record['uuid']), exc) for _, record, *_ in written)
         for finished, record, events, _, done in written:
             if self.on_request is not None:
                 self.on_request(record, events)
@@ -200,6 +234,32 @@ class StreamingRun:
                                           written=done, uuid=record['uuid'])
             if self.on_progress is not None:
                 self.on_progress(self.finished, '')
+
+    def tick(self) -> None:
+        """Write the pending group if it waited long enough; a failure is kept for
+        :meth:`check_writes` (raised here, between turns, it would fail the requests of the
+        model call in flight instead)."""
+        try:
+            self.store.tick()
+        except RunDirError as exc:  # its lines are kept
+            self.write_error = self.write_error or exc
+
+    def check_lost(self) -> None:
+        """Fail the run when a finished request could not be written, naming the first."""
+        if not self.lost:
+            return
+        uuid, exc = self.lost[0]
+        detail = str(exc) if isinstance(exc, RunDirError) else f'{type(exc).__name__}: {exc}'
+        more = f' ({len(self.lost)} requests could not be)' if len(self.lost) > 1 else ''
+        raise RunDirError(f'request {uuid} could not be written{more}: {detail}; the requests written before are whole')
+
+    def check_writes(self) -> None:
+        """After a batch or a stream group: :meth:`check_lost`, then one more try of a group a full
+        disk held back (raises when it fails again: the run stops, ``--resume`` continues)."""
+        self.check_lost()
+        if self.write_error is not None:
+            self.store.flush()
+            self.write_error = None
 
     def _on_turn(self, turn: int, live: int) -> None:
         if self.progress is not None:
@@ -251,16 +311,15 @@ class StreamingRun:
                 self.rollout_fn_calls += exc.result.rollout_fn_calls
                 if self.branched:
                     self.write_trees(exc.result.trees)
+            self.check_lost()  # a line lost is said even when a signal stopped the run
             raise
         self.rollout_fn_calls += result.rollout_fn_calls
         self.write_trees(result.trees)
-        lost = [f for f in result.failures if f.phase == 'on_finished']
-        if lost:  # the executor kept going; a request that could not be stored must not pass silently
-            raise RunDirError(f'request {lost[0].uuid} could not be written ({len(lost)} in this batch): '
-                              f'{type(lost[0].error).__name__}: {lost[0].error}')
-        if self.write_error is not None:
-            self.store.flush()  # one more try (raises again when the disk is still full)
-            self.write_error = None
+        self.check_writes()
+        failed = [f for f in result.failures if f.phase == 'on_finished']
+        if failed:  # the executor kept going; a request that could not be stored must not pass silently
+            raise RunDirError(f'request {failed[0].uuid} could not be written ({len(failed)} in this batch): '
+                              f'{type(failed[0].error).__name__}: {failed[0].error}')
 
     def figures(self) -> Dict[str, Any]:
         extra = {'until_met': True} if self.until_met else {}
@@ -338,9 +397,21 @@ class _ExecutorFactory:
         return Executor(self.scheduler, self.turn_log.wrap(self.async_rollout_fn()), self.request_config,
                         **self._options())
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Close what the run opened (a batcher's threads); ``wait=False`` after an interrupt: a
+        batch call that hangs is left to its daemon thread."""
         for close in self.closing:
-            close()
+            if 'wait' in _parameters(close):
+                close(wait=wait)
+            else:
+                close()
+
+
+def _parameters(fn: Callable[..., Any]) -> Dict[str, Any]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
 
 
 def _tokens_counter(backend: Any) -> Optional[Callable[[], Optional[int]]]:
@@ -385,6 +456,7 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
                        episode_size=len(roles) if roles else None)
     begin_server_metrics(backend)  # the servers' /metrics counters, read again for the summary
     progress.start()
+    interrupted = False
     try:
         # checked in full before the run (count_requests); the store refuses a uuid written twice
         prompts = iter_requests(cfg.dataset, cfg.dataset_path(), cfg.limit, cfg.num_generations, check_unique=False)
@@ -394,8 +466,11 @@ def roll_out(cfg: RunConfig, scheduler: Any, backend: Any, store: RunStore, tota
         if cfg.mode == 'async' or until is not None:  # the streaming producer: no batch boundaries
             streamed = (make_executor.stream_executor(), until, cfg.max_concurrency or cfg.batch_size)
         run.run(prompts, streamed)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        make_executor.close()
+        make_executor.close(wait=not interrupted)
         progress.stop()
         end_server_metrics(backend)
         figures.update(run.figures())

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from mtflow.core.errors import UserError
 
 __all__ = [
-    'RunDirError', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY',
+    'RunDirError', 'WriteRefused', 'FingerprintMismatch', 'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY',
     'LOCK', 'IMAGES_DIR', 'SESSIONS', 'RUN_FILES', 'FORMAT', 'Record', 'utc_now', 'json_line', 'fsync_dir', 'write_all',
     'append_file', 'write_json_atomic',
     'count_lines', 'scan_jsonl', 'DirLock', 'check_out_apart', 'set_aside', 'not_empty_message', 'config_file_meta', 'recorded_config_file'
@@ -44,6 +44,12 @@ Record = Union[Dict[str, Any], Any]  # a dict, or an object with to_dict() (Traj
 
 class RunDirError(UserError):
     """A run directory that cannot be opened or written as asked; the message says what to do."""
+
+
+class WriteRefused(RunDirError):
+    """A record the run store did not take (its uuid is written already, the store is closed): its
+    line is not kept anywhere, unlike a write that failed for want of room (a plain
+    :class:`RunDirError`, whose lines stay in memory for the next try)."""
 
 
 class FingerprintMismatch(RunDirError):

@@ -91,17 +91,18 @@ class GroupWriter:
         with deferred_interrupts():  # a first Ctrl-C waits for the group; a second one does not
             started = time.perf_counter()
             group, self.requests = self.requests, []
+            lines, self.interrupted = self.interrupted, []
             sizes = dict(self.sizes)
             try:
                 if group:
                     self._append(TRACE, ''.join(trace for trace, _ in group).encode('utf-8'))
                     self._append(TRAJECTORIES, ''.join(line for _, line in group).encode('utf-8'))
-                if self.interrupted:
-                    lines, self.interrupted = self.interrupted, []
+                if lines:
                     self._append_interrupted(''.join(lines).encode('utf-8'))
-            except OSError as exc:  # e.g. a full disk: never leave half a group behind
+            except OSError as exc:  # e.g. a full disk: never leave half a group behind, keep every line
                 self._undo(sizes)
                 self.requests = group + self.requests
+                self.interrupted = lines + self.interrupted
                 raise RunDirError(f'cannot write to {self.out_dir}: {exc.strerror or exc}; what was written before '
                                   f'is whole, and --resume continues the run') from exc
             self.flushes += 1

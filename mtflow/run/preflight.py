@@ -38,10 +38,11 @@ from typing import Any, List, Optional, Tuple
 from mtflow.backends import BackendError, backend_options, is_backend_reference, resolve_backend
 from mtflow.backends.base import PreflightProblem
 from mtflow.backends.chat_templates import resolve_chat_template
+from mtflow.backends.option_types import option_annotations, option_type_problem
 from mtflow.core.errors import MtflowError, RunSetupError
 from mtflow.core.keys import closest_key, unknown_key_message
 from mtflow.core.safe_yaml import YamlLoadError, load_yaml_file
-from mtflow.core.scheduler import HOOK_ARGS, Scheduler, is_default_hook
+from mtflow.core.scheduler import HOOK_ARGS, Scheduler, is_default_hook, scheduler_keywords
 from mtflow.core.signatures import method_call_problem
 from mtflow.data import DatasetError
 from mtflow.data.sources import count_requests, first_requests
@@ -125,35 +126,35 @@ def hook_problems(cls: type) -> List[str]:
     return out
 
 
-#: keyword arguments every mtflow / ms-swift scheduler takes through ``**kwargs``
-_BASE_KWARGS = ('tokenizer', 'template')
-
-
 def scheduler_arg_names(obj: Any) -> Optional[List[str]]:
     """The keyword arguments a scheduler class or factory takes, or ``None`` when it takes any
     (``**kwargs`` of its own, not only the catch-all of :class:`mtflow.Scheduler` or ms-swift's
-    base, which exists for ms-swift's signature and would swallow a typo)."""
+    base: mtflow's refuses what it does not know, :data:`~mtflow.core.scheduler.SWIFT_KEYWORDS`
+    aside, and ms-swift's would swallow a typo)."""
     def is_base(cls: type) -> bool:
         return cls is Scheduler or (cls.__module__.startswith('swift') and
                                     cls.__name__ in ('MultiTurnScheduler', 'RolloutScheduler'))
 
-    names: List[str] = []
-    targets = [c.__dict__['__init__'] for c in obj.__mro__ if '__init__' in c.__dict__ and c is not object] \
-        if isinstance(obj, type) else [obj]
-    owners = [c for c in obj.__mro__ if '__init__' in c.__dict__ and c is not object] if isinstance(obj, type) \
-        else [None]
-    for fn, owner in zip(targets, owners):
+    if not isinstance(obj, type):
         try:
-            params = inspect.signature(fn).parameters.values()
+            params = list(inspect.signature(obj).parameters.values())
         except (TypeError, ValueError):
             return None
-        for p in params:
-            if p.kind is inspect.Parameter.VAR_KEYWORD and not (owner is not None and is_base(owner)):
-                return None
-            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and \
-                    p.name != 'self' and p.name not in names:
-                names.append(p.name)
-    return names + [k for k in _BASE_KWARGS if k not in names]
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None
+        return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                     inspect.Parameter.KEYWORD_ONLY)]
+    for cls in obj.__mro__:
+        init = cls.__dict__.get('__init__')
+        if init is None or cls is object or is_base(cls):
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None
+    return scheduler_keywords(obj)
 
 
 def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
@@ -162,7 +163,7 @@ def check_scheduler_args(obj: Any, cfg: RunConfig) -> List[str]:
     known = scheduler_arg_names(obj)
     if known is None:
         return []
-    return [f'{cfg.where("scheduler_args")}.{key}: {unknown_key_message(str(key), known, cfg.scheduler)}'
+    return [f'{cfg.where(f"scheduler_args.{key}")}: {unknown_key_message(str(key), known, cfg.scheduler)}'
             for key in cfg.scheduler_args if key not in known]
 
 
@@ -301,21 +302,29 @@ def check_backend_reference(cfg: RunConfig) -> List[str]:
 
 
 def check_backend_options(cfg: RunConfig) -> List[str]:
-    """A ``backend_options`` key the backend does not take (``max_batchsize``), named at its
-    file and line (or ``-o`` flag), with the backend's options and the closest one, before the
-    backend loads. A backend that takes any option (``**kwargs``) is not checked; one that
-    cannot be resolved is reported by :func:`check_backend_reference`."""
+    """A ``backend_options`` key the backend does not take (``max_batchsize``), with the backend's
+    options and the closest one, and a value not of the type its constructor declares
+    (``cycle: maybe`` for a bool: :mod:`mtflow.backends.option_types`), each named at its file and
+    line (or its ``-o``/``--set`` flag), before the backend loads. A backend that takes any option
+    (``**kwargs``) has only its named ones checked; one that cannot be resolved is reported by
+    :func:`check_backend_reference`."""
     if not cfg.backend_options:
         return []
     try:
         named, accepts_any = backend_options(cfg.backend, cfg.base_dir)
+        types = option_annotations(resolve_backend(cfg.backend, cfg.base_dir))
     except Exception:  # an unknown or broken backend: reported where it is resolved
         return []
-    if accepts_any:
-        return []
-    return [f'{cfg.where(f"backend_options.{key}")}: '
-            f'{unknown_key_message(str(key), named, f"backend {cfg.backend}")}'
-            for key in cfg.backend_options if key not in named]
+    problems = []
+    for key, value in cfg.backend_options.items():
+        where = cfg.where(f'backend_options.{key}')
+        if key not in named and not accepts_any:
+            problems.append(f'{where}: {unknown_key_message(str(key), named, f"backend {cfg.backend}")}')
+        elif key in types:
+            wrong = option_type_problem(*types[key], value)
+            if wrong:
+                problems.append(f'{where}: backend {cfg.backend} expects {wrong}')
+    return problems
 
 
 def check_backend_servers(cfg: RunConfig) -> List[PreflightProblem]:

@@ -46,9 +46,15 @@ class Recovery:
         if self.interrupted:
             out.append(f'{self.interrupted} interrupted request(s) run again')
         if self.accepted_changes:
-            out.append(f'--accept-changed: going on with changed code ({"; ".join(self.accepted_changes)}), '
-                       f'recorded in {RUN_INFO}')
+            out.append(self.accepted_note())
         return out
+
+    def accepted_note(self) -> str:
+        """What ``--accept-changed`` went past (``''``: nothing): said even under ``-q``, since it
+        changes what the run means (the requests written before ran the old code)."""
+        if not self.accepted_changes:
+            return ''
+        return f'--accept-changed: going on with changed code ({"; ".join(self.accepted_changes)}), recorded in {RUN_INFO}'
 
 
 def fingerprint_changes(old: Any, new: Any, prefix: str = '') -> List[str]:

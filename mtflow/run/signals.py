@@ -11,6 +11,11 @@ drops a torn last line on ``--resume``).
 Code that must not be cut in half by the first signal (the run store writing a group of lines)
 runs inside :func:`deferred_interrupts`: a signal that arrives there is raised when the block
 ends. Plain data, no threads: handlers only ever run in the main thread.
+
+A user's call that never returns (a step, a tool, a model call) cannot be stopped inside its
+thread. Once a stopped command has written everything, :func:`leave_if_calls_hang` ends the
+process at once when such a call is still running, instead of letting the interpreter's exit wait
+for it (or kill it inside native code).
 """
 from __future__ import annotations
 
@@ -21,7 +26,12 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional
 
-__all__ = ['StopRequested', 'StopSignals', 'deferred_interrupts', 'exit_code_for']
+__all__ = ['StopRequested', 'StopSignals', 'deferred_interrupts', 'exit_code_for', 'leave_if_calls_hang',
+           'CALL_THREADS']
+
+#: the names (prefixes) of the threads mtflow runs user calls in: sync steps, sync ``rollout_fn``
+#: calls, YAML tools, a dynamic batcher's batch calls
+CALL_THREADS = ('mtflow-step', 'mtflow-rollout', 'mtflow-tool-', 'mtflow-batcher-')
 
 _STATE: Dict[str, Any] = {'depth': 0, 'pending': None}
 
@@ -101,3 +111,21 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous.clear()
         _STATE['pending'] = None
+
+
+def leave_if_calls_hang(code: int) -> None:
+    """After a stop by signal (``code`` 130 or 143), everything written and closed: if a user's
+    call is still running in one of mtflow's threads (:data:`CALL_THREADS`), say so and end the
+    process now with ``code`` (``os._exit``, the output flushed first). Otherwise return."""
+    if code not in (exit_code_for(signal.SIGINT), exit_code_for(signal.SIGTERM)):
+        return
+    running = sorted({t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith(CALL_THREADS)})
+    if not running:
+        return
+    try:
+        sys.stderr.write(f'mtflow: leaving {len(running)} call(s) that did not return ({", ".join(running[:4])}): '
+                         'a thread cannot be stopped\n')
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

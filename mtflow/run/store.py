@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Tuple, Union
 
 from mtflow.run.files import (FORMAT, INTERRUPTED_FILE, LOCK, RUN_FILES, RUN_INFO, SUMMARY, TRACE, TRAJECTORIES,
-                              TREES, DirLock, FingerprintMismatch, Record, RunDirError, append_file, json_line,
-                              not_empty_message, set_aside, utc_now, write_json_atomic)
+                              TREES, DirLock, FingerprintMismatch, Record, RunDirError, WriteRefused, append_file,
+                              json_line, not_empty_message, set_aside, utc_now, write_json_atomic)
 from mtflow.run.groups import GroupWriter
 from mtflow.run.images import ImageStore
 from mtflow.run.recovery import Recovery, fingerprint_changes, read_run_info, recover
@@ -63,7 +63,7 @@ from mtflow.run.trees import prompts_of
 from mtflow.run.trajectories import finished_to_record
 
 __all__ = [
-    'RunStore', 'RunDirError', 'FingerprintMismatch', 'Recovery', 'finished_to_record', 'fingerprint_changes',
+    'RunStore', 'RunDirError', 'WriteRefused', 'FingerprintMismatch', 'Recovery', 'finished_to_record', 'fingerprint_changes',
     'TRAJECTORIES', 'TRACE', 'INTERRUPTED_FILE', 'TREES', 'RUN_INFO', 'SUMMARY', 'LOCK', 'RUN_FILES', 'FORMAT'
 ]
 
@@ -223,13 +223,14 @@ class RunStore:
         """One finished request: its trajectory line (needs ``uuid``) and its trace events.
 
         Kept in memory until the group is flushed (see :meth:`flush`); a uuid already written
-        raises :class:`RunDirError`."""
+        raises :class:`WriteRefused` (the line is not kept); a group that cannot be written (a
+        full disk) raises :class:`RunDirError`, its lines kept for the next flush."""
         self.write_together([(record, events)])
 
     def write_together(self, items: Sequence[Tuple[Record, Sequence[Record]]]) -> None:
         """Finished requests that belong together (the roles of one episode, ``docs/multi-agent.md``):
         as :meth:`write` each, in one group of the files, so a crash never leaves some of them
-        written and the others not."""
+        written and the others not; one uuid already written (or twice among them) refuses them all."""
         lines = []
         for record, events in items:
             rec = record if isinstance(record, dict) else record.to_dict()
@@ -237,10 +238,12 @@ class RunStore:
             lines.append((str(rec['uuid']), rec, evs, json_line(rec) + '\n', ''.join(json_line(e) + '\n' for e in evs)))
         with self._lock:
             self._check_open()
+            seen: Set[str] = set()
             for uuid, *_ in lines:
-                if uuid in self.done:
-                    raise RunDirError(f'request {uuid} is already written to {self.out_dir / TRAJECTORIES}: '
-                                      f'a request is written once')
+                if uuid in self.done or uuid in seen:
+                    raise WriteRefused(f'request {uuid} is already written to {self.out_dir / TRAJECTORIES}: '
+                                       f'a request is written once')
+                seen.add(uuid)
             for k, (uuid, rec, evs, line, trace_lines) in enumerate(lines):
                 self.done.add(uuid)
                 self.written += 1
@@ -287,7 +290,7 @@ class RunStore:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RunDirError(f'the run store of {self.out_dir} is closed')
+            raise WriteRefused(f'the run store of {self.out_dir} is closed')
 
     # ---- closing ------------------------------------------------------------------------------
     def close(self, status: str = 'complete', summary: Optional[Dict[str, Any]] = None,

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from mtflow.core.protocol import RolloutInferRequest
 from mtflow.train.samples import Sample
-from mtflow.train.trl_rollout import TRLRuns, prompt_messages, run_for_trl, trl_fields
+from mtflow.train.trl_rollout import TRLRuns, prompt_messages, run_for_trl
 
 __all__ = ['MtflowEpisode', 'TRLEnvironment', 'ENVIRONMENT_KEY']
 
@@ -88,8 +88,8 @@ class TRLEnvironment(TRLRuns):
     each batch; with ``keep=True``, ``batches`` and ``requests`` keep each batch's samples and
     requests (checks, logging)."""
 
-    def __init__(self, executor: Any, keep: bool = False) -> None:
-        super().__init__(executor, keep)
+    def __init__(self, executor: Any, keep: bool = False, missing_logprobs: str = 'uncorrected') -> None:
+        super().__init__(executor, keep, missing_logprobs)
         self._routes: Optional[Dict[str, 'TRLEnvironment']] = None
 
     def factory(self) -> MtflowEpisode:
@@ -97,11 +97,12 @@ class TRLEnvironment(TRLRuns):
         return MtflowEpisode(self)
 
     @classmethod
-    def several(cls, environments: Mapping[str, 'TRLEnvironment'], keep: bool = False) -> 'TRLEnvironment':
+    def several(cls, environments: Mapping[str, 'TRLEnvironment'], keep: bool = False,
+                missing_logprobs: str = 'uncorrected') -> 'TRLEnvironment':
         """Environments selected per example by TRL (its ``environment`` column): the result's
         :meth:`trainer_kwargs` give TRL the dict of factories and one ``rollout_func`` that runs
         each episode with the executor of its own environment."""
-        router = cls(None, keep=keep)
+        router = cls(None, keep=keep, missing_logprobs=missing_logprobs)
         router._routes = dict(environments)
         return router
 
@@ -137,7 +138,7 @@ class TRLEnvironment(TRLRuns):
                 episodes[k]._sample = sample
         done = [s for s in samples if s is not None]
         self.kept(done, requests)
-        return trl_fields(done)
+        return self.fields(done, trainer)
 
     def _run(self, requests: List[RolloutInferRequest], step: Any) -> List[Sample]:
         if self.executor is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from mtflow.backends.scripted import ScriptedBackend
 from mtflow.cli import main
 from mtflow.declarative import load_scheduler
 from mtflow.tools.bounds import DEFAULT_MAX_OBSERVATION, window_chars
-from tests.helpers import jsonl_lines, req
+from tests.helpers import jsonl_lines, req, stop_by_sigterm
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = 5_000_000
@@ -179,13 +178,7 @@ def test_sigterm_stops_a_run_whose_tool_hangs_and_keeps_what_finished(tmp_path, 
         while not jsonl_lines(project / 'out' / 'trajectories.jsonl'):
             assert time.monotonic() < deadline, 'b was never written'
             time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # once: a clean stop, not the second signal's exit at once
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail('SIGTERM did not stop the run while its tool hung')
+    err = stop_by_sigterm(proc, 'its tool hung')
     assert proc.returncode == 143, err
     written = [t['uuid'] for t in jsonl_lines(project / 'out' / 'trajectories.jsonl')]
     interrupted = [t['uuid'] for t in jsonl_lines(project / 'out' / 'interrupted.jsonl')]
