@@ -246,12 +246,17 @@ class TokenPrompter:
         real = self._render(chat, where)
         stable = real == expected and text[:at] == rec.open_text
         if not stable and self.policy == 'rerender':
-            rec.restarted = True
-            rec.restart = rec.restart or _restart_info(rec, 'template_rewrites_history',
-                                                       'the chat template renders the earlier turns differently')
-            return PromptPlan(self.encode(real), chat, rec, None, 'template_rewrites_history', False, real)
+            return self._rerendered(chat, rec, real)
         appended = self.encode(delta_text)
         return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, stable, expected)
+
+    def _rerendered(self, chat: Chat, rec: TokenRecord, real: str) -> PromptPlan:
+        """``prefix_policy='rerender'`` where the template renders the earlier turns otherwise: the
+        prompt is the conversation rendered as it stands, and the record says where ids were lost."""
+        rec.restarted = True
+        rec.restart = rec.restart or _restart_info(rec, 'template_rewrites_history',
+                                                   'the chat template renders the earlier turns differently')
+        return PromptPlan(self.encode(real), chat, rec, None, 'template_rewrites_history', False, real)
 
     def _reshaped_turn(self, chat: Chat, rec: TokenRecord, where: str) -> PromptPlan:
         """A new turn after the assistant message was put in OpenAI's shape once sampled (its calls
@@ -271,10 +276,7 @@ class TokenPrompter:
         expected = rec.open_text + (rec.history[-1].get('content') or '') + delta_text
         stable = real == expected
         if not stable and self.policy == 'rerender':
-            rec.restarted = True
-            rec.restart = rec.restart or _restart_info(rec, 'template_rewrites_history',
-                                                       'the chat template renders the earlier turns differently')
-            return PromptPlan(self.encode(real), chat, rec, None, 'template_rewrites_history', False, real)
+            return self._rerendered(chat, rec, real)
         appended = self.encode(delta_text)
         return PromptPlan(rec.next_prefix() + appended, chat, rec, appended, None, stable, expected)
 

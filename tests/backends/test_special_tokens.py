@@ -178,9 +178,12 @@ def test_openai_chat_mode_is_refused_unless_the_server_parses_the_calls(tmp_path
             'server_tool_calls: true' in said
         (tmp_path / 'run.yaml').write_text((tmp_path / 'run.yaml').read_text().replace(
             'prompt_mode: chat}', 'prompt_mode: chat, server_tool_calls: "true"}'))  # quoted: a string, not true
-        assert main(['validate', 'run.yaml']) == 1 and 'parser kimi_k2 reads' in capsys.readouterr().out
-        assert main(['run', 'run.yaml', '-q']) == 2  # refused as the backend is built
-        assert "server_tool_calls must be true or false, not str 'true'" in capsys.readouterr().err
+        quoted = "run.yaml:6: backend_options.server_tool_calls: backend openai expects bool, not 'true' (a str)"
+        assert main(['validate', 'run.yaml']) == 1 and quoted in capsys.readouterr().out  # the option's type, at its line
+        assert main(['run', 'run.yaml', '-q']) == 2  # refused before the backend is built
+        assert quoted in capsys.readouterr().err
+        with pytest.raises(BackendError, match="server_tool_calls must be true or false, not str 'true'"):
+            OpenAIBackend(model='m', base_url=server.base_url, prompt_mode='chat', server_tool_calls='true')
         with pytest.warns(UserWarning):
             backend = OpenAIBackend(model='m', base_url=server.base_url, prompt_mode='chat', server_tool_calls=True)
         try:  # the server returns the calls structured: the parser's markers are not needed
