@@ -27,7 +27,7 @@ from mtflow.core.scheduler import Scheduler
 from mtflow.gateway.history import transition
 from mtflow.gateway.sessions import CLOSING, Finish, SessionTable
 from mtflow.gateway.thinking import Thinking
-from mtflow.gateway.wire import Reply, split_calls, unmet_tool_choice
+from mtflow.gateway.wire import Reply, split_calls, structured_calls, unmet_tool_choice
 
 __all__ = ['SessionScheduler']
 
@@ -50,11 +50,17 @@ class SessionScheduler(Scheduler):
 
     def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> Dict[str, Any]:
         name = str(infer_request.uuid)
-        text = response_choice.message.content or ''
-        reasoning, said = self.thinking.split(text)
+        message = response_choice.message
+        text = message.content or ''
+        thought = getattr(message, 'reasoning_content', None)  # the server split it (vLLM --reasoning-parser)
+        reasoning, said = (thought, text) if isinstance(thought, str) else self.thinking.split(text)
         call = self.table.current_call(name)
-        parser = self.parser if call is None or call.tool_choice != 'none' else None
-        content, calls = split_calls(said, parser, current_turn, name, infer_request.tools)
+        structured = getattr(message, 'tool_calls', None)  # the server parsed the calls (its tool-call parser)
+        if structured:
+            content, calls = said, structured_calls(structured, current_turn, name)
+        else:
+            parser = self.parser if call is None or call.tool_choice != 'none' else None
+            content, calls = split_calls(said, parser, current_turn, name, infer_request.tools)
         record = record_of(infer_request)
         prompt = len(record.last_prompt) if record is not None else 0
         ids = response_choice.token_ids or []

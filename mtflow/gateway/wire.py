@@ -37,9 +37,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from mtflow.core.images import IMAGE_TOKEN
 from mtflow.declarative.parsers import parse_calls
 from mtflow.declarative.parsers.base import take_out_calls
+from mtflow.declarative.tool_calls import server_calls
 
 __all__ = ['WireError', 'Loose', 'Call', 'Reply', 'Returned', 'validated', 'validation_message', 'content_of',
-           'sampling', 'tool_choice_of', 'refuse_format', 'split_calls', 'arguments_text', 'loads_or_text',
+           'sampling', 'tool_choice_of', 'refuse_format', 'split_calls', 'structured_calls', 'arguments_text', 'loads_or_text',
            'openai_error', 'anthropic_error', 'call_id', 'AssistantTurn', 'logprob_items', 'unmet_tool_choice']
 
 
@@ -310,6 +311,18 @@ def split_calls(text: str, parser: Any, turn: int, session: str,
     # MiniMax-M2's and DSML's blocks): one rule with a scheduler's messages (mtflow.declarative.call_messages)
     return (take_out_calls(parser, text, [c for _, c in taken]) if calls else text), calls
 
+
+
+def structured_calls(tool_calls: List[Any], turn: int, session: str) -> List[Tuple[str, str, Any]]:
+    """The calls a server behind the gateway returned structured (an ``openai`` backend in chat
+    mode against ``vllm serve --enable-auto-tool-choice``, SGLang, a hosted API) as ``(id, name,
+    arguments)``: the server's id where it gave one; arguments that are not a JSON object go out
+    as the server wrote them (the client sees what the model wrote)."""
+    calls, message_calls = server_calls(tool_calls)
+    given = [(c if isinstance(c, dict) else c.model_dump()).get('id') for c in tool_calls]
+    return [(str(given[k]) if given[k] else call_id(session, turn, k), call.name,
+             call.arguments if call.error is None else call.raw)
+            for k, (call, _) in enumerate(zip(calls, message_calls))]
 
 # ---- errors -------------------------------------------------------------------------------------
 def openai_error(err: WireError) -> Dict[str, Any]:

@@ -6,6 +6,7 @@ own ``openai`` backend naming each request's session to the gateway in front of 
 from __future__ import annotations
 
 import base64
+import json
 import io
 import os
 
@@ -170,3 +171,41 @@ def test_the_openai_backend_names_each_requests_session_to_a_gateway_in_front(tm
             gw.finish(f'req-{k}')
     with pytest.raises(Exception, match='session_header must be an HTTP header name'):
         OpenAIBackend('m', 'http://127.0.0.1:9/v1', prompt_mode='chat', flavor='openai', session_header='X Bad')
+
+
+def test_a_servers_structured_calls_and_reasoning_reach_the_client(tmp_path):
+    """An ``openai`` backend in chat mode in front of a server that parses the calls and the
+    reasoning itself (``vllm serve --enable-auto-tool-choice --tool-call-parser hermes
+    --reasoning-parser qwen3``): the content the server returns holds neither, so the gateway
+    passes on the server's ``tool_calls`` and ``reasoning_content``. (Before, the client got an
+    empty answer with no call, finish ``stop``, and its agent ended at turn 1 without a word.)"""
+    from mtflow.backends.openai_server import OpenAIBackend
+    from mtflow.backends.scripted import ScriptedBackend
+    from tests.backends.chat_server import ChatServer
+    from tests.tiny_model import make_tokenizer
+
+    def respond(request):
+        if request.messages[-1]['role'] == 'tool':
+            return f'<think>It returned {request.messages[-1]["content"]}.</think>The sum is 5.'
+        return '<think>I should add.</think>' + CALLS_ADD.replace('I will add them.\n', '')
+
+    server_model = ScriptedBackend(respond=respond, tokenizer=make_tokenizer())
+    with ChatServer(server_model, model_name='m', tool_call_parser='hermes', reasoning_field='reasoning_content') \
+            as server, pytest.warns(UserWarning, match='chat completions re-render'):
+        backend = OpenAIBackend('m', server.base_url, prompt_mode='chat', flavor='openai', max_retries=0,
+                                server_tool_calls=True)
+        with backend, Gateway(backend, tmp_path / 'run', request_config=RequestConfig(max_tokens=64)) as gw:
+            client = _client(gw, 's')
+            first = client.chat.completions.create(model='m', messages=ASK, tools=[ADD_TOOL]).choices[0]
+            assert first.finish_reason == 'tool_calls' and not first.message.content
+            call = first.message.tool_calls[0]
+            assert (call.function.name, json.loads(call.function.arguments)) == ('add', {'a': 2, 'b': 3})
+            assert first.message.model_extra.get('reasoning_content') == 'I should add.'
+            back = ASK + [first.message.model_dump(exclude_none=True),
+                          {'role': 'tool', 'tool_call_id': call.id, 'content': '5'}]
+            second = client.chat.completions.create(model='m', messages=back, tools=[ADD_TOOL]).choices[0]
+            assert second.finish_reason == 'stop' and second.message.content == 'The sum is 5.'
+            assert second.message.model_extra.get('reasoning_content') == 'It returned 5.'
+            assert httpx.post(f'{gw.url}/s/s/finish', json={'reward': 1}, timeout=TIMEOUT_S).status_code == 200
+    (line, ) = lines(tmp_path / 'run')
+    assert line['num_turns'] == 2 and line['finish_reason'] == 'client_finished'
