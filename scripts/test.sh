@@ -39,7 +39,11 @@ command -v chromium >/dev/null 2>&1 || { $SUDO apt-get update -qq && $SUDO env D
 # NeMo Gym's resources servers (tests/envs/test_nemo_gym.py; extra nemo-gym: mtflow's side is aiohttp, above) in a
 # venv of their own: nemo-gym 0.7 needs Python 3.13 (it declares >=3.13.14, above every 3.13 here, so
 # --ignore-requires-python) and pins openai 2.44 and mcp<2 (here 3.63 and 2.3); ~1.4 GB (Ray, MLflow, wandb).
-NG_PY=$(command -v python3.13 || ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 2>/dev/null | tail -1)
+# (a pyenv shim on PATH answers "command not found" where 3.13 is not selected: each candidate must run)
+NG_PY=""
+for c in $(command -v python3.13) $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 2>/dev/null); do
+  [ -z "$NG_PY" ] && "$c" -c '' 2>/dev/null && NG_PY=$c
+done
 .extras/nemo-gym-venv/bin/python -c 'import nemo_gym, resources_servers' 2>/dev/null || { [ -n "$NG_PY" ] \
   && "$NG_PY" -m venv .extras/nemo-gym-venv && .extras/nemo-gym-venv/bin/python -m pip --disable-pip-version-check -q \
      install --ignore-requires-python 'nemo-gym==0.7.0'; } \
