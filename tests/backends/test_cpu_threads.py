@@ -71,4 +71,5 @@ def test_a_wrong_threads_option_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / 'run.yaml').write_text('scheduler: sched.yaml\nbackend: hf\nmodel: embedded\nlimit: 1\nout: out\n')
     assert main(['run', 'run.yaml', '-o', 'threads=lots', '--no-progress']) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "mtflow: hf backend: threads must be 'auto', a positive int or null, not 'lots'"
+    assert err == ("mtflow: command line: -o threads=lots: backend_options.threads: hf backend: threads must be "
+                   "'auto', a positive int or null, not 'lots'")  # the flag named (issue 47's option checks)
