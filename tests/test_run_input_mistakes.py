@@ -55,7 +55,7 @@ def test_an_unknown_backend_option_set_by_set_names_the_flag_not_the_file(work, 
     assert code == 2
     assert err == ["mtflow: command line: --set backend_options.cylce=true: backend_options.cylce: unknown key 'cylce' "
                    "for backend scripted; did you mean 'cycle'? (known: path, outputs, respond, cycle, "
-                   'honor_max_tokens, tokenizer, chat_template, sample, seed)']
+                   'honor_max_tokens, tokenizer, chat_template, sample, seed, prefix_policy)']
 
 
 def test_a_scheduler_file_given_as_the_run_config_says_so_and_names_the_config_that_uses_it(work, capsys):
