@@ -270,6 +270,14 @@ def _preflight(cls: type, model: Optional[str], options: Dict[str, Any]) -> List
     return options_problems(model, options, DEFAULT_BASE_URL)
 
 
+def _session_header(name: Any) -> Optional[str]:
+    """The ``session_header`` option: an HTTP header name (RFC 9110's token), or ``None``."""
+    if name is not None and (not isinstance(name, str) or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name)):
+        raise BackendError(f'openai backend: session_header must be an HTTP header name (e.g. X-Session-ID) or null, '
+                           f'not {name!r}')
+    return name
+
+
 class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
     """``rollout_fn`` over an OpenAI-compatible chat completions server.
 
@@ -354,11 +362,7 @@ class OpenAIBackend(ServerFacts, ServerMetrics, Backend):
         super().__init__()
         self.skip_special_tokens = flag_option(skip_special_tokens, 'openai backend: skip_special_tokens')
         self.server_tool_calls = flag_option(server_tool_calls, 'openai backend: server_tool_calls')
-        if session_header is not None and (not isinstance(session_header, str)
-                                           or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", session_header)):
-            raise BackendError(f'openai backend: session_header must be an HTTP header name (e.g. X-Session-ID) or null, '
-                               f'not {session_header!r}')
-        self.session_header = session_header
+        self.session_header = _session_header(session_header)
         if resumable and flavor == 'openai':
             raise BackendError("openai backend: resumable=True continues cut generations with continue_final_message "
                                "or token prompts, which flavor 'openai' cannot")
