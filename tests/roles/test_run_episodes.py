@@ -96,6 +96,19 @@ def test_run_config_roles_and_policies_are_checked(project, capsys):
     assert "policies: 'default' is the run's own backend" in _error(['run', 'bad.yaml'], capsys)
 
 
+def test_a_policy_no_role_plays_is_refused(project, capsys):
+    """A ``policies:`` entry no role plays was never built: the run went on with every role on its
+    other policies (a two-policy game without its ``roles:`` played by one policy), exit 0."""
+    config = (project / 'run.yaml').read_text()
+    (project / 'bad.yaml').write_text(config.replace('policies:', 'policies:\n  b: {backend: scripted}'))
+    err = _error(['run', 'bad.yaml'], capsys)
+    assert "bad.yaml:5: policies.b: no role plays policy 'b' (the roles play: assistant: default, user: user_sim, " in err
+    assert not (project / 'out').exists()
+    (project / 'bad.yaml').write_text(config.replace('policies:', 'policies:\n  b: {backend: scripted}')
+                                      + 'roles:\n  judge: {policy: b}\n')
+    assert "policies.judge: no role plays policy 'judge'" in _error(['run', 'bad.yaml'], capsys)
+
+
 def test_episode_file_problems_name_file_line_and_field(project, capsys):
     (project / 'game.yaml').write_text(textwrap.dedent('''\
         roles:
