@@ -109,6 +109,17 @@ def test_a_policy_no_role_plays_is_refused(project, capsys):
     assert "policies.judge: no role plays policy 'judge'" in _error(['run', 'bad.yaml'], capsys)
 
 
+def test_a_task_without_the_field_its_reward_reads_fails_by_name(project, capsys):
+    """The example's reward read ``order_id`` with ``.get``: a task row without it scored every
+    assistant 0 for its outcome (the refund never matched ``#None``), complete, exit 0."""
+    rows = [json.loads(line) for line in (project / 'tau_tasks.jsonl').read_text().splitlines()]
+    (project / 'tau_tasks.jsonl').write_text(''.join(json.dumps({k: v for k, v in row.items() if k != 'order_id'}) + '\n'
+                                                     for row in rows))
+    assert main(['run', 'run.yaml', '-q']) == 1
+    failures = [line['rollout_infos']['mtflow_error'] for line in map(json.loads, open(project / 'out' / 'trajectories.jsonl'))]
+    assert len(failures) == 6 and {(f['type'], f['message']) for f in failures} == {('KeyError', "'order_id'")}
+
+
 def test_episode_file_problems_name_file_line_and_field(project, capsys):
     (project / 'game.yaml').write_text(textwrap.dedent('''\
         roles:
