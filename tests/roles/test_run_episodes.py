@@ -120,6 +120,15 @@ def test_a_task_without_the_field_its_reward_reads_fails_by_name(project, capsys
     assert len(failures) == 6 and {(f['type'], f['message']) for f in failures} == {('KeyError', "'order_id'")}
 
 
+def test_a_judge_judging_itself_is_refused_naming_the_roles_it_can_score(project, capsys):
+    """The refusal listed the judge among the roles it could score."""
+    path = project / 'tau_retail.yaml'
+    path.write_text(path.read_text().replace('judges: [assistant]', 'judges: [judge]'))
+    assert main(['validate', 'tau_retail.yaml']) == 1
+    assert "judge.judges: ['judge'] are not roles the judge can score (the roles but the judge itself: assistant, " \
+           "user)" in capsys.readouterr().out
+
+
 def test_episode_file_problems_name_file_line_and_field(project, capsys):
     (project / 'game.yaml').write_text(textwrap.dedent('''\
         roles:
