@@ -85,6 +85,14 @@ def test_a_previous_response_of_another_session_is_refused(tmp_path):
     assert [m['content'] for m in by_uuid['B']['messages']] == ['hi B', 'two']
 
 
+def test_a_function_call_output_without_its_call_id_is_refused(tmp_path):
+    """It became a tool message answering the call '' (200, the model shown a result of no call)."""
+    with Gateway(scripted('ok'), tmp_path / 'run') as gw:
+        answer = httpx.post(f'{gw.base_url("s")}/responses', timeout=TIMEOUT_S, json={'model': 'm', 'input': [
+            {'role': 'user', 'content': 'x'}, {'type': 'function_call_output', 'output': '5'}]})
+        assert answer.status_code == 400 and answer.json()['error']['param'] == 'input.1.call_id'
+
+
 def test_what_the_responses_api_cannot_serve_is_said(tmp_path):
     with Gateway(scripted('ok'), tmp_path / 'run') as gw:
         url = f'{gw.base_url("bad")}/responses'
