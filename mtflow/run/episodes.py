@@ -55,6 +55,11 @@ def episode_problems(cfg: RunConfig) -> List[str]:
         elif change.policy is not None and change.policy not in cfg.policy_ids():
             out.append(f'{cfg.where(f"roles.{name}")}.policy: unknown policy id {change.policy!r}; the run serves: '
                        f'{", ".join(map(repr, cfg.policy_ids()))}')
+        elif change.sampling:  # checked here, at the run config's line (the file's roles have none of it)
+            try:
+                Role(name, sampling=change.sampling)
+            except RoleError as exc:
+                out.append(f'{cfg.where(f"roles.{name}")}: {exc}')
     if out:
         return out
     problems = [str(p) for p in episode_file_problems(path, cfg.policy_ids(), cfg.roles)]

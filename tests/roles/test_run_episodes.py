@@ -129,6 +129,15 @@ def test_a_judge_judging_itself_is_refused_naming_the_roles_it_can_score(project
            "user)" in capsys.readouterr().out
 
 
+def test_a_run_configs_role_sampling_mistake_is_named_at_its_own_line(project, capsys):
+    """It was reported at the episode file's role (tau_retail.yaml:9), which has no sampling."""
+    config = (project / 'run.yaml').read_text()
+    (project / 'bad.yaml').write_text(config + 'roles:\n  user: {sampling: {temprature: 1.0}}\n')
+    err = _error(['run', 'bad.yaml'], capsys)
+    assert "bad.yaml:11: roles.user: role 'user': sampling: unknown key 'temprature'; did you mean 'temperature'?" in err
+    assert 'tau_retail.yaml' not in err
+
+
 def test_episode_file_problems_name_file_line_and_field(project, capsys):
     (project / 'game.yaml').write_text(textwrap.dedent('''\
         roles:
