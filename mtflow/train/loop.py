@@ -182,10 +182,14 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
         result = executor.run(ran)
         if result.failures:
             raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
-        if policies is None:
-            parts = {None: (model, optimizer, samples_from_result(result, ran))}
+        if policies is None:  # one model: every trained trajectory (a judge's, a user simulator's are not)
+            parts = {None: (model, optimizer, [s for s in samples_from_result(result, ran) if s.train])}
         else:
             split = by_policy(samples_from_result(result, ran, rewardless='skip'))
+            unmapped = sorted(set(split) - set(policies))
+            if unmapped:  # their samples would be dropped: that policy never trained
+                raise ValueError(f'step {step}: trained roles play policies {unmapped}, which model does not map '
+                                 f'(it maps {sorted(policies)}); add them, or set train: false on their roles')
             parts = {pid: (policies[pid], optimizer[pid], split.get(pid, [])) for pid in policies}
         for pid, (policy_model, policy_optimizer, samples) in parts.items():
             if not samples:
