@@ -157,6 +157,26 @@ def test_model_that_cannot_load(project, capsys):
     assert "cannot load model '" in err and "empty_model'" in err
 
 
+def test_a_scripted_model_file_that_is_not_there_is_named_at_its_line(project, capsys):
+    """The error named neither the file nor the line of the config's model: key."""
+    (project / 'bad.yaml').write_text('scheduler: sched.py:HigherLower\nbackend: scripted\nmodel: modle.jsonl\n'
+                                      'dataset: prompts.jsonl\n')
+    assert 'bad.yaml:3: model: scripted backend: file not found: modle.jsonl' in _error(['run', 'bad.yaml'], capsys)
+
+
+def test_validate_finds_what_the_scripted_backend_would_refuse(project, capsys):
+    """validate said OK to a respond that does not resolve and to a script file that is not there;
+    the run then refused them."""
+    (project / 'bad.yaml').write_text('scheduler: sched.py:HigherLower\nbackend: scripted\nbackend_options: '
+                                      '{respond: go}\ndataset: prompts.jsonl\n')
+    assert main(['validate', 'bad.yaml']) == 1
+    assert "bad.yaml:3: backend_options.respond: scripted backend: respond: reference 'go'" in capsys.readouterr().out
+    (project / 'bad.yaml').write_text('scheduler: sched.py:HigherLower\nbackend: scripted\nmodel: modle.jsonl\n'
+                                      'dataset: prompts.jsonl\n')
+    assert main(['validate', 'bad.yaml']) == 1
+    assert 'bad.yaml:3: model: scripted backend: file not found: modle.jsonl' in capsys.readouterr().out
+
+
 def test_missing_dataset_and_bad_dataset_line(project, capsys):
     assert 'dataset not found: nothere.jsonl' in _error(['run', 'run.yaml', '--dataset', 'nothere.jsonl'], capsys)
     (project / 'broken.jsonl').write_text('{"prompt": "a"}\n{"messages": 3}\n')

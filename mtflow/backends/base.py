@@ -238,6 +238,8 @@ class PreflightProblem:
     now: ``mtflow run`` stops on it, ``mtflow validate`` warns (the server may be started later)."""
     message: str
     unreachable: bool = False
+    #: the run config's key it is about (``backend_options.respond``, ``model``); None: the backend's
+    key: Optional[str] = None
 
 
 class Reports:

@@ -62,7 +62,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from mtflow.core.registry import resolve_reference
 from mtflow.data.sources import group_of
-from mtflow.backends.base import Backend, BackendError, SamplingOptions, build_output, sampling_seeds
+from mtflow.backends.base import Backend, BackendError, PreflightProblem, SamplingOptions, build_output, sampling_seeds
 from mtflow.backends.chat_templates import resolve_chat_template
 from mtflow.backends.models import load_tokenizer
 from mtflow.backends.tokens import TokenPrompter, commit_outputs
@@ -108,6 +108,21 @@ class ScriptedBackend(Backend):
     ``prefix_policy``: with a ``tokenizer``, as the HF backend's (``docs/backends.md``)."""
     name = 'scripted'
     streams_text = True
+
+    @classmethod
+    def preflight(cls, model: Optional[str], options: Dict[str, Any]) -> List[PreflightProblem]:
+        """What building it would refuse, found before the run (``mtflow validate`` said OK to a
+        ``respond`` that does not resolve, and to a script file that is not there)."""
+        respond = options.get('respond')
+        if isinstance(respond, str):
+            try:
+                resolve_reference(respond)
+            except (ImportError, AttributeError, ValueError) as exc:
+                return [PreflightProblem(f'respond: {exc}', key='backend_options.respond')]
+        elif respond is None and options.get('outputs') is None and isinstance(model, str) and model and \
+                not Path(model).is_file() and Path(model).suffix in ('.jsonl', '.json'):
+            return [PreflightProblem(f'file not found: {model}', key='model')]
+        return []
 
     def __init__(self, path: Optional[Union[str, Path]] = None, *, outputs: Optional[List[Any]] = None,
                  respond: Union[str, Callable[[Any], Any], None] = None, cycle: bool = False, honor_max_tokens: bool = False,

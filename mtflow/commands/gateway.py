@@ -111,10 +111,19 @@ def serve(store: RunStore, start: Callable[[], Gateway], quiet: bool,
     return 0
 
 
+#: keys of a run over a dataset that the gateway never reads: its clients bring the prompts and run the tools
+NOT_SERVED = ('scheduler', 'scheduler_args', 'dataset', 'num_generations', 'policies', 'roles')
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if cfg.agent is not None:
         raise UserError(f'{cfg.where("agent")}: an agent: section is run by mtflow run, not served by mtflow gateway')
+    given = [key for key in NOT_SERVED if key in cfg.lines]
+    if given:  # a scheduler's parser, reasoning and rewards would be ignored without a word
+        raise UserError(f'{cfg.where(given[0])}: mtflow gateway does not read {", ".join(given)} (its clients bring '
+                        'the prompts and run the tools; the gateway: section sets tool_parser and reasoning); remove '
+                        f'{"it" if len(given) == 1 else "them"}, or run this config with mtflow run')
     store = open_store(cfg, args, run_fingerprint(cfg, None), meta={'gateway': True})
 
     def start() -> Gateway:

@@ -25,7 +25,7 @@ from mtflow.core.safe_yaml import YamlLoadError, YamlProblem, load_yaml_file
 from mtflow.declarative.envs import env_kind, make_env_factory
 from mtflow.declarative.gym import ENVS
 from mtflow.declarative.parsers import PARSERS, get_parser
-from mtflow.declarative.reasoning import reasoning_parser
+from mtflow.declarative.reasoning import family_mismatch, reasoning_parser
 from mtflow.declarative.scheduler import YamlScheduler
 from mtflow.declarative.schema import EnvConfig, SchedulerConfig, cross_problems
 from mtflow.tools.registry import TOOLS, check_builtin_options, make_builtin
@@ -242,6 +242,10 @@ def _build_problems(data: Dict[str, Any], base_dir: Optional[str], found: List[P
         except Exception as exc:
             out.append((('reasoning', ), str(exc) if isinstance(exc, (ImportError, RuntimeError)) else
                         f'{type(exc).__name__}: {exc}'))
+        else:
+            mismatch = family_mismatch(reasoning, parser)
+            if mismatch:
+                out.append((('reasoning', ), mismatch))
     env = data.get('env')
     if isinstance(env, dict) and not _under(('env', ), found):
         out += _env_problems(env, base_dir)

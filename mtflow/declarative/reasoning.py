@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mtflow.core.registry import Registry
+from mtflow.declarative.parsers import PARSERS
 from mtflow.declarative.parsers.harmony import MARKERS as HARMONY_MARKERS, harmony_encoding, harmony_messages
 
 __all__ = ['Split', 'ReasoningParser', 'ThinkTags', 'KimiThinking', 'HarmonyChannels', 'REASONING',
-           'split_reasoning', 'reasoning_parser', 'opens_thinking', 'split_messages']
+           'split_reasoning', 'reasoning_parser', 'opens_thinking', 'split_messages', 'family_mismatch']
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,30 @@ REASONING = Registry('mtflow.reasoning', 'unknown reasoning parser {name} (known
                                'none': NoReasoning})
 #: tool-call parser -> the reasoning its family writes (``reasoning: auto``); others: ``think``
 FAMILY = {'harmony': 'harmony', 'gpt_oss': 'harmony', 'kimi_k2': 'kimi', 'kimi': 'kimi'}
+
+
+#: why a family's own reasoning read by another parser goes wrong without an error
+_OWN_REASONING = {'harmony': "gpt-oss writes its thinking in harmony's analysis channel, which {name} does not "
+                             "read: the thinking would stay in the content (stop rules, answers and rewards read it)",
+                  'kimi': "a Kimi-K2 reply's tool-call section ends its thinking without </think>, which {name} "
+                          "does not know: the calls after an unclosed <think> would be read as thought, never run"}
+
+
+def family_mismatch(name: str, tool_parser: str) -> Optional[str]:
+    """Why the reasoning parser ``name`` cannot split what ``tool_parser``'s models write (``None``:
+    it can, or mtflow cannot tell: ``auto``, ``none``, a parser of the user's own). Checked when a
+    scheduler loads, since the wrong split loses calls or keeps thinking in the answer silently."""
+    own = FAMILY.get(tool_parser)
+    if own is not None and name in ('think', 'kimi', 'harmony') and name != own:
+        why = _OWN_REASONING[own].format(name=repr(name))
+    elif own is None and name == 'harmony' and tool_parser in PARSERS and str(getattr(PARSERS[tool_parser], '__module__', '')).startswith(
+            'mtflow.'):  # one of mtflow's parsers (a user's own may read harmony)
+        why = (f"'harmony' reads only gpt-oss's analysis channel (parser: harmony), which {tool_parser} models do "
+               "not write: their <think> blocks would stay in the content")
+    else:
+        return None
+    return f'{name!r} does not split what parser {tool_parser!r} reads: {why}; give reasoning: auto (here ' \
+           f'{FAMILY.get(tool_parser, "think")}) or none'
 
 
 def opens_thinking(tokenizer: Any, chat_template: Optional[str] = None,

@@ -132,6 +132,8 @@ class _Turns:
             self.images += seen
             self.messages.append({'role': 'system' if role == 'developer' else role, 'content': text})
         elif kind == 'function_call_output':
+            if not isinstance(item.get('call_id'), str):  # the tool message would answer no call
+                raise WireError(400, f'{where}.call_id: required', param=f'{where}.call_id')
             self.flush()
             output, seen = content_of(item.get('output'), f'{where}.output')
             self.images += seen

@@ -204,6 +204,10 @@ class GatewayServer:
         gateway = self.gateway
         previous = gateway.responses.previous_of(body) if api == 'responses' else None
         name, key = self._session_of(request, previous[0] if previous is not None else None)
+        if previous is not None and previous[0] != name:  # its conversation would join another's trajectory
+            raise WireError(400, f'previous_response_id: {body["previous_response_id"]!r} is a response of session '
+                            f'{previous[0]!r}, not of {name!r}, the session this call names; continue a session\'s '
+                            'own responses', param='previous_response_id', code='session_mismatch')
         call = gateway.parse_call(name, body, api, previous)
         loop = asyncio.get_running_loop()
         if call.images:  # stored in the run directory (a file write): off the server's loop

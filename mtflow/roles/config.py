@@ -174,7 +174,8 @@ def _with_judge(factory: Any, judge: Optional[JudgeConfig], roles: Sequence[Role
         raise RoleError(f'judge.role: {judge.role!r} is not one of the roles ({", ".join(by_name)})')
     unknown = [n for n in judge.judges if n not in by_name or n == judge.role]
     if unknown:
-        raise RoleError(f'judge.judges: {unknown} are not roles the judge can score ({", ".join(by_name)})')
+        raise RoleError(f'judge.judges: {unknown} are not roles the judge can score (the roles but the judge '
+                        f'itself: {", ".join(n for n in by_name if n != judge.role)})')
     seats = [by_name[n].env_seat for n in judge.judges]
     return judged(factory, by_name[judge.role].env_seat, seats, judge.template, judge.pattern, judge.scale)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from mtflow.core.keys import StrictModel
+from mtflow.declarative.parsers import PARSERS
+from mtflow.declarative.reasoning import REASONING, family_mismatch
 
 __all__ = ['GatewayConfig', 'AgentConfig', 'VerifierCommand', 'DEFAULT_MAX_BODY_BYTES']
 
@@ -50,6 +52,23 @@ class GatewayConfig(StrictModel):
     reasoning: str = Field('auto', description="How a reply's thinking is split from its content (reasoning_content, "
                            "thinking blocks, reasoning items): a reasoning parser of docs/declarative.md (auto: by "
                            "the tool parser's family and the chat template; think, kimi, harmony, none, module:Class).")
+
+    # checked with the config (its file and line, before the model loads), as a YAML scheduler's are
+    @field_validator('tool_parser')
+    def _known_parser(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and ':' not in value and value not in PARSERS.names():
+            raise ValueError(f'unknown parser {value!r} (known: {", ".join(PARSERS.names())}, or module:Class)')
+        return value
+
+    @field_validator('reasoning')
+    def _known_reasoning(cls, value: str, info: ValidationInfo) -> str:
+        if value != 'auto' and ':' not in value and value not in REASONING.names():
+            raise ValueError(f'unknown reasoning parser {value!r} (known: {", ".join(REASONING.names())}, auto, '
+                             'or module:Class)')
+        mismatch = family_mismatch(value, info.data.get('tool_parser') or '')
+        if mismatch:
+            raise ValueError(mismatch)
+        return value
 
 
 class VerifierCommand(StrictModel):

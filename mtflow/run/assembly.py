@@ -90,7 +90,10 @@ def _option_named(cfg: RunConfig, message: str) -> Optional[str]:
     ``-o``/``--set`` flag), so the user sees what to change; ``None`` when it names none of them."""
     named = [(m.start(), key) for key in cfg.backend_options
              if (m := re.search(rf'(?<![\w.]){re.escape(str(key))}(?![\w])', message)) is not None]
-    return cfg.where(f'backend_options.{min(named)[1]}') if named else None
+    if named:
+        return cfg.where(f'backend_options.{min(named)[1]}')
+    model = str(cfg.model) if cfg.model else ''  # a model (a scripted file, a path) the backend could not open
+    return cfg.where('model') if model and re.search(rf'(?<![\w./-]){re.escape(model)}(?![\w])', message) else None
 
 
 def _module_from_file(path: Path) -> Any:

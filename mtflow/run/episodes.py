@@ -55,9 +55,20 @@ def episode_problems(cfg: RunConfig) -> List[str]:
         elif change.policy is not None and change.policy not in cfg.policy_ids():
             out.append(f'{cfg.where(f"roles.{name}")}.policy: unknown policy id {change.policy!r}; the run serves: '
                        f'{", ".join(map(repr, cfg.policy_ids()))}')
+        elif change.sampling:  # checked here, at the run config's line (the file's roles have none of it)
+            try:
+                Role(name, sampling=change.sampling)
+            except RoleError as exc:
+                out.append(f'{cfg.where(f"roles.{name}")}: {exc}')
     if out:
         return out
     problems = [str(p) for p in episode_file_problems(path, cfg.policy_ids(), cfg.roles)]
+    if not problems:  # a policy no role plays would never be built: the run would go on without it
+        played = {role.name: role.policy for role in episode_roles(config, cfg.roles)}
+        problems = [f'{cfg.where(f"policies.{policy}")}: no role plays policy {policy!r} (the roles play: '
+                    f'{", ".join(f"{name}: {p}" for name, p in played.items())}); name it as a role\'s policy '
+                    f'(roles: {{<role>: {{policy: {policy}}}}}) or remove it'
+                    for policy in cfg.policies if policy not in played.values()]
     if not problems:  # each role's sampling options within the engines' bounds, merged as the router merges them
         for role in episode_roles(config, cfg.roles):
             try:

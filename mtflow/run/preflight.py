@@ -340,7 +340,7 @@ def check_backend_servers(cfg: RunConfig) -> List[PreflightProblem]:
         return []
     options = cfg.resolved_backend_options()
     key = next((f'backend_options.{k}' for k in ('urls', 'base_url') if k in options), 'backend')
-    return [dataclasses.replace(p, message=f'{cfg.where(key)}: {cfg.backend} backend: {p.message}')
+    return [dataclasses.replace(p, message=f'{cfg.where(p.key or key)}: {cfg.backend} backend: {p.message}')
             for p in check(cfg.resolved_model(), options)]
 
 

@@ -28,7 +28,7 @@ torch is imported when a function runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mtflow.train.errors import SampleError
 from mtflow.train.advantages import assign_advantages, assign_gigpo_advantages, assign_turn_advantages
@@ -182,11 +182,7 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
         result = executor.run(ran)
         if result.failures:
             raise RuntimeError(f'step {step}: {len(result.failures)} requests failed; first: {result.failures[0]}')
-        if policies is None:
-            parts = {None: (model, optimizer, samples_from_result(result, ran))}
-        else:
-            split = by_policy(samples_from_result(result, ran, rewardless='skip'))
-            parts = {pid: (policies[pid], optimizer[pid], split.get(pid, [])) for pid in policies}
+        parts = _parts(model, optimizer, policies, result, ran, step)
         for pid, (policy_model, policy_optimizer, samples) in parts.items():
             if not samples:
                 continue
@@ -203,6 +199,20 @@ def reference_loop(executor: Any, model: Any, optimizer: Any, batches: Iterable[
         version += 1
         executor.set_policy_version(version)
     return history
+
+
+def _parts(model: Any, optimizer: Any, policies: Optional[Dict[str, Any]], result: Any, ran: List[Any],
+           step: int) -> Dict[Optional[str], Tuple[Any, Any, List[Sample]]]:
+    """``{policy id: (model, optimizer, its samples)}`` of a step (``None``: the one model); only
+    trained roles' samples (a judge's, a user simulator's are not), each trained policy mapped."""
+    if policies is None:
+        return {None: (model, optimizer, [s for s in samples_from_result(result, ran) if s.train])}
+    split = by_policy(samples_from_result(result, ran, rewardless='skip'))
+    unmapped = sorted(set(split) - set(policies))
+    if unmapped:  # their samples would be dropped: that policy never trained
+        raise ValueError(f'step {step}: trained roles play policies {unmapped}, which model does not map '
+                         f'(it maps {sorted(policies)}); add them, or set train: false on their roles')
+    return {pid: (policies[pid], optimizer[pid], split.get(pid, [])) for pid in policies}
 
 
 def _trees_of(trees: Sequence[Dict[str, Any]], samples: Sequence[Sample]) -> List[Dict[str, Any]]:

@@ -87,7 +87,7 @@ def judge(request: Any) -> str:
 
 def reward(episode: Any, transcript: List[Tuple[Any, Any]]) -> Dict[str, float]:
     """1.0 for the assistant when one of its tool results refunded exactly the task's order."""
-    wanted = f'Refunded order #{episode.data.get("order_id")}'
+    wanted = f'Refunded order #{episode.data["order_id"]}'
     done = any(wanted in str(m.get('content')) for seat, action in transcript if seat == 'assistant'
                for m in getattr(action, 'messages', []) if m.get('role') == 'tool')
     return {'assistant': 1.0 if done else 0.0}

@@ -115,6 +115,39 @@ def test_a_config_mistake_is_one_line(tmp_path, config, capsys):
     assert 'bad.yaml:2: gateway.idle_timeout_s' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('section, message', [
+    ('{reasoning: thinkk}', "gateway.reasoning: unknown reasoning parser 'thinkk'"),
+    ('{tool_parser: hermez}', "gateway.tool_parser: unknown parser 'hermez'"),
+    ('{tool_parser: kimi_k2, reasoning: think}', "gateway.reasoning: 'think' does not split what parser 'kimi_k2' reads"),
+])
+def test_the_gateway_parsers_are_checked_with_the_config(tmp_path, section, message, capsys):
+    """A wrong gateway.reasoning or gateway.tool_parser was a traceback after the model loaded (and
+    validate said OK); a reasoning split of another family served calls as thinking. Now one line at
+    its line, from validate too."""
+    bad = tmp_path / 'bad.yaml'
+    bad.write_text(f'backend: scripted\ngateway: {section}\n')
+    assert main(['gateway', str(bad), '--out', str(tmp_path / 'y')]) == 2
+    err = capsys.readouterr().err
+    assert f'bad.yaml:2: {message}' in err and err.count('\n') == 1 and not (tmp_path / 'y').exists()
+    assert main(['validate', str(bad)]) == 1
+    assert f'bad.yaml:2: {message}' in capsys.readouterr().out
+
+
+def test_keys_the_gateway_never_reads_are_refused(tmp_path, config):
+    """A scheduler (its parser, reasoning, rewards), a dataset, policies were ignored without a word
+    and the gateway served (an episode file's scheduler was a KeyError traceback)."""
+    base = config.read_text()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    for extra, said in (('scheduler: mine.yaml\n', 'gateway.yaml:5: scheduler: mtflow gateway does not read scheduler ('),
+                        ('dataset: tasks.jsonl\npolicies:\n  b: {backend: scripted}\n',
+                         'gateway.yaml:5: dataset: mtflow gateway does not read dataset, policies (')):
+        config.write_text(base + extra)
+        proc = subprocess.run([sys.executable, '-m', 'mtflow', 'gateway', str(config), '--port', '0', '--out',
+                               str(tmp_path / 'x'), '-q'], capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+        assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count('\n') == 1, proc.stderr
+    assert not (tmp_path / 'x').exists()
+
+
 def test_a_finish_is_answered_only_once_its_session_is_on_disk(tmp_path, config):
     """Issue 47, item 9: the answer to ``POST /finish`` means the trajectory is durable. Killed
     (SIGKILL, no cleanup) the moment the answers came, the gateway has every session it answered

@@ -66,6 +66,33 @@ def test_previous_response_id_alone_names_the_session_and_store_false_keeps_noth
     assert_tokens_exact(tmp_path / 'run', segments=1)
 
 
+def test_a_previous_response_of_another_session_is_refused(tmp_path):
+    """A call naming session B that continued a response of session A was answered 200: A's
+    conversation joined B's trajectory (a new segment, B's reward), without a word."""
+    with Gateway(scripted('one', 'two', 'three'), tmp_path / 'run') as gw:
+        first = httpx.post(f'{gw.base_url("A")}/responses', json={'model': 'm', 'input': 'hi A'}, timeout=TIMEOUT_S).json()
+        httpx.post(f'{gw.base_url("B")}/responses', json={'model': 'm', 'input': 'hi B'}, timeout=TIMEOUT_S)
+        for url, headers in ((f'{gw.base_url("B")}/responses', {}), (f'{gw.url}/v1/responses', {'X-Session-ID': 'B'})):
+            crossed = httpx.post(url, headers=headers, json={'model': 'm', 'input': 'more', 'previous_response_id':
+                                                              first['id']}, timeout=TIMEOUT_S)
+            assert crossed.status_code == 400
+            error = crossed.json()['error']
+            assert error['code'] == 'session_mismatch' and error['param'] == 'previous_response_id'
+            assert f"{first['id']!r} is a response of session 'A', not of 'B'" in error['message']
+        gw.finish('A', reward=1.0)
+        gw.finish('B', reward=0.0)
+    by_uuid = {line['uuid']: line for line in lines(tmp_path / 'run')}
+    assert [m['content'] for m in by_uuid['B']['messages']] == ['hi B', 'two']
+
+
+def test_a_function_call_output_without_its_call_id_is_refused(tmp_path):
+    """It became a tool message answering the call '' (200, the model shown a result of no call)."""
+    with Gateway(scripted('ok'), tmp_path / 'run') as gw:
+        answer = httpx.post(f'{gw.base_url("s")}/responses', timeout=TIMEOUT_S, json={'model': 'm', 'input': [
+            {'role': 'user', 'content': 'x'}, {'type': 'function_call_output', 'output': '5'}]})
+        assert answer.status_code == 400 and answer.json()['error']['param'] == 'input.1.call_id'
+
+
 def test_what_the_responses_api_cannot_serve_is_said(tmp_path):
     with Gateway(scripted('ok'), tmp_path / 'run') as gw:
         url = f'{gw.base_url("bad")}/responses'

@@ -96,6 +96,48 @@ def test_run_config_roles_and_policies_are_checked(project, capsys):
     assert "policies: 'default' is the run's own backend" in _error(['run', 'bad.yaml'], capsys)
 
 
+def test_a_policy_no_role_plays_is_refused(project, capsys):
+    """A ``policies:`` entry no role plays was never built: the run went on with every role on its
+    other policies (a two-policy game without its ``roles:`` played by one policy), exit 0."""
+    config = (project / 'run.yaml').read_text()
+    (project / 'bad.yaml').write_text(config.replace('policies:', 'policies:\n  b: {backend: scripted}'))
+    err = _error(['run', 'bad.yaml'], capsys)
+    assert "bad.yaml:5: policies.b: no role plays policy 'b' (the roles play: assistant: default, user: user_sim, " in err
+    assert not (project / 'out').exists()
+    (project / 'bad.yaml').write_text(config.replace('policies:', 'policies:\n  b: {backend: scripted}')
+                                      + 'roles:\n  judge: {policy: b}\n')
+    assert "policies.judge: no role plays policy 'judge'" in _error(['run', 'bad.yaml'], capsys)
+
+
+def test_a_task_without_the_field_its_reward_reads_fails_by_name(project, capsys):
+    """The example's reward read ``order_id`` with ``.get``: a task row without it scored every
+    assistant 0 for its outcome (the refund never matched ``#None``), complete, exit 0."""
+    rows = [json.loads(line) for line in (project / 'tau_tasks.jsonl').read_text().splitlines()]
+    (project / 'tau_tasks.jsonl').write_text(''.join(json.dumps({k: v for k, v in row.items() if k != 'order_id'}) + '\n'
+                                                     for row in rows))
+    assert main(['run', 'run.yaml', '-q']) == 1
+    failures = [line['rollout_infos']['mtflow_error'] for line in map(json.loads, open(project / 'out' / 'trajectories.jsonl'))]
+    assert len(failures) == 6 and {(f['type'], f['message']) for f in failures} == {('KeyError', "'order_id'")}
+
+
+def test_a_judge_judging_itself_is_refused_naming_the_roles_it_can_score(project, capsys):
+    """The refusal listed the judge among the roles it could score."""
+    path = project / 'tau_retail.yaml'
+    path.write_text(path.read_text().replace('judges: [assistant]', 'judges: [judge]'))
+    assert main(['validate', 'tau_retail.yaml']) == 1
+    assert "judge.judges: ['judge'] are not roles the judge can score (the roles but the judge itself: assistant, " \
+           "user)" in capsys.readouterr().out
+
+
+def test_a_run_configs_role_sampling_mistake_is_named_at_its_own_line(project, capsys):
+    """It was reported at the episode file's role (tau_retail.yaml:9), which has no sampling."""
+    config = (project / 'run.yaml').read_text()
+    (project / 'bad.yaml').write_text(config + 'roles:\n  user: {sampling: {temprature: 1.0}}\n')
+    err = _error(['run', 'bad.yaml'], capsys)
+    assert "bad.yaml:11: roles.user: role 'user': sampling: unknown key 'temprature'; did you mean 'temperature'?" in err
+    assert 'tau_retail.yaml' not in err
+
+
 def test_episode_file_problems_name_file_line_and_field(project, capsys):
     (project / 'game.yaml').write_text(textwrap.dedent('''\
         roles:

@@ -61,3 +61,17 @@ def test_the_loop_steps_each_policy_on_its_own_samples():
         assert any(not torch.equal(a, b) for a, b in zip(before[pid], model.parameters()))
     with pytest.raises(ValueError, match='optimizer must map the same policy ids'):
         reference_loop(executor, models, {'a': None}, [batch(2)], row_len=256)
+
+
+def test_a_trained_policy_the_models_do_not_map_is_refused_and_one_model_skips_untrained_roles():
+    """A trained role's policy missing from ``model`` was dropped without a word (that policy never
+    trained); one model (not a dict) was stepped on the untrained roles' trajectories too."""
+    models, _, executor, batch = setup()
+    with pytest.raises(ValueError, match=r"trained roles play policies \['b'\], which model does not map"):
+        reference_loop(executor, {'a': models['a']}, {'a': torch.optim.Adam(models['a'].parameters(), lr=1e-2)},
+                       [batch(0)], row_len=256)
+    models, _, executor, batch = setup(train_listener=False)
+    seen = []
+    reference_loop(executor, models['a'], torch.optim.Adam(models['a'].parameters(), lr=1e-2), [batch(1)],
+                   row_len=256, on_batch=lambda batch, rows, samples: seen.append({s.role for s in samples}))
+    assert seen == [{'speaker'}]

@@ -31,6 +31,18 @@ def call_name(call_id: str) -> str:
     return head if sep and tail.strip().isdigit() else name
 
 
+def thinking_closed_at_section(text: str) -> str:
+    """``text`` with a ``<think>`` block that a tool-call section ends (Kimi-K2-Thinking writes no
+    ``</think>`` before its calls) closed there, so that stripping the thinking keeps the calls
+    (as :class:`~mtflow.declarative.reasoning.KimiThinking` splits it)."""
+    opening = text.find('<think>')
+    section = text.find(SECTION_BEGIN, opening + 1) if opening >= 0 else -1
+    closing = text.find('</think>', opening + 1) if opening >= 0 else -1
+    if section < 0 or 0 <= closing < section:
+        return text
+    return text[:section] + '</think>' + text[section:]
+
+
 class KimiK2Parser(ToolCallParser):
     """Kimi-K2 calls (``<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{json}
     <|tool_call_end|>``), any number, in one or more ``<|tool_calls_section_begin|>`` sections."""
@@ -40,7 +52,7 @@ class KimiK2Parser(ToolCallParser):
     empty_blocks = (re.compile(re.escape(SECTION_BEGIN) + r'\s*(?:' + re.escape(SECTION_END) + '|$)'), )
 
     def parse(self, text: str) -> List[ToolCall]:
-        text = strip_thinking(text or '')
+        text = strip_thinking(thinking_closed_at_section(text or ''))
         calls: List[ToolCall] = []
         for span in spans(text, CALL_BEGIN, CALL_END):
             body, raw, closed = span.body, span.raw, span.closed
