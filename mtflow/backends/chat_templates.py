@@ -30,6 +30,7 @@ the same function (``docs/declarative.md``, "Templates").
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -37,7 +38,7 @@ from typing import Any, Dict, List, Optional, Union
 from mtflow.backends.base import BackendError
 
 __all__ = ['TemplateSource', 'BUNDLED', 'TEMPLATE_DIR', 'bundled_template', 'looks_like_jinja',
-           'resolve_chat_template', 'template_problems', 'call_form', 'PROBE_MESSAGES', 'PROBE_TOOLS']
+           'resolve_chat_template', 'template_problems', 'foreign_markers', 'call_form', 'PROBE_MESSAGES', 'PROBE_TOOLS']
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / 'data' / 'templates'
 #: bundled templates: name -> file in mtflow/data/templates
@@ -221,6 +222,37 @@ def template_problems(tokenizer: Any, source: Union[None, str, TemplateSource] =
     except Exception as exc:
         problems.append(f'{name}: fails on a shorter conversation (system, user): {_error(exc)}')
     return problems
+
+
+#: what a template's special tokens look like: ``<|im_start|>``, ``<|eot_id|>``, DeepSeek's ``<｜User｜>``
+_SPECIAL_LOOKING = re.compile(r'<\|[^|<>\s]{1,40}\|>|<\uff5c[^\uff5c<>\s]{1,40}\uff5c>')
+
+
+def foreign_markers(tokenizer: Any, source: Union[None, str, TemplateSource] = None) -> List[str]:
+    """The markers that look like special tokens (``<|...|>``, ``<｜...｜>``) which the template
+    ``source`` writes and which are not one token of ``tokenizer``: a template of another model
+    family (Llama 3's ``<|start_header_id|>`` under a ChatML tokenizer) shows every part of the
+    conversation, yet in a format the model never learnt, spelt in pieces of ordinary text."""
+    encode = getattr(tokenizer, 'encode', None)
+    if not callable(encode):  # a server's renderer: its template is its model's own
+        return []
+    source = resolve_chat_template(source)
+    try:
+        text = _render(tokenizer, source.text, PROBE_MESSAGES, True)
+    except Exception:
+        try:
+            text = _render(tokenizer, source.text, _with_string_arguments(PROBE_MESSAGES), True)
+        except Exception:
+            return []  # template_problems says why
+    found = []
+    for marker in dict.fromkeys(_SPECIAL_LOOKING.findall(text)):
+        try:
+            ids = encode(marker, add_special_tokens=False)
+        except TypeError:
+            ids = encode(marker)
+        if len(ids) != 1:
+            found.append(marker)
+    return found
 
 
 def _dropped(name: str, rendered: str, how: str) -> List[str]:

@@ -25,8 +25,8 @@ from typing import Any, List, Optional, Tuple
 
 from mtflow.backends import BackendError, resolve_backend
 from mtflow.backends.base import prepare_chat, reports_of
-from mtflow.backends.chat_templates import (TOKENIZER_OWN, TemplateSource, call_form, resolve_chat_template,
-                                            template_problems)
+from mtflow.backends.chat_templates import (TOKENIZER_OWN, TemplateSource, call_form, foreign_markers,
+                                            resolve_chat_template, template_problems)
 from mtflow.backends.openai_server import chat_mode_strips
 from mtflow.backends.pairing import fit_scheduler, markers_refusal
 from mtflow.backends.models import cached_model_dir, load_tokenizer
@@ -116,6 +116,12 @@ def chat_problems(cfg: RunConfig, setup: ChatSetup, scheduler: Any = None) -> Tu
         problems.append(f'{at}: chat template {setup.source.name} takes tool results only after calls given as '
                         'tool_calls, each answered by a tool message of its own, but the scheduler joins the results of '
                         'a turn into one tool message (observation.one_message_per_call: false): set it true')
+    foreign = foreign_markers(setup.tokenizer, setup.source) if not problems else []
+    if foreign:
+        problems.append(f"{at}: chat template {setup.source.name} writes {', '.join(foreign[:4])}"
+                        f"{', ...' if len(foreign) > 4 else ''}, which the model's tokenizer does not have as tokens "
+                        "(each is spelt in several): it is another model family's template; leave chat_template out "
+                        "for the tokenizer's own, or give one written for this model")
     context, found = _context_problem(cfg, setup, scheduler) if not problems else (None, '')
     problems += [context] if context else []
     shown = setup.source.describe() if setup.source.text is not None or setup.source.name != TOKENIZER_OWN.name \
