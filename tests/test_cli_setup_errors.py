@@ -114,7 +114,7 @@ def test_model_directories_that_are_empty_or_missing_say_so(work, capsys, tmp_pa
     (tmp_path / 'empty').mkdir()
     run = work('backend: hf\ndataset: data.jsonl\nout: out\nscheduler: scheds.py:Echo\n')
     assert main(['run', run, '--model', 'empty', '--no-progress']) == 2
-    assert _one_line(capsys) == (f"mtflow: cannot load model '{tmp_path}/empty': not a transformers model "
+    assert _one_line(capsys) == (f"mtflow: command line: --model: cannot load model '{tmp_path}/empty': not a transformers model "
                                  'directory: it has no config.json (it is empty; expected config.json, the tokenizer files and the '
                                  'weights, as save_pretrained writes them, or a .gguf file)')
     assert main(['run', run, '--model', 'nodir_i27', '--no-progress']) == 2

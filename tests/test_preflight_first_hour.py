@@ -2,8 +2,9 @@
 after a model load and a generation, each now one line naming file, line and key (or the flag),
 found by ``validate`` and by ``mtflow run`` before the backend is built.
 
-Every run here names a scripted ``model`` file that does not exist: had the backend been built,
-the error would be about that file, so an error about the mistake proves it was found first."""
+Every run here names a scripted ``model`` file that is there but holds no JSON: the backend's
+preflight (which finds a script file that is missing) passes it, and building the backend would
+fail on its first line, so an error about the mistake proves it was found first."""
 from __future__ import annotations
 
 import http.server
@@ -51,6 +52,7 @@ def work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv('MTFLOW_DEBUG', raising=False)
     (tmp_path / 'rewards.py').write_text(REWARDS)
+    (tmp_path / 'never_built.jsonl').write_text('not a script: building the backend fails here\n')
     (tmp_path / 'scheds.py').write_text(SCHEDULERS)
     lines = [{'uuid': f'q{i}', 'prompt': f'{i} + 1?', 'answer': str(i + 1)} for i in range(6)]
     (tmp_path / 'data.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
@@ -62,8 +64,8 @@ def work(tmp_path, monkeypatch):
     return write
 
 
-#: a run config over the scripted backend whose script does not exist (see the module docstring)
-BASE = 'backend: scripted\nmodel: no_such_script.jsonl\ndataset: data.jsonl\nout: out\n'
+#: a run config over the scripted backend whose script cannot be read (see the module docstring)
+BASE = 'backend: scripted\nmodel: never_built.jsonl\ndataset: data.jsonl\nout: out\n'
 
 
 def _validate(args, capsys):
@@ -77,7 +79,7 @@ def _run(args, capsys, tmp_path):
     code = main(['run', *args, '--no-progress'])
     err = capsys.readouterr().err
     assert 'Traceback' not in err, err
-    assert 'no_such_script' not in err, 'the backend was built before the mistake was found'
+    assert 'never_built' not in err, 'the backend was built before the mistake was found'
     assert not (tmp_path / 'out').exists(), 'no run directory is written for a run that cannot start'
     return code, err
 

@@ -117,13 +117,14 @@ def test_validate_reports_a_batch_larger_than_the_sessions_allowed(files, capsys
 def test_an_unreachable_url_fails_the_run_before_the_model_loads(files, capsys):
     port = _free_port()  # nothing listens there
     sched = files('sched.yaml', f'name: s\nmax_turns: 3\nenv:\n  openenv: {{url: "http://127.0.0.1:{port}"}}\n')
-    run = files('run.yaml', f'scheduler: {sched}\nbackend: scripted\nmodel: no_such_script.jsonl\n'
+    files('never_built.jsonl', 'not a script: building the backend fails here\n')  # its preflight passes it
+    run = files('run.yaml', f'scheduler: {sched}\nbackend: scripted\nmodel: never_built.jsonl\n'
                             'dataset: data.jsonl\nout: out\n')
     started = time.monotonic()
     assert main(['run', run, '--no-progress']) == 2
     err = capsys.readouterr().err
     assert f'sched.yaml: env.openenv: OpenEnv server http://127.0.0.1:{port} cannot open a session' in err
-    assert 'no_such_script' not in err, 'the backend was never built'
+    assert 'never_built' not in err, 'the backend was never built'
     assert time.monotonic() - started < 15
 
 
@@ -179,10 +180,11 @@ def test_a_url_servers_observation_schema_is_checked_before_the_model_loads(file
     with _url_server() as port:
         sched = files('sched.yaml', f'name: s\nmax_turns: 3\nenv:\n  openenv:\n    url: "http://127.0.0.1:{port}"\n'
                                     '    image_fields: [frame]\n')
-        run = files('run.yaml', f'scheduler: {sched}\nbackend: scripted\nmodel: no_such_script.jsonl\n'
+        files('never_built.jsonl', 'not a script: building the backend fails here\n')  # its preflight passes it
+        run = files('run.yaml', f'scheduler: {sched}\nbackend: scripted\nmodel: never_built.jsonl\n'
                                 'dataset: data.jsonl\nout: out\n')
         assert main(['run', run, '--no-progress']) == 2
         err = capsys.readouterr().err
         assert ("sched.yaml:6: env.openenv.image_fields: image_fields 'frame' is not a field of the server's "
                 'observation schema; it has: prompt') in err, err
-        assert 'no_such_script' not in err, 'the backend was never built'
+        assert 'never_built' not in err, 'the backend was never built'
