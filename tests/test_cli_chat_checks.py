@@ -86,6 +86,19 @@ def test_a_template_that_drops_the_tool_result_is_refused_before_the_first_turn(
     assert refused(capsys, ['validate', path], 1) == line.removeprefix('mtflow: ')
 
 
+
+def test_another_familys_template_is_refused_naming_the_markers_the_tokenizer_lacks(project, models, capsys):
+    """Llama 3's template under a ChatML tokenizer shows every part of the conversation, so the probe
+    passed it, and the run trained on prompts whose header markers were spelt in pieces of text."""
+    path = config(project, models, template='llama3')
+    line = refused(capsys, ['run', path, '--no-progress'], 2)
+    assert line == ("mtflow: run.yaml:8: backend_options.chat_template: chat template llama3 writes "
+                    "<|start_header_id|>, <|end_header_id|>, <|eot_id|>, which the model's tokenizer does not have as "
+                    "tokens (each is spelt in several): it is another model family's template; leave chat_template out "
+                    "for the tokenizer's own, or give one written for this model")
+    assert not (project / 'out').exists()
+    assert refused(capsys, ['validate', path], 1) == line.removeprefix('mtflow: ')
+
 def test_check_tokens_runs_the_same_template_check(project, models, capsys):
     assert main(['check-tokens', '--model', str(models / 'tiny'), '--template', 'no_tool.jinja',
                  '--scenario', 'tool call']) == 1
