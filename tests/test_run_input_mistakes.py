@@ -13,9 +13,10 @@ from mtflow.cli import main
 from tests.helpers import http_server
 
 TOOLS = 'def search(query: str, limit: int = 5) -> str:\n    return query\n'
-#: a run config over the scripted backend whose script does not exist: had the backend been built,
-#: the error would be about that file, so an error about the mistake proves it was found first
-BASE = 'backend: scripted\nmodel: no_such_script.jsonl\ndataset: data.jsonl\nout: out\n'
+#: a run config over the scripted backend whose script is there but holds no JSON: the backend's preflight
+#: (which finds a missing one) passes it, and building the backend would fail on its first line, so an
+#: error about the mistake proves it was found first
+BASE = 'backend: scripted\nmodel: never_built.jsonl\ndataset: data.jsonl\nout: out\n'
 
 
 @pytest.fixture
@@ -23,6 +24,7 @@ def work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv('MTFLOW_DEBUG', raising=False)
     (tmp_path / 'tools.py').write_text(TOOLS)
+    (tmp_path / 'never_built.jsonl').write_text('not a script: building the backend fails here\n')
     (tmp_path / 'data.jsonl').write_text(''.join(json.dumps({'uuid': f'q{i}', 'prompt': f'p{i}'}) + '\n'
                                                  for i in range(3)))
     return tmp_path
@@ -40,7 +42,7 @@ def test_a_tool_whose_parameters_its_function_refuses_stops_the_run_before_the_b
                                      '      type: object\n      properties: {q: {type: string}}\n')
     (work / 'run.yaml').write_text(BASE + 'scheduler: sched.yaml\n')
     code, err = _run(capsys, 'run.yaml')
-    assert code == 2 and len(err) == 2 and not any('no_such_script' in line for line in err)
+    assert code == 2 and len(err) == 2 and not any('never_built' in line for line in err)
     assert f"sched.yaml:7: tools[0].parameters.properties.q: tool 'search': parameter 'q' is declared, but " \
            f"search(query, limit=5) in {work / 'tools.py'}:1 takes no argument 'q'" in err[0]
     assert f"sched.yaml:7: tools[0].parameters.properties: tool 'search': search(query, limit=5) in " \

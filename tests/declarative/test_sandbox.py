@@ -253,7 +253,8 @@ def test_mtflow_run_summary_counts_the_kinds(isolated, tmp_path, monkeypatch, ca
 
 def test_validate_reports_the_isolation_of_a_run_configs_scheduler(capsys, tmp_path, isolated):
     (tmp_path / 'sched.yaml').write_text('name: py\ntools:\n  - name: python\n')
-    (tmp_path / 'run.yaml').write_text('scheduler: sched.yaml\nbackend: scripted\nmodel: none.jsonl\n')
+    (tmp_path / 'run.yaml').write_text('scheduler: sched.yaml\nbackend: scripted\nmodel: script.jsonl\n')
+    (tmp_path / 'script.jsonl').write_text('')  # there (the scripted backend's preflight looks)
     assert cli(['validate', str(tmp_path / 'run.yaml')]) == 0
     out = capsys.readouterr().out
     assert f'{tmp_path / "sched.yaml"}: tools[0] (python): isolation ' in out and 'every call is refused' not in out
